@@ -1,0 +1,73 @@
+//! Reading the cluster, model and profile files, with errors that name the file, the field
+//! and the fix.
+
+use std::path::Path;
+
+use motley_solver::{model, ClusterSpec, ModelSpec, ProfileSet, SolverError};
+
+/// A problem with what the user gave us: printed on one line, exit code 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct InputError(pub String);
+
+fn read(path: &Path, what: &str) -> Result<String, InputError> {
+    std::fs::read_to_string(path).map_err(|e| InputError(format!("{}: cannot read {what} file: {e}", path.display())))
+}
+
+/// Parse YAML (JSON is YAML too) into `T`, reporting the path of the field that failed.
+pub fn parse_yaml<T: serde::de::DeserializeOwned>(text: &str, origin: &str) -> Result<T, InputError> {
+    let de = serde_norway::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        let hint = if inner.contains("missing field") {
+            "; add it"
+        } else if inner.contains("unknown field") {
+            "; remove it or fix its spelling"
+        } else {
+            ""
+        };
+        if path == "." || path.is_empty() {
+            InputError(format!("{origin}: {inner}{hint}"))
+        } else {
+            InputError(format!("{origin}: {path}: {inner}{hint}"))
+        }
+    })
+}
+
+/// Attach the file name to a validation error of the solver.
+pub fn in_file(origin: &str, e: SolverError) -> InputError {
+    InputError(format!("{origin}: {e}"))
+}
+
+pub fn load_cluster(path: &Path) -> Result<motley_solver::Cluster, InputError> {
+    let origin = path.display().to_string();
+    let spec: ClusterSpec = parse_yaml(&read(path, "cluster")?, &origin)?;
+    motley_solver::Cluster::from_spec(&spec).map_err(|e| in_file(&origin, e))
+}
+
+/// `--model` is a catalog name or a YAML file.
+pub fn load_model(name_or_file: &str, seq_len: Option<u64>) -> Result<motley_solver::Model, InputError> {
+    let path = Path::new(name_or_file);
+    let (spec, origin) = if let Some(m) = model::model_by_name(name_or_file) {
+        (m, format!("model {name_or_file}"))
+    } else if path.exists() {
+        let origin = path.display().to_string();
+        (parse_yaml::<ModelSpec>(&read(path, "model")?, &origin)?, origin)
+    } else {
+        let known: Vec<String> = model::model_catalog().into_iter().map(|m| m.name).collect();
+        return Err(InputError(format!(
+            "--model: '{name_or_file}' is neither a built-in model ({}) nor a readable file; pass one of those names or a path to a model YAML",
+            known.join(", ")
+        )));
+    };
+    motley_solver::Model::new(spec, seq_len).map_err(|e| in_file(&origin, e))
+}
+
+pub fn load_profiles(path: Option<&Path>) -> Result<ProfileSet, InputError> {
+    let Some(path) = path else { return Ok(ProfileSet::default()) };
+    let origin = path.display().to_string();
+    let set: ProfileSet = parse_yaml(&read(path, "profile")?, &origin)?;
+    set.validate().map_err(|e| in_file(&origin, e))?;
+    Ok(set)
+}

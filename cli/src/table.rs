@@ -1,0 +1,112 @@
+//! The human-readable rendering of a plan.
+
+use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
+use motley_solver::PlanReport;
+
+pub fn render(r: &PlanReport, compare: bool) -> String {
+    let mut out = String::new();
+    let proof = if r.search.proven_optimal {
+        "optimal in its space"
+    } else {
+        "best found"
+    };
+    out.push_str(&format!(
+        "Plan for {} on {}: {} of {} GPUs, {} replica(s); search {} ({}, {} plans costed)\n",
+        r.model,
+        r.cluster,
+        r.gpus_used,
+        r.gpus_total,
+        r.replicas.len(),
+        r.search.mode,
+        proof,
+        r.search.plans_costed
+    ));
+    out.push_str(&format!(
+        "iteration {:.3} s | {:.0} tokens/s | {:.1}% of cluster peak FLOPS | global batch {} | micro-batch {} | seq {}\n",
+        r.iteration_time_s,
+        r.tokens_per_s,
+        r.peak_utilization * 100.0,
+        r.global_batch,
+        r.micro_batch,
+        r.seq_len
+    ));
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header(vec![
+        "replica",
+        "samples",
+        "stage",
+        "layers",
+        "gpu",
+        "tp",
+        "dp",
+        "gpus",
+        "memory GiB",
+        "time s",
+    ]);
+    for (ri, rep) in r.replicas.iter().enumerate() {
+        for (si, s) in rep.stages.iter().enumerate() {
+            let first = si == 0;
+            t.add_row(vec![
+                Cell::new(if first { ri.to_string() } else { String::new() }),
+                Cell::new(if first { rep.samples.to_string() } else { String::new() }).set_alignment(CellAlignment::Right),
+                Cell::new(si),
+                Cell::new(format!("{}-{}", s.layers[0], s.layers[1])),
+                Cell::new(&s.gpu),
+                Cell::new(s.tp),
+                Cell::new(s.dp),
+                Cell::new(compact_gpus(&s.gpus)),
+                Cell::new(format!("{:.1} / {:.1}", s.memory_gib_per_gpu, s.memory_capacity_gib)).set_alignment(CellAlignment::Right),
+                Cell::new(if first {
+                    format!("{:.3}", rep.iteration_time_s)
+                } else {
+                    String::new()
+                }),
+            ]);
+        }
+    }
+    out.push_str(&t.to_string());
+    out.push('\n');
+    if compare {
+        out.push_str("Baselines under the same cost model:\n");
+        for (name, b) in &r.baselines {
+            match (b.iteration_time_s, b.speedup) {
+                (Some(bt), Some(sp)) => out.push_str(&format!(
+                    "  {name:<9} {bt:.3} s/iteration ({} replicas x {} stages, tp {}, micro-batch {}); motley is {sp:.2}x faster\n",
+                    b.replicas.unwrap_or(0),
+                    b.stages_per_replica.unwrap_or(0),
+                    b.tp.unwrap_or(0),
+                    b.micro_batch.unwrap_or(0)
+                )),
+                _ => out.push_str(&format!("  {name:<9} no plan of this baseline fits in memory\n")),
+            }
+        }
+    }
+    out
+}
+
+/// `a100-0:0-3,a100-1:0-3`: node then GPU index ranges.
+fn compact_gpus(gpus: &[motley_solver::plan::GpuId]) -> String {
+    let mut parts: Vec<String> = vec![];
+    let mut i = 0;
+    while i < gpus.len() {
+        let node = &gpus[i].node;
+        let mut j = i;
+        let mut ranges: Vec<(u32, u32)> = vec![];
+        while j < gpus.len() && &gpus[j].node == node {
+            let x = gpus[j].index;
+            match ranges.last_mut() {
+                Some(r) if r.1 + 1 == x => r.1 = x,
+                _ => ranges.push((x, x)),
+            }
+            j += 1;
+        }
+        let rs: Vec<String> = ranges
+            .iter()
+            .map(|&(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") })
+            .collect();
+        parts.push(format!("{node}:{}", rs.join(",")));
+        i = j;
+    }
+    parts.join(" ")
+}

@@ -1,0 +1,131 @@
+//! The planners Motley is compared with, priced by the same cost model.
+//!
+//! * `megatron`: Megatron-LM's symmetric 3D parallelism. Every replica has `pp` stages of one
+//!   `tp` group each and the same share of the batch; layers are split equally (`pp` must
+//!   divide the layer count); GPUs are taken in node order with Megatron's rank order (tp
+//!   fastest, then dp, then pp), so a stage gets whatever GPU type sits at its ranks.
+//! * `whale`: Whale's heterogeneity-aware data parallelism on the same grid: each replica's
+//!   share of the batch is proportional to its GPUs' peak FLOPS, and each stage's share of
+//!   the layers is proportional to its GPU memory.
+//!
+//! Each baseline is the best such plan over tp, pp and micro-batch size.
+
+use crate::cost::{CostModel, StageKind};
+use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Baseline {
+    Megatron,
+    Whale,
+}
+
+/// Best plan of a baseline and its iteration time, if any of its plans fits.
+pub fn best_baseline(cm: &CostModel, which: Baseline) -> Option<(f64, PlanStructure)> {
+    let cluster = cm.cluster;
+    let l = cm.model.layers();
+    let total = cluster.total_gpus();
+    let mut best: Option<(f64, PlanStructure)> = None;
+    let max_gpn = cluster.nodes.iter().map(|n| n.gpus).max().unwrap_or(1);
+    for tp in (0..8).map(|i| 1u32 << i).filter(|&t| t <= max_gpn && cm.model.spec.heads % t == 0) {
+        if cm.opts.tp.is_some_and(|t| t != tp) {
+            continue;
+        }
+        // TP groups in node order; a node whose GPU count tp does not divide leaves a remainder idle.
+        let groups: Vec<usize> = cluster
+            .nodes
+            .iter()
+            .flat_map(|n| std::iter::repeat_n(n.class, (n.gpus / tp) as usize))
+            .collect();
+        for pp in 1..=l.min(total / tp) {
+            if which == Baseline::Megatron && l % pp != 0 {
+                continue;
+            }
+            let max_r = groups.len() as u32 / pp;
+            for b in [1u32, 2, 4, 8] {
+                if cm.opts.micro_batch.is_some_and(|m| m != b) || cm.opts.global_batch % b != 0 {
+                    continue;
+                }
+                let n = cm.opts.global_batch / b;
+                let r = match which {
+                    Baseline::Megatron => (1..=max_r.min(n)).rev().find(|r| n % r == 0),
+                    Baseline::Whale => Some(max_r.min(n)).filter(|&r| r > 0),
+                };
+                let Some(r) = r else { continue };
+                let plan = grid_plan(cm, which, &groups, tp, pp, r, b);
+                if cm.check_structure(&plan).is_err() {
+                    continue;
+                }
+                let e = cm.evaluate(&plan);
+                if e.fits && best.as_ref().is_none_or(|x| e.iteration_time < x.0) {
+                    best = Some((e.iteration_time, plan));
+                }
+            }
+        }
+    }
+    best
+}
+
+fn grid_plan(cm: &CostModel, which: Baseline, groups: &[usize], tp: u32, pp: u32, r: u32, b: u32) -> PlanStructure {
+    let l = cm.model.layers();
+    let n = cm.opts.global_batch / b;
+    let class_of = |rep: u32, stage: u32| groups[(stage * r + rep) as usize];
+    let weights = |f: &dyn Fn(usize) -> f64, rep: u32| -> Vec<f64> { (0..pp).map(|s| f(class_of(rep, s))).collect() };
+    let mem = |c: usize| cm.cluster.classes[c].gpu.memory_gib;
+    let flops = |c: usize| cm.cluster.classes[c].gpu.tflops;
+    let shares: Vec<u32> = match which {
+        Baseline::Megatron => vec![n / r; r as usize],
+        Baseline::Whale => {
+            let speed: Vec<f64> = (0..r).map(|rep| weights(&flops, rep).iter().sum()).collect();
+            proportional(n, &speed)
+        }
+    };
+    let replicas = (0..r)
+        .map(|rep| {
+            let layers: Vec<u32> = match which {
+                Baseline::Megatron => vec![l / pp; pp as usize],
+                Baseline::Whale => proportional(l, &weights(&mem, rep)),
+            };
+            let mut start = 0;
+            let stages = (0..pp)
+                .map(|s| {
+                    let n = layers[s as usize];
+                    start += n;
+                    StagePlan {
+                        kind: StageKind {
+                            class: class_of(rep, s),
+                            tp,
+                            dp: 1,
+                        },
+                        layers: (start - n, start),
+                    }
+                })
+                .collect();
+            ReplicaPlan {
+                stages,
+                micro_batches: shares[rep as usize],
+            }
+        })
+        .collect();
+    PlanStructure { micro_batch: b, replicas }
+}
+
+/// Split `total` into parts proportional to `w`, each at least 1 (largest remainder).
+pub fn proportional(total: u32, w: &[f64]) -> Vec<u32> {
+    let k = w.len() as u32;
+    assert!(k > 0 && total >= k);
+    let sum: f64 = w.iter().sum();
+    let free = (total - k) as f64;
+    let exact: Vec<f64> = w.iter().map(|x| free * x / sum).collect();
+    let mut parts: Vec<u32> = exact.iter().map(|x| x.floor() as u32 + 1).collect();
+    let mut left = total - parts.iter().sum::<u32>();
+    let mut order: Vec<usize> = (0..w.len()).collect();
+    order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())));
+    for &i in order.iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        parts[i] += 1;
+        left -= 1;
+    }
+    parts
+}

@@ -1,0 +1,325 @@
+//! Motley's cost model: one training iteration of a plan, and the memory of every GPU.
+//! The formulas are stated in `solver/README.md`; this file implements them.
+
+use crate::hardware::Cluster;
+use crate::model::Model;
+use crate::profile::ProfileSet;
+
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+/// Planner knobs that are not part of the cluster or the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanOptions {
+    /// Sequences per iteration.
+    pub global_batch: u32,
+    /// Sequences per micro-batch of a pipeline; None lets the planner choose.
+    pub micro_batch: Option<u32>,
+    /// Fraction of peak tensor FLOPS a transformer layer reaches (roofline estimate).
+    pub efficiency: f64,
+    /// Full activation recomputation.
+    pub recompute: bool,
+    /// Shard optimizer states over a stage's data-parallel GPUs (ZeRO-1).
+    pub zero1: bool,
+    /// Memory kept free on every GPU for the CUDA context, NCCL buffers and fragmentation.
+    pub reserve_gib: f64,
+    /// Longest pipeline the search considers (0 = automatic).
+    pub max_stages: u32,
+    /// Restrict the search to one tensor-parallel degree.
+    pub tp: Option<u32>,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            global_batch: 256,
+            micro_batch: None,
+            efficiency: 0.5,
+            recompute: false,
+            zero1: false,
+            reserve_gib: 1.5,
+            max_stages: 0,
+            tp: None,
+        }
+    }
+}
+
+/// A stage as the cost model sees it: where it runs and how it splits its work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StageKind {
+    pub class: usize,
+    pub tp: u32,
+    pub dp: u32,
+}
+
+/// Per-layer numbers of one stage kind at one micro-batch size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerCost {
+    /// Seconds per layer per micro-batch, TP all-reduces included.
+    pub fwd: f64,
+    pub bwd: f64,
+    /// Extra forward+backward seconds when the stage holds the embedding / the output head.
+    pub embed_time: f64,
+    pub head_time: f64,
+    /// Bytes per GPU: weights+grads+optimizer of one layer, activations of one layer per
+    /// in-flight micro-batch, and the extras of the first / last stage.
+    pub layer_state: f64,
+    pub layer_act: f64,
+    pub embed_state: f64,
+    pub head_state: f64,
+    pub head_act: f64,
+    pub capacity: f64,
+    /// Parameters of one layer per GPU (for the optimizer step).
+    pub layer_params_gpu: f64,
+    pub embed_params_gpu: f64,
+    pub mem_bw: f64,
+}
+
+/// What the iteration time of a replica depends on outside the replica itself: how many
+/// replicas share each gradient ring, and the slowest link those rings cross.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SyncContext {
+    pub replicas: u32,
+    /// GB/s of the slowest link a cross-replica gradient ring crosses.
+    pub ring_bw: f64,
+    /// True when that link is inside one node (the NIC is not shared by TP shards).
+    pub ring_intra: bool,
+}
+
+pub struct CostModel<'a> {
+    pub cluster: &'a Cluster,
+    pub model: &'a Model,
+    pub profiles: &'a ProfileSet,
+    pub opts: &'a PlanOptions,
+}
+
+/// The time terms of one replica under a layer split.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReplicaTime {
+    /// One micro-batch through the whole pipeline (stage times plus p2p hops).
+    pub latency: f64,
+    /// Slowest stage or hop: the 1F1B steady-state period.
+    pub period: f64,
+    /// Gradient sync not hidden behind earlier stages' backward passes (Espresso eq. 9).
+    pub exposed_sync: f64,
+    pub optimizer: f64,
+}
+
+impl ReplicaTime {
+    pub fn total(&self, micro_batches: u32) -> f64 {
+        self.latency + (micro_batches.saturating_sub(1)) as f64 * self.period + self.exposed_sync + self.optimizer
+    }
+}
+
+impl<'a> CostModel<'a> {
+    pub fn layer_cost(&self, k: StageKind, micro_batch: u32) -> LayerCost {
+        let class = &self.cluster.classes[k.class];
+        let gpu = &class.gpu;
+        let t = k.tp as f64;
+        let m = micro_batch as f64 / k.dp as f64; // sequences per GPU
+        let s = self.model.seq_len as f64;
+        let h = self.model.hidden();
+        let v = self.model.spec.vocab as f64;
+        let peak = gpu.tflops * 1e12 * self.opts.efficiency;
+        let mem_bw = gpu.mem_bw_gbps * 1e9;
+        let intra = self.cluster.intra_bw(k.class) * 1e9;
+        // Two all-reduces of the layer's activations forward, two backward (Megatron TP).
+        let tp_allreduce = if k.tp > 1 {
+            2.0 * (t - 1.0) / t * m * s * h * 2.0 / intra
+        } else {
+            0.0
+        };
+        let profiled = self.profiles.lookup(&gpu.name, k.tp, m.round() as u32).filter(|_| m.fract() == 0.0);
+        let (fwd, bwd) = match profiled {
+            Some(p) => (p.fwd_ms / 1e3, p.bwd_ms / 1e3),
+            None => {
+                let compute = m * self.model.layer_fwd_flops / t / peak;
+                let bytes = 2.0 * self.model.layer_params / t + 34.0 * m * s * h / t;
+                let fwd = compute.max(bytes / mem_bw) + 2.0 * tp_allreduce;
+                (fwd, 2.0 * (fwd - 2.0 * tp_allreduce) + 2.0 * tp_allreduce)
+            }
+        };
+        let bwd = if self.opts.recompute { bwd + fwd } else { bwd };
+        let head_fwd = m * self.model.head_fwd_flops / t / peak;
+        let embed_bytes = m * s * h * 2.0;
+        let opt_bytes_per_param = if self.opts.zero1 { 4.0 + 12.0 / k.dp as f64 } else { 16.0 };
+        let layer_params_gpu = self.model.layer_params / t;
+        let embed_params_gpu = self.model.embed_params / t;
+        let layer_act = match profiled.and_then(|p| p.act_mib) {
+            Some(mib) => mib * 1024.0 * 1024.0,
+            None if self.opts.recompute => 2.0 * s * m * h,
+            // Flash attention, no sequence parallelism (Korthikanti et al. 2022, eq. 2 without
+            // the s^2 term): 10 bytes per token-hidden replicated, 24 split by tp.
+            None => s * m * h * (10.0 + 24.0 / t),
+        };
+        LayerCost {
+            fwd,
+            bwd,
+            embed_time: 3.0 * embed_bytes / mem_bw,
+            head_time: 3.0 * head_fwd,
+            layer_state: layer_params_gpu * opt_bytes_per_param,
+            layer_act,
+            embed_state: embed_params_gpu * opt_bytes_per_param,
+            head_state: embed_params_gpu * opt_bytes_per_param,
+            // fp16 logits plus fp32 softmax of the micro-batch, split by tp.
+            head_act: 6.0 * s * m * v / t,
+            capacity: (gpu.memory_gib - self.opts.reserve_gib) * GIB,
+            layer_params_gpu,
+            embed_params_gpu,
+            mem_bw,
+        }
+    }
+
+    /// Bytes one GPU of a stage needs, holding `n` layers with `inflight` micro-batches.
+    pub fn stage_memory(c: &LayerCost, n: u32, first: bool, last: bool, inflight: u32, recompute: bool) -> f64 {
+        let n = n as f64;
+        let mut bytes = n * c.layer_state;
+        let live_act = if recompute {
+            // Checkpointed inputs of every in-flight micro-batch, plus one layer recomputed.
+            n * c.layer_act * inflight as f64 + c.layer_act * 17.0
+        } else {
+            n * c.layer_act * inflight as f64
+        };
+        bytes += live_act;
+        if first {
+            bytes += c.embed_state;
+        }
+        if last {
+            bytes += c.head_state + c.head_act;
+        }
+        bytes
+    }
+
+    /// Seconds of one micro-batch through `n` layers of a stage, forward and backward.
+    pub fn stage_time(c: &LayerCost, n: u32, first: bool, last: bool) -> (f64, f64) {
+        let mut f = n as f64 * c.fwd;
+        let mut b = n as f64 * c.bwd;
+        if first {
+            f += c.embed_time / 3.0;
+            b += c.embed_time * 2.0 / 3.0;
+        }
+        if last {
+            f += c.head_time / 3.0;
+            b += c.head_time * 2.0 / 3.0;
+        }
+        (f, b)
+    }
+
+    /// Seconds to send one micro-batch's activations forward and their gradients back.
+    pub fn p2p_time(&self, a: StageKind, b: StageKind, micro_batch: u32) -> f64 {
+        let bytes = micro_batch as f64 * self.model.seq_len as f64 * self.model.hidden() * 2.0;
+        let gpn = self.cluster.classes[a.class].gpus_per_node;
+        let bw = if a.class == b.class && (a.dp * a.tp + b.dp * b.tp) <= gpn {
+            self.cluster.intra_bw(a.class)
+        } else {
+            self.cluster.inter_bw(a.class, b.class)
+        };
+        2.0 * bytes / (bw * 1e9)
+    }
+
+    /// Seconds of the gradient all-reduce of `params` parameters held by a stage of kind `k`.
+    pub fn sync_time(&self, ctx: &SyncContext, k: StageKind, params: f64) -> f64 {
+        let n = (ctx.replicas - 1 + k.dp) as f64;
+        if n <= 1.0 {
+            return 0.0;
+        }
+        let grad_bytes = 2.0 * params; // fp16 gradients, whole layer: tp shard rings run side by side
+        let (bw, shards_share_link) = if ctx.replicas == 1 {
+            let class = &self.cluster.classes[k.class];
+            if k.dp * k.tp <= class.gpus_per_node {
+                (self.cluster.intra_bw(k.class), false)
+            } else {
+                (self.cluster.inter_bw(k.class, k.class), true)
+            }
+        } else {
+            (ctx.ring_bw, !ctx.ring_intra)
+        };
+        let bytes_on_link = if shards_share_link { grad_bytes } else { grad_bytes / k.tp as f64 };
+        2.0 * (n - 1.0) / n * bytes_on_link / (bw * 1e9)
+    }
+
+    /// Time terms of a replica with stage kinds `kinds`, `layers[i]` layers on stage i.
+    pub fn replica_time(
+        &self,
+        ctx: &SyncContext,
+        kinds: &[StageKind],
+        costs: &[LayerCost],
+        layers: &[u32],
+        micro_batch: u32,
+    ) -> ReplicaTime {
+        let p = kinds.len();
+        let mut latency = 0.0;
+        let mut period: f64 = 0.0;
+        let mut pre_bwd = 0.0;
+        let mut exposed: f64 = 0.0;
+        let mut optimizer: f64 = 0.0;
+        for i in 0..p {
+            let (first, last) = (i == 0, i + 1 == p);
+            let (f, b) = Self::stage_time(&costs[i], layers[i], first, last);
+            latency += f + b;
+            period = period.max(f + b);
+            if i + 1 < p {
+                let hop = self.p2p_time(kinds[i], kinds[i + 1], micro_batch);
+                latency += hop;
+                period = period.max(hop);
+            }
+            let mut params = layers[i] as f64 * self.model.layer_params;
+            let mut params_gpu = layers[i] as f64 * costs[i].layer_params_gpu;
+            if first {
+                params += self.model.embed_params;
+                params_gpu += costs[i].embed_params_gpu;
+            }
+            if last {
+                params += self.model.embed_params;
+                params_gpu += costs[i].embed_params_gpu;
+            }
+            exposed = exposed.max(self.sync_time(ctx, kinds[i], params) - pre_bwd);
+            pre_bwd += b;
+            // Adam reads and writes ~28 bytes per parameter (fp32 master, m, v; fp16 w, g).
+            let per_param = if self.opts.zero1 { 4.0 + 24.0 / kinds[i].dp as f64 } else { 28.0 };
+            optimizer = optimizer.max(params_gpu * per_param / costs[i].mem_bw);
+        }
+        ReplicaTime {
+            latency,
+            period,
+            exposed_sync: exposed.max(0.0),
+            optimizer,
+        }
+    }
+
+    /// Peak bytes per GPU of every stage; `max_inflight` caps the micro-batches in flight.
+    pub fn replica_memory(&self, costs: &[LayerCost], layers: &[u32], max_inflight: u32) -> Vec<f64> {
+        let p = costs.len();
+        (0..p)
+            .map(|i| {
+                let inflight = ((p - i) as u32).min(max_inflight.max(1));
+                Self::stage_memory(&costs[i], layers[i], i == 0, i + 1 == p, inflight, self.opts.recompute)
+            })
+            .collect()
+    }
+
+    /// The sync context of a plan that uses `gpus[c]` GPUs of class c in `replicas` replicas.
+    pub fn sync_context(&self, replicas: u32, gpus: &[u32]) -> SyncContext {
+        let used: Vec<usize> = (0..gpus.len()).filter(|&c| gpus[c] > 0).collect();
+        if used.len() == 1 && gpus[used[0]] <= self.cluster.classes[used[0]].gpus_per_node {
+            return SyncContext {
+                replicas,
+                ring_bw: self.cluster.intra_bw(used[0]),
+                ring_intra: true,
+            };
+        }
+        let mut bw = f64::INFINITY;
+        for (i, &a) in used.iter().enumerate() {
+            if gpus[a] > self.cluster.classes[a].gpus_per_node {
+                bw = bw.min(self.cluster.inter_bw(a, a));
+            }
+            for &b in &used[i + 1..] {
+                bw = bw.min(self.cluster.inter_bw(a, b));
+            }
+        }
+        SyncContext {
+            replicas,
+            ring_bw: bw,
+            ring_intra: false,
+        }
+    }
+}

@@ -1,0 +1,315 @@
+//! GPUs, NICs, nodes and the cluster, with the link bandwidths the cost model prices.
+//!
+//! Units: GPU memory in GiB, compute in dense fp16/bf16 tensor TFLOPS, memory and NVLink
+//! bandwidth in GB/s (bytes), NIC line rates in Gbit/s as vendors print them.
+
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::error::{Result, SolverError};
+
+/// A GPU model as the planner sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuType {
+    pub name: String,
+    pub memory_gib: f64,
+    /// Dense fp16/bf16 tensor-core TFLOPS from the vendor's sheet.
+    pub tflops: f64,
+    /// HBM/GDDR bandwidth, GB/s.
+    pub mem_bw_gbps: f64,
+    /// Aggregate NVLink bandwidth per GPU, GB/s (both directions); 0 when the card has none.
+    #[serde(default)]
+    pub nvlink_gbps: f64,
+}
+
+/// The built-in catalog: vendor datasheet numbers (dense, no sparsity).
+pub fn gpu_catalog() -> Vec<GpuType> {
+    let g = |name: &str, memory_gib: f64, tflops: f64, mem_bw_gbps: f64, nvlink_gbps: f64| GpuType {
+        name: name.to_string(),
+        memory_gib,
+        tflops,
+        mem_bw_gbps,
+        nvlink_gbps,
+    };
+    vec![
+        g("A100-80G", 80.0, 312.0, 2039.0, 600.0),
+        g("A100-40G", 40.0, 312.0, 1555.0, 600.0),
+        g("H100", 80.0, 989.0, 3350.0, 900.0),
+        g("H800", 80.0, 989.0, 3350.0, 400.0),
+        g("H20", 96.0, 148.0, 4000.0, 900.0),
+        g("V100-32G", 32.0, 125.0, 900.0, 300.0),
+        g("V100-16G", 16.0, 125.0, 900.0, 300.0),
+        g("A6000", 48.0, 154.8, 768.0, 0.0),
+        g("A30", 24.0, 165.0, 933.0, 200.0),
+        g("RTX3090", 24.0, 71.0, 936.0, 0.0),
+        g("A4000", 16.0, 76.7, 448.0, 0.0),
+        g("L20", 48.0, 119.5, 864.0, 0.0),
+        g("RTX4090", 24.0, 165.2, 1008.0, 0.0),
+        g("T4", 16.0, 65.0, 320.0, 0.0),
+        g("P100", 16.0, 18.7, 732.0, 0.0),
+    ]
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NicKind {
+    Ib,
+    Roce,
+    Ethernet,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IntraLink {
+    Nvlink,
+    Pcie,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NicSpec {
+    pub name: String,
+    pub kind: NicKind,
+    pub gbps: f64,
+}
+
+/// One `nodes:` entry of the cluster file (the contract of issue 2).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSpec {
+    pub name: String,
+    #[serde(default)]
+    pub count: Option<u32>,
+    pub gpu: String,
+    pub gpus: u32,
+    #[serde(default)]
+    pub intra: Option<IntraLink>,
+    #[serde(default)]
+    pub nics: Vec<NicSpec>,
+    #[serde(default)]
+    pub rdma_domain: Option<String>,
+    #[serde(default)]
+    pub spot: bool,
+    #[serde(default)]
+    pub price_per_gpu_hour: Option<f64>,
+}
+
+/// The cluster file as written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSpec {
+    pub name: String,
+    pub nodes: Vec<NodeSpec>,
+    #[serde(default)]
+    pub gpu_types: Vec<GpuType>,
+}
+
+/// Nodes that are interchangeable for planning: same GPU type and count, same intra-node
+/// link, same NICs and RDMA domain. The search runs over counts of classes, never over
+/// individual GPUs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeClass {
+    pub gpu: GpuType,
+    pub gpus_per_node: u32,
+    pub intra: IntraLink,
+    /// (kind, total Gbit/s over all NICs of that kind)
+    pub nic_gbps: BTreeMap<NicKind, f64>,
+    pub nic_names: BTreeMap<NicKind, Vec<String>>,
+    pub rdma_domain: String,
+    /// Indices into `Cluster::nodes`, in file order.
+    pub nodes: Vec<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    pub name: String,
+    pub class: usize,
+    pub gpus: u32,
+}
+
+/// A validated cluster.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cluster {
+    pub name: String,
+    pub nodes: Vec<Node>,
+    pub classes: Vec<NodeClass>,
+}
+
+/// Effective fraction of a link's nominal rate that collectives reach.
+const NVLINK_EFFICIENCY: f64 = 0.8;
+const NIC_EFFICIENCY: f64 = 0.85;
+/// PCIe 4.0 x16 as seen by NCCL between two GPUs of one node, GB/s.
+const PCIE_GBPS: f64 = 16.0;
+/// Nodes that declare no NIC are assumed to have this much plain Ethernet, Gbit/s.
+pub const DEFAULT_ETHERNET_GBIT: f64 = 10.0;
+
+impl Cluster {
+    /// Validate a cluster file and group its nodes into classes.
+    pub fn from_spec(spec: &ClusterSpec) -> Result<Cluster> {
+        let mut types: BTreeMap<String, GpuType> = gpu_catalog().into_iter().map(|g| (g.name.to_ascii_lowercase(), g)).collect();
+        for (i, g) in spec.gpu_types.iter().enumerate() {
+            let f = |x: &str| format!("gpu_types[{i}].{x}");
+            for (name, v) in [("memory_gib", g.memory_gib), ("tflops", g.tflops), ("mem_bw_gbps", g.mem_bw_gbps)] {
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(SolverError::invalid(f(name), format!("must be a positive number, got {v}")));
+                }
+            }
+            if !(g.nvlink_gbps.is_finite() && g.nvlink_gbps >= 0.0) {
+                return Err(SolverError::invalid(f("nvlink_gbps"), "must be 0 or a positive number"));
+            }
+            types.insert(g.name.to_ascii_lowercase(), g.clone());
+        }
+        if spec.nodes.is_empty() {
+            return Err(SolverError::invalid(
+                "nodes",
+                "the cluster has no nodes; add at least one entry under nodes:",
+            ));
+        }
+        let mut nodes = Vec::new();
+        let mut classes: Vec<NodeClass> = Vec::new();
+        let mut seen = BTreeSet::new();
+        for (i, n) in spec.nodes.iter().enumerate() {
+            let f = |x: &str| format!("nodes[{i}].{x}");
+            if n.name.trim().is_empty() {
+                return Err(SolverError::invalid(f("name"), "must not be empty"));
+            }
+            let gpu = types.get(&n.gpu.to_ascii_lowercase()).cloned().ok_or_else(|| {
+                let known: Vec<String> = gpu_catalog().into_iter().map(|g| g.name).collect();
+                SolverError::invalid(
+                    f("gpu"),
+                    format!(
+                        "unknown GPU type '{}'; use one of {} or declare it under gpu_types",
+                        n.gpu,
+                        known.join(", ")
+                    ),
+                )
+            })?;
+            if n.gpus == 0 {
+                return Err(SolverError::invalid(f("gpus"), "must be at least 1 (zero GPUs in a node)"));
+            }
+            let count = n.count.unwrap_or(1);
+            if count == 0 {
+                return Err(SolverError::invalid(f("count"), "must be at least 1; remove the entry instead"));
+            }
+            let mut nic_gbps = BTreeMap::new();
+            let mut nic_names: BTreeMap<NicKind, Vec<String>> = BTreeMap::new();
+            for (j, nic) in n.nics.iter().enumerate() {
+                if !(nic.gbps.is_finite() && nic.gbps > 0.0) {
+                    return Err(SolverError::invalid(
+                        format!("nodes[{i}].nics[{j}].gbps"),
+                        "must be a positive line rate in Gbit/s",
+                    ));
+                }
+                *nic_gbps.entry(nic.kind).or_insert(0.0) += nic.gbps;
+                nic_names.entry(nic.kind).or_default().push(nic.name.clone());
+            }
+            if !nic_gbps.contains_key(&NicKind::Ethernet) {
+                // IPoIB / management Ethernet always exists in practice; price it conservatively.
+                nic_gbps.insert(NicKind::Ethernet, DEFAULT_ETHERNET_GBIT);
+            }
+            if let Some(p) = n.price_per_gpu_hour {
+                if !(p.is_finite() && p >= 0.0) {
+                    return Err(SolverError::invalid(f("price_per_gpu_hour"), "must be a non-negative number"));
+                }
+            }
+            let intra = n.intra.unwrap_or(if gpu.nvlink_gbps > 0.0 {
+                IntraLink::Nvlink
+            } else {
+                IntraLink::Pcie
+            });
+            if intra == IntraLink::Nvlink && gpu.nvlink_gbps <= 0.0 {
+                return Err(SolverError::invalid(
+                    f("intra"),
+                    format!("{} has no NVLink (nvlink_gbps is 0); use intra: pcie", gpu.name),
+                ));
+            }
+            let class = NodeClass {
+                gpu: gpu.clone(),
+                gpus_per_node: n.gpus,
+                intra,
+                nic_gbps,
+                nic_names,
+                rdma_domain: n.rdma_domain.clone().unwrap_or_else(|| "default".to_string()),
+                nodes: vec![],
+            };
+            let ci = match classes.iter().position(|c| same_class(c, &class)) {
+                Some(ci) => ci,
+                None => {
+                    classes.push(class);
+                    classes.len() - 1
+                }
+            };
+            let names: Vec<String> = if n.count.is_some() {
+                (0..count).map(|k| format!("{}-{k}", n.name)).collect()
+            } else {
+                vec![n.name.clone()]
+            };
+            for name in names {
+                if !seen.insert(name.clone()) {
+                    return Err(SolverError::invalid(
+                        f("name"),
+                        format!("duplicate node name '{name}'; node names (after count expansion) must be unique"),
+                    ));
+                }
+                classes[ci].nodes.push(nodes.len());
+                nodes.push(Node {
+                    name,
+                    class: ci,
+                    gpus: n.gpus,
+                });
+            }
+        }
+        Ok(Cluster {
+            name: spec.name.clone(),
+            nodes,
+            classes,
+        })
+    }
+
+    pub fn total_gpus(&self) -> u32 {
+        self.nodes.iter().map(|n| n.gpus).sum()
+    }
+
+    /// Bandwidth (GB/s) between two GPUs of one node of class `c`.
+    pub fn intra_bw(&self, c: usize) -> f64 {
+        let class = &self.classes[c];
+        match class.intra {
+            IntraLink::Nvlink => class.gpu.nvlink_gbps / 2.0 * NVLINK_EFFICIENCY,
+            IntraLink::Pcie => PCIE_GBPS,
+        }
+    }
+
+    /// Best transport between a node of class `a` and a different node of class `b`:
+    /// RDMA when both sit in one RDMA domain and share an RDMA kind, else Ethernet.
+    pub fn inter_link(&self, a: usize, b: usize) -> (NicKind, f64) {
+        let (ca, cb) = (&self.classes[a], &self.classes[b]);
+        let mut best = (NicKind::Ethernet, 0.0f64);
+        for kind in [NicKind::Ib, NicKind::Roce, NicKind::Ethernet] {
+            if kind != NicKind::Ethernet && ca.rdma_domain != cb.rdma_domain {
+                continue;
+            }
+            if let (Some(x), Some(y)) = (ca.nic_gbps.get(&kind), cb.nic_gbps.get(&kind)) {
+                let gbs = x.min(*y) / 8.0 * NIC_EFFICIENCY;
+                if gbs > best.1 {
+                    best = (kind, gbs);
+                }
+            }
+        }
+        best
+    }
+
+    /// GB/s between two different nodes of classes `a` and `b`.
+    pub fn inter_bw(&self, a: usize, b: usize) -> f64 {
+        self.inter_link(a, b).1
+    }
+}
+
+fn same_class(a: &NodeClass, b: &NodeClass) -> bool {
+    a.gpu == b.gpu
+        && a.gpus_per_node == b.gpus_per_node
+        && a.intra == b.intra
+        && a.nic_gbps == b.nic_gbps
+        && a.nic_names == b.nic_names
+        && a.rdma_domain == b.rdma_domain
+}

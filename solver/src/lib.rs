@@ -1,0 +1,24 @@
+//! Motley's solver: a pure library (no I/O, no async, no clock) that takes a cluster of mixed
+//! GPUs, a transformer model and optional profiles, and returns the fastest 3D-parallel plan
+//! under Motley's cost model. The planning problem, the plan model and the cost model are
+//! stated in `solver/README.md`, which is this crate's documentation.
+#![doc = include_str!("../README.md")]
+
+pub mod baselines;
+pub mod cost;
+pub mod error;
+pub mod hardware;
+pub mod model;
+pub mod oracle;
+pub mod plan;
+pub mod profile;
+pub mod report;
+pub mod search;
+
+pub use cost::{CostModel, PlanOptions};
+pub use error::{Result, SolverError};
+pub use hardware::{Cluster, ClusterSpec};
+pub use model::{Model, ModelSpec};
+pub use profile::ProfileSet;
+pub use report::{plan, PlanReport, PlanRequest};
+pub use search::SearchMode;

@@ -1,0 +1,165 @@
+//! The plan: replicas of pipelines of stages, how it is priced as a whole, and where its GPUs
+//! physically are.
+
+use serde::Serialize;
+
+use crate::cost::{CostModel, LayerCost, StageKind};
+use crate::hardware::Cluster;
+
+/// One pipeline stage: contiguous layers `[start, end)` on `dp` TP groups of `tp` GPUs of
+/// one node class.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StagePlan {
+    pub kind: StageKind,
+    pub layers: (u32, u32),
+}
+
+/// One data-parallel replica: a pipeline and its share of the global batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaPlan {
+    pub stages: Vec<StagePlan>,
+    pub micro_batches: u32,
+}
+
+/// A plan before placement: everything the cost model prices.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanStructure {
+    /// Sequences per micro-batch of every pipeline.
+    pub micro_batch: u32,
+    pub replicas: Vec<ReplicaPlan>,
+}
+
+impl PlanStructure {
+    pub fn total_micro_batches(&self) -> u32 {
+        self.replicas.iter().map(|r| r.micro_batches).sum()
+    }
+
+    /// GPUs of each node class the plan uses.
+    pub fn gpus_per_class(&self, classes: usize) -> Vec<u32> {
+        let mut g = vec![0u32; classes];
+        for r in &self.replicas {
+            for s in &r.stages {
+                g[s.kind.class] += s.kind.dp * s.kind.tp;
+            }
+        }
+        g
+    }
+}
+
+/// The price of a plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Evaluation {
+    pub iteration_time: f64,
+    pub replica_times: Vec<f64>,
+    /// Bytes per GPU, per replica, per stage.
+    pub memory: Vec<Vec<f64>>,
+    /// Usable bytes per GPU, per replica, per stage.
+    pub capacity: Vec<Vec<f64>>,
+    pub fits: bool,
+}
+
+impl<'a> CostModel<'a> {
+    /// Price a whole plan. Structural validity (layers cover the model, batch adds up, GPUs
+    /// exist) is checked by `check_structure`.
+    pub fn evaluate(&self, plan: &PlanStructure) -> Evaluation {
+        let gpus = plan.gpus_per_class(self.cluster.classes.len());
+        let ctx = self.sync_context(plan.replicas.len() as u32, &gpus);
+        let max_inflight = plan.total_micro_batches();
+        let mut out = Evaluation {
+            iteration_time: 0.0,
+            replica_times: vec![],
+            memory: vec![],
+            capacity: vec![],
+            fits: true,
+        };
+        for r in &plan.replicas {
+            let kinds: Vec<StageKind> = r.stages.iter().map(|s| s.kind).collect();
+            let costs: Vec<LayerCost> = kinds.iter().map(|&k| self.layer_cost(k, plan.micro_batch)).collect();
+            let layers: Vec<u32> = r.stages.iter().map(|s| s.layers.1 - s.layers.0).collect();
+            let t = self
+                .replica_time(&ctx, &kinds, &costs, &layers, plan.micro_batch)
+                .total(r.micro_batches);
+            let mem = self.replica_memory(&costs, &layers, max_inflight);
+            let cap: Vec<f64> = costs.iter().map(|c| c.capacity).collect();
+            out.fits &= mem.iter().zip(&cap).all(|(m, c)| m <= c);
+            out.iteration_time = out.iteration_time.max(t);
+            out.replica_times.push(t);
+            out.memory.push(mem);
+            out.capacity.push(cap);
+        }
+        out
+    }
+
+    /// Why a plan is not a plan of this cluster and model, if it is not.
+    pub fn check_structure(&self, plan: &PlanStructure) -> Result<(), String> {
+        if plan.replicas.is_empty() {
+            return Err("a plan needs at least one replica".into());
+        }
+        if plan.micro_batch == 0 || plan.total_micro_batches() * plan.micro_batch != self.opts.global_batch {
+            return Err(format!(
+                "micro-batches x micro-batch size = {} x {} must equal the global batch {}",
+                plan.total_micro_batches(),
+                plan.micro_batch,
+                self.opts.global_batch
+            ));
+        }
+        for (ri, r) in plan.replicas.iter().enumerate() {
+            if r.micro_batches == 0 {
+                return Err(format!("replica {ri} has no micro-batches"));
+            }
+            let mut next = 0;
+            for s in &r.stages {
+                if s.layers.0 != next || s.layers.1 <= s.layers.0 {
+                    return Err(format!("replica {ri}: stage layers must be contiguous and non-empty"));
+                }
+                if plan.micro_batch % s.kind.dp != 0 {
+                    return Err(format!("replica {ri}: stage dp {} does not divide the micro-batch", s.kind.dp));
+                }
+                next = s.layers.1;
+            }
+            if next != self.model.layers() {
+                return Err(format!("replica {ri} covers {next} of {} layers", self.model.layers()));
+            }
+        }
+        if place(self.cluster, plan).is_none() {
+            return Err("the plan needs more GPUs (whole TP groups inside one node) than the cluster has".into());
+        }
+        Ok(())
+    }
+}
+
+/// A GPU: a node name and the GPU's index inside it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GpuId {
+    pub node: String,
+    pub index: u32,
+}
+
+/// Assign physical GPUs: every TP group inside one node, first fit in node order, so that
+/// consecutive stages and a stage's TP groups share nodes wherever they can (the packing the
+/// cost model assumes). Returns, per replica and stage, the GPUs TP group by TP group.
+pub fn place(cluster: &Cluster, plan: &PlanStructure) -> Option<Vec<Vec<Vec<GpuId>>>> {
+    let mut free: Vec<u32> = cluster.nodes.iter().map(|n| n.gpus).collect();
+    let mut out = Vec::with_capacity(plan.replicas.len());
+    for r in &plan.replicas {
+        let mut stages = Vec::with_capacity(r.stages.len());
+        for s in &r.stages {
+            let mut gpus = Vec::new();
+            for _ in 0..s.kind.dp {
+                let class = &cluster.classes[s.kind.class];
+                let node = class.nodes.iter().copied().find(|&n| free[n] >= s.kind.tp)?;
+                let start = cluster.nodes[node].gpus - free[node];
+                for i in 0..s.kind.tp {
+                    gpus.push(GpuId {
+                        node: cluster.nodes[node].name.clone(),
+                        index: start + i,
+                    });
+                }
+                free[node] -= s.kind.tp;
+            }
+            stages.push(gpus);
+        }
+        out.push(stages);
+    }
+    Some(out)
+}

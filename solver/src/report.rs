@@ -1,0 +1,220 @@
+//! What `motley plan` prints: the plan with its placement and prices, and the baselines.
+//! The JSON field names are a contract (issue 2); fields may be added, never renamed.
+
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+use crate::baselines::{best_baseline, Baseline};
+use crate::cost::{CostModel, PlanOptions};
+use crate::error::Result;
+use crate::hardware::Cluster;
+use crate::model::Model;
+use crate::oracle;
+use crate::plan::{place, GpuId, PlanStructure};
+use crate::profile::ProfileSet;
+use crate::search::{search, SearchMode, SearchStats};
+
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StageReport {
+    /// Half-open range of transformer layers.
+    pub layers: [u32; 2],
+    pub gpu: String,
+    pub tp: u32,
+    pub dp: u32,
+    /// TP group by TP group (dp-major).
+    pub gpus: Vec<GpuId>,
+    pub memory_gib_per_gpu: f64,
+    pub memory_capacity_gib: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplicaReport {
+    pub samples: u32,
+    pub micro_batches: u32,
+    pub iteration_time_s: f64,
+    pub stages: Vec<StageReport>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BaselineReport {
+    pub iteration_time_s: Option<f64>,
+    /// Baseline time over Motley's time.
+    pub speedup: Option<f64>,
+    pub replicas: Option<usize>,
+    pub stages_per_replica: Option<usize>,
+    pub tp: Option<u32>,
+    pub micro_batch: Option<u32>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SearchReport {
+    pub mode: String,
+    pub proven_optimal: bool,
+    pub configurations: usize,
+    pub shapes: usize,
+    pub plans_costed: u64,
+    pub exhaustive_oracle: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanReport {
+    pub cluster: String,
+    pub model: String,
+    pub global_batch: u32,
+    pub micro_batch: u32,
+    pub seq_len: u64,
+    pub iteration_time_s: f64,
+    pub tokens_per_s: f64,
+    /// Model FLOPs per second over the peak of every GPU in the cluster.
+    pub peak_utilization: f64,
+    pub gpus_used: u32,
+    pub gpus_total: u32,
+    pub replicas: Vec<ReplicaReport>,
+    pub baselines: BTreeMap<String, BaselineReport>,
+    pub search: SearchReport,
+}
+
+/// Inputs of one planning run.
+pub struct PlanRequest<'a> {
+    pub cluster: &'a Cluster,
+    pub model: &'a Model,
+    pub profiles: &'a ProfileSet,
+    pub opts: &'a PlanOptions,
+    pub mode: SearchMode,
+    pub exhaustive: bool,
+}
+
+/// Plan, compare with the baselines, and lay out the report.
+pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
+    let cm = CostModel {
+        cluster: req.cluster,
+        model: req.model,
+        profiles: req.profiles,
+        opts: req.opts,
+    };
+    let megatron = best_baseline(&cm, Baseline::Megatron);
+    let whale = best_baseline(&cm, Baseline::Whale);
+    let seeds: Vec<PlanStructure> = [&megatron, &whale].iter().filter_map(|b| b.as_ref().map(|x| x.1.clone())).collect();
+    let (structure, t, stats) = if req.exhaustive {
+        let o = oracle::exhaustive(&cm, &seeds)?;
+        let stats = SearchStats {
+            mode: "exhaustive".into(),
+            plans_costed: o.plans_costed,
+            proven_optimal: true,
+            ..Default::default()
+        };
+        (o.plan, o.iteration_time, stats)
+    } else {
+        let s = search(&cm, req.mode, &seeds)?;
+        (s.plan, s.iteration_time, s.stats)
+    };
+    Ok(build_report(
+        &cm,
+        &structure,
+        t,
+        stats,
+        req.exhaustive,
+        [("megatron", megatron), ("whale", whale)],
+    ))
+}
+
+fn build_report(
+    cm: &CostModel,
+    plan: &PlanStructure,
+    t: f64,
+    stats: SearchStats,
+    exhaustive: bool,
+    baselines: [(&str, Option<(f64, PlanStructure)>); 2],
+) -> PlanReport {
+    let eval = cm.evaluate(plan);
+    debug_assert!(
+        (eval.iteration_time - t).abs() <= 1e-9 * t.max(1.0),
+        "search price {t} != evaluation {}",
+        eval.iteration_time
+    );
+    let placement = place(cm.cluster, plan).expect("searched plans fit the cluster");
+    let replicas = plan
+        .replicas
+        .iter()
+        .enumerate()
+        .map(|(ri, r)| ReplicaReport {
+            samples: r.micro_batches * plan.micro_batch,
+            micro_batches: r.micro_batches,
+            iteration_time_s: eval.replica_times[ri],
+            stages: r
+                .stages
+                .iter()
+                .enumerate()
+                .map(|(si, s)| StageReport {
+                    layers: [s.layers.0, s.layers.1],
+                    gpu: cm.cluster.classes[s.kind.class].gpu.name.clone(),
+                    tp: s.kind.tp,
+                    dp: s.kind.dp,
+                    gpus: placement[ri][si].clone(),
+                    memory_gib_per_gpu: round3(eval.memory[ri][si] / GIB),
+                    memory_capacity_gib: round3(eval.capacity[ri][si] / GIB),
+                })
+                .collect(),
+        })
+        .collect();
+    let b = cm.opts.global_batch as f64;
+    let flops = b * 3.0 * (cm.model.layers() as f64 * cm.model.layer_fwd_flops + cm.model.head_fwd_flops);
+    let peak: f64 = cm
+        .cluster
+        .nodes
+        .iter()
+        .map(|n| n.gpus as f64 * cm.cluster.classes[n.class].gpu.tflops * 1e12)
+        .sum();
+    let baselines = baselines
+        .into_iter()
+        .map(|(name, b)| {
+            let rep = match b {
+                Some((bt, bp)) => BaselineReport {
+                    iteration_time_s: Some(bt),
+                    speedup: Some(bt / eval.iteration_time),
+                    replicas: Some(bp.replicas.len()),
+                    stages_per_replica: Some(bp.replicas[0].stages.len()),
+                    tp: Some(bp.replicas[0].stages[0].kind.tp),
+                    micro_batch: Some(bp.micro_batch),
+                },
+                None => BaselineReport {
+                    iteration_time_s: None,
+                    speedup: None,
+                    replicas: None,
+                    stages_per_replica: None,
+                    tp: None,
+                    micro_batch: None,
+                },
+            };
+            (name.to_string(), rep)
+        })
+        .collect();
+    PlanReport {
+        cluster: cm.cluster.name.clone(),
+        model: cm.model.spec.name.clone(),
+        global_batch: cm.opts.global_batch,
+        micro_batch: plan.micro_batch,
+        seq_len: cm.model.seq_len,
+        iteration_time_s: eval.iteration_time,
+        tokens_per_s: b * cm.model.seq_len as f64 / eval.iteration_time,
+        peak_utilization: flops / eval.iteration_time / peak,
+        gpus_used: plan.gpus_per_class(cm.cluster.classes.len()).iter().sum(),
+        gpus_total: cm.cluster.total_gpus(),
+        replicas,
+        baselines,
+        search: SearchReport {
+            mode: stats.mode,
+            proven_optimal: stats.proven_optimal,
+            configurations: stats.configurations,
+            shapes: stats.shapes,
+            plans_costed: stats.plans_costed,
+            exhaustive_oracle: exhaustive,
+        },
+    }
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}

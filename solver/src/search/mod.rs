@@ -1,0 +1,494 @@
+//! The planner's search. The problem and the argument for exactness are in `solver/README.md`;
+//! in short:
+//!
+//! 1. *Configurations*: one tensor-parallel degree `tp` and one micro-batch size `b` per plan
+//!    (TP must be symmetric across replicas, AutoHet Observation 1).
+//! 2. *Shapes* (`shapes.rs`): every replica structure over node classes, with its feasible
+//!    layer splits; GPUs of a class are interchangeable, so shapes count TP groups per class.
+//! 3. *Plans*: a multiset of shapes that fits the cluster, found by depth-first branch and
+//!    bound over shape counts; every candidate plan is priced exactly (its sync context, each
+//!    replica's best layer split for its batch share, the optimal batch split of `alloc.rs`),
+//!    and a subtree is cut when even an optimistic fluid bound cannot beat the incumbent.
+
+pub mod alloc;
+pub mod shapes;
+
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use crate::cost::{CostModel, StageKind};
+use crate::error::{Result, SolverError};
+use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
+use shapes::{best_point, Point, Shape};
+
+/// How hard to search.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SearchMode {
+    /// `Exact` for small clusters, `Fast` otherwise.
+    Auto,
+    /// Every shape, every layer split up to `EXACT_SPLIT_LIMIT`, every plan not cut by a
+    /// valid bound: the optimum of the declared space.
+    Exact,
+    /// Dominated shapes dropped, at most `FAST_SHAPES` per configuration, 0.1% pruning slack.
+    Fast,
+}
+
+const EXACT_SPLIT_LIMIT: u64 = 2000;
+const FAST_SPLIT_LIMIT: u64 = 64;
+const FAST_SHAPES: usize = 40;
+const AUTO_EXACT_MAX_GPUS: u32 = 16;
+
+/// Counters of the work a search did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SearchStats {
+    pub mode: String,
+    pub configurations: usize,
+    pub shapes: usize,
+    pub plans_costed: u64,
+    pub nodes: u64,
+    /// True when no budget cut the search and every shape kept all its layer splits: the
+    /// result is the optimum of the declared space.
+    pub proven_optimal: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Solution {
+    pub plan: PlanStructure,
+    pub iteration_time: f64,
+    pub stats: SearchStats,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Config {
+    tp: u32,
+    micro_batch: u32,
+    micro_batches: u32,
+}
+
+/// Tensor-parallel degrees and micro-batch sizes the search tries.
+fn configurations(cm: &CostModel, mode: SearchMode) -> Vec<Config> {
+    let max_gpn = cm.cluster.classes.iter().map(|c| c.gpus_per_node).max().unwrap_or(1);
+    let heads = cm.model.spec.heads;
+    let tps: Vec<u32> = match cm.opts.tp {
+        Some(t) => vec![t],
+        None => (0..8).map(|i| 1u32 << i).filter(|&t| t <= max_gpn && heads % t == 0).collect(),
+    };
+    let b_max = if mode == SearchMode::Fast { 4 } else { 8 };
+    let bs: Vec<u32> = match cm.opts.micro_batch {
+        Some(b) => vec![b],
+        None => (0..4)
+            .map(|i| 1u32 << i)
+            .filter(|&b| b <= b_max && cm.opts.global_batch % b == 0)
+            .collect(),
+    };
+    let mut out = vec![];
+    for &tp in &tps {
+        for &b in &bs {
+            if cm.opts.global_batch % b == 0 {
+                out.push(Config {
+                    tp,
+                    micro_batch: b,
+                    micro_batches: cm.opts.global_batch / b,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// The (tp, micro-batch) pairs of the exact space, for the oracle.
+pub fn configurations_for_oracle(cm: &CostModel) -> Vec<(u32, u32)> {
+    configurations(cm, SearchMode::Exact)
+        .iter()
+        .map(|c| (c.tp, c.micro_batch))
+        .collect()
+}
+
+/// Longest pipeline worth trying: enough stages for the tightest class to hold the model,
+/// with room to spare, and at least 8.
+pub fn max_stages(cm: &CostModel, tp: u32) -> u32 {
+    if cm.opts.max_stages > 0 {
+        return cm.opts.max_stages.min(cm.model.layers());
+    }
+    let state = cm.model.total_params() * 16.0 / tp as f64;
+    let cap = cm
+        .cluster
+        .classes
+        .iter()
+        .map(|c| (c.gpu.memory_gib - cm.opts.reserve_gib).max(0.1) * 1024f64.powi(3))
+        .fold(f64::INFINITY, f64::min);
+    let need = (state / cap).ceil() as u32 + 2;
+    need.max(8).min(cm.model.layers())
+}
+
+/// Every shape of a configuration: ordered blocks of distinct classes, each block `p`
+/// stages of one dp.
+fn enumerate_shapes(cm: &CostModel, ci: usize, cfg: Config, mode: SearchMode) -> Vec<Shape> {
+    let classes = &cm.cluster.classes;
+    let units: Vec<u32> = classes.iter().map(|c| c.nodes.len() as u32 * (c.gpus_per_node / cfg.tp)).collect();
+    let pmax = max_stages(cm, cfg.tp);
+    let dps: Vec<u32> = (0..4)
+        .map(|i| 1u32 << i)
+        .filter(|&d| d <= cfg.micro_batch && cfg.micro_batch % d == 0)
+        .collect();
+    let split_limit = if mode == SearchMode::Exact {
+        EXACT_SPLIT_LIMIT
+    } else {
+        FAST_SPLIT_LIMIT
+    };
+    let mut blocks_per_class: Vec<Vec<(u32, u32)>> = vec![vec![]; classes.len()];
+    for (c, bl) in blocks_per_class.iter_mut().enumerate() {
+        for &d in &dps {
+            for p in 1..=pmax {
+                if p * d <= units[c] {
+                    bl.push((p, d));
+                }
+            }
+        }
+    }
+    let mut out = vec![];
+    let mut stack: Vec<(usize, u32, u32)> = vec![];
+    fn rec(
+        cm: &CostModel,
+        ci: usize,
+        cfg: Config,
+        pmax: u32,
+        split_limit: u64,
+        blocks: &[Vec<(u32, u32)>],
+        stack: &mut Vec<(usize, u32, u32)>,
+        out: &mut Vec<Shape>,
+    ) {
+        let used: u32 = stack.iter().map(|b| b.1).sum();
+        if !stack.is_empty() {
+            let kinds: Vec<StageKind> = stack
+                .iter()
+                .flat_map(|&(class, p, dp)| (0..p).map(move |_| StageKind { class, tp: cfg.tp, dp }))
+                .collect();
+            if let Some(s) = Shape::build(cm, ci, kinds, cfg.micro_batch, cfg.micro_batches, split_limit) {
+                out.push(s);
+            }
+        }
+        for c in 0..blocks.len() {
+            if stack.iter().any(|b| b.0 == c) {
+                continue;
+            }
+            for &(p, d) in &blocks[c] {
+                if used + p <= pmax {
+                    stack.push((c, p, d));
+                    rec(cm, ci, cfg, pmax, split_limit, blocks, stack, out);
+                    stack.pop();
+                }
+            }
+        }
+    }
+    rec(cm, ci, cfg, pmax, split_limit, &blocks_per_class, &mut stack, &mut out);
+    out
+}
+
+/// Best steady-state micro-batches per second per TP group: orders shapes in the search.
+fn rate(s: &Shape) -> f64 {
+    let pmin = s.optimistic.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+    1.0 / (pmin * s.units.iter().sum::<u32>() as f64)
+}
+
+/// Fast mode: drop shapes another shape beats with no more TP groups of any class.
+fn prune_dominated(mut shapes: Vec<Shape>) -> Vec<Shape> {
+    let dominated = |a: &Shape, b: &Shape| {
+        // b dominates a
+        b.units.iter().zip(&a.units).all(|(x, y)| x <= y)
+            && a.optimistic
+                .iter()
+                .all(|pa| b.optimistic.iter().any(|pb| pb.0 <= pa.0 && pb.1 <= pa.1))
+    };
+    shapes.sort_by(|a, b| rate(b).total_cmp(&rate(a)));
+    let mut keep: Vec<Shape> = vec![];
+    for s in shapes {
+        if !keep.iter().any(|k| dominated(&s, k)) {
+            keep.push(s);
+        }
+        if keep.len() >= FAST_SHAPES {
+            break;
+        }
+    }
+    keep
+}
+
+struct Dfs<'a, 'b> {
+    cm: &'a CostModel<'b>,
+    shapes: &'a [Shape],
+    n: u32,
+    /// Per shape index i and class c: bound on micro-batches per TP group of class c that
+    /// shapes >= i can add by time T: max(0, T * rho + kappa).
+    rho: Vec<Vec<f64>>,
+    kappa: Vec<Vec<f64>>,
+    rem: Vec<u32>,
+    groups: Vec<(usize, u32)>,
+    best: f64,
+    best_groups: Option<Vec<(usize, u32)>>,
+    cache: HashMap<(usize, u32, u64, bool), Rc<Vec<Point>>>,
+    tolerance: f64,
+    budget: u64,
+    nodes: u64,
+    costed: u64,
+    cut: bool,
+}
+
+impl<'a, 'b> Dfs<'a, 'b> {
+    fn frontier(&mut self, shape: usize, ctx: &crate::cost::SyncContext) -> Rc<Vec<Point>> {
+        let key = (shape, ctx.replicas, ctx.ring_bw.to_bits(), ctx.ring_intra);
+        if let Some(f) = self.cache.get(&key) {
+            return f.clone();
+        }
+        let f = Rc::new(self.shapes[shape].frontier(self.cm, ctx));
+        self.cache.insert(key, f.clone());
+        f
+    }
+
+    /// Exact price of the current multiset and, per group, its frontier.
+    fn price(&mut self, groups: &[(usize, u32)]) -> Option<(f64, Vec<Vec<u32>>, Vec<Rc<Vec<Point>>>)> {
+        let r: u32 = groups.iter().map(|g| g.1).sum();
+        if r == 0 || r > self.n {
+            return None;
+        }
+        let mut gpus = vec![0u32; self.rem.len()];
+        for &(s, x) in groups {
+            for (c, g) in self.shapes[s].gpus.iter().enumerate() {
+                gpus[c] += g * x;
+            }
+        }
+        let ctx = self.cm.sync_context(r, &gpus);
+        let fronts: Vec<Rc<Vec<Point>>> = groups.iter().map(|&(s, _)| self.frontier(s, &ctx)).collect();
+        let refs: Vec<(&[Point], u32)> = fronts.iter().zip(groups).map(|(f, g)| (f.as_slice(), g.1)).collect();
+        self.costed += 1;
+        let (t, ks) = alloc::allocate(&refs, self.n)?;
+        Some((t, ks, fronts))
+    }
+
+    fn bound_allows(&self, i: usize) -> bool {
+        let t = self.best * (1.0 - self.tolerance);
+        if !t.is_finite() {
+            return true;
+        }
+        let mut cap: f64 = 0.0;
+        for &(s, x) in &self.groups {
+            cap += x as f64 * alloc::capacity(&self.shapes[s].optimistic, t) as f64;
+        }
+        if i < self.shapes.len() {
+            for c in 0..self.rem.len() {
+                cap += self.rem[c] as f64 * (t * self.rho[i][c] + self.kappa[i][c]).max(0.0);
+            }
+        }
+        cap >= self.n as f64
+    }
+
+    fn go(&mut self, i: usize) {
+        if i == self.shapes.len() || self.cut {
+            return;
+        }
+        self.nodes += 1;
+        if self.nodes > self.budget {
+            self.cut = true;
+            return;
+        }
+        if !self.bound_allows(i) {
+            return;
+        }
+        let s = &self.shapes[i];
+        let r: u32 = self.groups.iter().map(|g| g.1).sum();
+        let mut xmax = self.n - r;
+        for (c, &u) in s.units.iter().enumerate() {
+            if u > 0 {
+                xmax = xmax.min(self.rem[c] / u);
+            }
+        }
+        let units = s.units.clone();
+        for x in (0..=xmax).rev() {
+            if x > 0 {
+                for c in 0..units.len() {
+                    self.rem[c] -= units[c] * x;
+                }
+                self.groups.push((i, x));
+                let groups = self.groups.clone();
+                if let Some((t, _, _)) = self.price(&groups) {
+                    if t < self.best {
+                        self.best = t;
+                        self.best_groups = Some(groups);
+                    }
+                }
+            }
+            self.go(i + 1);
+            if x > 0 {
+                self.groups.pop();
+                for c in 0..units.len() {
+                    self.rem[c] += units[c] * x;
+                }
+            }
+            if self.cut {
+                return;
+            }
+        }
+    }
+}
+
+/// Find the fastest plan. `seeds` (the baselines' plans) start the incumbent, so the result is
+/// never slower than any of them.
+pub fn search(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure]) -> Result<Solution> {
+    let mode = match mode {
+        SearchMode::Auto if cm.cluster.total_gpus() <= AUTO_EXACT_MAX_GPUS => SearchMode::Exact,
+        SearchMode::Auto => SearchMode::Fast,
+        m => m,
+    };
+    let mut stats = SearchStats {
+        mode: format!("{mode:?}").to_lowercase(),
+        proven_optimal: mode == SearchMode::Exact,
+        ..Default::default()
+    };
+    let mut best: Option<(f64, PlanStructure)> = None;
+    for seed in seeds {
+        if cm.check_structure(seed).is_ok() {
+            let e = cm.evaluate(seed);
+            stats.plans_costed += 1;
+            if e.fits && best.as_ref().is_none_or(|b| e.iteration_time < b.0) {
+                best = Some((e.iteration_time, seed.clone()));
+            }
+        }
+    }
+    let configs = configurations(cm, mode);
+    stats.configurations = configs.len();
+    let mut per_config: Vec<(Config, Vec<Shape>)> = vec![];
+    for (ci, &cfg) in configs.iter().enumerate() {
+        let mut shapes = enumerate_shapes(cm, ci, cfg, mode);
+        if shapes.iter().any(|s| !s.all_splits) {
+            stats.proven_optimal = false;
+        }
+        if mode == SearchMode::Fast {
+            shapes = prune_dominated(shapes);
+        } else {
+            shapes.sort_by(|a, b| rate(b).total_cmp(&rate(a)));
+        }
+        stats.shapes += shapes.len();
+        if !shapes.is_empty() {
+            per_config.push((cfg, shapes));
+        }
+    }
+    // Most promising configuration first, so the incumbent is good early.
+    per_config.sort_by(|a, b| {
+        let ra = a.1.iter().map(rate).fold(0.0, f64::max) * a.0.micro_batch as f64;
+        let rb = b.1.iter().map(rate).fold(0.0, f64::max) * b.0.micro_batch as f64;
+        rb.total_cmp(&ra)
+    });
+    let budget_total: u64 = if mode == SearchMode::Exact { 20_000_000 } else { 300_000 };
+    let classes = cm.cluster.classes.len();
+    for (cfg, shapes) in &per_config {
+        let units: Vec<u32> = cm
+            .cluster
+            .classes
+            .iter()
+            .map(|c| c.nodes.len() as u32 * (c.gpus_per_node / cfg.tp))
+            .collect();
+        let ns = shapes.len();
+        let mut rho = vec![vec![0.0; classes]; ns + 1];
+        let mut kappa = vec![vec![f64::NEG_INFINITY; classes]; ns + 1];
+        for i in (0..ns).rev() {
+            rho[i] = rho[i + 1].clone();
+            kappa[i] = kappa[i + 1].clone();
+            let s = &shapes[i];
+            let u = s.units.iter().sum::<u32>() as f64;
+            let pmin = s.optimistic.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+            let k0 = s.optimistic.iter().map(|p| 1.0 - p.0 / p.1).fold(f64::NEG_INFINITY, f64::max);
+            for c in 0..classes {
+                if s.units[c] > 0 {
+                    rho[i][c] = f64::max(rho[i][c], 1.0 / (pmin * u));
+                    kappa[i][c] = f64::max(kappa[i][c], k0 / u);
+                }
+            }
+        }
+        let mut dfs = Dfs {
+            cm,
+            shapes,
+            n: cfg.micro_batches,
+            rho,
+            kappa,
+            rem: units,
+            groups: vec![],
+            best: best.as_ref().map_or(f64::INFINITY, |b| b.0),
+            best_groups: None,
+            cache: HashMap::new(),
+            tolerance: if mode == SearchMode::Exact { 1e-12 } else { 1e-3 },
+            budget: budget_total.saturating_sub(stats.nodes),
+            nodes: 0,
+            costed: 0,
+            cut: false,
+        };
+        dfs.go(0);
+        stats.nodes += dfs.nodes;
+        stats.plans_costed += dfs.costed;
+        if dfs.cut {
+            stats.proven_optimal = false;
+        }
+        if let Some(groups) = dfs.best_groups.clone() {
+            let (t, ks, fronts) = dfs.price(&groups).expect("priced before");
+            let mut replicas = vec![];
+            for (gi, &(s, _)) in groups.iter().enumerate() {
+                let shape = &shapes[s];
+                for &k in &ks[gi] {
+                    let split = &shape.splits[best_point(&fronts[gi], k).split];
+                    let mut start = 0;
+                    let stages = shape
+                        .kinds
+                        .iter()
+                        .zip(&split.layers)
+                        .map(|(&kind, &n)| {
+                            start += n;
+                            StagePlan {
+                                kind,
+                                layers: (start - n, start),
+                            }
+                        })
+                        .collect();
+                    replicas.push(ReplicaPlan { stages, micro_batches: k });
+                }
+            }
+            best = Some((
+                t,
+                PlanStructure {
+                    micro_batch: cfg.micro_batch,
+                    replicas,
+                },
+            ));
+        }
+        if stats.nodes >= budget_total {
+            break;
+        }
+    }
+    match best {
+        Some((t, plan)) => Ok(Solution {
+            plan,
+            iteration_time: t,
+            stats,
+        }),
+        None => Err(SolverError::DoesNotFit(does_not_fit_message(cm))),
+    }
+}
+
+/// "Fits nowhere": what the smallest plan needs against what the cluster has.
+pub fn does_not_fit_message(cm: &CostModel) -> String {
+    let gib = 1024f64.powi(3);
+    let state = cm.model.total_params() * 16.0 / gib;
+    let usable: f64 = cm
+        .cluster
+        .nodes
+        .iter()
+        .map(|n| n.gpus as f64 * (cm.cluster.classes[n.class].gpu.memory_gib - cm.opts.reserve_gib))
+        .sum();
+    format!(
+        "{} needs at least {:.1} GiB for weights, gradients and Adam states ({:.2}B parameters x 16 bytes) plus activations, \
+         but no plan of at most {} pipeline stages fits in this cluster's {:.1} GiB of usable GPU memory; \
+         add GPUs, pass --recompute, lower --micro-batch or --seq-len, or allow longer pipelines with --max-stages",
+        cm.model.spec.name,
+        state,
+        cm.model.total_params() / 1e9,
+        max_stages(cm, 1),
+        usable
+    )
+}

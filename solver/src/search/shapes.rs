@@ -1,0 +1,289 @@
+//! Replica shapes and their layer splits.
+//!
+//! A *shape* is the structure of one replica without its batch share: an ordered list of
+//! stage kinds (node class, tp, dp). Stages of one class are contiguous in a shape and share
+//! one dp (a *block*); blocks of different classes may come in any order. GPUs of one class
+//! are interchangeable, so a shape says how many TP groups of each class it takes, never which.
+
+use crate::cost::{CostModel, LayerCost, StageKind, SyncContext};
+
+/// One feasible assignment of layers to the stages of a shape, with its context-free times.
+#[derive(Debug, Clone)]
+pub struct Split {
+    pub layers: Vec<u32>,
+    pub latency: f64,
+    pub period: f64,
+    pub optimizer: f64,
+    /// Parameters whose gradients stage i synchronises, and the backward time of stages < i.
+    pub sync_params: Vec<f64>,
+    pub pre_bwd: Vec<f64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Shape {
+    pub config: usize,
+    pub kinds: Vec<StageKind>,
+    pub costs: Vec<LayerCost>,
+    /// TP groups and GPUs taken per node class.
+    pub units: Vec<u32>,
+    pub gpus: Vec<u32>,
+    pub splits: Vec<Split>,
+    /// Every feasible split is kept (otherwise only the latency/period frontier of a greedy).
+    pub all_splits: bool,
+    /// Pareto points (base, period) ignoring gradient sync: a lower bound for every context.
+    pub optimistic: Vec<(f64, f64)>,
+}
+
+/// A Pareto point of a shape under one context: a replica of this shape with K micro-batches
+/// takes `base + (K - 1) * period` seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Point {
+    pub base: f64,
+    pub period: f64,
+    pub split: usize,
+}
+
+/// Replica time with `k` micro-batches: the best point.
+pub fn time_at(points: &[Point], k: u32) -> f64 {
+    points
+        .iter()
+        .map(|p| p.base + (k - 1) as f64 * p.period)
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// The best point for `k` micro-batches.
+pub fn best_point(points: &[Point], k: u32) -> Point {
+    *points
+        .iter()
+        .min_by(|a, b| (a.base + (k - 1) as f64 * a.period).total_cmp(&(b.base + (k - 1) as f64 * b.period)))
+        .expect("frontier is never empty")
+}
+
+/// Keep the points no other point beats on both base and period.
+pub fn pareto(mut pts: Vec<Point>) -> Vec<Point> {
+    pts.sort_by(|a, b| a.period.total_cmp(&b.period).then(a.base.total_cmp(&b.base)));
+    let mut out: Vec<Point> = Vec::new();
+    for p in pts {
+        if out.last().is_none_or(|l| p.base < l.base) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// Number of compositions of `l` into `p` positive parts, saturating.
+pub fn compositions(l: u32, p: u32) -> u64 {
+    if p == 0 || p > l {
+        return 0;
+    }
+    // C(l-1, p-1)
+    let (n, k) = ((l - 1) as u64, (p - 1).min(l - p) as u64);
+    let mut c: u64 = 1;
+    for i in 0..k {
+        c = c.saturating_mul(n - i) / (i + 1);
+        if c > 1 << 40 {
+            return u64::MAX;
+        }
+    }
+    c
+}
+
+impl Shape {
+    /// Build a shape's feasible splits. `max_inflight` caps the micro-batches a stage holds
+    /// (the plan's total); `split_limit` is how many compositions are enumerated exactly.
+    pub fn build(
+        cm: &CostModel,
+        config: usize,
+        kinds: Vec<StageKind>,
+        micro_batch: u32,
+        max_inflight: u32,
+        split_limit: u64,
+    ) -> Option<Shape> {
+        let classes = cm.cluster.classes.len();
+        let mut units = vec![0u32; classes];
+        let mut gpus = vec![0u32; classes];
+        for k in &kinds {
+            units[k.class] += k.dp;
+            gpus[k.class] += k.dp * k.tp;
+        }
+        let costs: Vec<LayerCost> = kinds.iter().map(|&k| cm.layer_cost(k, micro_batch)).collect();
+        let p = kinds.len();
+        let l = cm.model.layers();
+        // Most layers each stage can hold.
+        let mut caps = Vec::with_capacity(p);
+        for i in 0..p {
+            let inflight = ((p - i) as u32).min(max_inflight.max(1));
+            let fixed = CostModel::stage_memory(&costs[i], 0, i == 0, i + 1 == p, inflight, cm.opts.recompute);
+            let per_layer = CostModel::stage_memory(&costs[i], 1, false, false, inflight, cm.opts.recompute)
+                - CostModel::stage_memory(&costs[i], 0, false, false, inflight, cm.opts.recompute);
+            let room = costs[i].capacity - fixed;
+            let cap = if room < per_layer {
+                0
+            } else {
+                ((room / per_layer).floor() as u64).min(l as u64) as u32
+            };
+            if cap == 0 {
+                return None;
+            }
+            caps.push(cap);
+        }
+        if caps.iter().map(|&c| c as u64).sum::<u64>() < l as u64 || (p as u32) > l {
+            return None;
+        }
+        let hops: Vec<f64> = (0..p.saturating_sub(1))
+            .map(|i| cm.p2p_time(kinds[i], kinds[i + 1], micro_batch))
+            .collect();
+        let mut shape = Shape {
+            config,
+            kinds,
+            costs,
+            units,
+            gpus,
+            splits: vec![],
+            all_splits: true,
+            optimistic: vec![],
+        };
+        if compositions(l, p as u32) <= split_limit {
+            let mut cur = vec![0u32; p];
+            shape.enumerate(cm, &caps, &hops, 0, l, &mut cur);
+        } else {
+            shape.all_splits = false;
+            shape.greedy_splits(cm, &caps, &hops);
+        }
+        if shape.splits.is_empty() {
+            return None;
+        }
+        shape.optimistic = pareto(
+            shape
+                .splits
+                .iter()
+                .enumerate()
+                .map(|(i, s)| Point {
+                    base: s.latency + s.optimizer,
+                    period: s.period,
+                    split: i,
+                })
+                .collect(),
+        )
+        .into_iter()
+        .map(|pt| (pt.base, pt.period))
+        .collect();
+        Some(shape)
+    }
+
+    fn enumerate(&mut self, cm: &CostModel, caps: &[u32], hops: &[f64], i: usize, left: u32, cur: &mut Vec<u32>) {
+        let p = caps.len();
+        if i + 1 == p {
+            if left >= 1 && left <= caps[i] {
+                cur[i] = left;
+                let split = self.make_split(cm, hops, cur.clone());
+                self.splits.push(split);
+            }
+            return;
+        }
+        let rest = (p - i - 1) as u32;
+        for n in 1..=caps[i].min(left.saturating_sub(rest)) {
+            cur[i] = n;
+            self.enumerate(cm, caps, hops, i + 1, left - n, cur);
+        }
+    }
+
+    /// For every candidate bottleneck M, the split with the least latency whose stages all
+    /// take at most M: each stage gets one layer, the rest go to the stages with the cheapest
+    /// layers up to their caps.
+    fn greedy_splits(&mut self, cm: &CostModel, caps: &[u32], hops: &[f64]) {
+        let p = caps.len();
+        let l = cm.model.layers();
+        let time = |i: usize, n: u32| {
+            let (f, b) = CostModel::stage_time(&self.costs[i], n, i == 0, i + 1 == p);
+            f + b
+        };
+        let mut candidates: Vec<f64> = (0..p)
+            .flat_map(|i| (1..=caps[i]).map(move |n| (i, n)))
+            .map(|(i, n)| time(i, n))
+            .collect();
+        candidates.sort_by(f64::total_cmp);
+        candidates.dedup();
+        let mut order: Vec<usize> = (0..p).collect();
+        order.sort_by(|&a, &b| (self.costs[a].fwd + self.costs[a].bwd).total_cmp(&(self.costs[b].fwd + self.costs[b].bwd)));
+        let mut seen = std::collections::HashSet::new();
+        for m in candidates {
+            let lim: Vec<u32> = (0..p)
+                .map(|i| (1..=caps[i]).take_while(|&n| time(i, n) <= m).last().unwrap_or(0))
+                .collect();
+            if lim.contains(&0) || lim.iter().sum::<u32>() < l {
+                continue;
+            }
+            let mut n = vec![1u32; p];
+            let mut left = l - p as u32;
+            for &i in &order {
+                let add = left.min(lim[i] - 1);
+                n[i] += add;
+                left -= add;
+            }
+            if seen.insert(n.clone()) {
+                let split = self.make_split(cm, hops, n);
+                self.splits.push(split);
+            }
+        }
+    }
+
+    fn make_split(&self, cm: &CostModel, hops: &[f64], layers: Vec<u32>) -> Split {
+        let p = layers.len();
+        let (mut latency, mut period, mut optimizer, mut pre) = (0.0, 0.0f64, 0.0f64, 0.0);
+        let mut sync_params = Vec::with_capacity(p);
+        let mut pre_bwd = Vec::with_capacity(p);
+        for i in 0..p {
+            let (first, last) = (i == 0, i + 1 == p);
+            let c = &self.costs[i];
+            let (f, b) = CostModel::stage_time(c, layers[i], first, last);
+            latency += f + b;
+            period = period.max(f + b);
+            if i + 1 < p {
+                latency += hops[i];
+                period = period.max(hops[i]);
+            }
+            let extra = (first as u32 + last as u32) as f64;
+            sync_params.push(layers[i] as f64 * cm.model.layer_params + extra * cm.model.embed_params);
+            let params_gpu = layers[i] as f64 * c.layer_params_gpu + extra * c.embed_params_gpu;
+            let per_param = if cm.opts.zero1 {
+                4.0 + 24.0 / self.kinds[i].dp as f64
+            } else {
+                28.0
+            };
+            optimizer = optimizer.max(params_gpu * per_param / c.mem_bw);
+            pre_bwd.push(pre);
+            pre += b;
+        }
+        Split {
+            layers,
+            latency,
+            period,
+            optimizer,
+            sync_params,
+            pre_bwd,
+        }
+    }
+
+    /// The Pareto points of this shape under a sync context.
+    pub fn frontier(&self, cm: &CostModel, ctx: &SyncContext) -> Vec<Point> {
+        let coef: Vec<f64> = self.kinds.iter().map(|&k| cm.sync_time(ctx, k, 1.0)).collect();
+        let pts = self
+            .splits
+            .iter()
+            .enumerate()
+            .map(|(si, s)| {
+                let mut exposed: f64 = 0.0;
+                for i in 0..s.layers.len() {
+                    exposed = exposed.max(s.sync_params[i] * coef[i] - s.pre_bwd[i]);
+                }
+                Point {
+                    base: s.latency + exposed + s.optimizer,
+                    period: s.period,
+                    split: si,
+                }
+            })
+            .collect();
+        pareto(pts)
+    }
+}
