@@ -27,7 +27,7 @@ pub fn parse_yaml<T: serde::de::DeserializeOwned>(text: &str, origin: &str) -> R
         } else {
             ""
         };
-        if path == "." || path.is_empty() {
+        if path == "." || path.is_empty() || inner.starts_with(&path) {
             InputError(format!("{origin}: {inner}{hint}"))
         } else {
             InputError(format!("{origin}: {path}: {inner}{hint}"))
@@ -41,9 +41,13 @@ pub fn in_file(origin: &str, e: SolverError) -> InputError {
 }
 
 pub fn load_cluster(path: &Path) -> Result<motley_solver::Cluster, InputError> {
-    let origin = path.display().to_string();
-    let spec: ClusterSpec = parse_yaml(&read(path, "cluster")?, &origin)?;
-    motley_solver::Cluster::from_spec(&spec).map_err(|e| in_file(&origin, e))
+    parse_cluster(&read(path, "cluster")?, &path.display().to_string())
+}
+
+/// Parse and validate a cluster file's text; `origin` names it in errors.
+pub fn parse_cluster(text: &str, origin: &str) -> Result<motley_solver::Cluster, InputError> {
+    let spec: ClusterSpec = parse_yaml(text, origin)?;
+    motley_solver::Cluster::from_spec(&spec).map_err(|e| in_file(origin, e))
 }
 
 /// `--model` is a catalog name or a YAML file.

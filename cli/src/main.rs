@@ -1,15 +1,13 @@
 //! `motley`, the operator's CLI. Today: `motley plan`, which works offline.
 
-mod inputs;
-mod table;
-
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use motley_solver::{PlanOptions, PlanRequest, SearchMode, SolverError};
 
-use inputs::InputError;
+use motley::inputs::{self, InputError};
+use motley::table;
 
 #[derive(Parser)]
 #[command(name = "motley", version, about = "Plan and run LLM training on clusters of mixed GPUs")]

@@ -11,6 +11,7 @@
 //!    and a subtree is cut when even an optimistic fluid bound cannot beat the incumbent.
 
 pub mod alloc;
+pub mod fluid;
 pub mod shapes;
 
 use std::collections::HashMap;
@@ -35,8 +36,13 @@ pub enum SearchMode {
 
 const EXACT_SPLIT_LIMIT: u64 = 2000;
 const FAST_SPLIT_LIMIT: u64 = 64;
-const FAST_SHAPES: usize = 40;
+const FAST_SHAPES: usize = 12;
 const AUTO_EXACT_MAX_GPUS: u32 = 16;
+/// Fast mode's narrower space: micro-batches up to 4, stage dp up to 2, at most two node
+/// classes per replica.
+const FAST_MAX_MICRO_BATCH: u32 = 4;
+const FAST_MAX_STAGE_DP: u32 = 2;
+const FAST_MAX_CLASSES_PER_REPLICA: usize = 2;
 
 /// Counters of the work a search did.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -49,6 +55,9 @@ pub struct SearchStats {
     /// True when no budget cut the search and every shape kept all its layer splits: the
     /// result is the optimum of the declared space.
     pub proven_optimal: bool,
+    /// Fast mode: no plan of the space is faster than this (the fluid relaxation with no
+    /// gradient sync), so `iteration_time / lower_bound - 1` bounds the gap to the optimum.
+    pub lower_bound: Option<f64>,
 }
 
 #[derive(Debug, Clone)]
@@ -73,7 +82,7 @@ fn configurations(cm: &CostModel, mode: SearchMode) -> Vec<Config> {
         Some(t) => vec![t],
         None => (0..8).map(|i| 1u32 << i).filter(|&t| t <= max_gpn && heads % t == 0).collect(),
     };
-    let b_max = if mode == SearchMode::Fast { 4 } else { 8 };
+    let b_max = if mode == SearchMode::Fast { FAST_MAX_MICRO_BATCH } else { 8 };
     let bs: Vec<u32> = match cm.opts.micro_batch {
         Some(b) => vec![b],
         None => (0..4)
@@ -127,9 +136,15 @@ fn enumerate_shapes(cm: &CostModel, ci: usize, cfg: Config, mode: SearchMode) ->
     let classes = &cm.cluster.classes;
     let units: Vec<u32> = classes.iter().map(|c| c.nodes.len() as u32 * (c.gpus_per_node / cfg.tp)).collect();
     let pmax = max_stages(cm, cfg.tp);
+    let max_dp = if mode == SearchMode::Fast { FAST_MAX_STAGE_DP } else { 8 };
+    let max_classes = if mode == SearchMode::Fast {
+        FAST_MAX_CLASSES_PER_REPLICA
+    } else {
+        usize::MAX
+    };
     let dps: Vec<u32> = (0..4)
         .map(|i| 1u32 << i)
-        .filter(|&d| d <= cfg.micro_batch && cfg.micro_batch % d == 0)
+        .filter(|&d| d <= max_dp && d <= cfg.micro_batch && cfg.micro_batch % d == 0)
         .collect();
     let split_limit = if mode == SearchMode::Exact {
         EXACT_SPLIT_LIMIT
@@ -153,7 +168,9 @@ fn enumerate_shapes(cm: &CostModel, ci: usize, cfg: Config, mode: SearchMode) ->
         ci: usize,
         cfg: Config,
         pmax: u32,
+        max_classes: usize,
         split_limit: u64,
+        layer_costs: &mut HashMap<StageKind, crate::cost::LayerCost>,
         blocks: &[Vec<(u32, u32)>],
         stack: &mut Vec<(usize, u32, u32)>,
         out: &mut Vec<Shape>,
@@ -164,9 +181,12 @@ fn enumerate_shapes(cm: &CostModel, ci: usize, cfg: Config, mode: SearchMode) ->
                 .iter()
                 .flat_map(|&(class, p, dp)| (0..p).map(move |_| StageKind { class, tp: cfg.tp, dp }))
                 .collect();
-            if let Some(s) = Shape::build(cm, ci, kinds, cfg.micro_batch, cfg.micro_batches, split_limit) {
+            if let Some(s) = Shape::build(cm, ci, kinds, cfg.micro_batch, cfg.micro_batches, split_limit, layer_costs) {
                 out.push(s);
             }
+        }
+        if stack.len() >= max_classes {
+            return;
         }
         for c in 0..blocks.len() {
             if stack.iter().any(|b| b.0 == c) {
@@ -175,13 +195,24 @@ fn enumerate_shapes(cm: &CostModel, ci: usize, cfg: Config, mode: SearchMode) ->
             for &(p, d) in &blocks[c] {
                 if used + p <= pmax {
                     stack.push((c, p, d));
-                    rec(cm, ci, cfg, pmax, split_limit, blocks, stack, out);
+                    rec(cm, ci, cfg, pmax, max_classes, split_limit, layer_costs, blocks, stack, out);
                     stack.pop();
                 }
             }
         }
     }
-    rec(cm, ci, cfg, pmax, split_limit, &blocks_per_class, &mut stack, &mut out);
+    rec(
+        cm,
+        ci,
+        cfg,
+        pmax,
+        max_classes,
+        split_limit,
+        &mut HashMap::new(),
+        &blocks_per_class,
+        &mut stack,
+        &mut out,
+    );
     out
 }
 
@@ -191,7 +222,8 @@ fn rate(s: &Shape) -> f64 {
     1.0 / (pmin * s.units.iter().sum::<u32>() as f64)
 }
 
-/// Fast mode: drop shapes another shape beats with no more TP groups of any class.
+/// Fast mode: drop shapes another shape beats with no more TP groups of any class, then keep
+/// the best `FAST_SHAPES` of every set of classes (so no class is crowded out by faster ones).
 fn prune_dominated(mut shapes: Vec<Shape>) -> Vec<Shape> {
     let dominated = |a: &Shape, b: &Shape| {
         // b dominates a
@@ -202,12 +234,13 @@ fn prune_dominated(mut shapes: Vec<Shape>) -> Vec<Shape> {
     };
     shapes.sort_by(|a, b| rate(b).total_cmp(&rate(a)));
     let mut keep: Vec<Shape> = vec![];
+    let mut per_set: HashMap<Vec<bool>, usize> = HashMap::new();
     for s in shapes {
-        if !keep.iter().any(|k| dominated(&s, k)) {
+        let set: Vec<bool> = s.units.iter().map(|&u| u > 0).collect();
+        let n = per_set.entry(set).or_insert(0);
+        if *n < FAST_SHAPES && !keep.iter().any(|k| dominated(&s, k)) {
+            *n += 1;
             keep.push(s);
-        }
-        if keep.len() >= FAST_SHAPES {
-            break;
         }
     }
     keep
@@ -234,6 +267,79 @@ struct Dfs<'a, 'b> {
 }
 
 impl<'a, 'b> Dfs<'a, 'b> {
+    fn new(cm: &'a CostModel<'b>, cfg: Config, shapes: &'a [Shape], tolerance: f64) -> Self {
+        let classes = cm.cluster.classes.len();
+        let units: Vec<u32> = cm
+            .cluster
+            .classes
+            .iter()
+            .map(|c| c.nodes.len() as u32 * (c.gpus_per_node / cfg.tp))
+            .collect();
+        let ns = shapes.len();
+        let mut rho = vec![vec![0.0; classes]; ns + 1];
+        let mut kappa = vec![vec![f64::NEG_INFINITY; classes]; ns + 1];
+        for i in (0..ns).rev() {
+            rho[i] = rho[i + 1].clone();
+            kappa[i] = kappa[i + 1].clone();
+            let s = &shapes[i];
+            let u = s.units.iter().sum::<u32>() as f64;
+            let pmin = s.optimistic.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+            let k0 = s.optimistic.iter().map(|p| 1.0 - p.0 / p.1).fold(f64::NEG_INFINITY, f64::max);
+            for c in 0..classes {
+                if s.units[c] > 0 {
+                    rho[i][c] = f64::max(rho[i][c], 1.0 / (pmin * u));
+                    kappa[i][c] = f64::max(kappa[i][c], k0 / u);
+                }
+            }
+        }
+        Dfs {
+            cm,
+            shapes,
+            n: cfg.micro_batches,
+            rho,
+            kappa,
+            rem: units,
+            groups: vec![],
+            best: f64::INFINITY,
+            best_groups: None,
+            cache: HashMap::new(),
+            tolerance,
+            budget: 0,
+            nodes: 0,
+            costed: 0,
+            cut: false,
+        }
+    }
+
+    /// The plan of a multiset: each replica's batch share and best layer split for it.
+    fn materialise(&mut self, groups: &[(usize, u32)], micro_batch: u32) -> (f64, PlanStructure) {
+        let incumbent = std::mem::replace(&mut self.best, f64::INFINITY);
+        let (t, ks, fronts) = self.price(groups).expect("priced before");
+        self.best = incumbent;
+        let mut replicas = vec![];
+        for (gi, &(s, _)) in groups.iter().enumerate() {
+            let shape = &self.shapes[s];
+            for &k in &ks[gi] {
+                let split = &shape.splits[best_point(&fronts[gi], k).split];
+                let mut start = 0;
+                let stages = shape
+                    .kinds
+                    .iter()
+                    .zip(&split.layers)
+                    .map(|(&kind, &n)| {
+                        start += n;
+                        StagePlan {
+                            kind,
+                            layers: (start - n, start),
+                        }
+                    })
+                    .collect();
+                replicas.push(ReplicaPlan { stages, micro_batches: k });
+            }
+        }
+        (t, PlanStructure { micro_batch, replicas })
+    }
+
     fn frontier(&mut self, shape: usize, ctx: &crate::cost::SyncContext) -> Rc<Vec<Point>> {
         let key = (shape, ctx.replicas, ctx.ring_bw.to_bits(), ctx.ring_intra);
         if let Some(f) = self.cache.get(&key) {
@@ -258,6 +364,32 @@ impl<'a, 'b> Dfs<'a, 'b> {
         }
         let ctx = self.cm.sync_context(r, &gpus);
         let fronts: Vec<Rc<Vec<Point>>> = groups.iter().map(|&(s, _)| self.frontier(s, &ctx)).collect();
+        if self.best.is_finite() {
+            // Cheap filter: if the replicas cannot finish N micro-batches by the incumbent's
+            // time, the plan cannot beat it and the exact split is not worth computing.
+            let t = self.best * (1.0 - self.tolerance);
+            let cap: u64 = fronts
+                .iter()
+                .zip(groups)
+                .map(|(f, g)| {
+                    g.1 as u64
+                        * f.iter()
+                            .map(|p| {
+                                if p.base <= t {
+                                    ((t - p.base) / p.period).floor() as u64 + 1
+                                } else {
+                                    0
+                                }
+                            })
+                            .max()
+                            .unwrap_or(0)
+                })
+                .sum();
+            if cap < self.n as u64 {
+                self.costed += 1;
+                return None;
+            }
+        }
         let refs: Vec<(&[Point], u32)> = fronts.iter().zip(groups).map(|(f, g)| (f.as_slice(), g.1)).collect();
         self.costed += 1;
         let (t, ks) = alloc::allocate(&refs, self.n)?;
@@ -371,55 +503,39 @@ pub fn search(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure]) -> Resu
             per_config.push((cfg, shapes));
         }
     }
-    // Most promising configuration first, so the incumbent is good early.
-    per_config.sort_by(|a, b| {
-        let ra = a.1.iter().map(rate).fold(0.0, f64::max) * a.0.micro_batch as f64;
-        let rb = b.1.iter().map(rate).fold(0.0, f64::max) * b.0.micro_batch as f64;
-        rb.total_cmp(&ra)
-    });
-    let budget_total: u64 = if mode == SearchMode::Exact { 20_000_000 } else { 300_000 };
-    let classes = cm.cluster.classes.len();
-    for (cfg, shapes) in &per_config {
-        let units: Vec<u32> = cm
-            .cluster
-            .classes
-            .iter()
-            .map(|c| c.nodes.len() as u32 * (c.gpus_per_node / cfg.tp))
-            .collect();
-        let ns = shapes.len();
-        let mut rho = vec![vec![0.0; classes]; ns + 1];
-        let mut kappa = vec![vec![f64::NEG_INFINITY; classes]; ns + 1];
-        for i in (0..ns).rev() {
-            rho[i] = rho[i + 1].clone();
-            kappa[i] = kappa[i + 1].clone();
-            let s = &shapes[i];
-            let u = s.units.iter().sum::<u32>() as f64;
-            let pmin = s.optimistic.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
-            let k0 = s.optimistic.iter().map(|p| 1.0 - p.0 / p.1).fold(f64::NEG_INFINITY, f64::max);
-            for c in 0..classes {
-                if s.units[c] > 0 {
-                    rho[i][c] = f64::max(rho[i][c], 1.0 / (pmin * u));
-                    kappa[i][c] = f64::max(kappa[i][c], k0 / u);
+    let budget_total: u64 = if mode == SearchMode::Exact { 20_000_000 } else { 60_000 };
+    let tolerance = if mode == SearchMode::Exact { 1e-12 } else { 1e-3 };
+    let mut runs: Vec<(Config, Dfs)> = per_config
+        .iter()
+        .map(|(cfg, shapes)| (*cfg, Dfs::new(cm, *cfg, shapes, tolerance)))
+        .collect();
+    // No plan of a configuration beats its fluid bound: visit the most promising first and
+    // skip those whose bound the incumbent already meets.
+    let bounds: Vec<f64> = runs.iter().map(|(_, d)| fluid_lower_bound(d)).collect();
+    stats.lower_bound = bounds.iter().copied().reduce(f64::min);
+    let mut order: Vec<usize> = (0..runs.len()).collect();
+    order.sort_by(|&a, &b| bounds[a].total_cmp(&bounds[b]));
+    let per_run_budget = budget_total / runs.len().max(1) as u64;
+    for i in order {
+        let incumbent = best.as_ref().map_or(f64::INFINITY, |b| b.0);
+        if bounds[i] >= incumbent * (1.0 - tolerance) {
+            continue;
+        }
+        let (cfg, dfs) = &mut runs[i];
+        dfs.best = incumbent;
+        dfs.budget = if mode == SearchMode::Exact {
+            budget_total.saturating_sub(stats.nodes)
+        } else {
+            per_run_budget
+        };
+        if mode == SearchMode::Fast {
+            if let Some((t, groups)) = fluid_plan(dfs) {
+                if t < dfs.best {
+                    dfs.best = t;
+                    dfs.best_groups = Some(groups);
                 }
             }
         }
-        let mut dfs = Dfs {
-            cm,
-            shapes,
-            n: cfg.micro_batches,
-            rho,
-            kappa,
-            rem: units,
-            groups: vec![],
-            best: best.as_ref().map_or(f64::INFINITY, |b| b.0),
-            best_groups: None,
-            cache: HashMap::new(),
-            tolerance: if mode == SearchMode::Exact { 1e-12 } else { 1e-3 },
-            budget: budget_total.saturating_sub(stats.nodes),
-            nodes: 0,
-            costed: 0,
-            cut: false,
-        };
         dfs.go(0);
         stats.nodes += dfs.nodes;
         stats.plans_costed += dfs.costed;
@@ -427,37 +543,10 @@ pub fn search(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure]) -> Resu
             stats.proven_optimal = false;
         }
         if let Some(groups) = dfs.best_groups.clone() {
-            let (t, ks, fronts) = dfs.price(&groups).expect("priced before");
-            let mut replicas = vec![];
-            for (gi, &(s, _)) in groups.iter().enumerate() {
-                let shape = &shapes[s];
-                for &k in &ks[gi] {
-                    let split = &shape.splits[best_point(&fronts[gi], k).split];
-                    let mut start = 0;
-                    let stages = shape
-                        .kinds
-                        .iter()
-                        .zip(&split.layers)
-                        .map(|(&kind, &n)| {
-                            start += n;
-                            StagePlan {
-                                kind,
-                                layers: (start - n, start),
-                            }
-                        })
-                        .collect();
-                    replicas.push(ReplicaPlan { stages, micro_batches: k });
-                }
-            }
-            best = Some((
-                t,
-                PlanStructure {
-                    micro_batch: cfg.micro_batch,
-                    replicas,
-                },
-            ));
+            best = Some(dfs.materialise(&groups, cfg.micro_batch));
         }
-        if stats.nodes >= budget_total {
+        if mode == SearchMode::Exact && stats.nodes >= budget_total {
+            stats.proven_optimal = false;
             break;
         }
     }
@@ -469,6 +558,109 @@ pub fn search(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure]) -> Resu
         }),
         None => Err(SolverError::DoesNotFit(does_not_fit_message(cm))),
     }
+}
+
+/// Pessimistic context: every ring as large and as slow as any plan of this cluster makes it.
+fn pessimistic_context(cm: &CostModel, n: u32) -> crate::cost::SyncContext {
+    let k = cm.cluster.classes.len();
+    let mut bw = f64::INFINITY;
+    for a in 0..k {
+        for b in a..k {
+            bw = bw.min(cm.cluster.inter_bw(a, b));
+        }
+    }
+    crate::cost::SyncContext {
+        replicas: n,
+        ring_bw: bw,
+        ring_intra: false,
+    }
+}
+
+/// Smallest T (bisection) for which `feasible` holds, starting from a `hi` that may need doubling.
+fn bisect(mut hi: f64, mut feasible: impl FnMut(f64) -> bool) -> Option<f64> {
+    let mut grow = 0;
+    while !feasible(hi) {
+        hi *= 2.0;
+        grow += 1;
+        if grow > 60 {
+            return None;
+        }
+    }
+    let mut lo = 0.0;
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if feasible(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+        if hi - lo <= 1e-9 * hi {
+            break;
+        }
+    }
+    Some(hi)
+}
+
+fn start_time(dfs: &Dfs) -> f64 {
+    let t = dfs
+        .shapes
+        .iter()
+        .flat_map(|s| s.optimistic.iter().map(|p| p.0 + p.1))
+        .fold(f64::INFINITY, f64::min);
+    if dfs.best.is_finite() {
+        dfs.best
+    } else {
+        t.max(1e-6)
+    }
+}
+
+/// Fast mode's first incumbent: the rounded fluid relaxation under the pessimistic context.
+fn fluid_plan(dfs: &mut Dfs) -> Option<(f64, Vec<(usize, u32)>)> {
+    let ctx = pessimistic_context(dfs.cm, dfs.n);
+    let fronts: Vec<Vec<(f64, f64)>> = dfs
+        .shapes
+        .iter()
+        .map(|s| s.frontier(dfs.cm, &ctx).iter().map(|p| (p.base, p.period)).collect())
+        .collect();
+    let units: Vec<Vec<u32>> = dfs.shapes.iter().map(|s| s.units.clone()).collect();
+    let avail = dfs.rem.clone();
+    let n = dfs.n;
+    let counts_at = |t: f64| {
+        let value: Vec<f64> = fronts.iter().map(|f| alloc::capacity(f, t).min(n as u64) as f64).collect();
+        let mut a: Vec<Vec<f64>> = (0..avail.len()).map(|c| units.iter().map(|u| u[c] as f64).collect()).collect();
+        a.push(vec![1.0; units.len()]);
+        let mut b: Vec<f64> = avail.iter().map(|&u| u as f64).collect();
+        b.push(n as f64);
+        let x = fluid::simplex_max(&value, &a, &b);
+        let counts = fluid::round_and_fill(&x, &value, &units, &avail, n);
+        let cap: f64 = counts.iter().zip(&value).map(|(&k, v)| k as f64 * v).sum();
+        (counts, cap)
+    };
+    let t = bisect(start_time(dfs), |t| counts_at(t).1 >= n as f64)?;
+    let (counts, _) = counts_at(t);
+    let groups: Vec<(usize, u32)> = counts.iter().enumerate().filter(|(_, &k)| k > 0).map(|(s, &k)| (s, k)).collect();
+    let (t, _, _) = dfs.price(&groups)?;
+    Some((t, groups))
+}
+
+/// No plan of this configuration beats this: the fractional relaxation without gradient sync.
+fn fluid_lower_bound(dfs: &Dfs) -> f64 {
+    let units: Vec<Vec<u32>> = dfs.shapes.iter().map(|s| s.units.clone()).collect();
+    let n = dfs.n;
+    bisect(start_time(dfs), |t| {
+        let value: Vec<f64> = dfs
+            .shapes
+            .iter()
+            .map(|s| alloc::capacity(&s.optimistic, t).min(n as u64) as f64)
+            .collect();
+        let mut a: Vec<Vec<f64>> = (0..dfs.rem.len()).map(|c| units.iter().map(|u| u[c] as f64).collect()).collect();
+        a.push(vec![1.0; units.len()]);
+        let mut b: Vec<f64> = dfs.rem.iter().map(|&u| u as f64).collect();
+        b.push(n as f64);
+        let x = fluid::simplex_max(&value, &a, &b);
+        x.iter().zip(&value).map(|(x, v)| x * v).sum::<f64>() >= n as f64 - 1e-9
+    })
+    .unwrap_or(f64::INFINITY)
 }
 
 /// "Fits nowhere": what the smallest plan needs against what the cluster has.

@@ -98,6 +98,7 @@ impl Shape {
         micro_batch: u32,
         max_inflight: u32,
         split_limit: u64,
+        layer_costs: &mut std::collections::HashMap<StageKind, LayerCost>,
     ) -> Option<Shape> {
         let classes = cm.cluster.classes.len();
         let mut units = vec![0u32; classes];
@@ -106,7 +107,10 @@ impl Shape {
             units[k.class] += k.dp;
             gpus[k.class] += k.dp * k.tp;
         }
-        let costs: Vec<LayerCost> = kinds.iter().map(|&k| cm.layer_cost(k, micro_batch)).collect();
+        let costs: Vec<LayerCost> = kinds
+            .iter()
+            .map(|&k| *layer_costs.entry(k).or_insert_with(|| cm.layer_cost(k, micro_batch)))
+            .collect();
         let p = kinds.len();
         let l = cm.model.layers();
         // Most layers each stage can hold.
@@ -194,10 +198,14 @@ impl Shape {
     fn greedy_splits(&mut self, cm: &CostModel, caps: &[u32], hops: &[f64]) {
         let p = caps.len();
         let l = cm.model.layers();
-        let time = |i: usize, n: u32| {
-            let (f, b) = CostModel::stage_time(&self.costs[i], n, i == 0, i + 1 == p);
-            f + b
-        };
+        // Stage time is affine in its layer count: extra + n * per_layer.
+        let (mut extra, mut per) = (vec![0.0; p], vec![0.0; p]);
+        for i in 0..p {
+            let (f0, b0) = CostModel::stage_time(&self.costs[i], 0, i == 0, i + 1 == p);
+            extra[i] = f0 + b0;
+            per[i] = self.costs[i].fwd + self.costs[i].bwd;
+        }
+        let time = |i: usize, n: u32| extra[i] + n as f64 * per[i];
         let mut candidates: Vec<f64> = (0..p)
             .flat_map(|i| (1..=caps[i]).map(move |n| (i, n)))
             .map(|(i, n)| time(i, n))
@@ -205,11 +213,21 @@ impl Shape {
         candidates.sort_by(f64::total_cmp);
         candidates.dedup();
         let mut order: Vec<usize> = (0..p).collect();
-        order.sort_by(|&a, &b| (self.costs[a].fwd + self.costs[a].bwd).total_cmp(&(self.costs[b].fwd + self.costs[b].bwd)));
-        let mut seen = std::collections::HashSet::new();
+        order.sort_by(|&a, &b| per[a].total_cmp(&per[b]));
+        let mut last: Option<Vec<u32>> = None;
         for m in candidates {
             let lim: Vec<u32> = (0..p)
-                .map(|i| (1..=caps[i]).take_while(|&n| time(i, n) <= m).last().unwrap_or(0))
+                .map(|i| {
+                    let mut n = (((m - extra[i]) / per[i]).floor().max(0.0) as u32).min(caps[i]);
+                    // Guard the floor against rounding: the definition is time(i, n) <= m.
+                    while n > 0 && time(i, n) > m {
+                        n -= 1;
+                    }
+                    while n < caps[i] && time(i, n + 1) <= m {
+                        n += 1;
+                    }
+                    n
+                })
                 .collect();
             if lim.contains(&0) || lim.iter().sum::<u32>() < l {
                 continue;
@@ -221,9 +239,10 @@ impl Shape {
                 n[i] += add;
                 left -= add;
             }
-            if seen.insert(n.clone()) {
-                let split = self.make_split(cm, hops, n);
+            if last.as_ref() != Some(&n) {
+                let split = self.make_split(cm, hops, n.clone());
                 self.splits.push(split);
+                last = Some(n);
             }
         }
     }

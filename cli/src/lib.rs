@@ -1,0 +1,5 @@
+//! The `motley` CLI's library half: reading input files and rendering plans, so tests can
+//! reach them without spawning the binary.
+
+pub mod inputs;
+pub mod table;

@@ -1,0 +1,369 @@
+//! `motley plan` as a user runs it: the real binary, real files, exit codes and output.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn motley(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_motley"))
+        .args(args)
+        .current_dir(repo())
+        .env_remove("MOTLEY_CLUSTER")
+        .env_remove("MOTLEY_MODEL")
+        .output()
+        .unwrap()
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let mut a = args.to_vec();
+    a.extend(["-o", "json"]);
+    let out = motley(&a);
+    assert!(
+        out.status.success(),
+        "motley {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("valid JSON")
+}
+
+fn write_temp(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("motley-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// Every structural promise of the JSON contract.
+fn check_contract(v: &serde_json::Value, layers: u64) {
+    let gb = v["global_batch"].as_u64().unwrap();
+    let t = v["iteration_time_s"].as_f64().unwrap();
+    assert!(t > 0.0);
+    let tps = v["tokens_per_s"].as_f64().unwrap();
+    assert!((tps - gb as f64 * v["seq_len"].as_f64().unwrap() / t).abs() / tps < 1e-9);
+    let mut samples = 0;
+    let mut seen = HashSet::new();
+    for r in v["replicas"].as_array().unwrap() {
+        samples += r["samples"].as_u64().unwrap();
+        assert_eq!(
+            r["samples"].as_u64().unwrap(),
+            r["micro_batches"].as_u64().unwrap() * v["micro_batch"].as_u64().unwrap()
+        );
+        let mut next = 0;
+        for s in r["stages"].as_array().unwrap() {
+            let l = s["layers"].as_array().unwrap();
+            assert_eq!(l[0].as_u64().unwrap(), next, "stages are contiguous");
+            next = l[1].as_u64().unwrap();
+            let (tp, dp) = (s["tp"].as_u64().unwrap() as usize, s["dp"].as_u64().unwrap() as usize);
+            let gpus = s["gpus"].as_array().unwrap();
+            assert_eq!(gpus.len(), tp * dp);
+            for group in gpus.chunks(tp) {
+                assert!(group.iter().all(|g| g["node"] == group[0]["node"]), "a TP group stays in one node");
+            }
+            for g in gpus {
+                assert!(
+                    seen.insert((g["node"].as_str().unwrap().to_string(), g["index"].as_u64().unwrap())),
+                    "a GPU is used once"
+                );
+            }
+            assert!(s["memory_gib_per_gpu"].as_f64().unwrap() <= s["memory_capacity_gib"].as_f64().unwrap());
+        }
+        assert_eq!(next, layers, "every replica holds the whole model");
+    }
+    assert_eq!(samples, gb, "samples add up to the global batch");
+    for b in ["megatron", "whale"] {
+        if let Some(bt) = v["baselines"][b]["iteration_time_s"].as_f64() {
+            assert!(t <= bt * (1.0 + 1e-12), "never slower than {b}");
+        }
+    }
+}
+
+#[test]
+fn plans_every_example_cluster() {
+    for (cluster, model, layers) in [
+        ("examples/a100-h800.yaml", "gpt3-6.7b", 32),
+        ("examples/a100x4-h800x2.yaml", "llama-7b", 32),
+        ("examples/a100x1-h20x4.yaml", "llama-7b", 32),
+        ("examples/lab.yaml", "llama-13b", 40),
+        ("examples/lab.yaml", "examples/tiny-gpt.yaml", 12),
+    ] {
+        let v = json(&["plan", "--cluster", cluster, "--model", model]);
+        check_contract(&v, layers);
+        assert_eq!(
+            v["gpus_total"].as_u64().unwrap(),
+            if cluster.contains("lab") {
+                40
+            } else {
+                v["gpus_total"].as_u64().unwrap()
+            }
+        );
+    }
+}
+
+#[test]
+fn beats_megatron_on_a_mixed_cluster() {
+    let v = json(&["plan", "--cluster", "examples/a100-h800.yaml", "--model", "gpt3-6.7b"]);
+    let speedup = v["baselines"]["megatron"]["speedup"].as_f64().unwrap();
+    assert!(
+        speedup > 1.2,
+        "asymmetric plans should beat symmetric Megatron clearly, got {speedup}"
+    );
+}
+
+#[test]
+fn table_output_shows_the_plan_and_baselines() {
+    let out = motley(&["plan", "--cluster", "examples/a100-h800.yaml", "--model", "gpt3-6.7b", "--compare"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("iteration") && text.contains("tokens/s"));
+    assert!(text.contains("H800") && text.contains("A100-80G"));
+    assert!(text.contains("megatron") && text.contains("whale"));
+}
+
+#[test]
+fn options_change_the_plan_as_asked() {
+    let v = json(&[
+        "plan",
+        "--cluster",
+        "examples/a100-h800.yaml",
+        "--model",
+        "gpt3-6.7b",
+        "--global-batch",
+        "64",
+        "--micro-batch",
+        "2",
+        "--tp",
+        "2",
+        "--seq-len",
+        "1024",
+    ]);
+    check_contract(&v, 32);
+    assert_eq!(v["global_batch"], 64);
+    assert_eq!(v["micro_batch"], 2);
+    assert_eq!(v["seq_len"], 1024);
+    for r in v["replicas"].as_array().unwrap() {
+        assert!(r["stages"].as_array().unwrap().iter().all(|s| s["tp"] == 2));
+    }
+}
+
+#[test]
+fn environment_variables_stand_in_for_flags() {
+    let out = Command::new(env!("CARGO_BIN_EXE_motley"))
+        .args(["plan", "-o", "json"])
+        .current_dir(repo())
+        .env("MOTLEY_CLUSTER", "examples/a100x1-h20x4.yaml")
+        .env("MOTLEY_MODEL", "llama-7b")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["cluster"], "a100x1-h20x4");
+}
+
+#[test]
+fn exhaustive_oracle_agrees_with_the_search() {
+    let cluster = write_temp(
+        "small.yaml",
+        "name: small\nnodes:\n  - {name: a, gpu: A100-40G, gpus: 2}\n  - {name: t, gpu: T4, gpus: 2, intra: pcie}\n",
+    );
+    let model = write_temp("m.yaml", "name: m\nlayers: 6\nhidden: 1024\nheads: 16\nseq_len: 512\nvocab: 8000\n");
+    let args = [
+        "plan",
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--global-batch",
+        "4",
+    ];
+    let fast = json(&args);
+    let mut ex = args.to_vec();
+    ex.push("--exhaustive");
+    let slow = json(&ex);
+    assert_eq!(slow["search"]["mode"], "exhaustive");
+    assert!(fast["search"]["proven_optimal"].as_bool().unwrap());
+    let (a, b) = (
+        fast["iteration_time_s"].as_f64().unwrap(),
+        slow["iteration_time_s"].as_f64().unwrap(),
+    );
+    assert!((a - b).abs() <= 1e-9 * b, "search {a} vs oracle {b}");
+}
+
+#[test]
+fn profiles_replace_the_roofline() {
+    let base = json(&[
+        "plan",
+        "--cluster",
+        "examples/a100-h800.yaml",
+        "--model",
+        "gpt3-6.7b",
+        "--tp",
+        "1",
+        "--micro-batch",
+        "1",
+    ]);
+    let slow = write_temp(
+        "slow.yaml",
+        "profiles:\n  - {gpu: A100-80G, tp: 1, micro_batch: 1, fwd_ms: 100, bwd_ms: 200}\n  - {gpu: H800, tp: 1, micro_batch: 1, fwd_ms: 100, bwd_ms: 200}\n",
+    );
+    let prof = json(&[
+        "plan",
+        "--cluster",
+        "examples/a100-h800.yaml",
+        "--model",
+        "gpt3-6.7b",
+        "--tp",
+        "1",
+        "--micro-batch",
+        "1",
+        "--profiles",
+        slow.to_str().unwrap(),
+    ]);
+    assert!(prof["iteration_time_s"].as_f64().unwrap() > 3.0 * base["iteration_time_s"].as_f64().unwrap());
+    let ok = json(&[
+        "plan",
+        "--cluster",
+        "examples/a100-h800.yaml",
+        "--model",
+        "gpt3-6.7b",
+        "--profiles",
+        "examples/profiles.yaml",
+    ]);
+    check_contract(&ok, 32);
+}
+
+/// Bad input: one line on stderr naming the file and the field, exit code 2.
+fn refused(args: &[&str], must_contain: &[&str]) {
+    let out = motley(args);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{args:?} should exit 2; stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(!err.contains("panicked"));
+    for m in must_contain {
+        assert!(err.contains(m), "{err:?} should mention {m:?}");
+    }
+}
+
+#[test]
+fn bad_cluster_files_are_refused_with_the_field_and_fix() {
+    let cases: &[(&str, &[&str])] = &[
+        ("name: x\nnodes:\n  - {name: a, gpu: B300, gpus: 8}\n", &["nodes[0].gpu", "B300", "gpu_types"]),
+        ("name: x\nnodes:\n  - {name: a, gpu: H100}\n", &["nodes[0]", "missing field `gpus`", "add it"]),
+        ("name: x\nnodes:\n  - {name: a, gpu: H100, gpus: 0}\n", &["nodes[0].gpus", "at least 1"]),
+        ("name: x\nnodes:\n  - {name: a, gpu: H100, gpus: 8}\n  - {name: a, gpu: H100, gpus: 8}\n", &["nodes[1].name", "duplicate node name 'a'"]),
+        ("name: x\nnodes:\n  - {name: a, count: 2, gpu: H100, gpus: 8}\n  - {name: a-1, gpu: H100, gpus: 8}\n", &["duplicate node name 'a-1'"]),
+        ("name: x\nnodes: []\n", &["nodes", "no nodes"]),
+        ("name: x\nnodes:\n  - {name: a, gpu: H100, gpus: eight}\n", &["nodes[0].gpus", "invalid"]),
+        ("name: x\nnodes:\n  - {name: a, gpu: H100, gpus: 8, gpu_count: 3}\n", &["unknown field `gpu_count`", "spelling"]),
+        ("name: x\nnodes:\n  - {name: a, gpu: RTX4090, gpus: 8, intra: nvlink}\n", &["nodes[0].intra", "pcie"]),
+        ("name: x\nnodes:\n  - {name: a, gpu: H100, gpus: 8, nics: [{name: m, kind: ib, gbps: -1}]}\n", &["nodes[0].nics[0].gbps"]),
+        ("name: x\nnodes:\n  - {name: a, gpu: H100, gpus: 8, nics: [{name: m, kind: omnipath, gbps: 100}]}\n", &["nodes[0].nics[0].kind", "omnipath"]),
+        ("name: x\nnodes:\n  - {name: a, gpu: Mine, gpus: 8}\ngpu_types:\n  - {name: Mine, memory_gib: 0, tflops: 10, mem_bw_gbps: 100}\n", &["gpu_types[0].memory_gib"]),
+        ("nodes: [\n", &["bad.yaml"]),
+    ];
+    for (i, (text, needles)) in cases.iter().enumerate() {
+        let f = write_temp(&format!("bad{i}.yaml"), text);
+        let mut must: Vec<&str> = needles.to_vec();
+        let name = f.file_name().unwrap().to_str().unwrap().to_string();
+        let path = f.to_str().unwrap().to_string();
+        must.push(&name);
+        let _ = &path;
+        refused(
+            &["plan", "--cluster", &path, "--model", "gpt3-1.3b"],
+            &must
+                .iter()
+                .map(|s| if *s == "bad.yaml" { name.as_str() } else { s })
+                .collect::<Vec<_>>(),
+        );
+    }
+}
+
+#[test]
+fn bad_models_and_flags_are_refused() {
+    refused(
+        &["plan", "--cluster", "examples/lab.yaml", "--model", "gpt5"],
+        &["--model", "gpt5", "llama-7b"],
+    );
+    let m = write_temp(
+        "badmodel.yaml",
+        "name: m\nlayers: 4\nhidden: 1000\nheads: 16\nseq_len: 512\nvocab: 8000\n",
+    );
+    refused(
+        &["plan", "--cluster", "examples/lab.yaml", "--model", m.to_str().unwrap()],
+        &["badmodel.yaml", "hidden", "divisible"],
+    );
+    let m = write_temp(
+        "badmodel2.yaml",
+        "name: m\nlayers: 0\nhidden: 1024\nheads: 16\nseq_len: 512\nvocab: 8000\n",
+    );
+    refused(
+        &["plan", "--cluster", "examples/lab.yaml", "--model", m.to_str().unwrap()],
+        &["badmodel2.yaml", "layers"],
+    );
+    refused(
+        &[
+            "plan",
+            "--cluster",
+            "examples/lab.yaml",
+            "--model",
+            "gpt3-1.3b",
+            "--micro-batch",
+            "3",
+        ],
+        &["--micro-batch", "divisor"],
+    );
+    refused(
+        &[
+            "plan",
+            "--cluster",
+            "examples/lab.yaml",
+            "--model",
+            "gpt3-1.3b",
+            "--global-batch",
+            "0",
+        ],
+        &["--global-batch"],
+    );
+    refused(
+        &["plan", "--cluster", "examples/lab.yaml", "--model", "gpt3-1.3b", "--tp", "3"],
+        &["--tp", "power of two"],
+    );
+    refused(
+        &["plan", "--cluster", "/nonexistent/c.yaml", "--model", "gpt3-1.3b"],
+        &["/nonexistent/c.yaml", "cannot read"],
+    );
+    let p = write_temp(
+        "badprof.yaml",
+        "profiles:\n  - {gpu: H800, tp: 3, micro_batch: 1, fwd_ms: 1, bwd_ms: 2}\n",
+    );
+    refused(
+        &[
+            "plan",
+            "--cluster",
+            "examples/lab.yaml",
+            "--model",
+            "gpt3-1.3b",
+            "--profiles",
+            p.to_str().unwrap(),
+        ],
+        &["badprof.yaml", "profiles[0].tp"],
+    );
+}
+
+#[test]
+fn a_model_that_fits_nowhere_says_how_much_it_needs() {
+    let c = write_temp("t4.yaml", "name: t4\nnodes:\n  - {name: t, gpu: T4, gpus: 2, intra: pcie}\n");
+    refused(
+        &["plan", "--cluster", c.to_str().unwrap(), "--model", "llama-70b"],
+        &["t4.yaml", "does not fit", "GiB", "add GPUs"],
+    );
+}

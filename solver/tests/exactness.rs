@@ -1,0 +1,51 @@
+//! The default search returns the brute-force optimum on every small cluster (up to 6 GPUs
+//! and 8 layers), and is never slower than the baselines.
+
+mod common;
+
+use motley_solver::baselines::{best_baseline, Baseline};
+use motley_solver::oracle::exhaustive;
+use motley_solver::search::{search, SearchMode};
+use motley_solver::{CostModel, PlanOptions, ProfileSet, SolverError};
+use proptest::prelude::*;
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn search_matches_oracle(spec in common::cluster_strategy(6), model in common::model_strategy(8), gb in prop_oneof![Just(2u32), Just(4), Just(6)]) {
+        let (cluster, model) = common::build(&spec, &model);
+        let opts = PlanOptions { global_batch: gb, ..PlanOptions::default() };
+        let profiles = ProfileSet::default();
+        let cm = CostModel { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts };
+        let seeds: Vec<_> = [Baseline::Megatron, Baseline::Whale].iter().filter_map(|&b| best_baseline(&cm, b).map(|x| x.1)).collect();
+        let fast = search(&cm, SearchMode::Auto, &seeds);
+        let slow = exhaustive(&cm, &seeds);
+        match (fast, slow) {
+            (Ok(f), Ok(o)) => {
+                prop_assert!(f.stats.proven_optimal);
+                let e = cm.evaluate(&f.plan);
+                prop_assert!(e.fits);
+                prop_assert!(cm.check_structure(&f.plan).is_ok());
+                prop_assert!((e.iteration_time - f.iteration_time).abs() <= 1e-9 * f.iteration_time, "search priced {} but the plan costs {}", f.iteration_time, e.iteration_time);
+                prop_assert!((f.iteration_time - o.iteration_time).abs() <= 1e-9 * o.iteration_time, "search {} vs oracle {}", f.iteration_time, o.iteration_time);
+            }
+            (Err(SolverError::DoesNotFit(_)), Err(SolverError::DoesNotFit(_))) => {}
+            (f, o) => prop_assert!(false, "search {:?} vs oracle {:?}", f.map(|x| x.iteration_time), o.map(|x| x.iteration_time)),
+        }
+    }
+
+    #[test]
+    fn never_slower_than_baselines(spec in common::cluster_strategy(24), model in common::model_strategy(24), gb in prop_oneof![Just(8u32), Just(32), Just(64)]) {
+        let (cluster, model) = common::build(&spec, &model);
+        let opts = PlanOptions { global_batch: gb, ..PlanOptions::default() };
+        let profiles = ProfileSet::default();
+        let cm = CostModel { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts };
+        let base: Vec<_> = [Baseline::Megatron, Baseline::Whale].iter().filter_map(|&b| best_baseline(&cm, b)).collect();
+        let seeds: Vec<_> = base.iter().map(|x| x.1.clone()).collect();
+        match search(&cm, SearchMode::Auto, &seeds) {
+            Ok(s) => for (t, _) in &base { prop_assert!(s.iteration_time <= *t * (1.0 + 1e-12)); },
+            Err(_) => prop_assert!(base.is_empty()),
+        }
+    }
+}
