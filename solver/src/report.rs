@@ -56,6 +56,9 @@ pub struct SearchReport {
     pub shapes: usize,
     pub plans_costed: u64,
     pub exhaustive_oracle: bool,
+    /// No plan of the searched space is faster than this (fluid relaxation without gradient
+    /// sync), when the search computed one.
+    pub lower_bound: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -211,6 +214,7 @@ fn build_report(
             shapes: stats.shapes,
             plans_costed: stats.plans_costed,
             exhaustive_oracle: exhaustive,
+            lower_bound: stats.lower_bound,
         },
     }
 }
