@@ -43,6 +43,8 @@ const AUTO_EXACT_MAX_GPUS: u32 = 16;
 const FAST_MAX_MICRO_BATCH: u32 = 4;
 const FAST_MAX_STAGE_DP: u32 = 2;
 const FAST_MAX_CLASSES_PER_REPLICA: usize = 2;
+/// Fast mode's greedy layer splits: bottlenecks up to this factor above the smallest.
+const FAST_MAX_BOTTLENECK_RATIO: f64 = 1.5;
 
 /// Counters of the work a search did.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -137,6 +139,11 @@ fn enumerate_shapes(cm: &CostModel, ci: usize, cfg: Config, mode: SearchMode) ->
     let units: Vec<u32> = classes.iter().map(|c| c.nodes.len() as u32 * (c.gpus_per_node / cfg.tp)).collect();
     let pmax = max_stages(cm, cfg.tp);
     let max_dp = if mode == SearchMode::Fast { FAST_MAX_STAGE_DP } else { 8 };
+    let bottleneck_ratio = if mode == SearchMode::Fast {
+        FAST_MAX_BOTTLENECK_RATIO
+    } else {
+        f64::INFINITY
+    };
     let max_classes = if mode == SearchMode::Fast {
         FAST_MAX_CLASSES_PER_REPLICA
     } else {
@@ -170,6 +177,7 @@ fn enumerate_shapes(cm: &CostModel, ci: usize, cfg: Config, mode: SearchMode) ->
         pmax: u32,
         max_classes: usize,
         split_limit: u64,
+        bottleneck_ratio: f64,
         layer_costs: &mut HashMap<StageKind, crate::cost::LayerCost>,
         blocks: &[Vec<(u32, u32)>],
         stack: &mut Vec<(usize, u32, u32)>,
@@ -181,7 +189,16 @@ fn enumerate_shapes(cm: &CostModel, ci: usize, cfg: Config, mode: SearchMode) ->
                 .iter()
                 .flat_map(|&(class, p, dp)| (0..p).map(move |_| StageKind { class, tp: cfg.tp, dp }))
                 .collect();
-            if let Some(s) = Shape::build(cm, ci, kinds, cfg.micro_batch, cfg.micro_batches, split_limit, layer_costs) {
+            if let Some(s) = Shape::build(
+                cm,
+                ci,
+                kinds,
+                cfg.micro_batch,
+                cfg.micro_batches,
+                split_limit,
+                bottleneck_ratio,
+                layer_costs,
+            ) {
                 out.push(s);
             }
         }
@@ -195,7 +212,19 @@ fn enumerate_shapes(cm: &CostModel, ci: usize, cfg: Config, mode: SearchMode) ->
             for &(p, d) in &blocks[c] {
                 if used + p <= pmax {
                     stack.push((c, p, d));
-                    rec(cm, ci, cfg, pmax, max_classes, split_limit, layer_costs, blocks, stack, out);
+                    rec(
+                        cm,
+                        ci,
+                        cfg,
+                        pmax,
+                        max_classes,
+                        split_limit,
+                        bottleneck_ratio,
+                        layer_costs,
+                        blocks,
+                        stack,
+                        out,
+                    );
                     stack.pop();
                 }
             }
@@ -208,12 +237,50 @@ fn enumerate_shapes(cm: &CostModel, ci: usize, cfg: Config, mode: SearchMode) ->
         pmax,
         max_classes,
         split_limit,
+        bottleneck_ratio,
         &mut HashMap::new(),
         &blocks_per_class,
         &mut stack,
         &mut out,
     );
     out
+}
+
+/// The shapes of every configuration, built on all cores (configurations are independent),
+/// returned in configuration order so the search stays deterministic. The flag says whether
+/// every shape kept all its layer splits.
+fn build_shapes_in_parallel(cm: &CostModel, configs: &[Config], mode: SearchMode) -> Vec<(Config, Vec<Shape>, bool)> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, configs.len().max(1));
+    let work = || {
+        let mut done = vec![];
+        loop {
+            let ci = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&cfg) = configs.get(ci) else { break };
+            let mut shapes = enumerate_shapes(cm, ci, cfg, mode);
+            let all_splits = shapes.iter().all(|s| s.all_splits);
+            if mode == SearchMode::Fast {
+                shapes = prune_dominated(shapes);
+            } else {
+                shapes.sort_by(|a, b| rate(b).total_cmp(&rate(a)));
+            }
+            done.push((ci, cfg, shapes, all_splits));
+        }
+        done
+    };
+    let mut out: Vec<(usize, Config, Vec<Shape>, bool)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (1..threads).map(|_| scope.spawn(work)).collect();
+        let mut all = work();
+        for h in handles {
+            all.extend(h.join().expect("shape builder panicked"));
+        }
+        all
+    });
+    out.sort_by_key(|x| x.0);
+    out.into_iter().map(|(_, cfg, shapes, all)| (cfg, shapes, all)).collect()
 }
 
 /// Best steady-state micro-batches per second per TP group: orders shapes in the search.
@@ -488,16 +555,8 @@ pub fn search(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure]) -> Resu
     let configs = configurations(cm, mode);
     stats.configurations = configs.len();
     let mut per_config: Vec<(Config, Vec<Shape>)> = vec![];
-    for (ci, &cfg) in configs.iter().enumerate() {
-        let mut shapes = enumerate_shapes(cm, ci, cfg, mode);
-        if shapes.iter().any(|s| !s.all_splits) {
-            stats.proven_optimal = false;
-        }
-        if mode == SearchMode::Fast {
-            shapes = prune_dominated(shapes);
-        } else {
-            shapes.sort_by(|a, b| rate(b).total_cmp(&rate(a)));
-        }
+    for (cfg, shapes, all_splits) in build_shapes_in_parallel(cm, &configs, mode) {
+        stats.proven_optimal &= all_splits;
         stats.shapes += shapes.len();
         if !shapes.is_empty() {
             per_config.push((cfg, shapes));

@@ -98,6 +98,7 @@ impl Shape {
         micro_batch: u32,
         max_inflight: u32,
         split_limit: u64,
+        max_bottleneck_ratio: f64,
         layer_costs: &mut std::collections::HashMap<StageKind, LayerCost>,
     ) -> Option<Shape> {
         let classes = cm.cluster.classes.len();
@@ -152,7 +153,7 @@ impl Shape {
             shape.enumerate(cm, &caps, &hops, 0, l, &mut cur);
         } else {
             shape.all_splits = false;
-            shape.greedy_splits(cm, &caps, &hops);
+            shape.greedy_splits(cm, &caps, &hops, max_bottleneck_ratio);
         }
         if shape.splits.is_empty() {
             return None;
@@ -192,10 +193,11 @@ impl Shape {
         }
     }
 
-    /// For every candidate bottleneck M, the split with the least latency whose stages all
+    /// For every candidate bottleneck M (from the smallest feasible one up to
+    /// `max_bottleneck_ratio` times it), the split with the least latency whose stages all
     /// take at most M: each stage gets one layer, the rest go to the stages with the cheapest
     /// layers up to their caps.
-    fn greedy_splits(&mut self, cm: &CostModel, caps: &[u32], hops: &[f64]) {
+    fn greedy_splits(&mut self, cm: &CostModel, caps: &[u32], hops: &[f64], max_bottleneck_ratio: f64) {
         let p = caps.len();
         let l = cm.model.layers();
         // Stage time is affine in its layer count: extra + n * per_layer.
@@ -206,30 +208,80 @@ impl Shape {
             per[i] = self.costs[i].fwd + self.costs[i].bwd;
         }
         let time = |i: usize, n: u32| extra[i] + n as f64 * per[i];
-        let mut candidates: Vec<f64> = (0..p)
-            .flat_map(|i| (1..=caps[i]).map(move |n| (i, n)))
-            .map(|(i, n)| time(i, n))
-            .collect();
+        // Most layers stage i can take with its time at most m.
+        let limit = |i: usize, m: f64| -> u32 {
+            let mut n = (((m - extra[i]) / per[i]).floor().max(0.0) as u32).min(caps[i]);
+            // Guard the floor against rounding: the definition is time(i, n) <= m.
+            while n > 0 && time(i, n) > m {
+                n -= 1;
+            }
+            while n < caps[i] && time(i, n + 1) <= m {
+                n += 1;
+            }
+            n
+        };
+        let limits = |m: f64| -> Vec<u32> { (0..p).map(|i| limit(i, m)).collect() };
+        let fits = |m: f64| {
+            let mut sum = 0;
+            for i in 0..p {
+                let n = limit(i, m);
+                if n == 0 {
+                    return false;
+                }
+                sum += n;
+            }
+            sum >= l
+        };
+        let feasible = |lim: &[u32]| !lim.contains(&0) && lim.iter().sum::<u32>() >= l;
+        // Feasibility is monotone in M: find the smallest feasible bottleneck by bisection,
+        // then try every stage time from there up to `max_bottleneck_ratio` times it.
+        let top = (0..p).map(|i| time(i, caps[i])).fold(0.0, f64::max);
+        if !fits(top) {
+            return;
+        }
+        // Every stage takes at least one layer, so no bottleneck below the slowest single layer.
+        let (mut lo, mut hi) = ((0..p).map(|i| time(i, 1)).fold(0.0, f64::max), top);
+        if fits(lo) {
+            hi = lo;
+        }
+        for _ in 0..64 {
+            let mid = 0.5 * (lo + hi);
+            if fits(mid) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+            if hi - lo <= 1e-6 * hi {
+                break;
+            }
+        }
+        let m_max = if max_bottleneck_ratio.is_finite() {
+            (hi * max_bottleneck_ratio).min(top)
+        } else {
+            top
+        };
+        let mut candidates: Vec<f64> = vec![];
+        for i in 0..p {
+            let n_lo = ((lo - extra[i]) / per[i]).floor().max(1.0) as u32;
+            for n in n_lo..=caps[i] {
+                let t = time(i, n);
+                if t > m_max {
+                    break;
+                }
+                if t >= lo {
+                    candidates.push(t);
+                }
+            }
+        }
+        candidates.push(hi.max(lo));
         candidates.sort_by(f64::total_cmp);
         candidates.dedup();
         let mut order: Vec<usize> = (0..p).collect();
         order.sort_by(|&a, &b| per[a].total_cmp(&per[b]));
         let mut last: Option<Vec<u32>> = None;
         for m in candidates {
-            let lim: Vec<u32> = (0..p)
-                .map(|i| {
-                    let mut n = (((m - extra[i]) / per[i]).floor().max(0.0) as u32).min(caps[i]);
-                    // Guard the floor against rounding: the definition is time(i, n) <= m.
-                    while n > 0 && time(i, n) > m {
-                        n -= 1;
-                    }
-                    while n < caps[i] && time(i, n + 1) <= m {
-                        n += 1;
-                    }
-                    n
-                })
-                .collect();
-            if lim.contains(&0) || lim.iter().sum::<u32>() < l {
+            let lim = limits(m);
+            if !feasible(&lim) {
                 continue;
             }
             let mut n = vec![1u32; p];
@@ -243,6 +295,9 @@ impl Shape {
                 let split = self.make_split(cm, hops, n.clone());
                 self.splits.push(split);
                 last = Some(n);
+            }
+            if lim == caps {
+                break; // every larger bottleneck gives this same split
             }
         }
     }
