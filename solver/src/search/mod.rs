@@ -37,7 +37,13 @@ pub enum SearchMode {
 const EXACT_SPLIT_LIMIT: u64 = 2000;
 const FAST_SPLIT_LIMIT: u64 = 64;
 const FAST_SHAPES: usize = 12;
-const AUTO_EXACT_MAX_GPUS: u32 = 16;
+const AUTO_EXACT_MAX_GPUS: u32 = 8;
+/// Up to this many GPUs `Auto` runs the fast search and then the exact one seeded with it.
+const AUTO_REFINE_MAX_GPUS: u32 = 16;
+/// Branch-and-bound nodes each search may visit.
+const EXACT_BUDGET: u64 = 20_000_000;
+const REFINE_BUDGET: u64 = 1_000_000;
+const FAST_BUDGET: u64 = 60_000;
 /// Fast mode's narrower space: micro-batches up to 4, stage dp up to 2, at most two node
 /// classes per replica.
 const FAST_MAX_MICRO_BATCH: u32 = 4;
@@ -532,11 +538,26 @@ impl<'a, 'b> Dfs<'a, 'b> {
 /// Find the fastest plan. `seeds` (the baselines' plans) start the incumbent, so the result is
 /// never slower than any of them.
 pub fn search(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure]) -> Result<Solution> {
-    let mode = match mode {
-        SearchMode::Auto if cm.cluster.total_gpus() <= AUTO_EXACT_MAX_GPUS => SearchMode::Exact,
-        SearchMode::Auto => SearchMode::Fast,
-        m => m,
-    };
+    let gpus = cm.cluster.total_gpus();
+    match mode {
+        SearchMode::Auto if gpus <= AUTO_EXACT_MAX_GPUS => search_in(cm, SearchMode::Exact, seeds, EXACT_BUDGET),
+        SearchMode::Auto if gpus <= AUTO_REFINE_MAX_GPUS => {
+            // The fast plan is a strong first incumbent, so the exact search that follows
+            // prunes hard and usually finishes well inside its budget.
+            let fast = search_in(cm, SearchMode::Fast, seeds, FAST_BUDGET)?;
+            let mut seeded = seeds.to_vec();
+            seeded.push(fast.plan.clone());
+            let mut exact = search_in(cm, SearchMode::Exact, &seeded, REFINE_BUDGET)?;
+            exact.stats.plans_costed += fast.stats.plans_costed;
+            exact.stats.mode = "fast+exact".into();
+            Ok(exact)
+        }
+        SearchMode::Auto | SearchMode::Fast => search_in(cm, SearchMode::Fast, seeds, FAST_BUDGET),
+        SearchMode::Exact => search_in(cm, SearchMode::Exact, seeds, EXACT_BUDGET),
+    }
+}
+
+fn search_in(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure], budget_total: u64) -> Result<Solution> {
     let mut stats = SearchStats {
         mode: format!("{mode:?}").to_lowercase(),
         proven_optimal: mode == SearchMode::Exact,
@@ -562,7 +583,6 @@ pub fn search(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure]) -> Resu
             per_config.push((cfg, shapes));
         }
     }
-    let budget_total: u64 = if mode == SearchMode::Exact { 20_000_000 } else { 60_000 };
     let tolerance = if mode == SearchMode::Exact { 1e-12 } else { 1e-3 };
     let mut runs: Vec<(Config, Dfs)> = per_config
         .iter()
