@@ -110,7 +110,7 @@ fn check_options(a: &PlanArgs) -> Result<(), InputError> {
         return bad("--global-batch", "must be at least 1");
     }
     if let Some(b) = a.micro_batch {
-        if b == 0 || a.global_batch % b != 0 {
+        if b == 0 || !a.global_batch.is_multiple_of(b) {
             return bad("--micro-batch", "must be a positive divisor of --global-batch");
         }
     }
@@ -151,14 +151,7 @@ fn run_plan(a: PlanArgs) -> Result<String, InputError> {
         Mode::Exact => SearchMode::Exact,
         Mode::Fast => SearchMode::Fast,
     };
-    let req = PlanRequest {
-        cluster: &cluster,
-        model: &model,
-        profiles: &profiles,
-        opts: &opts,
-        mode,
-        exhaustive: a.exhaustive,
-    };
+    let req = PlanRequest { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts, mode, exhaustive: a.exhaustive };
     let report = motley_solver::plan(&req).map_err(|e| match e {
         SolverError::DoesNotFit(m) => InputError(format!("{}: model does not fit: {m}", a.cluster.display())),
         other => InputError(other.to_string()),

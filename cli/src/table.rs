@@ -5,11 +5,7 @@ use motley_solver::PlanReport;
 
 pub fn render(r: &PlanReport, compare: bool) -> String {
     let mut out = String::new();
-    let proof = if r.search.proven_optimal {
-        "optimal in its space"
-    } else {
-        "best found"
-    };
+    let proof = if r.search.proven_optimal { "optimal in its space" } else { "best found" };
     out.push_str(&format!(
         "Plan for {} on {}: {} of {} GPUs, {} replica(s); search {} ({}, {} plans costed)\n",
         r.model,
@@ -32,18 +28,7 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
     ));
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
-    t.set_header(vec![
-        "replica",
-        "samples",
-        "stage",
-        "layers",
-        "gpu",
-        "tp",
-        "dp",
-        "gpus",
-        "memory GiB",
-        "time s",
-    ]);
+    t.set_header(vec!["replica", "samples", "stage", "layers", "gpu", "tp", "dp", "gpus", "memory GiB", "time s"]);
     for (ri, rep) in r.replicas.iter().enumerate() {
         for (si, s) in rep.stages.iter().enumerate() {
             let first = si == 0;
@@ -57,11 +42,7 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
                 Cell::new(s.dp),
                 Cell::new(compact_gpus(&s.gpus)),
                 Cell::new(format!("{:.1} / {:.1}", s.memory_gib_per_gpu, s.memory_capacity_gib)).set_alignment(CellAlignment::Right),
-                Cell::new(if first {
-                    format!("{:.3}", rep.iteration_time_s)
-                } else {
-                    String::new()
-                }),
+                Cell::new(if first { format!("{:.3}", rep.iteration_time_s) } else { String::new() }),
             ]);
         }
     }
@@ -101,10 +82,7 @@ fn compact_gpus(gpus: &[motley_solver::plan::GpuId]) -> String {
             }
             j += 1;
         }
-        let rs: Vec<String> = ranges
-            .iter()
-            .map(|&(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") })
-            .collect();
+        let rs: Vec<String> = ranges.iter().map(|&(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") }).collect();
         parts.push(format!("{node}:{}", rs.join(",")));
         i = j;
     }

@@ -22,11 +22,7 @@ fn json(args: &[&str]) -> serde_json::Value {
     let mut a = args.to_vec();
     a.extend(["-o", "json"]);
     let out = motley(&a);
-    assert!(
-        out.status.success(),
-        "motley {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "motley {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("valid JSON")
 }
 
@@ -49,10 +45,7 @@ fn check_contract(v: &serde_json::Value, layers: u64) {
     let mut seen = HashSet::new();
     for r in v["replicas"].as_array().unwrap() {
         samples += r["samples"].as_u64().unwrap();
-        assert_eq!(
-            r["samples"].as_u64().unwrap(),
-            r["micro_batches"].as_u64().unwrap() * v["micro_batch"].as_u64().unwrap()
-        );
+        assert_eq!(r["samples"].as_u64().unwrap(), r["micro_batches"].as_u64().unwrap() * v["micro_batch"].as_u64().unwrap());
         let mut next = 0;
         for s in r["stages"].as_array().unwrap() {
             let l = s["layers"].as_array().unwrap();
@@ -65,10 +58,7 @@ fn check_contract(v: &serde_json::Value, layers: u64) {
                 assert!(group.iter().all(|g| g["node"] == group[0]["node"]), "a TP group stays in one node");
             }
             for g in gpus {
-                assert!(
-                    seen.insert((g["node"].as_str().unwrap().to_string(), g["index"].as_u64().unwrap())),
-                    "a GPU is used once"
-                );
+                assert!(seen.insert((g["node"].as_str().unwrap().to_string(), g["index"].as_u64().unwrap())), "a GPU is used once");
             }
             assert!(s["memory_gib_per_gpu"].as_f64().unwrap() <= s["memory_capacity_gib"].as_f64().unwrap());
         }
@@ -93,14 +83,7 @@ fn plans_every_example_cluster() {
     ] {
         let v = json(&["plan", "--cluster", cluster, "--model", model]);
         check_contract(&v, layers);
-        assert_eq!(
-            v["gpus_total"].as_u64().unwrap(),
-            if cluster.contains("lab") {
-                40
-            } else {
-                v["gpus_total"].as_u64().unwrap()
-            }
-        );
+        assert_eq!(v["gpus_total"].as_u64().unwrap(), if cluster.contains("lab") { 40 } else { v["gpus_total"].as_u64().unwrap() });
     }
 }
 
@@ -108,10 +91,7 @@ fn plans_every_example_cluster() {
 fn beats_megatron_on_a_mixed_cluster() {
     let v = json(&["plan", "--cluster", "examples/a100-h800.yaml", "--model", "gpt3-6.7b"]);
     let speedup = v["baselines"]["megatron"]["speedup"].as_f64().unwrap();
-    assert!(
-        speedup > 1.2,
-        "asymmetric plans should beat symmetric Megatron clearly, got {speedup}"
-    );
+    assert!(speedup > 1.2, "asymmetric plans should beat symmetric Megatron clearly, got {speedup}");
 }
 
 #[test]
@@ -171,41 +151,20 @@ fn exhaustive_oracle_agrees_with_the_search() {
         "name: small\nnodes:\n  - {name: a, gpu: A100-40G, gpus: 2}\n  - {name: t, gpu: T4, gpus: 2, intra: pcie}\n",
     );
     let model = write_temp("m.yaml", "name: m\nlayers: 6\nhidden: 1024\nheads: 16\nseq_len: 512\nvocab: 8000\n");
-    let args = [
-        "plan",
-        "--cluster",
-        cluster.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--global-batch",
-        "4",
-    ];
+    let args = ["plan", "--cluster", cluster.to_str().unwrap(), "--model", model.to_str().unwrap(), "--global-batch", "4"];
     let fast = json(&args);
     let mut ex = args.to_vec();
     ex.push("--exhaustive");
     let slow = json(&ex);
     assert_eq!(slow["search"]["mode"], "exhaustive");
     assert!(fast["search"]["proven_optimal"].as_bool().unwrap());
-    let (a, b) = (
-        fast["iteration_time_s"].as_f64().unwrap(),
-        slow["iteration_time_s"].as_f64().unwrap(),
-    );
+    let (a, b) = (fast["iteration_time_s"].as_f64().unwrap(), slow["iteration_time_s"].as_f64().unwrap());
     assert!((a - b).abs() <= 1e-9 * b, "search {a} vs oracle {b}");
 }
 
 #[test]
 fn profiles_replace_the_roofline() {
-    let base = json(&[
-        "plan",
-        "--cluster",
-        "examples/a100-h800.yaml",
-        "--model",
-        "gpt3-6.7b",
-        "--tp",
-        "1",
-        "--micro-batch",
-        "1",
-    ]);
+    let base = json(&["plan", "--cluster", "examples/a100-h800.yaml", "--model", "gpt3-6.7b", "--tp", "1", "--micro-batch", "1"]);
     let slow = write_temp(
         "slow.yaml",
         "profiles:\n  - {gpu: A100-80G, tp: 1, micro_batch: 1, fwd_ms: 100, bwd_ms: 200}\n  - {gpu: H800, tp: 1, micro_batch: 1, fwd_ms: 100, bwd_ms: 200}\n",
@@ -224,27 +183,14 @@ fn profiles_replace_the_roofline() {
         slow.to_str().unwrap(),
     ]);
     assert!(prof["iteration_time_s"].as_f64().unwrap() > 3.0 * base["iteration_time_s"].as_f64().unwrap());
-    let ok = json(&[
-        "plan",
-        "--cluster",
-        "examples/a100-h800.yaml",
-        "--model",
-        "gpt3-6.7b",
-        "--profiles",
-        "examples/profiles.yaml",
-    ]);
+    let ok = json(&["plan", "--cluster", "examples/a100-h800.yaml", "--model", "gpt3-6.7b", "--profiles", "examples/profiles.yaml"]);
     check_contract(&ok, 32);
 }
 
 /// Bad input: one line on stderr naming the file and the field, exit code 2.
 fn refused(args: &[&str], must_contain: &[&str]) {
     let out = motley(args);
-    assert_eq!(
-        out.status.code(),
-        Some(2),
-        "{args:?} should exit 2; stderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_eq!(out.status.code(), Some(2), "{args:?} should exit 2; stderr: {}", String::from_utf8_lossy(&out.stderr));
     let err = String::from_utf8(out.stderr).unwrap();
     assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
     assert!(!err.contains("panicked"));
@@ -279,82 +225,25 @@ fn bad_cluster_files_are_refused_with_the_field_and_fix() {
         let _ = &path;
         refused(
             &["plan", "--cluster", &path, "--model", "gpt3-1.3b"],
-            &must
-                .iter()
-                .map(|s| if *s == "bad.yaml" { name.as_str() } else { s })
-                .collect::<Vec<_>>(),
+            &must.iter().map(|s| if *s == "bad.yaml" { name.as_str() } else { s }).collect::<Vec<_>>(),
         );
     }
 }
 
 #[test]
 fn bad_models_and_flags_are_refused() {
+    refused(&["plan", "--cluster", "examples/lab.yaml", "--model", "gpt5"], &["--model", "gpt5", "llama-7b"]);
+    let m = write_temp("badmodel.yaml", "name: m\nlayers: 4\nhidden: 1000\nheads: 16\nseq_len: 512\nvocab: 8000\n");
+    refused(&["plan", "--cluster", "examples/lab.yaml", "--model", m.to_str().unwrap()], &["badmodel.yaml", "hidden", "divisible"]);
+    let m = write_temp("badmodel2.yaml", "name: m\nlayers: 0\nhidden: 1024\nheads: 16\nseq_len: 512\nvocab: 8000\n");
+    refused(&["plan", "--cluster", "examples/lab.yaml", "--model", m.to_str().unwrap()], &["badmodel2.yaml", "layers"]);
+    refused(&["plan", "--cluster", "examples/lab.yaml", "--model", "gpt3-1.3b", "--micro-batch", "3"], &["--micro-batch", "divisor"]);
+    refused(&["plan", "--cluster", "examples/lab.yaml", "--model", "gpt3-1.3b", "--global-batch", "0"], &["--global-batch"]);
+    refused(&["plan", "--cluster", "examples/lab.yaml", "--model", "gpt3-1.3b", "--tp", "3"], &["--tp", "power of two"]);
+    refused(&["plan", "--cluster", "/nonexistent/c.yaml", "--model", "gpt3-1.3b"], &["/nonexistent/c.yaml", "cannot read"]);
+    let p = write_temp("badprof.yaml", "profiles:\n  - {gpu: H800, tp: 3, micro_batch: 1, fwd_ms: 1, bwd_ms: 2}\n");
     refused(
-        &["plan", "--cluster", "examples/lab.yaml", "--model", "gpt5"],
-        &["--model", "gpt5", "llama-7b"],
-    );
-    let m = write_temp(
-        "badmodel.yaml",
-        "name: m\nlayers: 4\nhidden: 1000\nheads: 16\nseq_len: 512\nvocab: 8000\n",
-    );
-    refused(
-        &["plan", "--cluster", "examples/lab.yaml", "--model", m.to_str().unwrap()],
-        &["badmodel.yaml", "hidden", "divisible"],
-    );
-    let m = write_temp(
-        "badmodel2.yaml",
-        "name: m\nlayers: 0\nhidden: 1024\nheads: 16\nseq_len: 512\nvocab: 8000\n",
-    );
-    refused(
-        &["plan", "--cluster", "examples/lab.yaml", "--model", m.to_str().unwrap()],
-        &["badmodel2.yaml", "layers"],
-    );
-    refused(
-        &[
-            "plan",
-            "--cluster",
-            "examples/lab.yaml",
-            "--model",
-            "gpt3-1.3b",
-            "--micro-batch",
-            "3",
-        ],
-        &["--micro-batch", "divisor"],
-    );
-    refused(
-        &[
-            "plan",
-            "--cluster",
-            "examples/lab.yaml",
-            "--model",
-            "gpt3-1.3b",
-            "--global-batch",
-            "0",
-        ],
-        &["--global-batch"],
-    );
-    refused(
-        &["plan", "--cluster", "examples/lab.yaml", "--model", "gpt3-1.3b", "--tp", "3"],
-        &["--tp", "power of two"],
-    );
-    refused(
-        &["plan", "--cluster", "/nonexistent/c.yaml", "--model", "gpt3-1.3b"],
-        &["/nonexistent/c.yaml", "cannot read"],
-    );
-    let p = write_temp(
-        "badprof.yaml",
-        "profiles:\n  - {gpu: H800, tp: 3, micro_batch: 1, fwd_ms: 1, bwd_ms: 2}\n",
-    );
-    refused(
-        &[
-            "plan",
-            "--cluster",
-            "examples/lab.yaml",
-            "--model",
-            "gpt3-1.3b",
-            "--profiles",
-            p.to_str().unwrap(),
-        ],
+        &["plan", "--cluster", "examples/lab.yaml", "--model", "gpt3-1.3b", "--profiles", p.to_str().unwrap()],
         &["badprof.yaml", "profiles[0].tp"],
     );
 }
@@ -362,8 +251,5 @@ fn bad_models_and_flags_are_refused() {
 #[test]
 fn a_model_that_fits_nowhere_says_how_much_it_needs() {
     let c = write_temp("t4.yaml", "name: t4\nnodes:\n  - {name: t, gpu: T4, gpus: 2, intra: pcie}\n");
-    refused(
-        &["plan", "--cluster", c.to_str().unwrap(), "--model", "llama-70b"],
-        &["t4.yaml", "does not fit", "GiB", "add GPUs"],
-    );
+    refused(&["plan", "--cluster", c.to_str().unwrap(), "--model", "llama-70b"], &["t4.yaml", "does not fit", "GiB", "add GPUs"]);
 }

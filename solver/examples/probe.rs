@@ -13,21 +13,10 @@ fn main() {
         let spec = common::cluster_strategy(6).new_tree(&mut runner).unwrap().current();
         let model = common::model_strategy(8).new_tree(&mut runner).unwrap().current();
         let (cluster, model) = common::build(&spec, &model);
-        let opts = PlanOptions {
-            global_batch: 4,
-            ..PlanOptions::default()
-        };
+        let opts = PlanOptions { global_batch: 4, ..PlanOptions::default() };
         let profiles = ProfileSet::default();
-        let cm = CostModel {
-            cluster: &cluster,
-            model: &model,
-            profiles: &profiles,
-            opts: &opts,
-        };
-        let base: Vec<_> = [Baseline::Megatron, Baseline::Whale]
-            .iter()
-            .filter_map(|&b| best_baseline(&cm, b))
-            .collect();
+        let cm = CostModel { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts };
+        let base: Vec<_> = [Baseline::Megatron, Baseline::Whale].iter().filter_map(|&b| best_baseline(&cm, b)).collect();
         let seeds: Vec<_> = base.iter().map(|x| x.1.clone()).collect();
         let bt = base.iter().map(|x| x.0).fold(f64::INFINITY, f64::min);
         match (search(&cm, SearchMode::Auto, &seeds), exhaustive(&cm, &seeds)) {

@@ -26,28 +26,24 @@ pub fn best_baseline(cm: &CostModel, which: Baseline) -> Option<(f64, PlanStruct
     let total = cluster.total_gpus();
     let mut best: Option<(f64, PlanStructure)> = None;
     let max_gpn = cluster.nodes.iter().map(|n| n.gpus).max().unwrap_or(1);
-    for tp in (0..8).map(|i| 1u32 << i).filter(|&t| t <= max_gpn && cm.model.spec.heads % t == 0) {
+    for tp in (0..8).map(|i| 1u32 << i).filter(|&t| t <= max_gpn && cm.model.spec.heads.is_multiple_of(t)) {
         if cm.opts.tp.is_some_and(|t| t != tp) {
             continue;
         }
         // TP groups in node order; a node whose GPU count tp does not divide leaves a remainder idle.
-        let groups: Vec<usize> = cluster
-            .nodes
-            .iter()
-            .flat_map(|n| std::iter::repeat_n(n.class, (n.gpus / tp) as usize))
-            .collect();
+        let groups: Vec<usize> = cluster.nodes.iter().flat_map(|n| std::iter::repeat_n(n.class, (n.gpus / tp) as usize)).collect();
         for pp in 1..=l.min(total / tp) {
-            if which == Baseline::Megatron && l % pp != 0 {
+            if which == Baseline::Megatron && !l.is_multiple_of(pp) {
                 continue;
             }
             let max_r = groups.len() as u32 / pp;
             for b in [1u32, 2, 4, 8] {
-                if cm.opts.micro_batch.is_some_and(|m| m != b) || cm.opts.global_batch % b != 0 {
+                if cm.opts.micro_batch.is_some_and(|m| m != b) || !cm.opts.global_batch.is_multiple_of(b) {
                     continue;
                 }
                 let n = cm.opts.global_batch / b;
                 let r = match which {
-                    Baseline::Megatron => (1..=max_r.min(n)).rev().find(|r| n % r == 0),
+                    Baseline::Megatron => (1..=max_r.min(n)).rev().find(|r| n.is_multiple_of(*r)),
                     Baseline::Whale => Some(max_r.min(n)).filter(|&r| r > 0),
                 };
                 let Some(r) = r else { continue };
@@ -90,20 +86,10 @@ fn grid_plan(cm: &CostModel, which: Baseline, groups: &[usize], tp: u32, pp: u32
                 .map(|s| {
                     let n = layers[s as usize];
                     start += n;
-                    StagePlan {
-                        kind: StageKind {
-                            class: class_of(rep, s),
-                            tp,
-                            dp: 1,
-                        },
-                        layers: (start - n, start),
-                    }
+                    StagePlan { kind: StageKind { class: class_of(rep, s), tp, dp: 1 }, layers: (start - n, start) }
                 })
                 .collect();
-            ReplicaPlan {
-                stages,
-                micro_batches: shares[rep as usize],
-            }
+            ReplicaPlan { stages, micro_batches: shares[rep as usize] }
         })
         .collect();
     PlanStructure { micro_batch: b, replicas }

@@ -123,11 +123,7 @@ impl<'a> CostModel<'a> {
         let mem_bw = gpu.mem_bw_gbps * 1e9;
         let intra = self.cluster.intra_bw(k.class) * 1e9;
         // Two all-reduces of the layer's activations forward, two backward (Megatron TP).
-        let tp_allreduce = if k.tp > 1 {
-            2.0 * (t - 1.0) / t * m * s * h * 2.0 / intra
-        } else {
-            0.0
-        };
+        let tp_allreduce = if k.tp > 1 { 2.0 * (t - 1.0) / t * m * s * h * 2.0 / intra } else { 0.0 };
         let profiled = self.profiles.lookup(&gpu.name, k.tp, m.round() as u32).filter(|_| m.fract() == 0.0);
         let (fwd, bwd) = match profiled {
             Some(p) => (p.fwd_ms / 1e3, p.bwd_ms / 1e3),
@@ -278,12 +274,7 @@ impl<'a> CostModel<'a> {
             let per_param = if self.opts.zero1 { 4.0 + 24.0 / kinds[i].dp as f64 } else { 28.0 };
             optimizer = optimizer.max(params_gpu * per_param / costs[i].mem_bw);
         }
-        ReplicaTime {
-            latency,
-            period,
-            exposed_sync: exposed.max(0.0),
-            optimizer,
-        }
+        ReplicaTime { latency, period, exposed_sync: exposed.max(0.0), optimizer }
     }
 
     /// Peak bytes per GPU of every stage; `max_inflight` caps the micro-batches in flight.
@@ -301,11 +292,7 @@ impl<'a> CostModel<'a> {
     pub fn sync_context(&self, replicas: u32, gpus: &[u32]) -> SyncContext {
         let used: Vec<usize> = (0..gpus.len()).filter(|&c| gpus[c] > 0).collect();
         if used.len() == 1 && gpus[used[0]] <= self.cluster.classes[used[0]].gpus_per_node {
-            return SyncContext {
-                replicas,
-                ring_bw: self.cluster.intra_bw(used[0]),
-                ring_intra: true,
-            };
+            return SyncContext { replicas, ring_bw: self.cluster.intra_bw(used[0]), ring_intra: true };
         }
         let mut bw = f64::INFINITY;
         for (i, &a) in used.iter().enumerate() {
@@ -316,10 +303,6 @@ impl<'a> CostModel<'a> {
                 bw = bw.min(self.cluster.inter_bw(a, b));
             }
         }
-        SyncContext {
-            replicas,
-            ring_bw: bw,
-            ring_intra: false,
-        }
+        SyncContext { replicas, ring_bw: bw, ring_intra: false }
     }
 }

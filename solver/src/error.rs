@@ -14,10 +14,7 @@ pub enum SolverError {
 
 impl SolverError {
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
-        SolverError::InvalidInput {
-            field: field.into(),
-            message: message.into(),
-        }
+        SolverError::InvalidInput { field: field.into(), message: message.into() }
     }
 }
 

@@ -161,10 +161,7 @@ impl Cluster {
             types.insert(g.name.to_ascii_lowercase(), g.clone());
         }
         if spec.nodes.is_empty() {
-            return Err(SolverError::invalid(
-                "nodes",
-                "the cluster has no nodes; add at least one entry under nodes:",
-            ));
+            return Err(SolverError::invalid("nodes", "the cluster has no nodes; add at least one entry under nodes:"));
         }
         let mut nodes = Vec::new();
         let mut classes: Vec<NodeClass> = Vec::new();
@@ -178,11 +175,7 @@ impl Cluster {
                 let known: Vec<String> = gpu_catalog().into_iter().map(|g| g.name).collect();
                 SolverError::invalid(
                     f("gpu"),
-                    format!(
-                        "unknown GPU type '{}'; use one of {} or declare it under gpu_types",
-                        n.gpu,
-                        known.join(", ")
-                    ),
+                    format!("unknown GPU type '{}'; use one of {} or declare it under gpu_types", n.gpu, known.join(", ")),
                 )
             })?;
             if n.gpus == 0 {
@@ -196,33 +189,20 @@ impl Cluster {
             let mut nic_names: BTreeMap<NicKind, Vec<String>> = BTreeMap::new();
             for (j, nic) in n.nics.iter().enumerate() {
                 if !(nic.gbps.is_finite() && nic.gbps > 0.0) {
-                    return Err(SolverError::invalid(
-                        format!("nodes[{i}].nics[{j}].gbps"),
-                        "must be a positive line rate in Gbit/s",
-                    ));
+                    return Err(SolverError::invalid(format!("nodes[{i}].nics[{j}].gbps"), "must be a positive line rate in Gbit/s"));
                 }
                 *nic_gbps.entry(nic.kind).or_insert(0.0) += nic.gbps;
                 nic_names.entry(nic.kind).or_default().push(nic.name.clone());
             }
-            if !nic_gbps.contains_key(&NicKind::Ethernet) {
-                // IPoIB / management Ethernet always exists in practice; price it conservatively.
-                nic_gbps.insert(NicKind::Ethernet, DEFAULT_ETHERNET_GBIT);
-            }
+            nic_gbps.entry(NicKind::Ethernet).or_insert(DEFAULT_ETHERNET_GBIT);
             if let Some(p) = n.price_per_gpu_hour {
                 if !(p.is_finite() && p >= 0.0) {
                     return Err(SolverError::invalid(f("price_per_gpu_hour"), "must be a non-negative number"));
                 }
             }
-            let intra = n.intra.unwrap_or(if gpu.nvlink_gbps > 0.0 {
-                IntraLink::Nvlink
-            } else {
-                IntraLink::Pcie
-            });
+            let intra = n.intra.unwrap_or(if gpu.nvlink_gbps > 0.0 { IntraLink::Nvlink } else { IntraLink::Pcie });
             if intra == IntraLink::Nvlink && gpu.nvlink_gbps <= 0.0 {
-                return Err(SolverError::invalid(
-                    f("intra"),
-                    format!("{} has no NVLink (nvlink_gbps is 0); use intra: pcie", gpu.name),
-                ));
+                return Err(SolverError::invalid(f("intra"), format!("{} has no NVLink (nvlink_gbps is 0); use intra: pcie", gpu.name)));
             }
             let class = NodeClass {
                 gpu: gpu.clone(),
@@ -240,11 +220,8 @@ impl Cluster {
                     classes.len() - 1
                 }
             };
-            let names: Vec<String> = if n.count.is_some() {
-                (0..count).map(|k| format!("{}-{k}", n.name)).collect()
-            } else {
-                vec![n.name.clone()]
-            };
+            let names: Vec<String> =
+                if n.count.is_some() { (0..count).map(|k| format!("{}-{k}", n.name)).collect() } else { vec![n.name.clone()] };
             for name in names {
                 if !seen.insert(name.clone()) {
                     return Err(SolverError::invalid(
@@ -253,18 +230,10 @@ impl Cluster {
                     ));
                 }
                 classes[ci].nodes.push(nodes.len());
-                nodes.push(Node {
-                    name,
-                    class: ci,
-                    gpus: n.gpus,
-                });
+                nodes.push(Node { name, class: ci, gpus: n.gpus });
             }
         }
-        Ok(Cluster {
-            name: spec.name.clone(),
-            nodes,
-            classes,
-        })
+        Ok(Cluster { name: spec.name.clone(), nodes, classes })
     }
 
     pub fn total_gpus(&self) -> u32 {

@@ -84,18 +84,12 @@ impl Model {
         nz("heads", spec.heads as u64)?;
         nz("seq_len", seq_len_override.unwrap_or(spec.seq_len))?;
         nz("vocab", spec.vocab)?;
-        if spec.hidden % spec.heads as u64 != 0 {
-            return Err(SolverError::invalid(
-                "hidden",
-                format!("{} is not divisible by heads ({})", spec.hidden, spec.heads),
-            ));
+        if !spec.hidden.is_multiple_of(spec.heads as u64) {
+            return Err(SolverError::invalid("hidden", format!("{} is not divisible by heads ({})", spec.hidden, spec.heads)));
         }
         let kv = spec.kv_heads.unwrap_or(spec.heads);
-        if kv == 0 || spec.heads % kv != 0 {
-            return Err(SolverError::invalid(
-                "kv_heads",
-                format!("must divide heads ({}); got {kv}", spec.heads),
-            ));
+        if kv == 0 || !spec.heads.is_multiple_of(kv) {
+            return Err(SolverError::invalid("kv_heads", format!("must divide heads ({}); got {kv}", spec.heads)));
         }
         let ffn = spec.ffn_hidden.unwrap_or(4 * spec.hidden);
         nz("ffn_hidden", ffn)?;

@@ -6,7 +6,7 @@
 use crate::cost::{CostModel, StageKind};
 use crate::error::{Result, SolverError};
 use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
-use crate::search::{configurations_for_oracle, max_stages};
+use crate::search::{configurations_for_oracle, max_stages, shape_kinds, units_per_class};
 
 /// Stops the oracle from running for ever on a large input.
 pub const ORACLE_PLAN_LIMIT: u64 = 200_000_000;
@@ -23,10 +23,7 @@ pub fn exhaustive(cm: &CostModel, seeds: &[PlanStructure]) -> Result<OracleResul
     let mut consider = |p: &PlanStructure, costed: &mut u64| -> Result<()> {
         *costed += 1;
         if *costed > ORACLE_PLAN_LIMIT {
-            return Err(SolverError::invalid(
-                "--exhaustive",
-                "the brute-force oracle is for clusters of a few GPUs; drop --exhaustive",
-            ));
+            return Err(SolverError::invalid("--exhaustive", "the brute-force oracle is for clusters of a few GPUs; drop --exhaustive"));
         }
         if cm.check_structure(p).is_err() {
             return Ok(());
@@ -43,48 +40,8 @@ pub fn exhaustive(cm: &CostModel, seeds: &[PlanStructure]) -> Result<OracleResul
     let l = cm.model.layers();
     for (tp, b) in configurations_for_oracle(cm) {
         let n = cm.opts.global_batch / b;
-        let units: Vec<u32> = cm
-            .cluster
-            .classes
-            .iter()
-            .map(|c| c.nodes.len() as u32 * (c.gpus_per_node / tp))
-            .collect();
-        let dps: Vec<u32> = (0..4).map(|i| 1u32 << i).filter(|&d| d <= b && b % d == 0).collect();
-        // Every shape: ordered blocks of distinct classes, p stages of one dp each.
-        let mut shapes: Vec<Vec<StageKind>> = vec![];
-        let pmax = max_stages(cm, tp);
-        fn blocks(
-            cur: &mut Vec<StageKind>,
-            used: &mut Vec<bool>,
-            units: &[u32],
-            dps: &[u32],
-            tp: u32,
-            pmax: u32,
-            out: &mut Vec<Vec<StageKind>>,
-        ) {
-            if !cur.is_empty() {
-                out.push(cur.clone());
-            }
-            for c in 0..units.len() {
-                if used[c] {
-                    continue;
-                }
-                for &d in dps {
-                    for p in 1..=pmax.saturating_sub(cur.len() as u32) {
-                        if p * d > units[c] {
-                            continue;
-                        }
-                        used[c] = true;
-                        let len = cur.len();
-                        cur.extend((0..p).map(|_| StageKind { class: c, tp, dp: d }));
-                        blocks(cur, used, units, dps, tp, pmax, out);
-                        cur.truncate(len);
-                        used[c] = false;
-                    }
-                }
-            }
-        }
-        blocks(&mut vec![], &mut vec![false; units.len()], &units, &dps, tp, pmax, &mut shapes);
+        let units = units_per_class(cm, tp);
+        let shapes = shape_kinds(&units, tp, b, 8, max_stages(cm, tp), usize::MAX);
         // Every multiset of shapes that fits, then every layer split and batch split.
         let mut chosen: Vec<usize> = vec![];
         fn multisets(
@@ -133,16 +90,10 @@ pub fn exhaustive(cm: &CostModel, seeds: &[PlanStructure]) -> Result<OracleResul
                                 .zip(&splits[ri][idx[ri]])
                                 .map(|(&kind, &nl)| {
                                     start += nl;
-                                    StagePlan {
-                                        kind,
-                                        layers: (start - nl, start),
-                                    }
+                                    StagePlan { kind, layers: (start - nl, start) }
                                 })
                                 .collect();
-                            ReplicaPlan {
-                                stages,
-                                micro_batches: ks[ri],
-                            }
+                            ReplicaPlan { stages, micro_batches: ks[ri] }
                         })
                         .collect();
                     consider(&PlanStructure { micro_batch: b, replicas }, &mut costed)?;
@@ -164,11 +115,7 @@ pub fn exhaustive(cm: &CostModel, seeds: &[PlanStructure]) -> Result<OracleResul
         })?;
     }
     match best {
-        Some((t, plan)) => Ok(OracleResult {
-            plan,
-            iteration_time: t,
-            plans_costed: costed,
-        }),
+        Some((t, plan)) => Ok(OracleResult { plan, iteration_time: t, plans_costed: costed }),
         None => Err(SolverError::DoesNotFit(crate::search::does_not_fit_message(cm))),
     }
 }

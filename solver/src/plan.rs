@@ -65,20 +65,12 @@ impl<'a> CostModel<'a> {
         let gpus = plan.gpus_per_class(self.cluster.classes.len());
         let ctx = self.sync_context(plan.replicas.len() as u32, &gpus);
         let max_inflight = plan.total_micro_batches();
-        let mut out = Evaluation {
-            iteration_time: 0.0,
-            replica_times: vec![],
-            memory: vec![],
-            capacity: vec![],
-            fits: true,
-        };
+        let mut out = Evaluation { iteration_time: 0.0, replica_times: vec![], memory: vec![], capacity: vec![], fits: true };
         for r in &plan.replicas {
             let kinds: Vec<StageKind> = r.stages.iter().map(|s| s.kind).collect();
             let costs: Vec<LayerCost> = kinds.iter().map(|&k| self.layer_cost(k, plan.micro_batch)).collect();
             let layers: Vec<u32> = r.stages.iter().map(|s| s.layers.1 - s.layers.0).collect();
-            let t = self
-                .replica_time(&ctx, &kinds, &costs, &layers, plan.micro_batch)
-                .total(r.micro_batches);
+            let t = self.replica_time(&ctx, &kinds, &costs, &layers, plan.micro_batch).total(r.micro_batches);
             let mem = self.replica_memory(&costs, &layers, max_inflight);
             let cap: Vec<f64> = costs.iter().map(|c| c.capacity).collect();
             out.fits &= mem.iter().zip(&cap).all(|(m, c)| m <= c);
@@ -112,7 +104,7 @@ impl<'a> CostModel<'a> {
                 if s.layers.0 != next || s.layers.1 <= s.layers.0 {
                     return Err(format!("replica {ri}: stage layers must be contiguous and non-empty"));
                 }
-                if plan.micro_batch % s.kind.dp != 0 {
+                if !plan.micro_batch.is_multiple_of(s.kind.dp) {
                     return Err(format!("replica {ri}: stage dp {} does not divide the micro-batch", s.kind.dp));
                 }
                 next = s.layers.1;
@@ -150,10 +142,7 @@ pub fn place(cluster: &Cluster, plan: &PlanStructure) -> Option<Vec<Vec<Vec<GpuI
                 let node = class.nodes.iter().copied().find(|&n| free[n] >= s.kind.tp)?;
                 let start = cluster.nodes[node].gpus - free[node];
                 for i in 0..s.kind.tp {
-                    gpus.push(GpuId {
-                        node: cluster.nodes[node].name.clone(),
-                        index: start + i,
-                    });
+                    gpus.push(GpuId { node: cluster.nodes[node].name.clone(), index: start + i });
                 }
                 free[node] -= s.kind.tp;
             }

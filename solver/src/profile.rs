@@ -59,8 +59,6 @@ impl ProfileSet {
     }
 
     pub fn lookup(&self, gpu: &str, tp: u32, micro_batch: u32) -> Option<&LayerProfile> {
-        self.profiles
-            .iter()
-            .find(|p| p.tp == tp && p.micro_batch == micro_batch && p.gpu.eq_ignore_ascii_case(gpu))
+        self.profiles.iter().find(|p| p.tp == tp && p.micro_batch == micro_batch && p.gpu.eq_ignore_ascii_case(gpu))
     }
 }

@@ -91,36 +91,19 @@ pub struct PlanRequest<'a> {
 
 /// Plan, compare with the baselines, and lay out the report.
 pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
-    let cm = CostModel {
-        cluster: req.cluster,
-        model: req.model,
-        profiles: req.profiles,
-        opts: req.opts,
-    };
+    let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
     let megatron = best_baseline(&cm, Baseline::Megatron);
     let whale = best_baseline(&cm, Baseline::Whale);
     let seeds: Vec<PlanStructure> = [&megatron, &whale].iter().filter_map(|b| b.as_ref().map(|x| x.1.clone())).collect();
     let (structure, t, stats) = if req.exhaustive {
         let o = oracle::exhaustive(&cm, &seeds)?;
-        let stats = SearchStats {
-            mode: "exhaustive".into(),
-            plans_costed: o.plans_costed,
-            proven_optimal: true,
-            ..Default::default()
-        };
+        let stats = SearchStats { mode: "exhaustive".into(), plans_costed: o.plans_costed, proven_optimal: true, ..Default::default() };
         (o.plan, o.iteration_time, stats)
     } else {
         let s = search(&cm, req.mode, &seeds)?;
         (s.plan, s.iteration_time, s.stats)
     };
-    Ok(build_report(
-        &cm,
-        &structure,
-        t,
-        stats,
-        req.exhaustive,
-        [("megatron", megatron), ("whale", whale)],
-    ))
+    Ok(build_report(&cm, &structure, t, stats, req.exhaustive, [("megatron", megatron), ("whale", whale)]))
 }
 
 fn build_report(
@@ -132,11 +115,7 @@ fn build_report(
     baselines: [(&str, Option<(f64, PlanStructure)>); 2],
 ) -> PlanReport {
     let eval = cm.evaluate(plan);
-    debug_assert!(
-        (eval.iteration_time - t).abs() <= 1e-9 * t.max(1.0),
-        "search price {t} != evaluation {}",
-        eval.iteration_time
-    );
+    debug_assert!((eval.iteration_time - t).abs() <= 1e-9 * t.max(1.0), "search price {t} != evaluation {}", eval.iteration_time);
     let placement = place(cm.cluster, plan).expect("searched plans fit the cluster");
     let replicas = plan
         .replicas
@@ -164,12 +143,7 @@ fn build_report(
         .collect();
     let b = cm.opts.global_batch as f64;
     let flops = b * 3.0 * (cm.model.layers() as f64 * cm.model.layer_fwd_flops + cm.model.head_fwd_flops);
-    let peak: f64 = cm
-        .cluster
-        .nodes
-        .iter()
-        .map(|n| n.gpus as f64 * cm.cluster.classes[n.class].gpu.tflops * 1e12)
-        .sum();
+    let peak: f64 = cm.cluster.nodes.iter().map(|n| n.gpus as f64 * cm.cluster.classes[n.class].gpu.tflops * 1e12).sum();
     let baselines = baselines
         .into_iter()
         .map(|(name, b)| {

@@ -13,12 +13,7 @@ pub fn gpu_types() -> Vec<GpuType> {
         mem_bw_gbps: 900.0,
         nvlink_gbps,
     };
-    vec![
-        g("Big", 12.0, 300.0, 600.0),
-        g("Mid", 8.0, 150.0, 300.0),
-        g("Small", 4.0, 60.0, 0.0),
-        g("Roomy", 24.0, 40.0, 0.0),
-    ]
+    vec![g("Big", 12.0, 300.0, 600.0), g("Mid", 8.0, 150.0, 300.0), g("Small", 4.0, 60.0, 0.0), g("Roomy", 24.0, 40.0, 0.0)]
 }
 
 pub fn node_strategy() -> impl Strategy<Value = (usize, u32, u32, u8)> {
@@ -38,32 +33,16 @@ pub fn cluster_strategy(max_gpus: u32) -> impl Strategy<Value = ClusterSpec> {
             .map(|(i, &(t, gpus, count, net))| {
                 let gpu = &types[t];
                 let nics = match net {
-                    0 => vec![NicSpec {
-                        name: "eth0".into(),
-                        kind: NicKind::Ethernet,
-                        gbps: 25.0,
-                    }],
-                    1 => vec![NicSpec {
-                        name: "mlx5_0".into(),
-                        kind: NicKind::Ib,
-                        gbps: 200.0,
-                    }],
-                    _ => vec![NicSpec {
-                        name: "mlx5_0".into(),
-                        kind: NicKind::Roce,
-                        gbps: 100.0,
-                    }],
+                    0 => vec![NicSpec { name: "eth0".into(), kind: NicKind::Ethernet, gbps: 25.0 }],
+                    1 => vec![NicSpec { name: "mlx5_0".into(), kind: NicKind::Ib, gbps: 200.0 }],
+                    _ => vec![NicSpec { name: "mlx5_0".into(), kind: NicKind::Roce, gbps: 100.0 }],
                 };
                 NodeSpec {
                     name: format!("n{i}"),
                     count: Some(count),
                     gpu: gpu.name.clone(),
                     gpus,
-                    intra: Some(if gpu.nvlink_gbps > 0.0 {
-                        IntraLink::Nvlink
-                    } else {
-                        IntraLink::Pcie
-                    }),
+                    intra: Some(if gpu.nvlink_gbps > 0.0 { IntraLink::Nvlink } else { IntraLink::Pcie }),
                     nics,
                     rdma_domain: Some("dc".into()),
                     spot: false,
@@ -71,21 +50,13 @@ pub fn cluster_strategy(max_gpus: u32) -> impl Strategy<Value = ClusterSpec> {
                 }
             })
             .collect();
-        Some(ClusterSpec {
-            name: "random".into(),
-            nodes: specs,
-            gpu_types: types,
-        })
+        Some(ClusterSpec { name: "random".into(), nodes: specs, gpu_types: types })
     })
 }
 
 pub fn model_strategy(max_layers: u32) -> impl Strategy<Value = ModelSpec> {
-    (
-        2u32..=max_layers,
-        prop_oneof![Just(512u64), Just(1024), Just(2048)],
-        prop_oneof![Just(512u64), Just(1024)],
-    )
-        .prop_map(|(layers, hidden, seq_len)| ModelSpec {
+    (2u32..=max_layers, prop_oneof![Just(512u64), Just(1024), Just(2048)], prop_oneof![Just(512u64), Just(1024)]).prop_map(
+        |(layers, hidden, seq_len)| ModelSpec {
             name: "tiny".into(),
             layers,
             hidden,
@@ -95,7 +66,8 @@ pub fn model_strategy(max_layers: u32) -> impl Strategy<Value = ModelSpec> {
             ffn_hidden: None,
             kv_heads: None,
             gated_mlp: false,
-        })
+        },
+    )
 }
 
 pub fn build(spec: &ClusterSpec, model: &ModelSpec) -> (Cluster, Model) {

@@ -12,9 +12,19 @@ use std::collections::BinaryHeap;
 
 use super::shapes::{time_at, Point};
 
-#[derive(PartialEq, PartialOrd)]
+/// A time ordered by `f64::total_cmp`, for the heap.
 struct Key(f64);
+impl PartialEq for Key {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o).is_eq()
+    }
+}
 impl Eq for Key {}
+impl PartialOrd for Key {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
 impl Ord for Key {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
         self.0.total_cmp(&o.0)
@@ -58,17 +68,7 @@ pub fn allocate(groups: &[(&[Point], u32)], n: u32) -> Option<(f64, Vec<Vec<u32>
 
 /// Micro-batches a replica with Pareto points `pts` (base, period) finishes within `t`.
 pub fn capacity(pts: &[(f64, f64)], t: f64) -> u64 {
-    pts.iter()
-        .filter(|p| p.0 <= t)
-        .map(|p| {
-            if p.1 > 0.0 {
-                ((t - p.0) / p.1).floor() as u64 + 1
-            } else {
-                u64::MAX / 4
-            }
-        })
-        .max()
-        .unwrap_or(0)
+    pts.iter().filter(|p| p.0 <= t).map(|p| if p.1 > 0.0 { ((t - p.0) / p.1).floor() as u64 + 1 } else { u64::MAX / 4 }).max().unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use std::rc::Rc;
 use crate::cost::{CostModel, StageKind};
 use crate::error::{Result, SolverError};
 use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
-use shapes::{best_point, Point, Shape};
+use shapes::{best_point, Point, Shape, ShapeBuilder};
 
 /// How hard to search.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,25 +88,18 @@ fn configurations(cm: &CostModel, mode: SearchMode) -> Vec<Config> {
     let heads = cm.model.spec.heads;
     let tps: Vec<u32> = match cm.opts.tp {
         Some(t) => vec![t],
-        None => (0..8).map(|i| 1u32 << i).filter(|&t| t <= max_gpn && heads % t == 0).collect(),
+        None => (0..8).map(|i| 1u32 << i).filter(|&t| t <= max_gpn && heads.is_multiple_of(t)).collect(),
     };
     let b_max = if mode == SearchMode::Fast { FAST_MAX_MICRO_BATCH } else { 8 };
     let bs: Vec<u32> = match cm.opts.micro_batch {
         Some(b) => vec![b],
-        None => (0..4)
-            .map(|i| 1u32 << i)
-            .filter(|&b| b <= b_max && cm.opts.global_batch % b == 0)
-            .collect(),
+        None => (0..4).map(|i| 1u32 << i).filter(|&b| b <= b_max && cm.opts.global_batch.is_multiple_of(b)).collect(),
     };
     let mut out = vec![];
     for &tp in &tps {
         for &b in &bs {
-            if cm.opts.global_batch % b == 0 {
-                out.push(Config {
-                    tp,
-                    micro_batch: b,
-                    micro_batches: cm.opts.global_batch / b,
-                });
+            if cm.opts.global_batch.is_multiple_of(b) {
+                out.push(Config { tp, micro_batch: b, micro_batches: cm.opts.global_batch / b });
             }
         }
     }
@@ -115,10 +108,7 @@ fn configurations(cm: &CostModel, mode: SearchMode) -> Vec<Config> {
 
 /// The (tp, micro-batch) pairs of the exact space, for the oracle.
 pub fn configurations_for_oracle(cm: &CostModel) -> Vec<(u32, u32)> {
-    configurations(cm, SearchMode::Exact)
-        .iter()
-        .map(|c| (c.tp, c.micro_batch))
-        .collect()
+    configurations(cm, SearchMode::Exact).iter().map(|c| (c.tp, c.micro_batch)).collect()
 }
 
 /// Longest pipeline worth trying: enough stages for the tightest class to hold the model,
@@ -138,118 +128,78 @@ pub fn max_stages(cm: &CostModel, tp: u32) -> u32 {
     need.max(8).min(cm.model.layers())
 }
 
-/// Every shape of a configuration: ordered blocks of distinct classes, each block `p`
-/// stages of one dp.
-fn enumerate_shapes(cm: &CostModel, ci: usize, cfg: Config, mode: SearchMode) -> Vec<Shape> {
-    let classes = &cm.cluster.classes;
-    let units: Vec<u32> = classes.iter().map(|c| c.nodes.len() as u32 * (c.gpus_per_node / cfg.tp)).collect();
-    let pmax = max_stages(cm, cfg.tp);
-    let max_dp = if mode == SearchMode::Fast { FAST_MAX_STAGE_DP } else { 8 };
-    let bottleneck_ratio = if mode == SearchMode::Fast {
-        FAST_MAX_BOTTLENECK_RATIO
-    } else {
-        f64::INFINITY
-    };
-    let max_classes = if mode == SearchMode::Fast {
-        FAST_MAX_CLASSES_PER_REPLICA
-    } else {
-        usize::MAX
-    };
-    let dps: Vec<u32> = (0..4)
-        .map(|i| 1u32 << i)
-        .filter(|&d| d <= max_dp && d <= cfg.micro_batch && cfg.micro_batch % d == 0)
-        .collect();
-    let split_limit = if mode == SearchMode::Exact {
-        EXACT_SPLIT_LIMIT
-    } else {
-        FAST_SPLIT_LIMIT
-    };
-    let mut blocks_per_class: Vec<Vec<(u32, u32)>> = vec![vec![]; classes.len()];
-    for (c, bl) in blocks_per_class.iter_mut().enumerate() {
-        for &d in &dps {
-            for p in 1..=pmax {
-                if p * d <= units[c] {
-                    bl.push((p, d));
-                }
-            }
-        }
-    }
+/// The stage lists of every shape of a configuration (the space's definition, shared with
+/// the oracle): ordered blocks of distinct node classes, each block `p >= 1` stages of one
+/// dp `d` (a power of two dividing the micro-batch, at most `max_dp`), at most `max_classes`
+/// blocks and `pmax` stages, within the TP groups each class has.
+pub fn shape_kinds(units: &[u32], tp: u32, micro_batch: u32, max_dp: u32, pmax: u32, max_classes: usize) -> Vec<Vec<StageKind>> {
+    let dps: Vec<u32> = (0..4).map(|i| 1u32 << i).filter(|&d| d <= max_dp && d <= micro_batch && micro_batch.is_multiple_of(d)).collect();
     let mut out = vec![];
-    let mut stack: Vec<(usize, u32, u32)> = vec![];
+    let mut used = vec![false; units.len()];
+    let mut cur: Vec<StageKind> = vec![];
     fn rec(
-        cm: &CostModel,
-        ci: usize,
-        cfg: Config,
+        units: &[u32],
+        dps: &[u32],
+        tp: u32,
         pmax: u32,
         max_classes: usize,
-        split_limit: u64,
-        bottleneck_ratio: f64,
-        layer_costs: &mut HashMap<StageKind, crate::cost::LayerCost>,
-        blocks: &[Vec<(u32, u32)>],
-        stack: &mut Vec<(usize, u32, u32)>,
-        out: &mut Vec<Shape>,
+        used: &mut [bool],
+        cur: &mut Vec<StageKind>,
+        out: &mut Vec<Vec<StageKind>>,
     ) {
-        let used: u32 = stack.iter().map(|b| b.1).sum();
-        if !stack.is_empty() {
-            let kinds: Vec<StageKind> = stack
-                .iter()
-                .flat_map(|&(class, p, dp)| (0..p).map(move |_| StageKind { class, tp: cfg.tp, dp }))
-                .collect();
-            if let Some(s) = Shape::build(
-                cm,
-                ci,
-                kinds,
-                cfg.micro_batch,
-                cfg.micro_batches,
-                split_limit,
-                bottleneck_ratio,
-                layer_costs,
-            ) {
-                out.push(s);
-            }
+        if !cur.is_empty() {
+            out.push(cur.clone());
         }
-        if stack.len() >= max_classes {
+        if used.iter().filter(|&&u| u).count() >= max_classes {
             return;
         }
-        for c in 0..blocks.len() {
-            if stack.iter().any(|b| b.0 == c) {
+        for c in 0..units.len() {
+            if used[c] {
                 continue;
             }
-            for &(p, d) in &blocks[c] {
-                if used + p <= pmax {
-                    stack.push((c, p, d));
-                    rec(
-                        cm,
-                        ci,
-                        cfg,
-                        pmax,
-                        max_classes,
-                        split_limit,
-                        bottleneck_ratio,
-                        layer_costs,
-                        blocks,
-                        stack,
-                        out,
-                    );
-                    stack.pop();
+            for &d in dps {
+                for p in 1..=pmax.saturating_sub(cur.len() as u32) {
+                    if p * d > units[c] {
+                        break;
+                    }
+                    used[c] = true;
+                    let len = cur.len();
+                    cur.extend((0..p).map(|_| StageKind { class: c, tp, dp: d }));
+                    rec(units, dps, tp, pmax, max_classes, used, cur, out);
+                    cur.truncate(len);
+                    used[c] = false;
                 }
             }
         }
     }
-    rec(
-        cm,
-        ci,
-        cfg,
-        pmax,
-        max_classes,
-        split_limit,
-        bottleneck_ratio,
-        &mut HashMap::new(),
-        &blocks_per_class,
-        &mut stack,
-        &mut out,
-    );
+    rec(units, &dps, tp, pmax, max_classes, &mut used, &mut cur, &mut out);
     out
+}
+
+/// TP groups of `tp` GPUs each node class holds (a TP group never leaves a node).
+pub fn units_per_class(cm: &CostModel, tp: u32) -> Vec<u32> {
+    cm.cluster.classes.iter().map(|c| c.nodes.len() as u32 * (c.gpus_per_node / tp)).collect()
+}
+
+/// Every shape of a configuration that can hold the model, with its layer splits.
+fn enumerate_shapes(cm: &CostModel, cfg: Config, mode: SearchMode) -> Vec<Shape> {
+    let fast = mode == SearchMode::Fast;
+    let kinds = shape_kinds(
+        &units_per_class(cm, cfg.tp),
+        cfg.tp,
+        cfg.micro_batch,
+        if fast { FAST_MAX_STAGE_DP } else { 8 },
+        max_stages(cm, cfg.tp),
+        if fast { FAST_MAX_CLASSES_PER_REPLICA } else { usize::MAX },
+    );
+    let mut builder = ShapeBuilder::new(
+        cm,
+        cfg.micro_batch,
+        cfg.micro_batches,
+        if fast { FAST_SPLIT_LIMIT } else { EXACT_SPLIT_LIMIT },
+        if fast { FAST_MAX_BOTTLENECK_RATIO } else { f64::INFINITY },
+    );
+    kinds.into_iter().filter_map(|k| builder.build(k)).collect()
 }
 
 /// The shapes of every configuration, built on all cores (configurations are independent),
@@ -258,15 +208,13 @@ fn enumerate_shapes(cm: &CostModel, ci: usize, cfg: Config, mode: SearchMode) ->
 fn build_shapes_in_parallel(cm: &CostModel, configs: &[Config], mode: SearchMode) -> Vec<(Config, Vec<Shape>, bool)> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let next = AtomicUsize::new(0);
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, configs.len().max(1));
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, configs.len().max(1));
     let work = || {
         let mut done = vec![];
         loop {
             let ci = next.fetch_add(1, Ordering::Relaxed);
             let Some(&cfg) = configs.get(ci) else { break };
-            let mut shapes = enumerate_shapes(cm, ci, cfg, mode);
+            let mut shapes = enumerate_shapes(cm, cfg, mode);
             let all_splits = shapes.iter().all(|s| s.all_splits);
             if mode == SearchMode::Fast {
                 shapes = prune_dominated(shapes);
@@ -301,9 +249,7 @@ fn prune_dominated(mut shapes: Vec<Shape>) -> Vec<Shape> {
     let dominated = |a: &Shape, b: &Shape| {
         // b dominates a
         b.units.iter().zip(&a.units).all(|(x, y)| x <= y)
-            && a.optimistic
-                .iter()
-                .all(|pa| b.optimistic.iter().any(|pb| pb.0 <= pa.0 && pb.1 <= pa.1))
+            && a.optimistic.iter().all(|pa| b.optimistic.iter().any(|pb| pb.0 <= pa.0 && pb.1 <= pa.1))
     };
     shapes.sort_by(|a, b| rate(b).total_cmp(&rate(a)));
     let mut keep: Vec<Shape> = vec![];
@@ -342,12 +288,7 @@ struct Dfs<'a, 'b> {
 impl<'a, 'b> Dfs<'a, 'b> {
     fn new(cm: &'a CostModel<'b>, cfg: Config, shapes: &'a [Shape], tolerance: f64) -> Self {
         let classes = cm.cluster.classes.len();
-        let units: Vec<u32> = cm
-            .cluster
-            .classes
-            .iter()
-            .map(|c| c.nodes.len() as u32 * (c.gpus_per_node / cfg.tp))
-            .collect();
+        let units = units_per_class(cm, cfg.tp);
         let ns = shapes.len();
         let mut rho = vec![vec![0.0; classes]; ns + 1];
         let mut kappa = vec![vec![f64::NEG_INFINITY; classes]; ns + 1];
@@ -401,10 +342,7 @@ impl<'a, 'b> Dfs<'a, 'b> {
                     .zip(&split.layers)
                     .map(|(&kind, &n)| {
                         start += n;
-                        StagePlan {
-                            kind,
-                            layers: (start - n, start),
-                        }
+                        StagePlan { kind, layers: (start - n, start) }
                     })
                     .collect();
                 replicas.push(ReplicaPlan { stages, micro_batches: k });
@@ -446,16 +384,7 @@ impl<'a, 'b> Dfs<'a, 'b> {
                 .zip(groups)
                 .map(|(f, g)| {
                     g.1 as u64
-                        * f.iter()
-                            .map(|p| {
-                                if p.base <= t {
-                                    ((t - p.base) / p.period).floor() as u64 + 1
-                                } else {
-                                    0
-                                }
-                            })
-                            .max()
-                            .unwrap_or(0)
+                        * f.iter().map(|p| if p.base <= t { ((t - p.base) / p.period).floor() as u64 + 1 } else { 0 }).max().unwrap_or(0)
                 })
                 .sum();
             if cap < self.n as u64 {
@@ -558,11 +487,8 @@ pub fn search(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure]) -> Resu
 }
 
 fn search_in(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure], budget_total: u64) -> Result<Solution> {
-    let mut stats = SearchStats {
-        mode: format!("{mode:?}").to_lowercase(),
-        proven_optimal: mode == SearchMode::Exact,
-        ..Default::default()
-    };
+    let mut stats =
+        SearchStats { mode: format!("{mode:?}").to_lowercase(), proven_optimal: mode == SearchMode::Exact, ..Default::default() };
     let mut best: Option<(f64, PlanStructure)> = None;
     for seed in seeds {
         if cm.check_structure(seed).is_ok() {
@@ -584,10 +510,7 @@ fn search_in(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure], budget_t
         }
     }
     let tolerance = if mode == SearchMode::Exact { 1e-12 } else { 1e-3 };
-    let mut runs: Vec<(Config, Dfs)> = per_config
-        .iter()
-        .map(|(cfg, shapes)| (*cfg, Dfs::new(cm, *cfg, shapes, tolerance)))
-        .collect();
+    let mut runs: Vec<(Config, Dfs)> = per_config.iter().map(|(cfg, shapes)| (*cfg, Dfs::new(cm, *cfg, shapes, tolerance))).collect();
     // No plan of a configuration beats its fluid bound: visit the most promising first and
     // skip those whose bound the incumbent already meets.
     let bounds: Vec<f64> = runs.iter().map(|(_, d)| fluid_lower_bound(d)).collect();
@@ -602,11 +525,7 @@ fn search_in(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure], budget_t
         }
         let (cfg, dfs) = &mut runs[i];
         dfs.best = incumbent;
-        dfs.budget = if mode == SearchMode::Exact {
-            budget_total.saturating_sub(stats.nodes)
-        } else {
-            per_run_budget
-        };
+        dfs.budget = if mode == SearchMode::Exact { budget_total.saturating_sub(stats.nodes) } else { per_run_budget };
         if mode == SearchMode::Fast {
             if let Some((t, groups)) = fluid_plan(dfs) {
                 if t < dfs.best {
@@ -630,11 +549,7 @@ fn search_in(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure], budget_t
         }
     }
     match best {
-        Some((t, plan)) => Ok(Solution {
-            plan,
-            iteration_time: t,
-            stats,
-        }),
+        Some((t, plan)) => Ok(Solution { plan, iteration_time: t, stats }),
         None => Err(SolverError::DoesNotFit(does_not_fit_message(cm))),
     }
 }
@@ -648,11 +563,7 @@ fn pessimistic_context(cm: &CostModel, n: u32) -> crate::cost::SyncContext {
             bw = bw.min(cm.cluster.inter_bw(a, b));
         }
     }
-    crate::cost::SyncContext {
-        replicas: n,
-        ring_bw: bw,
-        ring_intra: false,
-    }
+    crate::cost::SyncContext { replicas: n, ring_bw: bw, ring_intra: false }
 }
 
 /// Smallest T (bisection) for which `feasible` holds, starting from a `hi` that may need doubling.
@@ -681,11 +592,7 @@ fn bisect(mut hi: f64, mut feasible: impl FnMut(f64) -> bool) -> Option<f64> {
 }
 
 fn start_time(dfs: &Dfs) -> f64 {
-    let t = dfs
-        .shapes
-        .iter()
-        .flat_map(|s| s.optimistic.iter().map(|p| p.0 + p.1))
-        .fold(f64::INFINITY, f64::min);
+    let t = dfs.shapes.iter().flat_map(|s| s.optimistic.iter().map(|p| p.0 + p.1)).fold(f64::INFINITY, f64::min);
     if dfs.best.is_finite() {
         dfs.best
     } else {
@@ -696,11 +603,8 @@ fn start_time(dfs: &Dfs) -> f64 {
 /// Fast mode's first incumbent: the rounded fluid relaxation under the pessimistic context.
 fn fluid_plan(dfs: &mut Dfs) -> Option<(f64, Vec<(usize, u32)>)> {
     let ctx = pessimistic_context(dfs.cm, dfs.n);
-    let fronts: Vec<Vec<(f64, f64)>> = dfs
-        .shapes
-        .iter()
-        .map(|s| s.frontier(dfs.cm, &ctx).iter().map(|p| (p.base, p.period)).collect())
-        .collect();
+    let fronts: Vec<Vec<(f64, f64)>> =
+        dfs.shapes.iter().map(|s| s.frontier(dfs.cm, &ctx).iter().map(|p| (p.base, p.period)).collect()).collect();
     let units: Vec<Vec<u32>> = dfs.shapes.iter().map(|s| s.units.clone()).collect();
     let avail = dfs.rem.clone();
     let n = dfs.n;
@@ -727,11 +631,7 @@ fn fluid_lower_bound(dfs: &Dfs) -> f64 {
     let units: Vec<Vec<u32>> = dfs.shapes.iter().map(|s| s.units.clone()).collect();
     let n = dfs.n;
     bisect(start_time(dfs), |t| {
-        let value: Vec<f64> = dfs
-            .shapes
-            .iter()
-            .map(|s| alloc::capacity(&s.optimistic, t).min(n as u64) as f64)
-            .collect();
+        let value: Vec<f64> = dfs.shapes.iter().map(|s| alloc::capacity(&s.optimistic, t).min(n as u64) as f64).collect();
         let mut a: Vec<Vec<f64>> = (0..dfs.rem.len()).map(|c| units.iter().map(|u| u[c] as f64).collect()).collect();
         a.push(vec![1.0; units.len()]);
         let mut b: Vec<f64> = dfs.rem.iter().map(|&u| u as f64).collect();
@@ -746,12 +646,8 @@ fn fluid_lower_bound(dfs: &Dfs) -> f64 {
 pub fn does_not_fit_message(cm: &CostModel) -> String {
     let gib = 1024f64.powi(3);
     let state = cm.model.total_params() * 16.0 / gib;
-    let usable: f64 = cm
-        .cluster
-        .nodes
-        .iter()
-        .map(|n| n.gpus as f64 * (cm.cluster.classes[n.class].gpu.memory_gib - cm.opts.reserve_gib))
-        .sum();
+    let usable: f64 =
+        cm.cluster.nodes.iter().map(|n| n.gpus as f64 * (cm.cluster.classes[n.class].gpu.memory_gib - cm.opts.reserve_gib)).sum();
     format!(
         "{} needs at least {:.1} GiB for weights, gradients and Adam states ({:.2}B parameters x 16 bytes) plus activations, \
          but no plan of at most {} pipeline stages fits in this cluster's {:.1} GiB of usable GPU memory; \

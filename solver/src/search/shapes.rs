@@ -5,6 +5,8 @@
 //! one dp (a *block*); blocks of different classes may come in any order. GPUs of one class
 //! are interchangeable, so a shape says how many TP groups of each class it takes, never which.
 
+use std::collections::HashMap;
+
 use crate::cost::{CostModel, LayerCost, StageKind, SyncContext};
 
 /// One feasible assignment of layers to the stages of a shape, with its context-free times.
@@ -21,7 +23,6 @@ pub struct Split {
 
 #[derive(Debug, Clone)]
 pub struct Shape {
-    pub config: usize,
     pub kinds: Vec<StageKind>,
     pub costs: Vec<LayerCost>,
     /// TP groups and GPUs taken per node class.
@@ -45,10 +46,7 @@ pub struct Point {
 
 /// Replica time with `k` micro-batches: the best point.
 pub fn time_at(points: &[Point], k: u32) -> f64 {
-    points
-        .iter()
-        .map(|p| p.base + (k - 1) as f64 * p.period)
-        .fold(f64::INFINITY, f64::min)
+    points.iter().map(|p| p.base + (k - 1) as f64 * p.period).fold(f64::INFINITY, f64::min)
 }
 
 /// The best point for `k` micro-batches.
@@ -88,19 +86,27 @@ pub fn compositions(l: u32, p: u32) -> u64 {
     c
 }
 
-impl Shape {
-    /// Build a shape's feasible splits. `max_inflight` caps the micro-batches a stage holds
-    /// (the plan's total); `split_limit` is how many compositions are enumerated exactly.
-    pub fn build(
-        cm: &CostModel,
-        config: usize,
-        kinds: Vec<StageKind>,
-        micro_batch: u32,
-        max_inflight: u32,
-        split_limit: u64,
-        max_bottleneck_ratio: f64,
-        layer_costs: &mut std::collections::HashMap<StageKind, LayerCost>,
-    ) -> Option<Shape> {
+/// Builds shapes of one configuration, sharing per-stage-kind costs between them.
+pub struct ShapeBuilder<'a, 'b> {
+    cm: &'a CostModel<'b>,
+    micro_batch: u32,
+    /// Micro-batches in flight are capped by the plan's total (memory).
+    max_inflight: u32,
+    /// Enumerate every layer split when there are at most this many.
+    split_limit: u64,
+    /// Greedy splits: bottlenecks up to this factor above the smallest feasible one.
+    bottleneck_ratio: f64,
+    layer_costs: HashMap<StageKind, LayerCost>,
+}
+
+impl<'a, 'b> ShapeBuilder<'a, 'b> {
+    pub fn new(cm: &'a CostModel<'b>, micro_batch: u32, max_inflight: u32, split_limit: u64, bottleneck_ratio: f64) -> Self {
+        ShapeBuilder { cm, micro_batch, max_inflight, split_limit, bottleneck_ratio, layer_costs: HashMap::new() }
+    }
+
+    /// The shape with these stages and its feasible layer splits; None if no split fits.
+    pub fn build(&mut self, kinds: Vec<StageKind>) -> Option<Shape> {
+        let cm = self.cm;
         let classes = cm.cluster.classes.len();
         let mut units = vec![0u32; classes];
         let mut gpus = vec![0u32; classes];
@@ -108,25 +114,19 @@ impl Shape {
             units[k.class] += k.dp;
             gpus[k.class] += k.dp * k.tp;
         }
-        let costs: Vec<LayerCost> = kinds
-            .iter()
-            .map(|&k| *layer_costs.entry(k).or_insert_with(|| cm.layer_cost(k, micro_batch)))
-            .collect();
+        let costs: Vec<LayerCost> =
+            kinds.iter().map(|&k| *self.layer_costs.entry(k).or_insert_with(|| cm.layer_cost(k, self.micro_batch))).collect();
         let p = kinds.len();
         let l = cm.model.layers();
         // Most layers each stage can hold.
         let mut caps = Vec::with_capacity(p);
-        for i in 0..p {
-            let inflight = ((p - i) as u32).min(max_inflight.max(1));
-            let fixed = CostModel::stage_memory(&costs[i], 0, i == 0, i + 1 == p, inflight, cm.opts.recompute);
-            let per_layer = CostModel::stage_memory(&costs[i], 1, false, false, inflight, cm.opts.recompute)
-                - CostModel::stage_memory(&costs[i], 0, false, false, inflight, cm.opts.recompute);
-            let room = costs[i].capacity - fixed;
-            let cap = if room < per_layer {
-                0
-            } else {
-                ((room / per_layer).floor() as u64).min(l as u64) as u32
-            };
+        for (i, c) in costs.iter().enumerate() {
+            let inflight = ((p - i) as u32).min(self.max_inflight.max(1));
+            let fixed = CostModel::stage_memory(c, 0, i == 0, i + 1 == p, inflight, cm.opts.recompute);
+            let per_layer = CostModel::stage_memory(c, 1, false, false, inflight, cm.opts.recompute)
+                - CostModel::stage_memory(c, 0, false, false, inflight, cm.opts.recompute);
+            let room = c.capacity - fixed;
+            let cap = if room < per_layer { 0 } else { ((room / per_layer).floor() as u64).min(l as u64) as u32 };
             if cap == 0 {
                 return None;
             }
@@ -135,47 +135,29 @@ impl Shape {
         if caps.iter().map(|&c| c as u64).sum::<u64>() < l as u64 || (p as u32) > l {
             return None;
         }
-        let hops: Vec<f64> = (0..p.saturating_sub(1))
-            .map(|i| cm.p2p_time(kinds[i], kinds[i + 1], micro_batch))
-            .collect();
-        let mut shape = Shape {
-            config,
-            kinds,
-            costs,
-            units,
-            gpus,
-            splits: vec![],
-            all_splits: true,
-            optimistic: vec![],
-        };
-        if compositions(l, p as u32) <= split_limit {
+        let hops: Vec<f64> = (0..p.saturating_sub(1)).map(|i| cm.p2p_time(kinds[i], kinds[i + 1], self.micro_batch)).collect();
+        let mut shape = Shape { kinds, costs, units, gpus, splits: vec![], all_splits: true, optimistic: vec![] };
+        if compositions(l, p as u32) <= self.split_limit {
             let mut cur = vec![0u32; p];
             shape.enumerate(cm, &caps, &hops, 0, l, &mut cur);
         } else {
             shape.all_splits = false;
-            shape.greedy_splits(cm, &caps, &hops, max_bottleneck_ratio);
+            shape.greedy_splits(cm, &caps, &hops, self.bottleneck_ratio);
         }
         if shape.splits.is_empty() {
             return None;
         }
         shape.optimistic = pareto(
-            shape
-                .splits
-                .iter()
-                .enumerate()
-                .map(|(i, s)| Point {
-                    base: s.latency + s.optimizer,
-                    period: s.period,
-                    split: i,
-                })
-                .collect(),
+            shape.splits.iter().enumerate().map(|(i, s)| Point { base: s.latency + s.optimizer, period: s.period, split: i }).collect(),
         )
         .into_iter()
         .map(|pt| (pt.base, pt.period))
         .collect();
         Some(shape)
     }
+}
 
+impl Shape {
     fn enumerate(&mut self, cm: &CostModel, caps: &[u32], hops: &[f64], i: usize, left: u32, cur: &mut Vec<u32>) {
         let p = caps.len();
         if i + 1 == p {
@@ -255,11 +237,7 @@ impl Shape {
                 break;
             }
         }
-        let m_max = if max_bottleneck_ratio.is_finite() {
-            (hi * max_bottleneck_ratio).min(top)
-        } else {
-            top
-        };
+        let m_max = if max_bottleneck_ratio.is_finite() { (hi * max_bottleneck_ratio).min(top) } else { top };
         let mut candidates: Vec<f64> = vec![];
         for i in 0..p {
             let n_lo = ((lo - extra[i]) / per[i]).floor().max(1.0) as u32;
@@ -320,23 +298,12 @@ impl Shape {
             let extra = (first as u32 + last as u32) as f64;
             sync_params.push(layers[i] as f64 * cm.model.layer_params + extra * cm.model.embed_params);
             let params_gpu = layers[i] as f64 * c.layer_params_gpu + extra * c.embed_params_gpu;
-            let per_param = if cm.opts.zero1 {
-                4.0 + 24.0 / self.kinds[i].dp as f64
-            } else {
-                28.0
-            };
+            let per_param = if cm.opts.zero1 { 4.0 + 24.0 / self.kinds[i].dp as f64 } else { 28.0 };
             optimizer = optimizer.max(params_gpu * per_param / c.mem_bw);
             pre_bwd.push(pre);
             pre += b;
         }
-        Split {
-            layers,
-            latency,
-            period,
-            optimizer,
-            sync_params,
-            pre_bwd,
-        }
+        Split { layers, latency, period, optimizer, sync_params, pre_bwd }
     }
 
     /// The Pareto points of this shape under a sync context.
@@ -351,11 +318,7 @@ impl Shape {
                 for i in 0..s.layers.len() {
                     exposed = exposed.max(s.sync_params[i] * coef[i] - s.pre_bwd[i]);
                 }
-                Point {
-                    base: s.latency + exposed + s.optimizer,
-                    period: s.period,
-                    split: si,
-                }
+                Point { base: s.latency + exposed + s.optimizer, period: s.period, split: si }
             })
             .collect();
         pareto(pts)
