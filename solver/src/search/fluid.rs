@@ -16,6 +16,10 @@
 //! sync) the relaxation's smallest feasible T is a lower bound on every plan of the space,
 //! which is how the fast search reports its worst-case gap.
 
+use super::alloc;
+use super::dfs::Dfs;
+use crate::cost::{CostModel, SyncContext};
+
 /// Maximise `c.x` subject to `a x <= b`, `x >= 0`, with `b >= 0` (so the slack basis is
 /// feasible). Dense tableau simplex with Bland's rule. Returns x.
 pub fn simplex_max(c: &[f64], a: &[Vec<f64>], b: &[f64]) -> Vec<f64> {
@@ -98,6 +102,94 @@ pub fn round_and_fill(x: &[f64], value: &[f64], units: &[Vec<u32>], avail: &[u32
         }
     }
     counts
+}
+
+/// Pessimistic context: every ring as large and as slow as any plan of this cluster makes it.
+fn pessimistic_context(cm: &CostModel, n: u32) -> SyncContext {
+    let k = cm.cluster.classes.len();
+    let mut bw = f64::INFINITY;
+    for a in 0..k {
+        for b in a..k {
+            bw = bw.min(cm.cluster.inter_bw(a, b));
+        }
+    }
+    SyncContext { replicas: n, ring_bw: bw, ring_intra: false }
+}
+
+/// Smallest T (bisection) for which `feasible` holds, starting from a `hi` that may need doubling.
+fn bisect(mut hi: f64, mut feasible: impl FnMut(f64) -> bool) -> Option<f64> {
+    let mut grow = 0;
+    while !feasible(hi) {
+        hi *= 2.0;
+        grow += 1;
+        if grow > 60 {
+            return None;
+        }
+    }
+    let mut lo = 0.0;
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if feasible(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+        if hi - lo <= 1e-9 * hi {
+            break;
+        }
+    }
+    Some(hi)
+}
+
+fn start_time(dfs: &Dfs) -> f64 {
+    let t = dfs.shapes.iter().flat_map(|s| s.optimistic.iter().map(|p| p.0 + p.1)).fold(f64::INFINITY, f64::min);
+    if dfs.best.is_finite() {
+        dfs.best
+    } else {
+        t.max(1e-6)
+    }
+}
+
+/// Fast mode's first incumbent: the rounded fluid relaxation under the pessimistic context.
+pub(super) fn fluid_plan(dfs: &mut Dfs) -> Option<(f64, Vec<(usize, u32)>)> {
+    let ctx = pessimistic_context(dfs.cm, dfs.n);
+    let fronts: Vec<Vec<(f64, f64)>> =
+        dfs.shapes.iter().map(|s| s.frontier(dfs.cm, &ctx).iter().map(|p| (p.base, p.period)).collect()).collect();
+    let units: Vec<Vec<u32>> = dfs.shapes.iter().map(|s| s.units.clone()).collect();
+    let avail = dfs.rem.clone();
+    let n = dfs.n;
+    let counts_at = |t: f64| {
+        let value: Vec<f64> = fronts.iter().map(|f| alloc::capacity(f, t).min(n as u64) as f64).collect();
+        let mut a: Vec<Vec<f64>> = (0..avail.len()).map(|c| units.iter().map(|u| u[c] as f64).collect()).collect();
+        a.push(vec![1.0; units.len()]);
+        let mut b: Vec<f64> = avail.iter().map(|&u| u as f64).collect();
+        b.push(n as f64);
+        let x = simplex_max(&value, &a, &b);
+        let counts = round_and_fill(&x, &value, &units, &avail, n);
+        let cap: f64 = counts.iter().zip(&value).map(|(&k, v)| k as f64 * v).sum();
+        (counts, cap)
+    };
+    let t = bisect(start_time(dfs), |t| counts_at(t).1 >= n as f64)?;
+    let (counts, _) = counts_at(t);
+    let groups: Vec<(usize, u32)> = counts.iter().enumerate().filter(|(_, &k)| k > 0).map(|(s, &k)| (s, k)).collect();
+    let (t, _, _) = dfs.price(&groups)?;
+    Some((t, groups))
+}
+
+/// No plan of this configuration beats this: the fractional relaxation without gradient sync.
+pub(super) fn fluid_lower_bound(dfs: &Dfs) -> f64 {
+    let units: Vec<Vec<u32>> = dfs.shapes.iter().map(|s| s.units.clone()).collect();
+    let n = dfs.n;
+    bisect(start_time(dfs), |t| {
+        let value: Vec<f64> = dfs.shapes.iter().map(|s| alloc::capacity(&s.optimistic, t).min(n as u64) as f64).collect();
+        let mut a: Vec<Vec<f64>> = (0..dfs.rem.len()).map(|c| units.iter().map(|u| u[c] as f64).collect()).collect();
+        a.push(vec![1.0; units.len()]);
+        let mut b: Vec<f64> = dfs.rem.iter().map(|&u| u as f64).collect();
+        b.push(n as f64);
+        let x = simplex_max(&value, &a, &b);
+        x.iter().zip(&value).map(|(x, v)| x * v).sum::<f64>() >= n as f64 - 1e-9
+    })
+    .unwrap_or(f64::INFINITY)
 }
 
 #[cfg(test)]
