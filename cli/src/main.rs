@@ -94,7 +94,9 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(text) => {
-            println!("{text}");
+            use std::io::Write;
+            // A closed pipe (`motley plan ... | head`) is not an error worth a panic.
+            let _ = writeln!(std::io::stdout().lock(), "{text}");
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -119,6 +121,9 @@ fn check_options(a: &PlanArgs) -> Result<(), InputError> {
             return bad("--tp", "must be a power of two (1, 2, 4, 8)");
         }
     }
+    if a.max_stages > 0 && a.max_stages > 4096 {
+        return bad("--max-stages", "must be at most 4096 (0 chooses automatically)");
+    }
     if !(a.efficiency > 0.0 && a.efficiency <= 1.0) {
         return bad("--efficiency", "must be in (0, 1]");
     }
@@ -136,6 +141,17 @@ fn run_plan(a: PlanArgs) -> Result<String, InputError> {
     let cluster = inputs::load_cluster(&a.cluster)?;
     let model = inputs::load_model(&a.model, a.seq_len)?;
     let profiles = inputs::load_profiles(a.profiles.as_deref())?;
+    if let Some(t) = a.tp {
+        let largest = cluster.nodes.iter().map(|n| n.gpus).max().unwrap_or(0);
+        if t > largest {
+            return Err(InputError(format!(
+                "--tp: {t} exceeds the largest node ({largest} GPUs); a TP group stays inside one node, so pass at most {largest}"
+            )));
+        }
+        if !model.spec.heads.is_multiple_of(t) {
+            return Err(InputError(format!("--tp: {t} does not divide the model's {} attention heads; pick a divisor", model.spec.heads)));
+        }
+    }
     let opts = PlanOptions {
         global_batch: a.global_batch,
         micro_batch: a.micro_batch,

@@ -66,9 +66,19 @@ impl<'a> CostModel<'a> {
         let ctx = self.sync_context(plan.replicas.len() as u32, &gpus);
         let max_inflight = plan.total_micro_batches();
         let mut out = Evaluation { iteration_time: 0.0, replica_times: vec![], memory: vec![], capacity: vec![], fits: true };
+        // Plans repeat a few stage kinds many times: price each kind once.
+        let mut known: Vec<(StageKind, LayerCost)> = vec![];
+        let mut cost_of = |k: StageKind| match known.iter().find(|(x, _)| *x == k) {
+            Some((_, c)) => *c,
+            None => {
+                let c = self.layer_cost(k, plan.micro_batch);
+                known.push((k, c));
+                c
+            }
+        };
         for r in &plan.replicas {
             let kinds: Vec<StageKind> = r.stages.iter().map(|s| s.kind).collect();
-            let costs: Vec<LayerCost> = kinds.iter().map(|&k| self.layer_cost(k, plan.micro_batch)).collect();
+            let costs: Vec<LayerCost> = kinds.iter().map(|&k| cost_of(k)).collect();
             let layers: Vec<u32> = r.stages.iter().map(|s| s.layers.1 - s.layers.0).collect();
             let t = self.replica_time(&ctx, &kinds, &costs, &layers, plan.micro_batch).total(r.micro_batches);
             let mem = self.replica_memory(&costs, &layers, max_inflight);
@@ -113,7 +123,7 @@ impl<'a> CostModel<'a> {
                 return Err(format!("replica {ri} covers {next} of {} layers", self.model.layers()));
             }
         }
-        if place(self.cluster, plan).is_none() {
+        if !first_fit(self.cluster, plan, |_, _, _, _, _| {}) {
             return Err("the plan needs more GPUs (whole TP groups inside one node) than the cluster has".into());
         }
         Ok(())
@@ -131,24 +141,34 @@ pub struct GpuId {
 /// consecutive stages and a stage's TP groups share nodes wherever they can (the packing the
 /// cost model assumes). Returns, per replica and stage, the GPUs TP group by TP group.
 pub fn place(cluster: &Cluster, plan: &PlanStructure) -> Option<Vec<Vec<Vec<GpuId>>>> {
+    let mut out: Vec<Vec<Vec<GpuId>>> = plan.replicas.iter().map(|r| vec![Vec::new(); r.stages.len()]).collect();
+    let placed = first_fit(cluster, plan, |ri, si, node, start, tp| {
+        let name = &cluster.nodes[node].name;
+        out[ri][si].extend((start..start + tp).map(|index| GpuId { node: name.clone(), index }));
+    });
+    placed.then_some(out)
+}
+
+/// First-fit placement of every TP group; `on_group(replica, stage, node, first GPU index, tp)`
+/// is called for each. False when some TP group finds no node with room.
+fn first_fit(cluster: &Cluster, plan: &PlanStructure, mut on_group: impl FnMut(usize, usize, usize, u32, u32)) -> bool {
     let mut free: Vec<u32> = cluster.nodes.iter().map(|n| n.gpus).collect();
-    let mut out = Vec::with_capacity(plan.replicas.len());
-    for r in &plan.replicas {
-        let mut stages = Vec::with_capacity(r.stages.len());
-        for s in &r.stages {
-            let mut gpus = Vec::new();
+    // Per (class, tp): the first node of the class that may still hold a TP group of that
+    // size. Free GPUs only shrink, so nodes before it never will: first fit in linear time.
+    let mut cursor: std::collections::HashMap<(usize, u32), usize> = std::collections::HashMap::new();
+    for (ri, r) in plan.replicas.iter().enumerate() {
+        for (si, s) in r.stages.iter().enumerate() {
+            let class = &cluster.classes[s.kind.class];
+            let at = cursor.entry((s.kind.class, s.kind.tp)).or_insert(0);
             for _ in 0..s.kind.dp {
-                let class = &cluster.classes[s.kind.class];
-                let node = class.nodes.iter().copied().find(|&n| free[n] >= s.kind.tp)?;
-                let start = cluster.nodes[node].gpus - free[node];
-                for i in 0..s.kind.tp {
-                    gpus.push(GpuId { node: cluster.nodes[node].name.clone(), index: start + i });
+                while *at < class.nodes.len() && free[class.nodes[*at]] < s.kind.tp {
+                    *at += 1;
                 }
+                let Some(&node) = class.nodes.get(*at) else { return false };
+                on_group(ri, si, node, cluster.nodes[node].gpus - free[node], s.kind.tp);
                 free[node] -= s.kind.tp;
             }
-            stages.push(gpus);
         }
-        out.push(stages);
     }
-    Some(out)
+    true
 }

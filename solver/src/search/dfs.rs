@@ -187,6 +187,12 @@ impl<'a, 'b> Dfs<'a, 'b> {
         let units = s.units.clone();
         for x in (0..=xmax).rev() {
             if x > 0 {
+                // Every priced plan counts against the budget, not only the levels visited.
+                self.nodes += 1;
+                if self.nodes > self.budget {
+                    self.cut = true;
+                    return;
+                }
                 for c in 0..units.len() {
                     self.rem[c] -= units[c] * x;
                 }
