@@ -83,22 +83,24 @@ pub(crate) struct Config {
 /// never slower than any of them.
 pub fn search(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure]) -> Result<Solution> {
     let gpus = cm.cluster.total_gpus();
-    match mode {
-        SearchMode::Auto if gpus <= AUTO_EXACT_MAX_GPUS => search_in(cm, SearchMode::Exact, seeds, EXACT_BUDGET),
-        SearchMode::Auto if gpus <= AUTO_REFINE_MAX_GPUS => {
-            // The fast plan is a strong first incumbent, so the exact search that follows
-            // prunes hard and usually finishes well inside its budget.
-            let fast = search_in(cm, SearchMode::Fast, seeds, FAST_BUDGET)?;
-            let mut seeded = seeds.to_vec();
-            seeded.push(fast.plan.clone());
-            let mut exact = search_in(cm, SearchMode::Exact, &seeded, REFINE_BUDGET)?;
-            exact.stats.plans_costed += fast.stats.plans_costed;
-            exact.stats.mode = "fast+exact".into();
-            Ok(exact)
-        }
-        SearchMode::Auto | SearchMode::Fast => search_in(cm, SearchMode::Fast, seeds, FAST_BUDGET),
-        SearchMode::Exact => search_in(cm, SearchMode::Exact, seeds, EXACT_BUDGET),
+    let budget = match mode {
+        SearchMode::Fast => return search_in(cm, SearchMode::Fast, seeds, FAST_BUDGET),
+        SearchMode::Auto if gpus > AUTO_REFINE_MAX_GPUS => return search_in(cm, SearchMode::Fast, seeds, FAST_BUDGET),
+        SearchMode::Auto if gpus > AUTO_EXACT_MAX_GPUS => REFINE_BUDGET,
+        SearchMode::Auto | SearchMode::Exact => EXACT_BUDGET,
+    };
+    // The fast plan (a plan of the exact space too) is a strong first incumbent, so the exact
+    // search prunes hard, and where its budget runs out it is still no worse than the fast one.
+    // The fast space may hold no plan that fits where the exact one does: then start without it.
+    let fast = search_in(cm, SearchMode::Fast, seeds, FAST_BUDGET).ok();
+    let mut seeded = seeds.to_vec();
+    seeded.extend(fast.as_ref().map(|f| f.plan.clone()));
+    let mut exact = search_in(cm, SearchMode::Exact, &seeded, budget)?;
+    exact.stats.plans_costed += fast.map_or(0, |f| f.stats.plans_costed);
+    if budget == REFINE_BUDGET {
+        exact.stats.mode = "fast+exact".into();
     }
+    Ok(exact)
 }
 
 fn search_in(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure], budget_total: u64) -> Result<Solution> {
