@@ -46,7 +46,7 @@ const AUTO_EXACT_MAX_GPUS: u32 = 8;
 const AUTO_REFINE_MAX_GPUS: u32 = 16;
 /// Branch-and-bound nodes each search may visit.
 const EXACT_BUDGET: u64 = 20_000_000;
-const REFINE_BUDGET: u64 = 1_000_000;
+const REFINE_BUDGET: u64 = 4_000_000;
 const FAST_BUDGET: u64 = 60_000;
 
 /// Counters of the work a search did.
