@@ -2,6 +2,7 @@
 # The fast search's loss against the exact search on clusters where both finish: the same
 # cluster, model and batch, planned with --search exact and --search fast. The default model
 # has 12 layers so that the exact search can prove its optimum (column "exact proven").
+# Usage: [SIZES="8 12 16 20"] bench/gap.sh [model]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p motley
@@ -9,7 +10,7 @@ model=${1:-examples/wide-12l.yaml}
 tmp=$(mktemp -d)
 echo "| GPUs | exact s/iter | exact wall s | exact proven | fast s/iter | fast wall s | fast loss |"
 echo "|---:|---:|---:|---|---:|---:|---:|"
-for n in 8 12 16 20; do
+for n in ${SIZES:-8 12 16 20}; do
   bench/gen_cluster.sh "$n" > "$tmp/c.yaml"
   for mode in exact fast; do
     s=$(date +%s.%N)
