@@ -67,7 +67,7 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
 }
 
 /// `a100-0:0-3,a100-1:0-3`: node then GPU index ranges.
-fn compact_gpus(gpus: &[motley_solver::plan::GpuId]) -> String {
+fn compact_gpus(gpus: &[motley_solver::placement::GpuId]) -> String {
     let mut parts: Vec<String> = vec![];
     let mut i = 0;
     while i < gpus.len() {

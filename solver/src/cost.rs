@@ -200,16 +200,23 @@ impl<'a> CostModel<'a> {
         (f, b)
     }
 
-    /// Seconds to send one micro-batch's activations forward and their gradients back.
-    pub fn p2p_time(&self, a: StageKind, b: StageKind, micro_batch: u32) -> f64 {
+    /// Seconds of every pipeline hop of a replica whose stages are `kinds`: one micro-batch's
+    /// activations forward and their gradients back. Consecutive stages of one class (a run)
+    /// are packed into nodes in order: a run that fits in a node shares it, a longer one fills
+    /// node after node, a stage never straddles two nodes unless it is larger than one. A hop
+    /// stays on NVLink/PCIe only between two stages packed into the same node; otherwise it
+    /// crosses the best link between the two classes. `placement.rs` lays GPUs out the same way.
+    pub fn hop_times(&self, kinds: &[StageKind], micro_batch: u32) -> Vec<f64> {
         let bytes = micro_batch as f64 * self.model.seq_len as f64 * self.model.hidden() * 2.0;
-        let gpn = self.cluster.classes[a.class].gpus_per_node;
-        let bw = if a.class == b.class && (a.dp * a.tp + b.dp * b.tp) <= gpn {
-            self.cluster.intra_bw(a.class)
-        } else {
-            self.cluster.inter_bw(a.class, b.class)
-        };
-        2.0 * bytes / (bw * 1e9)
+        same_node_hops(self.cluster, kinds)
+            .iter()
+            .enumerate()
+            .map(|(i, &same)| {
+                let (a, b) = (kinds[i].class, kinds[i + 1].class);
+                let bw = if same { self.cluster.intra_bw(a) } else { self.cluster.inter_bw(a, b) };
+                2.0 * bytes / (bw * 1e9)
+            })
+            .collect()
     }
 
     /// Seconds of the gradient all-reduce of `params` parameters held by a stage of kind `k`.
@@ -248,13 +255,14 @@ impl<'a> CostModel<'a> {
         let mut pre_bwd = 0.0;
         let mut exposed: f64 = 0.0;
         let mut optimizer: f64 = 0.0;
+        let hops = self.hop_times(kinds, micro_batch);
         for i in 0..p {
             let (first, last) = (i == 0, i + 1 == p);
             let (f, b) = Self::stage_time(&costs[i], layers[i], first, last);
             latency += f + b;
             period = period.max(f + b);
             if i + 1 < p {
-                let hop = self.p2p_time(kinds[i], kinds[i + 1], micro_batch);
+                let hop = hops[i];
                 latency += hop;
                 period = period.max(hop);
             }
@@ -305,4 +313,30 @@ impl<'a> CostModel<'a> {
         }
         SyncContext { replicas, ring_bw: bw, ring_intra: false }
     }
+}
+
+/// For each hop of a replica with stages `kinds`: whether both stages are packed into one node
+/// (see `CostModel::hop_times`).
+pub fn same_node_hops(cluster: &Cluster, kinds: &[StageKind]) -> Vec<bool> {
+    let mut node = Vec::with_capacity(kinds.len());
+    let (mut ordinal, mut used) = (0usize, 0u32);
+    for (i, k) in kinds.iter().enumerate() {
+        let gpn = cluster.classes[k.class].gpus_per_node;
+        let g = k.dp * k.tp;
+        let run_starts = i == 0 || kinds[i - 1].class != k.class;
+        if run_starts || used + g > gpn {
+            ordinal += 1;
+            used = 0;
+        }
+        node.push(ordinal);
+        // A stage larger than a node fills whole nodes: the next one starts afresh.
+        used = if g > gpn { gpn } else { used + g };
+    }
+    (0..kinds.len().saturating_sub(1))
+        .map(|i| {
+            let (a, b) = (kinds[i], kinds[i + 1]);
+            let gpn = cluster.classes[a.class].gpus_per_node;
+            a.class == b.class && node[i] == node[i + 1] && a.dp * a.tp <= gpn && b.dp * b.tp <= gpn
+        })
+        .collect()
 }

@@ -10,6 +10,7 @@ pub mod error;
 pub mod hardware;
 pub mod model;
 pub mod oracle;
+pub mod placement;
 pub mod plan;
 pub mod profile;
 pub mod report;

@@ -1,10 +1,7 @@
 //! The plan: replicas of pipelines of stages, how it is priced as a whole, and where its GPUs
 //! physically are.
 
-use serde::Serialize;
-
 use crate::cost::{CostModel, LayerCost, StageKind};
-use crate::hardware::Cluster;
 
 /// One pipeline stage: contiguous layers `[start, end)` on `dp` TP groups of `tp` GPUs of
 /// one node class.
@@ -123,52 +120,9 @@ impl<'a> CostModel<'a> {
                 return Err(format!("replica {ri} covers {next} of {} layers", self.model.layers()));
             }
         }
-        if !first_fit(self.cluster, plan, |_, _, _, _, _| {}) {
+        if !crate::placement::assign(self.cluster, plan, |_, _, _, _, _| {}) {
             return Err("the plan needs more GPUs (whole TP groups inside one node) than the cluster has".into());
         }
         Ok(())
     }
-}
-
-/// A GPU: a node name and the GPU's index inside it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct GpuId {
-    pub node: String,
-    pub index: u32,
-}
-
-/// Assign physical GPUs: every TP group inside one node, first fit in node order, so that
-/// consecutive stages and a stage's TP groups share nodes wherever they can (the packing the
-/// cost model assumes). Returns, per replica and stage, the GPUs TP group by TP group.
-pub fn place(cluster: &Cluster, plan: &PlanStructure) -> Option<Vec<Vec<Vec<GpuId>>>> {
-    let mut out: Vec<Vec<Vec<GpuId>>> = plan.replicas.iter().map(|r| vec![Vec::new(); r.stages.len()]).collect();
-    let placed = first_fit(cluster, plan, |ri, si, node, start, tp| {
-        let name = &cluster.nodes[node].name;
-        out[ri][si].extend((start..start + tp).map(|index| GpuId { node: name.clone(), index }));
-    });
-    placed.then_some(out)
-}
-
-/// First-fit placement of every TP group; `on_group(replica, stage, node, first GPU index, tp)`
-/// is called for each. False when some TP group finds no node with room.
-fn first_fit(cluster: &Cluster, plan: &PlanStructure, mut on_group: impl FnMut(usize, usize, usize, u32, u32)) -> bool {
-    let mut free: Vec<u32> = cluster.nodes.iter().map(|n| n.gpus).collect();
-    // Per (class, tp): the first node of the class that may still hold a TP group of that
-    // size. Free GPUs only shrink, so nodes before it never will: first fit in linear time.
-    let mut cursor: std::collections::HashMap<(usize, u32), usize> = std::collections::HashMap::new();
-    for (ri, r) in plan.replicas.iter().enumerate() {
-        for (si, s) in r.stages.iter().enumerate() {
-            let class = &cluster.classes[s.kind.class];
-            let at = cursor.entry((s.kind.class, s.kind.tp)).or_insert(0);
-            for _ in 0..s.kind.dp {
-                while *at < class.nodes.len() && free[class.nodes[*at]] < s.kind.tp {
-                    *at += 1;
-                }
-                let Some(&node) = class.nodes.get(*at) else { return false };
-                on_group(ri, si, node, cluster.nodes[node].gpus - free[node], s.kind.tp);
-                free[node] -= s.kind.tp;
-            }
-        }
-    }
-    true
 }

@@ -10,7 +10,8 @@ use crate::error::Result;
 use crate::hardware::Cluster;
 use crate::model::Model;
 use crate::oracle;
-use crate::plan::{place, GpuId, PlanStructure};
+use crate::placement::{place, GpuId};
+use crate::plan::PlanStructure;
 use crate::profile::ProfileSet;
 use crate::search::{search, SearchMode, SearchStats};
 
@@ -74,6 +75,9 @@ pub struct PlanReport {
     pub peak_utilization: f64,
     pub gpus_used: u32,
     pub gpus_total: u32,
+    /// Pipeline hops priced as inside one node that placement had to split across nodes
+    /// (0 when the placement matches the cost model's packing).
+    pub split_hops: usize,
     pub replicas: Vec<ReplicaReport>,
     pub baselines: BTreeMap<String, BaselineReport>,
     pub search: SearchReport,
@@ -134,7 +138,7 @@ fn build_report(
                     gpu: cm.cluster.classes[s.kind.class].gpu.name.clone(),
                     tp: s.kind.tp,
                     dp: s.kind.dp,
-                    gpus: placement[ri][si].clone(),
+                    gpus: placement.gpus[ri][si].clone(),
                     memory_gib_per_gpu: round3(eval.memory[ri][si] / GIB),
                     memory_capacity_gib: round3(eval.capacity[ri][si] / GIB),
                 })
@@ -179,6 +183,7 @@ fn build_report(
         peak_utilization: flops / eval.iteration_time / peak,
         gpus_used: plan.gpus_per_class(cm.cluster.classes.len()).iter().sum(),
         gpus_total: cm.cluster.total_gpus(),
+        split_hops: placement.split_hops,
         replicas,
         baselines,
         search: SearchReport {

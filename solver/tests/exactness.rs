@@ -5,6 +5,7 @@ mod common;
 
 use motley_solver::baselines::{best_baseline, Baseline};
 use motley_solver::oracle::exhaustive;
+use motley_solver::placement::place;
 use motley_solver::search::{search, SearchMode};
 use motley_solver::{CostModel, PlanOptions, ProfileSet, SolverError};
 use proptest::prelude::*;
@@ -44,7 +45,26 @@ proptest! {
         let base: Vec<_> = [Baseline::Megatron, Baseline::Whale].iter().filter_map(|&b| best_baseline(&cm, b)).collect();
         let seeds: Vec<_> = base.iter().map(|x| x.1.clone()).collect();
         match search(&cm, SearchMode::Auto, &seeds) {
-            Ok(s) => for (t, _) in &base { prop_assert!(s.iteration_time <= *t * (1.0 + 1e-12)); },
+            Ok(s) => {
+                for (t, _) in &base {
+                    prop_assert!(s.iteration_time <= *t * (1.0 + 1e-12));
+                }
+                // The placement is a real one: every GPU once, every TP group inside a node.
+                let p = place(&cluster, &s.plan).expect("a searched plan can be placed");
+                let mut seen = std::collections::HashSet::new();
+                for (ri, r) in s.plan.replicas.iter().enumerate() {
+                    for (si, st) in r.stages.iter().enumerate() {
+                        let g = &p.gpus[ri][si];
+                        prop_assert_eq!(g.len() as u32, st.kind.tp * st.kind.dp);
+                        for group in g.chunks(st.kind.tp as usize) {
+                            prop_assert!(group.iter().all(|x| x.node == group[0].node));
+                        }
+                        for x in g {
+                            prop_assert!(seen.insert((x.node.clone(), x.index)));
+                        }
+                    }
+                }
+            }
             Err(_) => prop_assert!(base.is_empty()),
         }
     }

@@ -135,7 +135,7 @@ impl<'a, 'b> ShapeBuilder<'a, 'b> {
         if caps.iter().map(|&c| c as u64).sum::<u64>() < l as u64 || (p as u32) > l {
             return None;
         }
-        let hops: Vec<f64> = (0..p.saturating_sub(1)).map(|i| cm.p2p_time(kinds[i], kinds[i + 1], self.micro_batch)).collect();
+        let hops = cm.hop_times(&kinds, self.micro_batch);
         let mut shape = Shape { kinds, costs, units, gpus, splits: vec![], all_splits: true, optimistic: vec![] };
         if compositions(l, p as u32) <= self.split_limit {
             let mut cur = vec![0u32; p];
