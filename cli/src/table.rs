@@ -48,6 +48,12 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
     }
     out.push_str(&t.to_string());
     out.push('\n');
+    if r.split_hops > 0 {
+        out.push_str(&format!(
+            "note: {} pipeline hop(s) were priced inside one node but had to be placed across nodes; the iteration time is optimistic for them\n",
+            r.split_hops
+        ));
+    }
     if compare {
         out.push_str("Baselines under the same cost model:\n");
         for (name, b) in &r.baselines {

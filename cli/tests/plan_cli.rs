@@ -83,6 +83,7 @@ fn plans_every_example_cluster() {
     ] {
         let v = json(&["plan", "--cluster", cluster, "--model", model]);
         check_contract(&v, layers);
+        assert_eq!(v["split_hops"], 0, "placement matches the cost model's packing");
         assert_eq!(v["gpus_total"].as_u64().unwrap(), if cluster.contains("lab") { 40 } else { v["gpus_total"].as_u64().unwrap() });
     }
 }
