@@ -37,8 +37,9 @@ pub fn best_baseline(cm: &CostModel, which: Baseline) -> Option<(f64, PlanStruct
                 continue;
             }
             let max_r = groups.len() as u32 / pp;
-            for b in [1u32, 2, 4, 8] {
-                if cm.opts.micro_batch.is_some_and(|m| m != b) || !cm.opts.global_batch.is_multiple_of(b) {
+            let sizes = cm.opts.micro_batch.map_or(vec![1u32, 2, 4, 8], |b| vec![b]);
+            for b in sizes {
+                if !cm.opts.global_batch.is_multiple_of(b) {
                     continue;
                 }
                 let n = cm.opts.global_batch / b;
