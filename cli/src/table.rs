@@ -1,6 +1,7 @@
 //! The human-readable rendering of a plan.
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
+use motley_solver::report::ReplicaReport;
 use motley_solver::PlanReport;
 
 pub fn render(r: &PlanReport, compare: bool) -> String {
@@ -29,11 +30,31 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
     t.set_header(vec!["replica", "samples", "stage", "layers", "gpu", "tp", "dp", "gpus", "memory GiB", "time s"]);
-    for (ri, rep) in r.replicas.iter().enumerate() {
+    // Identical consecutive replicas (same samples, GPU types, tp, dp and layers) share rows;
+    // their GPUs differ, and `-o json` lists every one.
+    let same = |a: &ReplicaReport, b: &ReplicaReport| {
+        a.samples == b.samples
+            && a.stages.len() == b.stages.len()
+            && a.stages.iter().zip(&b.stages).all(|(x, y)| x.gpu == y.gpu && x.tp == y.tp && x.dp == y.dp && x.layers == y.layers)
+    };
+    let mut grouped = false;
+    let mut ri = 0;
+    while ri < r.replicas.len() {
+        let rep = &r.replicas[ri];
+        let mut end = ri + 1;
+        while end < r.replicas.len() && same(rep, &r.replicas[end]) {
+            end += 1;
+        }
+        let label = if end - ri > 1 {
+            grouped = true;
+            format!("{}-{} (x{})", ri, end - 1, end - ri)
+        } else {
+            ri.to_string()
+        };
         for (si, s) in rep.stages.iter().enumerate() {
             let first = si == 0;
             t.add_row(vec![
-                Cell::new(if first { ri.to_string() } else { String::new() }),
+                Cell::new(if first { label.clone() } else { String::new() }),
                 Cell::new(if first { rep.samples.to_string() } else { String::new() }).set_alignment(CellAlignment::Right),
                 Cell::new(si),
                 Cell::new(format!("{}-{}", s.layers[0], s.layers[1])),
@@ -45,9 +66,17 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
                 Cell::new(if first { format!("{:.3}", rep.iteration_time_s) } else { String::new() }),
             ]);
         }
+        ri = end;
     }
     out.push_str(&t.to_string());
     out.push('\n');
+    if !r.idle_gpus.is_empty() {
+        let list: Vec<String> = r.idle_gpus.iter().map(|(g, n)| format!("{n} x {g}")).collect();
+        out.push_str(&format!("idle: {} (using them would not make this plan faster under the cost model)\n", list.join(", ")));
+    }
+    if grouped {
+        out.push_str("identical replicas share rows and show the first one's GPUs; -o json lists every GPU\n");
+    }
     if r.split_hops > 0 {
         out.push_str(&format!(
             "note: {} pipeline hop(s) were priced inside one node but had to be placed across nodes; the iteration time is optimistic for them\n",

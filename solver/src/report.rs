@@ -75,6 +75,9 @@ pub struct PlanReport {
     pub peak_utilization: f64,
     pub gpus_used: u32,
     pub gpus_total: u32,
+    /// GPUs the plan leaves idle, per GPU type (adding them would not make it faster under
+    /// the cost model, or they cannot hold a useful share of the model).
+    pub idle_gpus: BTreeMap<String, u32>,
     /// Pipeline hops priced as inside one node that placement had to split across nodes
     /// (0 when the placement matches the cost model's packing).
     pub split_hops: usize,
@@ -184,6 +187,7 @@ fn build_report(
         gpus_used: plan.gpus_per_class(cm.cluster.classes.len()).iter().sum(),
         gpus_total: cm.cluster.total_gpus(),
         split_hops: placement.split_hops,
+        idle_gpus: idle_gpus(cm, plan),
         replicas,
         baselines,
         search: SearchReport {
@@ -196,6 +200,18 @@ fn build_report(
             lower_bound: stats.lower_bound,
         },
     }
+}
+
+fn idle_gpus(cm: &CostModel, plan: &PlanStructure) -> BTreeMap<String, u32> {
+    let used = plan.gpus_per_class(cm.cluster.classes.len());
+    let mut idle = BTreeMap::new();
+    for (c, class) in cm.cluster.classes.iter().enumerate() {
+        let total = class.nodes.len() as u32 * class.gpus_per_node;
+        if total > used[c] {
+            *idle.entry(class.gpu.name.clone()).or_insert(0) += total - used[c];
+        }
+    }
+    idle
 }
 
 fn round3(x: f64) -> f64 {
