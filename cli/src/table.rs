@@ -72,7 +72,7 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
     out.push('\n');
     if !r.idle_gpus.is_empty() {
         let list: Vec<String> = r.idle_gpus.iter().map(|(g, n)| format!("{n} x {g}")).collect();
-        out.push_str(&format!("idle: {} (using them would not make this plan faster under the cost model)\n", list.join(", ")));
+        out.push_str(&format!("idle: {} (the search found no faster plan that uses them)\n", list.join(", ")));
     }
     if grouped {
         out.push_str("identical replicas share rows and show the first one's GPUs; -o json lists every GPU\n");

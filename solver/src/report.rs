@@ -75,8 +75,7 @@ pub struct PlanReport {
     pub peak_utilization: f64,
     pub gpus_used: u32,
     pub gpus_total: u32,
-    /// GPUs the plan leaves idle, per GPU type (adding them would not make it faster under
-    /// the cost model, or they cannot hold a useful share of the model).
+    /// GPUs the plan leaves idle, per GPU type (the search found no faster plan using them).
     pub idle_gpus: BTreeMap<String, u32>,
     /// Pipeline hops priced as inside one node that placement had to split across nodes
     /// (0 when the placement matches the cost model's packing).
