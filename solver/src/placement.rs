@@ -87,6 +87,27 @@ impl Room {
     }
 }
 
+/// Whether the cluster can hold the plan. When every stage of a class uses one tp, TP groups
+/// are interchangeable slots (each placement uses up exactly one of a node's `gpus / tp`),
+/// so counting is exact; otherwise run the placement itself.
+pub(crate) fn fits(cluster: &Cluster, plan: &PlanStructure) -> bool {
+    let classes = cluster.classes.len();
+    let mut tp_of: Vec<Option<u32>> = vec![None; classes];
+    let mut groups = vec![0u64; classes];
+    for s in plan.replicas.iter().flat_map(|r| &r.stages) {
+        let c = s.kind.class;
+        match tp_of[c] {
+            Some(t) if t != s.kind.tp => return assign(cluster, plan, |_, _, _, _, _| {}),
+            _ => tp_of[c] = Some(s.kind.tp),
+        }
+        groups[c] += s.kind.dp as u64;
+    }
+    (0..classes).all(|c| {
+        let slots = tp_of[c].map_or(0, |t| cluster.classes[c].nodes.len() as u64 * (cluster.classes[c].gpus_per_node / t) as u64);
+        groups[c] <= slots
+    })
+}
+
 /// The placement algorithm; `on_group(replica, stage, node, first GPU index, tp)` is called
 /// once per TP group. False when some TP group finds no node with room.
 pub(crate) fn assign(cluster: &Cluster, plan: &PlanStructure, mut on_group: impl FnMut(usize, usize, usize, u32, u32)) -> bool {

@@ -120,7 +120,7 @@ impl<'a> CostModel<'a> {
                 return Err(format!("replica {ri} covers {next} of {} layers", self.model.layers()));
             }
         }
-        if !crate::placement::assign(self.cluster, plan, |_, _, _, _, _| {}) {
+        if !crate::placement::fits(self.cluster, plan) {
             return Err("the plan needs more GPUs (whole TP groups inside one node) than the cluster has".into());
         }
         Ok(())

@@ -31,6 +31,10 @@ impl Ord for Key {
     }
 }
 
+/// Above this many micro-batches to hand out, `allocate` finds the optimum by bisection on
+/// the iteration time instead of one micro-batch at a time.
+const GREEDY_MAX_STEPS: u32 = 512;
+
 /// Groups of `count` identical replicas with frontier `points`; `n` micro-batches in all.
 /// Returns the iteration time and, per group, the micro-batches of each of its replicas.
 pub fn allocate(groups: &[(&[Point], u32)], n: u32) -> Option<(f64, Vec<Vec<u32>>)> {
@@ -38,6 +42,116 @@ pub fn allocate(groups: &[(&[Point], u32)], n: u32) -> Option<(f64, Vec<Vec<u32>
     if replicas == 0 || replicas > n {
         return None;
     }
+    if n - replicas > GREEDY_MAX_STEPS {
+        if let Some(found) = allocate_by_threshold(groups, n) {
+            return Some(found);
+        }
+    }
+    allocate_greedy(groups, n)
+}
+
+/// Micro-batches one replica finishes by `t` (each point: `base + (k - 1) * period <= t`).
+pub(super) fn finishes_by(pts: &[Point], t: f64) -> u64 {
+    pts.iter().map(|p| point_finishes_by(p.base, p.period, t)).max().unwrap_or(0)
+}
+
+/// The smallest replica time `base + j * period` (j >= 0) strictly above `t`.
+fn first_time_above(base: f64, period: f64, t: f64) -> f64 {
+    if base > t || period <= 0.0 {
+        return base;
+    }
+    let q = (t - base) / period;
+    if q >= 1e15 {
+        return f64::INFINITY;
+    }
+    let mut j = q.floor().max(0.0) as u64;
+    while base + j as f64 * period <= t {
+        j += 1;
+    }
+    while j > 0 && base + (j - 1) as f64 * period > t {
+        j -= 1;
+    }
+    base + j as f64 * period
+}
+
+/// Largest k with `base + (k - 1) * period <= t`, computed with the very expression
+/// `time_at` uses, so that a time read off a replica counts that replica's micro-batches.
+fn point_finishes_by(base: f64, period: f64, t: f64) -> u64 {
+    if base > t {
+        return 0;
+    }
+    let q = (t - base) / period;
+    if period <= 0.0 || q >= 1e15 {
+        return u64::MAX / 4; // more than any batch: callers cap it
+    }
+    let mut k = q.floor() as u64 + 1;
+    while base + k as f64 * period <= t {
+        k += 1;
+    }
+    while k > 1 && base + (k - 1) as f64 * period > t {
+        k -= 1;
+    }
+    k
+}
+
+/// The same optimum as the greedy: the smallest time T at which the replicas can finish `n`
+/// micro-batches (each at least one) is found by bisection and snapped to the exact replica
+/// time it stands for; then every replica takes what it finishes by T, and the surplus is
+/// handed back. None if floating point leaves the snapped time infeasible (the caller then
+/// falls back to the greedy).
+fn allocate_by_threshold(groups: &[(&[Point], u32)], n: u32) -> Option<(f64, Vec<Vec<u32>>)> {
+    let total = |t: f64| -> u64 { groups.iter().map(|(pts, x)| *x as u64 * finishes_by(pts, t).min(n as u64)).sum() };
+    // Every replica takes at least one micro-batch.
+    let lo0 = groups.iter().map(|(pts, _)| time_at(pts, 1)).fold(0.0, f64::max);
+    let snapped = if total(lo0) >= n as u64 {
+        lo0
+    } else {
+        let (mut lo, mut hi) = (lo0, lo0.max(1e-9) * 2.0);
+        while total(hi) < n as u64 {
+            lo = hi;
+            hi *= 2.0;
+        }
+        for _ in 0..200 {
+            let mid = 0.5 * (lo + hi);
+            if total(mid) >= n as u64 {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+            if hi - lo <= 1e-15 * hi {
+                break;
+            }
+        }
+        // The optimum is the first replica time above `lo`.
+        groups
+            .iter()
+            .flat_map(|(pts, _)| pts.iter())
+            .map(|p| first_time_above(p.base, p.period, lo))
+            .filter(|&t| t > lo)
+            .fold(f64::INFINITY, f64::min)
+            .max(lo0)
+    };
+    if total(snapped) < n as u64 {
+        return None;
+    }
+    let mut ks: Vec<Vec<u32>> = groups.iter().map(|(pts, x)| vec![finishes_by(pts, snapped).min(n as u64) as u32; *x as usize]).collect();
+    let mut surplus = total(snapped) - n as u64;
+    'hand_back: for g in ks.iter_mut() {
+        for k in g.iter_mut().rev() {
+            let give = surplus.min((*k - 1) as u64) as u32;
+            *k -= give;
+            surplus -= give as u64;
+            if surplus == 0 {
+                break 'hand_back;
+            }
+        }
+    }
+    let t = ks.iter().zip(groups).map(|(g, (pts, _))| time_at(pts, *g.iter().max().expect("non-empty group"))).fold(0.0, f64::max);
+    Some((t, ks))
+}
+
+fn allocate_greedy(groups: &[(&[Point], u32)], n: u32) -> Option<(f64, Vec<Vec<u32>>)> {
+    let replicas: u32 = groups.iter().map(|g| g.1).sum();
     // (k, a): a replicas of the group have k+1 micro-batches, the others k.
     let mut state: Vec<(u32, u32)> = groups.iter().map(|_| (1, 0)).collect();
     let mut heap = BinaryHeap::with_capacity(groups.len());
@@ -68,7 +182,7 @@ pub fn allocate(groups: &[(&[Point], u32)], n: u32) -> Option<(f64, Vec<Vec<u32>
 
 /// Micro-batches a replica with Pareto points `pts` (base, period) finishes within `t`.
 pub fn capacity(pts: &[(f64, f64)], t: f64) -> u64 {
-    pts.iter().filter(|p| p.0 <= t).map(|p| if p.1 > 0.0 { ((t - p.0) / p.1).floor() as u64 + 1 } else { u64::MAX / 4 }).max().unwrap_or(0)
+    pts.iter().map(|p| point_finishes_by(p.0, p.1, t)).max().unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -96,6 +210,34 @@ mod tests {
             let (t, _) = allocate(&[(&a, 1), (&b, 1)], n).unwrap();
             let best = (1..n).map(|k| time_at(&a, k).max(time_at(&b, n - k))).fold(f64::INFINITY, f64::min);
             assert!((t - best).abs() < 1e-12, "n={n}: {t} vs {best}");
+        }
+    }
+
+    #[test]
+    fn threshold_split_equals_the_greedy_one() {
+        // Deterministic pseudo-random frontiers and group sizes; large n takes the threshold path.
+        let mut seed = 0x9e3779b97f4a7c15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % 1000) as f64 / 1000.0 + 0.001
+        };
+        for case in 0..300 {
+            let groups: Vec<(Vec<Point>, u32)> = (0..1 + case % 4)
+                .map(|_| {
+                    let pts: Vec<Point> = (0..1 + case % 3).map(|_| pt(next() * 10.0, next())).collect();
+                    (pts, 1 + (next() * 5.0) as u32)
+                })
+                .collect();
+            let refs: Vec<(&[Point], u32)> = groups.iter().map(|(p, x)| (p.as_slice(), *x)).collect();
+            let n = 600 + (next() * 3000.0) as u32;
+            let (tg, kg) = allocate_greedy(&refs, n).unwrap();
+            let (tt, kt) = allocate_by_threshold(&refs, n).unwrap();
+            assert!((tg - tt).abs() <= 1e-9 * tg, "case {case}: greedy {tg} {kg:?} threshold {tt} {kt:?} groups {groups:?} n {n}");
+            assert_eq!(kt.iter().flatten().sum::<u32>(), n);
+            assert_eq!(kg.iter().flatten().sum::<u32>(), n);
+            assert!(kt.iter().flatten().all(|&k| k >= 1));
         }
     }
 

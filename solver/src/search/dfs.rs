@@ -128,14 +128,7 @@ impl<'a, 'b> Dfs<'a, 'b> {
             // Cheap filter: if the replicas cannot finish N micro-batches by the incumbent's
             // time, the plan cannot beat it and the exact split is not worth computing.
             let t = self.best * (1.0 - self.tolerance);
-            let cap: u64 = fronts
-                .iter()
-                .zip(groups)
-                .map(|(f, g)| {
-                    g.1 as u64
-                        * f.iter().map(|p| if p.base <= t { ((t - p.base) / p.period).floor() as u64 + 1 } else { 0 }).max().unwrap_or(0)
-                })
-                .sum();
+            let cap: u64 = fronts.iter().zip(groups).map(|(f, g)| g.1 as u64 * alloc::finishes_by(f, t)).sum();
             if cap < self.n as u64 {
                 self.costed += 1;
                 return None;
