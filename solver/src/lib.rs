@@ -7,6 +7,7 @@
 pub mod baselines;
 pub mod cost;
 pub mod error;
+pub mod metis;
 pub mod hardware;
 pub mod model;
 pub mod oracle;
