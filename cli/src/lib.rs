@@ -2,4 +2,6 @@
 //! reach them without spawning the binary.
 
 pub mod inputs;
+pub mod metis;
+pub mod metis_motley;
 pub mod table;

@@ -1,4 +1,4 @@
-//! `motley`, the operator's CLI. Today: `motley plan`, which works offline.
+//! `motley`, the operator's CLI. Today: `motley plan` and `motley metis`, which work offline.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -20,6 +20,8 @@ struct Cli {
 enum Command {
     /// Find the fastest data/tensor/pipeline-parallel plan for a model on a cluster (offline).
     Plan(PlanArgs),
+    /// Metis's profiles, hostfile and clusterfile: price plans as Metis does, search its space.
+    Metis(motley::metis::MetisArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -91,6 +93,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(args) => run_plan(args),
+        Command::Metis(m) => match m.command {
+            motley::metis::MetisCommand::Eval(a) => motley::metis::run_eval(a),
+            motley::metis::MetisCommand::Search(a) => motley::metis::run_search(a),
+        },
     };
     match result {
         Ok(text) => {

@@ -7,8 +7,8 @@
 pub mod baselines;
 pub mod cost;
 pub mod error;
-pub mod metis;
 pub mod hardware;
+pub mod metis;
 pub mod model;
 pub mod oracle;
 pub mod placement;

@@ -51,6 +51,9 @@ fn default_constants_come_from_the_largest_measurement_of_the_first_type() {
     let p = MetisProfiles::load(&read_dir(&data().join("synth_L10")), 10, None).unwrap();
     assert_eq!(p.constants.source, "DeviceType.A100_tp128_bs128.json");
     let pinned = MetisProfiles::load(&read_dir(&data().join("synth_L10")), 10, Some("DeviceType.A100_tp4_bs4.json")).unwrap();
-    assert_eq!(pinned.constants, motley_solver::metis::input::ModelConstants { source: pinned.constants.source.clone(), ..p.constants.clone() });
+    assert_eq!(
+        pinned.constants,
+        motley_solver::metis::input::ModelConstants { source: pinned.constants.source.clone(), ..p.constants.clone() }
+    );
     assert_eq!((p.max_tp, p.max_bs, p.types.clone()), (128, 128, vec!["A100".to_string(), "V100".to_string()]));
 }

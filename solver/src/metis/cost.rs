@@ -203,7 +203,11 @@ impl<'a> MetisModel<'a> {
             .iter()
             .map(|&n| {
                 let t = &self.cluster.types[layout.node_types[n as usize]];
-                if self.quirks.inter_bandwidth_is_intra { t.intra_bw_min } else { t.inter_bw }
+                if self.quirks.inter_bandwidth_is_intra {
+                    t.intra_bw_min
+                } else {
+                    t.inter_bw
+                }
             })
             .fold(f64::INFINITY, f64::min)
     }
@@ -293,9 +297,7 @@ impl<'a> MetisModel<'a> {
         }
         let capacity_mb = types.iter().map(|&t| self.cluster.types[t].memory_gb * 1024.0).sum();
         let dp_coef = if dp > 1 {
-            let bw = (0..dp)
-                .map(|j| self.group_bandwidth(layout, (0..tp).map(|k| r0 + k * dp + j)))
-                .fold(f64::INFINITY, f64::min);
+            let bw = (0..dp).map(|j| self.group_bandwidth(layout, (0..tp).map(|k| r0 + k * dp + j))).fold(f64::INFINITY, f64::min);
             2.0 * (dp - 1) as f64 / (dp as f64 * bw * MIB)
         } else {
             0.0
@@ -352,8 +354,7 @@ impl<'a> MetisModel<'a> {
         }
         let max_t = terms.stage_ms.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         terms.execution_ms = (batches - 1) as f64 * max_t + terms.stage_ms.iter().sum::<f64>();
-        let cost_ms =
-            terms.execution_ms + terms.fb_sync_ms + terms.update_ms + terms.dp_ms + terms.pp_ms + terms.batch_generator_ms;
+        let cost_ms = terms.execution_ms + terms.fb_sync_ms + terms.update_ms + terms.dp_ms + terms.pp_ms + terms.batch_generator_ms;
         let fits = terms.stage_memory_mb.iter().zip(&terms.stage_capacity_mb).all(|(m, c)| c - m >= 0.0);
         Ok(MetisCost { cost_ms, fits, terms })
     }

@@ -118,9 +118,10 @@ impl MetisProfiles {
             t
         };
         let source = match constants_from {
-            Some(c) => parsed.values().find(|(n, _)| n == c).ok_or_else(|| {
-                SolverError::invalid("constants-from", format!("{c} is not among the profile files"))
-            })?,
+            Some(c) => parsed
+                .values()
+                .find(|(n, _)| n == c)
+                .ok_or_else(|| SolverError::invalid("constants-from", format!("{c} is not among the profile files")))?,
             None => {
                 let first = &types[0];
                 parsed.iter().filter(|(k, _)| &k.0 == first).max_by_key(|(k, _)| (k.1, k.2)).map(|(_, v)| v).expect("non-empty")
@@ -218,12 +219,16 @@ impl MetisCluster {
                 .ok_or_else(|| SolverError::invalid(&f, "must read `<ip> slots=<gpus>` with gpus >= 1"))?;
             let node = info.get(ip).ok_or_else(|| SolverError::invalid(&f, format!("ip {ip} is not in the clusterfile: add it")))?;
             let cf = |k: &str| format!("clusterfile[{ip}].{k}");
-            let ty = node.get("instance_type").and_then(Value::as_str).ok_or_else(|| SolverError::invalid(cf("instance_type"), "missing"))?;
+            let ty =
+                node.get("instance_type").and_then(Value::as_str).ok_or_else(|| SolverError::invalid(cf("instance_type"), "missing"))?;
             let ti = profiles.type_index(&ty.to_ascii_uppercase()).ok_or_else(|| {
                 SolverError::invalid(cf("instance_type"), format!("{ty} has no profile file (have {})", profiles.types.join(", ")))
             })?;
             let num = |k: &str| {
-                node.get(k).and_then(Value::as_f64).filter(|x| x.is_finite() && *x > 0.0).ok_or_else(|| SolverError::invalid(cf(k), "must be a positive number"))
+                node.get(k)
+                    .and_then(Value::as_f64)
+                    .filter(|x| x.is_finite() && *x > 0.0)
+                    .ok_or_else(|| SolverError::invalid(cf(k), "must be a positive number"))
             };
             let t = &mut types[ti];
             if t.gpus == 0 {

@@ -9,7 +9,9 @@
 pub mod cost;
 pub mod input;
 pub mod plan;
+pub mod search;
 
 pub use cost::{Layout, MetisCost, MetisModel, MetisSettings, Quirks};
 pub use input::{MetisCluster, MetisProfiles};
 pub use plan::MetisPlan;
+pub use search::{search, SearchOutcome, Space};

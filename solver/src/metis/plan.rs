@@ -32,7 +32,13 @@ impl MetisPlan {
             }
         }
         if order.len() != m.cluster.present().len() {
-            return bad("node_sequence", format!("must list every GPU type of the cluster once: {:?}", m.cluster.present().iter().map(|&t| &m.profiles.types[t]).collect::<Vec<_>>()));
+            return bad(
+                "node_sequence",
+                format!(
+                    "must list every GPU type of the cluster once: {:?}",
+                    m.cluster.present().iter().map(|&t| &m.profiles.types[t]).collect::<Vec<_>>()
+                ),
+            );
         }
         let s = self.device_groups.len();
         if s == 0 || self.strategies.len() != s || self.layer_partition.len() != s + 1 {

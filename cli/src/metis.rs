@@ -1,0 +1,233 @@
+//! `motley metis eval|search`: Metis's inputs, priced and searched by Motley. The flags and
+//! the `-o json` fields are a contract (issue 3); more may be added, none renamed.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Subcommand, ValueEnum};
+use motley_solver::metis::{self, MetisCluster, MetisModel, MetisPlan, MetisProfiles, MetisSettings, Quirks, Space};
+use serde_json::json;
+
+use crate::inputs::InputError;
+
+#[derive(Args)]
+pub struct MetisArgs {
+    #[command(subcommand)]
+    pub command: MetisCommand,
+}
+
+#[derive(Subcommand)]
+pub enum MetisCommand {
+    /// Price one plan (Metis's JSON form) under Metis's cost model.
+    Eval(EvalArgs),
+    /// Find the cheapest plan of Metis's space or of its union with Motley's.
+    Search(SearchArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+/// The inputs every `motley metis` command reads, named as Metis names them.
+#[derive(Args)]
+pub struct MetisInputs {
+    /// Metis profile directory (DeviceType.<TYPE>_tp<T>_bs<B>.json files).
+    #[arg(long, env = "MOTLEY_METIS_PROFILES")]
+    pub profiles: PathBuf,
+    /// Metis hostfile: one `<ip> slots=<gpus>` line per node.
+    #[arg(long, env = "MOTLEY_METIS_HOSTFILE")]
+    pub hostfile: PathBuf,
+    /// Metis clusterfile (JSON: ip -> instance_type, memory GB, bandwidths MiB/ms).
+    #[arg(long, env = "MOTLEY_METIS_CLUSTERFILE")]
+    pub clusterfile: PathBuf,
+    /// Layers of the model, embedding and head included (Metis's --num_layers).
+    #[arg(long)]
+    pub layers: usize,
+    /// Samples per iteration (Metis's --gbs).
+    #[arg(long)]
+    pub global_batch: u32,
+    #[arg(long, default_value_t = 4096)]
+    pub hidden: u32,
+    #[arg(long, default_value_t = 1024)]
+    pub seq_len: u32,
+    #[arg(long, default_value_t = 51200)]
+    pub vocab: u32,
+    /// Profile file whose model-level constants (optimizer, batch generator, parameter bytes)
+    /// are used; default: the largest (tp, bs) file of the first GPU type by name.
+    #[arg(long)]
+    pub constants_from: Option<String>,
+    /// Price with Metis's bugs fixed (inter-node bandwidth read, mixed replicas at their
+    /// slowest GPU, memory from the stage's own type) instead of as Metis's code does.
+    #[arg(long)]
+    pub fix_quirks: bool,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = Output::Table, env = "MOTLEY_OUTPUT")]
+    pub output: Output,
+}
+
+#[derive(Args)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    pub inputs: MetisInputs,
+    /// The plan: JSON text, or a file holding it.
+    #[arg(long)]
+    pub plan: String,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum SpaceArg {
+    Metis,
+    Union,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum CostModelArg {
+    Metis,
+    Motley,
+}
+
+#[derive(Args)]
+pub struct SearchArgs {
+    #[command(flatten)]
+    pub inputs: MetisInputs,
+    #[arg(long, value_enum, default_value_t = SpaceArg::Metis)]
+    pub space: SpaceArg,
+    #[arg(long, value_enum, default_value_t = CostModelArg::Metis)]
+    pub cost_model: CostModelArg,
+    /// Metis's --min_group_scale_variance: stage groups are at least this x max(N/S, S/N).
+    #[arg(long, default_value_t = 1.0)]
+    pub variance: f64,
+    /// Most partial plans the walk may visit before it stops with the best so far.
+    #[arg(long, default_value_t = 200_000_000)]
+    pub budget: u64,
+}
+
+pub struct Loaded {
+    pub profiles: MetisProfiles,
+    pub cluster: MetisCluster,
+    pub settings: MetisSettings,
+    pub quirks: Quirks,
+}
+
+impl Loaded {
+    pub fn model(&self) -> MetisModel<'_> {
+        MetisModel { profiles: &self.profiles, cluster: &self.cluster, settings: self.settings, quirks: self.quirks }
+    }
+}
+
+fn read(path: &Path, what: &str) -> Result<String, InputError> {
+    std::fs::read_to_string(path).map_err(|e| InputError(format!("{}: cannot read the {what}: {e}", path.display())))
+}
+
+pub fn load(i: &MetisInputs) -> Result<Loaded, InputError> {
+    if i.global_batch == 0 {
+        return Err(InputError("--global-batch: must be at least 1".into()));
+    }
+    for (flag, v) in [("--hidden", i.hidden), ("--seq-len", i.seq_len), ("--vocab", i.vocab)] {
+        if v == 0 {
+            return Err(InputError(format!("{flag}: must be at least 1")));
+        }
+    }
+    let dir = std::fs::read_dir(&i.profiles)
+        .map_err(|e| InputError(format!("{}: cannot list the profile directory: {e}", i.profiles.display())))?;
+    let mut files = vec![];
+    for entry in dir {
+        let p = entry.map_err(|e| InputError(format!("{}: {e}", i.profiles.display())))?.path();
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if metis::input::parse_profile_name(&name).is_some() {
+            files.push((name, read(&p, "profile")?));
+        }
+    }
+    let at = |e: motley_solver::SolverError| InputError(format!("{}: {e}", i.profiles.display()));
+    let profiles = MetisProfiles::load(&files, i.layers, i.constants_from.as_deref()).map_err(at)?;
+    let cluster = MetisCluster::parse(&read(&i.hostfile, "hostfile")?, &read(&i.clusterfile, "clusterfile")?, &profiles)
+        .map_err(|e| InputError(format!("{} / {}: {e}", i.hostfile.display(), i.clusterfile.display())))?;
+    let settings = MetisSettings {
+        global_batch: i.global_batch,
+        layers: i.layers,
+        hidden: i.hidden as f64,
+        seq: i.seq_len as f64,
+        vocab: i.vocab as f64,
+    };
+    let quirks = if i.fix_quirks { Quirks::fixed() } else { Quirks::default() };
+    Ok(Loaded { profiles, cluster, settings, quirks })
+}
+
+fn parse_plan(arg: &str) -> Result<MetisPlan, InputError> {
+    let text = if arg.trim_start().starts_with('{') { arg.to_string() } else { read(Path::new(arg), "plan")? };
+    let de = &mut serde_json::Deserializer::from_str(&text);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        InputError(format!("--plan: {path}: {}", e.into_inner()))
+    })
+}
+
+fn cost_table(cost: &metis::MetisCost) -> String {
+    let t = &cost.terms;
+    let mut out = format!(
+        "cost {:.2} ms per iteration under Metis's model; memory {}\n",
+        cost.cost_ms,
+        if cost.fits { "fits" } else { "DOES NOT FIT" }
+    );
+    out += &format!(
+        "  execution {:.2}  fb_sync {:.2}  pp {:.2}  dp {:.2}  update {:.2}  batch generator {:.2}\n",
+        t.execution_ms, t.fb_sync_ms, t.pp_ms, t.dp_ms, t.update_ms, t.batch_generator_ms
+    );
+    for (s, ((ms, mem), cap)) in t.stage_ms.iter().zip(&t.stage_memory_mb).zip(&t.stage_capacity_mb).enumerate() {
+        out += &format!("  stage {s}: {ms:.2} ms per micro-batch, memory {mem:.0} of {cap:.0} MiB\n");
+    }
+    out
+}
+
+pub fn run_eval(a: EvalArgs) -> Result<String, InputError> {
+    let loaded = load(&a.inputs)?;
+    let plan = parse_plan(&a.plan)?;
+    let cost = loaded.model().evaluate(&plan).map_err(|e| InputError(e.to_string()))?;
+    Ok(match a.inputs.output {
+        Output::Json => serde_json::to_string_pretty(&json!({
+            "cost_ms": cost.cost_ms, "fits": cost.fits, "terms": cost.terms, "quirks": loaded.quirks,
+            "constants_from": loaded.profiles.constants.source,
+        }))
+        .expect("serialises"),
+        Output::Table => cost_table(&cost),
+    })
+}
+
+pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
+    if !(a.variance >= 0.0 && a.variance.is_finite()) {
+        return Err(InputError("--variance: must be a non-negative number (Metis uses 1; 0 removes the floor)".into()));
+    }
+    let loaded = load(&a.inputs)?;
+    if a.cost_model == CostModelArg::Motley {
+        return crate::metis_motley::run(&loaded, a.space == SpaceArg::Union, a.inputs.output == Output::Json);
+    }
+    let space = match a.space {
+        SpaceArg::Metis => Space::Metis { variance: a.variance },
+        SpaceArg::Union => Space::Union,
+    };
+    let model = loaded.model();
+    let out = metis::search(&model, space, a.budget);
+    let Some((plan, cost)) = &out.best else {
+        return Err(InputError("no plan of this space fits in memory with the profiled (tp, batch) sizes".into()));
+    };
+    Ok(match a.inputs.output {
+        Output::Json => serde_json::to_string_pretty(&json!({
+            "cost_ms": cost.cost_ms, "plans_costed": out.plans_costed, "plan": plan,
+            "fits": cost.fits, "terms": cost.terms, "space": space, "cost_model": "metis",
+            "nodes": out.nodes, "tasks": out.tasks, "tasks_pruned": out.tasks_pruned,
+            "proven_optimal": out.proven_optimal, "quirks": loaded.quirks,
+        }))
+        .expect("serialises"),
+        Output::Table => format!(
+            "{}plan {}\nsearched {} plans costed, {} partial plans, {} of {} tasks cut by the bound; {}\n",
+            cost_table(cost),
+            serde_json::to_string(plan).expect("serialises"),
+            out.plans_costed,
+            out.nodes,
+            out.tasks_pruned,
+            out.tasks,
+            if out.proven_optimal { "no plan of the space is cheaper" } else { "budget reached: best found, not proven" }
+        ),
+    })
+}
