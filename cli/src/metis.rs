@@ -101,6 +101,17 @@ pub struct SearchArgs {
     /// Most partial plans the walk may visit before it stops with the best so far.
     #[arg(long, default_value_t = 200_000_000)]
     pub budget: u64,
+    /// exact: Motley's branch and bound. metis / improved-metis: replay Metis's own walk with
+    /// Metis's or ImprovedMetis's out-of-memory repair rule (Metis's space only).
+    #[arg(long, value_enum, default_value_t = Method::Exact)]
+    pub method: Method,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum Method {
+    Exact,
+    Metis,
+    ImprovedMetis,
 }
 
 pub struct Loaded {
@@ -202,6 +213,9 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
     if a.cost_model == CostModelArg::Motley {
         return crate::metis_motley::run(&loaded, a.space == SpaceArg::Union, a.inputs.output == Output::Json);
     }
+    if a.method != Method::Exact {
+        return run_walk(&loaded, &a);
+    }
     let space = match a.space {
         SpaceArg::Metis => Space::Metis { variance: a.variance },
         SpaceArg::Union => Space::Union,
@@ -228,6 +242,39 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
             out.tasks_pruned,
             out.tasks,
             if out.proven_optimal { "no plan of the space is cheaper" } else { "budget reached: best found, not proven" }
+        ),
+    })
+}
+
+fn run_walk(loaded: &Loaded, a: &SearchArgs) -> Result<String, InputError> {
+    if a.space != SpaceArg::Metis {
+        return Err(InputError("--method: Metis's walk searches only Metis's space; use --space metis or --method exact".into()));
+    }
+    let repair = if a.method == Method::Metis { metis::walk::Repair::Metis } else { metis::walk::Repair::MostOutOfMemory };
+    let model = loaded.model();
+    let out = metis::walk::walk(&model, a.variance, repair);
+    let Some((plan, _)) = &out.best else {
+        return Err(InputError("Metis's walk found no plan that fits".into()));
+    };
+    let cost = model.evaluate(plan).map_err(|e| InputError(e.to_string()))?;
+    let c = &out.counters;
+    Ok(match a.inputs.output {
+        Output::Json => serde_json::to_string_pretty(&json!({
+            "cost_ms": cost.cost_ms, "plans_costed": c.plans_costed, "plan": plan, "fits": cost.fits, "terms": cost.terms,
+            "space": Space::Metis { variance: a.variance }, "cost_model": "metis", "method": repair, "counters": c,
+            "proven_optimal": false, "quirks": loaded.quirks,
+        }))
+        .expect("serialises"),
+        Output::Table => format!(
+            "{}plan {}\nMetis's walk ({}): {} plans costed, {} search steps, {} inter-stage plans, {} mutations, {} failed memory checks\n",
+            cost_table(&cost),
+            serde_json::to_string(plan).expect("serialises"),
+            if repair == metis::walk::Repair::Metis { "Metis's repair" } else { "ImprovedMetis's repair" },
+            c.plans_costed,
+            c.count,
+            c.inter_stage_plans,
+            c.strategy_mutations,
+            c.failed_memory_checks
         ),
     })
 }

@@ -57,3 +57,32 @@ fn default_constants_come_from_the_largest_measurement_of_the_first_type() {
     );
     assert_eq!((p.max_tp, p.max_bs, p.types.clone()), (128, 128, vec!["A100".to_string(), "V100".to_string()]));
 }
+
+/// Metis's own search, replayed, finds what Metis found and prices as many plans
+/// (ImprovedMetis's Table 1 rows, RESULTS.md in the anchors), and our exact search beats it.
+#[test]
+fn metis_walk_replays_table_1_and_the_exact_search_beats_it() {
+    use motley_solver::metis::walk::{walk, Repair};
+    use motley_solver::metis::{search, Space};
+    let clusterfile = std::fs::read_to_string(data().join("cluster/clusterfile.json")).unwrap();
+    // Row 1's Metis optimum is also the space's; on rows 2 and 3 Metis's walk stops early.
+    for (layers, n, costed, cost, strictly) in [(10, 16, 206, 1793.60, false), (20, 32, 14631, 2078.56, true), (20, 64, 454, 1101.65, true)]
+    {
+        let profiles = MetisProfiles::load(&read_dir(&data().join(format!("synth_L{layers}"))), layers, None).unwrap();
+        let hostfile = std::fs::read_to_string(data().join(format!("cluster/hostfile_{n}"))).unwrap();
+        let cluster = MetisCluster::parse(&hostfile, &clusterfile, &profiles).unwrap();
+        let model = MetisModel { profiles: &profiles, cluster: &cluster, settings: settings(layers), quirks: Quirks::default() };
+        let replay = walk(&model, 1.0, Repair::Metis);
+        assert_eq!(replay.counters.plans_costed, costed, "L{layers} {n}+{n}");
+        assert!((replay.best.as_ref().unwrap().1 - cost).abs() < 0.01, "L{layers} {n}+{n}: {:?}", replay.best);
+        let improved = walk(&model, 1.0, Repair::MostOutOfMemory);
+        assert!(improved.counters.count < replay.counters.count, "ImprovedMetis's repair takes fewer steps");
+        assert!((improved.best.unwrap().1 - cost).abs() < 0.01);
+        let exact = search(&model, Space::Metis { variance: 1.0 }, u64::MAX);
+        assert!(exact.proven_optimal);
+        let (_, c) = exact.best.unwrap();
+        assert!(c.cost_ms <= cost + 0.01, "L{layers} {n}+{n}: exact {} vs Metis {cost}", c.cost_ms);
+        assert_eq!(c.cost_ms < cost - 1.0, strictly, "L{layers} {n}+{n}: exact {} vs Metis {cost}", c.cost_ms);
+        assert!(exact.plans_costed < costed);
+    }
+}

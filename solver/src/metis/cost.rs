@@ -256,7 +256,8 @@ impl<'a> MetisModel<'a> {
         let time_prefix = if homogeneous {
             vec![self.layer_prefix(types[0], tp, mbs, |p| &p.layer_ms)?]
         } else {
-            let mut pieces: Vec<(usize, u32)> = self.replicas(&types, dp, tp, gbs / batches)?.into_iter().filter(|r| r.1 > 0).collect();
+            let split = self.replicas(&types, dp, tp, gbs / batches)?;
+            let mut pieces: Vec<(usize, u32)> = split.into_iter().filter(|r| r.1 > 0).collect();
             pieces.sort_unstable();
             pieces.dedup();
             let mut out = vec![];
@@ -287,9 +288,7 @@ impl<'a> MetisModel<'a> {
             // Metis splits the batch over the whole cluster's type list here, not the stage's.
             let basis = if self.quirks.memory_of_first_type { &all } else { &types };
             for (t, h) in self.replicas(basis, dp, tp, gbs / batches)? {
-                if h == 0 {
-                    return Err(SolverError::invalid("plan", "a replica gets no samples: Metis's memory check fails on it (log2 of 0)"));
-                }
+                // A replica without samples holds no activations (Metis's code takes log2 of 0 here).
                 for b in binary_pieces(h) {
                     add_mem(mem_type(t), b)?;
                 }

@@ -10,6 +10,7 @@ pub mod cost;
 pub mod input;
 pub mod plan;
 pub mod search;
+pub mod walk;
 
 pub use cost::{Layout, MetisCost, MetisModel, MetisSettings, Quirks};
 pub use input::{MetisCluster, MetisProfiles};

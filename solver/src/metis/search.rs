@@ -223,7 +223,7 @@ impl<'m, 'a> Walk<'m, 'a> {
         let mut dps = vec![];
         let mut tp = 1;
         while tp <= g && tp <= max_tp {
-            if g % tp == 0 {
+            if g.is_multiple_of(tp) {
                 let dp = g / tp;
                 // Metis's own strategies floor gbs/dp/M; the extra ones of the union must divide.
                 let metis_rule = g.is_power_of_two() && dp.is_power_of_two();
