@@ -73,6 +73,10 @@ pub struct EvalArgs {
     /// The plan: JSON text, or a file holding it.
     #[arg(long)]
     pub plan: String,
+    /// metis: Metis's estimator (default); motley: Motley's, pricing the plan as what it
+    /// physically is (TP across nodes over the NIC, mixed replicas at their slowest GPU).
+    #[arg(long, value_enum, default_value_t = CostModelArg::Metis)]
+    pub cost_model: CostModelArg,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -98,9 +102,10 @@ pub struct SearchArgs {
     /// Metis's --min_group_scale_variance: stage groups are at least this x max(N/S, S/N).
     #[arg(long, default_value_t = 1.0)]
     pub variance: f64,
-    /// Most partial plans the walk may visit before it stops with the best so far.
-    #[arg(long, default_value_t = 200_000_000)]
-    pub budget: u64,
+    /// Most partial plans the search may visit before it stops with the best so far
+    /// (default 200M under Metis's model, 5M under Motley's, whose plans cost more to price).
+    #[arg(long)]
+    pub budget: Option<u64>,
     /// exact: Motley's branch and bound. metis / improved-metis: replay Metis's own walk with
     /// Metis's or ImprovedMetis's out-of-memory repair rule (Metis's space only).
     #[arg(long, value_enum, default_value_t = Method::Exact)]
@@ -194,6 +199,9 @@ fn cost_table(cost: &metis::MetisCost) -> String {
 pub fn run_eval(a: EvalArgs) -> Result<String, InputError> {
     let loaded = load(&a.inputs)?;
     let plan = parse_plan(&a.plan)?;
+    if a.cost_model == CostModelArg::Motley {
+        return crate::metis_motley::eval(&loaded, &plan, a.inputs.output == Output::Json);
+    }
     let cost = loaded.model().evaluate(&plan).map_err(|e| InputError(e.to_string()))?;
     Ok(match a.inputs.output {
         Output::Json => serde_json::to_string_pretty(&json!({
@@ -211,7 +219,11 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
     }
     let loaded = load(&a.inputs)?;
     if a.cost_model == CostModelArg::Motley {
-        return crate::metis_motley::run(&loaded, a.space == SpaceArg::Union, a.inputs.output == Output::Json);
+        if a.method != Method::Exact {
+            return Err(InputError("--method: Metis's walk prices with Metis's model; use --cost-model metis".into()));
+        }
+        let budget = a.budget.unwrap_or(5_000_000);
+        return crate::metis_motley::run(&loaded, a.space == SpaceArg::Union, a.variance, budget, a.inputs.output == Output::Json);
     }
     if a.method != Method::Exact {
         return run_walk(&loaded, &a);
@@ -221,7 +233,7 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
         SpaceArg::Union => Space::Union,
     };
     let model = loaded.model();
-    let out = metis::search(&model, space, a.budget);
+    let out = metis::search(&model, space, a.budget.unwrap_or(200_000_000));
     let Some((plan, cost)) = &out.best else {
         return Err(InputError("no plan of this space fits in memory with the profiled (tp, batch) sizes".into()));
     };

@@ -121,9 +121,11 @@ impl<'a> CostModel<'a> {
         let v = self.model.spec.vocab as f64;
         let peak = gpu.tflops * 1e12 * self.opts.efficiency;
         let mem_bw = gpu.mem_bw_gbps * 1e9;
-        let intra = self.cluster.intra_bw(k.class) * 1e9;
+        // A TP group inside a node all-reduces over NVLink/PCIe; one spanning nodes (only
+        // plans from other planners have them, see metis/motley_view.rs) over the NIC.
+        let tp_bw = if k.tp > class.gpus_per_node { self.cluster.inter_bw(k.class, k.class) } else { self.cluster.intra_bw(k.class) } * 1e9;
         // Two all-reduces of the layer's activations forward, two backward (Megatron TP).
-        let tp_allreduce = if k.tp > 1 { 2.0 * (t - 1.0) / t * m * s * h * 2.0 / intra } else { 0.0 };
+        let tp_allreduce = if k.tp > 1 { 2.0 * (t - 1.0) / t * m * s * h * 2.0 / tp_bw } else { 0.0 };
         let profiled = self.profiles.lookup(&gpu.name, k.tp, m.round() as u32).filter(|_| m.fract() == 0.0);
         let (fwd, bwd) = match profiled {
             Some(p) => (p.fwd_ms / 1e3, p.bwd_ms / 1e3),

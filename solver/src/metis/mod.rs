@@ -8,6 +8,8 @@
 
 pub mod cost;
 pub mod input;
+pub mod motley_search;
+pub mod motley_view;
 pub mod plan;
 pub mod search;
 pub mod walk;

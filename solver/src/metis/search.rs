@@ -156,7 +156,7 @@ impl Floors {
 }
 
 /// All orders of the given types (Heap's algorithm is overkill for <= 4 types).
-fn permutations(items: &[usize]) -> Vec<Vec<usize>> {
+pub fn type_orders(items: &[usize]) -> Vec<Vec<usize>> {
     if items.len() <= 1 {
         return vec![items.to_vec()];
     }
@@ -164,7 +164,7 @@ fn permutations(items: &[usize]) -> Vec<Vec<usize>> {
     for i in 0..items.len() {
         let mut rest = items.to_vec();
         let x = rest.remove(i);
-        for mut p in permutations(&rest) {
+        for mut p in type_orders(&rest) {
             p.insert(0, x);
             out.push(p);
         }
@@ -326,7 +326,7 @@ pub fn search(m: &MetisModel, space: Space, budget: u64) -> SearchOutcome {
     let gbs = m.settings.global_batch;
     let gpn = m.cluster.gpus_per_node;
     let mut out = SearchOutcome { best: None, plans_costed: 0, nodes: 0, tasks: 0, tasks_pruned: 0, proven_optimal: true };
-    let orders = permutations(&m.cluster.present());
+    let orders = type_orders(&m.cluster.present());
     let divisors: Vec<u32> = (1..=gbs).filter(|d| gbs.is_multiple_of(*d)).collect();
     let pow2: Vec<u32> = (0..32).map(|k| 1u32 << k).take_while(|&g| g <= n).collect();
     let mut tasks = vec![];

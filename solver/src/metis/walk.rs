@@ -275,22 +275,6 @@ fn shift_compute(share: &[f64], capacity: &[f64], demand: &[f64]) -> Option<Vec<
     Some(added.iter().zip(&adjusted).map(|(a, b)| a + b).collect())
 }
 
-fn permutations(items: &[usize]) -> Vec<Vec<usize>> {
-    if items.len() <= 1 {
-        return vec![items.to_vec()];
-    }
-    let mut out = vec![];
-    for i in 0..items.len() {
-        let mut rest = items.to_vec();
-        let x = rest.remove(i);
-        for mut p in permutations(&rest) {
-            p.insert(0, x);
-            out.push(p);
-        }
-    }
-    out
-}
-
 /// Distinct orders of a multiset of group sizes.
 fn distinct_orders(groups: &[u32]) -> Vec<Vec<u32>> {
     fn go(counts: &mut Vec<(u32, usize)>, left: usize, cur: &mut Vec<u32>, out: &mut Vec<Vec<u32>>) {
@@ -458,7 +442,7 @@ pub fn walk(m: &MetisModel, variance: f64, repair: Repair) -> WalkOutcome {
     let total: f64 = base.layer_ms.iter().sum();
     let norm: Vec<f64> = base.layer_ms.iter().map(|x| x / total).collect();
     let divisors: Vec<u32> = (1..=gbs).rev().filter(|d| gbs.is_multiple_of(*d)).collect();
-    for order in permutations(&m.cluster.present()) {
+    for order in super::search::type_orders(&m.cluster.present()) {
         let layout = Layout::by_type_sequence(m.cluster, &order);
         for stages in 1..=(n as usize).min(layers) {
             for groups in device_groups(n, stages, variance) {
