@@ -11,7 +11,6 @@ use super::motley_view::{MotleyPrice, MotleyView};
 use super::plan::MetisPlan;
 use crate::cost::{CostModel, LayerCost, PlanOptions, StageKind};
 use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
-use crate::profile::ProfileSet;
 
 #[derive(Debug, Clone)]
 pub struct MotleySearchOutcome {
@@ -176,8 +175,7 @@ impl Walk<'_> {
 
 /// Cheapest plan of Metis's space (group floor `variance`) under Motley's model.
 pub fn search_metis_space(m: &MetisModel, view: &MotleyView, opts: &PlanOptions, variance: f64, budget: u64) -> MotleySearchOutcome {
-    let profiles = ProfileSet::default();
-    let cm = CostModel { cluster: &view.cluster, model: &view.model, profiles: &profiles, opts };
+    let cm = CostModel { cluster: &view.cluster, model: &view.model, profiles: &view.profiles, opts };
     let n = m.cluster.total_gpus();
     let blocks = view.model.layers();
     let gbs = m.settings.global_batch;

@@ -3,25 +3,29 @@
 //! inter-node bandwidth as Ethernet between nodes), the profile directory's GPT becomes a
 //! Motley model (embedding, L-2 transformer blocks, head), and a plan in Metis's form is
 //! priced as what it physically is: a TP group that spans nodes all-reduces over the NIC,
-//! and a replica that spans GPU types runs at its slowest GPU. The same module searches
+//! and a replica that spans GPU types runs at its slowest GPU. Transformer blocks are timed
+//! by Metis's own measurements (`import_profiles`), the embedding and head by Motley's
+//! roofline. The same module searches
 //! Metis's space under Motley's model, by the branch and bound of `search.rs` with Motley's
 //! stage times.
 
 use serde::Serialize;
 
-use super::cost::{Layout, MetisModel};
+use super::cost::{binary_pieces, Layout, MetisModel};
 use super::plan::MetisPlan;
 use crate::cost::{CostModel, PlanOptions, StageKind};
 use crate::error::{Result, SolverError};
 use crate::hardware::{gpu_catalog, Cluster, ClusterSpec, NicKind, NicSpec, NodeSpec};
 use crate::model::{Model, ModelSpec};
 use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
-use crate::profile::ProfileSet;
+use crate::profile::{LayerProfile, ProfileSet};
 
-/// Motley's cluster and model for a set of Metis inputs.
+/// Motley's cluster, model and profiles for a set of Metis inputs.
 pub struct MotleyView {
     pub cluster: Cluster,
     pub model: Model,
+    /// Metis's measured transformer-block times as Motley profiles (see `import_profiles`).
+    pub profiles: ProfileSet,
     /// Motley node class of each Metis GPU type (None for types without GPUs).
     pub class_of_type: Vec<Option<usize>>,
 }
@@ -81,7 +85,54 @@ pub fn motley_view(m: &MetisModel) -> Result<MotleyView> {
         kv_heads: None,
         gated_mlp: false,
     };
-    Ok(MotleyView { cluster, model: Model::new(spec, None)?, class_of_type })
+    let model = Model::new(spec, None)?;
+    let profiles = import_profiles(m, &cluster, &class_of_type);
+    profiles.validate()?;
+    Ok(MotleyView { cluster, model, profiles, class_of_type })
+}
+
+/// Metis's profiles as Motley's: per (GPU, tp, bs), one transformer block's measured time
+/// (`layer_compute_total_ms[1]`; Metis takes every block to equal it), split 1:2 between
+/// forward and backward. Measurements with TP inside a node are taken as they are. For TP
+/// groups larger than a node (synthetic extrapolations in Metis's data, with TP assumed free)
+/// we take the node-sized measurement, scale its compute by node/tp, and add the four
+/// activation all-reduces a Megatron block does, over the NIC.
+pub fn import_profiles(m: &MetisModel, cluster: &Cluster, class_of_type: &[Option<usize>]) -> ProfileSet {
+    let mut out = vec![];
+    let s = &m.settings;
+    for (t, ty) in m.cluster.types.iter().enumerate() {
+        let Some(c) = class_of_type[t] else { continue };
+        let class = &cluster.classes[c];
+        let gpn = class.gpus_per_node;
+        let nic = cluster.inter_bw(c, c) * 1e9;
+        let mut tp = 1;
+        while tp <= m.profiles.max_tp {
+            for bs in 1..=m.profiles.max_bs {
+                // A batch Metis did not measure runs as its binary pieces, as in Metis.
+                let measured = |tp: u32| -> Option<f64> {
+                    match m.profiles.get(t, tp, bs) {
+                        Some(p) => Some(p.layer_ms[1]),
+                        None => binary_pieces(bs).map(|b| m.profiles.get(t, tp, b).map(|p| p.layer_ms[1])).sum(),
+                    }
+                };
+                let block_ms = if tp <= gpn {
+                    measured(tp)
+                } else {
+                    measured(gpn).map(|ms| {
+                        let t_f = tp as f64;
+                        let allreduce = 2.0 * (t_f - 1.0) / t_f * bs as f64 * s.seq * s.hidden * 2.0 / nic * 1e3;
+                        ms * gpn as f64 / t_f + 4.0 * allreduce
+                    })
+                };
+                if let Some(ms) = block_ms.filter(|x| *x > 0.0) {
+                    out.push(LayerProfile { gpu: class.gpu.name.clone(), tp, micro_batch: bs, fwd_ms: ms / 3.0, bwd_ms: ms * 2.0 / 3.0, act_mib: None });
+                }
+            }
+            tp *= 2;
+        }
+        let _ = ty;
+    }
+    ProfileSet { profiles: out }
 }
 
 /// A Metis plan priced by Motley's model.
@@ -158,8 +209,7 @@ impl MotleyView {
             r += g;
         }
         let structure = PlanStructure { micro_batch, replicas: vec![ReplicaPlan { stages, micro_batches: batches }] };
-        let profiles = ProfileSet::default();
-        let cm = CostModel { cluster: &self.cluster, model: &self.model, profiles: &profiles, opts };
+        let cm = CostModel { cluster: &self.cluster, model: &self.model, profiles: &self.profiles, opts };
         let e = cm.evaluate(&structure);
         Ok(MotleyPrice { iteration_ms: e.iteration_time * 1e3, fits: e.fits, notes })
     }
