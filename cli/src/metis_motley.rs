@@ -47,8 +47,14 @@ pub fn run(loaded: &Loaded, union: bool, variance: f64, budget: u64, json_out: b
     let model = loaded.model();
     let metis_space = search_metis_space(&model, &v, &o, variance, budget);
     let motley = if union {
-        let req =
-            PlanRequest { cluster: &v.cluster, model: &v.model, profiles: &v.profiles, opts: &o, mode: SearchMode::Auto, exhaustive: false };
+        let req = PlanRequest {
+            cluster: &v.cluster,
+            model: &v.model,
+            profiles: &v.profiles,
+            opts: &o,
+            mode: SearchMode::Auto,
+            exhaustive: false,
+        };
         motley_solver::plan(&req).ok()
     } else {
         None

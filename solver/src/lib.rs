@@ -7,6 +7,7 @@
 pub mod baselines;
 pub mod cost;
 pub mod error;
+pub mod espresso;
 pub mod hardware;
 pub mod metis;
 pub mod model;

@@ -1,0 +1,175 @@
+//! Espresso's own files, read as they are: a job (`jobs/*.json`), an optional llm-analysis
+//! model config (`models/*.json`, `jobs/this_run/*.model_config.json`), the GPU table the
+//! allocator uses (`gpu/espresso_gpu_config.json`, price and efficiencies per GPU) and the
+//! hardware specs of llm-analysis (`gpu/llm_analysis_gpu_configs/<name>.json`). Fields and
+//! units: `../shared/anchors/espresso/DATA.md`. The caller does the I/O.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use crate::error::{Result, SolverError};
+
+/// An Espresso job (`Model(**json)` in its code). `tp_size` and `dp_size` are overwritten by
+/// the search; `gradient_accumulation_steps` is the number of pipeline micro-batches.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Job {
+    pub model_name: String,
+    pub gradient_accumulation_steps: u32,
+    pub seq_len: u64,
+    #[serde(default)]
+    pub model_layer: Option<u32>,
+    pub global_batch_size: u32,
+    #[serde(default = "one")]
+    pub dp_size: u32,
+    #[serde(default = "one")]
+    pub tp_size: u32,
+    pub num_layers: u32,
+    pub n_head: u32,
+    pub hidden_dim: u64,
+    pub vocab_size: u64,
+    pub max_seq_len: u64,
+    /// Seconds per iteration the plan must beat.
+    pub slo: f64,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// An llm-analysis model config.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ModelConfig {
+    pub name: String,
+    pub num_layers: u32,
+    pub n_head: u32,
+    pub hidden_dim: u64,
+    pub vocab_size: u64,
+    pub max_seq_len: u64,
+    #[serde(default)]
+    pub model_type: Option<String>,
+}
+
+/// One row of `espresso_gpu_config.json`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct GpuOffer {
+    pub flops_efficiency: f64,
+    pub hbm_memory_efficiency: f64,
+    /// $ per GPU-hour.
+    pub cost: f64,
+    pub mem_per_gpu_in_gb: f64,
+    pub peak_fp16_tflops: f64,
+}
+
+/// An llm-analysis hardware spec.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct GpuSpec {
+    pub name: String,
+    #[serde(rename = "mem_per_GPU_in_GB")]
+    pub mem_per_gpu_in_gb: f64,
+    #[serde(rename = "hbm_bandwidth_in_GB_per_sec")]
+    pub hbm_bandwidth_in_gb_per_sec: f64,
+    #[serde(rename = "intra_node_bandwidth_in_GB_per_sec")]
+    pub intra_node_bandwidth_in_gb_per_sec: f64,
+    pub intra_node_min_message_latency: f64,
+    #[serde(rename = "peak_fp16_TFLOPS")]
+    pub peak_fp16_tflops: f64,
+    #[serde(rename = "inter_node_bandwidth_in_GB_per_sec")]
+    pub inter_node_bandwidth_in_gb_per_sec: f64,
+}
+
+/// The GPU table, in file order (Espresso's cost-tree level order).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuTable {
+    pub names: Vec<String>,
+    pub offers: Vec<GpuOffer>,
+    pub specs: Vec<GpuSpec>,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(text: &str, origin: &str) -> Result<T> {
+    serde_json::from_str(text)
+        .map_err(|e| SolverError::invalid(origin, format!("{e} (Espresso's file format; a file cut short fails here too)")))
+}
+
+pub fn parse_job(text: &str, origin: &str) -> Result<Job> {
+    let job: Job = parse(text, origin)?;
+    let bad = |f: &str, m: &str| Err(SolverError::invalid(format!("{origin}: {f}"), m));
+    if job.gradient_accumulation_steps == 0 {
+        return bad("gradient_accumulation_steps", "must be at least 1 (it is the number of micro-batches)");
+    }
+    if job.global_batch_size == 0 || !job.global_batch_size.is_multiple_of(job.gradient_accumulation_steps) {
+        return bad("global_batch_size", "must be a positive multiple of gradient_accumulation_steps");
+    }
+    if job.num_layers == 0 || job.n_head == 0 || job.hidden_dim == 0 || job.seq_len == 0 {
+        return bad("num_layers", "num_layers, n_head, hidden_dim and seq_len must be positive");
+    }
+    if !(job.slo.is_finite() && job.slo > 0.0) {
+        return bad("slo", "must be a positive number of seconds per iteration");
+    }
+    Ok(job)
+}
+
+pub fn parse_model_config(text: &str, origin: &str) -> Result<ModelConfig> {
+    parse(text, origin)
+}
+
+/// `espresso_gpu_config.json` plus, for every GPU it lists, `<name>.json` from the hardware
+/// spec directory (`specs` maps file names to contents).
+pub fn parse_gpu_table(text: &str, origin: &str, specs: &BTreeMap<String, String>) -> Result<GpuTable> {
+    // Keep the file's key order: it is the order of Espresso's cost-tree levels.
+    let raw: OrderedEntries = parse(text, origin)?;
+    let mut t = GpuTable { names: vec![], offers: vec![], specs: vec![] };
+    for (name, v) in raw.0 {
+        let o = |k: &str| {
+            v.get(k)
+                .and_then(serde_json::Value::as_f64)
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| SolverError::invalid(format!("{origin}: {name}.{k}"), "must be a positive number"))
+        };
+        let offer = GpuOffer {
+            flops_efficiency: o("flops_efficiency")?,
+            hbm_memory_efficiency: o("hbm_memory_efficiency")?,
+            cost: o("cost")?,
+            mem_per_gpu_in_gb: o("mem_per_GPU_in_GB")?,
+            peak_fp16_tflops: o("peak_fp16_TFLOPS")?,
+        };
+        let file = format!("{name}.json");
+        let spec_text = specs.get(&file).ok_or_else(|| {
+            SolverError::invalid(
+                format!("{origin}: {name}"),
+                format!("no hardware spec {file} beside it (llm_analysis_gpu_configs/); add the file"),
+            )
+        })?;
+        let spec: GpuSpec = parse(spec_text, &file)?;
+        t.names.push(name);
+        t.offers.push(offer);
+        t.specs.push(spec);
+    }
+    if t.names.is_empty() {
+        return Err(SolverError::invalid(origin, "lists no GPU"));
+    }
+    Ok(t)
+}
+
+/// A JSON object's entries in file order (serde_json's map sorts its keys).
+struct OrderedEntries(Vec<(String, serde_json::Value)>);
+
+impl<'de> Deserialize<'de> for OrderedEntries {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Entries;
+        impl<'de> serde::de::Visitor<'de> for Entries {
+            type Value = OrderedEntries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object of GPU name -> GPU entry")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> std::result::Result<OrderedEntries, A::Error> {
+                let mut out = vec![];
+                while let Some(e) = m.next_entry()? {
+                    out.push(e);
+                }
+                Ok(OrderedEntries(out))
+            }
+        }
+        d.deserialize_map(Entries)
+    }
+}
