@@ -4,4 +4,5 @@
 pub mod inputs;
 pub mod metis;
 pub mod metis_motley;
+pub mod provision;
 pub mod table;

@@ -1,4 +1,5 @@
-//! `motley`, the operator's CLI. Today: `motley plan` and `motley metis`, which work offline.
+//! `motley`, the operator's CLI. Today: `motley plan`, `motley provision`, `motley metis` and
+//! `motley espresso`, which work offline.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -22,6 +23,8 @@ enum Command {
     Plan(PlanArgs),
     /// Metis's profiles, hostfile and clusterfile: price plans as Metis does, search its space.
     Metis(motley::metis::MetisArgs),
+    /// Which GPUs to rent, and how many, to meet an iteration-time SLO for the least money.
+    Provision(motley::provision::ProvisionArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -93,6 +96,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(args) => run_plan(args),
+        Command::Provision(a) => motley::provision::run(a),
         Command::Metis(m) => match m.command {
             motley::metis::MetisCommand::Eval(a) => motley::metis::run_eval(a),
             motley::metis::MetisCommand::Search(a) => motley::metis::run_search(a),

@@ -15,6 +15,7 @@ pub mod oracle;
 pub mod placement;
 pub mod plan;
 pub mod profile;
+pub mod provision;
 pub mod report;
 pub mod search;
 

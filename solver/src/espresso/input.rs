@@ -151,6 +151,56 @@ pub fn parse_gpu_table(text: &str, origin: &str, specs: &BTreeMap<String, String
     Ok(t)
 }
 
+/// `portal_gpu_efficiency.json`: the efficiencies the estimator uses, per GPU name.
+pub fn parse_efficiency_table(text: &str, origin: &str) -> Result<BTreeMap<String, (f64, f64)>> {
+    let raw: OrderedEntries = parse(text, origin)?;
+    let mut out = BTreeMap::new();
+    for (name, v) in raw.0 {
+        let o = |k: &str| {
+            v.get(k)
+                .and_then(serde_json::Value::as_f64)
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| SolverError::invalid(format!("{origin}: {name}.{k}"), "must be a positive number"))
+        };
+        out.insert(name.clone(), (o("flops_efficiency")?, o("hbm_memory_efficiency")?));
+    }
+    Ok(out)
+}
+
+/// Espresso's own estimator efficiencies (llm-analysis `gpu_efficiency.json`), used when no
+/// `portal_gpu_efficiency.json` sits beside the GPU table.
+pub const DEFAULT_EFFICIENCY_TABLE: &str = include_str!("../../../examples/espresso/gpu/portal_gpu_efficiency.json");
+
+impl GpuTable {
+    /// The GPUs as the estimator reads them: hardware from the llm-analysis specs, price from
+    /// the table, efficiencies from the estimator's own table (`efficiency`).
+    pub fn estimator_gpus(&self, efficiency: &BTreeMap<String, (f64, f64)>, origin: &str) -> Result<Vec<super::EstimatorGpu>> {
+        self.names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let &(fe, he) = efficiency.get(name).ok_or_else(|| {
+                    SolverError::invalid(
+                        format!("{origin}: {name}"),
+                        "has no entry in portal_gpu_efficiency.json (llm-analysis gpu_efficiency.json); add flops_efficiency and hbm_memory_efficiency for it",
+                    )
+                })?;
+                let spec = &self.specs[i];
+                Ok(super::EstimatorGpu {
+                    name: name.clone(),
+                    price: self.offers[i].cost,
+                    peak_tflops: spec.peak_fp16_tflops,
+                    hbm_gbps: spec.hbm_bandwidth_in_gb_per_sec,
+                    inter_node_gbps: spec.inter_node_bandwidth_in_gb_per_sec,
+                    memory_gb: spec.mem_per_gpu_in_gb,
+                    flops_efficiency: fe,
+                    hbm_efficiency: he,
+                })
+            })
+            .collect()
+    }
+}
+
 /// A JSON object's entries in file order (serde_json's map sorts its keys).
 struct OrderedEntries(Vec<(String, serde_json::Value)>);
 

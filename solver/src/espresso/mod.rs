@@ -1,7 +1,9 @@
 //! Espresso (cost-efficient provisioning of heterogeneous GPUs) on its own ground: its job,
-//! model and GPU files read as they are. The Espresso-compatible estimator and the exact
-//! provisioning search of issue 4 build on these types.
+//! model and GPU files read as they are, its per-plan estimator reproduced bit for bit, its
+//! stage placer and allocator replayed, and an exact search over its space.
 
+pub mod estimator;
 pub mod input;
 
-pub use input::{parse_gpu_table, parse_job, parse_model_config, GpuOffer, GpuSpec, GpuTable, Job, ModelConfig};
+pub use estimator::{estimate_with, Estimator, layer_terms, memory_fit, simulate_1f1b, Dims, Estimate, EstimatorGpu, LayerTerms, OOM_TIME};
+pub use input::{parse_efficiency_table, parse_gpu_table, parse_job, parse_model_config, GpuOffer, GpuSpec, GpuTable, Job, ModelConfig, DEFAULT_EFFICIENCY_TABLE};

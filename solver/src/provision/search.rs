@@ -1,0 +1,192 @@
+//! Best-first branch and bound over allocations (see `mod.rs` for the problem and the space).
+//!
+//! Every allocation within the quotas gets its lower bounds (`bound.rs`), then they are taken
+//! in increasing order of the cost bound. An allocation is planned only when its memory can
+//! hold the model, its time bound meets the SLO and its cost bound is below the best cost
+//! found so far; the first allocation whose cost bound reaches the best cost ends the search,
+//! since every later one is at least as dear. With `frontier`, allocations above the SLO are
+//! planned too (up to a cost cap) unless a planned one already dominates their bounds.
+
+use crate::cost::{CostModel, PlanOptions};
+use crate::model::Model;
+use crate::plan::PlanStructure;
+use crate::profile::ProfileSet;
+use crate::search::{search, SearchMode};
+use crate::baselines::{best_baseline, Baseline};
+
+use super::bound::Bounds;
+use super::offers::{Allocation, Offers};
+
+/// One allocation with its planned iteration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Priced {
+    pub alloc: Allocation,
+    pub iteration_time: f64,
+    pub price_per_hour: f64,
+    pub cost_per_iteration: f64,
+    /// The planner proved its plan optimal for this allocation.
+    pub proven: bool,
+}
+
+/// What a provisioning search did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Counters {
+    /// Allocations within the quotas (the space).
+    pub allocations: u64,
+    /// Allocations planned (the planner ran on them).
+    pub planned: u64,
+    /// Skipped: total memory below the model's states.
+    pub memory_pruned: u64,
+    /// Skipped: the time bound misses the SLO.
+    pub time_pruned: u64,
+    /// Skipped: the cost bound reaches the best cost (or the frontier's cap), or a frontier
+    /// point dominates the bounds.
+    pub cost_pruned: u64,
+}
+
+pub struct Search<'a> {
+    pub offers: &'a Offers,
+    pub model: &'a Model,
+    pub profiles: &'a ProfileSet,
+    pub opts: &'a PlanOptions,
+    pub mode: SearchMode,
+    pub slo: f64,
+}
+
+/// Outcome of a search over a set of allocations.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    /// Cheapest allocation meeting the SLO.
+    pub best: Option<Priced>,
+    /// Pareto frontier of (iteration time, cost per iteration), by increasing time.
+    pub frontier: Vec<Priced>,
+    pub counters: Counters,
+}
+
+impl<'a> Search<'a> {
+    pub fn bounds(&self) -> Bounds {
+        Bounds::new(self.offers, self.model, self.profiles, self.opts)
+    }
+
+    /// Plan one allocation: the planner's plan (never slower than the Megatron and Whale
+    /// baselines on it) and whether it is proven optimal. None when nothing fits.
+    pub fn plan(&self, alloc: &[u32]) -> Option<(f64, PlanStructure, bool)> {
+        let cluster = self.offers.cluster(alloc).ok()?;
+        let cm = CostModel { cluster: &cluster, model: self.model, profiles: self.profiles, opts: self.opts };
+        let seeds: Vec<PlanStructure> =
+            [Baseline::Megatron, Baseline::Whale].iter().filter_map(|&b| best_baseline(&cm, b).map(|x| x.1)).collect();
+        search(&cm, self.mode, &seeds).ok().map(|s| (s.iteration_time, s.plan, s.stats.proven_optimal))
+    }
+
+    fn price(&self, alloc: &[u32]) -> Option<Priced> {
+        let (t, _, proven) = self.plan(alloc)?;
+        let price = self.offers.price_per_hour(alloc);
+        Some(Priced { alloc: alloc.to_vec(), iteration_time: t, price_per_hour: price, cost_per_iteration: t * price / 3600.0, proven })
+    }
+
+    /// Plan several allocations on all cores; results in input order.
+    fn price_all(&self, allocs: &[Allocation]) -> Vec<Option<Priced>> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(allocs.len()).max(1);
+        if threads == 1 {
+            return allocs.iter().map(|a| self.price(a)).collect();
+        }
+        let chunk = allocs.len().div_ceil(threads);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = allocs.chunks(chunk).map(|c| s.spawn(move || c.iter().map(|a| self.price(a)).collect::<Vec<_>>())).collect();
+            handles.into_iter().flat_map(|h| h.join().expect("planner thread")).collect()
+        })
+    }
+
+    /// Plan every allocation that `keep` admits: the brute-force oracle.
+    pub fn exhaustive(&self, keep: impl Fn(&[u32]) -> bool) -> Outcome {
+        let allocs: Vec<Allocation> = self.offers.all_allocations().into_iter().filter(|a| keep(a)).collect();
+        let mut out = Outcome { counters: Counters { allocations: allocs.len() as u64, ..Default::default() }, ..Default::default() };
+        for p in self.price_all(&allocs).into_iter().flatten() {
+            self.record(&mut out, p);
+        }
+        out.counters.planned = allocs.len() as u64;
+        out
+    }
+
+    /// Best-first branch and bound over the allocations `keep` admits. With `frontier_cap`,
+    /// also the Pareto frontier of every allocation whose cost is at most `cap` x the best.
+    pub fn branch_and_bound(&self, keep: impl Fn(&[u32]) -> bool, frontier_cap: Option<f64>) -> Outcome {
+        let bounds = self.bounds();
+        let mut cands: Vec<(f64, f64, Allocation)> = self
+            .offers
+            .all_allocations()
+            .into_iter()
+            .filter(|a| keep(a))
+            .map(|a| {
+                let t = bounds.time(&a);
+                (t * self.offers.price_per_hour(&a) / 3600.0, t, a)
+            })
+            .collect();
+        cands.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.total_cmp(&y.1)).then(x.2.cmp(&y.2)));
+        let mut out = Outcome { counters: Counters { allocations: cands.len() as u64, ..Default::default() }, ..Default::default() };
+        let batch = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut i = 0;
+        while i < cands.len() {
+            let cap = match (&out.best, frontier_cap) {
+                (None, _) => f64::INFINITY,
+                (Some(b), None) => b.cost_per_iteration,
+                (Some(b), Some(f)) => b.cost_per_iteration * f,
+            };
+            if cands[i].0 >= cap {
+                out.counters.cost_pruned += (cands.len() - i) as u64;
+                break;
+            }
+            // The next few admissible candidates, planned side by side.
+            let mut todo = vec![];
+            while i < cands.len() && todo.len() < batch && cands[i].0 < cap {
+                let (lb_cost, lb_t, a) = &cands[i];
+                i += 1;
+                if !bounds.may_fit(a) {
+                    out.counters.memory_pruned += 1;
+                } else if frontier_cap.is_none() && *lb_t > self.slo {
+                    out.counters.time_pruned += 1;
+                } else if out.frontier.iter().any(|p| p.cost_per_iteration <= *lb_cost && p.iteration_time <= *lb_t)
+                    || (frontier_cap.is_none() && out.best.as_ref().is_some_and(|b| *lb_cost >= b.cost_per_iteration))
+                {
+                    out.counters.cost_pruned += 1;
+                } else {
+                    todo.push(a.clone());
+                }
+            }
+            out.counters.planned += todo.len() as u64;
+            for p in self.price_all(&todo).into_iter().flatten() {
+                self.record(&mut out, p);
+            }
+        }
+        if let (Some(b), Some(f)) = (&out.best, frontier_cap) {
+            let cap = b.cost_per_iteration * f;
+            out.frontier.retain(|p| p.cost_per_iteration <= cap);
+        }
+        out
+    }
+
+    fn record(&self, out: &mut Outcome, p: Priced) {
+        if p.iteration_time <= self.slo && out.best.as_ref().is_none_or(|b| better(&p, b)) {
+            out.best = Some(p.clone());
+        }
+        if !out.frontier.iter().any(|q| q.cost_per_iteration <= p.cost_per_iteration && q.iteration_time <= p.iteration_time) {
+            out.frontier.retain(|q| !(p.cost_per_iteration <= q.cost_per_iteration && p.iteration_time <= q.iteration_time));
+            out.frontier.push(p);
+            out.frontier.sort_by(|a, b| a.iteration_time.total_cmp(&b.iteration_time));
+        }
+    }
+}
+
+/// Cheaper wins; then faster; then fewer GPUs of earlier offers (deterministic).
+fn better(a: &Priced, b: &Priced) -> bool {
+    let rel = |x: f64, y: f64| (x - y) / y.abs().max(1e-300);
+    let dc = rel(a.cost_per_iteration, b.cost_per_iteration);
+    if dc.abs() > 1e-12 {
+        return dc < 0.0;
+    }
+    let dt = rel(a.iteration_time, b.iteration_time);
+    if dt.abs() > 1e-12 {
+        return dt < 0.0;
+    }
+    a.alloc < b.alloc
+}
