@@ -3,46 +3,17 @@
 //! example, the optima of RESULTS.md, every GPU type, dp 1/2/4, pp 1..6, out-of-memory plans)
 //! must come out as the same f64.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+mod common_espresso;
 
-use motley_solver::espresso::{parse_efficiency_table, parse_gpu_table, parse_job, parse_model_config, Estimator, ModelConfig, OOM_TIME};
+use common_espresso::estimator_for;
+use motley_solver::espresso::OOM_TIME;
 
-fn data() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/espresso")
+fn data() -> std::path::PathBuf {
+    common_espresso::data()
 }
 
-fn read(p: &Path) -> String {
-    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-}
-
-/// Espresso's lookup of a model config by its `name` field when no config is passed.
-fn config_by_name(name: &str) -> ModelConfig {
-    for e in std::fs::read_dir(data().join("models")).unwrap() {
-        let p = e.unwrap().path();
-        if let Ok(c) = parse_model_config(&read(&p), "model") {
-            if c.name == name {
-                return c;
-            }
-        }
-    }
-    panic!("no model config named {name}");
-}
-
-pub fn estimator_for(job_file: &str, config_file: &str) -> Estimator {
-    let specs: BTreeMap<String, String> = std::fs::read_dir(data().join("gpu/llm_analysis_gpu_configs"))
-        .unwrap()
-        .map(|e| {
-            let p = e.unwrap().path();
-            (p.file_name().unwrap().to_string_lossy().into_owned(), read(&p))
-        })
-        .collect();
-    let table = parse_gpu_table(&read(&data().join("gpu/espresso_gpu_config.json")), "gpus", &specs).unwrap();
-    let eff = parse_efficiency_table(&read(&data().join("gpu/portal_gpu_efficiency.json")), "eff").unwrap();
-    let gpus = table.estimator_gpus(&eff, "gpus").unwrap();
-    let job = parse_job(&read(&data().join(job_file)), job_file).unwrap();
-    let mc = if config_file == "-" { config_by_name(&job.model_name) } else { parse_model_config(&read(&data().join(config_file)), config_file).unwrap() };
-    Estimator::new(job, &mc, gpus).unwrap()
+fn read(p: &std::path::Path) -> String {
+    std::fs::read_to_string(p).unwrap()
 }
 
 #[test]

@@ -150,6 +150,17 @@ pub fn layer_terms(d: Dims, g: &EstimatorGpu, b: u64) -> LayerTerms {
     }
 }
 
+/// Bytes a stage of `layers` layers needs on one GPU with `inflight` micro-batches in flight,
+/// after the fitted correction. The first and the last stage both hold the whole embedding
+/// and 0.5 GiB (the last one wins when one stage is both), the last also one micro-batch's
+/// logits (Espresso quirks).
+pub fn stage_memory(t: &LayerTerms, layers: u32, inflight: usize, first: bool, last: bool, fit: (f64, f64)) -> f64 {
+    let l = layers as f64;
+    let emb_mem = if last { t.emb_last } else if first { t.emb_first } else { 0.0 };
+    let raw = t.layer_state * l + t.act_layer * l * inflight as f64 + emb_mem;
+    fit.0 * raw + (fit.1 + 0.0) * GIB
+}
+
 /// One stage's verdict and times.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StageEstimate {
@@ -185,10 +196,8 @@ pub fn estimate_with(job: &Job, terms: &[LayerTerms], prices: &[f64], layers: &[
     for (i, t) in terms.iter().enumerate() {
         let (first, last) = (i == 0, i + 1 == pp);
         let l = layers[i] as f64;
-        let inflight = (pp - i).min(m) as f64;
-        let emb_mem = if last { t.emb_last } else if first { t.emb_first } else { 0.0 };
-        let raw = t.layer_state * l + t.act_layer * l * inflight + emb_mem;
-        let memory = fit.0 * raw + (fit.1 + 0.0) * GIB;
+        let inflight = (pp - i).min(m);
+        let memory = stage_memory(t, layers[i], inflight, first, last, fit);
         // pp == 1: the output head overwrites the input embedding's latency (Espresso quirk).
         let emb_lat = if last { t.emb_out } else if first { t.emb_in } else { 0.0 };
         let f0 = l * t.t_f + emb_lat;

@@ -201,6 +201,19 @@ impl GpuTable {
     }
 }
 
+impl GpuTable {
+    /// The placer's view: the same GPUs at the placer's efficiencies (this table's, not the
+    /// estimator's), and this table's peaks (the flop shares).
+    pub fn placer_view(&self, est_gpus: &[super::EstimatorGpu]) -> (Vec<super::EstimatorGpu>, Vec<f64>) {
+        let gpus = est_gpus
+            .iter()
+            .zip(&self.offers)
+            .map(|(g, o)| super::EstimatorGpu { flops_efficiency: o.flops_efficiency, hbm_efficiency: o.hbm_memory_efficiency, ..g.clone() })
+            .collect();
+        (gpus, self.offers.iter().map(|o| o.peak_fp16_tflops).collect())
+    }
+}
+
 /// A JSON object's entries in file order (serde_json's map sorts its keys).
 struct OrderedEntries(Vec<(String, serde_json::Value)>);
 

@@ -4,6 +4,8 @@
 
 pub mod estimator;
 pub mod input;
+pub mod placer;
 
 pub use estimator::{estimate_with, Estimator, layer_terms, memory_fit, simulate_1f1b, Dims, Estimate, EstimatorGpu, LayerTerms, OOM_TIME};
+pub use placer::{Placement, Placer};
 pub use input::{parse_efficiency_table, parse_gpu_table, parse_job, parse_model_config, GpuOffer, GpuSpec, GpuTable, Job, ModelConfig, DEFAULT_EFFICIENCY_TABLE};
