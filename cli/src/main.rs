@@ -23,6 +23,8 @@ enum Command {
     Plan(PlanArgs),
     /// Metis's profiles, hostfile and clusterfile: price plans as Metis does, search its space.
     Metis(motley::metis::MetisArgs),
+    /// Espresso's job, model and GPU files: price plans as Espresso does, search its space exactly.
+    Espresso(motley::espresso::EspressoArgs),
     /// Which GPUs to rent, and how many, to meet an iteration-time SLO for the least money.
     Provision(motley::provision::ProvisionArgs),
 }
@@ -97,6 +99,10 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(args) => run_plan(args),
         Command::Provision(a) => motley::provision::run(a),
+        Command::Espresso(e) => match e.command {
+            motley::espresso::EspressoCommand::Eval(a) => motley::espresso::run_eval(a),
+            motley::espresso::EspressoCommand::Search(a) => motley::espresso::run_search(a),
+        },
         Command::Metis(m) => match m.command {
             motley::metis::MetisCommand::Eval(a) => motley::metis::run_eval(a),
             motley::metis::MetisCommand::Search(a) => motley::metis::run_search(a),

@@ -105,6 +105,13 @@ impl<'a> Placer<'a> {
         best
     }
 
+    /// The least GPU memory any plan needs, bytes: every layer's states once, the embedding
+    /// at one end, the fitted per-stage overhead once (activations not counted).
+    pub fn least_memory_bytes(&self) -> f64 {
+        let t = &self.est_terms[0];
+        self.fit.0 * (t.layer_state * self.layers as f64 + t.emb_first) + self.fit.1 * GIB
+    }
+
     /// Price a plan (GPU index, layers) at this placer's dp.
     pub fn price(&self, order: &[usize], layers: &[u32]) -> Estimate {
         let terms: Vec<LayerTerms> = order.iter().map(|&g| self.est_terms[g]).collect();
