@@ -354,6 +354,7 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
     };
     let cpu_s = start.elapsed().as_secs_f64();
     let Some(best) = best else {
+        let fastest = fastest.or_else(|| Search { est: &l.estimator, placer_gpus: &placer_gpus, table_peaks: &peaks, limits: &limits }.fastest());
         return Err(no_plan_error(&l, &quotas, fastest.as_ref()));
     };
     let mut out = plan_json(&l, &best.order, &best.layers, best.dp, &best.estimate);
@@ -405,14 +406,25 @@ fn no_plan_error(l: &Loaded, quotas: &[u32], fastest: Option<&espresso::Espresso
             let placer = Placer::new(&l.estimator, &l.estimator.gpus, &[], 1);
             let need = placer.least_memory_bytes();
             let have: f64 = l.estimator.gpus.iter().zip(quotas).map(|(g, &q)| q as f64 * g.memory_gb * GIB).sum();
-            InputError(format!(
-                "--quota: no allocation within the quotas can hold {}: it needs at least {:.1} GiB of GPU memory but the quotas give {:.1} GiB \
-                 ({:.1} GiB missing, activations not counted); raise the quotas (--quota NAME=N)",
-                job.model_name,
-                need / GIB,
-                have / GIB,
-                ((need - have) / GIB).max(0.0)
-            ))
+            if need > have {
+                InputError(format!(
+                    "--quota: no allocation within the quotas can hold {}: it needs at least {:.1} GiB of GPU memory but the quotas give {:.1} GiB \
+                     ({:.1} GiB missing, activations not counted); raise the quotas (--quota NAME=N)",
+                    job.model_name,
+                    need / GIB,
+                    have / GIB,
+                    (need - have) / GIB
+                ))
+            } else {
+                InputError(format!(
+                    "--quota: the quotas give {:.1} GiB, more than the {:.1} GiB {} needs in total, but no placement fits every GPU \
+                     (activations of in-flight micro-batches, the embedding on the first and last stage); raise the quotas of the \
+                     larger GPUs (--quota NAME=N) or allow longer pipelines (--max-stages)",
+                    have / GIB,
+                    need / GIB,
+                    job.model_name
+                ))
+            }
         }
     }
 }

@@ -191,6 +191,28 @@ impl<'a> Search<'a> {
         out
     }
 
+    /// The fastest plan of the space, SLO or not (what "no plan meets the SLO" reports): the
+    /// same bound, on time.
+    pub fn fastest(&self) -> Option<EspressoPlan> {
+        let dps = self.dps();
+        let placers: Vec<Placer> = dps.iter().map(|&d| Placer::new(self.est, self.placer_gpus, self.table_peaks, d)).collect();
+        let mut cands = self.candidates(&dps);
+        cands.sort_by(|a, b| a.lb_time.total_cmp(&b.lb_time).then(a.lb_cost.total_cmp(&b.lb_cost)));
+        let mut counters = SearchCounters::default();
+        let mut fastest: Option<EspressoPlan> = None;
+        for c in &cands {
+            if fastest.as_ref().is_some_and(|f| c.lb_time > f.estimate.iteration_time) {
+                break;
+            }
+            if let Some(p) = self.place(&placers, &dps, c, &mut counters) {
+                if p.estimate.fits && fastest.as_ref().is_none_or(|f| p.estimate.iteration_time < f.estimate.iteration_time) {
+                    fastest = Some(p);
+                }
+            }
+        }
+        fastest
+    }
+
     /// Place and price every allocation of the space.
     pub fn exhaustive(&self) -> SearchOutcome {
         let dps = self.dps();
