@@ -61,6 +61,10 @@ pub struct ProvisionArgs {
     pub frontier: bool,
     #[arg(long, default_value_t = 2.0)]
     pub frontier_cap: f64,
+    /// Do not bound an allocation's time by the time planned on a larger one (slower; the
+    /// bound assumes more GPUs never force a slower plan, true of the exact planner).
+    #[arg(long)]
+    pub no_superset_bound: bool,
     /// The planner's mode on each allocation.
     #[arg(long, value_enum, default_value_t = Planner::Fast)]
     pub search: Planner,
@@ -138,6 +142,7 @@ pub fn run(a: ProvisionArgs) -> Result<String, InputError> {
         exhaustive: a.exhaustive,
         compare: a.compare,
         frontier_cap: a.frontier.then_some(a.frontier_cap),
+        monotone: !a.no_superset_bound,
     };
     let report = provision::provision(&req).map_err(|e| match e {
         SolverError::DoesNotFit(m) => InputError(format!("{origin}: model does not fit: {m}")),
@@ -162,15 +167,22 @@ fn render(r: &ProvisionReport) -> String {
     ));
     let s = &r.search;
     out.push_str(&format!(
-        "search: {} over {} allocations, {} planned ({} cut by memory, {} by time, {} by cost); planner {}{}\n\n",
+        "search: {} over {} allocations, {} planned ({} cut by memory, {} by time, {} by cost, {} by a planned superset); planner {}{}\n\n",
         s.method,
         s.allocations,
         s.planned,
         s.memory_pruned,
         s.time_pruned,
         s.cost_pruned,
+        s.superset_pruned,
         s.planner,
-        if s.proven_optimal { ", proven optimal" } else { "" }
+        if s.proven_optimal {
+            ", proven optimal"
+        } else if s.allocation_search_exact {
+            "; exact over allocations given the planner's times"
+        } else {
+            "; superset bound on a fast planner: best found (--no-superset-bound for the exact allocation search)"
+        }
     ));
     out.push_str(&crate::table::render(&r.plan, false));
     if let Some(c) = &r.compare {

@@ -60,6 +60,8 @@ pub struct ProvisionRequest<'a> {
     pub compare: bool,
     /// Frontier up to this multiple of the optimum's cost (None: no frontier).
     pub frontier_cap: Option<f64>,
+    /// Prune with the superset bound (the planner never slows down with more GPUs).
+    pub monotone: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -94,8 +96,16 @@ pub struct ProvisionSearchReport {
     pub memory_pruned: u64,
     pub time_pruned: u64,
     pub cost_pruned: u64,
-    /// The allocation is optimal in the declared space (always, unless a bound was invalid)
-    /// and the planner proved the plan optimal on every allocation it planned.
+    /// Cut only by the superset bound (`T(A) >= T(B)` for `A` within `B`).
+    pub superset_pruned: u64,
+    pub monotone_bound: bool,
+    /// No allocation was skipped but by a valid bound: the allocation is the best over the
+    /// quotas given the planner's time on each (always without the superset bound).
+    pub allocation_search_exact: bool,
+    /// Allocations planned whose plan the planner did not prove optimal (fast mode: all).
+    pub plans_unproven: u64,
+    /// Allocation and plan both proven optimal: the allocation search was exact and the
+    /// planner proved its plan on every allocation it planned (`--search exact`, small cases).
     pub proven_optimal: bool,
 }
 
@@ -132,14 +142,19 @@ pub struct ProvisionReport {
 
 /// Rent the cheapest allocation that meets the SLO, and lay out the report.
 pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
-    let s = Search { offers: req.offers, model: req.model, profiles: req.profiles, opts: req.opts, mode: req.mode, slo: req.slo };
+    let s = Search { offers: req.offers, model: req.model, profiles: req.profiles, opts: req.opts, mode: req.mode, slo: req.slo, monotone: req.monotone };
     check_feasible(&s)?;
     let all = |_: &[u32]| true;
     let out = if req.exhaustive { s.exhaustive(all) } else { s.branch_and_bound(all, req.frontier_cap) };
     let best = out.best.clone().ok_or_else(|| SolverError::invalid("--slo", "no allocation meets the SLO"))?;
     let cluster = req.offers.cluster(&best.alloc)?;
     let plan_report = plan(&PlanRequest { cluster: &cluster, model: req.model, profiles: req.profiles, opts: req.opts, mode: req.mode, exhaustive: false })?;
-    let proven = out.frontier.iter().chain(out.best.iter()).all(|p| p.proven) && plan_report.search.proven_optimal;
+    // Exact over allocations when every skip rests on a valid bound: the superset bound is
+    // valid only where the planner proved its plans (the exact planner never slows down with
+    // more GPUs; the fast one can).
+    let c = &out.counters;
+    let allocation_exact = req.exhaustive || !req.monotone || c.unproven == 0;
+    let proven = allocation_exact && c.unproven == 0 && plan_report.search.proven_optimal;
     let compare = req.compare.then(|| {
         let homogeneous = (0..req.offers.offers.len())
             .filter_map(|i| s.branch_and_bound(|a: &[u32]| a.iter().enumerate().all(|(j, &n)| j == i || n == 0), None).best)
@@ -151,7 +166,6 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
         }
     });
     let frontier = req.frontier_cap.map(|_| out.frontier.iter().map(|p| priced_report(req.offers, p, None)).collect());
-    let c = &out.counters;
     Ok(ProvisionReport {
         offers: req.offers.name.clone(),
         model: req.model.spec.name.clone(),
@@ -174,6 +188,10 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
             memory_pruned: c.memory_pruned,
             time_pruned: c.time_pruned,
             cost_pruned: c.cost_pruned,
+            superset_pruned: c.superset_pruned,
+            monotone_bound: req.monotone,
+            allocation_search_exact: allocation_exact,
+            plans_unproven: c.unproven,
             proven_optimal: proven,
         },
         compare,

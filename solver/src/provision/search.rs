@@ -42,6 +42,10 @@ pub struct Counters {
     /// Skipped: the cost bound reaches the best cost (or the frontier's cap), or a frontier
     /// point dominates the bounds.
     pub cost_pruned: u64,
+    /// Of the skipped, those only the superset bound (monotone planner) cut.
+    pub superset_pruned: u64,
+    /// Planned allocations whose plan the planner did not prove optimal.
+    pub unproven: u64,
 }
 
 pub struct Search<'a> {
@@ -51,6 +55,10 @@ pub struct Search<'a> {
     pub opts: &'a PlanOptions,
     pub mode: SearchMode,
     pub slo: f64,
+    /// Also bound an allocation's time by the time planned on any allocation that contains
+    /// it (`T(A) >= T(B)` for `A` within `B`: more GPUs to choose from never force a slower
+    /// plan, which holds for the exact planner).
+    pub monotone: bool,
 }
 
 /// Outcome of a search over a set of allocations.
@@ -102,6 +110,7 @@ impl<'a> Search<'a> {
         let allocs: Vec<Allocation> = self.offers.all_allocations().into_iter().filter(|a| keep(a)).collect();
         let mut out = Outcome { counters: Counters { allocations: allocs.len() as u64, ..Default::default() }, ..Default::default() };
         for p in self.price_all(&allocs).into_iter().flatten() {
+            out.counters.unproven += u64::from(!p.proven);
             self.record(&mut out, p);
         }
         out.counters.planned = allocs.len() as u64;
@@ -125,6 +134,23 @@ impl<'a> Search<'a> {
         cands.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.total_cmp(&y.1)).then(x.2.cmp(&y.2)));
         let mut out = Outcome { counters: Counters { allocations: cands.len() as u64, ..Default::default() }, ..Default::default() };
         let batch = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // Planned allocations and their times (infinite: nothing fits), for the superset bound.
+        let mut known: Vec<(f64, Allocation)> = vec![];
+        if self.monotone {
+            // The largest allocation first: its time bounds every other one from below.
+            let n = self.offers.offers.len();
+            let top: Allocation = (0..n).map(|j| cands.iter().map(|c| c.2[j]).max().unwrap_or(0)).collect();
+            if cands.iter().any(|c| c.2 == top) {
+                let p = self.price(&top);
+                out.counters.planned += 1;
+                known.push((p.as_ref().map_or(f64::INFINITY, |p| p.iteration_time), top.clone()));
+                out.counters.unproven += u64::from(p.as_ref().is_some_and(|p| !p.proven));
+                if let Some(p) = p {
+                    self.record(&mut out, p);
+                }
+                cands.retain(|c| c.2 != top);
+            }
+        }
         let mut i = 0;
         while i < cands.len() {
             let cap = match (&out.best, frontier_cap) {
@@ -139,23 +165,38 @@ impl<'a> Search<'a> {
             // The next few admissible candidates, planned side by side.
             let mut todo = vec![];
             while i < cands.len() && todo.len() < batch && cands[i].0 < cap {
-                let (lb_cost, lb_t, a) = &cands[i];
+                let (lb_cost0, lb_t0, a) = &cands[i];
                 i += 1;
+                let sup = if self.monotone { superset_time(&known, a) } else { 0.0 };
+                let lb_t = lb_t0.max(sup);
+                let lb_cost = if lb_t > *lb_t0 { lb_t * self.offers.price_per_hour(a) / 3600.0 } else { *lb_cost0 };
+                let cut_without_sup = |lb_t: f64, lb_cost: f64| {
+                    (frontier_cap.is_none() && lb_t > self.slo)
+                        || out.frontier.iter().any(|p| p.cost_per_iteration <= lb_cost && p.iteration_time <= lb_t)
+                        || (frontier_cap.is_none() && out.best.as_ref().is_some_and(|b| lb_cost >= b.cost_per_iteration))
+                        || lb_cost >= cap
+                };
                 if !bounds.may_fit(a) {
                     out.counters.memory_pruned += 1;
-                } else if frontier_cap.is_none() && *lb_t > self.slo {
+                } else if frontier_cap.is_none() && *lb_t0 > self.slo {
                     out.counters.time_pruned += 1;
-                } else if out.frontier.iter().any(|p| p.cost_per_iteration <= *lb_cost && p.iteration_time <= *lb_t)
-                    || (frontier_cap.is_none() && out.best.as_ref().is_some_and(|b| *lb_cost >= b.cost_per_iteration))
-                {
+                } else if cut_without_sup(*lb_t0, *lb_cost0) {
                     out.counters.cost_pruned += 1;
+                } else if cut_without_sup(lb_t, lb_cost) {
+                    out.counters.superset_pruned += 1;
                 } else {
                     todo.push(a.clone());
                 }
             }
             out.counters.planned += todo.len() as u64;
-            for p in self.price_all(&todo).into_iter().flatten() {
-                self.record(&mut out, p);
+            for (a, p) in todo.iter().zip(self.price_all(&todo)) {
+                if self.monotone {
+                    known.push((p.as_ref().map_or(f64::INFINITY, |p| p.iteration_time), a.clone()));
+                }
+                out.counters.unproven += u64::from(p.as_ref().is_some_and(|p| !p.proven));
+                if let Some(p) = p {
+                    self.record(&mut out, p);
+                }
             }
         }
         if let (Some(b), Some(f)) = (&out.best, frontier_cap) {
@@ -175,6 +216,14 @@ impl<'a> Search<'a> {
             out.frontier.sort_by(|a, b| a.iteration_time.total_cmp(&b.iteration_time));
         }
     }
+}
+
+/// The longest time planned on an allocation containing `a` (0 if none). A valid bound for
+/// the exact planner (more GPUs to choose from never force a slower plan); the fast planner
+/// narrows its space per set of GPU types, so a plan on more types can come out slower than
+/// one on fewer, and then this bound may cut the true optimum (`proven_optimal` says so).
+fn superset_time(known: &[(f64, Allocation)], a: &[u32]) -> f64 {
+    known.iter().filter(|(_, b)| b.iter().zip(a).all(|(x, y)| x >= y)).map(|k| k.0).fold(0.0, f64::max)
 }
 
 /// Cheaper wins; then faster; then fewer GPUs of earlier offers (deterministic).
