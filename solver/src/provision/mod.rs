@@ -146,7 +146,19 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
     check_feasible(&s)?;
     let all = |_: &[u32]| true;
     let out = if req.exhaustive { s.exhaustive(all) } else { s.branch_and_bound(all, req.frontier_cap) };
-    let best = out.best.clone().ok_or_else(|| SolverError::invalid("--slo", "no allocation meets the SLO"))?;
+    // The best single-offer allocation (Sia-style): compared with, and, since the superset
+    // bound can cut the optimum on a fast planner, a floor the answer never goes above.
+    let homogeneous = (req.compare || req.monotone)
+        .then(|| {
+            (0..req.offers.offers.len())
+                .filter_map(|i| s.branch_and_bound(|a: &[u32]| a.iter().enumerate().all(|(j, &n)| j == i || n == 0), None).best)
+                .min_by(|a, b| a.cost_per_iteration.total_cmp(&b.cost_per_iteration))
+        })
+        .flatten();
+    let mut best = out.best.clone().ok_or_else(|| SolverError::invalid("--slo", "no allocation meets the SLO"))?;
+    if let Some(h) = homogeneous.as_ref().filter(|h| h.cost_per_iteration < best.cost_per_iteration) {
+        best = h.clone();
+    }
     let cluster = req.offers.cluster(&best.alloc)?;
     let plan_report = plan(&PlanRequest { cluster: &cluster, model: req.model, profiles: req.profiles, opts: req.opts, mode: req.mode, exhaustive: false })?;
     // Exact over allocations when every skip rests on a valid bound: the superset bound is
@@ -156,12 +168,9 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
     let allocation_exact = req.exhaustive || !req.monotone || c.unproven == 0;
     let proven = allocation_exact && c.unproven == 0 && plan_report.search.proven_optimal;
     let compare = req.compare.then(|| {
-        let homogeneous = (0..req.offers.offers.len())
-            .filter_map(|i| s.branch_and_bound(|a: &[u32]| a.iter().enumerate().all(|(j, &n)| j == i || n == 0), None).best)
-            .min_by(|a, b| a.cost_per_iteration.total_cmp(&b.cost_per_iteration));
         let espresso = espresso_style::best_on(&s, &best.alloc);
         Comparison {
-            homogeneous: homogeneous.map(|h| priced_report(req.offers, &h, Some(&best))),
+            homogeneous: homogeneous.as_ref().map(|h| priced_report(req.offers, h, Some(&best))),
             espresso_placement: espresso.map(|e| priced_report(req.offers, &e, Some(&best))),
         }
     });
