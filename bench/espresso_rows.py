@@ -28,13 +28,15 @@ RECORDED = {"llama_1.3b": (0.0229, 74), "llama_3b": (0.1490, 119), "llama_7b": (
 RESULTS_OPTIMUM = {"llama_1.3b": 0.0229, "llama_3b": 0.1299, "llama_7b": 0.5610, "ViT": None, "open_llama_3b_v2": 0.20195}
 
 
-def run(args, repeat=REPEAT):
+def run(args, repeat=REPEAT, may_fail=False):
     cpu, out = [], None
     for _ in range(repeat):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         p = subprocess.run([BIN] + args + ["-o", "json"], cwd=ROOT, capture_output=True, text=True)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if p.returncode != 0:
+            if may_fail:
+                return p.stderr.strip(), None
             sys.exit(f"motley {' '.join(args)} failed: {p.stderr}")
         cpu.append((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
         out = json.loads(p.stdout)
@@ -58,6 +60,7 @@ def plan_text(d):
 print("### Under Espresso's own estimator\n")
 print("| model | search | plan (stage: layers) | s / iteration | $ / iteration | allocations placed / in space | CPU s |")
 print("|---|---|---|---|---|---|---|")
+homogeneous_rows = []
 for job in ["llama_1.3b", "llama_3b", "llama_7b", "ViT", "open_llama_3b_v2"]:
     base = ["espresso", "search"] + job_args(job)
     rec_cost, rec_cpu = RECORDED[job]
@@ -72,26 +75,47 @@ for job in ["llama_1.3b", "llama_3b", "llama_7b", "ViT", "open_llama_3b_v2"]:
         s = d["search"]
         print(f"| {job} | {label} | {plan_text(d)} | {d['iteration_time_s']:.3f} | {d['cost_per_iteration']:.5f} | "
               f"{s['placed']} / {s['allocations']} | {cpu:.3f} |")
+        if label == "**Motley exact**" and d.get("homogeneous"):
+            h = d["homogeneous"]
+            homogeneous_rows.append(f"| {job} | {plan_text(d)} | {d['cost_per_iteration']:.5f} | {plan_text(h)} | {h['cost_per_iteration']:.5f} | "
+                                    f"{h['savings_vs_this'] * 100:.1f}% |")
+
+print("\nUnder the same estimator, the cheapest plan on one GPU type only (Sia-style) against the cheapest mix:\n")
+print("| model | cheapest plan | $ / iteration | cheapest on one GPU type | $ / iteration | mix saves |")
+print("|---|---|---|---|---|---|")
+print("\n".join(homogeneous_rows))
 
 print("\n### Under Motley's cost model (`motley provision`, examples/espresso-offers.yaml)\n")
-print("| model | SLO s | Motley: allocation | s / iter | $ / iter | best homogeneous | $ / iter | saving | Espresso-style on Motley's GPUs $ | planned / allocations | CPU s | exact allocation search $ (CPU s) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-for model in ["llama-1.3b", "llama-3b", "llama-7b", "vit"]:
-    base = ["provision", "--offers", "examples/espresso-offers.yaml", "--model", f"{E}/motley/{model}.yaml", "--global-batch", "64"]
-    loose, _ = run(base + ["--slo", "100"], 1)
-    for slo in [100.0, round(loose["iteration_time_s"] / 2, 2), round(loose["iteration_time_s"] / 4, 2)]:
-        d, cpu = run(base + ["--slo", str(slo), "--compare"])
-        # The exact allocation search plans thousands of allocations at tight SLOs: run it
-        # where it takes minutes at most.
-        exact, ecpu = run(base + ["--slo", str(slo), "--no-superset-bound"], 1) if slo == 100.0 else (None, None)
-        exact_text = f"{exact['cost_per_iteration']:.5f} ({ecpu:.1f})" if exact else "not run"
-        alloc = " + ".join(f"{a['gpus']} {a['gpu']}" for a in d["allocation"])
-        h = d["compare"]["homogeneous"]
-        hs = " + ".join(f"{a['gpus']} {a['gpu']}" for a in h["allocation"]) if h else "none meets the SLO"
-        hc = f"{h['cost_per_iteration']:.5f}" if h else "-"
-        sav = f"{h['savings_vs_this'] * 100:.1f}%" if h else "-"
-        es = d["compare"]["espresso_placement"]
-        ec = f"{es['cost_per_iteration']:.5f}" if es else "does not fit"
-        s = d["search"]
-        print(f"| {model} | {slo:g} | {alloc} | {d['iteration_time_s']:.3f} | {d['cost_per_iteration']:.5f} | {hs} | {hc} | {sav} | {ec} | "
-              f"{s['planned']} / {s['allocations']} | {cpu:.2f} | {exact_text} |")
+HEADER = ("| model | SLO s | Motley: allocation | s / iter | $ / iter | best homogeneous | $ / iter | saving | Espresso-style on Motley's GPUs $ | planned / allocations | CPU s | exact allocation search $ (CPU s) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+print(HEADER)
+def provision_rows(offers, models, batch, slos_of):
+    for model, path in models:
+        base = ["provision", "--offers", offers, "--model", path, "--global-batch", str(batch)]
+        loose, _ = run(base + ["--slo", "100"], 1)
+        for slo in slos_of(loose["iteration_time_s"]):
+            d, cpu = run(base + ["--slo", str(slo), "--compare"], may_fail=True)
+            if cpu is None:
+                print(f"| {model} | {slo:g} | {d.splitlines()[-1][:160]} | | | | | | | | | |")
+                continue
+            # The exact allocation search plans thousands of allocations at tight SLOs: run it
+            # where it takes minutes at most.
+            exact, ecpu = run(base + ["--slo", str(slo), "--no-superset-bound"], 1) if slo == 100.0 else (None, None)
+            exact_text = f"{exact['cost_per_iteration']:.5f} ({ecpu:.1f})" if exact else "not run"
+            alloc = " + ".join(f"{a['gpus']} {a['gpu']}" for a in d["allocation"])
+            h = d["compare"]["homogeneous"]
+            hs = " + ".join(f"{a['gpus']} {a['gpu']}" for a in h["allocation"]) if h else "none meets the SLO"
+            hc = f"{h['cost_per_iteration']:.5f}" if h else "-"
+            sav = f"{h['savings_vs_this'] * 100:.1f}%" if h else "-"
+            es = d["compare"]["espresso_placement"]
+            ec = f"{es['cost_per_iteration']:.5f}" if es else "does not fit"
+            s = d["search"]
+            print(f"| {model} | {slo:g} | {alloc} | {d['iteration_time_s']:.3f} | {d['cost_per_iteration']:.5f} | {hs} | {hc} | {sav} | {ec} | "
+                  f"{s['planned']} / {s['allocations']} | {cpu:.2f} | {exact_text} |")
+
+
+provision_rows("examples/espresso-offers.yaml", [(m, f"{E}/motley/{m}.yaml") for m in ["llama-1.3b", "llama-3b", "llama-7b", "vit"]], 64,
+               lambda t: [100.0, round(t / 1.5, 2), round(t / 2.5, 2)])
+print("\n### Under Motley's cost model (`motley provision`, examples/cloud-offers.yaml: H100, A100, L20, RTX 4090)\n")
+print(HEADER)
+provision_rows("examples/cloud-offers.yaml", [("llama-7b", "llama-7b"), ("llama-13b", "llama-13b")], 128, lambda t: [100.0, round(t / 2, 2), round(t / 4, 2)])

@@ -368,6 +368,22 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
     search["quotas"] = json!(l.table.names.iter().zip(&quotas).map(|(n, q)| (n.clone(), json!(q))).collect::<serde_json::Map<_, _>>());
     search["max_stages"] = json!(if a.max_stages == 0 { l.estimator.job.model_layer.unwrap_or(l.estimator.job.num_layers) } else { a.max_stages });
     out["search"] = search;
+    // The cheapest plan on one GPU type only (Sia-style), in the same space and estimator.
+    let homogeneous = (0..quotas.len())
+        .filter_map(|t| {
+            let only: Vec<u32> = quotas.iter().enumerate().map(|(i, &q)| if i == t { q } else { 0 }).collect();
+            let lim = SpaceLimits { quotas: only, ..limits.clone() };
+            Search { est: &l.estimator, placer_gpus: &placer_gpus, table_peaks: &peaks, limits: &lim }.run().best
+        })
+        .min_by(|a, b| a.estimate.cost.total_cmp(&b.estimate.cost));
+    out["homogeneous"] = match &homogeneous {
+        Some(h) => {
+            let mut v = plan_json(&l, &h.order, &h.layers, h.dp, &h.estimate);
+            v["savings_vs_this"] = json!(1.0 - best.estimate.cost / h.estimate.cost);
+            v
+        }
+        None => Value::Null,
+    };
     Ok(match a.inputs.output {
         Output::Json => serde_json::to_string_pretty(&out).unwrap(),
         Output::Table => {
