@@ -388,14 +388,26 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
         Output::Json => serde_json::to_string_pretty(&out).unwrap(),
         Output::Table => {
             let s = &out["search"];
+            let homogeneous = match &homogeneous {
+                Some(h) => format!(
+                    "\ncheapest on one GPU type: {} x {} (dp {}), ${:.8} per iteration: the mix saves {:.1}%",
+                    h.order.len(),
+                    l.estimator.gpus[h.order[0]].name,
+                    h.dp,
+                    h.estimate.cost,
+                    (1.0 - best.estimate.cost / h.estimate.cost) * 100.0
+                ),
+                None => "\nno plan on one GPU type meets the SLO".to_string(),
+            };
             format!(
-                "{}\nsearch {}: {} allocations in the space, {} placed, {:.3} s{}",
+                "{}\nsearch {}: {} allocations in the space, {} placed, {:.3} s{}{}",
                 plan_table(&l, &best.order, &best.layers, best.dp, &best.estimate),
                 method,
                 s["allocations"],
                 s["placed"],
                 cpu_s,
-                if method == "espresso" { " (Espresso's own search, replayed: not exact)" } else { " (optimal in the declared space)" }
+                if method == "espresso" { " (Espresso's own search, replayed: not exact)" } else { " (optimal in the declared space)" },
+                homogeneous
             )
         }
     })
