@@ -289,7 +289,7 @@ pub fn run_eval(a: EvalArgs) -> Result<String, InputError> {
 }
 
 fn check_dp(job: &Job, dp: u32, flag: &str) -> Result<(), InputError> {
-    if dp == 0 || job.global_batch_size / (dp * job.gradient_accumulation_steps) == 0 {
+    if dp == 0 || job.global_batch_size as u64 / (dp as u64 * job.gradient_accumulation_steps as u64) == 0 {
         return Err(InputError(format!(
             "{flag}: {dp} leaves no sequence per micro-batch (global_batch_size {} / (dp x {} micro-batches)); use a dp of at most {}",
             job.global_batch_size,
@@ -321,6 +321,12 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
     }
     let limits = SpaceLimits { quotas: quotas.clone(), max_stages: a.max_stages, dps: a.dp.clone() };
     let (placer_gpus, peaks) = l.placer_view();
+    let size = Search { est: &l.estimator, placer_gpus: &placer_gpus, table_peaks: &peaks, limits: &limits }.space_size();
+    if size > 2e7 {
+        return Err(InputError(format!(
+            "--quota: about {size:.0} allocations are too many to list; lower the quotas (--quota NAME=N) or the pipeline depth (--max-stages)"
+        )));
+    }
     let start = std::time::Instant::now();
     let (best, fastest, counters_json, method) = match a.method {
         Method::Exact => {
@@ -430,7 +436,7 @@ fn no_plan_error(l: &Loaded, quotas: &[u32], fastest: Option<&espresso::Espresso
         )),
         None => {
             // The least memory any plan needs: every layer's states once, the embedding at
-            // both ends, and the fitted per-stage overhead once.
+            // one end, and the fitted per-stage overhead once.
             let placer = Placer::new(&l.estimator, &l.estimator.gpus, &[], 1);
             let need = placer.least_memory_bytes();
             let have: f64 = l.estimator.gpus.iter().zip(quotas).map(|(g, &q)| q as f64 * g.memory_gb * GIB).sum();

@@ -57,18 +57,18 @@ fn the_oracle_agrees_on_smaller_quotas() {
     let base = ["provision", "--offers", f, "--model", MODEL, "--global-batch", "64", "--slo", "8", "-o", "json"];
     let o = json_of(&[&base[..], &["--exhaustive"]].concat());
     assert_eq!(o["search"]["planned"], o["search"]["allocations"]);
-    for extra in [&[][..], &["--no-superset-bound"][..]] {
+    for extra in [&[][..], &["--superset-bound"][..]] {
         let v = json_of(&[&base[..], extra].concat());
         assert_eq!(v["cost_per_iteration"], o["cost_per_iteration"], "{extra:?}");
         assert!(v["search"]["planned"].as_u64().unwrap() < o["search"]["planned"].as_u64().unwrap());
     }
-    let exact = json_of(&[&base[..], &["--no-superset-bound"]].concat());
-    assert_eq!(exact["search"]["allocation_search_exact"], true);
+    assert_eq!(json_of(&base)["search"]["allocation_search_exact"], true);
+    assert_eq!(json_of(&[&base[..], &["--superset-bound"]].concat())["search"]["allocation_search_exact"], false);
 }
 
 #[test]
 fn frontier_shows_what_a_looser_or_tighter_slo_costs() {
-    let v = json_of(&["provision", "--offers", OFFERS, "--model", MODEL, "--global-batch", "64", "--slo", "3", "--frontier", "-o", "json"]);
+    let v = json_of(&["provision", "--offers", OFFERS, "--model", MODEL, "--global-batch", "64", "--slo", "3", "--frontier", "--superset-bound", "-o", "json"]);
     let f = v["frontier"].as_array().unwrap();
     assert!(f.len() >= 2, "{f:?}");
     // Sorted by time, each faster point dearer: a Pareto frontier.
@@ -79,16 +79,29 @@ fn frontier_shows_what_a_looser_or_tighter_slo_costs() {
     // A point slower than the SLO is cheaper than the optimum: what loosening it would save.
     let cost = v["cost_per_iteration"].as_f64().unwrap();
     assert!(f.iter().any(|p| p["iteration_time_s"].as_f64().unwrap() > 3.0 && p["cost_per_iteration"].as_f64().unwrap() < cost));
-    let out = motley(&["provision", "--offers", OFFERS, "--model", MODEL, "--global-batch", "64", "--slo", "3", "--frontier"]);
+    let out = motley(&["provision", "--offers", OFFERS, "--model", MODEL, "--global-batch", "64", "--slo", "3", "--frontier", "--superset-bound"]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("Pareto frontier"));
 }
 
 #[test]
 fn impossible_slo_and_small_quotas_are_explained() {
-    let out = motley(&["provision", "--offers", OFFERS, "--model", MODEL, "--global-batch", "64", "--slo", "0.01"]);
+    // Espresso's GPUs with quotas of 4, 2, 4 and 4.
+    let dir = std::env::temp_dir().join(format!("motley-provision-slo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = std::fs::read_to_string(repo().join(OFFERS)).unwrap().replace("quota: 16", "quota: 4").replace("quota: 8", "quota: 2");
+    let f = dir.join("offers.yaml");
+    std::fs::write(&f, text).unwrap();
+    let f = f.to_str().unwrap();
+    // Below even the compute bound of the whole quota: refused at once, with that bound.
+    let out = motley(&["provision", "--offers", f, "--model", MODEL, "--global-batch", "64", "--slo", "1"]);
     assert_eq!(out.status.code(), Some(2));
     let e = String::from_utf8_lossy(&out.stderr);
-    assert!(e.contains("--slo") && e.contains("the fastest") && e.contains("per iteration") && e.contains("raise --slo to at least"), "{e}");
+    assert!(e.contains("--slo") && e.contains("compute alone takes") && e.contains("raise --slo above"), "{e}");
+    // Above the bound but faster than any plan: the fastest allocation planned and its cost.
+    let out = motley(&["provision", "--offers", f, "--model", MODEL, "--global-batch", "64", "--slo", "1.6"]);
+    assert_eq!(out.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("--slo") && e.contains("the fastest planned") && e.contains("per iteration") && e.contains("raise --slo to at least"), "{e}");
     let dir = std::env::temp_dir().join(format!("motley-provision-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let small = dir.join("small.yaml");

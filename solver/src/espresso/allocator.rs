@@ -118,7 +118,7 @@ pub fn replay(est: &Estimator, placer_gpus: &[EstimatorGpu], table_peaks: &[f64]
         }
     };
     for dp in [1u32, 2, 4, 8] {
-        if job.gradient_accumulation_steps * dp > job.global_batch_size {
+        if job.gradient_accumulation_steps as u64 * dp as u64 > job.global_batch_size as u64 {
             continue;
         }
         let placer = Placer::new(est, placer_gpus, table_peaks, dp);

@@ -100,8 +100,13 @@ pub fn parse_job(text: &str, origin: &str) -> Result<Job> {
     if job.global_batch_size == 0 || !job.global_batch_size.is_multiple_of(job.gradient_accumulation_steps) {
         return bad("global_batch_size", "must be a positive multiple of gradient_accumulation_steps");
     }
-    if job.num_layers == 0 || job.n_head == 0 || job.hidden_dim == 0 || job.seq_len == 0 {
-        return bad("num_layers", "num_layers, n_head, hidden_dim and seq_len must be positive");
+    for (f, v) in [("num_layers", job.num_layers as u64), ("n_head", job.n_head as u64), ("hidden_dim", job.hidden_dim), ("seq_len", job.seq_len)] {
+        if v == 0 {
+            return bad(f, "must be a positive integer");
+        }
+    }
+    if job.model_layer == Some(0) {
+        return bad("model_layer", "must be a positive number of layers to place (or leave it out to place num_layers)");
     }
     if !(job.slo.is_finite() && job.slo > 0.0) {
         return bad("slo", "must be a positive number of seconds per iteration");
@@ -110,7 +115,13 @@ pub fn parse_job(text: &str, origin: &str) -> Result<Job> {
 }
 
 pub fn parse_model_config(text: &str, origin: &str) -> Result<ModelConfig> {
-    parse(text, origin)
+    let mc: ModelConfig = parse(text, origin)?;
+    for (f, v) in [("num_layers", mc.num_layers as u64), ("n_head", mc.n_head as u64), ("hidden_dim", mc.hidden_dim), ("vocab_size", mc.vocab_size), ("max_seq_len", mc.max_seq_len)] {
+        if v == 0 {
+            return Err(SolverError::invalid(format!("{origin}: {f}"), "must be a positive integer"));
+        }
+    }
+    Ok(mc)
 }
 
 /// `espresso_gpu_config.json` plus, for every GPU it lists, `<name>.json` from the hardware
@@ -141,6 +152,16 @@ pub fn parse_gpu_table(text: &str, origin: &str, specs: &BTreeMap<String, String
             )
         })?;
         let spec: GpuSpec = parse(spec_text, &file)?;
+        for (k, v) in [
+            ("mem_per_GPU_in_GB", spec.mem_per_gpu_in_gb),
+            ("hbm_bandwidth_in_GB_per_sec", spec.hbm_bandwidth_in_gb_per_sec),
+            ("inter_node_bandwidth_in_GB_per_sec", spec.inter_node_bandwidth_in_gb_per_sec),
+            ("peak_fp16_TFLOPS", spec.peak_fp16_tflops),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(SolverError::invalid(format!("{file}: {k}"), "must be a positive number"));
+            }
+        }
         t.names.push(name);
         t.offers.push(offer);
         t.specs.push(spec);

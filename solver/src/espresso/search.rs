@@ -95,12 +95,22 @@ impl<'a> Search<'a> {
         if self.limits.dps.is_empty() {
             (1..=per).filter(|d| per % d == 0).collect()
         } else {
-            self.limits.dps.iter().copied().filter(|&d| d >= 1 && m * d <= self.est.job.global_batch_size).collect()
+            self.limits.dps.iter().copied().filter(|&d| d >= 1 && m as u64 * d as u64 <= self.est.job.global_batch_size as u64).collect()
         }
     }
 
     fn layers(&self) -> u32 {
         self.est.job.model_layer.unwrap_or(self.est.job.num_layers)
+    }
+
+    /// An upper bound on the allocations of the space (for refusing spaces too large to list).
+    pub fn space_size(&self) -> f64 {
+        let l = self.layers();
+        let max_pp = if self.limits.max_stages == 0 { l } else { self.limits.max_stages.min(l) };
+        self.dps()
+            .iter()
+            .map(|&dp| (0..self.est.gpus.len()).map(|t| (self.limits.quotas.get(t).copied().unwrap_or(0) / dp).min(max_pp) as f64 + 1.0).product::<f64>())
+            .sum()
     }
 
     /// Every allocation of the space with its bounds.
@@ -113,7 +123,7 @@ impl<'a> Search<'a> {
         for (di, &dp) in dps.iter().enumerate() {
             let b = self.est.micro_batch(dp);
             let terms: Vec<_> = self.est.gpus.iter().map(|g| layer_terms(self.est.dims, g, b)).collect();
-            let max: Vec<u32> = (0..n).map(|t| self.limits.quotas.get(t).copied().unwrap_or(0) / dp).collect();
+            let max: Vec<u32> = (0..n).map(|t| (self.limits.quotas.get(t).copied().unwrap_or(0) / dp).min(max_pp)).collect();
             let mut counts = vec![0u32; n];
             loop {
                 // Next multiset in lexicographic order (odometer).

@@ -61,7 +61,7 @@ pub fn best_on(s: &Search, alloc: &[u32]) -> Option<Priced> {
 }
 
 /// Layers per stage: compute-proportional shares capped by memory, the rest spread over later
-/// stages (then earlier ones) while memory allows. None when the model does not fit.
+/// stages (front to back, the first stage last) while memory allows. None when the model does not fit.
 fn split_layers(cm: &CostModel, kinds: &[StageKind], b: u32, micro_batches: u32) -> Option<Vec<u32>> {
     let l = cm.model.layers();
     let p = kinds.len();
@@ -89,7 +89,8 @@ fn split_layers(cm: &CostModel, kinds: &[StageKind], b: u32, micro_batches: u32)
         layers[i] -= 1;
         placed -= 1;
     }
-    // Too few (memory caps): later stages first, as Espresso's AdjustToCoverAllLayers.
+    // Too few (memory caps): stages after the first, front to back, then the first (the
+    // first stage holds the most in-flight activations).
     while placed < l {
         let i = (1..p).chain(0..1).find(|&i| layers[i] < cap[i])?;
         layers[i] += 1;

@@ -60,7 +60,8 @@ pub struct ProvisionRequest<'a> {
     pub compare: bool,
     /// Frontier up to this multiple of the optimum's cost (None: no frontier).
     pub frontier_cap: Option<f64>,
-    /// Prune with the superset bound (the planner never slows down with more GPUs).
+    /// Also prune with the superset bound (assumes the planner never slows down with more
+    /// GPUs: true of the exact planner, not always of the fast one).
     pub monotone: bool,
 }
 
@@ -80,6 +81,7 @@ pub struct PricedReport {
     pub price_per_hour: f64,
     pub iteration_time_s: f64,
     pub cost_per_iteration: f64,
+    pub meets_slo: bool,
     /// Best over this one: 1 - best cost / this cost (comparisons only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub savings_vs_this: Option<f64>,
@@ -143,7 +145,7 @@ pub struct ProvisionReport {
 /// Rent the cheapest allocation that meets the SLO, and lay out the report.
 pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
     let s = Search { offers: req.offers, model: req.model, profiles: req.profiles, opts: req.opts, mode: req.mode, slo: req.slo, monotone: req.monotone };
-    check_feasible(&s)?;
+    check_memory(&s)?;
     let all = |_: &[u32]| true;
     let out = if req.exhaustive { s.exhaustive(all) } else { s.branch_and_bound(all, req.frontier_cap) };
     // The best single-offer allocation (Sia-style): compared with, and, since the superset
@@ -155,7 +157,7 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
                 .min_by(|a, b| a.cost_per_iteration.total_cmp(&b.cost_per_iteration))
         })
         .flatten();
-    let mut best = out.best.clone().ok_or_else(|| SolverError::invalid("--slo", "no allocation meets the SLO"))?;
+    let Some(mut best) = out.best.clone().or_else(|| homogeneous.clone()) else { return Err(nothing_meets(&s, out.fastest.as_ref())) };
     if let Some(h) = homogeneous.as_ref().filter(|h| h.cost_per_iteration < best.cost_per_iteration) {
         best = h.clone();
     }
@@ -170,11 +172,11 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
     let compare = req.compare.then(|| {
         let espresso = espresso_style::best_on(&s, &best.alloc);
         Comparison {
-            homogeneous: homogeneous.as_ref().map(|h| priced_report(req.offers, h, Some(&best))),
-            espresso_placement: espresso.map(|e| priced_report(req.offers, &e, Some(&best))),
+            homogeneous: homogeneous.as_ref().map(|h| priced_report(req.offers, req.slo, h, Some(&best))),
+            espresso_placement: espresso.map(|e| priced_report(req.offers, req.slo, &e, Some(&best))),
         }
     });
-    let frontier = req.frontier_cap.map(|_| out.frontier.iter().map(|p| priced_report(req.offers, p, None)).collect());
+    let frontier = req.frontier_cap.map(|_| out.frontier.iter().map(|p| priced_report(req.offers, req.slo, p, None)).collect());
     Ok(ProvisionReport {
         offers: req.offers.name.clone(),
         model: req.model.spec.name.clone(),
@@ -208,10 +210,9 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
     })
 }
 
-/// Refuse early, with numbers, when the quotas cannot hold the model or cannot meet the SLO:
-/// the whole quota is the roomiest and (the planner never slows down with more GPUs to choose
-/// from) the fastest allocation.
-fn check_feasible(s: &Search) -> Result<()> {
+/// Refuse early when the bounds prove it: the whole quota's memory cannot hold the model's
+/// states, or even its compute-only time bound misses the SLO.
+fn check_memory(s: &Search) -> Result<()> {
     let full: Allocation = s.offers.offers.iter().map(|o| o.max_nodes).collect();
     let bounds = s.bounds();
     let gib = 1024f64.powi(3);
@@ -225,32 +226,49 @@ fn check_feasible(s: &Search) -> Result<()> {
             bounds.missing_gib(&full)
         )));
     }
-    let Some((t, _, _)) = s.plan(&full) else {
-        return Err(SolverError::DoesNotFit(format!(
+    if bounds.time(&full) > s.slo {
+        return Err(SolverError::invalid(
+            "--slo",
+            format!(
+                "no allocation within the quotas meets {} s per iteration: even the whole quota's compute alone takes {:.4} s; \
+                 raise --slo above {:.4} or raise offers[].quota",
+                s.slo,
+                bounds.time(&full),
+                bounds.time(&full)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The search found nothing: say how fast the fastest allocation it planned goes and what that
+/// costs, or that no plan's activations fit.
+fn nothing_meets(s: &Search, fastest: Option<&Priced>) -> SolverError {
+    let full: Allocation = s.offers.offers.iter().map(|o| o.max_nodes).collect();
+    let bounds = s.bounds();
+    let gib = 1024f64.powi(3);
+    match fastest {
+        None => SolverError::DoesNotFit(format!(
             "{}'s states fit in the whole quota ({:.1} of {:.1} GiB) but no plan's activations do; pass --recompute, lower \
              --micro-batch or raise offers[].quota",
             s.model.spec.name,
             bounds.state_bytes / gib,
             bounds.memory(&full) / gib
-        )));
-    };
-    if t > s.slo {
-        let price = s.offers.price_per_hour(&full);
-        return Err(SolverError::invalid(
+        )),
+        Some(f) => SolverError::invalid(
             "--slo",
             format!(
-                "no allocation within the quotas meets {} s per iteration; the fastest, the whole quota ({}), takes {:.4} s at ${:.6} \
+                "no allocation within the quotas meets {} s per iteration; the fastest planned, {}, takes {:.4} s at ${:.6} \
                  per iteration (${:.2}/h); raise --slo to at least {:.4} or raise offers[].quota",
                 s.slo,
-                describe(s.offers, &full),
-                t,
-                t * price / 3600.0,
-                price,
-                t
+                describe(s.offers, &f.alloc),
+                f.iteration_time,
+                f.cost_per_iteration,
+                f.price_per_hour,
+                f.iteration_time
             ),
-        ));
+        ),
     }
-    Ok(())
 }
 
 pub fn lines(offers: &Offers, alloc: &[u32]) -> Vec<AllocationLine> {
@@ -274,13 +292,14 @@ pub fn describe(offers: &Offers, alloc: &[u32]) -> String {
     lines(offers, alloc).iter().map(|l| format!("{} x {}", l.gpus, l.offer)).collect::<Vec<_>>().join(" + ")
 }
 
-fn priced_report(offers: &Offers, p: &Priced, best: Option<&Priced>) -> PricedReport {
+fn priced_report(offers: &Offers, slo: f64, p: &Priced, best: Option<&Priced>) -> PricedReport {
     PricedReport {
         allocation: lines(offers, &p.alloc),
         gpus: offers.gpus(&p.alloc),
         price_per_hour: p.price_per_hour,
         iteration_time_s: p.iteration_time,
         cost_per_iteration: p.cost_per_iteration,
+        meets_slo: p.iteration_time <= slo,
         savings_vs_this: best.map(|b| 1.0 - b.cost_per_iteration / p.cost_per_iteration),
     }
 }

@@ -80,11 +80,14 @@ impl Offers {
         let mut offers = Vec::new();
         for (i, o) in spec.offers.iter().enumerate() {
             let f = |x: &str| format!("offers[{i}].{x}");
-            if !(o.price_per_gpu_hour.is_finite() && o.price_per_gpu_hour > 0.0) {
-                return Err(SolverError::invalid(f("price_per_gpu_hour"), "must be a positive number of $ per GPU-hour"));
+            if !(o.price_per_gpu_hour.is_finite() && o.price_per_gpu_hour > 0.0 && o.price_per_gpu_hour <= 1e6) {
+                return Err(SolverError::invalid(f("price_per_gpu_hour"), "must be a positive number of $ per GPU-hour (at most 1000000)"));
             }
-            if o.gpus_per_node == 0 {
-                return Err(SolverError::invalid(f("gpus_per_node"), "must be at least 1"));
+            if o.gpus_per_node == 0 || o.gpus_per_node > 1024 {
+                return Err(SolverError::invalid(f("gpus_per_node"), "must be between 1 and 1024"));
+            }
+            if o.quota > 1_000_000 {
+                return Err(SolverError::invalid(f("quota"), "must be at most 1000000 GPUs"));
             }
             if o.quota < o.gpus_per_node {
                 return Err(SolverError::invalid(
@@ -147,7 +150,7 @@ impl Offers {
 
     /// How many allocations `all_allocations` lists.
     pub fn allocation_count(&self) -> f64 {
-        self.offers.iter().map(|o| (o.max_nodes + 1) as f64).product::<f64>() - 1.0
+        self.offers.iter().map(|o| o.max_nodes as f64 + 1.0).product::<f64>() - 1.0
     }
 }
 

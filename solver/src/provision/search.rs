@@ -68,6 +68,8 @@ pub struct Outcome {
     pub best: Option<Priced>,
     /// Pareto frontier of (iteration time, cost per iteration), by increasing time.
     pub frontier: Vec<Priced>,
+    /// The fastest allocation planned, SLO or not.
+    pub fastest: Option<Priced>,
     pub counters: Counters,
 }
 
@@ -144,7 +146,7 @@ impl<'a> Search<'a> {
                 let p = self.price(&top);
                 out.counters.planned += 1;
                 known.push((p.as_ref().map_or(f64::INFINITY, |p| p.iteration_time), top.clone()));
-                out.counters.unproven += u64::from(p.as_ref().is_some_and(|p| !p.proven));
+                out.counters.unproven += u64::from(p.as_ref().is_none_or(|p| !p.proven));
                 if let Some(p) = p {
                     self.record(&mut out, p);
                 }
@@ -193,7 +195,7 @@ impl<'a> Search<'a> {
                 if self.monotone {
                     known.push((p.as_ref().map_or(f64::INFINITY, |p| p.iteration_time), a.clone()));
                 }
-                out.counters.unproven += u64::from(p.as_ref().is_some_and(|p| !p.proven));
+                out.counters.unproven += u64::from(p.as_ref().is_none_or(|p| !p.proven));
                 if let Some(p) = p {
                     self.record(&mut out, p);
                 }
@@ -207,6 +209,9 @@ impl<'a> Search<'a> {
     }
 
     fn record(&self, out: &mut Outcome, p: Priced) {
+        if out.fastest.as_ref().is_none_or(|f| p.iteration_time < f.iteration_time) {
+            out.fastest = Some(p.clone());
+        }
         if p.iteration_time <= self.slo && out.best.as_ref().is_none_or(|b| better(&p, b)) {
             out.best = Some(p.clone());
         }
