@@ -149,8 +149,8 @@ pub fn replay(est: &Estimator, placer_gpus: &[EstimatorGpu], table_peaks: &[f64]
             // (a) the homogeneous allocations.
             let mut rapid: Option<(f64, Option<EspressoPlan>)> = None;
             let ctx = Ctx { est, placer: Placer::new(est, placer_gpus, table_peaks, dp), dp, pp, min_mem: 0.0, maxfit: maxfit.clone(), table_peaks };
-            for t in 0..n {
-                if dp as usize * pp > quotas[t] as usize {
+            for (t, &quota) in quotas.iter().enumerate().take(n) {
+                if dp as usize * pp > quota as usize {
                     continue;
                 }
                 let (money, plan) = ctx.call_mapper(&vec![t; pp], &mut out.counters);

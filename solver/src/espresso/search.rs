@@ -93,7 +93,7 @@ impl<'a> Search<'a> {
         let m = self.est.job.gradient_accumulation_steps;
         let per = self.est.job.global_batch_size / m;
         if self.limits.dps.is_empty() {
-            (1..=per).filter(|d| per % d == 0).collect()
+            (1..=per).filter(|d| per.is_multiple_of(*d)).collect()
         } else {
             self.limits.dps.iter().copied().filter(|&d| d >= 1 && m as u64 * d as u64 <= self.est.job.global_batch_size as u64).collect()
         }

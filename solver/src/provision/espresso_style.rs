@@ -29,7 +29,7 @@ pub fn best_on(s: &Search, alloc: &[u32]) -> Option<Priced> {
     for dp in (1..=total).filter(|d| per_class.iter().all(|n| n % d == 0)) {
         let stages: Vec<usize> = order.iter().flat_map(|&c| std::iter::repeat_n(c, (per_class[c] / dp) as usize)).collect();
         let sizes = s.opts.micro_batch.map_or(vec![1u32, 2, 4, 8], |b| vec![b]);
-        for b in sizes.into_iter().filter(|&b| g % (b * dp) == 0) {
+        for b in sizes.into_iter().filter(|&b| g.is_multiple_of(b * dp)) {
             let kinds: Vec<StageKind> = stages.iter().map(|&c| StageKind { class: c, tp: 1, dp: 1 }).collect();
             let Some(layers) = split_layers(&cm, &kinds, b, g / b) else { continue };
             let mut replicas = vec![];
@@ -76,7 +76,7 @@ fn split_layers(cm: &CostModel, kinds: &[StageKind], b: u32, micro_batches: u32)
             (0..=l).take_while(|&n| CostModel::stage_memory(&costs[i], n, i == 0, i + 1 == p, inflight, cm.opts.recompute) <= costs[i].capacity).last().unwrap_or(0)
         })
         .collect();
-    if cap.iter().any(|&c| c == 0) {
+    if cap.contains(&0) {
         return None;
     }
     let speed: Vec<f64> = costs.iter().map(|c| 1.0 / (c.fwd + c.bwd)).collect();
