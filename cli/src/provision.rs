@@ -128,6 +128,8 @@ pub fn run(a: ProvisionArgs) -> Result<String, InputError> {
         reserve_gib: a.reserve_gib,
         ..PlanOptions::default()
     };
+    let progress = Progress::new();
+    let report = |p: &provision::Progress| progress.update(p);
     let req = ProvisionRequest {
         offers: &offers,
         model: &model,
@@ -144,8 +146,11 @@ pub fn run(a: ProvisionArgs) -> Result<String, InputError> {
         compare: a.compare,
         frontier_cap: a.frontier.then_some(a.frontier_cap),
         monotone: a.superset_bound,
+        progress: Some(&report),
     };
-    let report = provision::provision(&req).map_err(|e| match e {
+    let result = provision::provision(&req);
+    progress.finish();
+    let report = result.map_err(|e| match e {
         SolverError::DoesNotFit(m) => InputError(format!("{origin}: model does not fit: {m}")),
         other => InputError(other.to_string()),
     })?;
@@ -153,6 +158,53 @@ pub fn run(a: ProvisionArgs) -> Result<String, InputError> {
         Output::Json => serde_json::to_string_pretty(&report).expect("report serialises"),
         Output::Table => render(&report),
     })
+}
+
+/// Long searches show progress: a bar on a terminal, a log line every few seconds elsewhere
+/// (stderr, so `-o json` stays clean).
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    last_log: std::sync::Mutex<std::time::Instant>,
+}
+
+impl Progress {
+    fn new() -> Progress {
+        use std::io::IsTerminal;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let b = indicatif::ProgressBar::new(0);
+            b.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} allocations {pos}/{len} [{bar:30}] {msg} ({elapsed})")
+                    .expect("valid template")
+                    .progress_chars("=> "),
+            );
+            b
+        });
+        Progress { bar, last_log: std::sync::Mutex::new(std::time::Instant::now()) }
+    }
+
+    fn update(&self, p: &provision::Progress) {
+        let best = p.best_cost.map_or("no allocation meets the SLO yet".to_string(), |c| format!("best ${c:.6} per iteration"));
+        match &self.bar {
+            Some(b) => {
+                b.set_length(p.total);
+                b.set_position(p.visited);
+                b.set_message(format!("{} planned, {best}", p.planned));
+            }
+            None => {
+                let mut last = self.last_log.lock().expect("progress lock");
+                if last.elapsed() >= std::time::Duration::from_secs(5) {
+                    *last = std::time::Instant::now();
+                    eprintln!("provision: {} of {} allocations looked at, {} planned, {best}", p.visited, p.total, p.planned);
+                }
+            }
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
 }
 
 fn alloc_text(p: &PricedReport) -> String {

@@ -64,7 +64,7 @@ proptest! {
         let opts = PlanOptions { global_batch: 16, ..PlanOptions::default() };
         // An SLO relative to the fastest allocation (the whole quota).
         let full: Vec<u32> = offers.offers.iter().map(|o| o.max_nodes).collect();
-        let probe = Search { offers: &offers, model: &model, profiles: &profiles, opts: &opts, mode: SearchMode::Fast, slo: f64::INFINITY, monotone: false };
+        let probe = Search { offers: &offers, model: &model, profiles: &profiles, opts: &opts, mode: SearchMode::Fast, slo: f64::INFINITY, monotone: false, progress: None };
         let Some((t_full, _, _)) = probe.plan(&full) else { return Ok(()) };
         let s = Search { slo: t_full * slo_factor, ..probe };
         let oracle = s.exhaustive(|_| true);
@@ -125,7 +125,7 @@ fn superset_bound_agrees_with_the_exact_allocation_search_on_espressos_gpus() {
     let model = Model::new(serde_norway::from_str(&mtext).unwrap(), None).unwrap();
     let profiles = ProfileSet::default();
     let opts = PlanOptions { global_batch: 64, ..PlanOptions::default() };
-    let s = Search { offers: &offers, model: &model, profiles: &profiles, opts: &opts, mode: SearchMode::Fast, slo: 100.0, monotone: false };
+    let s = Search { offers: &offers, model: &model, profiles: &profiles, opts: &opts, mode: SearchMode::Fast, slo: 100.0, monotone: false, progress: None };
     let exact = s.branch_and_bound(|_| true, None);
     let fast = Search { monotone: true, ..s }.branch_and_bound(|_| true, None);
     let (e, f) = (exact.best.unwrap(), fast.best.unwrap());

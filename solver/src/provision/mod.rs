@@ -43,7 +43,7 @@ use crate::report::{plan, PlanReport, PlanRequest};
 use crate::search::SearchMode;
 
 pub use offers::{Allocation, Offer, OfferSpec, Offers, OffersSpec};
-pub use search::{Counters, Outcome, Priced, Search};
+pub use search::{Counters, Outcome, Priced, Progress, Search};
 
 /// Inputs of one provisioning run.
 pub struct ProvisionRequest<'a> {
@@ -63,6 +63,8 @@ pub struct ProvisionRequest<'a> {
     /// Also prune with the superset bound (assumes the planner never slows down with more
     /// GPUs: true of the exact planner, not always of the fast one).
     pub monotone: bool,
+    /// Progress reports of the main search.
+    pub progress: Option<&'a (dyn Fn(&search::Progress) + Sync)>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -144,7 +146,7 @@ pub struct ProvisionReport {
 
 /// Rent the cheapest allocation that meets the SLO, and lay out the report.
 pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
-    let s = Search { offers: req.offers, model: req.model, profiles: req.profiles, opts: req.opts, mode: req.mode, slo: req.slo, monotone: req.monotone };
+    let s = Search { offers: req.offers, model: req.model, profiles: req.profiles, opts: req.opts, mode: req.mode, slo: req.slo, monotone: req.monotone, progress: req.progress };
     check_memory(&s)?;
     let all = |_: &[u32]| true;
     let out = if req.exhaustive { s.exhaustive(all) } else { s.branch_and_bound(all, req.frontier_cap) };
@@ -153,7 +155,7 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
     let homogeneous = (req.compare || req.monotone)
         .then(|| {
             (0..req.offers.offers.len())
-                .filter_map(|i| s.branch_and_bound(|a: &[u32]| a.iter().enumerate().all(|(j, &n)| j == i || n == 0), None).best)
+                .filter_map(|i| Search { progress: None, ..s }.branch_and_bound(|a: &[u32]| a.iter().enumerate().all(|(j, &n)| j == i || n == 0), None).best)
                 .min_by(|a, b| a.cost_per_iteration.total_cmp(&b.cost_per_iteration))
         })
         .flatten();

@@ -48,6 +48,7 @@ pub struct Counters {
     pub unproven: u64,
 }
 
+#[derive(Clone, Copy)]
 pub struct Search<'a> {
     pub offers: &'a Offers,
     pub model: &'a Model,
@@ -59,6 +60,19 @@ pub struct Search<'a> {
     /// it (`T(A) >= T(B)` for `A` within `B`: more GPUs to choose from never force a slower
     /// plan, which holds for the exact planner).
     pub monotone: bool,
+    /// Told after every batch of planned allocations (the caller draws progress).
+    pub progress: Option<&'a (dyn Fn(&Progress) + Sync)>,
+}
+
+/// Where a search is, for progress reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Progress {
+    /// Allocations looked at (planned or cut) of `total`.
+    pub visited: u64,
+    pub total: u64,
+    pub planned: u64,
+    /// Cheapest cost per iteration meeting the SLO so far.
+    pub best_cost: Option<f64>,
 }
 
 /// Outcome of a search over a set of allocations.
@@ -111,9 +125,15 @@ impl<'a> Search<'a> {
     pub fn exhaustive(&self, keep: impl Fn(&[u32]) -> bool) -> Outcome {
         let allocs: Vec<Allocation> = self.offers.all_allocations().into_iter().filter(|a| keep(a)).collect();
         let mut out = Outcome { counters: Counters { allocations: allocs.len() as u64, ..Default::default() }, ..Default::default() };
-        for p in self.price_all(&allocs).into_iter().flatten() {
-            out.counters.unproven += u64::from(!p.proven);
-            self.record(&mut out, p);
+        for (k, chunk) in allocs.chunks(64).enumerate() {
+            for p in self.price_all(chunk).into_iter().flatten() {
+                out.counters.unproven += u64::from(!p.proven);
+                self.record(&mut out, p);
+            }
+            if let Some(report) = self.progress {
+                let done = (k * 64 + chunk.len()) as u64;
+                report(&Progress { visited: done, total: allocs.len() as u64, planned: done, best_cost: out.best.as_ref().map(|b| b.cost_per_iteration) });
+            }
         }
         out.counters.planned = allocs.len() as u64;
         out
@@ -199,6 +219,14 @@ impl<'a> Search<'a> {
                 if let Some(p) = p {
                     self.record(&mut out, p);
                 }
+            }
+            if let Some(report) = self.progress {
+                report(&Progress {
+                    visited: i as u64,
+                    total: cands.len() as u64,
+                    planned: out.counters.planned,
+                    best_cost: out.best.as_ref().map(|b| b.cost_per_iteration),
+                });
             }
         }
         if let (Some(b), Some(f)) = (&out.best, frontier_cap) {
