@@ -70,6 +70,7 @@ for job in ["llama_1.3b", "llama_3b", "llama_7b", "ViT", "open_llama_3b_v2"]:
         print(f"| {job} | RESULTS.md's optimum (Espresso's depth range) | | | {opt} | | |")
     for label, extra, rep in [("Espresso's allocator, replayed in Rust", ["--method", "espresso"], REPEAT),
                               ("**Motley exact**", [], REPEAT),
+                              ("Motley, every order and split (`--space full`)", ["--space", "full"], 1),
                               ("oracle: every allocation placed", ["--exhaustive"], 1)]:
         d, cpu = run(base + extra, rep)
         s = d["search"]

@@ -69,6 +69,12 @@ pub struct EvalArgs {
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum SpaceArg {
+    Placer,
+    Full,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum Method {
     /// Exact branch and bound over the declared space.
     Exact,
@@ -89,6 +95,10 @@ pub struct SearchArgs {
     /// order (16 for any further type).
     #[arg(long = "quota", value_name = "NAME=N")]
     pub quotas: Vec<String>,
+    /// placer: each allocation placed by Espresso's placer (its space; `--exhaustive` checks
+    /// it); full: every stage order and layer split of each allocation (cheaper or equal).
+    #[arg(long, value_enum, default_value_t = SpaceArg::Placer)]
+    pub space: SpaceArg,
     /// Longest pipeline (default: the model's layer count; Espresso's search stops at 7).
     #[arg(long, default_value_t = 0)]
     pub max_stages: u32,
@@ -331,16 +341,26 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
     let (best, fastest, counters_json, method) = match a.method {
         Method::Exact => {
             let s = Search { est: &l.estimator, placer_gpus: &placer_gpus, table_peaks: &peaks, limits: &limits };
-            let o = if a.exhaustive { s.exhaustive() } else { s.run() };
+            if a.space == SpaceArg::Full && a.exhaustive {
+                return Err(InputError("--exhaustive: the oracle lists the placer space only; drop --space full or --exhaustive".into()));
+            }
+            let o = if a.exhaustive {
+                s.exhaustive()
+            } else if a.space == SpaceArg::Full {
+                s.run_full()
+            } else {
+                s.run()
+            };
             let c = &o.counters;
             let counters = json!({
                 "allocations": c.allocations,
                 "placed": c.placed,
                 "time_pruned": c.time_pruned,
                 "cost_pruned": c.cost_pruned,
-                "proven_optimal": true,
+                "space": if a.space == SpaceArg::Full { "full" } else { "placer" },
+                "proven_optimal": !c.budget_cut,
             });
-            (o.best, o.fastest, counters, if a.exhaustive { "exhaustive" } else { "exact" })
+            (o.best, o.fastest, counters, if a.exhaustive { "exhaustive" } else if a.space == SpaceArg::Full { "exact-full" } else { "exact" })
         }
         Method::Espresso => {
             let r = espresso::allocator::replay(&l.estimator, &placer_gpus, &peaks, &quotas);

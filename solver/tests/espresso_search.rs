@@ -39,3 +39,74 @@ fn search_equals_the_oracle_and_beats_espresso() {
         assert_eq!(b.estimate.cost.to_bits(), expect.to_bits(), "{job}: {}", describe(&b));
     }
 }
+
+/// Every order and split of every allocation, priced one by one: the full-space search's optimum.
+fn brute_full(est: &motley_solver::espresso::Estimator, quotas: &[u32], max_pp: usize) -> f64 {
+    let (gpus, peaks) = placer_inputs(est);
+    let m = est.job.gradient_accumulation_steps;
+    let per = est.job.global_batch_size / m;
+    let l = est.job.model_layer.unwrap_or(est.job.num_layers);
+    let mut best = f64::INFINITY;
+    for dp in (1..=per).filter(|d| per % d == 0) {
+        let placer = motley_solver::espresso::Placer::new(est, &gpus, &peaks, dp);
+        // Every sequence of GPU types of length 1..=max_pp within the quotas, every split.
+        fn rec(placer: &motley_solver::espresso::Placer, order: &mut Vec<usize>, left: &mut Vec<u32>, max_pp: usize, l: u32, best: &mut f64, slo: f64) {
+            if !order.is_empty() {
+                for split in compositions(l, order.len()) {
+                    let e = placer.price(order, &split);
+                    if e.fits && e.iteration_time < slo && e.cost < *best {
+                        *best = e.cost;
+                    }
+                }
+            }
+            if order.len() == max_pp {
+                return;
+            }
+            for t in 0..left.len() {
+                if left[t] > 0 {
+                    left[t] -= 1;
+                    order.push(t);
+                    rec(placer, order, left, max_pp, l, best, slo);
+                    order.pop();
+                    left[t] += 1;
+                }
+            }
+        }
+        let mut left: Vec<u32> = quotas.iter().map(|q| q / dp).collect();
+        rec(&placer, &mut vec![], &mut left, max_pp, l, &mut best, est.job.slo);
+    }
+    best
+}
+
+fn compositions(total: u32, parts: usize) -> Vec<Vec<u32>> {
+    if parts == 1 {
+        return vec![vec![total]];
+    }
+    let mut out = vec![];
+    for first in 1..=total.saturating_sub(parts as u32 - 1) {
+        for mut rest in compositions(total - first, parts - 1) {
+            rest.insert(0, first);
+            out.push(rest);
+        }
+    }
+    out
+}
+
+#[test]
+fn full_space_search_equals_brute_force_and_never_loses_to_the_placer() {
+    for (job, mc) in [("jobs/this_run/llama_1.3b.json", "jobs/this_run/llama_1.3b.model_config.json"), ("jobs/this_run/ViT.json", "jobs/this_run/ViT.model_config.json")] {
+        let est = estimator_for(job, mc);
+        let (gpus, peaks) = placer_inputs(&est);
+        let quotas = vec![2, 1, 2, 2];
+        let limits = SpaceLimits { quotas: quotas.clone(), max_stages: 3, dps: vec![] };
+        let s = Search { est: &est, placer_gpus: &gpus, table_peaks: &peaks, limits: &limits };
+        let full = s.run_full();
+        assert!(!full.counters.budget_cut);
+        let placer_best = s.run().best.map_or(f64::INFINITY, |b| b.estimate.cost);
+        let brute = brute_full(&est, &quotas, 3);
+        let got = full.best.map_or(f64::INFINITY, |b| b.estimate.cost);
+        assert!(got.is_finite(), "{job}: no plan found");
+        assert_eq!(got.to_bits(), brute.to_bits(), "{job}: full search {got} vs brute force {brute}");
+        assert!(got <= placer_best, "{job}");
+    }
+}

@@ -4,6 +4,7 @@
 
 pub mod allocator;
 pub mod estimator;
+pub mod full;
 pub mod input;
 pub mod placer;
 pub mod search;

@@ -52,6 +52,8 @@ pub struct SearchCounters {
     pub time_pruned: u64,
     /// Skipped because the cost bound exceeds the best cost found.
     pub cost_pruned: u64,
+    /// The full-space search ran out of its node budget: the result is the best found.
+    pub budget_cut: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -63,11 +65,11 @@ pub struct SearchOutcome {
     pub counters: SearchCounters,
 }
 
-struct Candidate {
-    dp_index: usize,
-    counts: Vec<u32>,
-    lb_time: f64,
-    lb_cost: f64,
+pub(crate) struct Candidate {
+    pub(crate) dp_index: usize,
+    pub(crate) counts: Vec<u32>,
+    pub(crate) lb_time: f64,
+    pub(crate) lb_cost: f64,
 }
 
 /// Cheaper first; then faster, smaller dp, shorter pipeline, allocation in table order.
@@ -89,7 +91,7 @@ pub struct Search<'a> {
 }
 
 impl<'a> Search<'a> {
-    fn dps(&self) -> Vec<u32> {
+    pub(crate) fn dps(&self) -> Vec<u32> {
         let m = self.est.job.gradient_accumulation_steps;
         let per = self.est.job.global_batch_size / m;
         if self.limits.dps.is_empty() {
@@ -114,7 +116,7 @@ impl<'a> Search<'a> {
     }
 
     /// Every allocation of the space with its bounds.
-    fn candidates(&self, dps: &[u32]) -> Vec<Candidate> {
+    pub(crate) fn candidates(&self, dps: &[u32]) -> Vec<Candidate> {
         let l = self.layers();
         let max_pp = if self.limits.max_stages == 0 { l } else { self.limits.max_stages.min(l) };
         let m = self.est.job.gradient_accumulation_steps as f64;
