@@ -4,10 +4,12 @@
 //! Espresso's estimator, so its plans compare with Espresso's on Espresso's ground.
 //!
 //! Per allocation, a depth-first search over distinct stage orders and layer counts, stage by
-//! stage, cut by two bounds that hold for any completion: each stage alone runs its `M`
-//! forwards and backwards back to back (`T >= M (F_i + B_i)`, and `F_i + B_i` grows with its
-//! layers), and the layers left must fit in the stages left, both by memory (each position's
-//! cap) and by time (`sum_j (T/M - 0.8 (pp-1) comm_j) / (4 t_f(g_j))`). The incumbent time is
+//! stage, cut by two bounds that hold for any completion: stage `i` cannot start its first
+//! forward before the earlier stages' forwards, runs its `M` forwards and backwards back to
+//! back, and its last backward must still pass back through the earlier stages, so
+//! `T >= sum_{k<i} (F_k + B_k) + M (F_i + B_i)` (growing with stage i's layers); and the layers
+//! left must fit in the stages left, by memory (each position's cap) and by time
+//! (`sum_j ((T - prefix)/M - 0.8 (pp-1) comm_j) / (4 t_f(g_j))`). The incumbent time is
 //! the least of the SLO and what the best cost so far allows at this allocation's price, so a
 //! leaf is only simulated when it could win. Allocations go in increasing order of the same
 //! cost bound as `search.rs`, starting from the placer space's optimum. A node budget
@@ -31,7 +33,7 @@ pub fn best_split(placer: &Placer, counts: &[u32], t_cap: f64, budget: &mut u64)
     let terms: Vec<LayerTerms> = est.gpus.iter().map(|g| layer_terms(est.dims, g, b)).collect();
     let caps: Vec<Vec<u32>> = (0..counts.len()).map(|t| if counts[t] > 0 { (0..pp).map(|st| placer.cap(t, pp, st)).collect() } else { vec![] }).collect();
     let hop = |t: usize| terms[t].comm * (pp - 1) as f64 * 0.8;
-    let mut st = Dfs { placer, counts: counts.to_vec(), pp, m, terms: &terms, caps: &caps, best: None, t_cap, order: vec![], layers: vec![], budget: *budget };
+    let mut st = Dfs { placer, counts: counts.to_vec(), pp, m, terms: &terms, caps: &caps, best: None, t_cap, order: vec![], layers: vec![], prefix: 0.0, budget: *budget };
     st.go(0, l, &hop);
     *budget = st.budget;
     st.best
@@ -48,6 +50,8 @@ struct Dfs<'a, 'p> {
     t_cap: f64,
     order: Vec<usize>,
     layers: Vec<u32>,
+    /// `F + B` of one micro-batch summed over the stages placed so far.
+    prefix: f64,
     /// Search nodes left.
     budget: u64,
 }
@@ -57,13 +61,13 @@ impl Dfs<'_, '_> {
         self.best.as_ref().map_or(self.t_cap, |b| b.2.iteration_time.min(self.t_cap))
     }
 
-    /// Stage `i` alone: `M (F_i + B_i)` with `n` layers on type `t`.
-    fn stage_floor(&self, t: usize, i: usize, n: u32, hop: &dyn Fn(usize) -> f64) -> f64 {
+    /// `F_i + B_i` of one micro-batch on stage `i` with `n` layers on type `t`.
+    fn stage_fb(&self, t: usize, i: usize, n: u32, hop: &dyn Fn(usize) -> f64) -> f64 {
         let tt = &self.terms[t];
         let (first, last) = (i == 0, i + 1 == self.pp);
         let emb = if last { tt.emb_out } else if first { tt.emb_in } else { 0.0 };
         let f0 = n as f64 * tt.t_f + emb;
-        self.m * (f0 + hop(t) + 3.0 * f0)
+        f0 + hop(t) + 3.0 * f0
     }
 
     /// Can the stages after `i` (the types still in `counts`) take `left` layers under `limit`?
@@ -108,14 +112,20 @@ impl Dfs<'_, '_> {
             self.order.push(t);
             for n in 1..=most {
                 let limit = self.limit();
-                if self.stage_floor(t, i, n, hop) >= limit {
+                // Stage i's first forward waits for the earlier stages' forwards, its M
+                // forwards and backwards run back to back, and its last backward still has to
+                // pass back through the earlier stages: T >= prefix + M (F_i + B_i).
+                let fb = self.stage_fb(t, i, n, hop);
+                if self.prefix + self.m * fb >= limit {
                     break; // more layers only make this stage slower
                 }
-                if !self.rest_can_take(i, left - n, limit, hop) {
+                if !self.rest_can_take(i, left - n, limit - self.prefix - fb, hop) {
                     continue;
                 }
                 self.layers.push(n);
+                self.prefix += fb;
                 self.go(i + 1, left - n, hop);
+                self.prefix -= fb;
                 self.layers.pop();
             }
             self.order.pop();
