@@ -187,7 +187,8 @@ fn find_model_config(job: &Job, near: &[&Path]) -> Result<ModelConfig, InputErro
     }
     for dir in &dirs {
         let Ok(entries) = std::fs::read_dir(dir) else { continue };
-        let mut files: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "json")).collect();
+        let mut files: Vec<PathBuf> =
+            entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "json")).collect();
         files.sort();
         for f in files {
             if let Ok(c) = espresso::parse_model_config(&std::fs::read_to_string(&f).unwrap_or_default(), "") {
@@ -200,15 +201,18 @@ fn find_model_config(job: &Job, near: &[&Path]) -> Result<ModelConfig, InputErro
     Err(InputError(format!(
         "--model-config: no model config named '{}' (the job's model_name) in {}; pass --model-config FILE",
         job.model_name,
-        if dirs.is_empty() { "any models/ folder above the job or GPU table".to_string() } else { dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ") }
+        if dirs.is_empty() {
+            "any models/ folder above the job or GPU table".to_string()
+        } else {
+            dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
+        }
     )))
 }
 
 fn parse_plan(arg: &str, gpus: &[EstimatorGpu]) -> Result<Vec<(usize, u32)>, InputError> {
     let text = if Path::new(arg).is_file() { read(Path::new(arg), "plan")? } else { arg.to_string() };
-    let raw: Vec<(String, u32)> = serde_json::from_str(&text).map_err(|e| {
-        InputError(format!("--plan: {e}; give stages in pipeline order as [[\"<gpu name>\", <layers>], ...]"))
-    })?;
+    let raw: Vec<(String, u32)> = serde_json::from_str(&text)
+        .map_err(|e| InputError(format!("--plan: {e}; give stages in pipeline order as [[\"<gpu name>\", <layers>], ...]")))?;
     if raw.is_empty() {
         return Err(InputError("--plan: has no stage; give at least one [\"<gpu name>\", <layers>]".into()));
     }
@@ -270,7 +274,10 @@ fn plan_table(l: &Loaded, order: &[usize], layers: &[u32], dp: u32, e: &Estimate
         ]);
     }
     let verdict = if !e.fits {
-        format!("OUT OF MEMORY by {:.0} MiB (Espresso's excess figure); Espresso prices it at its 1e10 s sentinel", e.oom_excess_mib - 500.0)
+        format!(
+            "OUT OF MEMORY by {:.0} MiB (Espresso's excess figure); Espresso prices it at its 1e10 s sentinel",
+            e.oom_excess_mib - 500.0
+        )
     } else {
         format!(
             "{:.6} s per iteration, ${:.8} per iteration (${}/h), SLO {} s {}",
@@ -314,10 +321,12 @@ fn quotas(l: &Loaded, args: &[String]) -> Result<Vec<u32>, InputError> {
     let names = &l.table.names;
     let mut q: Vec<u32> = (0..names.len()).map(|i| ESPRESSO_QUOTAS.get(i).copied().unwrap_or(16)).collect();
     for a in args {
-        let (name, n) = a.split_once('=').ok_or_else(|| InputError(format!("--quota: '{a}' is not NAME=N; e.g. --quota a30-pcie-24gb=16")))?;
-        let i = names.iter().position(|x| x == name).ok_or_else(|| {
-            InputError(format!("--quota: unknown GPU '{name}'; the GPU table lists {}", names.join(", ")))
-        })?;
+        let (name, n) =
+            a.split_once('=').ok_or_else(|| InputError(format!("--quota: '{a}' is not NAME=N; e.g. --quota a30-pcie-24gb=16")))?;
+        let i = names
+            .iter()
+            .position(|x| x == name)
+            .ok_or_else(|| InputError(format!("--quota: unknown GPU '{name}'; the GPU table lists {}", names.join(", "))))?;
         q[i] = n.parse().map_err(|_| InputError(format!("--quota: '{n}' is not a whole number of GPUs")))?;
     }
     Ok(q)
@@ -360,7 +369,18 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
                 "space": if a.space == SpaceArg::Full { "full" } else { "placer" },
                 "proven_optimal": !c.budget_cut,
             });
-            (o.best, o.fastest, counters, if a.exhaustive { "exhaustive" } else if a.space == SpaceArg::Full { "exact-full" } else { "exact" })
+            (
+                o.best,
+                o.fastest,
+                counters,
+                if a.exhaustive {
+                    "exhaustive"
+                } else if a.space == SpaceArg::Full {
+                    "exact-full"
+                } else {
+                    "exact"
+                },
+            )
         }
         Method::Espresso => {
             let r = espresso::allocator::replay(&l.estimator, &placer_gpus, &peaks, &quotas);
@@ -380,7 +400,8 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
     };
     let cpu_s = start.elapsed().as_secs_f64();
     let Some(best) = best else {
-        let fastest = fastest.or_else(|| Search { est: &l.estimator, placer_gpus: &placer_gpus, table_peaks: &peaks, limits: &limits }.fastest());
+        let fastest =
+            fastest.or_else(|| Search { est: &l.estimator, placer_gpus: &placer_gpus, table_peaks: &peaks, limits: &limits }.fastest());
         return Err(no_plan_error(&l, &quotas, fastest.as_ref()));
     };
     let mut out = plan_json(&l, &best.order, &best.layers, best.dp, &best.estimate);
@@ -392,7 +413,8 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
     search["method"] = json!(method);
     search["seconds"] = json!(cpu_s);
     search["quotas"] = json!(l.table.names.iter().zip(&quotas).map(|(n, q)| (n.clone(), json!(q))).collect::<serde_json::Map<_, _>>());
-    search["max_stages"] = json!(if a.max_stages == 0 { l.estimator.job.model_layer.unwrap_or(l.estimator.job.num_layers) } else { a.max_stages });
+    search["max_stages"] =
+        json!(if a.max_stages == 0 { l.estimator.job.model_layer.unwrap_or(l.estimator.job.num_layers) } else { a.max_stages });
     out["search"] = search;
     // The cheapest plan on one GPU type only (Sia-style), in the same space and estimator.
     let homogeneous = (0..quotas.len())

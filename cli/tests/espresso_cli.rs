@@ -48,7 +48,20 @@ fn eval_reproduces_the_readme_result() {
 #[test]
 fn eval_says_out_of_memory_as_espresso_does() {
     let (job, mc) = this_run("llama_3b");
-    let v = json_of(&["espresso", "eval", "--job", &job, "--model-config", &mc, "--gpus", GPUS, "--plan", r#"[["a6000-pcie4-48gb",42]]"#, "-o", "json"]);
+    let v = json_of(&[
+        "espresso",
+        "eval",
+        "--job",
+        &job,
+        "--model-config",
+        &mc,
+        "--gpus",
+        GPUS,
+        "--plan",
+        r#"[["a6000-pcie4-48gb",42]]"#,
+        "-o",
+        "json",
+    ]);
     assert_eq!(v["fits"], false);
     assert_eq!(v["meets_slo"], false);
     assert_eq!(v["iteration_time_s"].as_f64().unwrap(), 1e10);
@@ -59,9 +72,12 @@ fn eval_says_out_of_memory_as_espresso_does() {
 fn search_finds_the_optima_and_equals_the_oracle() {
     // RESULTS.md's optima (LLaMA-7B: cheaper than its "optimum", which Espresso's pipeline-depth
     // bounds limited), and the exhaustive oracle agrees.
-    for (model, cost, first_stage_gpu) in
-        [("llama_1.3b", "0.02288", "3090-pcie4-24gb"), ("llama_3b", "0.12990", "a6000-pcie4-48gb"), ("llama_7b", "0.48683", "a6000-pcie4-48gb"), ("ViT", "0.00878", "3090-pcie4-24gb")]
-    {
+    for (model, cost, first_stage_gpu) in [
+        ("llama_1.3b", "0.02288", "3090-pcie4-24gb"),
+        ("llama_3b", "0.12990", "a6000-pcie4-48gb"),
+        ("llama_7b", "0.48683", "a6000-pcie4-48gb"),
+        ("ViT", "0.00878", "3090-pcie4-24gb"),
+    ] {
         let (job, mc) = this_run(model);
         let base = ["espresso", "search", "--job", &job, "--model-config", &mc, "--gpus", GPUS, "-o", "json"];
         let v = json_of(&base);
@@ -96,7 +112,20 @@ fn espressos_own_search_is_replayed_with_its_counters() {
 fn quotas_and_slo_are_flags() {
     let (job, mc) = this_run("llama_3b");
     // Without A6000s the plan changes and still meets the SLO.
-    let v = json_of(&["espresso", "search", "--job", &job, "--model-config", &mc, "--gpus", GPUS, "--quota", "a6000-pcie4-48gb=0", "-o", "json"]);
+    let v = json_of(&[
+        "espresso",
+        "search",
+        "--job",
+        &job,
+        "--model-config",
+        &mc,
+        "--gpus",
+        GPUS,
+        "--quota",
+        "a6000-pcie4-48gb=0",
+        "-o",
+        "json",
+    ]);
     assert!(v["stages"].as_array().unwrap().iter().all(|s| s["gpu"] != "a6000-pcie4-48gb"));
     assert_eq!(v["allocation"].get("a6000-pcie4-48gb"), None);
     // An SLO nothing meets: the fastest time and its cost, exit 2.
@@ -106,8 +135,22 @@ fn quotas_and_slo_are_flags() {
     assert!(err.contains("slo") && err.contains("fastest takes") && err.contains("per iteration"), "{err}");
     // Quotas too small for the model: how much memory is missing.
     let out = motley(&[
-        "espresso", "search", "--job", &job, "--model-config", &mc, "--gpus", GPUS, "--quota", "a30-pcie-24gb=1", "--quota", "a6000-pcie4-48gb=0",
-        "--quota", "a4000-pcie4-16gb=1", "--quota", "3090-pcie4-24gb=0",
+        "espresso",
+        "search",
+        "--job",
+        &job,
+        "--model-config",
+        &mc,
+        "--gpus",
+        GPUS,
+        "--quota",
+        "a30-pcie-24gb=1",
+        "--quota",
+        "a6000-pcie4-48gb=0",
+        "--quota",
+        "a4000-pcie4-16gb=1",
+        "--quota",
+        "3090-pcie4-24gb=0",
     ]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
@@ -139,6 +182,19 @@ fn bad_input_names_the_field() {
     std::fs::write(&cut, &text[..text.len() / 2]).unwrap();
     let e = run(&["espresso", "search", "--job", cut.to_str().unwrap(), "--model-config", &mc, "--gpus", GPUS]);
     assert!(e.contains("cut short"), "{e}");
-    let e = run(&["espresso", "eval", "--job", &job, "--model-config", &mc, "--gpus", GPUS, "--plan", r#"[["a6000-pcie4-48gb",42]]"#, "--dp", "64"]);
+    let e = run(&[
+        "espresso",
+        "eval",
+        "--job",
+        &job,
+        "--model-config",
+        &mc,
+        "--gpus",
+        GPUS,
+        "--plan",
+        r#"[["a6000-pcie4-48gb",42]]"#,
+        "--dp",
+        "64",
+    ]);
     assert!(e.contains("--dp"), "{e}");
 }

@@ -24,10 +24,26 @@ const MODEL: &str = "examples/espresso/motley/llama-1.3b.yaml";
 
 #[test]
 fn provision_prints_allocation_plan_and_costs() {
-    let v = json_of(&["provision", "--offers", OFFERS, "--model", MODEL, "--global-batch", "64", "--slo", "20", "--iterations", "1000", "--compare", "-o", "json"]);
+    let v = json_of(&[
+        "provision",
+        "--offers",
+        OFFERS,
+        "--model",
+        MODEL,
+        "--global-batch",
+        "64",
+        "--slo",
+        "20",
+        "--iterations",
+        "1000",
+        "--compare",
+        "-o",
+        "json",
+    ]);
     let t = v["iteration_time_s"].as_f64().unwrap();
     assert!(t <= 20.0);
-    let price: f64 = v["allocation"].as_array().unwrap().iter().map(|a| a["gpus"].as_f64().unwrap() * a["price_per_gpu_hour"].as_f64().unwrap()).sum();
+    let price: f64 =
+        v["allocation"].as_array().unwrap().iter().map(|a| a["gpus"].as_f64().unwrap() * a["price_per_gpu_hour"].as_f64().unwrap()).sum();
     assert!((v["price_per_hour"].as_f64().unwrap() - price).abs() < 1e-9);
     let cost = v["cost_per_iteration"].as_f64().unwrap();
     assert!((cost - t * price / 3600.0).abs() < 1e-12);
@@ -68,7 +84,21 @@ fn the_oracle_agrees_on_smaller_quotas() {
 
 #[test]
 fn frontier_shows_what_a_looser_or_tighter_slo_costs() {
-    let v = json_of(&["provision", "--offers", OFFERS, "--model", MODEL, "--global-batch", "64", "--slo", "3", "--frontier", "--superset-bound", "-o", "json"]);
+    let v = json_of(&[
+        "provision",
+        "--offers",
+        OFFERS,
+        "--model",
+        MODEL,
+        "--global-batch",
+        "64",
+        "--slo",
+        "3",
+        "--frontier",
+        "--superset-bound",
+        "-o",
+        "json",
+    ]);
     let f = v["frontier"].as_array().unwrap();
     assert!(f.len() >= 2, "{f:?}");
     // Sorted by time, each faster point dearer: a Pareto frontier.
@@ -79,7 +109,19 @@ fn frontier_shows_what_a_looser_or_tighter_slo_costs() {
     // A point slower than the SLO is cheaper than the optimum: what loosening it would save.
     let cost = v["cost_per_iteration"].as_f64().unwrap();
     assert!(f.iter().any(|p| p["iteration_time_s"].as_f64().unwrap() > 3.0 && p["cost_per_iteration"].as_f64().unwrap() < cost));
-    let out = motley(&["provision", "--offers", OFFERS, "--model", MODEL, "--global-batch", "64", "--slo", "3", "--frontier", "--superset-bound"]);
+    let out = motley(&[
+        "provision",
+        "--offers",
+        OFFERS,
+        "--model",
+        MODEL,
+        "--global-batch",
+        "64",
+        "--slo",
+        "3",
+        "--frontier",
+        "--superset-bound",
+    ]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("Pareto frontier"));
 }
 
@@ -101,7 +143,10 @@ fn impossible_slo_and_small_quotas_are_explained() {
     let out = motley(&["provision", "--offers", f, "--model", MODEL, "--global-batch", "64", "--slo", "1.6"]);
     assert_eq!(out.status.code(), Some(2));
     let e = String::from_utf8_lossy(&out.stderr);
-    assert!(e.contains("--slo") && e.contains("the fastest planned") && e.contains("per iteration") && e.contains("raise --slo to at least"), "{e}");
+    assert!(
+        e.contains("--slo") && e.contains("the fastest planned") && e.contains("per iteration") && e.contains("raise --slo to at least"),
+        "{e}"
+    );
     let dir = std::env::temp_dir().join(format!("motley-provision-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let small = dir.join("small.yaml");

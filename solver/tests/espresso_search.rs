@@ -27,14 +27,25 @@ fn describe(p: &EspressoPlan) -> String {
 
 #[test]
 fn search_equals_the_oracle_and_beats_espresso() {
-    for (job, expect) in [("llama_1.3b", 0.022875407404873847f64), ("llama_3b", 0.1299039583711252), ("llama_7b", 0.4868276899089499), ("ViT", 0.008777587292506312), ("open_llama_3b_v2", 0.2019491016738102)] {
+    for (job, expect) in [
+        ("llama_1.3b", 0.022875407404873847f64),
+        ("llama_3b", 0.1299039583711252),
+        ("llama_7b", 0.4868276899089499),
+        ("ViT", 0.008777587292506312),
+        ("open_llama_3b_v2", 0.2019491016738102),
+    ] {
         let t0 = std::time::Instant::now();
         let (best, allocs, placed) = run(job, 12, false);
         let t1 = t0.elapsed();
         let (oracle, oallocs, oplaced) = run(job, 12, true);
         let b = best.unwrap();
         let o = oracle.unwrap();
-        eprintln!("{job}: search {} ({placed}/{allocs} placed, {t1:?}); oracle {} ({oplaced}/{oallocs}, {:?})", describe(&b), describe(&o), t0.elapsed() - t1);
+        eprintln!(
+            "{job}: search {} ({placed}/{allocs} placed, {t1:?}); oracle {} ({oplaced}/{oallocs}, {:?})",
+            describe(&b),
+            describe(&o),
+            t0.elapsed() - t1
+        );
         assert_eq!(b.estimate.cost.to_bits(), o.estimate.cost.to_bits(), "{job}");
         assert_eq!(b.estimate.cost.to_bits(), expect.to_bits(), "{job}: {}", describe(&b));
     }
@@ -50,7 +61,15 @@ fn brute_full(est: &motley_solver::espresso::Estimator, quotas: &[u32], max_pp: 
     for dp in (1..=per).filter(|d| per % d == 0) {
         let placer = motley_solver::espresso::Placer::new(est, &gpus, &peaks, dp);
         // Every sequence of GPU types of length 1..=max_pp within the quotas, every split.
-        fn rec(placer: &motley_solver::espresso::Placer, order: &mut Vec<usize>, left: &mut Vec<u32>, max_pp: usize, l: u32, best: &mut f64, slo: f64) {
+        fn rec(
+            placer: &motley_solver::espresso::Placer,
+            order: &mut Vec<usize>,
+            left: &mut Vec<u32>,
+            max_pp: usize,
+            l: u32,
+            best: &mut f64,
+            slo: f64,
+        ) {
             if !order.is_empty() {
                 for split in compositions(l, order.len()) {
                     let e = placer.price(order, &split);
@@ -94,7 +113,10 @@ fn compositions(total: u32, parts: usize) -> Vec<Vec<u32>> {
 
 #[test]
 fn full_space_search_equals_brute_force_and_never_loses_to_the_placer() {
-    for (job, mc) in [("jobs/this_run/llama_1.3b.json", "jobs/this_run/llama_1.3b.model_config.json"), ("jobs/this_run/ViT.json", "jobs/this_run/ViT.model_config.json")] {
+    for (job, mc) in [
+        ("jobs/this_run/llama_1.3b.json", "jobs/this_run/llama_1.3b.model_config.json"),
+        ("jobs/this_run/ViT.json", "jobs/this_run/ViT.model_config.json"),
+    ] {
         let est = estimator_for(job, mc);
         let (gpus, peaks) = placer_inputs(&est);
         let quotas = vec![2, 1, 2, 2];

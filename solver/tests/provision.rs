@@ -125,7 +125,16 @@ fn superset_bound_agrees_with_the_exact_allocation_search_on_espressos_gpus() {
     let model = Model::new(serde_norway::from_str(&mtext).unwrap(), None).unwrap();
     let profiles = ProfileSet::default();
     let opts = PlanOptions { global_batch: 64, ..PlanOptions::default() };
-    let s = Search { offers: &offers, model: &model, profiles: &profiles, opts: &opts, mode: SearchMode::Fast, slo: 100.0, monotone: false, progress: None };
+    let s = Search {
+        offers: &offers,
+        model: &model,
+        profiles: &profiles,
+        opts: &opts,
+        mode: SearchMode::Fast,
+        slo: 100.0,
+        monotone: false,
+        progress: None,
+    };
     let exact = s.branch_and_bound(|_| true, None);
     let fast = Search { monotone: true, ..s }.branch_and_bound(|_| true, None);
     let (e, f) = (exact.best.unwrap(), fast.best.unwrap());

@@ -60,7 +60,9 @@ impl Ctx<'_> {
         let flops = if l == 0 {
             0.0
         } else {
-            (72 * job.global_batch_size as i128 * l as i128 * (d.s * d.h * d.h) as i128) as f64 * (1.0 + s / (6.0 * h) + v / (12.0 * h * l as f64)) / 1e12
+            (72 * job.global_batch_size as i128 * l as i128 * (d.s * d.h * d.h) as i128) as f64
+                * (1.0 + s / (6.0 * h) + v / (12.0 * h * l as f64))
+                / 1e12
         };
         let m = job.gradient_accumulation_steps as f64;
         let p = m / (m + self.pp as f64 - 1.0) * 0.35;
@@ -148,7 +150,15 @@ pub fn replay(est: &Estimator, placer_gpus: &[EstimatorGpu], table_peaks: &[f64]
         for pp in k_lower..k_upper {
             // (a) the homogeneous allocations.
             let mut rapid: Option<(f64, Option<EspressoPlan>)> = None;
-            let ctx = Ctx { est, placer: Placer::new(est, placer_gpus, table_peaks, dp), dp, pp, min_mem: 0.0, maxfit: maxfit.clone(), table_peaks };
+            let ctx = Ctx {
+                est,
+                placer: Placer::new(est, placer_gpus, table_peaks, dp),
+                dp,
+                pp,
+                min_mem: 0.0,
+                maxfit: maxfit.clone(),
+                table_peaks,
+            };
             for (t, &quota) in quotas.iter().enumerate().take(n) {
                 if dp as usize * pp > quota as usize {
                     continue;

@@ -103,7 +103,7 @@ pub fn layer_terms(d: Dims, g: &EstimatorGpu, b: u64) -> LayerTerms {
     let bw = g.hbm_gbps * g.hbm_efficiency;
     let ffn = h * 4;
     let groups = 1.0; // n_head / kv_heads
-    // 2*h**2 + 2*h*(h*(max(kvh/1, 1)*1)/nh), kvh = nh: int + int * float.
+                      // 2*h**2 + 2*h*(h*(max(kvh/1, 1)*1)/nh), kvh = nh: int + int * float.
     let kvh = d.nh as f64;
     let p_attn = int(2 * h * h) + int(2 * h) * (hf * (kvh.max(1.0) * 1.0) / d.nh as f64);
     let p_mlp = int(2 * h * ffn);
@@ -156,7 +156,13 @@ pub fn layer_terms(d: Dims, g: &EstimatorGpu, b: u64) -> LayerTerms {
 /// logits (Espresso quirks).
 pub fn stage_memory(t: &LayerTerms, layers: u32, inflight: usize, first: bool, last: bool, fit: (f64, f64)) -> f64 {
     let l = layers as f64;
-    let emb_mem = if last { t.emb_last } else if first { t.emb_first } else { 0.0 };
+    let emb_mem = if last {
+        t.emb_last
+    } else if first {
+        t.emb_first
+    } else {
+        0.0
+    };
     let raw = t.layer_state * l + t.act_layer * l * inflight as f64 + emb_mem;
     fit.0 * raw + (fit.1 + 0.0) * GIB
 }
@@ -199,7 +205,13 @@ pub fn estimate_with(job: &Job, terms: &[LayerTerms], prices: &[f64], layers: &[
         let inflight = (pp - i).min(m);
         let memory = stage_memory(t, layers[i], inflight, first, last, fit);
         // pp == 1: the output head overwrites the input embedding's latency (Espresso quirk).
-        let emb_lat = if last { t.emb_out } else if first { t.emb_in } else { 0.0 };
+        let emb_lat = if last {
+            t.emb_out
+        } else if first {
+            t.emb_in
+        } else {
+            0.0
+        };
         let f0 = l * t.t_f + emb_lat;
         let mut ar = t.w_layer * 8.0 * l;
         if first || last {

@@ -31,9 +31,23 @@ pub fn best_split(placer: &Placer, counts: &[u32], t_cap: f64, budget: &mut u64)
     let m = est.job.gradient_accumulation_steps as f64;
     let b = est.micro_batch(placer.dp);
     let terms: Vec<LayerTerms> = est.gpus.iter().map(|g| layer_terms(est.dims, g, b)).collect();
-    let caps: Vec<Vec<u32>> = (0..counts.len()).map(|t| if counts[t] > 0 { (0..pp).map(|st| placer.cap(t, pp, st)).collect() } else { vec![] }).collect();
+    let caps: Vec<Vec<u32>> =
+        (0..counts.len()).map(|t| if counts[t] > 0 { (0..pp).map(|st| placer.cap(t, pp, st)).collect() } else { vec![] }).collect();
     let hop = |t: usize| terms[t].comm * (pp - 1) as f64 * 0.8;
-    let mut st = Dfs { placer, counts: counts.to_vec(), pp, m, terms: &terms, caps: &caps, best: None, t_cap, order: vec![], layers: vec![], prefix: 0.0, budget: *budget };
+    let mut st = Dfs {
+        placer,
+        counts: counts.to_vec(),
+        pp,
+        m,
+        terms: &terms,
+        caps: &caps,
+        best: None,
+        t_cap,
+        order: vec![],
+        layers: vec![],
+        prefix: 0.0,
+        budget: *budget,
+    };
     st.go(0, l, &hop);
     *budget = st.budget;
     st.best
@@ -65,7 +79,13 @@ impl Dfs<'_, '_> {
     fn stage_fb(&self, t: usize, i: usize, n: u32, hop: &dyn Fn(usize) -> f64) -> f64 {
         let tt = &self.terms[t];
         let (first, last) = (i == 0, i + 1 == self.pp);
-        let emb = if last { tt.emb_out } else if first { tt.emb_in } else { 0.0 };
+        let emb = if last {
+            tt.emb_out
+        } else if first {
+            tt.emb_in
+        } else {
+            0.0
+        };
         let f0 = n as f64 * tt.t_f + emb;
         f0 + hop(t) + 3.0 * f0
     }

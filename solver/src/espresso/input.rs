@@ -100,7 +100,9 @@ pub fn parse_job(text: &str, origin: &str) -> Result<Job> {
     if job.global_batch_size == 0 || !job.global_batch_size.is_multiple_of(job.gradient_accumulation_steps) {
         return bad("global_batch_size", "must be a positive multiple of gradient_accumulation_steps");
     }
-    for (f, v) in [("num_layers", job.num_layers as u64), ("n_head", job.n_head as u64), ("hidden_dim", job.hidden_dim), ("seq_len", job.seq_len)] {
+    for (f, v) in
+        [("num_layers", job.num_layers as u64), ("n_head", job.n_head as u64), ("hidden_dim", job.hidden_dim), ("seq_len", job.seq_len)]
+    {
         if v == 0 {
             return bad(f, "must be a positive integer");
         }
@@ -116,7 +118,13 @@ pub fn parse_job(text: &str, origin: &str) -> Result<Job> {
 
 pub fn parse_model_config(text: &str, origin: &str) -> Result<ModelConfig> {
     let mc: ModelConfig = parse(text, origin)?;
-    for (f, v) in [("num_layers", mc.num_layers as u64), ("n_head", mc.n_head as u64), ("hidden_dim", mc.hidden_dim), ("vocab_size", mc.vocab_size), ("max_seq_len", mc.max_seq_len)] {
+    for (f, v) in [
+        ("num_layers", mc.num_layers as u64),
+        ("n_head", mc.n_head as u64),
+        ("hidden_dim", mc.hidden_dim),
+        ("vocab_size", mc.vocab_size),
+        ("max_seq_len", mc.max_seq_len),
+    ] {
         if v == 0 {
             return Err(SolverError::invalid(format!("{origin}: {f}"), "must be a positive integer"));
         }
@@ -229,7 +237,11 @@ impl GpuTable {
         let gpus = est_gpus
             .iter()
             .zip(&self.offers)
-            .map(|(g, o)| super::EstimatorGpu { flops_efficiency: o.flops_efficiency, hbm_efficiency: o.hbm_memory_efficiency, ..g.clone() })
+            .map(|(g, o)| super::EstimatorGpu {
+                flops_efficiency: o.flops_efficiency,
+                hbm_efficiency: o.hbm_memory_efficiency,
+                ..g.clone()
+            })
             .collect();
         (gpus, self.offers.iter().map(|o| o.peak_fp16_tflops).collect())
     }

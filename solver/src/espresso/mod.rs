@@ -9,8 +9,11 @@ pub mod input;
 pub mod placer;
 pub mod search;
 
-pub use estimator::{estimate_with, Estimator, layer_terms, memory_fit, simulate_1f1b, Dims, Estimate, EstimatorGpu, LayerTerms, OOM_TIME};
 pub use allocator::{replay, AllocatorCounters, AllocatorResult};
+pub use estimator::{estimate_with, layer_terms, memory_fit, simulate_1f1b, Dims, Estimate, Estimator, EstimatorGpu, LayerTerms, OOM_TIME};
+pub use input::{
+    parse_efficiency_table, parse_gpu_table, parse_job, parse_model_config, GpuOffer, GpuSpec, GpuTable, Job, ModelConfig,
+    DEFAULT_EFFICIENCY_TABLE,
+};
 pub use placer::{Placement, Placer};
 pub use search::{EspressoPlan, Search, SearchCounters, SearchOutcome, SpaceLimits};
-pub use input::{parse_efficiency_table, parse_gpu_table, parse_job, parse_model_config, GpuOffer, GpuSpec, GpuTable, Job, ModelConfig, DEFAULT_EFFICIENCY_TABLE};

@@ -111,7 +111,11 @@ impl<'a> Search<'a> {
         let max_pp = if self.limits.max_stages == 0 { l } else { self.limits.max_stages.min(l) };
         self.dps()
             .iter()
-            .map(|&dp| (0..self.est.gpus.len()).map(|t| (self.limits.quotas.get(t).copied().unwrap_or(0) / dp).min(max_pp) as f64 + 1.0).product::<f64>())
+            .map(|&dp| {
+                (0..self.est.gpus.len())
+                    .map(|t| (self.limits.quotas.get(t).copied().unwrap_or(0) / dp).min(max_pp) as f64 + 1.0)
+                    .product::<f64>()
+            })
             .sum()
     }
 
@@ -184,7 +188,8 @@ impl<'a> Search<'a> {
         let placers: Vec<Placer> = dps.iter().map(|&d| Placer::new(self.est, self.placer_gpus, self.table_peaks, d)).collect();
         let mut cands = self.candidates(&dps);
         cands.sort_by(|a, b| a.lb_cost.total_cmp(&b.lb_cost).then(a.lb_time.total_cmp(&b.lb_time)));
-        let mut out = SearchOutcome { best: None, fastest: None, counters: SearchCounters { allocations: cands.len() as u64, ..Default::default() } };
+        let mut out =
+            SearchOutcome { best: None, fastest: None, counters: SearchCounters { allocations: cands.len() as u64, ..Default::default() } };
         for (i, c) in cands.iter().enumerate() {
             if let Some(b) = &out.best {
                 if c.lb_cost > b.estimate.cost {
@@ -230,7 +235,8 @@ impl<'a> Search<'a> {
         let dps = self.dps();
         let placers: Vec<Placer> = dps.iter().map(|&d| Placer::new(self.est, self.placer_gpus, self.table_peaks, d)).collect();
         let cands = self.candidates(&dps);
-        let mut out = SearchOutcome { best: None, fastest: None, counters: SearchCounters { allocations: cands.len() as u64, ..Default::default() } };
+        let mut out =
+            SearchOutcome { best: None, fastest: None, counters: SearchCounters { allocations: cands.len() as u64, ..Default::default() } };
         for c in &cands {
             if let Some(p) = self.place(&placers, &dps, c, &mut out.counters) {
                 self.record(&mut out, p);

@@ -60,7 +60,11 @@ impl Bounds {
         Bounds {
             node_rate,
             work: opts.global_batch as f64 * (model.layers() as f64 + head),
-            node_memory: offers.offers.iter().map(|o| o.spec.gpus_per_node as f64 * (o.gpu.memory_gib - opts.reserve_gib).max(0.0) * GIB).collect(),
+            node_memory: offers
+                .offers
+                .iter()
+                .map(|o| o.spec.gpus_per_node as f64 * (o.gpu.memory_gib - opts.reserve_gib).max(0.0) * GIB)
+                .collect(),
             state_bytes: 16.0 * model.total_params(),
         }
     }

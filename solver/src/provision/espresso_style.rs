@@ -73,7 +73,12 @@ fn split_layers(cm: &CostModel, kinds: &[StageKind], b: u32, micro_batches: u32)
     let cap: Vec<u32> = (0..p)
         .map(|i| {
             let inflight = ((p - i) as u32).min(micro_batches);
-            (0..=l).take_while(|&n| CostModel::stage_memory(&costs[i], n, i == 0, i + 1 == p, inflight, cm.opts.recompute) <= costs[i].capacity).last().unwrap_or(0)
+            (0..=l)
+                .take_while(|&n| {
+                    CostModel::stage_memory(&costs[i], n, i == 0, i + 1 == p, inflight, cm.opts.recompute) <= costs[i].capacity
+                })
+                .last()
+                .unwrap_or(0)
         })
         .collect();
     if cap.contains(&0) {

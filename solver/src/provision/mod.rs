@@ -146,7 +146,16 @@ pub struct ProvisionReport {
 
 /// Rent the cheapest allocation that meets the SLO, and lay out the report.
 pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
-    let s = Search { offers: req.offers, model: req.model, profiles: req.profiles, opts: req.opts, mode: req.mode, slo: req.slo, monotone: req.monotone, progress: req.progress };
+    let s = Search {
+        offers: req.offers,
+        model: req.model,
+        profiles: req.profiles,
+        opts: req.opts,
+        mode: req.mode,
+        slo: req.slo,
+        monotone: req.monotone,
+        progress: req.progress,
+    };
     check_memory(&s)?;
     let all = |_: &[u32]| true;
     let out = if req.exhaustive { s.exhaustive(all) } else { s.branch_and_bound(all, req.frontier_cap) };
@@ -155,7 +164,11 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
     let homogeneous = (req.compare || req.monotone)
         .then(|| {
             (0..req.offers.offers.len())
-                .filter_map(|i| Search { progress: None, ..s }.branch_and_bound(|a: &[u32]| a.iter().enumerate().all(|(j, &n)| j == i || n == 0), None).best)
+                .filter_map(|i| {
+                    Search { progress: None, ..s }
+                        .branch_and_bound(|a: &[u32]| a.iter().enumerate().all(|(j, &n)| j == i || n == 0), None)
+                        .best
+                })
                 .min_by(|a, b| a.cost_per_iteration.total_cmp(&b.cost_per_iteration))
         })
         .flatten();
@@ -164,7 +177,14 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
         best = h.clone();
     }
     let cluster = req.offers.cluster(&best.alloc)?;
-    let plan_report = plan(&PlanRequest { cluster: &cluster, model: req.model, profiles: req.profiles, opts: req.opts, mode: req.mode, exhaustive: false })?;
+    let plan_report = plan(&PlanRequest {
+        cluster: &cluster,
+        model: req.model,
+        profiles: req.profiles,
+        opts: req.opts,
+        mode: req.mode,
+        exhaustive: false,
+    })?;
     // Exact over allocations when every skip rests on a valid bound: the superset bound is
     // valid only where the planner proved its plans (the exact planner never slows down with
     // more GPUs; the fast one can).

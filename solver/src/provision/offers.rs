@@ -102,14 +102,15 @@ impl Offers {
             // Each offer as a one-instance cluster: validates its GPU, link and NICs with the
             // cluster file's messages, named by offer.
             let node = node_spec(o, &name, 1);
-            let cluster = Cluster::from_spec(&ClusterSpec { name: spec.name.clone(), nodes: vec![node], gpu_types: spec.gpu_types.clone() })
-                .map_err(|e| match e {
-                    SolverError::InvalidInput { field, message } => SolverError::invalid(
-                        field.replace("nodes[0]", &format!("offers[{i}]")).replace(".gpus", ".gpus_per_node"),
-                        message,
-                    ),
-                    other => other,
-                })?;
+            let cluster =
+                Cluster::from_spec(&ClusterSpec { name: spec.name.clone(), nodes: vec![node], gpu_types: spec.gpu_types.clone() })
+                    .map_err(|e| match e {
+                        SolverError::InvalidInput { field, message } => SolverError::invalid(
+                            field.replace("nodes[0]", &format!("offers[{i}]")).replace(".gpus", ".gpus_per_node"),
+                            message,
+                        ),
+                        other => other,
+                    })?;
             let gpu = cluster.classes[0].gpu.clone();
             offers.push(Offer { name, spec: o.clone(), gpu, max_nodes: o.quota / o.gpus_per_node });
         }
@@ -119,13 +120,7 @@ impl Offers {
 
     /// The cluster an allocation rents: `alloc[i]` instances of offer i, named `<offer>-<k>`.
     pub fn cluster(&self, alloc: &[u32]) -> Result<Cluster> {
-        let nodes = self
-            .offers
-            .iter()
-            .zip(alloc)
-            .filter(|(_, &n)| n > 0)
-            .map(|(o, &n)| node_spec(&o.spec, &o.name, n))
-            .collect();
+        let nodes = self.offers.iter().zip(alloc).filter(|(_, &n)| n > 0).map(|(o, &n)| node_spec(&o.spec, &o.name, n)).collect();
         Cluster::from_spec(&ClusterSpec { name: self.name.clone(), nodes, gpu_types: self.gpu_types.clone() })
     }
 

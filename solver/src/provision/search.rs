@@ -7,12 +7,12 @@
 //! since every later one is at least as dear. With `frontier`, allocations above the SLO are
 //! planned too (up to a cost cap) unless a planned one already dominates their bounds.
 
+use crate::baselines::{best_baseline, Baseline};
 use crate::cost::{CostModel, PlanOptions};
 use crate::model::Model;
 use crate::plan::PlanStructure;
 use crate::profile::ProfileSet;
 use crate::search::{search, SearchMode};
-use crate::baselines::{best_baseline, Baseline};
 
 use super::bound::Bounds;
 use super::offers::{Allocation, Offers};
@@ -116,7 +116,8 @@ impl<'a> Search<'a> {
         }
         let chunk = allocs.len().div_ceil(threads);
         std::thread::scope(|s| {
-            let handles: Vec<_> = allocs.chunks(chunk).map(|c| s.spawn(move || c.iter().map(|a| self.price(a)).collect::<Vec<_>>())).collect();
+            let handles: Vec<_> =
+                allocs.chunks(chunk).map(|c| s.spawn(move || c.iter().map(|a| self.price(a)).collect::<Vec<_>>())).collect();
             handles.into_iter().flat_map(|h| h.join().expect("planner thread")).collect()
         })
     }
@@ -132,7 +133,12 @@ impl<'a> Search<'a> {
             }
             if let Some(report) = self.progress {
                 let done = (k * 64 + chunk.len()) as u64;
-                report(&Progress { visited: done, total: allocs.len() as u64, planned: done, best_cost: out.best.as_ref().map(|b| b.cost_per_iteration) });
+                report(&Progress {
+                    visited: done,
+                    total: allocs.len() as u64,
+                    planned: done,
+                    best_cost: out.best.as_ref().map(|b| b.cost_per_iteration),
+                });
             }
         }
         out.counters.planned = allocs.len() as u64;

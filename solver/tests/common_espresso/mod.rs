@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use motley_solver::espresso::{parse_efficiency_table, parse_gpu_table, parse_job, parse_model_config, Estimator, EstimatorGpu, GpuTable, ModelConfig};
+use motley_solver::espresso::{
+    parse_efficiency_table, parse_gpu_table, parse_job, parse_model_config, Estimator, EstimatorGpu, GpuTable, ModelConfig,
+};
 
 pub fn data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/espresso")
@@ -48,7 +50,10 @@ pub fn estimator_for(job_file: &str, config_file: &str) -> Estimator {
     let eff = parse_efficiency_table(&read(&data().join("gpu/portal_gpu_efficiency.json")), "eff").unwrap();
     let gpus = table.estimator_gpus(&eff, "gpus").unwrap();
     let job = parse_job(&read(&data().join(job_file)), job_file).unwrap();
-    let mc = if config_file == "-" { config_by_name(&job.model_name) } else { parse_model_config(&read(&data().join(config_file)), config_file).unwrap() };
+    let mc = if config_file == "-" {
+        config_by_name(&job.model_name)
+    } else {
+        parse_model_config(&read(&data().join(config_file)), config_file).unwrap()
+    };
     Estimator::new(job, &mc, gpus).unwrap()
 }
-
