@@ -11,7 +11,7 @@ use motley_solver::espresso::{
 };
 use serde_json::{json, Value};
 
-use crate::inputs::InputError;
+use crate::inputs::{InputError, Output};
 
 #[derive(Args)]
 pub struct EspressoArgs {
@@ -25,12 +25,6 @@ pub enum EspressoCommand {
     Eval(EvalArgs),
     /// The cheapest plan meeting the job's SLO, under Espresso's estimator.
     Search(SearchArgs),
-}
-
-#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
-pub enum Output {
-    Table,
-    Json,
 }
 
 /// Espresso's inputs, as its files are.

@@ -5,6 +5,31 @@ use std::path::Path;
 
 use motley_solver::{model, ClusterSpec, ModelSpec, ProfileSet, SolverError};
 
+/// `-o table|json`: tables for people, JSON for scripts (every command).
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+/// `--search auto|exact|fast`: the planner's mode.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    Auto,
+    Exact,
+    Fast,
+}
+
+impl From<Mode> for motley_solver::SearchMode {
+    fn from(m: Mode) -> Self {
+        match m {
+            Mode::Auto => motley_solver::SearchMode::Auto,
+            Mode::Exact => motley_solver::SearchMode::Exact,
+            Mode::Fast => motley_solver::SearchMode::Fast,
+        }
+    }
+}
+
 /// A problem with what the user gave us: printed on one line, exit code 2.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]

@@ -4,10 +4,10 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use motley_solver::{PlanOptions, PlanRequest, SearchMode, SolverError};
 
-use motley::inputs::{self, InputError};
+use motley::inputs::{self, InputError, Mode, Output};
 use motley::table;
 
 #[derive(Parser)]
@@ -27,19 +27,6 @@ enum Command {
     Espresso(motley::espresso::EspressoArgs),
     /// Which GPUs to rent, and how many, to meet an iteration-time SLO for the least money.
     Provision(motley::provision::ProvisionArgs),
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Output {
-    Table,
-    Json,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Mode {
-    Auto,
-    Exact,
-    Fast,
 }
 
 #[derive(clap::Args)]
@@ -178,11 +165,7 @@ fn run_plan(a: PlanArgs) -> Result<String, InputError> {
         max_stages: a.max_stages,
         tp: a.tp,
     };
-    let mode = match a.search {
-        Mode::Auto => SearchMode::Auto,
-        Mode::Exact => SearchMode::Exact,
-        Mode::Fast => SearchMode::Fast,
-    };
+    let mode: SearchMode = a.search.into();
     let req = PlanRequest { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts, mode, exhaustive: a.exhaustive };
     let report = motley_solver::plan(&req).map_err(|e| match e {
         SolverError::DoesNotFit(m) => InputError(format!("{}: model does not fit: {m}", a.cluster.display())),

@@ -8,6 +8,7 @@ use motley_solver::metis::{self, MetisCluster, MetisModel, MetisPlan, MetisProfi
 use serde_json::json;
 
 use crate::inputs::InputError;
+pub use crate::inputs::Output;
 
 #[derive(Args)]
 pub struct MetisArgs {
@@ -21,12 +22,6 @@ pub enum MetisCommand {
     Eval(EvalArgs),
     /// Find the cheapest plan of Metis's space or of its union with Motley's.
     Search(SearchArgs),
-}
-
-#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
-pub enum Output {
-    Table,
-    Json,
 }
 
 /// The inputs every `motley metis` command reads, named as Metis names them.

@@ -3,25 +3,12 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, ValueEnum};
+use clap::Args;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
-use motley_solver::provision::{self, Offers, OffersSpec, PricedReport, ProvisionReport, ProvisionRequest};
-use motley_solver::{PlanOptions, SearchMode, SolverError};
+use motley_solver::provision::{self, AllocationLine, Offers, OffersSpec, ProvisionReport, ProvisionRequest, Search};
+use motley_solver::{PlanOptions, SolverError};
 
-use crate::inputs::{self, in_file, InputError};
-
-#[derive(Clone, Copy, ValueEnum)]
-pub enum Output {
-    Table,
-    Json,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-pub enum Planner {
-    Auto,
-    Exact,
-    Fast,
-}
+use crate::inputs::{self, in_file, InputError, Mode, Output};
 
 #[derive(Args)]
 pub struct ProvisionArgs {
@@ -61,14 +48,15 @@ pub struct ProvisionArgs {
     pub frontier: bool,
     #[arg(long, default_value_t = 2.0, requires = "frontier")]
     pub frontier_cap: f64,
-    /// Also bound an allocation's time by the time planned on a larger one: 5-150x faster,
+    /// Also bound an allocation's time by the time planned on a larger one: 10-160x less CPU on
+    /// Espresso's GPUs (BENCHMARKS.md),
     /// but it assumes more GPUs never slow the planner down, which the exact planner
     /// guarantees and the fast one does not, so the answer is then the best found.
     #[arg(long)]
     pub superset_bound: bool,
     /// The planner's mode on each allocation.
-    #[arg(long, value_enum, default_value_t = Planner::Fast)]
-    pub search: Planner,
+    #[arg(long, value_enum, default_value_t = Mode::Fast)]
+    pub search: Mode,
     /// Full activation recomputation.
     #[arg(long)]
     pub recompute: bool,
@@ -130,23 +118,22 @@ pub fn run(a: ProvisionArgs) -> Result<String, InputError> {
     };
     let progress = Progress::new();
     let report = |p: &provision::Progress| progress.update(p);
-    let req = ProvisionRequest {
+    let search = Search {
         offers: &offers,
         model: &model,
         profiles: &profiles,
         opts: &opts,
-        mode: match a.search {
-            Planner::Auto => SearchMode::Auto,
-            Planner::Exact => SearchMode::Exact,
-            Planner::Fast => SearchMode::Fast,
-        },
+        mode: a.search.into(),
         slo: a.slo,
+        monotone: a.superset_bound,
+        progress: Some(&report),
+    };
+    let req = ProvisionRequest {
+        search,
         iterations: a.iterations,
         exhaustive: a.exhaustive,
         compare: a.compare,
         frontier_cap: a.frontier.then_some(a.frontier_cap),
-        monotone: a.superset_bound,
-        progress: Some(&report),
     };
     let result = provision::provision(&req);
     progress.finish();
@@ -207,13 +194,14 @@ impl Progress {
     }
 }
 
-fn alloc_text(p: &PricedReport) -> String {
-    p.allocation.iter().map(|l| format!("{} x {}", l.gpus, l.offer)).collect::<Vec<_>>().join(" + ")
+/// "4 x A30 + 2 x A6000".
+fn alloc_text(lines: &[AllocationLine]) -> String {
+    lines.iter().map(|l| format!("{} x {}", l.gpus, l.offer)).collect::<Vec<_>>().join(" + ")
 }
 
 fn render(r: &ProvisionReport) -> String {
     let mut out = String::new();
-    let alloc = r.allocation.iter().map(|l| format!("{} x {}", l.gpus, l.offer)).collect::<Vec<_>>().join(" + ");
+    let alloc = alloc_text(&r.allocation);
     out.push_str(&format!(
         "Rent {alloc} ({} GPUs, ${:.2}/h) for {}: {:.3} s per iteration (SLO {} s), ${:.6} per iteration, ${:.2} for {} iteration(s) ({:.2} h)\n",
         r.gpus, r.price_per_hour, r.model, r.iteration_time_s, r.slo_s, r.cost_per_iteration, r.total_cost, r.iterations, r.total_hours
@@ -247,7 +235,7 @@ fn render(r: &ProvisionReport) -> String {
             match p {
                 Some(p) => t.add_row(vec![
                     name.to_string(),
-                    alloc_text(p),
+                    alloc_text(&p.allocation),
                     format!("{:.3}", p.iteration_time_s),
                     format!("{:.6}", p.cost_per_iteration),
                     if p.meets_slo { format!("{:.1}%", p.savings_vs_this.unwrap_or(0.0) * 100.0) } else { "misses the SLO".into() },
@@ -264,7 +252,7 @@ fn render(r: &ProvisionReport) -> String {
         t.set_header(vec!["allocation", "GPUs", "s / iteration", "$ / iteration", "meets SLO"]);
         for p in f {
             t.add_row(vec![
-                alloc_text(p),
+                alloc_text(&p.allocation),
                 p.gpus.to_string(),
                 format!("{:.3}", p.iteration_time_s),
                 format!("{:.6}", p.cost_per_iteration),

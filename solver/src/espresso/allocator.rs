@@ -11,7 +11,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use super::estimator::{layer_terms, stage_memory, Estimator, EstimatorGpu, OOM_TIME};
+use super::estimator::{stage_memory, Estimator, EstimatorGpu, OOM_TIME};
 use super::placer::Placer;
 use super::search::EspressoPlan;
 
@@ -38,24 +38,26 @@ pub struct AllocatorResult {
 const GIB: f64 = 1073741824.0;
 
 struct Ctx<'a> {
-    est: &'a Estimator,
-    placer: Placer<'a>,
-    dp: u32,
+    placer: &'a Placer<'a>,
     pp: usize,
     min_mem: f64,
-    maxfit: Vec<i64>,
+    maxfit: &'a [i64],
     table_peaks: &'a [f64],
 }
 
 impl Ctx<'_> {
+    fn dp(&self) -> u32 {
+        self.placer.dp
+    }
+
     /// `minCostEstimator`: (cost bound, time bound); (inf, inf) when the allocation's memory
     /// is below the whole job's.
     fn bound(&self, cfg: &[usize], full_layers: bool) -> (f64, f64) {
-        let job = &self.est.job;
-        let d = self.est.dims;
+        let job = &self.placer.est.job;
+        let d = self.placer.est.dims;
         let l: i64 = if full_layers { self.placer.layers as i64 } else { cfg.iter().map(|&g| self.maxfit[g]).sum() };
-        let price: f64 = cfg.iter().map(|&g| self.est.gpus[g].price).sum::<f64>() / 3600.0;
-        let r: f64 = cfg.iter().map(|&g| self.table_peaks[g] * self.dp as f64).sum();
+        let price: f64 = cfg.iter().map(|&g| self.placer.est.gpus[g].price).sum::<f64>() / 3600.0;
+        let r: f64 = cfg.iter().map(|&g| self.table_peaks[g] * self.dp() as f64).sum();
         let (s, h, v) = (d.s as f64, d.h as f64, d.v as f64);
         let flops = if l == 0 {
             0.0
@@ -67,7 +69,7 @@ impl Ctx<'_> {
         let m = job.gradient_accumulation_steps as f64;
         let p = m / (m + self.pp as f64 - 1.0) * 0.35;
         let tmin = flops / (p * r);
-        let mem: f64 = cfg.iter().map(|&g| self.est.gpus[g].memory_gb * self.dp as f64).sum();
+        let mem: f64 = cfg.iter().map(|&g| self.placer.est.gpus[g].memory_gb * self.dp() as f64).sum();
         if mem < self.min_mem {
             return (f64::INFINITY, f64::INFINITY);
         }
@@ -80,17 +82,17 @@ impl Ctx<'_> {
 
     fn call_mapper(&self, cfg: &[usize], counts: &mut AllocatorCounters) -> (f64, Option<EspressoPlan>) {
         counts.placed += 1;
-        let mut c = vec![0u32; self.est.gpus.len()];
+        let mut c = vec![0u32; self.placer.est.gpus.len()];
         for &g in cfg {
             c[g] += 1;
         }
         let mut money = 0.0;
         for &g in cfg {
-            money += self.est.gpus[g].price * self.dp as f64 * 1.0;
+            money += self.placer.est.gpus[g].price * self.dp() as f64 * 1.0;
         }
         match self.placer.place(&c) {
             Some(p) => {
-                let plan = EspressoPlan { dp: self.dp, counts: c, order: p.order, layers: p.layers, estimate: p.estimate };
+                let plan = EspressoPlan { dp: self.dp(), counts: c, order: p.order, layers: p.layers, estimate: p.estimate };
                 (plan.estimate.cost, Some(plan))
             }
             None => (money * OOM_TIME / 3600.0, None),
@@ -128,9 +130,7 @@ pub fn replay(est: &Estimator, placer_gpus: &[EstimatorGpu], table_peaks: &[f64]
         let fits_uniform = |k: usize| (0..n).any(|t| placer.price(&vec![t; k], &uniform(l, k)).fits);
         let k_lower = (1..=8).find(|&k| fits_uniform(k)).unwrap_or(9);
         let k_upper = (1..=8).rev().find(|&k| fits_uniform(k)).unwrap_or(8);
-        let b = est.micro_batch(dp);
-        let terms: Vec<_> = placer_gpus.iter().map(|g| layer_terms(est.dims, g, b)).collect();
-        let fit = super::estimator::memory_fit(&job.model_name, est.dims.s, b);
+        let (terms, fit) = (&placer.est_terms, placer.fit);
         // Most layers a GPU holds as a first stage with one micro-batch, within 80% of memory.
         let maxfit: Vec<i64> = (0..n)
             .map(|g| {
@@ -150,15 +150,7 @@ pub fn replay(est: &Estimator, placer_gpus: &[EstimatorGpu], table_peaks: &[f64]
         for pp in k_lower..k_upper {
             // (a) the homogeneous allocations.
             let mut rapid: Option<(f64, Option<EspressoPlan>)> = None;
-            let ctx = Ctx {
-                est,
-                placer: Placer::new(est, placer_gpus, table_peaks, dp),
-                dp,
-                pp,
-                min_mem: 0.0,
-                maxfit: maxfit.clone(),
-                table_peaks,
-            };
+            let ctx = Ctx { placer: &placer, pp, min_mem: 0.0, maxfit: &maxfit, table_peaks };
             for (t, &quota) in quotas.iter().enumerate().take(n) {
                 if dp as usize * pp > quota as usize {
                     continue;

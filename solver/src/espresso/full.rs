@@ -15,7 +15,7 @@
 //! cost bound as `search.rs`, starting from the placer space's optimum. A node budget
 //! bounds the work; when it runs out the result is the best found (`budget_cut`).
 
-use super::estimator::{layer_terms, Estimate, LayerTerms};
+use super::estimator::{Estimate, LayerTerms};
 use super::placer::Placer;
 use super::search::{EspressoPlan, Search, SearchCounters, SearchOutcome};
 
@@ -29,8 +29,7 @@ pub fn best_split(placer: &Placer, counts: &[u32], t_cap: f64, budget: &mut u64)
         return None;
     }
     let m = est.job.gradient_accumulation_steps as f64;
-    let b = est.micro_batch(placer.dp);
-    let terms: Vec<LayerTerms> = est.gpus.iter().map(|g| layer_terms(est.dims, g, b)).collect();
+    let terms = &placer.est_terms;
     let caps: Vec<Vec<u32>> =
         (0..counts.len()).map(|t| if counts[t] > 0 { (0..pp).map(|st| placer.cap(t, pp, st)).collect() } else { vec![] }).collect();
     let hop = |t: usize| terms[t].comm * (pp - 1) as f64 * 0.8;
@@ -39,7 +38,7 @@ pub fn best_split(placer: &Placer, counts: &[u32], t_cap: f64, budget: &mut u64)
         counts: counts.to_vec(),
         pp,
         m,
-        terms: &terms,
+        terms,
         caps: &caps,
         best: None,
         t_cap,
@@ -158,9 +157,8 @@ impl Search<'_> {
     /// The cheapest plan with any stage order and layer split (see the module doc).
     pub fn run_full(&self) -> SearchOutcome {
         let seed = self.run();
-        let dps = self.dps();
-        let placers: Vec<Placer> = dps.iter().map(|&d| Placer::new(self.est, self.placer_gpus, self.table_peaks, d)).collect();
-        let mut cands = self.candidates(&dps);
+        let placers = self.placers();
+        let mut cands = self.candidates(&placers);
         cands.sort_by(|a, b| a.lb_cost.total_cmp(&b.lb_cost).then(a.lb_time.total_cmp(&b.lb_time)));
         let mut out = SearchOutcome {
             best: seed.best.clone(),
@@ -179,7 +177,7 @@ impl Search<'_> {
                 out.counters.time_pruned += 1;
                 continue;
             }
-            let dp = dps[*di];
+            let dp = placers[*di].dp;
             let money: f64 = counts.iter().enumerate().map(|(t, &c)| c as f64 * self.est.gpus[t].price * dp as f64).sum();
             let t_cap = out.best.as_ref().map_or(slo, |b| slo.min(b.estimate.cost * 3600.0 / money * (1.0 + 1e-12)));
             out.counters.placed += 1;

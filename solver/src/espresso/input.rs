@@ -132,6 +132,14 @@ pub fn parse_model_config(text: &str, origin: &str) -> Result<ModelConfig> {
     Ok(mc)
 }
 
+/// Field `k` of GPU entry `name`: a positive number, or an error naming `name.k`.
+fn positive(v: &serde_json::Value, origin: &str, name: &str, k: &str) -> Result<f64> {
+    v.get(k)
+        .and_then(serde_json::Value::as_f64)
+        .filter(|x| x.is_finite() && *x > 0.0)
+        .ok_or_else(|| SolverError::invalid(format!("{origin}: {name}.{k}"), "must be a positive number"))
+}
+
 /// `espresso_gpu_config.json` plus, for every GPU it lists, `<name>.json` from the hardware
 /// spec directory (`specs` maps file names to contents).
 pub fn parse_gpu_table(text: &str, origin: &str, specs: &BTreeMap<String, String>) -> Result<GpuTable> {
@@ -139,12 +147,7 @@ pub fn parse_gpu_table(text: &str, origin: &str, specs: &BTreeMap<String, String
     let raw: OrderedEntries = parse(text, origin)?;
     let mut t = GpuTable { names: vec![], offers: vec![], specs: vec![] };
     for (name, v) in raw.0 {
-        let o = |k: &str| {
-            v.get(k)
-                .and_then(serde_json::Value::as_f64)
-                .filter(|x| x.is_finite() && *x > 0.0)
-                .ok_or_else(|| SolverError::invalid(format!("{origin}: {name}.{k}"), "must be a positive number"))
-        };
+        let o = |k: &str| positive(&v, origin, &name, k);
         let offer = GpuOffer {
             flops_efficiency: o("flops_efficiency")?,
             hbm_memory_efficiency: o("hbm_memory_efficiency")?,
@@ -185,12 +188,7 @@ pub fn parse_efficiency_table(text: &str, origin: &str) -> Result<BTreeMap<Strin
     let raw: OrderedEntries = parse(text, origin)?;
     let mut out = BTreeMap::new();
     for (name, v) in raw.0 {
-        let o = |k: &str| {
-            v.get(k)
-                .and_then(serde_json::Value::as_f64)
-                .filter(|x| x.is_finite() && *x > 0.0)
-                .ok_or_else(|| SolverError::invalid(format!("{origin}: {name}.{k}"), "must be a positive number"))
-        };
+        let o = |k: &str| positive(&v, origin, &name, k);
         out.insert(name.clone(), (o("flops_efficiency")?, o("hbm_memory_efficiency")?));
     }
     Ok(out)

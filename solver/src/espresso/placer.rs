@@ -30,11 +30,11 @@ pub struct Placer<'a> {
     /// The GPU table's peaks (flop shares) and the placer's efficiencies, per GPU type.
     table_peaks: Vec<f64>,
     /// Estimator terms (pricing) and placer terms (compute tables), per GPU type.
-    est_terms: Vec<LayerTerms>,
+    pub(crate) est_terms: Vec<LayerTerms>,
     comp: Vec<Vec<f64>>,
     ar_mid: Vec<f64>,
     ar_first: Vec<f64>,
-    fit: (f64, f64),
+    pub(crate) fit: (f64, f64),
 }
 
 /// One placement: stage order (GPU indices), layers per stage, and its price.

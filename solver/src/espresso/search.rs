@@ -16,7 +16,7 @@
 //! bound exceeds the best cost found, and skips allocations whose time bound misses the SLO.
 //! `exhaustive` places every allocation of the space (the oracle the tests compare with).
 
-use super::estimator::{layer_terms, Estimate, Estimator, EstimatorGpu};
+use super::estimator::{Estimate, Estimator, EstimatorGpu};
 use super::placer::Placer;
 
 /// Search settings.
@@ -119,16 +119,20 @@ impl<'a> Search<'a> {
             .sum()
     }
 
-    /// Every allocation of the space with its bounds.
-    pub(crate) fn candidates(&self, dps: &[u32]) -> Vec<Candidate> {
+    /// One placer (tables at that dp's micro-batch) per dp of the space.
+    pub(crate) fn placers(&self) -> Vec<Placer<'a>> {
+        self.dps().into_iter().map(|d| Placer::new(self.est, self.placer_gpus, self.table_peaks, d)).collect()
+    }
+
+    /// Every allocation of the space with its bounds, one dp per placer.
+    pub(crate) fn candidates(&self, placers: &[Placer]) -> Vec<Candidate> {
         let l = self.layers();
         let max_pp = if self.limits.max_stages == 0 { l } else { self.limits.max_stages.min(l) };
         let m = self.est.job.gradient_accumulation_steps as f64;
         let n = self.est.gpus.len();
         let mut out = vec![];
-        for (di, &dp) in dps.iter().enumerate() {
-            let b = self.est.micro_batch(dp);
-            let terms: Vec<_> = self.est.gpus.iter().map(|g| layer_terms(self.est.dims, g, b)).collect();
+        for (di, placer) in placers.iter().enumerate() {
+            let (dp, terms) = (placer.dp, &placer.est_terms);
             let max: Vec<u32> = (0..n).map(|t| (self.limits.quotas.get(t).copied().unwrap_or(0) / dp).min(max_pp)).collect();
             let mut counts = vec![0u32; n];
             loop {
@@ -164,10 +168,10 @@ impl<'a> Search<'a> {
         out
     }
 
-    fn place(&self, placers: &[Placer], dps: &[u32], c: &Candidate, counters: &mut SearchCounters) -> Option<EspressoPlan> {
+    fn place(&self, placers: &[Placer], c: &Candidate, counters: &mut SearchCounters) -> Option<EspressoPlan> {
         counters.placed += 1;
         let p = placers[c.dp_index].place(&c.counts)?;
-        Some(EspressoPlan { dp: dps[c.dp_index], counts: c.counts.clone(), order: p.order, layers: p.layers, estimate: p.estimate })
+        Some(EspressoPlan { dp: placers[c.dp_index].dp, counts: c.counts.clone(), order: p.order, layers: p.layers, estimate: p.estimate })
     }
 
     fn record(&self, out: &mut SearchOutcome, p: EspressoPlan) {
@@ -184,9 +188,8 @@ impl<'a> Search<'a> {
 
     /// Best-first branch and bound (see the module doc).
     pub fn run(&self) -> SearchOutcome {
-        let dps = self.dps();
-        let placers: Vec<Placer> = dps.iter().map(|&d| Placer::new(self.est, self.placer_gpus, self.table_peaks, d)).collect();
-        let mut cands = self.candidates(&dps);
+        let placers = self.placers();
+        let mut cands = self.candidates(&placers);
         cands.sort_by(|a, b| a.lb_cost.total_cmp(&b.lb_cost).then(a.lb_time.total_cmp(&b.lb_time)));
         let mut out =
             SearchOutcome { best: None, fastest: None, counters: SearchCounters { allocations: cands.len() as u64, ..Default::default() } };
@@ -201,7 +204,7 @@ impl<'a> Search<'a> {
                 out.counters.time_pruned += 1;
                 continue;
             }
-            if let Some(p) = self.place(&placers, &dps, c, &mut out.counters) {
+            if let Some(p) = self.place(&placers, c, &mut out.counters) {
                 self.record(&mut out, p);
             }
         }
@@ -211,9 +214,8 @@ impl<'a> Search<'a> {
     /// The fastest plan of the space, SLO or not (what "no plan meets the SLO" reports): the
     /// same bound, on time.
     pub fn fastest(&self) -> Option<EspressoPlan> {
-        let dps = self.dps();
-        let placers: Vec<Placer> = dps.iter().map(|&d| Placer::new(self.est, self.placer_gpus, self.table_peaks, d)).collect();
-        let mut cands = self.candidates(&dps);
+        let placers = self.placers();
+        let mut cands = self.candidates(&placers);
         cands.sort_by(|a, b| a.lb_time.total_cmp(&b.lb_time).then(a.lb_cost.total_cmp(&b.lb_cost)));
         let mut counters = SearchCounters::default();
         let mut fastest: Option<EspressoPlan> = None;
@@ -221,7 +223,7 @@ impl<'a> Search<'a> {
             if fastest.as_ref().is_some_and(|f| c.lb_time > f.estimate.iteration_time) {
                 break;
             }
-            if let Some(p) = self.place(&placers, &dps, c, &mut counters) {
+            if let Some(p) = self.place(&placers, c, &mut counters) {
                 if p.estimate.fits && fastest.as_ref().is_none_or(|f| p.estimate.iteration_time < f.estimate.iteration_time) {
                     fastest = Some(p);
                 }
@@ -232,13 +234,12 @@ impl<'a> Search<'a> {
 
     /// Place and price every allocation of the space.
     pub fn exhaustive(&self) -> SearchOutcome {
-        let dps = self.dps();
-        let placers: Vec<Placer> = dps.iter().map(|&d| Placer::new(self.est, self.placer_gpus, self.table_peaks, d)).collect();
-        let cands = self.candidates(&dps);
+        let placers = self.placers();
+        let cands = self.candidates(&placers);
         let mut out =
             SearchOutcome { best: None, fastest: None, counters: SearchCounters { allocations: cands.len() as u64, ..Default::default() } };
         for c in &cands {
-            if let Some(p) = self.place(&placers, &dps, c, &mut out.counters) {
+            if let Some(p) = self.place(&placers, c, &mut out.counters) {
                 self.record(&mut out, p);
             }
         }

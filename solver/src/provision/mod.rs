@@ -35,36 +35,21 @@ pub mod search;
 
 use serde::Serialize;
 
-use crate::cost::PlanOptions;
 use crate::error::{Result, SolverError};
-use crate::model::Model;
-use crate::profile::ProfileSet;
 use crate::report::{plan, PlanReport, PlanRequest};
-use crate::search::SearchMode;
 
 pub use offers::{Allocation, Offer, OfferSpec, Offers, OffersSpec};
 pub use search::{Counters, Outcome, Priced, Progress, Search};
 
-/// Inputs of one provisioning run.
+/// Inputs of one provisioning run: the search (offers, model, planner, SLO, bounds) and what
+/// to report around it.
 pub struct ProvisionRequest<'a> {
-    pub offers: &'a Offers,
-    pub model: &'a Model,
-    pub profiles: &'a ProfileSet,
-    pub opts: &'a PlanOptions,
-    /// The planner's mode on each allocation.
-    pub mode: SearchMode,
-    /// Seconds per iteration the plan must meet.
-    pub slo: f64,
+    pub search: Search<'a>,
     pub iterations: u64,
     pub exhaustive: bool,
     pub compare: bool,
     /// Frontier up to this multiple of the optimum's cost (None: no frontier).
     pub frontier_cap: Option<f64>,
-    /// Also prune with the superset bound (assumes the planner never slows down with more
-    /// GPUs: true of the exact planner, not always of the fast one).
-    pub monotone: bool,
-    /// Progress reports of the main search.
-    pub progress: Option<&'a (dyn Fn(&search::Progress) + Sync)>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -146,24 +131,15 @@ pub struct ProvisionReport {
 
 /// Rent the cheapest allocation that meets the SLO, and lay out the report.
 pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
-    let s = Search {
-        offers: req.offers,
-        model: req.model,
-        profiles: req.profiles,
-        opts: req.opts,
-        mode: req.mode,
-        slo: req.slo,
-        monotone: req.monotone,
-        progress: req.progress,
-    };
+    let s = req.search;
     check_memory(&s)?;
     let all = |_: &[u32]| true;
     let out = if req.exhaustive { s.exhaustive(all) } else { s.branch_and_bound(all, req.frontier_cap) };
     // The best single-offer allocation (Sia-style): compared with, and, since the superset
     // bound can cut the optimum on a fast planner, a floor the answer never goes above.
-    let homogeneous = (req.compare || req.monotone)
+    let homogeneous = (req.compare || s.monotone)
         .then(|| {
-            (0..req.offers.offers.len())
+            (0..s.offers.offers.len())
                 .filter_map(|i| {
                     Search { progress: None, ..s }
                         .branch_and_bound(|a: &[u32]| a.iter().enumerate().all(|(j, &n)| j == i || n == 0), None)
@@ -176,37 +152,31 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
     if let Some(h) = homogeneous.as_ref().filter(|h| h.cost_per_iteration < best.cost_per_iteration) {
         best = h.clone();
     }
-    let cluster = req.offers.cluster(&best.alloc)?;
-    let plan_report = plan(&PlanRequest {
-        cluster: &cluster,
-        model: req.model,
-        profiles: req.profiles,
-        opts: req.opts,
-        mode: req.mode,
-        exhaustive: false,
-    })?;
+    let cluster = s.offers.cluster(&best.alloc)?;
+    let plan_report =
+        plan(&PlanRequest { cluster: &cluster, model: s.model, profiles: s.profiles, opts: s.opts, mode: s.mode, exhaustive: false })?;
     // Exact over allocations when every skip rests on a valid bound: the superset bound is
     // valid only where the planner proved its plans (the exact planner never slows down with
     // more GPUs; the fast one can).
     let c = &out.counters;
-    let allocation_exact = req.exhaustive || !req.monotone || c.unproven == 0;
+    let allocation_exact = req.exhaustive || !s.monotone || c.unproven == 0;
     let proven = allocation_exact && c.unproven == 0 && plan_report.search.proven_optimal;
     let compare = req.compare.then(|| {
         let espresso = espresso_style::best_on(&s, &best.alloc);
         Comparison {
-            homogeneous: homogeneous.as_ref().map(|h| priced_report(req.offers, req.slo, h, Some(&best))),
-            espresso_placement: espresso.map(|e| priced_report(req.offers, req.slo, &e, Some(&best))),
+            homogeneous: homogeneous.as_ref().map(|h| priced_report(s.offers, s.slo, h, Some(&best))),
+            espresso_placement: espresso.map(|e| priced_report(s.offers, s.slo, &e, Some(&best))),
         }
     });
-    let frontier = req.frontier_cap.map(|_| out.frontier.iter().map(|p| priced_report(req.offers, req.slo, p, None)).collect());
+    let frontier = req.frontier_cap.map(|_| out.frontier.iter().map(|p| priced_report(s.offers, s.slo, p, None)).collect());
     Ok(ProvisionReport {
-        offers: req.offers.name.clone(),
-        model: req.model.spec.name.clone(),
-        global_batch: req.opts.global_batch,
-        slo_s: req.slo,
+        offers: s.offers.name.clone(),
+        model: s.model.spec.name.clone(),
+        global_batch: s.opts.global_batch,
+        slo_s: s.slo,
         iterations: req.iterations,
-        allocation: lines(req.offers, &best.alloc),
-        gpus: req.offers.gpus(&best.alloc),
+        allocation: lines(s.offers, &best.alloc),
+        gpus: s.offers.gpus(&best.alloc),
         price_per_hour: best.price_per_hour,
         iteration_time_s: best.iteration_time,
         cost_per_iteration: best.cost_per_iteration,
@@ -215,14 +185,14 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
         plan: plan_report,
         search: ProvisionSearchReport {
             method: if req.exhaustive { "exhaustive" } else { "branch-and-bound" }.into(),
-            planner: format!("{:?}", req.mode).to_lowercase(),
+            planner: format!("{:?}", s.mode).to_lowercase(),
             allocations: c.allocations,
             planned: c.planned,
             memory_pruned: c.memory_pruned,
             time_pruned: c.time_pruned,
             cost_pruned: c.cost_pruned,
             superset_pruned: c.superset_pruned,
-            monotone_bound: req.monotone,
+            monotone_bound: s.monotone,
             allocation_search_exact: allocation_exact,
             plans_unproven: c.unproven,
             proven_optimal: proven,
