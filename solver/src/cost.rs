@@ -75,14 +75,25 @@ pub struct LayerCost {
 }
 
 /// What the iteration time of a replica depends on outside the replica itself: how many
-/// replicas share each gradient ring, and the slowest link those rings cross.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// replicas share each gradient ring, and which links those rings cross.
+#[derive(Debug, Clone, PartialEq)]
 pub struct SyncContext {
     pub replicas: u32,
-    /// GB/s of the slowest link a cross-replica gradient ring crosses.
-    pub ring_bw: f64,
-    /// True when that link is inside one node (the NIC is not shared by TP shards).
-    pub ring_intra: bool,
+    pub rings: Rings,
+}
+
+/// Which links the gradient rings of a plan cross.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Rings {
+    /// A uniform plan (every replica the same stages with the same layers): the ring of a
+    /// layer holds the stage holding it in every replica, so it stays inside that stage's node
+    /// class and crosses only that class's links (Holmes: one NIC kind per DP group, whatever
+    /// the pipeline crosses). `gpus[c]` counts the plan's GPUs of class c: a ring stays inside
+    /// one node when they fit in one.
+    PerStage { gpus: Vec<u32> },
+    /// Replicas differ: a layer's ring may join any classes the plan uses, so every ring is
+    /// priced on the slowest link between them (GB/s) — over Ethernet when they mix IB and RoCE.
+    Shared { bw: f64, intra: bool },
 }
 
 pub struct CostModel<'a> {
@@ -228,20 +239,26 @@ impl<'a> CostModel<'a> {
             return 0.0;
         }
         let grad_bytes = 2.0 * params; // fp16 gradients, whole layer: tp shard rings run side by side
-        let (bw, shards_share_link) = if ctx.replicas == 1 {
-            let class = &self.cluster.classes[k.class];
-            if k.dp * k.tp <= class.gpus_per_node {
-                (self.cluster.intra_bw(k.class), false)
-            } else {
-                (self.cluster.inter_bw(k.class, k.class), true)
-            }
-        } else {
-            (ctx.ring_bw, !ctx.ring_intra)
-        };
+        let (bw, shards_share_link) = self.ring_link(ctx, k);
         let bytes_on_link = if shards_share_link { grad_bytes } else { grad_bytes / k.tp as f64 };
         2.0 * (n - 1.0) / n * bytes_on_link / (bw * 1e9)
     }
 
+    /// GB/s of the slowest link the gradient ring of a stage of kind `k` crosses, and whether
+    /// that link is a NIC the stage's TP shards share (false inside a node).
+    pub fn ring_link(&self, ctx: &SyncContext, k: StageKind) -> (f64, bool) {
+        match &ctx.rings {
+            Rings::PerStage { gpus } => {
+                let gpn = self.cluster.classes[k.class].gpus_per_node;
+                if (ctx.replicas == 1 && k.dp * k.tp <= gpn) || gpus[k.class] <= gpn {
+                    (self.cluster.intra_bw(k.class), false)
+                } else {
+                    (self.cluster.inter_bw(k.class, k.class), true)
+                }
+            }
+            Rings::Shared { bw, intra } => (*bw, !intra),
+        }
+    }
     /// Time terms of a replica with stage kinds `kinds`, `layers[i]` layers on stage i.
     pub fn replica_time(
         &self,
@@ -298,11 +315,15 @@ impl<'a> CostModel<'a> {
             .collect()
     }
 
-    /// The sync context of a plan that uses `gpus[c]` GPUs of class c in `replicas` replicas.
-    pub fn sync_context(&self, replicas: u32, gpus: &[u32]) -> SyncContext {
+    /// The sync context of a plan that uses `gpus[c]` GPUs of class c in `replicas` replicas;
+    /// `uniform` when every replica has the same stages and layers.
+    pub fn sync_context(&self, replicas: u32, gpus: &[u32], uniform: bool) -> SyncContext {
+        if uniform {
+            return SyncContext { replicas, rings: Rings::PerStage { gpus: gpus.to_vec() } };
+        }
         let used: Vec<usize> = (0..gpus.len()).filter(|&c| gpus[c] > 0).collect();
         if used.len() == 1 && gpus[used[0]] <= self.cluster.classes[used[0]].gpus_per_node {
-            return SyncContext { replicas, ring_bw: self.cluster.intra_bw(used[0]), ring_intra: true };
+            return SyncContext { replicas, rings: Rings::Shared { bw: self.cluster.intra_bw(used[0]), intra: true } };
         }
         let mut bw = f64::INFINITY;
         for (i, &a) in used.iter().enumerate() {
@@ -313,7 +334,7 @@ impl<'a> CostModel<'a> {
                 bw = bw.min(self.cluster.inter_bw(a, b));
             }
         }
-        SyncContext { replicas, ring_bw: bw, ring_intra: false }
+        SyncContext { replicas, rings: Rings::Shared { bw, intra: false } }
     }
 }
 

@@ -66,12 +66,38 @@ pub enum IntraLink {
     Pcie,
 }
 
+/// One NIC (or one port of a multi-port HCA) of a node.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NicSpec {
+    /// The RDMA device (`mlx5_0`) for ib/roce, the interface (`eth0`) for ethernet.
     pub name: String,
     pub kind: NicKind,
+    /// Line rate, Gbit/s.
     pub gbps: f64,
+    /// HCA port NCCL should use (`NCCL_IB_HCA=mlx5_0:1`); default 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u32>,
+    /// RoCE only: the GID index of the RoCEv2 address (`NCCL_IB_GID_INDEX`); default 3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid_index: Option<u32>,
+    /// GPUs behind the same PCIe switch (the NIC's rail); empty when unknown.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<u32>,
+    /// NICs naming the same PCIe switch share its uplink (`pcie_switch_gbit` of the node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_switch: Option<String>,
+}
+
+impl NicSpec {
+    pub fn new(name: &str, kind: NicKind, gbps: f64) -> NicSpec {
+        NicSpec { name: name.to_string(), kind, gbps, port: None, gid_index: None, gpus: vec![], pcie_switch: None }
+    }
+
+    /// The HCA with its port, as NCCL_IB_HCA spells it.
+    pub fn hca(&self) -> String {
+        format!("{}:{}", self.name, self.port.unwrap_or(1))
+    }
 }
 
 /// One `nodes:` entry of the cluster file (the contract of issue 2).
@@ -93,6 +119,10 @@ pub struct NodeSpec {
     pub spot: bool,
     #[serde(default)]
     pub price_per_gpu_hour: Option<f64>,
+    /// Uplink of one PCIe switch, Gbit/s: NICs behind one switch never carry more together.
+    /// Default 256 (PCIe 4.0 x16).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_switch_gbit: Option<f64>,
 }
 
 /// The cluster file as written.
@@ -113,10 +143,16 @@ pub struct NodeClass {
     pub gpu: GpuType,
     pub gpus_per_node: u32,
     pub intra: IntraLink,
-    /// (kind, total Gbit/s over all NICs of that kind)
+    /// Per kind, the Gbit/s all NICs of that kind carry together (multi-edge rule, see
+    /// `multi_edge_gbit`).
     pub nic_gbps: BTreeMap<NicKind, f64>,
     pub nic_names: BTreeMap<NicKind, Vec<String>>,
+    /// The NICs as declared (ports, GID indices, rails), for the NCCL settings of a group.
+    pub nics: Vec<NicSpec>,
     pub rdma_domain: String,
+    /// Measured over nominal inter-node bandwidth of this class's nodes, bucketed (0 when no
+    /// measurement applies); nodes whose links measure differently are planned apart.
+    pub bw_bucket: i32,
     /// Indices into `Cluster::nodes`, in file order.
     pub nodes: Vec<usize>,
 }
@@ -134,13 +170,26 @@ pub struct Cluster {
     pub name: String,
     pub nodes: Vec<Node>,
     pub classes: Vec<NodeClass>,
+    /// GB/s between two nodes of classes a and b when measured (`bandwidth.rs`), overriding
+    /// the nominal rate of the transport `inter_link` picks; None where nothing was measured.
+    pub measured: Vec<Vec<Option<f64>>>,
 }
 
 /// Effective fraction of a link's nominal rate that collectives reach.
 const NVLINK_EFFICIENCY: f64 = 0.8;
-const NIC_EFFICIENCY: f64 = 0.85;
+/// InfiniBand and TCP over Ethernet reach ~85% of line rate in NCCL's bus bandwidth; RoCE
+/// less (PFC pauses, DCQCN rate cuts under incast): Holmes Table 1 measures 200 Gbit/s RoCE
+/// 19% below 200 Gbit/s InfiniBand for the same job.
+fn nic_efficiency(kind: NicKind) -> f64 {
+    match kind {
+        NicKind::Ib | NicKind::Ethernet => 0.85,
+        NicKind::Roce => 0.75,
+    }
+}
 /// PCIe 4.0 x16 as seen by NCCL between two GPUs of one node, GB/s.
 const PCIE_GBPS: f64 = 16.0;
+/// PCIe 4.0 x16 uplink of a PCIe switch, Gbit/s.
+pub const DEFAULT_PCIE_SWITCH_GBIT: f64 = 256.0;
 /// Nodes that declare no NIC are assumed to have this much plain Ethernet, Gbit/s.
 pub const DEFAULT_ETHERNET_GBIT: f64 = 10.0;
 
@@ -185,15 +234,31 @@ impl Cluster {
             if count == 0 {
                 return Err(SolverError::invalid(f("count"), "must be at least 1; remove the entry instead"));
             }
-            let mut nic_gbps = BTreeMap::new();
+            let switch_gbit = n.pcie_switch_gbit.unwrap_or(DEFAULT_PCIE_SWITCH_GBIT);
+            if !(switch_gbit.is_finite() && switch_gbit > 0.0) {
+                return Err(SolverError::invalid(f("pcie_switch_gbit"), "must be a positive rate in Gbit/s (PCIe 4.0 x16 is 256)"));
+            }
             let mut nic_names: BTreeMap<NicKind, Vec<String>> = BTreeMap::new();
             for (j, nic) in n.nics.iter().enumerate() {
+                let nf = |x: &str| format!("nodes[{i}].nics[{j}].{x}");
                 if !(nic.gbps.is_finite() && nic.gbps > 0.0) {
-                    return Err(SolverError::invalid(format!("nodes[{i}].nics[{j}].gbps"), "must be a positive line rate in Gbit/s"));
+                    return Err(SolverError::invalid(nf("gbps"), "must be a positive line rate in Gbit/s"));
                 }
-                *nic_gbps.entry(nic.kind).or_insert(0.0) += nic.gbps;
+                if nic.name.trim().is_empty() {
+                    return Err(SolverError::invalid(nf("name"), "must name the device (mlx5_0) or interface (eth0)"));
+                }
+                if let Some(&g) = nic.gpus.iter().find(|&&g| g >= n.gpus) {
+                    return Err(SolverError::invalid(nf("gpus"), format!("GPU {g} does not exist; the node has GPUs 0..{}", n.gpus)));
+                }
+                if nic.gid_index.is_some() && nic.kind != NicKind::Roce {
+                    return Err(SolverError::invalid(nf("gid_index"), "only RoCE NICs have a GID index; remove it or set kind: roce"));
+                }
+                if n.nics[..j].iter().any(|o| o.name == nic.name && o.port == nic.port) {
+                    return Err(SolverError::invalid(nf("name"), format!("'{}' is declared twice on this node", nic.name)));
+                }
                 nic_names.entry(nic.kind).or_default().push(nic.name.clone());
             }
+            let mut nic_gbps = multi_edge_gbit(&n.nics, switch_gbit);
             nic_gbps.entry(NicKind::Ethernet).or_insert(DEFAULT_ETHERNET_GBIT);
             if let Some(p) = n.price_per_gpu_hour {
                 if !(p.is_finite() && p >= 0.0) {
@@ -210,7 +275,9 @@ impl Cluster {
                 intra,
                 nic_gbps,
                 nic_names,
+                nics: n.nics.clone(),
                 rdma_domain: n.rdma_domain.clone().unwrap_or_else(|| "default".to_string()),
+                bw_bucket: 0,
                 nodes: vec![],
             };
             let ci = match classes.iter().position(|c| same_class(c, &class)) {
@@ -233,7 +300,8 @@ impl Cluster {
                 nodes.push(Node { name, class: ci, gpus: n.gpus });
             }
         }
-        Ok(Cluster { name: spec.name.clone(), nodes, classes })
+        let measured = vec![vec![None; classes.len()]; classes.len()];
+        Ok(Cluster { name: spec.name.clone(), nodes, classes, measured })
     }
 
     pub fn total_gpus(&self) -> u32 {
@@ -259,13 +327,23 @@ impl Cluster {
                 continue;
             }
             if let (Some(x), Some(y)) = (ca.nic_gbps.get(&kind), cb.nic_gbps.get(&kind)) {
-                let gbs = x.min(*y) / 8.0 * NIC_EFFICIENCY;
+                let gbs = x.min(*y) / 8.0 * nic_efficiency(kind);
                 if gbs > best.1 {
                     best = (kind, gbs);
                 }
             }
         }
+        if let Some(m) = self.measured[a][b] {
+            best.1 = m;
+        }
         best
+    }
+
+    /// The nominal GB/s between classes `a` and `b`, ignoring measurements.
+    pub fn nominal_inter_bw(&self, a: usize, b: usize) -> f64 {
+        let (ca, cb) = (&self.classes[a], &self.classes[b]);
+        let (kind, _) = self.inter_link(a, b);
+        ca.nic_gbps[&kind].min(cb.nic_gbps[&kind]) / 8.0 * nic_efficiency(kind)
     }
 
     /// GB/s between two different nodes of classes `a` and `b`.
@@ -274,11 +352,33 @@ impl Cluster {
     }
 }
 
-fn same_class(a: &NodeClass, b: &NodeClass) -> bool {
+pub(crate) fn same_class(a: &NodeClass, b: &NodeClass) -> bool {
     a.gpu == b.gpu
         && a.gpus_per_node == b.gpus_per_node
         && a.intra == b.intra
         && a.nic_gbps == b.nic_gbps
-        && a.nic_names == b.nic_names
+        && a.nics == b.nics
         && a.rdma_domain == b.rdma_domain
+        && a.bw_bucket == b.bw_bucket
+}
+
+/// The multi-edge rule for a node's NICs, per kind, in Gbit/s: NICs of one kind are parallel
+/// edges that add up (NCCL stripes a communicator's channels over them), except that NICs
+/// behind one PCIe switch share its uplink, so their sum is capped by `switch_gbit`. Edges of
+/// different kinds never add up: one communicator uses one network (IB verbs or sockets), and
+/// a RoCE port and its Ethernet netdev are the same wire. Between two GPUs of one node NVLink
+/// and PCIe contend (a copy uses one), so `intra_bw` takes the faster.
+pub fn multi_edge_gbit(nics: &[NicSpec], switch_gbit: f64) -> BTreeMap<NicKind, f64> {
+    let mut per_switch: BTreeMap<(NicKind, Option<&str>), f64> = BTreeMap::new();
+    let mut out: BTreeMap<NicKind, f64> = BTreeMap::new();
+    for nic in nics {
+        match nic.pcie_switch.as_deref() {
+            Some(sw) => *per_switch.entry((nic.kind, Some(sw))).or_insert(0.0) += nic.gbps,
+            None => *out.entry(nic.kind).or_insert(0.0) += nic.gbps,
+        }
+    }
+    for ((kind, _), gbit) in per_switch {
+        *out.entry(kind).or_insert(0.0) += gbit.min(switch_gbit);
+    }
+    out
 }

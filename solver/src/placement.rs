@@ -174,6 +174,7 @@ mod tests {
             rdma_domain: None,
             spot: false,
             price_per_gpu_hour: None,
+            pcie_switch_gbit: None,
         };
         Cluster::from_spec(&ClusterSpec { name: "t".into(), nodes: vec![node], gpu_types: vec![] }).unwrap()
     }

@@ -31,6 +31,12 @@ impl PlanStructure {
         self.replicas.iter().map(|r| r.micro_batches).sum()
     }
 
+    /// Every replica has the same stages with the same layers (its gradient rings stay inside
+    /// each stage's node class, see `cost::Rings`).
+    pub fn is_uniform(&self) -> bool {
+        self.replicas.windows(2).all(|w| w[0].stages == w[1].stages)
+    }
+
     /// GPUs of each node class the plan uses.
     pub fn gpus_per_class(&self, classes: usize) -> Vec<u32> {
         let mut g = vec![0u32; classes];
@@ -60,7 +66,7 @@ impl<'a> CostModel<'a> {
     /// exist) is checked by `check_structure`.
     pub fn evaluate(&self, plan: &PlanStructure) -> Evaluation {
         let gpus = plan.gpus_per_class(self.cluster.classes.len());
-        let ctx = self.sync_context(plan.replicas.len() as u32, &gpus);
+        let ctx = self.sync_context(plan.replicas.len() as u32, &gpus, plan.is_uniform());
         let max_inflight = plan.total_micro_batches();
         let mut out = Evaluation { iteration_time: 0.0, replica_times: vec![], memory: vec![], capacity: vec![], fits: true };
         // Plans repeat a few stage kinds many times: price each kind once.

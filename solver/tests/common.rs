@@ -33,9 +33,9 @@ pub fn cluster_strategy(max_gpus: u32) -> impl Strategy<Value = ClusterSpec> {
             .map(|(i, &(t, gpus, count, net))| {
                 let gpu = &types[t];
                 let nics = match net {
-                    0 => vec![NicSpec { name: "eth0".into(), kind: NicKind::Ethernet, gbps: 25.0 }],
-                    1 => vec![NicSpec { name: "mlx5_0".into(), kind: NicKind::Ib, gbps: 200.0 }],
-                    _ => vec![NicSpec { name: "mlx5_0".into(), kind: NicKind::Roce, gbps: 100.0 }],
+                    0 => vec![NicSpec::new("eth0", NicKind::Ethernet, 25.0)],
+                    1 => vec![NicSpec::new("mlx5_0", NicKind::Ib, 200.0)],
+                    _ => vec![NicSpec::new("mlx5_0", NicKind::Roce, 100.0)],
                 };
                 NodeSpec {
                     name: format!("n{i}"),
@@ -47,6 +47,7 @@ pub fn cluster_strategy(max_gpus: u32) -> impl Strategy<Value = ClusterSpec> {
                     rdma_domain: Some("dc".into()),
                     spot: false,
                     price_per_gpu_hour: None,
+                    pcie_switch_gbit: None,
                 }
             })
             .collect();

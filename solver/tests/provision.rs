@@ -30,7 +30,7 @@ fn offer(gpu: &str, price: f64, quota: u32, per_node: u32, gbps: f64) -> OfferSp
         quota,
         gpus_per_node: per_node,
         intra: None,
-        nics: vec![NicSpec { name: "eth0".into(), kind: NicKind::Ethernet, gbps }],
+        nics: vec![NicSpec::new("eth0", NicKind::Ethernet, gbps)],
         rdma_domain: None,
     }
 }

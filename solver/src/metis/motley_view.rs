@@ -57,10 +57,11 @@ pub fn motley_view(m: &MetisModel) -> Result<MotleyView> {
             gpu,
             gpus: m.cluster.gpus_per_node,
             intra: None,
-            nics: vec![NicSpec { name: "eth0".into(), kind: NicKind::Ethernet, gbps }],
+            nics: vec![NicSpec::new("eth0", NicKind::Ethernet, gbps)],
             rdma_domain: None,
             spot: false,
             price_per_gpu_hour: None,
+            pcie_switch_gbit: None,
         });
         names.push(t);
     }

@@ -160,5 +160,6 @@ fn node_spec(o: &OfferSpec, name: &str, count: u32) -> NodeSpec {
         rdma_domain: o.rdma_domain.clone(),
         spot: false,
         price_per_gpu_hour: Some(o.price_per_gpu_hour),
+        pcie_switch_gbit: None,
     }
 }

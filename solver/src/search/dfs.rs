@@ -7,7 +7,7 @@ use super::alloc;
 use super::shapes::{best_point, Point, Shape};
 use super::space::units_per_class;
 use super::Config;
-use crate::cost::{CostModel, SyncContext};
+use crate::cost::{CostModel, Rings, SyncContext};
 use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
 
 /// What pricing a multiset gives: the iteration time, each group's micro-batches per
@@ -26,7 +26,8 @@ pub(super) struct Dfs<'a, 'b> {
     pub(super) groups: Vec<(usize, u32)>,
     pub(super) best: f64,
     pub(super) best_groups: Option<Vec<(usize, u32)>>,
-    pub(super) cache: HashMap<(usize, u32, u64, bool), Rc<Vec<Point>>>,
+    /// Frontiers by (shape, replicas, shared ring GB/s bits or None for per-stage rings).
+    pub(super) cache: HashMap<(usize, u32, Option<(u64, bool)>), Rc<Vec<Point>>>,
     pub(super) tolerance: f64,
     pub(super) budget: u64,
     pub(super) nodes: u64,
@@ -80,10 +81,14 @@ impl<'a, 'b> Dfs<'a, 'b> {
         let (t, ks, fronts) = self.price(groups).expect("priced before");
         self.best = incumbent;
         let mut replicas = vec![];
+        let uniform = groups.len() == 1;
         for (gi, &(s, _)) in groups.iter().enumerate() {
             let shape = &self.shapes[s];
+            // A uniform plan's replicas all take the split of the one with the most
+            // micro-batches (the slowest): the others finish no later with it.
+            let kmax = ks[gi].iter().copied().max().unwrap_or(1);
             for &k in &ks[gi] {
-                let split = &shape.splits[best_point(&fronts[gi], k).split];
+                let split = &shape.splits[best_point(&fronts[gi], if uniform { kmax } else { k }).split];
                 let mut start = 0;
                 let stages = shape
                     .kinds
@@ -101,7 +106,13 @@ impl<'a, 'b> Dfs<'a, 'b> {
     }
 
     fn frontier(&mut self, shape: usize, ctx: &SyncContext) -> Rc<Vec<Point>> {
-        let key = (shape, ctx.replicas, ctx.ring_bw.to_bits(), ctx.ring_intra);
+        // Per-stage rings depend only on the plan's GPUs, which one shape and its replica
+        // count fix (a uniform plan has one group).
+        let rings = match &ctx.rings {
+            Rings::PerStage { .. } => None,
+            Rings::Shared { bw, intra } => Some((bw.to_bits(), *intra)),
+        };
+        let key = (shape, ctx.replicas, rings);
         if let Some(f) = self.cache.get(&key) {
             return f.clone();
         }
@@ -122,7 +133,8 @@ impl<'a, 'b> Dfs<'a, 'b> {
                 gpus[c] += g * x;
             }
         }
-        let ctx = self.cm.sync_context(r, &gpus);
+        // One group is a uniform plan: `materialise` gives all its replicas one split.
+        let ctx = self.cm.sync_context(r, &gpus, groups.len() == 1);
         let fronts: Vec<Rc<Vec<Point>>> = groups.iter().map(|&(s, _)| self.frontier(s, &ctx)).collect();
         if self.best.is_finite() {
             // Cheap filter: if the replicas cannot finish N micro-batches by the incumbent's

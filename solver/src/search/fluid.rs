@@ -18,7 +18,7 @@
 
 use super::alloc;
 use super::dfs::Dfs;
-use crate::cost::{CostModel, SyncContext};
+use crate::cost::{CostModel, Rings, SyncContext};
 
 /// Maximise `c.x` subject to `a x <= b`, `x >= 0`, with `b >= 0` (so the slack basis is
 /// feasible). Dense tableau simplex with Bland's rule. Returns x.
@@ -113,7 +113,7 @@ fn pessimistic_context(cm: &CostModel, n: u32) -> SyncContext {
             bw = bw.min(cm.cluster.inter_bw(a, b));
         }
     }
-    SyncContext { replicas: n, ring_bw: bw, ring_intra: false }
+    SyncContext { replicas: n, rings: Rings::Shared { bw, intra: false } }
 }
 
 /// Smallest T (bisection) for which `feasible` holds, starting from a `hi` that may need doubling.
