@@ -180,7 +180,7 @@ const NVLINK_EFFICIENCY: f64 = 0.8;
 /// InfiniBand and TCP over Ethernet reach ~85% of line rate in NCCL's bus bandwidth; RoCE
 /// less (PFC pauses, DCQCN rate cuts under incast): Holmes Table 1 measures 200 Gbit/s RoCE
 /// 19% below 200 Gbit/s InfiniBand for the same job.
-fn nic_efficiency(kind: NicKind) -> f64 {
+pub(crate) fn nic_efficiency(kind: NicKind) -> f64 {
     match kind {
         NicKind::Ib | NicKind::Ethernet => 0.85,
         NicKind::Roce => 0.75,

@@ -4,6 +4,7 @@
 //! stated in `solver/README.md`, which is this crate's documentation.
 #![doc = include_str!("../README.md")]
 
+pub mod bandwidth;
 pub mod baselines;
 pub mod cost;
 pub mod error;
@@ -11,6 +12,7 @@ pub mod espresso;
 pub mod hardware;
 pub mod metis;
 pub mod model;
+pub mod network;
 pub mod oracle;
 pub mod placement;
 pub mod plan;

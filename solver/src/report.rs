@@ -9,6 +9,7 @@ use crate::cost::{CostModel, PlanOptions};
 use crate::error::Result;
 use crate::hardware::Cluster;
 use crate::model::Model;
+use crate::network::{comm_groups, CommGroup};
 use crate::oracle;
 use crate::placement::{place, GpuId};
 use crate::plan::PlanStructure;
@@ -81,6 +82,9 @@ pub struct PlanReport {
     /// (0 when the placement matches the cost model's packing).
     pub split_hops: usize,
     pub replicas: Vec<ReplicaReport>,
+    /// Every TP group, pipeline hop and gradient ring with its transport, NICs and NCCL
+    /// settings, in the order ranks create them (`network.rs`).
+    pub comm_groups: Vec<CommGroup>,
     pub baselines: BTreeMap<String, BaselineReport>,
     pub search: SearchReport,
 }
@@ -187,6 +191,7 @@ fn build_report(
         gpus_total: cm.cluster.total_gpus(),
         split_hops: placement.split_hops,
         idle_gpus: idle_gpus(cm, plan),
+        comm_groups: comm_groups(cm, plan, &placement),
         replicas,
         baselines,
         search: SearchReport {

@@ -1,0 +1,276 @@
+//! The communication groups of a placed plan: for every TP group, pipeline hop and gradient
+//! ring, the GPUs, the transport and NICs it uses, the NCCL settings that select them, and
+//! what it costs per iteration. The JSON shape (`kind`, `gpus`, `transport`, `nics`, `env`)
+//! is a contract (issue 5); fields may be added, never renamed.
+//!
+//! Rules (Holmes, section 3): a TP group stays inside a node (NVLink or PCIe); a pipeline hop
+//! between two nodes uses the best transport both ends share, Ethernet (sockets) between RDMA
+//! islands; a gradient ring uses RDMA only when every pair of its nodes shares one RDMA kind
+//! in one RDMA domain, so no ring ever mixes InfiniBand and RoCE: such a ring runs over
+//! sockets. NICs are the members' rail-local NICs of the chosen kind where the cluster file
+//! says which GPUs a NIC serves, all NICs of that kind otherwise.
+//!
+//! How a rank uses them: NCCL reads most of its environment once per communicator
+//! initialisation, and the network plugin's device list (`NCCL_IB_HCA`, `NCCL_SOCKET_IFNAME`)
+//! once per process. So a rank (1) starts with the union of the `env` of every group it
+//! belongs to for the device lists, then (2) creates its communicators in `comm_groups` order,
+//! setting each group's `env` just before that group's `ncclCommInitRank` (or
+//! `new_group`) and passing `nccl_net` as `ncclConfig_t.netName` where the NCCL binding
+//! exposes it, which is the one per-communicator network switch NCCL honours after the first
+//! initialisation. Every member of a group must apply the same settings for the same group.
+
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use crate::cost::CostModel;
+use crate::hardware::{nic_efficiency, Cluster, IntraLink, NicKind};
+use crate::placement::{GpuId, Placement};
+use crate::plan::PlanStructure;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GroupKind {
+    Tp,
+    Pp,
+    Dp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    Nvlink,
+    Pcie,
+    Ib,
+    Roce,
+    Socket,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CommGroup {
+    pub kind: GroupKind,
+    pub gpus: Vec<GpuId>,
+    pub transport: Transport,
+    /// RDMA devices with port (`mlx5_0:1`) or Ethernet interfaces; empty inside a node.
+    pub nics: Vec<String>,
+    /// NCCL settings that select this transport and these NICs.
+    pub env: BTreeMap<String, String>,
+    /// `ncclConfig_t.netName` for this communicator ("IB" or "Socket"); None inside a node.
+    pub nccl_net: Option<String>,
+    /// TP and pipeline groups: the replica and stage (for a hop, the sending stage).
+    pub replica: Option<usize>,
+    pub stage: Option<usize>,
+    /// Layers whose activations (tp, pp: the boundary) or gradients (dp) the group carries.
+    pub layers: [u32; 2],
+    /// GB/s of the slowest link the group crosses, as priced.
+    pub link_gb_per_s: f64,
+    /// Bytes each member sends per iteration, and the seconds that takes on the link.
+    pub bytes_per_iteration: f64,
+    pub seconds_per_iteration: f64,
+}
+
+/// Every communication group of a placed plan, in the order ranks should create them:
+/// TP groups, then pipeline hops, then gradient rings.
+pub fn comm_groups(cm: &CostModel, plan: &PlanStructure, placement: &Placement) -> Vec<CommGroup> {
+    let net = Net::new(cm.cluster);
+    let mut out = vec![];
+    let (s, h) = (cm.model.seq_len as f64, cm.model.hidden());
+    // TP groups: two all-reduces of the layer's activations forward, two backward.
+    for (ri, r) in plan.replicas.iter().enumerate() {
+        for (si, st) in r.stages.iter().enumerate() {
+            let t = st.kind.tp as f64;
+            if st.kind.tp < 2 {
+                continue;
+            }
+            let m = plan.micro_batch as f64 / st.kind.dp as f64;
+            let layers = (st.layers.1 - st.layers.0) as f64;
+            let bytes = 4.0 * 2.0 * (t - 1.0) / t * m * s * h * 2.0 * layers * r.micro_batches as f64;
+            for g in placement.gpus[ri][si].chunks(st.kind.tp as usize) {
+                out.push(net.group(GroupKind::Tp, g.to_vec(), Some(ri), Some(si), [st.layers.0, st.layers.1], bytes, 1.0));
+            }
+        }
+    }
+    // Pipeline hops: one micro-batch's activations forward and their gradients back.
+    let hop_bytes = 2.0 * plan.micro_batch as f64 * s * h * 2.0;
+    for (ri, r) in plan.replicas.iter().enumerate() {
+        for si in 0..r.stages.len().saturating_sub(1) {
+            let gpus: Vec<GpuId> = placement.gpus[ri][si].iter().chain(&placement.gpus[ri][si + 1]).cloned().collect();
+            let b = r.stages[si].layers.1;
+            out.push(net.group(GroupKind::Pp, gpus, Some(ri), Some(si), [b, b], hop_bytes * r.micro_batches as f64, 1.0));
+        }
+    }
+    // Gradient rings: per layer segment (every stage boundary of every replica cuts one) and
+    // TP rank, the GPUs of that rank in every TP group holding the segment.
+    let layers = cm.model.layers();
+    let mut cuts: BTreeSet<u32> = [0, layers].into();
+    for r in &plan.replicas {
+        cuts.extend(r.stages.iter().map(|s| s.layers.0));
+    }
+    let cuts: Vec<u32> = cuts.into_iter().collect();
+    let tp = plan.replicas[0].stages[0].kind.tp;
+    for w in cuts.windows(2) {
+        let (l0, l1) = (w[0], w[1]);
+        let mut params = (l1 - l0) as f64 * cm.model.layer_params;
+        if l0 == 0 {
+            params += cm.model.embed_params;
+        }
+        if l1 == layers {
+            params += cm.model.embed_params;
+        }
+        for j in 0..tp as usize {
+            let mut gpus = vec![];
+            for (ri, r) in plan.replicas.iter().enumerate() {
+                let si = r.stages.iter().position(|st| st.layers.0 <= l0 && l0 < st.layers.1).expect("stages cover every layer");
+                gpus.extend(placement.gpus[ri][si].chunks(tp as usize).map(|g| g[j].clone()));
+            }
+            let n = gpus.len() as f64;
+            if n < 2.0 {
+                continue;
+            }
+            // fp16 gradients of one TP shard; the TP shards' rings share each node's NICs.
+            let bytes = 2.0 * (n - 1.0) / n * 2.0 * params / tp as f64;
+            out.push(net.group(GroupKind::Dp, gpus, None, None, [l0, l1], bytes, tp as f64));
+        }
+    }
+    out
+}
+
+struct Net<'a> {
+    cluster: &'a Cluster,
+    node_of: HashMap<&'a str, usize>,
+}
+
+impl<'a> Net<'a> {
+    fn new(cluster: &'a Cluster) -> Self {
+        Net { cluster, node_of: cluster.nodes.iter().enumerate().map(|(i, n)| (n.name.as_str(), i)).collect() }
+    }
+
+    /// A group over `gpus`; `nic_sharers` rings of the same kind share each NIC when it
+    /// crosses nodes.
+    #[allow(clippy::too_many_arguments)]
+    fn group(
+        &self,
+        kind: GroupKind,
+        gpus: Vec<GpuId>,
+        replica: Option<usize>,
+        stage: Option<usize>,
+        layers: [u32; 2],
+        bytes: f64,
+        nic_sharers: f64,
+    ) -> CommGroup {
+        let nodes: BTreeSet<usize> = gpus.iter().map(|g| self.node_of[g.node.as_str()]).collect();
+        let classes: BTreeSet<usize> = nodes.iter().map(|&n| self.cluster.nodes[n].class).collect();
+        let (transport, bw) = if nodes.len() == 1 {
+            let c = *classes.iter().next().expect("one node");
+            let t = match self.cluster.classes[c].intra {
+                IntraLink::Nvlink => Transport::Nvlink,
+                IntraLink::Pcie => Transport::Pcie,
+            };
+            (t, self.cluster.intra_bw(c))
+        } else {
+            self.inter(&nodes, &classes, nic_sharers)
+        };
+        let (nics, env, nccl_net) = self.settings(transport, &gpus);
+        CommGroup {
+            kind,
+            gpus,
+            transport,
+            nics,
+            env,
+            nccl_net,
+            replica,
+            stage,
+            layers,
+            link_gb_per_s: bw,
+            bytes_per_iteration: bytes,
+            seconds_per_iteration: bytes / (bw * 1e9),
+        }
+    }
+
+    /// Transport and GB/s between a set of nodes: RDMA only if every pair shares the same
+    /// RDMA kind, else sockets; the slowest pair sets the speed.
+    fn inter(&self, nodes: &BTreeSet<usize>, classes: &BTreeSet<usize>, nic_sharers: f64) -> (Transport, f64) {
+        let mut kinds = BTreeSet::new();
+        let mut bw = f64::INFINITY;
+        let cls: Vec<usize> = classes.iter().copied().collect();
+        for (i, &a) in cls.iter().enumerate() {
+            let nodes_of_a = nodes.iter().filter(|&&n| self.cluster.nodes[n].class == a).count();
+            let partners = if nodes_of_a > 1 { &cls[i..] } else { &cls[i + 1..] };
+            for &b in partners {
+                let (k, gbs) = self.cluster.inter_link(a, b);
+                kinds.insert(k);
+                bw = bw.min(gbs);
+            }
+        }
+        let transport = match (kinds.len(), kinds.iter().next()) {
+            (1, Some(NicKind::Ib)) => Transport::Ib,
+            (1, Some(NicKind::Roce)) => Transport::Roce,
+            _ => Transport::Socket,
+        };
+        if transport == Transport::Socket && kinds.len() > 1 {
+            // Mixed kinds: every pair falls back to Ethernet.
+            bw = cls
+                .iter()
+                .flat_map(|&a| cls.iter().map(move |&b| (a, b)))
+                .map(|(a, b)| self.ethernet_gbs(a, b))
+                .fold(f64::INFINITY, f64::min);
+        }
+        (transport, bw / nic_sharers)
+    }
+
+    fn ethernet_gbs(&self, a: usize, b: usize) -> f64 {
+        let (ca, cb) = (&self.cluster.classes[a], &self.cluster.classes[b]);
+        ca.nic_gbps[&NicKind::Ethernet].min(cb.nic_gbps[&NicKind::Ethernet]) / 8.0 * nic_efficiency(NicKind::Ethernet)
+    }
+
+    /// NICs, NCCL environment and `netName` of a group using `transport`.
+    fn settings(&self, transport: Transport, gpus: &[GpuId]) -> (Vec<String>, BTreeMap<String, String>, Option<String>) {
+        let mut env = BTreeMap::new();
+        let kind = match transport {
+            Transport::Nvlink | Transport::Pcie => {
+                let level = if transport == Transport::Nvlink { "NVL" } else { "PHB" };
+                env.insert("NCCL_P2P_DISABLE".into(), "0".into());
+                env.insert("NCCL_P2P_LEVEL".into(), level.into());
+                return (vec![], env, None);
+            }
+            Transport::Ib => NicKind::Ib,
+            Transport::Roce => NicKind::Roce,
+            Transport::Socket => NicKind::Ethernet,
+        };
+        let mut nics = BTreeSet::new();
+        let mut gid = BTreeSet::new();
+        // Rail-aligned: every member has rail-local NICs and they carry the same names.
+        let mut rails: BTreeSet<Vec<String>> = BTreeSet::new();
+        let mut all_local = true;
+        for g in gpus {
+            let class = &self.cluster.classes[self.cluster.nodes[self.node_of[g.node.as_str()]].class];
+            let of_kind: Vec<_> = class.nics.iter().filter(|n| n.kind == kind).collect();
+            let local: Vec<_> = of_kind.iter().filter(|n| n.gpus.contains(&g.index)).copied().collect();
+            all_local &= !local.is_empty();
+            let chosen = if local.is_empty() { of_kind } else { local };
+            rails.insert(chosen.iter().map(|n| n.name.clone()).collect());
+            for n in chosen {
+                nics.insert(if kind == NicKind::Ethernet { n.name.clone() } else { n.hca() });
+                gid.insert(n.gid_index.unwrap_or(3));
+            }
+        }
+        let nics: Vec<String> = nics.into_iter().collect();
+        if kind == NicKind::Ethernet {
+            env.insert("NCCL_NET".into(), "Socket".into());
+            env.insert("NCCL_IB_DISABLE".into(), "1".into());
+            if !nics.is_empty() {
+                // `=` makes NCCL match the names exactly (eth1 does not also pick eth10).
+                env.insert("NCCL_SOCKET_IFNAME".into(), format!("={}", nics.join(",")));
+            }
+            return (nics, env, Some("Socket".into()));
+        }
+        env.insert("NCCL_NET".into(), "IB".into());
+        env.insert("NCCL_IB_DISABLE".into(), "0".into());
+        env.insert("NCCL_IB_HCA".into(), format!("={}", nics.join(",")));
+        env.insert("NCCL_CROSS_NIC".into(), if all_local && rails.len() == 1 { "0" } else { "1" }.into());
+        if kind == NicKind::Roce {
+            let g = gid.iter().next().copied().unwrap_or(3);
+            env.insert("NCCL_IB_GID_INDEX".into(), g.to_string());
+        }
+        (nics, env, Some("IB".into()))
+    }
+}
