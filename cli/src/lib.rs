@@ -5,5 +5,6 @@ pub mod espresso;
 pub mod inputs;
 pub mod metis;
 pub mod metis_motley;
+pub mod plan;
 pub mod provision;
 pub mod table;

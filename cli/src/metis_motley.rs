@@ -54,6 +54,7 @@ pub fn run(loaded: &Loaded, union: bool, variance: f64, budget: u64, json_out: b
             opts: &o,
             mode: SearchMode::Auto,
             exhaustive: false,
+            seeds: vec![],
         };
         motley_solver::plan(&req).ok()
     } else {

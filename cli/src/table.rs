@@ -123,3 +123,75 @@ fn compact_gpus(gpus: &[motley_solver::placement::GpuId]) -> String {
     }
     parts.join(" ")
 }
+
+/// `motley plan --explain`: every communication group with its link, NICs, NCCL settings and
+/// the seconds it spends on the link per iteration.
+pub fn render_network(groups: &[motley_solver::network::CommGroup]) -> String {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header(vec!["group", "where", "gpus", "transport", "nics", "GB/s", "s/iter", "NCCL settings"]);
+    for g in groups {
+        let kind = format!("{:?}", g.kind).to_lowercase();
+        let place = match (g.replica, g.stage) {
+            (Some(r), Some(s)) if kind == "pp" => format!("replica {r}: stage {s}->{} (layer {})", s + 1, g.layers[0]),
+            (Some(r), Some(s)) => format!("replica {r} stage {s}"),
+            _ => format!("layers {}-{}", g.layers[0], g.layers[1]),
+        };
+        let env: Vec<String> = g.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        t.add_row(vec![
+            Cell::new(kind),
+            Cell::new(place),
+            Cell::new(compact_gpus(&g.gpus)),
+            Cell::new(format!("{:?}", g.transport).to_lowercase()),
+            Cell::new(g.nics.join(",")),
+            Cell::new(format!("{:.1}", g.link_gb_per_s)).set_alignment(CellAlignment::Right),
+            Cell::new(format!("{:.4}", g.seconds_per_iteration)).set_alignment(CellAlignment::Right),
+            Cell::new(env.join(" ")),
+        ]);
+    }
+    let mut out = format!("Communication groups ({}), in the order ranks create them:\n", groups.len());
+    out.push_str(&t.to_string());
+    out.push_str(
+        "\nA rank sets each group's NCCL settings just before creating that group's communicator; the device lists \
+         (NCCL_IB_HCA, NCCL_SOCKET_IFNAME) are read once per process, so start ranks with the union of their groups' lists.\n",
+    );
+    out
+}
+
+/// `motley replan`: the verdict, then what moves, then the new plan.
+pub fn render_replan(r: &motley_solver::replan::ReplanReport, compare: bool) -> String {
+    let mut out = format!(
+        "{}: {}\ncurrent plan: {:.3} s/iteration as planned, {:.3} s on the measured network; new plan: {:.3} s ({:+.1}%)\n",
+        if r.worth_switching { "SWITCH" } else { "KEEP" },
+        r.reason,
+        r.current_planned_s,
+        r.current_now_s,
+        r.new_iteration_time_s,
+        r.gain * 100.0
+    );
+    out.push_str(&format!(
+        "switching moves {} GPU(s), {:.2} GB in {:.2} s{}\n",
+        r.gpus_moved,
+        r.switch_bytes / 1e9,
+        r.switch_seconds,
+        r.payback_iterations.map_or(String::new(), |p| format!(", paid back after {p:.1} iterations"))
+    ));
+    let range = |x: Option<[u32; 2]>| x.map_or("idle".to_string(), |l| format!("{}-{}", l[0], l[1]));
+    let mut moves: std::collections::BTreeMap<(String, String), Vec<motley_solver::placement::GpuId>> = Default::default();
+    for m in &r.moves {
+        moves.entry((range(m.from), range(m.to))).or_default().push(motley_solver::placement::GpuId { node: m.gpu.node.clone(), index: m.gpu.index });
+    }
+    if !moves.is_empty() {
+        let mut t = Table::new();
+        t.load_preset(UTF8_FULL_CONDENSED);
+        t.set_header(vec!["layers before", "layers after", "gpus"]);
+        for ((from, to), gpus) in moves {
+            t.add_row(vec![Cell::new(from), Cell::new(to), Cell::new(compact_gpus(&gpus))]);
+        }
+        out.push_str(&t.to_string());
+        out.push('\n');
+    }
+    out.push_str("New plan:\n");
+    out.push_str(&render(&r.new_plan, compare));
+    out
+}

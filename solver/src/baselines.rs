@@ -33,7 +33,7 @@ pub fn best_baseline(cm: &CostModel, which: Baseline) -> Option<(f64, PlanStruct
         // TP groups in node order; a node whose GPU count tp does not divide leaves a remainder idle.
         let groups: Vec<usize> = cluster.nodes.iter().flat_map(|n| std::iter::repeat_n(n.class, (n.gpus / tp) as usize)).collect();
         for pp in 1..=l.min(total / tp) {
-            if which == Baseline::Megatron && !l.is_multiple_of(pp) {
+            if (which == Baseline::Megatron && !l.is_multiple_of(pp)) || (cm.opts.max_stages > 0 && pp > cm.opts.max_stages) {
                 continue;
             }
             let max_r = groups.len() as u32 / pp;

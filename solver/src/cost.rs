@@ -26,6 +26,10 @@ pub struct PlanOptions {
     pub max_stages: u32,
     /// Restrict the search to one tensor-parallel degree.
     pub tp: Option<u32>,
+    /// Pipeline sends and receives block the stage (Megatron-LM's non-interleaved 1F1B, which
+    /// Holmes runs on): every micro-batch pays its stage's hops on top of its compute. Off, a
+    /// hop overlaps compute and only the slowest stage or hop sets the pace.
+    pub p2p_blocking: bool,
 }
 
 impl Default for PlanOptions {
@@ -39,6 +43,7 @@ impl Default for PlanOptions {
             reserve_gib: 1.5,
             max_stages: 0,
             tp: None,
+            p2p_blocking: false,
         }
     }
 }
@@ -108,7 +113,7 @@ pub struct CostModel<'a> {
 pub struct ReplicaTime {
     /// One micro-batch through the whole pipeline (stage times plus p2p hops).
     pub latency: f64,
-    /// Slowest stage or hop: the 1F1B steady-state period.
+    /// The 1F1B steady-state period (`CostModel::period`).
     pub period: f64,
     /// Gradient sync not hidden behind earlier stages' backward passes (Espresso eq. 9).
     pub exposed_sync: f64,
@@ -270,8 +275,8 @@ impl<'a> CostModel<'a> {
     ) -> ReplicaTime {
         let p = kinds.len();
         let mut latency = 0.0;
-        let mut period: f64 = 0.0;
         let mut pre_bwd = 0.0;
+        let mut busy = Vec::with_capacity(p);
         let mut exposed: f64 = 0.0;
         let mut optimizer: f64 = 0.0;
         let hops = self.hop_times(kinds, micro_batch);
@@ -279,11 +284,9 @@ impl<'a> CostModel<'a> {
             let (first, last) = (i == 0, i + 1 == p);
             let (f, b) = Self::stage_time(&costs[i], layers[i], first, last);
             latency += f + b;
-            period = period.max(f + b);
+            busy.push(f + b);
             if i + 1 < p {
-                let hop = hops[i];
-                latency += hop;
-                period = period.max(hop);
+                latency += hops[i];
             }
             let mut params = layers[i] as f64 * self.model.layer_params;
             let mut params_gpu = layers[i] as f64 * costs[i].layer_params_gpu;
@@ -301,7 +304,21 @@ impl<'a> CostModel<'a> {
             let per_param = if self.opts.zero1 { 4.0 + 24.0 / kinds[i].dp as f64 } else { 28.0 };
             optimizer = optimizer.max(params_gpu * per_param / costs[i].mem_bw);
         }
-        ReplicaTime { latency, period, exposed_sync: exposed.max(0.0), optimizer }
+        ReplicaTime { latency, period: self.period(&busy, &hops), exposed_sync: exposed.max(0.0), optimizer }
+    }
+
+    /// The 1F1B steady-state period of a pipeline whose stages compute `busy[i]` seconds per
+    /// micro-batch (forward and backward) with hops of `hops[i]` seconds between stage i and
+    /// i+1: the slowest stage or hop when sends overlap compute, else the slowest stage with
+    /// the hops on both its sides (`PlanOptions::p2p_blocking`).
+    pub fn period(&self, busy: &[f64], hops: &[f64]) -> f64 {
+        let mut period: f64 = 0.0;
+        for (i, &t) in busy.iter().enumerate() {
+            let before = if i > 0 { hops[i - 1] } else { 0.0 };
+            let after = hops.get(i).copied().unwrap_or(0.0);
+            period = if self.opts.p2p_blocking { period.max(t + before + after) } else { period.max(t).max(after) };
+        }
+        period
     }
 
     /// Peak bytes per GPU of every stage; `max_inflight` caps the micro-batches in flight.

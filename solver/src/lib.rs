@@ -18,6 +18,7 @@ pub mod placement;
 pub mod plan;
 pub mod profile;
 pub mod provision;
+pub mod replan;
 pub mod report;
 pub mod search;
 

@@ -238,14 +238,13 @@ impl<'a> Net<'a> {
         };
         let mut nics = BTreeSet::new();
         let mut gid = BTreeSet::new();
-        // Rail-aligned: every member has rail-local NICs and they carry the same names.
+        // Rail-aligned: every member uses NICs of the same names (its rail-local ones where the
+        // cluster file says which GPUs a NIC serves), so rings need not cross rails.
         let mut rails: BTreeSet<Vec<String>> = BTreeSet::new();
-        let mut all_local = true;
         for g in gpus {
             let class = &self.cluster.classes[self.cluster.nodes[self.node_of[g.node.as_str()]].class];
             let of_kind: Vec<_> = class.nics.iter().filter(|n| n.kind == kind).collect();
             let local: Vec<_> = of_kind.iter().filter(|n| n.gpus.contains(&g.index)).copied().collect();
-            all_local &= !local.is_empty();
             let chosen = if local.is_empty() { of_kind } else { local };
             rails.insert(chosen.iter().map(|n| n.name.clone()).collect());
             for n in chosen {
@@ -266,7 +265,7 @@ impl<'a> Net<'a> {
         env.insert("NCCL_NET".into(), "IB".into());
         env.insert("NCCL_IB_DISABLE".into(), "0".into());
         env.insert("NCCL_IB_HCA".into(), format!("={}", nics.join(",")));
-        env.insert("NCCL_CROSS_NIC".into(), if all_local && rails.len() == 1 { "0" } else { "1" }.into());
+        env.insert("NCCL_CROSS_NIC".into(), if rails.len() == 1 { "0" } else { "1" }.into());
         if kind == NicKind::Roce {
             let g = gid.iter().next().copied().unwrap_or(3);
             env.insert("NCCL_IB_GID_INDEX".into(), g.to_string());

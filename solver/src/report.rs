@@ -97,6 +97,9 @@ pub struct PlanRequest<'a> {
     pub opts: &'a PlanOptions,
     pub mode: SearchMode,
     pub exhaustive: bool,
+    /// Plans the search starts from besides the baselines (re-planning passes the running
+    /// plan, so the answer is never slower than it).
+    pub seeds: Vec<PlanStructure>,
 }
 
 /// Plan, compare with the baselines, and lay out the report.
@@ -104,7 +107,8 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
     let megatron = best_baseline(&cm, Baseline::Megatron);
     let whale = best_baseline(&cm, Baseline::Whale);
-    let seeds: Vec<PlanStructure> = [&megatron, &whale].iter().filter_map(|b| b.as_ref().map(|x| x.1.clone())).collect();
+    let mut seeds: Vec<PlanStructure> = [&megatron, &whale].iter().filter_map(|b| b.as_ref().map(|x| x.1.clone())).collect();
+    seeds.extend(req.seeds.iter().cloned());
     let (structure, t, stats) = if req.exhaustive {
         let o = oracle::exhaustive(&cm, &seeds)?;
         let stats = SearchStats { mode: "exhaustive".into(), plans_costed: o.plans_costed, proven_optimal: true, ..Default::default() };

@@ -154,7 +154,7 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
     }
     let cluster = s.offers.cluster(&best.alloc)?;
     let plan_report =
-        plan(&PlanRequest { cluster: &cluster, model: s.model, profiles: s.profiles, opts: s.opts, mode: s.mode, exhaustive: false })?;
+        plan(&PlanRequest { cluster: &cluster, model: s.model, profiles: s.profiles, opts: s.opts, mode: s.mode, exhaustive: false, seeds: vec![] })?;
     // Exact over allocations when every skip rests on a valid bound: the superset bound is
     // valid only where the planner proved its plans (the exact planner never slows down with
     // more GPUs; the fast one can).

@@ -282,7 +282,8 @@ impl Shape {
 
     fn make_split(&self, cm: &CostModel, hops: &[f64], layers: Vec<u32>) -> Split {
         let p = layers.len();
-        let (mut latency, mut period, mut optimizer, mut pre) = (0.0, 0.0f64, 0.0f64, 0.0);
+        let (mut latency, mut optimizer, mut pre) = (0.0, 0.0f64, 0.0);
+        let mut busy = Vec::with_capacity(p);
         let mut sync_params = Vec::with_capacity(p);
         let mut pre_bwd = Vec::with_capacity(p);
         for i in 0..p {
@@ -290,10 +291,9 @@ impl Shape {
             let c = &self.costs[i];
             let (f, b) = CostModel::stage_time(c, layers[i], first, last);
             latency += f + b;
-            period = period.max(f + b);
+            busy.push(f + b);
             if i + 1 < p {
                 latency += hops[i];
-                period = period.max(hops[i]);
             }
             let extra = (first as u32 + last as u32) as f64;
             sync_params.push(layers[i] as f64 * cm.model.layer_params + extra * cm.model.embed_params);
@@ -303,7 +303,7 @@ impl Shape {
             pre_bwd.push(pre);
             pre += b;
         }
-        Split { layers, latency, period, optimizer, sync_params, pre_bwd }
+        Split { layers, latency, period: cm.period(&busy, hops), optimizer, sync_params, pre_bwd }
     }
 
     /// The Pareto points of this shape under a sync context.

@@ -1,0 +1,222 @@
+//! `motley plan` (the offline planner) and `motley replan` (re-planning after bandwidth
+//! changes).
+
+use std::path::PathBuf;
+
+use motley_solver::bandwidth::BandwidthSpec;
+use motley_solver::replan::{replan, CurrentPlan, SwitchPolicy};
+use motley_solver::{Cluster, Model, PlanOptions, PlanRequest, ProfileSet, SolverError};
+
+use crate::inputs::{self, InputError, Mode, Output};
+use crate::table;
+
+#[derive(clap::Args)]
+pub struct PlanArgs {
+    /// Cluster file (YAML).
+    #[arg(long, env = "MOTLEY_CLUSTER")]
+    cluster: PathBuf,
+    /// Built-in model name or a model file (YAML).
+    #[arg(long, env = "MOTLEY_MODEL")]
+    model: String,
+    /// Sequences per iteration.
+    #[arg(long, default_value_t = 256, env = "MOTLEY_GLOBAL_BATCH")]
+    global_batch: u32,
+    /// Sequences per micro-batch (default: the planner chooses).
+    #[arg(long, env = "MOTLEY_MICRO_BATCH")]
+    micro_batch: Option<u32>,
+    /// Sequence length (overrides the model's).
+    #[arg(long)]
+    seq_len: Option<u64>,
+    /// Measured per-layer profiles (YAML or JSON; format in solver/README.md).
+    #[arg(long, env = "MOTLEY_PROFILES")]
+    profiles: Option<PathBuf>,
+    /// Print the baselines (Megatron-LM, Whale) next to the plan.
+    #[arg(long)]
+    compare: bool,
+    /// Brute-force every plan of the space instead of searching (a few GPUs only).
+    #[arg(long)]
+    exhaustive: bool,
+    /// Search mode: exact for small clusters, fast for large ones, auto picks.
+    #[arg(long, value_enum, default_value_t = Mode::Auto)]
+    search: Mode,
+    /// Only this tensor-parallel degree.
+    #[arg(long)]
+    tp: Option<u32>,
+    /// Longest pipeline to consider (default: automatic).
+    #[arg(long, default_value_t = 0)]
+    max_stages: u32,
+    /// Full activation recomputation.
+    #[arg(long)]
+    recompute: bool,
+    /// Shard optimizer states across a stage's data-parallel GPUs (ZeRO-1).
+    #[arg(long)]
+    zero1: bool,
+    /// Fraction of peak tensor FLOPS a layer reaches in the roofline estimate.
+    #[arg(long, default_value_t = 0.5)]
+    efficiency: f64,
+    /// GiB kept free on every GPU (CUDA context, NCCL buffers, fragmentation).
+    #[arg(long, default_value_t = 1.5)]
+    reserve_gib: f64,
+    /// Pipeline sends block the stage (Megatron-LM's 1F1B) instead of overlapping compute.
+    #[arg(long)]
+    p2p_blocking: bool,
+    /// Measured bandwidth between nodes (YAML or JSON: pairs or a matrix of GB/s; format in
+    /// solver/README.md) overriding the cluster file's nominal rates.
+    #[arg(long, env = "MOTLEY_BANDWIDTH")]
+    bandwidth: Option<PathBuf>,
+    /// List every communication group: link, NICs, NCCL settings and seconds per iteration.
+    #[arg(long)]
+    explain: bool,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = Output::Table, env = "MOTLEY_OUTPUT")]
+    output: Output,
+}
+
+fn check_options(a: &PlanArgs) -> Result<(), InputError> {
+    let bad = |flag: &str, msg: &str| Err(InputError(format!("{flag}: {msg}")));
+    if a.global_batch == 0 {
+        return bad("--global-batch", "must be at least 1");
+    }
+    if let Some(b) = a.micro_batch {
+        if b == 0 || !a.global_batch.is_multiple_of(b) {
+            return bad("--micro-batch", "must be a positive divisor of --global-batch");
+        }
+    }
+    if let Some(t) = a.tp {
+        if t == 0 || !t.is_power_of_two() {
+            return bad("--tp", "must be a power of two (1, 2, 4, 8)");
+        }
+    }
+    if a.max_stages > 0 && a.max_stages > 4096 {
+        return bad("--max-stages", "must be at most 4096 (0 chooses automatically)");
+    }
+    if !(a.efficiency > 0.0 && a.efficiency <= 1.0) {
+        return bad("--efficiency", "must be in (0, 1]");
+    }
+    if !(a.reserve_gib >= 0.0 && a.reserve_gib.is_finite()) {
+        return bad("--reserve-gib", "must be a non-negative number");
+    }
+    if a.seq_len == Some(0) {
+        return bad("--seq-len", "must be at least 1");
+    }
+    Ok(())
+}
+
+/// The cluster (with measurements in force), model, profiles and options a plan command reads.
+struct Loaded {
+    cluster: Cluster,
+    model: Model,
+    profiles: ProfileSet,
+    opts: PlanOptions,
+}
+
+fn load(a: &PlanArgs) -> Result<Loaded, InputError> {
+    check_options(a)?;
+    let mut cluster = inputs::load_cluster(&a.cluster)?;
+    if let Some(path) = &a.bandwidth {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| InputError(format!("{origin}: cannot read bandwidth file: {e}")))?;
+        let spec: BandwidthSpec = inputs::parse_yaml(&text, &origin)?;
+        cluster = cluster.with_measurements(&spec).map_err(|e| inputs::in_file(&origin, e))?;
+    }
+    let model = inputs::load_model(&a.model, a.seq_len)?;
+    let profiles = inputs::load_profiles(a.profiles.as_deref())?;
+    if let Some(t) = a.tp {
+        let largest = cluster.nodes.iter().map(|n| n.gpus).max().unwrap_or(0);
+        if t > largest {
+            return Err(InputError(format!(
+                "--tp: {t} exceeds the largest node ({largest} GPUs); a TP group stays inside one node, so pass at most {largest}"
+            )));
+        }
+        if !model.spec.heads.is_multiple_of(t) {
+            return Err(InputError(format!("--tp: {t} does not divide the model's {} attention heads; pick a divisor", model.spec.heads)));
+        }
+    }
+    let opts = PlanOptions {
+        global_batch: a.global_batch,
+        micro_batch: a.micro_batch,
+        efficiency: a.efficiency,
+        recompute: a.recompute,
+        zero1: a.zero1,
+        reserve_gib: a.reserve_gib,
+        max_stages: a.max_stages,
+        tp: a.tp,
+        p2p_blocking: a.p2p_blocking,
+    };
+    Ok(Loaded { cluster, model, profiles, opts })
+}
+
+fn solver_error(a: &PlanArgs, e: SolverError) -> InputError {
+    match e {
+        SolverError::DoesNotFit(m) => InputError(format!("{}: model does not fit: {m}", a.cluster.display())),
+        other => InputError(other.to_string()),
+    }
+}
+
+pub fn run_plan(a: PlanArgs) -> Result<String, InputError> {
+    let l = load(&a)?;
+    let req = PlanRequest {
+        cluster: &l.cluster,
+        model: &l.model,
+        profiles: &l.profiles,
+        opts: &l.opts,
+        mode: a.search.into(),
+        exhaustive: a.exhaustive,
+        seeds: vec![],
+    };
+    let report = motley_solver::plan(&req).map_err(|e| solver_error(&a, e))?;
+    Ok(match a.output {
+        Output::Json => serde_json::to_string_pretty(&report).expect("report serialises"),
+        Output::Table if a.explain => format!("{}{}", table::render(&report, a.compare), table::render_network(&report.comm_groups)),
+        Output::Table => table::render(&report, a.compare),
+    })
+}
+
+#[derive(clap::Args)]
+pub struct ReplanArgs {
+    /// The running plan: `motley plan -o json` output. Its global batch is used (--global-batch
+    /// is ignored).
+    #[arg(long)]
+    current: PathBuf,
+    /// Smallest speed-up worth a switch (0.05 = 5%).
+    #[arg(long, default_value_t = 0.05)]
+    min_gain: f64,
+    /// Iterations within which moving the state must pay for itself.
+    #[arg(long, default_value_t = 1000.0)]
+    horizon: f64,
+    #[command(flatten)]
+    plan: PlanArgs,
+}
+
+pub fn run_replan(a: ReplanArgs) -> Result<String, InputError> {
+    if !(a.min_gain >= 0.0 && a.min_gain.is_finite()) {
+        return Err(InputError("--min-gain: must be a non-negative fraction (0.05 = 5%)".into()));
+    }
+    if !(a.horizon > 0.0) {
+        return Err(InputError("--horizon: must be a positive number of iterations".into()));
+    }
+    let origin = a.current.display().to_string();
+    let text = std::fs::read_to_string(&a.current).map_err(|e| InputError(format!("{origin}: cannot read plan file: {e}")))?;
+    let current: CurrentPlan = inputs::parse_yaml(&text, &origin)?;
+    let mut l = load(&a.plan)?;
+    l.opts.global_batch = current.global_batch;
+    l.opts.micro_batch = None;
+    let req = PlanRequest {
+        cluster: &l.cluster,
+        model: &l.model,
+        profiles: &l.profiles,
+        opts: &l.opts,
+        mode: a.plan.search.into(),
+        exhaustive: a.plan.exhaustive,
+        seeds: vec![],
+    };
+    let policy = SwitchPolicy { min_gain: a.min_gain, horizon: a.horizon };
+    let report = replan(&req, &current, policy).map_err(|e| match e {
+        SolverError::InvalidInput { .. } => inputs::in_file(&origin, e),
+        other => solver_error(&a.plan, other),
+    })?;
+    Ok(match a.plan.output {
+        Output::Json => serde_json::to_string_pretty(&report).expect("report serialises"),
+        Output::Table => table::render_replan(&report, a.plan.compare),
+    })
+}
