@@ -54,4 +54,3 @@ fn main() -> ExitCode {
         }
     }
 }
-

@@ -16,10 +16,12 @@
 //!
 //! A pair measured twice (both directions, or in both forms) counts at its slower value.
 //!
-//! How measurements enter the plan: a node's *factor* is the lowest measured/nominal ratio of
-//! its pairs. Nodes whose factors fall in different 10% buckets are planned as different node
-//! classes (a slow node is not averaged into fast ones), and the bandwidth between two classes
-//! becomes the slowest pair between their nodes, measured or nominal. The transport each pair
+//! How measurements enter the plan: a node's *factor* is the highest measured/nominal ratio of
+//! its pairs (a node with a degraded NIC is slow with every peer; a congested path between two
+//! healthy nodes leaves both with fast pairs elsewhere). Nodes whose factors fall in different
+//! 10% buckets are planned as different node classes (a slow node is not averaged into fast
+//! ones), and the bandwidth between two classes becomes the slowest pair between their nodes,
+//! measured or nominal, so a slow path is still priced wherever a ring or hop crosses it. The transport each pair
 //! uses (IB, RoCE, Ethernet) stays what the NICs allow; only its speed changes.
 
 use serde::{Deserialize, Serialize};
@@ -60,14 +62,20 @@ impl BandwidthSpec {
                 let known: Vec<&str> = cluster.nodes.iter().take(6).map(|n| n.name.as_str()).collect();
                 SolverError::invalid(
                     field,
-                    format!("unknown node '{name}'; use the node names of the cluster file (after count expansion: {}, ...)", known.join(", ")),
+                    format!(
+                        "unknown node '{name}'; use the node names of the cluster file (after count expansion: {}, ...)",
+                        known.join(", ")
+                    ),
                 )
             })
         };
         let mut out: BTreeMap<(usize, usize), f64> = BTreeMap::new();
         let mut put = |field: String, a: usize, b: usize, v: f64| -> Result<()> {
             if !(v.is_finite() && v > 0.0) {
-                return Err(SolverError::invalid(field, format!("must be a positive GB/s, got {v}; leave a pair out (or ~) when it was not measured")));
+                return Err(SolverError::invalid(
+                    field,
+                    format!("must be a positive GB/s, got {v}; leave a pair out (or ~) when it was not measured"),
+                ));
             }
             if a == b {
                 return Err(SolverError::invalid(field, "a node paired with itself; measurements are between two different nodes"));
@@ -85,7 +93,11 @@ impl BandwidthSpec {
         if self.matrix.len() != self.nodes.len() {
             return Err(SolverError::invalid(
                 "matrix",
-                format!("has {} rows but nodes lists {}; give one row per node, in the order of nodes", self.matrix.len(), self.nodes.len()),
+                format!(
+                    "has {} rows but nodes lists {}; give one row per node, in the order of nodes",
+                    self.matrix.len(),
+                    self.nodes.len()
+                ),
             ));
         }
         let ids: Vec<usize> = self.nodes.iter().enumerate().map(|(i, n)| lookup(format!("nodes[{i}]"), n)).collect::<Result<_>>()?;
@@ -112,11 +124,11 @@ impl Cluster {
         let measured = spec.resolve(self)?;
         let n = self.nodes.len();
         let nominal = |x: usize, y: usize| self.nominal_inter_bw(self.nodes[x].class, self.nodes[y].class);
-        let mut factor = vec![f64::INFINITY; n];
+        let mut factor = vec![f64::NAN; n];
         for (&(a, b), &v) in &measured {
             let r = v / nominal(a, b);
-            factor[a] = factor[a].min(r);
-            factor[b] = factor[b].min(r);
+            factor[a] = factor[a].max(r); // NAN.max(r) == r
+            factor[b] = factor[b].max(r);
         }
         // Regroup: a class splits by the bucket of its nodes' factors.
         let mut classes = vec![];

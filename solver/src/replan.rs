@@ -124,7 +124,8 @@ pub fn structure_of(cm: &CostModel, current: &CurrentPlan) -> Result<PlanStructu
         replicas.push(ReplicaPlan { stages, micro_batches: r.micro_batches });
     }
     let structure = PlanStructure { micro_batch: current.micro_batch, replicas };
-    cm.check_structure(&structure).map_err(|m| SolverError::invalid("replicas", format!("the plan file is not a plan of this cluster and model: {m}")))?;
+    cm.check_structure(&structure)
+        .map_err(|m| SolverError::invalid("replicas", format!("the plan file is not a plan of this cluster and model: {m}")))?;
     Ok(structure)
 }
 
@@ -159,7 +160,9 @@ pub fn replan(req: &PlanRequest, current: &CurrentPlan, policy: SwitchPolicy) ->
     let new_keys: Vec<Vec<Vec<GpuKey>>> = new_plan
         .replicas
         .iter()
-        .map(|r| r.stages.iter().map(|s| s.gpus.iter().map(|g: &GpuId| GpuKey { node: g.node.clone(), index: g.index }).collect()).collect())
+        .map(|r| {
+            r.stages.iter().map(|s| s.gpus.iter().map(|g: &GpuId| GpuKey { node: g.node.clone(), index: g.index }).collect()).collect()
+        })
         .collect();
     let after = held(&mut new_plan.replicas.iter().enumerate().flat_map(|(ri, r)| {
         let keys = &new_keys[ri];
@@ -202,9 +205,25 @@ pub fn replan(req: &PlanRequest, current: &CurrentPlan, policy: SwitchPolicy) ->
     let (worth, reason) = if gain < policy.min_gain {
         (false, format!("the new plan is {:.1}% faster, below the {:.1}% worth a switch", gain * 100.0, policy.min_gain * 100.0))
     } else if payback.is_some_and(|p| p > policy.horizon) {
-        (false, format!("moving {:.1} GB takes {:.0} iterations to pay back, more than the horizon of {}", switch_bytes / 1e9, payback.unwrap_or(0.0), policy.horizon))
+        (
+            false,
+            format!(
+                "moving {:.1} GB takes {:.0} iterations to pay back, more than the horizon of {}",
+                switch_bytes / 1e9,
+                payback.unwrap_or(0.0),
+                policy.horizon
+            ),
+        )
     } else {
-        (true, format!("{:.1}% faster; moving {:.1} GB pays back in {:.1} iterations", gain * 100.0, switch_bytes / 1e9, payback.unwrap_or(0.0)))
+        (
+            true,
+            format!(
+                "{:.1}% faster; moving {:.1} GB pays back in {:.1} iterations",
+                gain * 100.0,
+                switch_bytes / 1e9,
+                payback.unwrap_or(0.0)
+            ),
+        )
     };
     Ok(ReplanReport {
         current_planned_s: current.iteration_time_s,

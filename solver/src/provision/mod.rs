@@ -153,8 +153,15 @@ pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
         best = h.clone();
     }
     let cluster = s.offers.cluster(&best.alloc)?;
-    let plan_report =
-        plan(&PlanRequest { cluster: &cluster, model: s.model, profiles: s.profiles, opts: s.opts, mode: s.mode, exhaustive: false, seeds: vec![] })?;
+    let plan_report = plan(&PlanRequest {
+        cluster: &cluster,
+        model: s.model,
+        profiles: s.profiles,
+        opts: s.opts,
+        mode: s.mode,
+        exhaustive: false,
+        seeds: vec![],
+    })?;
     // Exact over allocations when every skip rests on a valid bound: the superset bound is
     // valid only where the planner proved its plans (the exact planner never slows down with
     // more GPUs; the fast one can).

@@ -152,6 +152,30 @@ impl<'a, 'b> Dfs<'a, 'b> {
         Some((t, ks, fronts))
     }
 
+    /// The best uniform plan (one shape, every replica alike): one pricing per shape and
+    /// replica count (every count up to 64, then 64 evenly spaced). Uniform plans keep each
+    /// gradient ring inside one node class (Holmes's cross-island pipelines), which the
+    /// pessimistic context of the fluid incumbent cannot see, so they seed the search.
+    pub(super) fn best_uniform(&mut self) -> Option<(f64, Vec<(usize, u32)>)> {
+        let mut best: Option<(f64, Vec<(usize, u32)>)> = None;
+        for si in 0..self.shapes.len() {
+            let units = &self.shapes[si].units;
+            let xmax = (0..units.len()).filter(|&c| units[c] > 0).map(|c| self.rem[c] / units[c]).min().unwrap_or(0).min(self.n);
+            let step = (xmax / 64).max(1);
+            let mut x = xmax;
+            while x > 0 {
+                let groups = vec![(si, x)];
+                if let Some((t, _, _)) = self.price(&groups) {
+                    if best.as_ref().is_none_or(|b| t < b.0) {
+                        best = Some((t, groups));
+                    }
+                }
+                x = x.saturating_sub(step);
+            }
+        }
+        best
+    }
+
     fn bound_allows(&self, i: usize) -> bool {
         let t = self.best * (1.0 - self.tolerance);
         if !t.is_finite() {

@@ -144,10 +144,10 @@ fn search_in(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure], budget_t
         dfs.best = incumbent;
         dfs.budget = if mode == SearchMode::Exact { budget_total.saturating_sub(stats.nodes) } else { per_run_budget };
         if mode == SearchMode::Fast {
-            if let Some((t, groups)) = fluid_plan(dfs) {
-                if t < dfs.best {
-                    dfs.best = t;
-                    dfs.best_groups = Some(groups);
+            for found in [fluid_plan(dfs), dfs.best_uniform()].into_iter().flatten() {
+                if found.0 < dfs.best {
+                    dfs.best = found.0;
+                    dfs.best_groups = Some(found.1);
                 }
             }
         }

@@ -254,25 +254,32 @@ impl Shape {
         candidates.push(hi.max(lo));
         candidates.sort_by(f64::total_cmp);
         candidates.dedup();
-        let mut order: Vec<usize> = (0..p).collect();
-        order.sort_by(|&a, &b| per[a].total_cmp(&per[b]));
-        let mut last: Option<Vec<u32>> = None;
+        // Cheapest layers first; among equally cheap stages, fill early stages first in one
+        // split and late stages first in another (a late stage's gradient sync hides behind the
+        // earlier stages' backward passes, the first stage's does not, so a slow ring wants
+        // layers moved late: Holmes's self-adapting partition, derived from the cost model).
+        let mut early: Vec<usize> = (0..p).collect();
+        early.sort_by(|&a, &b| per[a].total_cmp(&per[b]).then(a.cmp(&b)));
+        let mut late: Vec<usize> = (0..p).collect();
+        late.sort_by(|&a, &b| per[a].total_cmp(&per[b]).then(b.cmp(&a)));
+        let mut seen: std::collections::HashSet<Vec<u32>> = std::collections::HashSet::new();
         for m in candidates {
             let lim = limits(m);
             if !feasible(&lim) {
                 continue;
             }
-            let mut n = vec![1u32; p];
-            let mut left = l - p as u32;
-            for &i in &order {
-                let add = left.min(lim[i] - 1);
-                n[i] += add;
-                left -= add;
-            }
-            if last.as_ref() != Some(&n) {
-                let split = self.make_split(cm, hops, n.clone());
-                self.splits.push(split);
-                last = Some(n);
+            for order in [&early, &late] {
+                let mut n = vec![1u32; p];
+                let mut left = l - p as u32;
+                for &i in order {
+                    let add = left.min(lim[i] - 1);
+                    n[i] += add;
+                    left -= add;
+                }
+                if seen.insert(n.clone()) {
+                    let split = self.make_split(cm, hops, n);
+                    self.splits.push(split);
+                }
             }
             if lim == caps {
                 break; // every larger bottleneck gives this same split

@@ -1,0 +1,366 @@
+//! The network-aware planner: Holmes's rules on every communication group, multi-edge links,
+//! measured bandwidth and re-planning.
+
+use std::collections::{BTreeSet, HashMap};
+
+use motley_solver::bandwidth::{BandwidthSpec, PairSpec};
+use motley_solver::cost::StageKind;
+use motley_solver::hardware::{multi_edge_gbit, NicKind, NicSpec, NodeSpec};
+use motley_solver::network::{comm_groups, GroupKind, Transport};
+use motley_solver::placement::place;
+use motley_solver::plan::{PlanStructure, ReplicaPlan, StagePlan};
+use motley_solver::replan::{replan, CurrentPlan, SwitchPolicy};
+use motley_solver::{
+    plan, Cluster, ClusterSpec, CostModel, Model, ModelSpec, PlanOptions, PlanReport, PlanRequest, ProfileSet, SearchMode,
+};
+use proptest::prelude::*;
+
+fn node(name: &str, count: u32, gpu: &str, gpus: u32, nics: Vec<NicSpec>, domain: Option<&str>) -> NodeSpec {
+    NodeSpec {
+        name: name.into(),
+        count: Some(count),
+        gpu: gpu.into(),
+        gpus,
+        intra: None,
+        nics,
+        rdma_domain: domain.map(str::to_string),
+        spot: false,
+        price_per_gpu_hour: None,
+        pcie_switch_gbit: None,
+    }
+}
+
+fn eth() -> NicSpec {
+    NicSpec::new("eth0", NicKind::Ethernet, 25.0)
+}
+
+/// IB nodes with two rails (each NIC serving half the GPUs), RoCE nodes with one NIC and a
+/// non-default GID index, and Ethernet-only nodes.
+fn mixed_cluster(ib: u32, roce: u32, plain: u32, gpu: &str, gpus: u32) -> ClusterSpec {
+    let half: Vec<u32> = (0..gpus / 2).collect();
+    let rest: Vec<u32> = (gpus / 2..gpus).collect();
+    let rail = |name: &str, g: &[u32]| NicSpec { gpus: g.to_vec(), ..NicSpec::new(name, NicKind::Ib, 200.0) };
+    let mut nodes = vec![];
+    if ib > 0 {
+        nodes.push(node("ib", ib, gpu, gpus, vec![rail("mlx5_0", &half), rail("mlx5_1", &rest), eth()], Some("ib-island")));
+    }
+    if roce > 0 {
+        let nic = NicSpec { gid_index: Some(5), ..NicSpec::new("mlx5_4", NicKind::Roce, 100.0) };
+        nodes.push(node("roce", roce, gpu, gpus, vec![nic, eth()], Some("roce-island")));
+    }
+    if plain > 0 {
+        nodes.push(node("plain", plain, gpu, gpus, vec![eth()], None));
+    }
+    ClusterSpec { name: "mixed".into(), nodes, gpu_types: vec![] }
+}
+
+fn small_model(layers: u32) -> Model {
+    let spec = ModelSpec {
+        name: "t".into(),
+        layers,
+        hidden: 1024,
+        heads: 16,
+        seq_len: 1024,
+        vocab: 32000,
+        ffn_hidden: None,
+        kv_heads: None,
+        gated_mlp: false,
+    };
+    Model::new(spec, None).unwrap()
+}
+
+fn load_example<T: serde::de::DeserializeOwned>(path: &str) -> T {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path);
+    serde_norway::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn plan_on(cluster: &Cluster, model: &Model, opts: &PlanOptions, mode: SearchMode) -> PlanReport {
+    let profiles = ProfileSet::default();
+    plan(&PlanRequest { cluster, model, profiles: &profiles, opts, mode, exhaustive: false, seeds: vec![] }).unwrap()
+}
+
+/// Every rule a group must obey, checked against the cluster it was planned on.
+fn check_groups(cluster: &Cluster, r: &PlanReport) {
+    let node_of: HashMap<&str, usize> = cluster.nodes.iter().enumerate().map(|(i, n)| (n.name.as_str(), i)).collect();
+    let class_of = |name: &str| &cluster.classes[cluster.nodes[node_of[name]].class];
+    let tp = r.replicas[0].stages[0].tp;
+    let tp_groups: usize = if tp > 1 { r.replicas.iter().flat_map(|x| &x.stages).map(|s| s.dp as usize).sum() } else { 0 };
+    assert_eq!(r.comm_groups.iter().filter(|g| g.kind == GroupKind::Tp).count(), tp_groups);
+    for g in &r.comm_groups {
+        assert!(g.gpus.len() >= 2, "a group of one GPU does not communicate: {g:?}");
+        assert!(!g.env.is_empty(), "every group selects its transport: {g:?}");
+        assert!(g.seconds_per_iteration.is_finite() && g.seconds_per_iteration >= 0.0);
+        let nodes: BTreeSet<&str> = g.gpus.iter().map(|x| x.node.as_str()).collect();
+        match g.transport {
+            Transport::Nvlink | Transport::Pcie => {
+                assert_eq!(nodes.len(), 1, "an intra-node transport inside one node: {g:?}");
+                assert!(g.nics.is_empty() && g.nccl_net.is_none());
+            }
+            Transport::Ib | Transport::Roce => {
+                let kind = if g.transport == Transport::Ib { NicKind::Ib } else { NicKind::Roce };
+                let domains: BTreeSet<&str> = nodes.iter().map(|n| class_of(n).rdma_domain.as_str()).collect();
+                assert_eq!(domains.len(), 1, "an RDMA group stays in one RDMA domain: {g:?}");
+                for n in &nodes {
+                    assert!(class_of(n).nic_gbps.contains_key(&kind), "{n} has no {kind:?} NIC but group uses it: {g:?}");
+                }
+                let hca = &g.env["NCCL_IB_HCA"];
+                assert!(hca.starts_with('='), "exact HCA match: {hca}");
+                for name in hca[1..].split(',') {
+                    let dev = name.split(':').next().unwrap();
+                    assert!(
+                        nodes.iter().any(|n| class_of(n).nics.iter().any(|x| x.name == dev && x.kind == kind)),
+                        "{dev} not on the group's nodes"
+                    );
+                }
+                assert_eq!(g.env["NCCL_IB_DISABLE"], "0");
+                assert_eq!(g.env.contains_key("NCCL_IB_GID_INDEX"), kind == NicKind::Roce);
+                assert_eq!(g.nccl_net.as_deref(), Some("IB"));
+            }
+            Transport::Socket => {
+                assert!(nodes.len() > 1);
+                assert_eq!(g.env["NCCL_IB_DISABLE"], "1");
+                assert_eq!(g.env["NCCL_SOCKET_IFNAME"], "=eth0");
+                assert_eq!(g.nics, vec!["eth0".to_string()]);
+            }
+        }
+        if g.kind == GroupKind::Tp {
+            assert_eq!(nodes.len(), 1, "no TP group leaves a node: {g:?}");
+            assert_eq!(g.gpus.len() as u32, tp);
+        }
+        if g.kind == GroupKind::Dp {
+            // No ring mixes InfiniBand and RoCE: a ring joining an IB-only and a RoCE-only
+            // node runs over sockets.
+            let has =
+                |k: NicKind| nodes.iter().any(|n| class_of(n).nic_gbps.contains_key(&k) && !class_of(n).nic_gbps.contains_key(&other(k)));
+            if has(NicKind::Ib) && has(NicKind::Roce) {
+                assert_eq!(g.transport, Transport::Socket, "{g:?}");
+            }
+        }
+    }
+}
+
+fn other(k: NicKind) -> NicKind {
+    if k == NicKind::Ib {
+        NicKind::Roce
+    } else {
+        NicKind::Ib
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Holmes's rules on every plan of random mixed-NIC clusters.
+    #[test]
+    fn every_group_follows_the_network_rules(
+        ib in 0u32..=3, roce in 0u32..=3, plain in 0u32..=2,
+        gpu in prop_oneof![Just("A100-80G"), Just("V100-32G"), Just("A6000")],
+        gpus in prop_oneof![Just(2u32), Just(4), Just(8)],
+        layers in 4u32..=16, batch in prop_oneof![Just(8u32), Just(16), Just(32)],
+    ) {
+        prop_assume!(ib + roce + plain >= 1);
+        let cluster = Cluster::from_spec(&mixed_cluster(ib, roce, plain, gpu, gpus)).unwrap();
+        let opts = PlanOptions { global_batch: batch, ..PlanOptions::default() };
+        let r = plan_on(&cluster, &small_model(layers), &opts, SearchMode::Fast);
+        check_groups(&cluster, &r);
+    }
+}
+
+#[test]
+fn holmes_hybrid_plan_pipelines_across_islands_and_keeps_rings_inside() {
+    let cluster = Cluster::from_spec(&load_example::<ClusterSpec>("examples/holmes/hybrid-4.yaml")).unwrap();
+    let model = Model::new(load_example::<ModelSpec>("examples/holmes/gpt-3.6b.yaml"), None).unwrap();
+    let opts = PlanOptions { global_batch: 768, tp: Some(1), max_stages: 2, ..PlanOptions::default() };
+    let r = plan_on(&cluster, &model, &opts, SearchMode::Auto);
+    check_groups(&cluster, &r);
+    let rings: BTreeSet<Transport> = r.comm_groups.iter().filter(|g| g.kind == GroupKind::Dp).map(|g| g.transport).collect();
+    assert_eq!(rings, [Transport::Ib, Transport::Roce].into(), "one ring per island, on its own RDMA NIC");
+    let hops: BTreeSet<Transport> = r.comm_groups.iter().filter(|g| g.kind == GroupKind::Pp).map(|g| g.transport).collect();
+    assert_eq!(hops, [Transport::Socket].into(), "pipeline hops cross between the islands over Ethernet");
+    // The same GPUs as one flat Ethernet fabric are slower.
+    let flat = Cluster::from_spec(&load_example::<ClusterSpec>("examples/holmes/ethernet-4.yaml")).unwrap();
+    let f = plan_on(&flat, &model, &opts, SearchMode::Auto);
+    assert!(r.iteration_time_s < f.iteration_time_s, "hybrid {} vs flat Ethernet {}", r.iteration_time_s, f.iteration_time_s);
+}
+
+#[test]
+fn a_ring_across_islands_runs_over_sockets_and_is_priced_on_ethernet() {
+    let cluster = Cluster::from_spec(&mixed_cluster(1, 1, 0, "A100-80G", 8)).unwrap();
+    let model = small_model(8);
+    let opts = PlanOptions { global_batch: 16, ..PlanOptions::default() };
+    let profiles = ProfileSet::default();
+    let cm = CostModel { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts };
+    // Two replicas of one stage of 8 GPUs (tp 8): one on the IB node, one on the RoCE node,
+    // with different micro-batch counts so the plan is not uniform.
+    let ib_class = cluster.nodes.iter().find(|n| n.name.starts_with("ib")).unwrap().class;
+    let roce_class = cluster.nodes.iter().find(|n| n.name.starts_with("roce")).unwrap().class;
+    let rep =
+        |class, mb| ReplicaPlan { stages: vec![StagePlan { kind: StageKind { class, tp: 8, dp: 1 }, layers: (0, 8) }], micro_batches: mb };
+    let p = PlanStructure { micro_batch: 2, replicas: vec![rep(ib_class, 5), rep(roce_class, 3)] };
+    cm.check_structure(&p).unwrap();
+    assert!(!p.is_uniform());
+    let groups = comm_groups(&cm, &p, &place(&cluster, &p).unwrap());
+    let rings: Vec<_> = groups.iter().filter(|g| g.kind == GroupKind::Dp).collect();
+    assert_eq!(rings.len(), 8, "one ring per TP rank");
+    for g in &rings {
+        assert_eq!(g.transport, Transport::Socket);
+        assert_eq!(g.env["NCCL_NET"], "Socket");
+        assert!((g.link_gb_per_s - 25.0 / 8.0 * 0.85 / 8.0).abs() < 1e-9, "Ethernet shared by 8 TP shards: {}", g.link_gb_per_s);
+    }
+    // The cost model prices the same ring on Ethernet too.
+    let ctx = cm.sync_context(2, &p.gpus_per_class(cluster.classes.len()), false);
+    assert!((cm.ring_link(&ctx, p.replicas[0].stages[0].kind).0 - 25.0 / 8.0 * 0.85).abs() < 1e-9);
+}
+
+#[test]
+fn nics_add_up_unless_they_share_a_pcie_switch() {
+    let on = |name: &str, sw: Option<&str>| NicSpec { pcie_switch: sw.map(str::to_string), ..NicSpec::new(name, NicKind::Ib, 200.0) };
+    let apart = multi_edge_gbit(&[on("a", None), on("b", None)], 256.0);
+    assert_eq!(apart[&NicKind::Ib], 400.0);
+    let shared = multi_edge_gbit(&[on("a", Some("sw0")), on("b", Some("sw0")), on("c", Some("sw1"))], 256.0);
+    assert_eq!(shared[&NicKind::Ib], 256.0 + 200.0);
+    let kinds = multi_edge_gbit(&[on("a", None), NicSpec::new("eth0", NicKind::Ethernet, 25.0)], 256.0);
+    assert_eq!((kinds[&NicKind::Ib], kinds[&NicKind::Ethernet]), (200.0, 25.0), "kinds never add up");
+}
+
+fn pairs(list: &[(&str, &str, f64)]) -> BandwidthSpec {
+    BandwidthSpec {
+        pairs: list.iter().map(|&(a, b, g)| PairSpec { a: a.into(), b: b.into(), gb_per_s: g }).collect(),
+        ..BandwidthSpec::default()
+    }
+}
+
+#[test]
+fn measurements_override_nominal_rates_and_split_slow_nodes_off() {
+    let cluster = Cluster::from_spec(&mixed_cluster(3, 0, 0, "A100-80G", 8)).unwrap();
+    assert_eq!(cluster.classes.len(), 1);
+    let nominal = cluster.inter_bw(0, 0);
+    // ib-2's links measure at a quarter: it becomes its own class; ib-0/ib-1 stay nominal.
+    let m = cluster
+        .with_measurements(&pairs(&[("ib-0", "ib-2", nominal / 4.0), ("ib-1", "ib-2", nominal / 4.0), ("ib-0", "ib-1", nominal)]))
+        .unwrap();
+    assert_eq!(m.classes.len(), 2);
+    let slow = m.nodes.iter().find(|n| n.name == "ib-2").unwrap().class;
+    let fast = m.nodes.iter().find(|n| n.name == "ib-0").unwrap().class;
+    assert_ne!(slow, fast);
+    assert!((m.inter_bw(fast, fast) - nominal).abs() < 1e-9);
+    assert!((m.inter_bw(fast, slow) - nominal / 4.0).abs() < 1e-9);
+    assert_eq!(m.inter_link(fast, slow).0, NicKind::Ib, "measurements change speeds, not transports");
+    // A matrix gives the same answer as the pairs.
+    let spec = BandwidthSpec {
+        nodes: vec!["ib-0".into(), "ib-1".into(), "ib-2".into()],
+        matrix: vec![
+            vec![None, Some(nominal), Some(nominal / 4.0)],
+            vec![Some(nominal), None, Some(nominal / 4.0)],
+            vec![Some(nominal / 4.0), Some(nominal / 4.0), None],
+        ],
+        ..BandwidthSpec::default()
+    };
+    assert_eq!(cluster.with_measurements(&spec).unwrap(), m);
+}
+
+#[test]
+fn bad_measurement_files_name_the_field() {
+    let cluster = Cluster::from_spec(&mixed_cluster(2, 0, 0, "A100-80G", 8)).unwrap();
+    let err = |s: BandwidthSpec| cluster.with_measurements(&s).unwrap_err().to_string();
+    assert!(err(pairs(&[("ib-0", "nope", 1.0)])).starts_with("pairs[0].b: unknown node 'nope'"));
+    assert!(err(pairs(&[("ib-0", "ib-1", 0.0)])).starts_with("pairs[0].gb_per_s: must be a positive GB/s"));
+    assert!(err(pairs(&[("ib-0", "ib-0", 3.0)])).starts_with("pairs[0].gb_per_s: a node paired with itself"));
+    assert!(err(BandwidthSpec::default()).starts_with("pairs: the file measures no pair"));
+    let ragged = BandwidthSpec {
+        nodes: vec!["ib-0".into(), "ib-1".into()],
+        matrix: vec![vec![None, Some(1.0)], vec![Some(1.0)]],
+        ..BandwidthSpec::default()
+    };
+    assert!(err(ragged).starts_with("matrix[1]: has 1 columns"));
+}
+
+/// The IB island of Holmes's 4-node hybrid cluster measures at half its nominal rate:
+/// re-planning moves layers off it, and the new plan is never slower than the running one on
+/// the network as measured now.
+#[test]
+fn halving_an_islands_bandwidth_moves_work_away_from_it() {
+    let cluster = Cluster::from_spec(&load_example::<ClusterSpec>("examples/holmes/hybrid-4.yaml")).unwrap();
+    let model = Model::new(load_example::<ModelSpec>("examples/holmes/gpt-3.6b.yaml"), None).unwrap();
+    let opts = PlanOptions { global_batch: 64, tp: Some(1), max_stages: 2, ..PlanOptions::default() };
+    let before = plan_on(&cluster, &model, &opts, SearchMode::Auto);
+    let half = cluster.inter_bw(0, 0) / 2.0;
+    let slowed = cluster.with_measurements(&pairs(&[("hybrid-0", "hybrid-1", half)])).unwrap();
+    let profiles = ProfileSet::default();
+    let req = PlanRequest {
+        cluster: &slowed,
+        model: &model,
+        profiles: &profiles,
+        opts: &opts,
+        mode: SearchMode::Auto,
+        exhaustive: false,
+        seeds: vec![],
+    };
+    let current: CurrentPlan = serde_json::from_value(serde_json::to_value(&before).unwrap()).unwrap();
+    let r = replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 }).unwrap();
+    let share = |p: &PlanReport| {
+        let (mut island, mut all) = (0u64, 0u64);
+        for rep in &p.replicas {
+            for s in &rep.stages {
+                let w = rep.samples as u64 * (s.layers[1] - s.layers[0]) as u64 * s.gpus.len() as u64;
+                all += w;
+                if s.gpus[0].node == "hybrid-0" || s.gpus[0].node == "hybrid-1" {
+                    island += w;
+                }
+            }
+        }
+        island as f64 / all as f64
+    };
+    assert!(share(&r.new_plan) < share(&before) - 0.05, "island share {} -> {}", share(&before), share(&r.new_plan));
+    assert!(r.current_now_s > before.iteration_time_s, "the slower network slows the running plan");
+    assert!(r.new_iteration_time_s <= r.current_now_s, "re-planning never does worse than keeping the plan");
+    assert!((r.gain - (r.current_now_s / r.new_iteration_time_s - 1.0)).abs() < 1e-12);
+    assert!(r.gpus_moved > 0 && r.switch_bytes > 0.0 && r.payback_iterations.is_some());
+    assert_eq!(r.worth_switching, r.gain >= 0.05 && r.payback_iterations.unwrap() <= 1000.0);
+}
+
+#[test]
+fn replanning_an_unchanged_network_keeps_the_plan() {
+    let cluster = Cluster::from_spec(&mixed_cluster(2, 2, 0, "A100-80G", 8)).unwrap();
+    let model = small_model(12);
+    let opts = PlanOptions { global_batch: 32, ..PlanOptions::default() };
+    let before = plan_on(&cluster, &model, &opts, SearchMode::Auto);
+    let profiles = ProfileSet::default();
+    let req = PlanRequest {
+        cluster: &cluster,
+        model: &model,
+        profiles: &profiles,
+        opts: &opts,
+        mode: SearchMode::Auto,
+        exhaustive: false,
+        seeds: vec![],
+    };
+    let current: CurrentPlan = serde_json::from_value(serde_json::to_value(&before).unwrap()).unwrap();
+    let r = replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 }).unwrap();
+    assert!((r.current_now_s - before.iteration_time_s).abs() < 1e-9 * before.iteration_time_s);
+    assert!(!r.worth_switching, "{}", r.reason);
+    assert!(r.gain.abs() < 1e-9);
+}
+
+#[test]
+fn a_plan_file_for_another_cluster_is_refused_with_the_field() {
+    let cluster = Cluster::from_spec(&mixed_cluster(2, 0, 0, "A100-80G", 8)).unwrap();
+    let model = small_model(8);
+    let opts = PlanOptions { global_batch: 16, ..PlanOptions::default() };
+    let before = plan_on(&cluster, &model, &opts, SearchMode::Auto);
+    let mut v = serde_json::to_value(&before).unwrap();
+    v["replicas"][0]["stages"][0]["gpus"][0]["node"] = "elsewhere".into();
+    let current: CurrentPlan = serde_json::from_value(v).unwrap();
+    let profiles = ProfileSet::default();
+    let req = PlanRequest {
+        cluster: &cluster,
+        model: &model,
+        profiles: &profiles,
+        opts: &opts,
+        mode: SearchMode::Auto,
+        exhaustive: false,
+        seeds: vec![],
+    };
+    let e = replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 }).unwrap_err().to_string();
+    assert!(e.starts_with("replicas[0].stages[0].gpus[0].node: node 'elsewhere' is not in the cluster"), "{e}");
+}
