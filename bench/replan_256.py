@@ -66,7 +66,7 @@ def main():
         worst = max(worst, rw)
         print(f"| {model} | {batch} | {pw:.3f} / {pc:.3f} | {rw:.3f} / {rc:.3f} | {r['current_planned_s']:.3f} -> {r['current_now_s']:.3f} s | "
               f"{r['new_iteration_time_s']:.3f} s | {r['gain'] * 100:+.1f}% | {'switch' if r['worth_switching'] else 'keep'} | "
-              f"{r['gpus_moved']} | {max(r['switch_bytes'], 0.0) / 1e9:.1f} |")
+              f"{r['gpus_moved']} | {abs(r['switch_bytes']) / 1e9:.1f} |")
     print()
     print(f"slowest replan: {worst:.3f} s wall ({'under' if worst < 1.0 else 'OVER'} the 1 s bar)")
     return 0 if worst < 1.0 else 1

@@ -239,7 +239,12 @@ impl<'a> CostModel<'a> {
 
     /// Seconds of the gradient all-reduce of `params` parameters held by a stage of kind `k`.
     pub fn sync_time(&self, ctx: &SyncContext, k: StageKind, params: f64) -> f64 {
-        let n = (ctx.replicas - 1 + k.dp) as f64;
+        let n = match ctx.rings {
+            // Stage i of every replica: exactly R * d_i members.
+            Rings::PerStage { .. } => (ctx.replicas * k.dp) as f64,
+            // The members of a layer's ring depend on the other replicas' stages.
+            Rings::Shared { .. } => (ctx.replicas - 1 + k.dp) as f64,
+        };
         if n <= 1.0 {
             return 0.0;
         }
@@ -342,15 +347,8 @@ impl<'a> CostModel<'a> {
         if used.len() == 1 && gpus[used[0]] <= self.cluster.classes[used[0]].gpus_per_node {
             return SyncContext { replicas, rings: Rings::Shared { bw: self.cluster.intra_bw(used[0]), intra: true } };
         }
-        let mut bw = f64::INFINITY;
-        for (i, &a) in used.iter().enumerate() {
-            if gpus[a] > self.cluster.classes[a].gpus_per_node {
-                bw = bw.min(self.cluster.inter_bw(a, a));
-            }
-            for &b in &used[i + 1..] {
-                bw = bw.min(self.cluster.inter_bw(a, b));
-            }
-        }
+        let multi: Vec<bool> = used.iter().map(|&c| gpus[c] > self.cluster.classes[c].gpus_per_node).collect();
+        let (_, bw) = self.cluster.common_link(&used, &multi);
         SyncContext { replicas, rings: Rings::Shared { bw, intra: false } }
     }
 }

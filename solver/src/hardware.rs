@@ -253,7 +253,10 @@ impl Cluster {
                 if nic.gid_index.is_some() && nic.kind != NicKind::Roce {
                     return Err(SolverError::invalid(nf("gid_index"), "only RoCE NICs have a GID index; remove it or set kind: roce"));
                 }
-                if n.nics[..j].iter().any(|o| o.name == nic.name && o.port == nic.port) {
+                if nic.port == Some(0) {
+                    return Err(SolverError::invalid(nf("port"), "HCA ports are numbered from 1; remove it to use port 1"));
+                }
+                if n.nics[..j].iter().any(|o| o.name == nic.name && o.port.unwrap_or(1) == nic.port.unwrap_or(1)) {
                     return Err(SolverError::invalid(nf("name"), format!("'{}' is declared twice on this node", nic.name)));
                 }
                 nic_names.entry(nic.kind).or_default().push(nic.name.clone());
@@ -337,6 +340,39 @@ impl Cluster {
             best.1 = m;
         }
         best
+    }
+
+    /// Transport and GB/s of a collective over nodes of `classes` (`multi[i]`: class i has
+    /// more than one node in it, so its own inter-node link is crossed too): the fastest RDMA
+    /// kind every class has, all in one RDMA domain, else Ethernet (so InfiniBand and RoCE
+    /// never mix); the slowest pair sets the rate, measured where a measurement applies.
+    pub fn common_link(&self, classes: &[usize], multi: &[bool]) -> (NicKind, f64) {
+        let domain = &self.classes[classes[0]].rdma_domain;
+        let same_domain = classes.iter().all(|&c| &self.classes[c].rdma_domain == domain);
+        let mut best: Option<(NicKind, f64)> = None;
+        for kind in [NicKind::Ib, NicKind::Roce, NicKind::Ethernet] {
+            if kind != NicKind::Ethernet && !same_domain {
+                continue;
+            }
+            if !classes.iter().all(|&c| self.classes[c].nic_gbps.contains_key(&kind)) {
+                continue;
+            }
+            let mut rate = f64::INFINITY;
+            for (i, &a) in classes.iter().enumerate() {
+                let partners = if multi[i] { &classes[i..] } else { &classes[i + 1..] };
+                for &b in partners {
+                    let nominal = self.classes[a].nic_gbps[&kind].min(self.classes[b].nic_gbps[&kind]) / 8.0 * nic_efficiency(kind);
+                    // A measurement is of the pair's own best transport.
+                    let measured = self.measured[a][b].filter(|_| self.inter_link(a, b).0 == kind);
+                    rate = rate.min(measured.unwrap_or(nominal));
+                }
+            }
+            if rate.is_finite() && best.is_none_or(|b| rate > b.1) {
+                best = Some((kind, rate));
+            }
+        }
+        // Ethernet is always there (a default rate for nodes that declare none).
+        best.unwrap_or((NicKind::Ethernet, f64::INFINITY))
     }
 
     /// The nominal GB/s between classes `a` and `b`, ignoring measurements.

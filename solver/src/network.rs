@@ -17,13 +17,15 @@
 //! setting each group's `env` just before that group's `ncclCommInitRank` (or
 //! `new_group`) and passing `nccl_net` as `ncclConfig_t.netName` where the NCCL binding
 //! exposes it, which is the one per-communicator network switch NCCL honours after the first
-//! initialisation. Every member of a group must apply the same settings for the same group.
+//! initialisation, plus its node's `node_env` where the group has one. Every member of a group
+//! applies the same settings for it. `NCCL_IB_DISABLE=1` is never emitted: NCCL caches it
+//! for the process, so it would switch RDMA off for the rank's later groups.
 
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::cost::CostModel;
-use crate::hardware::{nic_efficiency, Cluster, IntraLink, NicKind};
+use crate::hardware::{Cluster, IntraLink, NicKind};
 use crate::placement::{GpuId, Placement};
 use crate::plan::PlanStructure;
 
@@ -54,6 +56,10 @@ pub struct CommGroup {
     pub nics: Vec<String>,
     /// NCCL settings that select this transport and these NICs.
     pub env: BTreeMap<String, String>,
+    /// Per node, settings that differ from `env` there (a RoCE port's GID index); ranks on
+    /// that node apply them on top of `env`.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_env: BTreeMap<String, BTreeMap<String, String>>,
     /// `ncclConfig_t.netName` for this communicator ("IB" or "Socket"); None inside a node.
     pub nccl_net: Option<String>,
     /// TP and pipeline groups: the replica and stage (for a hop, the sending stage).
@@ -106,7 +112,8 @@ pub fn comm_groups(cm: &CostModel, plan: &PlanStructure, placement: &Placement) 
         cuts.extend(r.stages.iter().map(|s| s.layers.0));
     }
     let cuts: Vec<u32> = cuts.into_iter().collect();
-    let tp = plan.replicas[0].stages[0].kind.tp;
+    // One tp per plan (the plan model's rule; `replan` refuses plan files that mix them).
+    let Some(tp) = plan.replicas.first().and_then(|r| r.stages.first()).map(|s| s.kind.tp) else { return out };
     for w in cuts.windows(2) {
         let (l0, l1) = (w[0], w[1]);
         let mut params = (l1 - l0) as f64 * cm.model.layer_params;
@@ -169,13 +176,14 @@ impl<'a> Net<'a> {
         } else {
             self.inter(&nodes, &classes, nic_sharers)
         };
-        let (nics, env, nccl_net) = self.settings(transport, &gpus);
+        let Settings { nics, env, node_env, nccl_net } = self.settings(transport, &gpus);
         CommGroup {
             kind,
             gpus,
             transport,
             nics,
             env,
+            node_env,
             nccl_net,
             replica,
             stage,
@@ -186,90 +194,90 @@ impl<'a> Net<'a> {
         }
     }
 
-    /// Transport and GB/s between a set of nodes: RDMA only if every pair shares the same
-    /// RDMA kind, else sockets; the slowest pair sets the speed.
+    /// Transport and GB/s between a set of nodes (`Cluster::common_link`: RDMA only if every
+    /// node has the same kind in one domain; the slowest pair sets the speed).
     fn inter(&self, nodes: &BTreeSet<usize>, classes: &BTreeSet<usize>, nic_sharers: f64) -> (Transport, f64) {
-        let mut kinds = BTreeSet::new();
-        let mut bw = f64::INFINITY;
         let cls: Vec<usize> = classes.iter().copied().collect();
-        for (i, &a) in cls.iter().enumerate() {
-            let nodes_of_a = nodes.iter().filter(|&&n| self.cluster.nodes[n].class == a).count();
-            let partners = if nodes_of_a > 1 { &cls[i..] } else { &cls[i + 1..] };
-            for &b in partners {
-                let (k, gbs) = self.cluster.inter_link(a, b);
-                kinds.insert(k);
-                bw = bw.min(gbs);
-            }
-        }
-        let transport = match (kinds.len(), kinds.iter().next()) {
-            (1, Some(NicKind::Ib)) => Transport::Ib,
-            (1, Some(NicKind::Roce)) => Transport::Roce,
-            _ => Transport::Socket,
+        let multi: Vec<bool> = cls.iter().map(|&c| nodes.iter().filter(|&&n| self.cluster.nodes[n].class == c).count() > 1).collect();
+        let (kind, bw) = self.cluster.common_link(&cls, &multi);
+        let transport = match kind {
+            NicKind::Ib => Transport::Ib,
+            NicKind::Roce => Transport::Roce,
+            NicKind::Ethernet => Transport::Socket,
         };
-        if transport == Transport::Socket && kinds.len() > 1 {
-            // Mixed kinds: every pair falls back to Ethernet.
-            bw = cls
-                .iter()
-                .flat_map(|&a| cls.iter().map(move |&b| (a, b)))
-                .map(|(a, b)| self.ethernet_gbs(a, b))
-                .fold(f64::INFINITY, f64::min);
-        }
         (transport, bw / nic_sharers)
     }
 
-    fn ethernet_gbs(&self, a: usize, b: usize) -> f64 {
-        let (ca, cb) = (&self.cluster.classes[a], &self.cluster.classes[b]);
-        ca.nic_gbps[&NicKind::Ethernet].min(cb.nic_gbps[&NicKind::Ethernet]) / 8.0 * nic_efficiency(NicKind::Ethernet)
-    }
-
-    /// NICs, NCCL environment and `netName` of a group using `transport`.
-    fn settings(&self, transport: Transport, gpus: &[GpuId]) -> (Vec<String>, BTreeMap<String, String>, Option<String>) {
+    /// NICs, NCCL environment, per-node overrides and `netName` of a group using `transport`.
+    fn settings(&self, transport: Transport, gpus: &[GpuId]) -> Settings {
         let mut env = BTreeMap::new();
         let kind = match transport {
             Transport::Nvlink | Transport::Pcie => {
                 let level = if transport == Transport::Nvlink { "NVL" } else { "PHB" };
                 env.insert("NCCL_P2P_DISABLE".into(), "0".into());
                 env.insert("NCCL_P2P_LEVEL".into(), level.into());
-                return (vec![], env, None);
+                return Settings { nics: vec![], env, node_env: BTreeMap::new(), nccl_net: None };
             }
             Transport::Ib => NicKind::Ib,
             Transport::Roce => NicKind::Roce,
             Transport::Socket => NicKind::Ethernet,
         };
         let mut nics = BTreeSet::new();
-        let mut gid = BTreeSet::new();
+        // GID index per node: a property of the local port, so nodes may differ.
+        let mut gid: BTreeMap<String, u32> = BTreeMap::new();
         // Rail-aligned: every member uses NICs of the same names (its rail-local ones where the
         // cluster file says which GPUs a NIC serves), so rings need not cross rails.
         let mut rails: BTreeSet<Vec<String>> = BTreeSet::new();
+        let mut undeclared = false;
         for g in gpus {
             let class = &self.cluster.classes[self.cluster.nodes[self.node_of[g.node.as_str()]].class];
             let of_kind: Vec<_> = class.nics.iter().filter(|n| n.kind == kind).collect();
+            undeclared |= of_kind.is_empty();
             let local: Vec<_> = of_kind.iter().filter(|n| n.gpus.contains(&g.index)).copied().collect();
             let chosen = if local.is_empty() { of_kind } else { local };
             rails.insert(chosen.iter().map(|n| n.name.clone()).collect());
             for n in chosen {
                 nics.insert(if kind == NicKind::Ethernet { n.name.clone() } else { n.hca() });
-                gid.insert(n.gid_index.unwrap_or(3));
+                gid.entry(g.node.clone()).or_insert(n.gid_index.unwrap_or(3));
             }
         }
         let nics: Vec<String> = nics.into_iter().collect();
+        let mut node_env: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+        // NCCL_IB_DISABLE is never set to 1 here: NCCL reads it once per process, so a socket
+        // group created first would switch RDMA off for the rank's later RDMA groups. NCCL_NET
+        // (and `netName`) selects the network per communicator instead.
         if kind == NicKind::Ethernet {
             env.insert("NCCL_NET".into(), "Socket".into());
-            env.insert("NCCL_IB_DISABLE".into(), "1".into());
-            if !nics.is_empty() {
+            // With a node that declares no interface, naming the others' would leave it none.
+            if !nics.is_empty() && !undeclared {
                 // `=` makes NCCL match the names exactly (eth1 does not also pick eth10).
                 env.insert("NCCL_SOCKET_IFNAME".into(), format!("={}", nics.join(",")));
             }
-            return (nics, env, Some("Socket".into()));
+            return Settings { nics, env, node_env, nccl_net: Some("Socket".into()) };
         }
         env.insert("NCCL_NET".into(), "IB".into());
         env.insert("NCCL_IB_DISABLE".into(), "0".into());
         env.insert("NCCL_IB_HCA".into(), format!("={}", nics.join(",")));
         env.insert("NCCL_CROSS_NIC".into(), if rails.len() == 1 { "0" } else { "1" }.into());
         if kind == NicKind::Roce {
-            let g = gid.iter().next().copied().unwrap_or(3);
-            env.insert("NCCL_IB_GID_INDEX".into(), g.to_string());
+            // The most common index goes in `env`; nodes that differ get their own.
+            let mut count: BTreeMap<u32, usize> = BTreeMap::new();
+            for &g in gid.values() {
+                *count.entry(g).or_insert(0) += 1;
+            }
+            let common = count.iter().max_by_key(|(g, c)| (**c, std::cmp::Reverse(**g))).map_or(3, |(g, _)| *g);
+            env.insert("NCCL_IB_GID_INDEX".into(), common.to_string());
+            for (node, g) in gid.into_iter().filter(|(_, g)| *g != common) {
+                node_env.entry(node).or_default().insert("NCCL_IB_GID_INDEX".into(), g.to_string());
+            }
         }
-        (nics, env, Some("IB".into()))
+        Settings { nics, env, node_env, nccl_net: Some("IB".into()) }
     }
+}
+
+struct Settings {
+    nics: Vec<String>,
+    env: BTreeMap<String, String>,
+    node_env: BTreeMap<String, BTreeMap<String, String>>,
+    nccl_net: Option<String>,
 }

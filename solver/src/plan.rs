@@ -97,6 +97,15 @@ impl<'a> CostModel<'a> {
 
     /// Why a plan is not a plan of this cluster and model, if it is not.
     pub fn check_structure(&self, plan: &PlanStructure) -> Result<(), String> {
+        self.check_layers_and_batch(plan)?;
+        if !crate::placement::fits(self.cluster, plan) {
+            return Err("the plan needs more GPUs (whole TP groups inside one node) than the cluster has".into());
+        }
+        Ok(())
+    }
+
+    /// Everything `check_structure` checks but whether the cluster's nodes hold the plan.
+    pub fn check_layers_and_batch(&self, plan: &PlanStructure) -> Result<(), String> {
         if plan.replicas.is_empty() {
             return Err("a plan needs at least one replica".into());
         }
@@ -125,9 +134,6 @@ impl<'a> CostModel<'a> {
             if next != self.model.layers() {
                 return Err(format!("replica {ri} covers {next} of {} layers", self.model.layers()));
             }
-        }
-        if !crate::placement::fits(self.cluster, plan) {
-            return Err("the plan needs more GPUs (whole TP groups inside one node) than the cluster has".into());
         }
         Ok(())
     }

@@ -37,6 +37,12 @@ fn eth() -> NicSpec {
 /// IB nodes with two rails (each NIC serving half the GPUs), RoCE nodes with one NIC and a
 /// non-default GID index, and Ethernet-only nodes.
 fn mixed_cluster(ib: u32, roce: u32, plain: u32, gpu: &str, gpus: u32) -> ClusterSpec {
+    mixed_cluster_with(ib, roce, plain, 0, gpu, gpus)
+}
+
+/// As `mixed_cluster`, plus `odd` nodes in the RoCE island with both an IB and a RoCE NIC, GID
+/// index 3 and no declared Ethernet NIC.
+fn mixed_cluster_with(ib: u32, roce: u32, plain: u32, odd: u32, gpu: &str, gpus: u32) -> ClusterSpec {
     let half: Vec<u32> = (0..gpus / 2).collect();
     let rest: Vec<u32> = (gpus / 2..gpus).collect();
     let rail = |name: &str, g: &[u32]| NicSpec { gpus: g.to_vec(), ..NicSpec::new(name, NicKind::Ib, 200.0) };
@@ -50,6 +56,13 @@ fn mixed_cluster(ib: u32, roce: u32, plain: u32, gpu: &str, gpus: u32) -> Cluste
     }
     if plain > 0 {
         nodes.push(node("plain", plain, gpu, gpus, vec![eth()], None));
+    }
+    if odd > 0 {
+        let nics = vec![
+            NicSpec::new("mlx5_0", NicKind::Ib, 100.0),
+            NicSpec { gid_index: Some(3), ..NicSpec::new("mlx5_4", NicKind::Roce, 100.0) },
+        ];
+        nodes.push(node("odd", odd, gpu, gpus, nics, Some("roce-island")));
     }
     ClusterSpec { name: "mixed".into(), nodes, gpu_types: vec![] }
 }
@@ -114,13 +127,20 @@ fn check_groups(cluster: &Cluster, r: &PlanReport) {
                 }
                 assert_eq!(g.env["NCCL_IB_DISABLE"], "0");
                 assert_eq!(g.env.contains_key("NCCL_IB_GID_INDEX"), kind == NicKind::Roce);
+                // Every member node ends up with its own port's GID index.
+                for n in nodes.iter().filter(|_| kind == NicKind::Roce) {
+                    let want = class_of(n).nics.iter().find(|x| x.kind == NicKind::Roce).unwrap().gid_index.unwrap_or(3).to_string();
+                    let got = g.node_env.get(*n).and_then(|e| e.get("NCCL_IB_GID_INDEX")).unwrap_or(&g.env["NCCL_IB_GID_INDEX"]);
+                    assert_eq!(got, &want, "{n}: {g:?}");
+                }
                 assert_eq!(g.nccl_net.as_deref(), Some("IB"));
             }
             Transport::Socket => {
                 assert!(nodes.len() > 1);
-                assert_eq!(g.env["NCCL_IB_DISABLE"], "1");
-                assert_eq!(g.env["NCCL_SOCKET_IFNAME"], "=eth0");
-                assert_eq!(g.nics, vec!["eth0".to_string()]);
+                assert_eq!(g.env["NCCL_NET"], "Socket");
+                assert!(!g.env.contains_key("NCCL_IB_DISABLE"), "cached per process: never set per group");
+                let declared = nodes.iter().all(|n| class_of(n).nics.iter().any(|x| x.kind == NicKind::Ethernet));
+                assert_eq!(g.env.get("NCCL_SOCKET_IFNAME").map(String::as_str), declared.then_some("=eth0"), "{g:?}");
             }
         }
         if g.kind == GroupKind::Tp {
@@ -150,19 +170,39 @@ fn other(k: NicKind) -> NicKind {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
-    /// Holmes's rules on every plan of random mixed-NIC clusters.
+    /// Holmes's rules on every plan of random mixed-NIC clusters; the search's price is the
+    /// cost model's evaluation of the plan it returns, and a uniform plan's rings are priced
+    /// on the links their groups report.
     #[test]
     fn every_group_follows_the_network_rules(
-        ib in 0u32..=3, roce in 0u32..=3, plain in 0u32..=2,
+        ib in 0u32..=3, roce in 0u32..=3, plain in 0u32..=2, odd in 0u32..=1,
         gpu in prop_oneof![Just("A100-80G"), Just("V100-32G"), Just("A6000")],
         gpus in prop_oneof![Just(2u32), Just(4), Just(8)],
         layers in 4u32..=16, batch in prop_oneof![Just(8u32), Just(16), Just(32)],
     ) {
-        prop_assume!(ib + roce + plain >= 1);
-        let cluster = Cluster::from_spec(&mixed_cluster(ib, roce, plain, gpu, gpus)).unwrap();
+        prop_assume!(ib + roce + plain + odd >= 1);
+        let cluster = Cluster::from_spec(&mixed_cluster_with(ib, roce, plain, odd, gpu, gpus)).unwrap();
+        let model = small_model(layers);
         let opts = PlanOptions { global_batch: batch, ..PlanOptions::default() };
-        let r = plan_on(&cluster, &small_model(layers), &opts, SearchMode::Fast);
+        let r = plan_on(&cluster, &model, &opts, SearchMode::Fast);
         check_groups(&cluster, &r);
+
+        let profiles = ProfileSet::default();
+        let cm = CostModel { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts };
+        let s = motley_solver::search::search(&cm, SearchMode::Fast, &[]).unwrap();
+        let e = cm.evaluate(&s.plan);
+        prop_assert!((e.iteration_time - s.iteration_time).abs() <= 1e-9 * s.iteration_time, "search {} evaluate {}", s.iteration_time, e.iteration_time);
+        let groups = comm_groups(&cm, &s.plan, &place(&cluster, &s.plan).unwrap());
+        if s.plan.is_uniform() {
+            let gpus_of = s.plan.gpus_per_class(cluster.classes.len());
+            let ctx = cm.sync_context(s.plan.replicas.len() as u32, &gpus_of, true);
+            for g in groups.iter().filter(|g| g.kind == GroupKind::Dp && !matches!(g.transport, Transport::Nvlink | Transport::Pcie)) {
+                let stage = s.plan.replicas[0].stages.iter().find(|st| st.layers.0 <= g.layers[0] && g.layers[0] < st.layers.1).unwrap();
+                let (bw, shared) = cm.ring_link(&ctx, stage.kind);
+                prop_assert!(shared);
+                prop_assert!((g.link_gb_per_s * stage.kind.tp as f64 - bw).abs() <= 1e-9 * bw, "group {} x tp vs priced {}", g.link_gb_per_s, bw);
+            }
+        }
     }
 }
 
@@ -205,11 +245,63 @@ fn a_ring_across_islands_runs_over_sockets_and_is_priced_on_ethernet() {
     for g in &rings {
         assert_eq!(g.transport, Transport::Socket);
         assert_eq!(g.env["NCCL_NET"], "Socket");
+        assert_eq!(g.env["NCCL_SOCKET_IFNAME"], "=eth0");
         assert!((g.link_gb_per_s - 25.0 / 8.0 * 0.85 / 8.0).abs() < 1e-9, "Ethernet shared by 8 TP shards: {}", g.link_gb_per_s);
     }
     // The cost model prices the same ring on Ethernet too.
     let ctx = cm.sync_context(2, &p.gpus_per_class(cluster.classes.len()), false);
     assert!((cm.ring_link(&ctx, p.replicas[0].stages[0].kind).0 - 25.0 / 8.0 * 0.85).abs() < 1e-9);
+}
+
+#[test]
+fn a_ring_uses_the_rdma_kind_every_member_has_and_is_priced_on_it() {
+    // Class A: IB 200 and RoCE 400; class B: IB 200 only; one RDMA domain. RoCE is A's fastest
+    // link to itself, but a ring over A and B can only use IB, on both the price and the group.
+    let a = node(
+        "a",
+        1,
+        "A100-80G",
+        8,
+        vec![NicSpec::new("mlx5_0", NicKind::Ib, 200.0), NicSpec::new("mlx5_2", NicKind::Roce, 400.0), eth()],
+        Some("dc"),
+    );
+    let b = node("b", 1, "A100-80G", 8, vec![NicSpec::new("mlx5_0", NicKind::Ib, 200.0), eth()], Some("dc"));
+    let cluster = Cluster::from_spec(&ClusterSpec { name: "ab".into(), nodes: vec![a, b], gpu_types: vec![] }).unwrap();
+    assert_eq!(cluster.inter_link(0, 0).0, NicKind::Roce);
+    let model = small_model(8);
+    let opts = PlanOptions { global_batch: 16, ..PlanOptions::default() };
+    let profiles = ProfileSet::default();
+    let cm = CostModel { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts };
+    let rep =
+        |class, mb| ReplicaPlan { stages: vec![StagePlan { kind: StageKind { class, tp: 8, dp: 1 }, layers: (0, 8) }], micro_batches: mb };
+    let p = PlanStructure { micro_batch: 2, replicas: vec![rep(0, 5), rep(1, 3)] };
+    let ib = 200.0 / 8.0 * 0.85;
+    let ctx = cm.sync_context(2, &p.gpus_per_class(2), false);
+    assert!((cm.ring_link(&ctx, p.replicas[0].stages[0].kind).0 - ib).abs() < 1e-9);
+    for g in comm_groups(&cm, &p, &place(&cluster, &p).unwrap()).iter().filter(|g| g.kind == GroupKind::Dp) {
+        assert_eq!(g.transport, Transport::Ib);
+        assert_eq!(g.env["NCCL_IB_HCA"], "=mlx5_0:1");
+        assert!((g.link_gb_per_s * 8.0 - ib).abs() < 1e-9);
+    }
+}
+
+#[test]
+fn blocking_sends_only_lengthen_the_period() {
+    let cluster = Cluster::from_spec(&load_example::<ClusterSpec>("examples/holmes/hybrid-4.yaml")).unwrap();
+    let model = Model::new(load_example::<ModelSpec>("examples/holmes/gpt-3.6b.yaml"), None).unwrap();
+    let profiles = ProfileSet::default();
+    let busy = [0.2, 0.3, 0.25];
+    let hops = [0.05, 0.01];
+    let mut opts = PlanOptions::default();
+    let overlapped = CostModel { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts }.period(&busy, &hops);
+    assert_eq!(overlapped, 0.3);
+    opts.p2p_blocking = true;
+    let blocking = CostModel { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts }.period(&busy, &hops);
+    assert!((blocking - (0.05 + 0.3 + 0.01)).abs() < 1e-12, "the middle stage waits for both its hops: {blocking}");
+    // A hop slower than every stage sets the overlapped period.
+    let slow =
+        CostModel { cluster: &cluster, model: &model, profiles: &profiles, opts: &PlanOptions::default() }.period(&busy, &[0.5, 0.01]);
+    assert_eq!(slow, 0.5);
 }
 
 #[test]
@@ -342,6 +434,39 @@ fn replanning_an_unchanged_network_keeps_the_plan() {
     assert!(r.gain.abs() < 1e-9);
 }
 
+/// One node's NICs degrade: it becomes a class of its own, and the running plan (which spans it)
+/// is still priced, on its slow links, and re-planned.
+#[test]
+fn replanning_after_one_node_degrades() {
+    let cluster = Cluster::from_spec(&mixed_cluster(3, 0, 0, "A100-80G", 8)).unwrap();
+    let model = small_model(12);
+    let opts = PlanOptions { global_batch: 96, tp: Some(1), max_stages: 1, ..PlanOptions::default() };
+    let before = plan_on(&cluster, &model, &opts, SearchMode::Auto);
+    assert_eq!(before.gpus_used, 24, "pure data parallelism over all three nodes");
+    let q = cluster.inter_bw(0, 0) / 8.0;
+    let slowed = cluster.with_measurements(&pairs(&[("ib-0", "ib-2", q), ("ib-1", "ib-2", q), ("ib-0", "ib-1", q * 8.0)])).unwrap();
+    assert_eq!(slowed.classes.len(), 2);
+    let profiles = ProfileSet::default();
+    let req = PlanRequest {
+        cluster: &slowed,
+        model: &model,
+        profiles: &profiles,
+        opts: &opts,
+        mode: SearchMode::Auto,
+        exhaustive: false,
+        seeds: vec![],
+    };
+    let current: CurrentPlan = serde_json::from_value(serde_json::to_value(&before).unwrap()).unwrap();
+    let r = replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 }).unwrap();
+    assert!(
+        r.current_now_s > before.iteration_time_s * 1.01,
+        "the ring now crosses the slow node: {} vs {}",
+        r.current_now_s,
+        before.iteration_time_s
+    );
+    assert!(r.new_iteration_time_s <= r.current_now_s);
+}
+
 #[test]
 fn a_plan_file_for_another_cluster_is_refused_with_the_field() {
     let cluster = Cluster::from_spec(&mixed_cluster(2, 0, 0, "A100-80G", 8)).unwrap();
@@ -363,4 +488,15 @@ fn a_plan_file_for_another_cluster_is_refused_with_the_field() {
     };
     let e = replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 }).unwrap_err().to_string();
     assert!(e.starts_with("replicas[0].stages[0].gpus[0].node: node 'elsewhere' is not in the cluster"), "{e}");
+    let mut v = serde_json::to_value(&before).unwrap();
+    let first = v["replicas"][0]["stages"][0]["gpus"][0].clone();
+    let last = v["replicas"].as_array().unwrap().len() - 1;
+    let stages = v["replicas"][last]["stages"].as_array().unwrap().len() - 1;
+    let gpus = v["replicas"][last]["stages"][stages]["gpus"].as_array().unwrap().len() - 1;
+    if (last, stages, gpus) != (0, 0, 0) {
+        v["replicas"][last]["stages"][stages]["gpus"][gpus] = first;
+        let current: CurrentPlan = serde_json::from_value(v).unwrap();
+        let e = replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 }).unwrap_err().to_string();
+        assert!(e.contains("is also replicas[0].stages[0].gpus[0]"), "{e}");
+    }
 }

@@ -14,6 +14,10 @@ use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
 /// replica, and each group's frontier under the plan's context.
 type Priced = (f64, Vec<Vec<u32>>, Vec<Rc<Vec<Point>>>);
 
+/// Frontiers by (shape, replicas, shared ring GB/s bits and intra flag, or None for per-stage
+/// rings).
+type FrontierCache = HashMap<(usize, u32, Option<(u64, bool)>), Rc<Vec<Point>>>;
+
 pub(super) struct Dfs<'a, 'b> {
     pub(super) cm: &'a CostModel<'b>,
     pub(super) shapes: &'a [Shape],
@@ -26,8 +30,7 @@ pub(super) struct Dfs<'a, 'b> {
     pub(super) groups: Vec<(usize, u32)>,
     pub(super) best: f64,
     pub(super) best_groups: Option<Vec<(usize, u32)>>,
-    /// Frontiers by (shape, replicas, shared ring GB/s bits or None for per-stage rings).
-    pub(super) cache: HashMap<(usize, u32, Option<(u64, bool)>), Rc<Vec<Point>>>,
+    pub(super) cache: FrontierCache,
     pub(super) tolerance: f64,
     pub(super) budget: u64,
     pub(super) nodes: u64,

@@ -182,11 +182,15 @@ impl Shape {
     fn greedy_splits(&mut self, cm: &CostModel, caps: &[u32], hops: &[f64], max_bottleneck_ratio: f64) {
         let p = caps.len();
         let l = cm.model.layers();
-        // Stage time is affine in its layer count: extra + n * per_layer.
+        // Stage time is affine in its layer count: extra + n * per_layer (with the hops on both
+        // sides when sends block, as they then count against the stage's period).
         let (mut extra, mut per) = (vec![0.0; p], vec![0.0; p]);
         for i in 0..p {
             let (f0, b0) = CostModel::stage_time(&self.costs[i], 0, i == 0, i + 1 == p);
             extra[i] = f0 + b0;
+            if cm.opts.p2p_blocking {
+                extra[i] += if i > 0 { hops[i - 1] } else { 0.0 } + hops.get(i).copied().unwrap_or(0.0);
+            }
             per[i] = self.costs[i].fwd + self.costs[i].bwd;
         }
         let time = |i: usize, n: u32| extra[i] + n as f64 * per[i];
