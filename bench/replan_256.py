@@ -32,6 +32,17 @@ def halved_matrix():
     return json.dumps({"nodes": names, "matrix": rows})
 
 
+def island_share(plan):
+    """Fraction of the plan's layer-samples-GPUs (its work) on the InfiniBand island."""
+    island = total = 0
+    for r in plan["replicas"]:
+        for s in r["stages"]:
+            w = r["samples"] * (s["layers"][1] - s["layers"][0]) * len(s["gpus"])
+            total += w
+            island += w if s["gpus"][0]["node"].startswith("ib-") else 0
+    return island / total
+
+
 def timed(args):
     walls, cpus, out = [], [], None
     for _ in range(REPEAT):
@@ -53,8 +64,8 @@ def main():
     bw = os.path.join(tmp, "ib-halved.json")
     open(cluster, "w").write(cluster_yaml())
     open(bw, "w").write(halved_matrix())
-    print("| model | global batch | plan s (wall / CPU) | replan s (wall / CPU) | current plan: planned -> on measured network | new plan | gain | verdict | GPUs moved | GB moved |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | global batch | plan s (wall / CPU) | replan s (wall / CPU) | current plan: planned -> on measured network | new plan | gain | verdict | GPUs moved | GB moved | IB island's share of the work: before -> after |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for model, batch in JOBS:
         base = ["--cluster", cluster, "--model", model, "--global-batch", str(batch)]
@@ -66,7 +77,8 @@ def main():
         worst = max(worst, rw)
         print(f"| {model} | {batch} | {pw:.3f} / {pc:.3f} | {rw:.3f} / {rc:.3f} | {r['current_planned_s']:.3f} -> {r['current_now_s']:.3f} s | "
               f"{r['new_iteration_time_s']:.3f} s | {r['gain'] * 100:+.1f}% | {'switch' if r['worth_switching'] else 'keep'} | "
-              f"{r['gpus_moved']} | {abs(r['switch_bytes']) / 1e9:.1f} |")
+              f"{r['gpus_moved']} | {abs(r['switch_bytes']) / 1e9:.1f} | "
+              f"{island_share(json.loads(plan_out)):.3f} -> {island_share(r['new_plan']):.3f} |")
     print()
     print(f"slowest replan: {worst:.3f} s wall ({'under' if worst < 1.0 else 'OVER'} the 1 s bar)")
     return 0 if worst < 1.0 else 1
