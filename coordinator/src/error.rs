@@ -1,0 +1,62 @@
+//! The coordinator's one error type. Every variant maps to one gRPC status code and one HTTP
+//! status (the service layers translate with `grpc_code` / `http_status`, so the two APIs
+//! always agree), and its message names what to fix.
+
+/// Errors of the coordinator's domain and store.
+#[derive(Debug, thiserror::Error)]
+pub enum CoordinatorError {
+    /// A field of a request or file is missing, malformed or inconsistent.
+    #[error("{field}: {message}")]
+    InvalidInput { field: String, message: String },
+    /// The named thing does not exist.
+    #[error("{what} not found")]
+    NotFound { what: String },
+    /// The request does not fit the current state (a transition not allowed from here).
+    #[error("{0}")]
+    Conflict(String),
+    /// An instruction or report of an older launch: the job has moved on.
+    #[error("job {job}: generation {given} is stale; the current generation is {current}")]
+    StaleGeneration { job: i64, given: i64, current: i64 },
+    /// An agent session older than the node's latest registration.
+    #[error("node {node}: agent epoch {given} is stale; the node re-registered as epoch {current}")]
+    StaleAgent { node: String, given: i64, current: i64 },
+    /// The database failed or is unreachable.
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    /// The database's migrations failed.
+    #[error("database migration: {0}")]
+    Migration(#[from] sqlx::migrate::MigrateError),
+}
+
+impl CoordinatorError {
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        CoordinatorError::InvalidInput { field: field.into(), message: message.into() }
+    }
+
+    pub fn not_found(what: impl Into<String>) -> Self {
+        CoordinatorError::NotFound { what: what.into() }
+    }
+
+    /// The gRPC status code (numeric values of `google.rpc.Code`).
+    pub fn grpc_code(&self) -> i32 {
+        match self {
+            CoordinatorError::InvalidInput { .. } => 3, // INVALID_ARGUMENT
+            CoordinatorError::NotFound { .. } => 5,     // NOT_FOUND
+            CoordinatorError::Conflict(_) => 9,         // FAILED_PRECONDITION
+            CoordinatorError::StaleGeneration { .. } | CoordinatorError::StaleAgent { .. } => 10, // ABORTED
+            CoordinatorError::Database(_) | CoordinatorError::Migration(_) => 14, // UNAVAILABLE
+        }
+    }
+
+    /// The HTTP status of the same error.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            CoordinatorError::InvalidInput { .. } => 400,
+            CoordinatorError::NotFound { .. } => 404,
+            CoordinatorError::Conflict(_) | CoordinatorError::StaleGeneration { .. } | CoordinatorError::StaleAgent { .. } => 409,
+            CoordinatorError::Database(_) | CoordinatorError::Migration(_) => 503,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, CoordinatorError>;

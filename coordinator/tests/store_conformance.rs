@@ -1,0 +1,205 @@
+//! One conformance suite for the store, run unchanged against SQLite (a temporary file) and
+//! against the PostgreSQL on 127.0.0.1:5432 (a fresh database per test, dropped after).
+//! `MOTLEY_TEST_POSTGRES` overrides the server URL (default
+//! `postgres://postgres@127.0.0.1:5432/postgres`).
+
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use motley_coordinator::{CoordinatorError, JobState, NodeState, RankAssignment, Store};
+use sqlx::Connection;
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+fn unique(prefix: &str) -> String {
+    format!("{prefix}_{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+fn server() -> String {
+    std::env::var("MOTLEY_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// Run `body` with a fresh store URL on SQLite.
+async fn on_sqlite<F, Fut>(body: F)
+where
+    F: FnOnce(String) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let dir = std::env::temp_dir().join(unique("motley_store"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}", dir.join("state.db").display());
+    body(url).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Run `body` with a fresh database on the PostgreSQL server, dropped afterwards.
+async fn on_postgres<F, Fut>(body: F)
+where
+    F: FnOnce(String) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let admin_url = server();
+    // Only digits and underscores after a fixed prefix: safe to splice into DDL.
+    let db = unique("motley_test");
+    let mut admin = sqlx::PgConnection::connect(&admin_url).await.expect("PostgreSQL on 127.0.0.1:5432 (see the README) must be up");
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}"))).execute(&mut admin).await.unwrap();
+    let base = admin_url.rsplit_once('/').map_or(admin_url.as_str(), |(b, _)| b).to_string();
+    body(format!("{base}/{db}")).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))).execute(&mut admin).await.unwrap();
+}
+
+/// One test, twice: `name_sqlite` and `name_postgres`.
+macro_rules! conformance {
+    ($name:ident, $body:expr) => {
+        mod $name {
+            use super::*;
+            #[tokio::test]
+            async fn sqlite() {
+                on_sqlite($body).await;
+            }
+            #[tokio::test]
+            async fn postgres() {
+                on_postgres($body).await;
+            }
+        }
+    };
+}
+
+fn ranks(nodes: &[&str]) -> Vec<RankAssignment> {
+    nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| RankAssignment {
+            rank: i as i64,
+            node: n.to_string(),
+            local_rank: 0,
+            gpu: 0,
+            replica: 0,
+            stage: i as i64,
+            layer_start: 4 * i as i64,
+            layer_end: 4 * (i as i64 + 1),
+        })
+        .collect()
+}
+
+conformance!(migrations_are_applied_once_and_reopen_keeps_state, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    s.register_node("n0", "{\"gpus\": 8}").await.unwrap();
+    let job = s.submit_job("hello", "{}").await.unwrap();
+    s.close().await;
+    // A restarted coordinator: migrations are not re-run, nothing committed is lost.
+    let s = Store::open(&url).await.unwrap();
+    assert_eq!(s.nodes().await.unwrap().len(), 1);
+    assert_eq!(s.job(job.id).await.unwrap().state, JobState::Submitted);
+    s.close().await;
+});
+
+conformance!(nodes_register_drain_and_fence_old_agent_sessions, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    assert_eq!(s.register_node("n0", "{\"gpus\": 8}").await.unwrap(), 1);
+    assert_eq!(s.register_node("n1", "{\"gpus\": 4}").await.unwrap(), 1);
+    s.set_node_state("n0", NodeState::Draining).await.unwrap();
+    // The agent restarts: a new epoch, the old session is fenced, the drain survives.
+    assert_eq!(s.register_node("n0", "{\"gpus\": 8, \"again\": true}").await.unwrap(), 2);
+    let n0 = s.node("n0").await.unwrap();
+    assert_eq!((n0.state, n0.agent_epoch, n0.inventory.as_str()), (NodeState::Draining, 2, "{\"gpus\": 8, \"again\": true}"));
+    s.check_agent("n0", 2).await.unwrap();
+    match s.check_agent("n0", 1).await {
+        Err(CoordinatorError::StaleAgent { given: 1, current: 2, .. }) => {}
+        other => panic!("expected a stale agent, got {other:?}"),
+    }
+    s.set_node_state("n0", NodeState::Active).await.unwrap();
+    let names: Vec<String> = s.nodes().await.unwrap().into_iter().map(|n| n.name).collect();
+    assert_eq!(names, ["n0", "n1"]);
+    assert!(matches!(s.set_node_state("ghost", NodeState::Draining).await, Err(CoordinatorError::NotFound { .. })));
+    assert!(matches!(s.node("ghost").await, Err(CoordinatorError::NotFound { .. })));
+    assert!(matches!(s.register_node(" ", "{}").await, Err(CoordinatorError::InvalidInput { .. })));
+    s.close().await;
+});
+
+conformance!(a_job_lives_through_generations_and_stale_reports_change_nothing, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    for n in ["n0", "n1"] {
+        s.register_node(n, "{}").await.unwrap();
+    }
+    let job = s.submit_job("train", "{\"model\": \"llama-7b\"}").await.unwrap();
+    assert_eq!((job.state, job.generation), (JobState::Submitted, 0));
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    let g1 = s.start_generation(job.id, "{\"plan\": 1}", &ranks(&["n0", "n1"])).await.unwrap();
+    assert_eq!(g1, 1);
+    assert_eq!(s.job(job.id).await.unwrap().state, JobState::Launching);
+    assert_eq!(s.plan(job.id, 1).await.unwrap(), "{\"plan\": 1}");
+    let r = s.ranks(job.id, 1).await.unwrap();
+    assert_eq!(r.len(), 2);
+    assert_eq!((r[1].assignment.node.as_str(), r[1].assignment.layer_start, r[1].state.as_str()), ("n1", 4, "assigned"));
+    s.transition(job.id, JobState::Running, None).await.unwrap();
+    s.report_rank(job.id, 1, 0, "running", None).await.unwrap();
+    // A relaunch: generation 2; reports of generation 1 are refused and change nothing.
+    let g2 = s.start_generation(job.id, "{\"plan\": 2}", &ranks(&["n1"])).await.unwrap();
+    assert_eq!(g2, 2);
+    match s.report_rank(job.id, 1, 1, "exited", Some(0)).await {
+        Err(CoordinatorError::StaleGeneration { given: 1, current: 2, .. }) => {}
+        other => panic!("expected a stale generation, got {other:?}"),
+    }
+    assert_eq!(s.ranks(job.id, 1).await.unwrap()[1].state, "assigned");
+    assert!(matches!(s.check_generation(job.id, 1).await, Err(CoordinatorError::StaleGeneration { .. })));
+    s.check_generation(job.id, 2).await.unwrap();
+    s.transition(job.id, JobState::Running, None).await.unwrap();
+    s.report_rank(job.id, 2, 0, "exited", Some(0)).await.unwrap();
+    assert_eq!(s.ranks(job.id, 2).await.unwrap()[0].exit_code, Some(0));
+    s.transition(job.id, JobState::Succeeded, None).await.unwrap();
+    assert!(matches!(s.transition(job.id, JobState::Cancelled, Some("late")).await, Err(CoordinatorError::Conflict(_))));
+    // The events tell the story in order.
+    let events = s.events(Some(job.id), 0, 100).await.unwrap();
+    let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(kinds, ["submitted", "planning", "launching", "running", "rank", "launching", "running", "rank", "succeeded"]);
+    assert!(events.windows(2).all(|w| w[0].seq < w[1].seq));
+    let after = s.events(Some(job.id), events[4].seq, 100).await.unwrap();
+    assert_eq!(after.len(), 4);
+    assert!(matches!(s.report_rank(job.id, 2, 0, "bogus", None).await, Err(CoordinatorError::InvalidInput { .. })));
+    s.close().await;
+});
+
+conformance!(refused_transitions_and_failed_launches_leave_no_trace, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    s.register_node("n0", "{}").await.unwrap();
+    let job = s.submit_job("train", "{}").await.unwrap();
+    let before = s.events(None, 0, 1000).await.unwrap().len();
+    assert!(matches!(s.transition(job.id, JobState::Running, None).await, Err(CoordinatorError::Conflict(_))));
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    // A launch naming a node that never registered fails as a whole: no plan, no ranks, no
+    // generation, no event.
+    assert!(s.start_generation(job.id, "{}", &ranks(&["n0", "ghost"])).await.is_err());
+    let j = s.job(job.id).await.unwrap();
+    assert_eq!((j.state, j.generation), (JobState::Planning, 0));
+    assert!(matches!(s.plan(job.id, 1).await, Err(CoordinatorError::NotFound { .. })));
+    assert!(s.ranks(job.id, 1).await.unwrap().is_empty());
+    assert_eq!(s.events(None, 0, 1000).await.unwrap().len(), before + 1, "only the planning event");
+    s.transition(job.id, JobState::Failed, Some("no plan fits")).await.unwrap();
+    assert_eq!(s.job(job.id).await.unwrap().reason.as_deref(), Some("no plan fits"));
+    assert!(matches!(s.job(9999).await, Err(CoordinatorError::NotFound { .. })));
+    s.close().await;
+});
+
+conformance!(concurrent_moves_of_one_job_let_exactly_one_win, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    let job = s.submit_job("race", "{}").await.unwrap();
+    let (a, b) = tokio::join!(s.transition(job.id, JobState::Planning, None), s.transition(job.id, JobState::Cancelled, Some("user")));
+    assert!(a.is_ok() ^ b.is_ok() || (a.is_ok() && b.is_ok()), "both may succeed only in sequence");
+    let end = s.job(job.id).await.unwrap().state;
+    match (a.is_ok(), b.is_ok()) {
+        (true, true) => assert_eq!(end, JobState::Cancelled, "planning, then cancelled"),
+        (true, false) => assert_eq!(end, JobState::Planning),
+        (false, true) => assert_eq!(end, JobState::Cancelled),
+        (false, false) => panic!("one of them must win"),
+    }
+    s.close().await;
+});
+
+#[tokio::test]
+async fn a_bad_database_url_names_the_flag() {
+    match Store::open("mysql://nope").await {
+        Err(CoordinatorError::InvalidInput { field, .. }) => assert_eq!(field, "--database-url"),
+        other => panic!("expected invalid input, got {:?}", other.err()),
+    }
+}
