@@ -1,10 +1,14 @@
 //! Motley's coordinator: the cluster inventory, jobs, plans and launches, kept in SQLite (the
 //! embedded default) or PostgreSQL. This crate so far holds the domain (the job life cycle,
-//! generation fencing, one error type for gRPC and REST) and the durable store; the gRPC and
-//! REST services, leases and the binary come on top of it (issue 6).
+//! generation fencing, one error type for gRPC and REST), the durable store, the control
+//! operations (declare nodes, submit and plan jobs on the live inventory, cancel) and their
+//! REST edge; agents over gRPC, leases and launches come next (issue 6).
 
+pub mod control;
 pub mod error;
 pub mod job;
+pub mod jobspec;
+pub mod rest;
 pub mod store;
 
 pub use error::{CoordinatorError, Result};

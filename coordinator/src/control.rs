@@ -1,0 +1,130 @@
+//! The control operations behind both APIs (REST today, gRPC next): they validate, call the
+//! store and the solver, and know nothing of HTTP or protobuf.
+
+use motley_solver::hardware::NodeSpec;
+use motley_solver::{Cluster, ClusterSpec, PlanOptions, PlanReport, PlanRequest, ProfileSet, SearchMode};
+
+use crate::error::{CoordinatorError, Result};
+use crate::job::JobState;
+use crate::jobspec::JobSpec;
+use crate::store::{JobRecord, NodeState, RankAssignment, Store};
+
+/// Declare (or update) a node's inventory: its cluster-file entry, one node (no `count`).
+pub async fn declare_node(store: &Store, name: &str, entry: &str) -> Result<i64> {
+    let mut value: serde_norway::Value = serde_norway::from_str(entry).map_err(|e| CoordinatorError::invalid("node", format!("{e}")))?;
+    let Some(map) = value.as_mapping_mut() else {
+        return Err(CoordinatorError::invalid("node", "must be a cluster-file node entry (gpu, gpus, nics, ...)"));
+    };
+    // The name comes from the URL (or the agent); an entry may leave it out.
+    map.insert("name".into(), name.into());
+    let spec: NodeSpec = serde_norway::from_value(value).map_err(|e| CoordinatorError::invalid("node", format!("{e}")))?;
+    if spec.count.is_some() {
+        return Err(CoordinatorError::invalid("node.count", "a node entry here is one node; remove count"));
+    }
+    // The same validation as a cluster file.
+    Cluster::from_spec(&ClusterSpec { name: "check".into(), nodes: vec![spec.clone()], gpu_types: vec![] })
+        .map_err(|e| CoordinatorError::invalid(e.to_string().replace("nodes[0]", "node"), "see the cluster file format in README.md"))?;
+    let json = serde_json::to_string(&spec).expect("a node spec serialises");
+    store.register_node(name, &json).await
+}
+
+/// Submit a job file: validated and stored as `submitted`.
+pub async fn submit(store: &Store, text: &str) -> Result<JobRecord> {
+    let spec = JobSpec::parse(text)?;
+    let json = serde_json::to_string(&spec).expect("a job spec serialises");
+    store.submit_job(&spec.name, &json).await
+}
+
+/// Cancel a job that is not over yet.
+pub async fn cancel(store: &Store, id: i64, reason: &str) -> Result<JobRecord> {
+    store.transition(id, JobState::Cancelled, Some(reason)).await
+}
+
+/// Plan a submitted job on the live inventory (active nodes, within the job's resources) and
+/// store its first launch: `submitted -> planning -> launching` with generation 1, or
+/// `failed` with the planner's reason.
+pub async fn plan_job(store: &Store, id: i64) -> Result<JobRecord> {
+    let job = store.transition(id, JobState::Planning, None).await?;
+    let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
+    match plan_on_inventory(store, &spec).await {
+        Ok((report, ranks)) => {
+            let plan = serde_json::to_string(&report).expect("a plan serialises");
+            store.start_generation(id, &plan, &ranks).await?;
+            store.job(id).await
+        }
+        Err(e) => store.transition(id, JobState::Failed, Some(&e.to_string())).await,
+    }
+}
+
+async fn plan_on_inventory(store: &Store, spec: &JobSpec) -> Result<(PlanReport, Vec<RankAssignment>)> {
+    let mut nodes = vec![];
+    for n in store.nodes().await? {
+        if n.state != NodeState::Active || (!spec.resources.nodes.is_empty() && !spec.resources.nodes.contains(&n.name)) {
+            continue;
+        }
+        let entry: NodeSpec = serde_json::from_str(&n.inventory)
+            .map_err(|e| CoordinatorError::Conflict(format!("node {}: stored inventory: {e}", n.name)))?;
+        nodes.push(entry);
+    }
+    if nodes.is_empty() {
+        return Err(CoordinatorError::Conflict("no active node matches the job's resources; register or undrain nodes".into()));
+    }
+    // Within a GPU budget, take nodes in name order until it is met.
+    if let Some(budget) = spec.resources.gpus {
+        let mut taken = 0;
+        nodes.retain(|n| {
+            let keep = taken < budget;
+            taken += n.gpus;
+            keep
+        });
+    }
+    let cluster = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: vec![] })
+        .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
+    let model = spec.model()?;
+    let opts = PlanOptions { global_batch: spec.global_batch, ..PlanOptions::default() };
+    // The solver is pure CPU work: keep it off the async workers.
+    let report = tokio::task::spawn_blocking(move || {
+        let profiles = ProfileSet::default();
+        let req = PlanRequest {
+            cluster: &cluster,
+            model: &model,
+            profiles: &profiles,
+            opts: &opts,
+            mode: SearchMode::Auto,
+            exhaustive: false,
+            seeds: vec![],
+        };
+        motley_solver::plan(&req)
+    })
+    .await
+    .map_err(|e| CoordinatorError::Conflict(format!("planner: {e}")))?
+    .map_err(|e| CoordinatorError::Conflict(e.to_string()))?;
+    let ranks = ranks_of(&report);
+    Ok((report, ranks))
+}
+
+/// Rank numbering: replicas in order, stages in order, GPUs in order (TP fastest); local ranks
+/// count a node's ranks in that order.
+pub fn ranks_of(report: &PlanReport) -> Vec<RankAssignment> {
+    let mut out = vec![];
+    let mut local: std::collections::HashMap<String, i64> = Default::default();
+    for (ri, r) in report.replicas.iter().enumerate() {
+        for (si, s) in r.stages.iter().enumerate() {
+            for g in &s.gpus {
+                let l = local.entry(g.node.clone()).or_insert(0);
+                out.push(RankAssignment {
+                    rank: out.len() as i64,
+                    node: g.node.clone(),
+                    local_rank: *l,
+                    gpu: g.index as i64,
+                    replica: ri as i64,
+                    stage: si as i64,
+                    layer_start: s.layers[0] as i64,
+                    layer_end: s.layers[1] as i64,
+                });
+                *l += 1;
+            }
+        }
+    }
+    out
+}
