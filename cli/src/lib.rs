@@ -7,4 +7,5 @@ pub mod metis;
 pub mod metis_motley;
 pub mod plan;
 pub mod provision;
+pub mod remote;
 pub mod table;

@@ -24,6 +24,12 @@ enum Command {
     Espresso(motley::espresso::EspressoArgs),
     /// Which GPUs to rent, and how many, to meet an iteration-time SLO for the least money.
     Provision(motley::provision::ProvisionArgs),
+    /// The coordinator's inventory: list, describe, add, drain, undrain.
+    #[command(subcommand)]
+    Node(motley::remote::NodeCommand),
+    /// Jobs on the coordinator: submit, list, show, watch, cancel.
+    #[command(subcommand)]
+    Job(motley::remote::JobCommand),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +38,8 @@ fn main() -> ExitCode {
         Command::Plan(args) => motley::plan::run_plan(args),
         Command::Replan(args) => motley::plan::run_replan(args),
         Command::Provision(a) => motley::provision::run(a),
+        Command::Node(c) => motley::remote::run_node(c),
+        Command::Job(c) => motley::remote::run_job(c),
         Command::Espresso(e) => match e.command {
             motley::espresso::EspressoCommand::Eval(a) => motley::espresso::run_eval(a),
             motley::espresso::EspressoCommand::Search(a) => motley::espresso::run_search(a),

@@ -87,7 +87,7 @@ fn check_options(a: &PlanArgs) -> Result<(), InputError> {
             return bad("--tp", "must be a power of two (1, 2, 4, 8)");
         }
     }
-    if a.max_stages > 0 && a.max_stages > 4096 {
+    if a.max_stages > 4096 {
         return bad("--max-stages", "must be at most 4096 (0 chooses automatically)");
     }
     if !(a.efficiency > 0.0 && a.efficiency <= 1.0) {
@@ -192,7 +192,7 @@ pub fn run_replan(a: ReplanArgs) -> Result<String, InputError> {
     if !(a.min_gain >= 0.0 && a.min_gain.is_finite()) {
         return Err(InputError("--min-gain: must be a non-negative fraction (0.05 = 5%)".into()));
     }
-    if !(a.horizon > 0.0) {
+    if a.horizon.is_nan() || a.horizon <= 0.0 {
         return Err(InputError("--horizon: must be a positive number of iterations".into()));
     }
     let origin = a.current.display().to_string();

@@ -1,0 +1,299 @@
+//! `motley node ...` and `motley job ...`: the coordinator's REST API for people (tables) and
+//! scripts (`-o json`). Coordinator address(es) and token come from flags or `MOTLEY_COORDINATOR`
+//! (a comma-separated list, tried in order) and `MOTLEY_TOKEN`, else `motley-data/token` when a
+//! local coordinator runs in this directory.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
+use serde_json::Value;
+
+use crate::inputs::{InputError, Output};
+
+#[derive(clap::Args, Clone)]
+pub struct Remote {
+    /// Coordinator URL(s), comma-separated; the first that answers is used.
+    #[arg(long, env = "MOTLEY_COORDINATOR", default_value = "http://127.0.0.1:7070")]
+    coordinator: String,
+    /// Bearer token (default: motley-data/token if a local coordinator wrote one).
+    #[arg(long, env = "MOTLEY_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = Output::Table, env = "MOTLEY_OUTPUT")]
+    output: Output,
+}
+
+#[derive(clap::Subcommand)]
+pub enum NodeCommand {
+    /// Every node of the inventory.
+    List(Remote),
+    /// One node's inventory and state.
+    Describe {
+        name: String,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Declare a node from a cluster-file node entry (YAML), as an agent's --inventory would.
+    Add {
+        name: String,
+        /// The node entry: gpu, gpus, nics, rdma_domain, ...
+        entry: PathBuf,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Give the node no new ranks (what runs there keeps running).
+    Drain {
+        name: String,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Let the node take ranks again.
+    Undrain {
+        name: String,
+        #[command(flatten)]
+        remote: Remote,
+    },
+}
+
+#[derive(clap::Subcommand)]
+pub enum JobCommand {
+    /// Submit a job file (YAML); planning starts on the live inventory.
+    Submit {
+        file: PathBuf,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Every job.
+    List(Remote),
+    /// One job, with its current plan's ranks once launched.
+    Show {
+        id: i64,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Print the job's events as they happen until it is over.
+    Watch {
+        id: i64,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Cancel the job.
+    Cancel {
+        id: i64,
+        #[command(flatten)]
+        remote: Remote,
+    },
+}
+
+struct Client {
+    bases: Vec<String>,
+    token: Option<String>,
+    agent: ureq::Agent,
+}
+
+impl Client {
+    fn new(r: &Remote) -> Result<Client, InputError> {
+        let bases: Vec<String> =
+            r.coordinator.split(',').map(|s| s.trim().trim_end_matches('/').to_string()).filter(|s| !s.is_empty()).collect();
+        if bases.is_empty() {
+            return Err(InputError("--coordinator: give at least one URL, e.g. http://127.0.0.1:7070".into()));
+        }
+        let token = r.token.clone().or_else(|| std::fs::read_to_string("motley-data/token").ok().map(|t| t.trim().to_string()));
+        let agent: ureq::Agent =
+            ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(30))).build().into();
+        Ok(Client { bases, token, agent })
+    }
+
+    /// One call, trying each coordinator until one answers; errors carry the server's message.
+    fn call(&self, method: &str, path: &str, body: Option<&str>) -> Result<Value, InputError> {
+        let mut last = String::new();
+        for base in &self.bases {
+            let url = format!("{base}/api/v1{path}");
+            let auth = self.token.as_ref().map(|t| format!("Bearer {t}"));
+            let result = match (method, body) {
+                ("GET", _) => {
+                    let mut r = self.agent.get(&url);
+                    if let Some(a) = &auth {
+                        r = r.header("Authorization", a);
+                    }
+                    r.call()
+                }
+                (m, b) => {
+                    let mut r = if m == "PUT" { self.agent.put(&url) } else { self.agent.post(&url) };
+                    if let Some(a) = &auth {
+                        r = r.header("Authorization", a);
+                    }
+                    r.send(b.unwrap_or(""))
+                }
+            };
+            match result {
+                Ok(mut resp) => {
+                    let status = resp.status().as_u16();
+                    let text = resp.body_mut().read_to_string().map_err(|e| InputError(format!("{url}: {e}")))?;
+                    let v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text.clone()));
+                    if status >= 400 {
+                        let msg = v.get("error").and_then(Value::as_str).unwrap_or(&text).to_string();
+                        return Err(InputError(format!("coordinator ({status}): {msg}")));
+                    }
+                    return Ok(v);
+                }
+                Err(e) => last = format!("{base}: {e}"),
+            }
+        }
+        Err(InputError(format!("no coordinator answered ({last}); check --coordinator / MOTLEY_COORDINATOR")))
+    }
+}
+
+fn table(header: Vec<&str>, rows: Vec<Vec<String>>) -> String {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header(header);
+    for r in rows {
+        t.add_row(r);
+    }
+    t.to_string()
+}
+
+fn s(v: &Value) -> String {
+    match v {
+        Value::String(x) => x.clone(),
+        Value::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
+fn nodes_table(v: &Value) -> String {
+    let rows = v
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|n| {
+            let inv = &n["inventory"];
+            let nics: Vec<String> = inv["nics"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|x| format!("{} {} {}G", s(&x["name"]), s(&x["kind"]), x["gbps"].as_f64().unwrap_or(0.0)))
+                .collect();
+            vec![
+                s(&n["name"]),
+                s(&n["state"]),
+                format!("{} x {}", s(&inv["gpus"]), s(&inv["gpu"])),
+                nics.join(", "),
+                s(&inv["rdma_domain"]),
+                s(&n["agent_epoch"]),
+            ]
+        })
+        .collect();
+    table(vec!["node", "state", "gpus", "nics", "rdma domain", "agent epoch"], rows)
+}
+
+fn jobs_table(v: &Value) -> String {
+    let list = if v.is_array() { v.as_array().unwrap().clone() } else { vec![v.clone()] };
+    let rows = list.iter().map(|j| vec![s(&j["id"]), s(&j["name"]), s(&j["state"]), s(&j["generation"]), s(&j["reason"])]).collect();
+    table(vec!["id", "name", "state", "generation", "reason"], rows)
+}
+
+fn render(out: Output, v: &Value, human: impl Fn(&Value) -> String) -> String {
+    match out {
+        Output::Json => serde_json::to_string_pretty(v).expect("JSON serialises"),
+        Output::Table => human(v),
+    }
+}
+
+pub fn run_node(cmd: NodeCommand) -> Result<String, InputError> {
+    match cmd {
+        NodeCommand::List(r) => Ok(render(r.output, &Client::new(&r)?.call("GET", "/nodes", None)?, nodes_table)),
+        NodeCommand::Describe { name, remote } => {
+            let v = Client::new(&remote)?.call("GET", &format!("/nodes/{name}"), None)?;
+            Ok(render(remote.output, &v, |v| serde_json::to_string_pretty(v).expect("JSON serialises")))
+        }
+        NodeCommand::Add { name, entry, remote } => {
+            let text =
+                std::fs::read_to_string(&entry).map_err(|e| InputError(format!("{}: cannot read node entry: {e}", entry.display())))?;
+            let v = Client::new(&remote)?.call("PUT", &format!("/nodes/{name}"), Some(&text))?;
+            Ok(render(remote.output, &v, |v| format!("node {} registered (agent epoch {})", s(&v["name"]), s(&v["agent_epoch"]))))
+        }
+        NodeCommand::Drain { name, remote } => {
+            let v = Client::new(&remote)?.call("POST", &format!("/nodes/{name}/drain"), None)?;
+            Ok(render(remote.output, &v, |v| format!("node {} is {}", s(&v["name"]), s(&v["state"]))))
+        }
+        NodeCommand::Undrain { name, remote } => {
+            let v = Client::new(&remote)?.call("POST", &format!("/nodes/{name}/undrain"), None)?;
+            Ok(render(remote.output, &v, |v| format!("node {} is {}", s(&v["name"]), s(&v["state"]))))
+        }
+    }
+}
+
+pub fn run_job(cmd: JobCommand) -> Result<String, InputError> {
+    match cmd {
+        JobCommand::Submit { file, remote } => {
+            let text = std::fs::read_to_string(&file).map_err(|e| InputError(format!("{}: cannot read job file: {e}", file.display())))?;
+            let v =
+                Client::new(&remote)?.call("POST", "/jobs", Some(&text)).map_err(|e| InputError(format!("{}: {}", file.display(), e.0)))?;
+            Ok(render(remote.output, &v, |v| {
+                format!("job {} ({}) submitted; `motley job watch {}` follows it", s(&v["id"]), s(&v["name"]), s(&v["id"]))
+            }))
+        }
+        JobCommand::List(r) => Ok(render(r.output, &Client::new(&r)?.call("GET", "/jobs", None)?, jobs_table)),
+        JobCommand::Show { id, remote } => {
+            let c = Client::new(&remote)?;
+            let mut v = c.call("GET", &format!("/jobs/{id}"), None)?;
+            if v["generation"].as_i64().unwrap_or(0) > 0 {
+                v["launch"] = c.call("GET", &format!("/jobs/{id}/plan"), None)?;
+            }
+            Ok(render(remote.output, &v, |v| {
+                let mut out = jobs_table(v);
+                if let Some(ranks) = v["launch"]["ranks"].as_array() {
+                    let rows = ranks
+                        .iter()
+                        .map(|r| {
+                            let a = &r["assignment"];
+                            vec![
+                                s(&a["rank"]),
+                                s(&a["node"]),
+                                s(&a["gpu"]),
+                                s(&a["replica"]),
+                                s(&a["stage"]),
+                                format!("{}-{}", s(&a["layer_start"]), s(&a["layer_end"])),
+                                s(&r["state"]),
+                            ]
+                        })
+                        .collect();
+                    out.push('\n');
+                    out.push_str(&table(vec!["rank", "node", "gpu", "replica", "stage", "layers", "state"], rows));
+                }
+                out
+            }))
+        }
+        JobCommand::Watch { id, remote } => watch(id, &remote),
+        JobCommand::Cancel { id, remote } => {
+            let v = Client::new(&remote)?.call("POST", &format!("/jobs/{id}/cancel"), None)?;
+            Ok(render(remote.output, &v, |v| format!("job {} is {}", s(&v["id"]), s(&v["state"]))))
+        }
+    }
+}
+
+/// Poll the job's events (every 200 ms) and print each once, until the job is over.
+fn watch(id: i64, remote: &Remote) -> Result<String, InputError> {
+    use std::io::Write;
+    let c = Client::new(remote)?;
+    let mut after = 0i64;
+    loop {
+        let events = c.call("GET", &format!("/jobs/{id}/events?after={after}"), None)?;
+        for e in events.as_array().into_iter().flatten() {
+            after = after.max(e["seq"].as_i64().unwrap_or(after));
+            let line = match remote.output {
+                Output::Json => e.to_string(),
+                Output::Table => format!("[{}] generation {}: {}", s(&e["kind"]), s(&e["generation"]), s(&e["message"])),
+            };
+            let _ = writeln!(std::io::stdout().lock(), "{line}");
+        }
+        let job = c.call("GET", &format!("/jobs/{id}"), None)?;
+        if ["succeeded", "failed", "cancelled"].contains(&job["state"].as_str().unwrap_or("")) {
+            return Ok(format!("job {id} {}{}", s(&job["state"]), job["reason"].as_str().map_or(String::new(), |r| format!(": {r}"))));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
