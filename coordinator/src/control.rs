@@ -69,13 +69,19 @@ async fn plan_on_inventory(store: &Store, spec: &JobSpec) -> Result<(PlanReport,
     if nodes.is_empty() {
         return Err(CoordinatorError::Conflict("no active node matches the job's resources; register or undrain nodes".into()));
     }
-    // Within a GPU budget, take nodes in name order until it is met.
+    // Within a GPU budget, take nodes in name order until it is met (the last one only in
+    // part): the plan never uses more GPUs than the job may.
     if let Some(budget) = spec.resources.gpus {
-        let mut taken = 0;
-        nodes.retain(|n| {
-            let keep = taken < budget;
-            taken += n.gpus;
-            keep
+        let mut left = budget;
+        nodes.retain_mut(|n| {
+            let take = n.gpus.min(left);
+            left -= take;
+            n.gpus = take;
+            // Rails name GPUs by index: keep those the part still has.
+            for nic in &mut n.nics {
+                nic.gpus.retain(|&g| g < take);
+            }
+            take > 0
         });
     }
     let cluster = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: vec![] })

@@ -4,6 +4,7 @@
 //! operations (declare nodes, submit and plan jobs on the live inventory, cancel) and their
 //! REST edge; agents over gRPC, leases and launches come next (issue 6).
 
+pub mod agents;
 pub mod control;
 pub mod error;
 pub mod job;

@@ -8,8 +8,10 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
+use motley_coordinator::agents::{watch_leases, AgentService, Fleet};
 use motley_coordinator::rest::{router, AppState};
 use motley_coordinator::Store;
+use motley_proto::v1::agent_server::AgentServer;
 
 #[derive(Parser)]
 #[command(name = "motley-coordinator", version, about = "Motley's coordinator: inventory, jobs, plans and launches")]
@@ -29,6 +31,12 @@ struct Args {
     /// Serve the control API without a token (local use only).
     #[arg(long)]
     insecure: bool,
+    /// Address of the agents' gRPC service (port 0 picks a free one; it is printed).
+    #[arg(long, env = "MOTLEY_GRPC_LISTEN", default_value = "127.0.0.1:7071")]
+    grpc_listen: SocketAddr,
+    /// The base interval: agents heartbeat on it, a lease expires after 3 of them.
+    #[arg(long, env = "MOTLEY_HEARTBEAT_MS", default_value_t = 1000)]
+    heartbeat_ms: u64,
 }
 
 /// The token: given, or read from DATA_DIR/token, or generated there (mode 0600).
@@ -72,11 +80,29 @@ async fn main() -> anyhow::Result<()> {
     let url = args.database_url.clone().unwrap_or_else(|| format!("sqlite://{}", args.data_dir.join("coordinator.db").display()));
     let store = Store::open(&url).await.map_err(|e| anyhow::anyhow!("{e}"))?;
     let token = token(&args)?;
+    anyhow::ensure!(args.heartbeat_ms >= 10, "--heartbeat-ms: must be at least 10");
+    let fleet = Fleet::new(std::time::Duration::from_millis(args.heartbeat_ms));
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("--listen: cannot bind {}", args.listen))?;
     let addr = listener.local_addr()?;
-    println!("motley-coordinator listening on http://{addr}");
-    std::io::stdout().flush()?;
-    let app = router(AppState { store: store.clone(), token });
+    let grpc = tokio::net::TcpListener::bind(args.grpc_listen)
+        .await
+        .with_context(|| format!("--grpc-listen: cannot bind {}", args.grpc_listen))?;
+    let grpc_addr = grpc.local_addr()?;
+    // A closed stdout (a supervisor that read the addresses and left) must not stop the service.
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "motley-coordinator listening on http://{addr}");
+    let _ = writeln!(out, "motley-coordinator agents on http://{grpc_addr}");
+    let _ = out.flush();
+    drop(out);
+    let service = AgentService { store: store.clone(), fleet: fleet.clone(), token: token.clone() };
+    tokio::spawn(async move {
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
+        if let Err(e) = tonic::transport::Server::builder().add_service(AgentServer::new(service)).serve_with_incoming(incoming).await {
+            eprintln!("motley-coordinator: agent service stopped: {e}");
+        }
+    });
+    tokio::spawn(watch_leases(store.clone(), fleet.clone()));
+    let app = router(AppState { store: store.clone(), fleet, token });
     axum::serve(listener, app).with_graceful_shutdown(shutdown()).await?;
     store.close().await;
     Ok(())

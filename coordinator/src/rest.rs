@@ -18,6 +18,7 @@ use crate::store::{NodeRecord, NodeState, Store};
 #[derive(Clone)]
 pub struct AppState {
     pub store: Store,
+    pub fleet: std::sync::Arc<crate::agents::Fleet>,
     /// Bearer token the control API requires; None only with `--insecure`.
     pub token: Option<String>,
 }
@@ -65,10 +66,11 @@ async fn ready(State(s): State<AppState>) -> Response {
     }
 }
 
-fn node_json(n: &NodeRecord) -> Value {
+fn node_json(n: &NodeRecord, fleet: &crate::agents::Fleet) -> Value {
     json!({
         "name": n.name,
         "state": n.state,
+        "live": fleet.live(&n.name),
         "agent_epoch": n.agent_epoch,
         "registered_at_ms": n.registered_at_ms,
         "inventory": serde_json::from_str::<Value>(&n.inventory).unwrap_or(Value::Null),
@@ -76,11 +78,11 @@ fn node_json(n: &NodeRecord) -> Value {
 }
 
 async fn list_nodes(State(s): State<AppState>) -> ApiResult {
-    Ok(Json(Value::Array(s.store.nodes().await?.iter().map(node_json).collect())))
+    Ok(Json(Value::Array(s.store.nodes().await?.iter().map(|n| node_json(n, &s.fleet)).collect())))
 }
 
 async fn get_node(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult {
-    Ok(Json(node_json(&s.store.node(&name).await?)))
+    Ok(Json(node_json(&s.store.node(&name).await?, &s.fleet)))
 }
 
 async fn declare_node(State(s): State<AppState>, Path(name): Path<String>, body: String) -> ApiResult {
@@ -89,11 +91,11 @@ async fn declare_node(State(s): State<AppState>, Path(name): Path<String>, body:
 }
 
 async fn drain(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult {
-    Ok(Json(node_json(&s.store.set_node_state(&name, NodeState::Draining).await?)))
+    Ok(Json(node_json(&s.store.set_node_state(&name, NodeState::Draining).await?, &s.fleet)))
 }
 
 async fn undrain(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult {
-    Ok(Json(node_json(&s.store.set_node_state(&name, NodeState::Active).await?)))
+    Ok(Json(node_json(&s.store.set_node_state(&name, NodeState::Active).await?, &s.fleet)))
 }
 
 fn job_json(j: &crate::store::JobRecord) -> Value {
@@ -117,11 +119,15 @@ async fn list_jobs(State(s): State<AppState>) -> ApiResult {
 /// job's events for its progress.
 async fn submit_job(State(s): State<AppState>, body: String) -> Result<(StatusCode, Json<Value>), CoordinatorError> {
     let job = control::submit(&s.store, &body).await?;
-    let store = s.store.clone();
+    let (store, fleet) = (s.store.clone(), s.fleet.clone());
     let id = job.id;
     tokio::spawn(async move {
-        if let Err(e) = control::plan_job(&store, id).await {
-            eprintln!("motley-coordinator: planning job {id}: {e}");
+        let launched = match control::plan_job(&store, id).await {
+            Ok(_) => crate::agents::dispatch(&store, &fleet, id).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = launched {
+            eprintln!("motley-coordinator: job {id}: {e}");
         }
     });
     Ok((StatusCode::CREATED, Json(job_json(&job))))
@@ -136,7 +142,9 @@ async fn get_job(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult
 }
 
 async fn cancel_job(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult {
-    Ok(Json(job_json(&control::cancel(&s.store, parse_id(&id)?, "cancelled by the operator").await?)))
+    let job = control::cancel(&s.store, parse_id(&id)?, "cancelled by the operator").await?;
+    s.fleet.stop_job(&s.store, job.id, job.generation, "cancelled by the operator").await;
+    Ok(Json(job_json(&job)))
 }
 
 #[derive(Deserialize)]

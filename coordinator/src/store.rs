@@ -155,6 +155,14 @@ impl Store {
         Ok(seq)
     }
 
+    /// Record an event that is not part of another change (a lost lease, say).
+    pub async fn record_event(&self, job: Option<i64>, generation: Option<i64>, kind: &str, message: &str) -> Result<i64> {
+        let mut tx = self.pool.begin().await?;
+        let seq = Self::event(&mut tx, job, generation, kind, message).await?;
+        tx.commit().await?;
+        Ok(seq)
+    }
+
     // ---- nodes ----
 
     /// Register (or re-register) a node with its inventory; returns the new agent epoch,

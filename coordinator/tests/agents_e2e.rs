@@ -1,0 +1,172 @@
+//! A coordinator and four agents as separate processes on loopback, each agent with its
+//! inventory file: a job whose ranks check their environment succeeds; a cancelled job leaves
+//! no rank process behind; an agent killed with -9 loses its lease and fails its job with the
+//! reason.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const HEARTBEAT_MS: u64 = 200;
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+struct Cluster {
+    _coordinator: Proc,
+    rest: String,
+    agents: Vec<Option<Proc>>,
+    dir: PathBuf,
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn start(agents: usize) -> Cluster {
+    let dir = std::env::temp_dir().join(format!(
+        "motley-agents-e2e-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_motley-coordinator"))
+        .args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--insecure", "--heartbeat-ms", &HEARTBEAT_MS.to_string()])
+        .args(["--data-dir", dir.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let (mut rest, mut grpc) = (String::new(), String::new());
+    out.read_line(&mut rest).unwrap();
+    out.read_line(&mut grpc).unwrap();
+    let rest = rest.trim().rsplit("http://").next().unwrap().to_string();
+    let grpc = grpc.trim().rsplit(' ').next().unwrap().to_string();
+    // Built beside the coordinator by the workspace build.
+    let agent_bin = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-agent");
+    let count = agents;
+    let agents = (0..count)
+        .map(|i| {
+            Some(Proc(
+                Command::new(&agent_bin)
+                    .args(["--coordinator", &grpc, "--node", &format!("node-{i}"), "--inventory", "examples/nodes/a100.yaml"])
+                    .args(["--work-dir", dir.join(format!("agent-{i}")).to_str().unwrap()])
+                    .current_dir(repo())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("motley-agent is built by `cargo nextest run --workspace`"),
+            ))
+        })
+        .collect();
+    let c = Cluster { _coordinator: Proc(child), rest, agents, dir };
+    c.until(|c| c.get("/api/v1/nodes").as_array().unwrap().iter().filter(|n| n["live"] == true).count() == count, "agents registered");
+    c
+}
+
+impl Cluster {
+    fn http(&self, method: &str, path: &str, body: &str) -> Value {
+        let mut s = TcpStream::connect(&self.rest).unwrap();
+        write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        let body = raw.split_once("\r\n\r\n").unwrap().1;
+        serde_json::from_str(body).unwrap_or_else(|_| panic!("{method} {path}: {raw}"))
+    }
+
+    fn get(&self, path: &str) -> Value {
+        self.http("GET", path, "")
+    }
+
+    fn until(&self, ok: impl Fn(&Cluster) -> bool, what: &str) {
+        let start = Instant::now();
+        while !ok(self) {
+            assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for: {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn job_state(&self, id: i64) -> String {
+        self.get(&format!("/api/v1/jobs/{id}"))["state"].as_str().unwrap().to_string()
+    }
+}
+
+/// Processes whose command line contains `marker`.
+fn processes_with(marker: &str) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+        .filter(|c| String::from_utf8_lossy(c).contains(marker))
+        .count()
+}
+
+#[test]
+fn ranks_get_their_environment_and_the_job_succeeds() {
+    let c = start(4);
+    // Every rank checks the torchrun and Motley variables and that its plan file is there.
+    let check = r#"test -n "$RANK" && test "$WORLD_SIZE" -ge 2 && test -n "$LOCAL_RANK" && test -n "$LOCAL_WORLD_SIZE" && test "$MASTER_ADDR" = 127.0.0.1 && test "$MASTER_PORT" -gt 0 && test -n "$CUDA_VISIBLE_DEVICES" && test "$MOTLEY_LAYER_END" -gt "$MOTLEY_LAYER_START" && test -s "$MOTLEY_PLAN" && test "$HELLO" = world && echo "rank $RANK ok""#;
+    let job = format!(
+        "name: check\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {{gpus: 8}}\nrun: '{}'\nenvs: {{HELLO: world}}\n",
+        check.replace('\'', "''")
+    );
+    let id = c.http("POST", "/api/v1/jobs", &job)["id"].as_i64().unwrap();
+    c.until(|c| ["succeeded", "failed"].contains(&c.job_state(id).as_str()), "the job ends");
+    let j = c.get(&format!("/api/v1/jobs/{id}"));
+    assert_eq!(j["state"], "succeeded", "{j}");
+    let kinds: Vec<String> =
+        c.get(&format!("/api/v1/jobs/{id}/events")).as_array().unwrap().iter().map(|e| e["kind"].as_str().unwrap().to_string()).collect();
+    assert!(kinds.contains(&"running".to_string()) && kinds.last().unwrap() == "succeeded", "{kinds:?}");
+    let logs: Vec<PathBuf> = (0..4).map(|i| c.dir.join(format!("agent-{i}/jobs/{id}/1"))).filter(|p| p.exists()).collect();
+    assert!(!logs.is_empty());
+    let text: String =
+        logs.iter().flat_map(|d| std::fs::read_dir(d).unwrap()).filter_map(|e| std::fs::read_to_string(e.unwrap().path()).ok()).collect();
+    assert!(text.contains("rank 0 ok"), "{text}");
+
+    // A rank that fails fails the job, with the rank and its exit code.
+    let id = c.http("POST", "/api/v1/jobs", "name: bad\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'exit 3'\n")["id"]
+        .as_i64()
+        .unwrap();
+    c.until(|c| ["succeeded", "failed"].contains(&c.job_state(id).as_str()), "the bad job ends");
+    let j = c.get(&format!("/api/v1/jobs/{id}"));
+    assert_eq!(j["state"], "failed");
+    assert!(j["reason"].as_str().unwrap().contains("exited with code 3"), "{j}");
+}
+
+#[test]
+fn cancel_kills_every_rank_and_a_lost_agent_fails_its_job() {
+    let mut c = start(4);
+    let marker = format!("motley-e2e-marker-{}", std::process::id());
+    let job = format!("name: sleeper\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {{gpus: 4}}\nrun: 'sleep 600; echo {marker}'\n");
+    let id = c.http("POST", "/api/v1/jobs", &job)["id"].as_i64().unwrap();
+    c.until(|c| c.job_state(id) == "running", "the sleeper runs");
+    assert!(processes_with(&marker) > 0);
+    assert_eq!(c.http("POST", &format!("/api/v1/jobs/{id}/cancel"), "")["state"], "cancelled");
+    c.until(|_| processes_with(&marker) == 0, "every rank process is gone after cancel");
+
+    // A second sleeper on node-0 only; then node-0's agent dies.
+    let job = format!(
+        "name: doomed\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {{gpus: 2, nodes: [node-0]}}\nrun: 'sleep 600; echo {marker}'\n"
+    );
+    let id = c.http("POST", "/api/v1/jobs", &job)["id"].as_i64().unwrap();
+    c.until(|c| c.job_state(id) == "running", "the doomed job runs");
+    let mut agent = c.agents[0].take().unwrap();
+    agent.0.kill().unwrap(); // SIGKILL
+    agent.0.wait().unwrap();
+    c.until(|c| c.job_state(id) == "failed", "the lost node's job fails");
+    let j = c.get(&format!("/api/v1/jobs/{id}"));
+    assert!(j["reason"].as_str().unwrap().contains("node node-0 lost: no heartbeat"), "{j}");
+    let live: Vec<bool> = c.get("/api/v1/nodes").as_array().unwrap().iter().map(|n| n["live"] == true).collect();
+    assert_eq!(live, [false, true, true, true]);
+    // The orphaned ranks of the dead agent are not ours to reap here: kill them by marker.
+    let _ = Command::new("pkill").args(["-f", &marker]).status();
+}
