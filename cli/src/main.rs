@@ -30,6 +30,9 @@ enum Command {
     /// Jobs on the coordinator: submit, list, show, watch, cancel.
     #[command(subcommand)]
     Job(motley::remote::JobCommand),
+    /// The whole system on this machine: `motley dev up CLUSTER JOB`.
+    #[command(subcommand)]
+    Dev(motley::dev::DevCommand),
 }
 
 fn main() -> ExitCode {
@@ -40,6 +43,7 @@ fn main() -> ExitCode {
         Command::Provision(a) => motley::provision::run(a),
         Command::Node(c) => motley::remote::run_node(c),
         Command::Job(c) => motley::remote::run_job(c),
+        Command::Dev(c) => motley::dev::run(c),
         Command::Espresso(e) => match e.command {
             motley::espresso::EspressoCommand::Eval(a) => motley::espresso::run_eval(a),
             motley::espresso::EspressoCommand::Search(a) => motley::espresso::run_search(a),

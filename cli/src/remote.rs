@@ -86,27 +86,36 @@ pub enum JobCommand {
     },
 }
 
-struct Client {
+pub struct Client {
     bases: Vec<String>,
     token: Option<String>,
     agent: ureq::Agent,
 }
 
 impl Client {
+    /// A client of one coordinator URL without a token (`--insecure` coordinators).
+    pub fn local(url: &str) -> Result<Client, InputError> {
+        Client::new(&Remote { coordinator: url.to_string(), token: None, output: Output::Table })
+    }
+
     fn new(r: &Remote) -> Result<Client, InputError> {
         let bases: Vec<String> =
             r.coordinator.split(',').map(|s| s.trim().trim_end_matches('/').to_string()).filter(|s| !s.is_empty()).collect();
         if bases.is_empty() {
             return Err(InputError("--coordinator: give at least one URL, e.g. http://127.0.0.1:7070".into()));
         }
-        let token = r.token.clone().or_else(|| std::fs::read_to_string("motley-data/token").ok().map(|t| t.trim().to_string()));
+        let token = r
+            .token
+            .clone()
+            .or_else(|| std::fs::read_to_string("motley-data/token").ok().map(|t| t.trim().to_string()))
+            .filter(|t| !t.is_empty());
         let agent: ureq::Agent =
             ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(30))).build().into();
         Ok(Client { bases, token, agent })
     }
 
     /// One call, trying each coordinator until one answers; errors carry the server's message.
-    fn call(&self, method: &str, path: &str, body: Option<&str>) -> Result<Value, InputError> {
+    pub fn call(&self, method: &str, path: &str, body: Option<&str>) -> Result<Value, InputError> {
         let mut last = String::new();
         for base in &self.bases {
             let url = format!("{base}/api/v1{path}");

@@ -1,0 +1,187 @@
+//! `motley dev up CLUSTER JOB`: the whole system on one machine. It starts a coordinator on
+//! SQLite and one agent per node of the cluster file (each with that node's entry as its
+//! inventory), submits the job, prints its events and its ranks' output as they come, and
+//! stops everything when the job ends (or on Ctrl-C, which reaches the whole process group).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use motley_solver::ClusterSpec;
+
+use crate::inputs::{self, InputError};
+use crate::remote::Client;
+
+#[derive(clap::Subcommand)]
+pub enum DevCommand {
+    /// Start a coordinator and one agent per node of CLUSTER, run JOB, stream it, stop.
+    Up {
+        /// Cluster file (YAML), as for `motley plan`.
+        cluster: PathBuf,
+        /// Job file (YAML), as for `motley job submit`.
+        job: PathBuf,
+        /// Where state, inventories and rank logs go (default: a fresh temporary directory).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Heartbeat interval of this local system, ms.
+        #[arg(long, default_value_t = 200)]
+        heartbeat_ms: u64,
+    },
+}
+
+/// Children killed when `motley dev up` returns, whatever the path.
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn sibling(name: &str) -> Result<PathBuf, InputError> {
+    let me = std::env::current_exe().map_err(|e| InputError(format!("cannot find the motley binary: {e}")))?;
+    let p = me.with_file_name(name);
+    if p.exists() {
+        Ok(p)
+    } else {
+        Err(InputError(format!("{} not found next to motley; build it with `cargo build --release`", p.display())))
+    }
+}
+
+pub fn run(cmd: DevCommand) -> Result<String, InputError> {
+    let DevCommand::Up { cluster, job, dir, heartbeat_ms } = cmd;
+    let origin = cluster.display().to_string();
+    let text = std::fs::read_to_string(&cluster).map_err(|e| InputError(format!("{origin}: cannot read cluster file: {e}")))?;
+    let spec: ClusterSpec = inputs::parse_yaml(&text, &origin)?;
+    motley_solver::Cluster::from_spec(&spec).map_err(|e| inputs::in_file(&origin, e))?;
+    let job_text = std::fs::read_to_string(&job).map_err(|e| InputError(format!("{}: cannot read job file: {e}", job.display())))?;
+    let dir = dir.unwrap_or_else(|| std::env::temp_dir().join(format!("motley-dev-{}", std::process::id())));
+    let io = |e: std::io::Error| InputError(format!("{}: {e}", dir.display()));
+    std::fs::create_dir_all(dir.join("nodes")).map_err(io)?;
+
+    let mut procs = Procs(vec![]);
+    let mut coordinator = Command::new(sibling("motley-coordinator")?)
+        .args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--insecure", "--heartbeat-ms", &heartbeat_ms.to_string()])
+        .arg("--data-dir")
+        .arg(dir.join("coordinator"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| InputError(format!("starting motley-coordinator: {e}")))?;
+    let mut out = BufReader::new(coordinator.stdout.take().expect("piped"));
+    procs.0.push(coordinator);
+    let (mut rest, mut grpc) = (String::new(), String::new());
+    out.read_line(&mut rest).map_err(io)?;
+    out.read_line(&mut grpc).map_err(io)?;
+    let rest = rest.trim().rsplit(' ').next().unwrap_or_default().to_string();
+    let grpc = grpc.trim().rsplit(' ').next().unwrap_or_default().to_string();
+    say(&format!("coordinator: REST {rest}, agents {grpc}, state in {}", dir.display()));
+
+    // One agent per node, named as the cluster file expands them.
+    let mut names = vec![];
+    for n in &spec.nodes {
+        let mut entry = n.clone();
+        entry.count = None;
+        let expanded: Vec<String> = match n.count {
+            Some(k) => (0..k).map(|i| format!("{}-{i}", n.name)).collect(),
+            None => vec![n.name.clone()],
+        };
+        for name in expanded {
+            entry.name = name.clone();
+            let file = dir.join("nodes").join(format!("{name}.yaml"));
+            std::fs::write(&file, serde_norway::to_string(&entry).expect("a node entry serialises")).map_err(io)?;
+            let agent = Command::new(sibling("motley-agent")?)
+                .args(["--coordinator", &grpc, "--node", &name, "--inventory"])
+                .arg(&file)
+                .arg("--work-dir")
+                .arg(dir.join("agents").join(&name))
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| InputError(format!("starting motley-agent for {name}: {e}")))?;
+            procs.0.push(agent);
+            names.push(name);
+        }
+    }
+    let client = Client::local(&rest)?;
+    let start = Instant::now();
+    loop {
+        let nodes = client.call("GET", "/nodes", None)?;
+        let live = nodes.as_array().map_or(0, |a| a.iter().filter(|n| n["live"] == true).count());
+        if live == names.len() {
+            break;
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            return Err(InputError(format!("only {live} of {} agents registered within 30 s", names.len())));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    say(&format!("{} agents live: {}", names.len(), names.join(", ")));
+
+    let submitted = client.call("POST", "/jobs", Some(&job_text)).map_err(|e| InputError(format!("{}: {}", job.display(), e.0)))?;
+    let id = submitted["id"].as_i64().unwrap_or(0);
+    say(&format!("job {id} ({}) submitted", submitted["name"].as_str().unwrap_or("")));
+    let mut after = 0i64;
+    let mut offsets: BTreeMap<PathBuf, u64> = BTreeMap::new();
+    loop {
+        let events = client.call("GET", &format!("/jobs/{id}/events?after={after}"), None)?;
+        for e in events.as_array().into_iter().flatten() {
+            after = after.max(e["seq"].as_i64().unwrap_or(after));
+            say(&format!("[{}] {}", e["kind"].as_str().unwrap_or(""), e["message"].as_str().unwrap_or("")));
+        }
+        print_new_output(&dir.join("agents"), &mut offsets);
+        let j = client.call("GET", &format!("/jobs/{id}"), None)?;
+        let state = j["state"].as_str().unwrap_or("").to_string();
+        if ["succeeded", "failed", "cancelled"].contains(&state.as_str()) {
+            std::thread::sleep(Duration::from_millis(2 * heartbeat_ms));
+            print_new_output(&dir.join("agents"), &mut offsets);
+            let reason = j["reason"].as_str().map_or(String::new(), |r| format!(": {r}"));
+            return Ok(format!("job {id} {state}{reason}; stopping the coordinator and {} agents", names.len()));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn say(line: &str) {
+    let _ = writeln!(std::io::stdout().lock(), "motley dev: {line}");
+}
+
+/// New lines of every rank log under `agents/NODE/jobs/JOB/GEN/rank-R.log`, prefixed.
+fn print_new_output(agents: &Path, offsets: &mut BTreeMap<PathBuf, u64>) {
+    let mut logs = vec![];
+    collect_logs(agents, &mut logs);
+    logs.sort();
+    for log in logs {
+        let Ok(mut f) = std::fs::File::open(&log) else { continue };
+        let at = *offsets.get(&log).unwrap_or(&0);
+        if f.seek(SeekFrom::Start(at)).is_err() {
+            continue;
+        }
+        let mut new = String::new();
+        let Ok(n) = f.read_to_string(&mut new) else { continue };
+        // Only whole lines; a half-written one waits for the next pass.
+        let whole = new.rfind('\n').map_or(0, |i| i + 1);
+        offsets.insert(log.clone(), at + whole.min(n) as u64);
+        let node = log.iter().rev().nth(4).map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
+        let rank = log.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
+        for line in new[..whole].lines() {
+            let _ = writeln!(std::io::stdout().lock(), "{node} {rank}: {line}");
+        }
+    }
+}
+
+fn collect_logs(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            collect_logs(&p, out);
+        } else if p.extension().is_some_and(|x| x == "log") {
+            out.push(p);
+        }
+    }
+}
