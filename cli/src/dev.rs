@@ -25,8 +25,8 @@ pub enum DevCommand {
         /// Where state, inventories and rank logs go (default: a fresh temporary directory).
         #[arg(long)]
         dir: Option<PathBuf>,
-        /// Heartbeat interval of this local system, ms.
-        #[arg(long, default_value_t = 200)]
+        /// Heartbeat interval of this local system, ms (a lease lasts three).
+        #[arg(long, default_value_t = 500)]
         heartbeat_ms: u64,
     },
 }
