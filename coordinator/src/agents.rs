@@ -41,8 +41,13 @@ impl Fleet {
         Arc::new(Fleet { base, leases: Mutex::new(HashMap::new()) })
     }
 
+    /// The node's agent holds a lease and its heartbeat stream is open (it can take a launch).
     pub fn live(&self, node: &str) -> bool {
-        self.leases.lock().expect("lease lock").get(node).is_some_and(|l| l.last_seen.elapsed() <= self.base * LEASE_INTERVALS)
+        self.leases
+            .lock()
+            .expect("lease lock")
+            .get(node)
+            .is_some_and(|l| l.tx.is_some() && l.last_seen.elapsed() <= self.base * LEASE_INTERVALS)
     }
 
     fn send(&self, node: &str, i: Instruction) -> bool {
