@@ -78,6 +78,9 @@ pub fn run(cmd: DevCommand) -> Result<String, InputError> {
     let (mut rest, mut grpc) = (String::new(), String::new());
     out.read_line(&mut rest).map_err(io)?;
     out.read_line(&mut grpc).map_err(io)?;
+    if rest.is_empty() || grpc.is_empty() {
+        return Err(InputError("motley-coordinator exited before it printed its addresses (its error is above)".into()));
+    }
     let rest = rest.trim().rsplit(' ').next().unwrap_or_default().to_string();
     let grpc = grpc.trim().rsplit(' ').next().unwrap_or_default().to_string();
     say(&format!("coordinator: REST {rest}, agents {grpc}, state in {}", dir.display()));
@@ -128,13 +131,14 @@ pub fn run(cmd: DevCommand) -> Result<String, InputError> {
     let mut after = 0i64;
     let mut offsets: BTreeMap<PathBuf, u64> = BTreeMap::new();
     loop {
+        // The state first, the events after (see `motley job watch`): none is missed at the end.
+        let j = client.call("GET", &format!("/jobs/{id}"), None)?;
         let events = client.call("GET", &format!("/jobs/{id}/events?after={after}"), None)?;
         for e in events.as_array().into_iter().flatten() {
             after = after.max(e["seq"].as_i64().unwrap_or(after));
             say(&format!("[{}] {}", e["kind"].as_str().unwrap_or(""), e["message"].as_str().unwrap_or("")));
         }
         print_new_output(&dir.join("agents"), &mut offsets);
-        let j = client.call("GET", &format!("/jobs/{id}"), None)?;
         let state = j["state"].as_str().unwrap_or("").to_string();
         if ["succeeded", "failed", "cancelled"].contains(&state.as_str()) {
             std::thread::sleep(Duration::from_millis(2 * heartbeat_ms));

@@ -290,6 +290,9 @@ fn watch(id: i64, remote: &Remote) -> Result<String, InputError> {
     let c = Client::new(remote)?;
     let mut after = 0i64;
     loop {
+        // The state first, the events after: a state change and its event commit together, so
+        // once the state is final every event up to it is in this batch.
+        let job = c.call("GET", &format!("/jobs/{id}"), None)?;
         let events = c.call("GET", &format!("/jobs/{id}/events?after={after}"), None)?;
         for e in events.as_array().into_iter().flatten() {
             after = after.max(e["seq"].as_i64().unwrap_or(after));
@@ -299,7 +302,6 @@ fn watch(id: i64, remote: &Remote) -> Result<String, InputError> {
             };
             let _ = writeln!(std::io::stdout().lock(), "{line}");
         }
-        let job = c.call("GET", &format!("/jobs/{id}"), None)?;
         if ["succeeded", "failed", "cancelled"].contains(&job["state"].as_str().unwrap_or("")) {
             return Ok(format!("job {id} {}{}", s(&job["state"]), job["reason"].as_str().map_or(String::new(), |r| format!(": {r}"))));
         }

@@ -113,31 +113,61 @@ impl Agent for AgentService {
         let (tx, rx) = mpsc::channel(64);
         let (store, fleet) = (self.store.clone(), self.fleet.clone());
         tokio::spawn(async move {
+            // The stream belongs to the node and epoch of its first message.
+            let mut session: Option<(String, i64)> = None;
             while let Ok(Some(status)) = inbound.message().await {
-                // A session older than the node's latest registration is refused.
-                if let Err(e) = store.check_agent(&status.node, status.epoch).await {
-                    let _ = tx.send(Err(to_status(e))).await;
+                if session.as_ref().is_some_and(|(n, e)| *n != status.node || *e != status.epoch) {
+                    let _ = tx.send(Err(Status::invalid_argument("a heartbeat stream carries one node and one epoch"))).await;
                     return;
                 }
-                {
+                // The lease first, from memory: a slow database must not cost a live node its lease.
+                let refused: Option<Status> = {
                     let mut leases = fleet.leases.lock().expect("lease lock");
-                    let lease = leases.entry(status.node.clone()).or_insert(Lease {
-                        epoch: status.epoch,
-                        address: "127.0.0.1".into(),
-                        last_seen: Instant::now(),
-                        tx: None,
-                    });
-                    lease.epoch = status.epoch;
-                    lease.last_seen = Instant::now();
-                    lease.tx = Some(tx.clone());
+                    match leases.get_mut(&status.node) {
+                        Some(lease) if lease.epoch == status.epoch => {
+                            lease.last_seen = Instant::now();
+                            lease.tx = Some(tx.clone());
+                            None
+                        }
+                        Some(lease) => Some(to_status(CoordinatorError::StaleAgent {
+                            node: status.node.clone(),
+                            given: status.epoch,
+                            current: lease.epoch,
+                        })),
+                        None => Some(Status::failed_precondition("the lease expired (or the coordinator restarted); register again")),
+                    }
+                };
+                if let Some(refusal) = refused {
+                    let _ = tx.send(Err(refusal)).await;
+                    return;
+                }
+                if session.is_none() {
+                    // The durable check too: an agent session older than the node's latest one.
+                    if let Err(e) = store.check_agent(&status.node, status.epoch).await {
+                        let _ = tx.send(Err(to_status(e))).await;
+                        return;
+                    }
+                    session = Some((status.node.clone(), status.epoch));
                 }
                 let mut jobs = vec![];
                 for r in &status.ranks {
-                    match store.report_rank(r.job, r.generation, r.rank, &r.state, r.exit_code).await {
+                    match store
+                        .report_rank_from(Some((&status.node, status.epoch)), r.job, r.generation, r.rank, &r.state, r.exit_code)
+                        .await
+                    {
                         Ok(()) => jobs.push(r.job),
                         // Reports of an older launch change nothing.
                         Err(CoordinatorError::StaleGeneration { .. }) => {}
-                        Err(e) => eprintln!("motley-coordinator: rank report from {}: {e}", status.node),
+                        Err(CoordinatorError::StaleAgent { .. }) => {
+                            let _ = tx.send(Err(Status::aborted("this agent session is stale; register again"))).await;
+                            return;
+                        }
+                        // Close the stream: the agent reconnects and reports everything again.
+                        Err(e) => {
+                            eprintln!("motley-coordinator: rank report from {}: {e}", status.node);
+                            let _ = tx.send(Err(Status::unavailable(e.to_string()))).await;
+                            return;
+                        }
                     }
                 }
                 jobs.sort();
@@ -162,17 +192,17 @@ pub async fn progress(store: &Store, fleet: &Fleet, id: i64) {
     if let Some(bad) = ranks.iter().find(|r| r.state == "exited" && r.exit_code != Some(0)) {
         let reason =
             format!("rank {} on node {} exited with code {}", bad.assignment.rank, bad.assignment.node, bad.exit_code.unwrap_or(-1));
-        if store.transition(id, JobState::Failed, Some(&reason)).await.is_ok() {
+        if store.transition_at(id, Some(job.generation), JobState::Failed, Some(&reason)).await.is_ok() {
             fleet.stop_job(store, id, job.generation, &reason).await;
         }
         return;
     }
     let started = ranks.iter().all(|r| r.state == "running" || r.state == "exited");
     if job.state == JobState::Launching && started {
-        let _ = store.transition(id, JobState::Running, None).await;
+        let _ = store.transition_at(id, Some(job.generation), JobState::Running, None).await;
     }
     if started && ranks.iter().all(|r| r.state == "exited") {
-        let _ = store.transition(id, JobState::Succeeded, None).await;
+        let _ = store.transition_at(id, Some(job.generation), JobState::Succeeded, None).await;
     }
 }
 
@@ -254,7 +284,7 @@ pub async fn watch_leases(store: Store, fleet: Arc<Fleet>) {
             let Ok(jobs) = store.jobs().await else { continue };
             for j in jobs.into_iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)) {
                 let on_node = store.ranks(j.id, j.generation).await.is_ok_and(|r| r.iter().any(|r| r.assignment.node == node));
-                if on_node && store.transition(j.id, JobState::Failed, Some(&reason)).await.is_ok() {
+                if on_node && store.transition_at(j.id, Some(j.generation), JobState::Failed, Some(&reason)).await.is_ok() {
                     fleet.stop_job(&store, j.id, j.generation, &reason).await;
                 }
             }

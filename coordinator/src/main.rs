@@ -80,7 +80,7 @@ async fn main() -> anyhow::Result<()> {
     let url = args.database_url.clone().unwrap_or_else(|| format!("sqlite://{}", args.data_dir.join("coordinator.db").display()));
     let store = Store::open(&url).await.map_err(|e| anyhow::anyhow!("{e}"))?;
     let token = token(&args)?;
-    anyhow::ensure!(args.heartbeat_ms >= 10, "--heartbeat-ms: must be at least 10");
+    anyhow::ensure!((10..=3_600_000).contains(&args.heartbeat_ms), "--heartbeat-ms: must be between 10 and 3600000 (one hour)");
     let fleet = Fleet::new(std::time::Duration::from_millis(args.heartbeat_ms));
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("--listen: cannot bind {}", args.listen))?;
     let addr = listener.local_addr()?;

@@ -286,8 +286,17 @@ impl Store {
     /// Move a job to `to` if its life allows it from the state it is in (checked and written
     /// in one transaction: two coordinators cannot both move it).
     pub async fn transition(&self, id: i64, to: JobState, reason: Option<&str>) -> Result<JobRecord> {
+        self.transition_at(id, None, to, reason).await
+    }
+
+    /// `transition`, only if the job is still at `generation` (decisions taken on one launch's
+    /// ranks never move the next launch).
+    pub async fn transition_at(&self, id: i64, generation: Option<i64>, to: JobState, reason: Option<&str>) -> Result<JobRecord> {
         let mut tx = self.pool.begin().await?;
         let job = job_in(&mut tx, id).await?;
+        if let Some(g) = generation.filter(|&g| g != job.generation) {
+            return Err(CoordinatorError::StaleGeneration { job: id, given: g, current: job.generation });
+        }
         if !job.state.can_become(to) {
             return Err(CoordinatorError::Conflict(format!("job {id} is {}; it cannot become {to}", job.state)));
         }
@@ -348,14 +357,20 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         }
-        sqlx::query("UPDATE jobs SET state = $1, generation = $2, updated_at_ms = $3 WHERE id = $4 AND generation = $5")
-            .bind(JobState::Launching.as_str())
-            .bind(generation)
-            .bind(now)
-            .bind(id)
-            .bind(job.generation)
-            .execute(&mut *tx)
-            .await?;
+        let done =
+            sqlx::query("UPDATE jobs SET state = $1, generation = $2, updated_at_ms = $3 WHERE id = $4 AND generation = $5 AND state = $6")
+                .bind(JobState::Launching.as_str())
+                .bind(generation)
+                .bind(now)
+                .bind(id)
+                .bind(job.generation)
+                .bind(job.state.as_str())
+                .execute(&mut *tx)
+                .await?;
+        // Moved (cancelled, say) since it was read: the whole launch is rolled back.
+        if done.rows_affected() != 1 {
+            return Err(CoordinatorError::Conflict(format!("job {id} changed state concurrently; not launched")));
+        }
         let message = format!("job {id}: generation {generation} launching {} ranks", ranks.len());
         Self::event(&mut tx, Some(id), Some(generation), "launching", &message).await?;
         tx.commit().await?;
@@ -396,24 +411,72 @@ impl Store {
     /// An agent's report on a rank, fenced by generation: a report of an older launch is
     /// refused and changes nothing.
     pub async fn report_rank(&self, id: i64, generation: i64, rank: i64, state: &str, exit_code: Option<i64>) -> Result<()> {
+        self.report_rank_from(None, id, generation, rank, state, exit_code).await
+    }
+
+    /// `report_rank` from an agent session: in the same transaction the node's agent epoch
+    /// must still be `epoch` (a re-registered agent fences its older session) and the rank must
+    /// run on that node; an exited rank never comes back.
+    pub async fn report_rank_from(
+        &self,
+        agent: Option<(&str, i64)>,
+        id: i64,
+        generation: i64,
+        rank: i64,
+        state: &str,
+        exit_code: Option<i64>,
+    ) -> Result<()> {
         if !["running", "exited", "lost"].contains(&state) {
             return Err(CoordinatorError::invalid("state", format!("'{state}' is not running, exited or lost")));
         }
         let mut tx = self.pool.begin().await?;
+        if let Some((node, epoch)) = agent {
+            // A no-op update that locks the node's row (PostgreSQL) while the epoch is checked.
+            let same = sqlx::query("UPDATE nodes SET agent_epoch = agent_epoch WHERE name = $1 AND agent_epoch = $2")
+                .bind(node)
+                .bind(epoch)
+                .execute(&mut *tx)
+                .await?;
+            if same.rows_affected() != 1 {
+                let current = sqlx::query("SELECT agent_epoch FROM nodes WHERE name = $1").bind(node).fetch_optional(&mut *tx).await?;
+                let current = current.map(|r| r.try_get::<i64, _>(0)).transpose()?.unwrap_or(0);
+                return Err(CoordinatorError::StaleAgent { node: node.to_string(), given: epoch, current });
+            }
+        }
         let job = job_in(&mut tx, id).await?;
         if job.generation != generation {
             return Err(CoordinatorError::StaleGeneration { job: id, given: generation, current: job.generation });
         }
-        let done = sqlx::query("UPDATE ranks SET state = $1, exit_code = $2 WHERE job_id = $3 AND generation = $4 AND rank = $5")
-            .bind(state)
-            .bind(exit_code)
-            .bind(id)
-            .bind(generation)
-            .bind(rank)
-            .execute(&mut *tx)
-            .await?;
+        let node = agent.map(|a| a.0.to_string());
+        let done = sqlx::query(
+            "UPDATE ranks SET state = $1, exit_code = $2 WHERE job_id = $3 AND generation = $4 AND rank = $5 \
+             AND state <> 'exited' AND ($6 IS NULL OR node = $6)",
+        )
+        .bind(state)
+        .bind(exit_code)
+        .bind(id)
+        .bind(generation)
+        .bind(rank)
+        .bind(node)
+        .execute(&mut *tx)
+        .await?;
         if done.rows_affected() != 1 {
-            return Err(CoordinatorError::not_found(format!("rank {rank} of job {id} generation {generation}")));
+            let row = sqlx::query("SELECT node, state FROM ranks WHERE job_id = $1 AND generation = $2 AND rank = $3")
+                .bind(id)
+                .bind(generation)
+                .bind(rank)
+                .fetch_optional(&mut *tx)
+                .await?;
+            let Some(row) = row else {
+                return Err(CoordinatorError::not_found(format!("rank {rank} of job {id} generation {generation}")));
+            };
+            let (on, was): (String, String) = (row.try_get("node")?, row.try_get("state")?);
+            if let Some((node, _)) = agent.filter(|(n, _)| *n != on) {
+                return Err(CoordinatorError::invalid("ranks.rank", format!("rank {rank} of job {id} runs on {on}, not {node}")));
+            }
+            // Already exited: a report sent again after a reconnect changes nothing.
+            debug_assert_eq!(was, "exited");
+            return Ok(());
         }
         let message = match exit_code {
             Some(c) => format!("job {id}: rank {rank} {state} (exit code {c})"),

@@ -203,3 +203,36 @@ async fn a_bad_database_url_names_the_flag() {
         other => panic!("expected invalid input, got {:?}", other.err()),
     }
 }
+
+conformance!(rank_reports_are_fenced_by_agent_session_and_node, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    for n in ["n0", "n1"] {
+        s.register_node(n, "{}").await.unwrap();
+    }
+    let job = s.submit_job("fenced", "{}").await.unwrap();
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    s.start_generation(job.id, "{}", &ranks(&["n0", "n1"])).await.unwrap();
+    // n0's agent re-registers: reports of its first session are refused, nothing changes.
+    assert_eq!(s.register_node("n0", "{}").await.unwrap(), 2);
+    assert!(matches!(s.report_rank_from(Some(("n0", 1)), job.id, 1, 0, "running", None).await, Err(CoordinatorError::StaleAgent { .. })));
+    assert_eq!(s.ranks(job.id, 1).await.unwrap()[0].state, "assigned");
+    // A node cannot report another node's rank.
+    assert!(matches!(s.report_rank_from(Some(("n1", 1)), job.id, 1, 0, "running", None).await, Err(CoordinatorError::InvalidInput { .. })));
+    s.report_rank_from(Some(("n0", 2)), job.id, 1, 0, "exited", Some(0)).await.unwrap();
+    // An exited rank stays exited when a late "running" arrives, and a repeat is a no-op.
+    let events = s.events(Some(job.id), 0, 100).await.unwrap().len();
+    s.report_rank_from(Some(("n0", 2)), job.id, 1, 0, "running", None).await.unwrap();
+    s.report_rank_from(Some(("n0", 2)), job.id, 1, 0, "exited", Some(0)).await.unwrap();
+    assert_eq!(s.ranks(job.id, 1).await.unwrap()[0].state, "exited");
+    assert_eq!(s.events(Some(job.id), 0, 100).await.unwrap().len(), events, "no event for a report that changed nothing");
+    // Decisions about generation 1 do not move a job that has relaunched.
+    s.transition(job.id, JobState::Running, None).await.unwrap();
+    s.start_generation(job.id, "{}", &ranks(&["n1"])).await.unwrap();
+    assert!(matches!(s.transition_at(job.id, Some(1), JobState::Failed, Some("old")).await, Err(CoordinatorError::StaleGeneration { .. })));
+    assert_eq!(s.job(job.id).await.unwrap().state, JobState::Launching);
+    // A cancelled job cannot be launched again.
+    s.transition(job.id, JobState::Cancelled, Some("user")).await.unwrap();
+    assert!(matches!(s.start_generation(job.id, "{}", &ranks(&["n1"])).await, Err(CoordinatorError::Conflict(_))));
+    assert_eq!(s.job(job.id).await.unwrap().generation, 2);
+    s.close().await;
+});
