@@ -146,6 +146,21 @@ fn load(a: &PlanArgs) -> Result<Loaded, InputError> {
     Ok(Loaded { cluster, model, profiles, opts })
 }
 
+impl Loaded {
+    /// The planning run these inputs and `a`'s search flags describe.
+    fn request(&self, a: &PlanArgs) -> PlanRequest<'_> {
+        PlanRequest {
+            cluster: &self.cluster,
+            model: &self.model,
+            profiles: &self.profiles,
+            opts: &self.opts,
+            mode: a.search.into(),
+            exhaustive: a.exhaustive,
+            seeds: vec![],
+        }
+    }
+}
+
 fn solver_error(a: &PlanArgs, e: SolverError) -> InputError {
     match e {
         SolverError::DoesNotFit(m) => InputError(format!("{}: model does not fit: {m}", a.cluster.display())),
@@ -155,16 +170,7 @@ fn solver_error(a: &PlanArgs, e: SolverError) -> InputError {
 
 pub fn run_plan(a: PlanArgs) -> Result<String, InputError> {
     let l = load(&a)?;
-    let req = PlanRequest {
-        cluster: &l.cluster,
-        model: &l.model,
-        profiles: &l.profiles,
-        opts: &l.opts,
-        mode: a.search.into(),
-        exhaustive: a.exhaustive,
-        seeds: vec![],
-    };
-    let report = motley_solver::plan(&req).map_err(|e| solver_error(&a, e))?;
+    let report = motley_solver::plan(&l.request(&a)).map_err(|e| solver_error(&a, e))?;
     Ok(match a.output {
         Output::Json => serde_json::to_string_pretty(&report).expect("report serialises"),
         Output::Table if a.explain => format!("{}{}", table::render(&report, a.compare), table::render_network(&report.comm_groups)),
@@ -201,17 +207,8 @@ pub fn run_replan(a: ReplanArgs) -> Result<String, InputError> {
     let mut l = load(&a.plan)?;
     l.opts.global_batch = current.global_batch;
     l.opts.micro_batch = None;
-    let req = PlanRequest {
-        cluster: &l.cluster,
-        model: &l.model,
-        profiles: &l.profiles,
-        opts: &l.opts,
-        mode: a.plan.search.into(),
-        exhaustive: a.plan.exhaustive,
-        seeds: vec![],
-    };
     let policy = SwitchPolicy { min_gain: a.min_gain, horizon: a.horizon };
-    let report = replan(&req, &current, policy).map_err(|e| match e {
+    let report = replan(&l.request(&a.plan), &current, policy).map_err(|e| match e {
         SolverError::InvalidInput { .. } => inputs::in_file(&origin, e),
         other => solver_error(&a.plan, other),
     })?;

@@ -179,10 +179,7 @@ pub fn render_replan(r: &motley_solver::replan::ReplanReport, compare: bool) -> 
     let range = |x: Option<[u32; 2]>| x.map_or("idle".to_string(), |l| format!("{}-{}", l[0], l[1]));
     let mut moves: std::collections::BTreeMap<(String, String), Vec<motley_solver::placement::GpuId>> = Default::default();
     for m in &r.moves {
-        moves
-            .entry((range(m.from), range(m.to)))
-            .or_default()
-            .push(motley_solver::placement::GpuId { node: m.gpu.node.clone(), index: m.gpu.index });
+        moves.entry((range(m.from), range(m.to))).or_default().push(m.gpu.clone());
     }
     if !moves.is_empty() {
         let mut t = Table::new();

@@ -1,39 +1,8 @@
 //! `motley plan --explain/--bandwidth` and `motley replan` as a user runs them: the real
 //! binary, the example files, exit codes and the `comm_groups` JSON contract.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn motley(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_motley"))
-        .args(args)
-        .current_dir(repo())
-        .env_remove("MOTLEY_CLUSTER")
-        .env_remove("MOTLEY_MODEL")
-        .env_remove("MOTLEY_BANDWIDTH")
-        .output()
-        .unwrap()
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-fn json(args: &[&str]) -> serde_json::Value {
-    let mut a = args.to_vec();
-    a.extend(["-o", "json"]);
-    let out = motley(&a);
-    assert!(out.status.success(), "motley {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).expect("valid JSON")
-}
-
-fn write_temp(name: &str, text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("motley-net-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p
-}
+mod common;
+use common::{json, motley, write_temp};
 
 const HYBRID: [&str; 10] = [
     "--cluster",

@@ -1,38 +1,10 @@
 //! `motley plan` as a user runs it: the real binary, real files, exit codes and output.
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn motley(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_motley"))
-        .args(args)
-        .current_dir(repo())
-        .env_remove("MOTLEY_CLUSTER")
-        .env_remove("MOTLEY_MODEL")
-        .output()
-        .unwrap()
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-fn json(args: &[&str]) -> serde_json::Value {
-    let mut a = args.to_vec();
-    a.extend(["-o", "json"]);
-    let out = motley(&a);
-    assert!(out.status.success(), "motley {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).expect("valid JSON")
-}
-
-fn write_temp(name: &str, text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("motley-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p
-}
+mod common;
+use common::{json, motley, repo, write_temp};
+use std::process::Command;
 
 /// Every structural promise of the JSON contract.
 fn check_contract(v: &serde_json::Value, layers: u64) {

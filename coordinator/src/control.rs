@@ -17,7 +17,7 @@ pub async fn declare_node(store: &Store, name: &str, entry: &str) -> Result<i64>
     };
     // The name comes from the URL (or the agent); an entry may leave it out.
     map.insert("name".into(), name.into());
-    let spec: NodeSpec = serde_norway::from_value(value).map_err(|e| CoordinatorError::invalid("node", format!("{e}")))?;
+    let spec: NodeSpec = crate::jobspec::parse_yaml(value, "node")?;
     if spec.count.is_some() {
         return Err(CoordinatorError::invalid("node.count", "a node entry here is one node; remove count"));
     }

@@ -58,8 +58,7 @@ const RESERVED: [&str; 7] = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SI
 impl JobSpec {
     /// Parse and validate a job file; errors name the field and the fix.
     pub fn parse(text: &str) -> Result<JobSpec> {
-        let de = serde_norway::Deserializer::from_str(text);
-        let spec: JobSpec = serde_path_to_error_like(de)?;
+        let spec: JobSpec = parse_yaml(serde_norway::Deserializer::from_str(text), "job file")?;
         spec.validate()?;
         Ok(spec)
     }
@@ -106,9 +105,12 @@ impl JobSpec {
 }
 
 /// serde_norway with the path of the failing field in the message.
-fn serde_path_to_error_like(de: serde_norway::Deserializer) -> Result<JobSpec> {
-    JobSpec::deserialize(de).map_err(|e| {
-        let msg = e.to_string();
+/// Deserialize YAML (JSON is YAML too) into `T`; the error names `what` and the path of the
+/// failing field, as the CLI's `inputs::parse_yaml` does.
+pub fn parse_yaml<'de, T: Deserialize<'de>>(de: impl serde::Deserializer<'de>, what: &str) -> Result<T> {
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let msg = e.into_inner().to_string();
         let hint = if msg.contains("missing field") {
             "; add it"
         } else if msg.contains("unknown field") {
@@ -116,7 +118,12 @@ fn serde_path_to_error_like(de: serde_norway::Deserializer) -> Result<JobSpec> {
         } else {
             ""
         };
-        CoordinatorError::invalid("job file", format!("{msg}{hint}"))
+        // serde_norway's message may already start with the path.
+        if path == "." || path.is_empty() || msg.starts_with(&path) {
+            CoordinatorError::invalid(what, format!("{msg}{hint}"))
+        } else {
+            CoordinatorError::invalid(format!("{what}: {path}"), format!("{msg}{hint}"))
+        }
     })
 }
 

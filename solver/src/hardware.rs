@@ -146,7 +146,6 @@ pub struct NodeClass {
     /// Per kind, the Gbit/s all NICs of that kind carry together (multi-edge rule, see
     /// `multi_edge_gbit`).
     pub nic_gbps: BTreeMap<NicKind, f64>,
-    pub nic_names: BTreeMap<NicKind, Vec<String>>,
     /// The NICs as declared (ports, GID indices, rails), for the NCCL settings of a group.
     pub nics: Vec<NicSpec>,
     pub rdma_domain: String,
@@ -238,7 +237,6 @@ impl Cluster {
             if !(switch_gbit.is_finite() && switch_gbit > 0.0) {
                 return Err(SolverError::invalid(f("pcie_switch_gbit"), "must be a positive rate in Gbit/s (PCIe 4.0 x16 is 256)"));
             }
-            let mut nic_names: BTreeMap<NicKind, Vec<String>> = BTreeMap::new();
             for (j, nic) in n.nics.iter().enumerate() {
                 let nf = |x: &str| format!("nodes[{i}].nics[{j}].{x}");
                 if !(nic.gbps.is_finite() && nic.gbps > 0.0) {
@@ -259,7 +257,6 @@ impl Cluster {
                 if n.nics[..j].iter().any(|o| o.name == nic.name && o.port.unwrap_or(1) == nic.port.unwrap_or(1)) {
                     return Err(SolverError::invalid(nf("name"), format!("'{}' is declared twice on this node", nic.name)));
                 }
-                nic_names.entry(nic.kind).or_default().push(nic.name.clone());
             }
             let mut nic_gbps = multi_edge_gbit(&n.nics, switch_gbit);
             nic_gbps.entry(NicKind::Ethernet).or_insert(DEFAULT_ETHERNET_GBIT);
@@ -277,7 +274,6 @@ impl Cluster {
                 gpus_per_node: n.gpus,
                 intra,
                 nic_gbps,
-                nic_names,
                 nics: n.nics.clone(),
                 rdma_domain: n.rdma_domain.clone().unwrap_or_else(|| "default".to_string()),
                 bw_bucket: 0,

@@ -9,14 +9,14 @@
 //! still inside one node). Hops the model priced inside a node that placement had to split are
 //! counted and reported, never hidden.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 
 use crate::hardware::Cluster;
 use crate::plan::PlanStructure;
 
 /// A GPU: a node name and the GPU's index inside it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct GpuId {
     pub node: String,
     pub index: u32,

@@ -38,13 +38,7 @@ pub struct CurrentStage {
     pub gpu: String,
     pub tp: u32,
     pub dp: u32,
-    pub gpus: Vec<GpuKey>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct GpuKey {
-    pub node: String,
-    pub index: u32,
+    pub gpus: Vec<GpuId>,
 }
 
 /// When a switch is worth it.
@@ -58,7 +52,7 @@ pub struct SwitchPolicy {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Move {
-    pub gpu: GpuKey,
+    pub gpu: GpuId,
     /// Layers the GPU held before and holds after (None: idle).
     pub from: Option<[u32; 2]>,
     pub to: Option<[u32; 2]>,
@@ -161,43 +155,20 @@ pub fn replan(req: &PlanRequest, current: &CurrentPlan, policy: SwitchPolicy) ->
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
     let structure = structure_of(&cm, current)?;
     let now = cm.evaluate(&structure).iteration_time;
-    let seeded = PlanRequest {
-        cluster: req.cluster,
-        model: req.model,
-        profiles: req.profiles,
-        opts: req.opts,
-        mode: req.mode,
-        exhaustive: req.exhaustive,
-        seeds: vec![structure.clone()],
-    };
+    let seeded = PlanRequest { seeds: vec![structure.clone()], ..req.clone() };
     let new_plan = plan(&seeded)?;
     let new_t = new_plan.iteration_time_s;
     let gain = now / new_t - 1.0;
 
-    let held = |stages: &mut dyn Iterator<Item = ([u32; 2], u32, &[GpuKey])>| {
-        let mut m: BTreeMap<GpuKey, ([u32; 2], u32)> = BTreeMap::new();
-        for (layers, tp, gpus) in stages {
-            for g in gpus {
-                m.insert(g.clone(), (layers, tp));
-            }
-        }
-        m
+    // Per GPU, the layers and tp it holds in a plan.
+    let held = |stages: Vec<([u32; 2], u32, &[GpuId])>| -> BTreeMap<GpuId, ([u32; 2], u32)> {
+        stages.into_iter().flat_map(|(layers, tp, gpus)| gpus.iter().map(move |g| (g.clone(), (layers, tp)))).collect()
     };
-    let before = held(&mut current.replicas.iter().flat_map(|r| r.stages.iter().map(|s| (s.layers, s.tp, s.gpus.as_slice()))));
-    let new_keys: Vec<Vec<Vec<GpuKey>>> = new_plan
-        .replicas
-        .iter()
-        .map(|r| {
-            r.stages.iter().map(|s| s.gpus.iter().map(|g: &GpuId| GpuKey { node: g.node.clone(), index: g.index }).collect()).collect()
-        })
-        .collect();
-    let after = held(&mut new_plan.replicas.iter().enumerate().flat_map(|(ri, r)| {
-        let keys = &new_keys[ri];
-        r.stages.iter().enumerate().map(move |(si, s)| (s.layers, s.tp, keys[si].as_slice()))
-    }));
+    let before = held(current.replicas.iter().flat_map(|r| &r.stages).map(|s| (s.layers, s.tp, s.gpus.as_slice())).collect());
+    let after = held(new_plan.replicas.iter().flat_map(|r| &r.stages).map(|s| (s.layers, s.tp, s.gpus.as_slice())).collect());
     let mut moves = vec![];
     let mut per_node: BTreeMap<String, f64> = BTreeMap::new();
-    let mut keys: Vec<&GpuKey> = before.keys().chain(after.keys()).collect();
+    let mut keys: Vec<&GpuId> = before.keys().chain(after.keys()).collect();
     keys.sort();
     keys.dedup();
     for g in keys {

@@ -90,6 +90,7 @@ pub struct PlanReport {
 }
 
 /// Inputs of one planning run.
+#[derive(Clone)]
 pub struct PlanRequest<'a> {
     pub cluster: &'a Cluster,
     pub model: &'a Model,

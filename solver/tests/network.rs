@@ -9,7 +9,7 @@ use motley_solver::hardware::{multi_edge_gbit, NicKind, NicSpec, NodeSpec};
 use motley_solver::network::{comm_groups, GroupKind, Transport};
 use motley_solver::placement::place;
 use motley_solver::plan::{PlanStructure, ReplicaPlan, StagePlan};
-use motley_solver::replan::{replan, CurrentPlan, SwitchPolicy};
+use motley_solver::replan::{replan, CurrentPlan, ReplanReport, SwitchPolicy};
 use motley_solver::{
     plan, Cluster, ClusterSpec, CostModel, Model, ModelSpec, PlanOptions, PlanReport, PlanRequest, ProfileSet, SearchMode,
 };
@@ -90,6 +90,15 @@ fn load_example<T: serde::de::DeserializeOwned>(path: &str) -> T {
 fn plan_on(cluster: &Cluster, model: &Model, opts: &PlanOptions, mode: SearchMode) -> PlanReport {
     let profiles = ProfileSet::default();
     plan(&PlanRequest { cluster, model, profiles: &profiles, opts, mode, exhaustive: false, seeds: vec![] }).unwrap()
+}
+
+/// `replan` of `before` (a plan report, read back as a plan file) on `cluster`, at a 5% bar
+/// and a 1000-iteration horizon.
+fn replan_on(cluster: &Cluster, model: &Model, opts: &PlanOptions, before: serde_json::Value) -> motley_solver::Result<ReplanReport> {
+    let profiles = ProfileSet::default();
+    let req = PlanRequest { cluster, model, profiles: &profiles, opts, mode: SearchMode::Auto, exhaustive: false, seeds: vec![] };
+    let current: CurrentPlan = serde_json::from_value(before).unwrap();
+    replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 })
 }
 
 /// Every rule a group must obey, checked against the cluster it was planned on.
@@ -378,18 +387,7 @@ fn halving_an_islands_bandwidth_moves_work_away_from_it() {
     let before = plan_on(&cluster, &model, &opts, SearchMode::Auto);
     let half = cluster.inter_bw(0, 0) / 2.0;
     let slowed = cluster.with_measurements(&pairs(&[("hybrid-0", "hybrid-1", half)])).unwrap();
-    let profiles = ProfileSet::default();
-    let req = PlanRequest {
-        cluster: &slowed,
-        model: &model,
-        profiles: &profiles,
-        opts: &opts,
-        mode: SearchMode::Auto,
-        exhaustive: false,
-        seeds: vec![],
-    };
-    let current: CurrentPlan = serde_json::from_value(serde_json::to_value(&before).unwrap()).unwrap();
-    let r = replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 }).unwrap();
+    let r = replan_on(&slowed, &model, &opts, serde_json::to_value(&before).unwrap()).unwrap();
     let share = |p: &PlanReport| {
         let (mut island, mut all) = (0u64, 0u64);
         for rep in &p.replicas {
@@ -417,18 +415,7 @@ fn replanning_an_unchanged_network_keeps_the_plan() {
     let model = small_model(12);
     let opts = PlanOptions { global_batch: 32, ..PlanOptions::default() };
     let before = plan_on(&cluster, &model, &opts, SearchMode::Auto);
-    let profiles = ProfileSet::default();
-    let req = PlanRequest {
-        cluster: &cluster,
-        model: &model,
-        profiles: &profiles,
-        opts: &opts,
-        mode: SearchMode::Auto,
-        exhaustive: false,
-        seeds: vec![],
-    };
-    let current: CurrentPlan = serde_json::from_value(serde_json::to_value(&before).unwrap()).unwrap();
-    let r = replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 }).unwrap();
+    let r = replan_on(&cluster, &model, &opts, serde_json::to_value(&before).unwrap()).unwrap();
     assert!((r.current_now_s - before.iteration_time_s).abs() < 1e-9 * before.iteration_time_s);
     assert!(!r.worth_switching, "{}", r.reason);
     assert!(r.gain.abs() < 1e-9);
@@ -446,18 +433,7 @@ fn replanning_after_one_node_degrades() {
     let q = cluster.inter_bw(0, 0) / 8.0;
     let slowed = cluster.with_measurements(&pairs(&[("ib-0", "ib-2", q), ("ib-1", "ib-2", q), ("ib-0", "ib-1", q * 8.0)])).unwrap();
     assert_eq!(slowed.classes.len(), 2);
-    let profiles = ProfileSet::default();
-    let req = PlanRequest {
-        cluster: &slowed,
-        model: &model,
-        profiles: &profiles,
-        opts: &opts,
-        mode: SearchMode::Auto,
-        exhaustive: false,
-        seeds: vec![],
-    };
-    let current: CurrentPlan = serde_json::from_value(serde_json::to_value(&before).unwrap()).unwrap();
-    let r = replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 }).unwrap();
+    let r = replan_on(&slowed, &model, &opts, serde_json::to_value(&before).unwrap()).unwrap();
     assert!(
         r.current_now_s > before.iteration_time_s * 1.01,
         "the ring now crosses the slow node: {} vs {}",
@@ -475,18 +451,7 @@ fn a_plan_file_for_another_cluster_is_refused_with_the_field() {
     let before = plan_on(&cluster, &model, &opts, SearchMode::Auto);
     let mut v = serde_json::to_value(&before).unwrap();
     v["replicas"][0]["stages"][0]["gpus"][0]["node"] = "elsewhere".into();
-    let current: CurrentPlan = serde_json::from_value(v).unwrap();
-    let profiles = ProfileSet::default();
-    let req = PlanRequest {
-        cluster: &cluster,
-        model: &model,
-        profiles: &profiles,
-        opts: &opts,
-        mode: SearchMode::Auto,
-        exhaustive: false,
-        seeds: vec![],
-    };
-    let e = replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 }).unwrap_err().to_string();
+    let e = replan_on(&cluster, &model, &opts, v).unwrap_err().to_string();
     assert!(e.starts_with("replicas[0].stages[0].gpus[0].node: node 'elsewhere' is not in the cluster"), "{e}");
     let mut v = serde_json::to_value(&before).unwrap();
     let first = v["replicas"][0]["stages"][0]["gpus"][0].clone();
@@ -495,8 +460,7 @@ fn a_plan_file_for_another_cluster_is_refused_with_the_field() {
     let gpus = v["replicas"][last]["stages"][stages]["gpus"].as_array().unwrap().len() - 1;
     if (last, stages, gpus) != (0, 0, 0) {
         v["replicas"][last]["stages"][stages]["gpus"][gpus] = first;
-        let current: CurrentPlan = serde_json::from_value(v).unwrap();
-        let e = replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 }).unwrap_err().to_string();
+        let e = replan_on(&cluster, &model, &opts, v).unwrap_err().to_string();
         assert!(e.contains("is also replicas[0].stages[0].gpus[0]"), "{e}");
     }
 }
