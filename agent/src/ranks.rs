@@ -20,12 +20,15 @@ struct Rank {
     reported: bool,
 }
 
+/// Ranks by (job, generation, rank).
+type Ranks = BTreeMap<(i64, i64, i64), Rank>;
+
 /// Shared by the heartbeat task, the instruction loop and the reapers.
 #[derive(Clone)]
 pub struct Supervisor {
     work_dir: PathBuf,
     node: String,
-    ranks: Arc<Mutex<BTreeMap<(i64, i64, i64), Rank>>>,
+    ranks: Arc<Mutex<Ranks>>,
 }
 
 impl Supervisor {
