@@ -1,6 +1,9 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    println!("cargo:rerun-if-changed=motley/v1/agent.proto");
-    let fds = protox::compile(["motley/v1/agent.proto"], ["."])?;
+    let files = ["motley/v1/agent.proto", "motley/v1/control.proto"];
+    for f in files {
+        println!("cargo:rerun-if-changed={f}");
+    }
+    let fds = protox::compile(files, ["."])?;
     tonic_prost_build::compile_fds(fds)?;
     Ok(())
 }

@@ -1,48 +1,119 @@
-//! `motley-agent`: registers its node with the coordinator (hardware declared by
-//! `--inventory FILE`, a cluster-file node entry), holds the node's lease by heartbeating on the
-//! coordinator's base interval, and launches, supervises and stops the ranks it is told to.
-//! Each rank is `sh -c RUN` in its own process group with the torchrun variables, the GPU and
-//! Motley's own (`MOTLEY_*`), its output in `WORK_DIR/jobs/JOB/GENERATION/rank-R.log`.
+//! `motley-agent`: registers its node with the coordinator (hardware from `--inventory FILE`, a
+//! cluster-file node entry, or discovered: NVML and sysfs), holds the node's lease by
+//! heartbeating on the coordinator's base interval, launches, supervises and stops the ranks
+//! it is told to (they survive an agent restart and are adopted again), and serves their logs
+//! over HTTP. `motley-agent discover` prints the discovered entry. Settings: flags, `MOTLEY_*`
+//! environment, `/etc/motley/agent.toml` (`--config`), in that order.
 
-mod ranks;
-
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use motley_agent::discover::{default_sysfs, discover, entry_value};
+use motley_agent::ranks::Supervisor;
+use motley_agent::{config, AgentError};
 use motley_proto::v1::agent_client::AgentClient;
-use motley_proto::v1::{instruction, AgentStatus, RegisterRequest};
+use motley_proto::v1::{instruction, AgentStatus, RegisterReply, RegisterRequest};
 use tokio_stream::wrappers::ReceiverStream;
-
-use ranks::Supervisor;
 
 #[derive(Parser)]
 #[command(name = "motley-agent", version, about = "Motley's per-node agent")]
 struct Args {
+    /// The config file (TOML; keys are these flags' long names with '_'). Default
+    /// /etc/motley/agent.toml, which may be absent.
+    #[arg(long, env = "MOTLEY_CONFIG", global = true)]
+    config: Option<PathBuf>,
     /// The coordinator's agent (gRPC) address(es), comma-separated, tried in order.
     #[arg(long, env = "MOTLEY_COORDINATOR_GRPC", default_value = "http://127.0.0.1:7071")]
     coordinator: String,
     /// This node's name (default: the host name).
-    #[arg(long, env = "MOTLEY_NODE")]
+    #[arg(long, env = "MOTLEY_NODE", global = true)]
     node: Option<String>,
-    /// The node's hardware as a cluster-file node entry (YAML).
+    /// The node's hardware as a cluster-file node entry (YAML); without it, discovered.
     #[arg(long, env = "MOTLEY_INVENTORY")]
-    inventory: PathBuf,
-    /// The shared agent token.
+    inventory: Option<PathBuf>,
+    /// The shared agent token (also required by the logs endpoint when set).
     #[arg(long, env = "MOTLEY_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// Where rank logs and plan files go.
+    /// Where rank logs, plan files and rank records go.
     #[arg(long, env = "MOTLEY_WORK_DIR", default_value = "motley-agent")]
     work_dir: PathBuf,
-    /// The address other nodes reach this one at (MASTER_ADDR when rank 0 runs here).
+    /// The address other nodes reach this one at (MASTER_ADDR when rank 0 runs here, and the
+    /// host of the logs URL).
     #[arg(long, env = "MOTLEY_ADDRESS", default_value = "127.0.0.1")]
     address: String,
+    /// Where the rank logs are served over HTTP (port 0: any free port). When the default
+    /// port is taken (several agents on one machine) a free one is used instead.
+    #[arg(long, env = "MOTLEY_LOGS_LISTEN", default_value = "0.0.0.0:7072")]
+    logs_listen: String,
+    /// The sysfs root discovery reads NICs from.
+    #[arg(long, env = "MOTLEY_SYSFS_ROOT", default_value = "/sys", global = true)]
+    sysfs_root: PathBuf,
+    /// The RDMA domain of a discovered node (nodes whose RDMA NICs reach each other share one).
+    #[arg(long, env = "MOTLEY_RDMA_DOMAIN", global = true)]
+    rdma_domain: Option<String>,
+    /// The CA certificate (PEM) an https coordinator's certificate is checked against
+    /// (default: the system's roots).
+    #[arg(long, env = "MOTLEY_CA_CERT")]
+    ca_cert: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
 }
 
-fn inventory_json(path: &PathBuf) -> anyhow::Result<String> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("--inventory: cannot read {}", path.display()))?;
-    let mut v: serde_norway::Value = serde_norway::from_str(&text).with_context(|| format!("{}: not YAML", path.display()))?;
+#[derive(Subcommand)]
+enum Command {
+    /// Print this node's discovered hardware as a cluster-file node entry.
+    Discover {
+        #[arg(short, long, value_enum, default_value = "yaml")]
+        output: Output,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Output {
+    Yaml,
+    Json,
+}
+
+/// Flags and environment first, then the config file, then the defaults.
+fn settings() -> anyhow::Result<Args> {
+    let matches = Args::command().get_matches();
+    let mut args = Args::from_arg_matches(&matches)?;
+    let explicit = args.config.is_some();
+    let path = args.config.clone().unwrap_or_else(|| PathBuf::from(config::DEFAULT_PATH));
+    let file = config::load(&path, explicit)?;
+    let given = |id: &str| given(&matches, id);
+    macro_rules! from_file {
+        ($($field:ident),*) => {$(
+            if !given(stringify!($field)) {
+                if let Some(v) = file.$field.clone() {
+                    args.$field = v.into();
+                }
+            }
+        )*};
+    }
+    from_file!(coordinator, node, inventory, token, work_dir, address, logs_listen, sysfs_root, rdma_domain, ca_cert);
+    Ok(args)
+}
+
+/// Whether the operator set the value (a flag or the environment), here or in a subcommand.
+fn given(m: &ArgMatches, id: &str) -> bool {
+    let here = matches!(m.value_source(id), Some(ValueSource::CommandLine | ValueSource::EnvVariable));
+    here || m.subcommand().is_some_and(|(_, sub)| sub.try_contains_id(id).unwrap_or(false) && given(sub, id))
+}
+
+fn node_name(args: &Args) -> String {
+    args.node.clone().unwrap_or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into())
+    })
+}
+
+fn inventory_json(path: &Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(path).map_err(|err| AgentError::Read { flag: "--inventory", path: path.into(), err })?;
+    let mut v: serde_norway::Value =
+        serde_norway::from_str(&text).map_err(|e| AgentError::Inventory { path: path.into(), message: e.to_string() })?;
     if let Some(m) = v.as_mapping_mut() {
         // The node's name is the agent's; a cluster file's `count` does not apply to one node.
         m.remove("name");
@@ -51,58 +122,207 @@ fn inventory_json(path: &PathBuf) -> anyhow::Result<String> {
     Ok(serde_json::to_string(&v)?)
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let node = match &args.node {
-        Some(n) => n.clone(),
-        None => std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into()),
+/// Discover the node; the entry, and whether the coordinator would take it.
+fn discovered(args: &Args, node: &str) -> (motley_agent::discover::Discovered, motley_agent::Result<()>) {
+    let (gpus, why) = motley_agent::nvml::gpus();
+    let sysfs = if args.sysfs_root.as_os_str().is_empty() { default_sysfs() } else { args.sysfs_root.clone() };
+    let (mut d, checked) = discover(node, &sysfs, &gpus);
+    d.entry.rdma_domain = args.rdma_domain.clone();
+    d.notes.extend(why);
+    (d, checked)
+}
+
+fn main() {
+    let argv: Vec<String> = std::env::args().collect();
+    // The rank wrapper (see rankfiles.rs): no config, no runtime, just the rank.
+    if argv.get(1).map(String::as_str) == Some("__rank-wrapper") {
+        let code = match (argv.get(2), argv.get(3).map(String::as_str), argv.get(4)) {
+            (Some(exit_file), Some("--"), Some(program)) => {
+                motley_agent::rankfiles::wrapper_main(Path::new(exit_file), program, &argv[5..])
+            }
+            _ => {
+                eprintln!("usage: motley-agent __rank-wrapper EXIT_FILE -- PROGRAM ARGS...");
+                2
+            }
+        };
+        std::process::exit(code);
+    }
+    if let Err(e) = run() {
+        eprintln!("motley-agent: {e:#}");
+        std::process::exit(2);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let args = settings()?;
+    let node = node_name(&args);
+    if let Some(Command::Discover { output }) = args.command {
+        let (d, checked) = discovered(&args, &node);
+        for n in &d.notes {
+            eprintln!("motley-agent discover: {n}");
+        }
+        // Printed even when the coordinator would refuse it: a starting point for --inventory.
+        let entry = entry_value(&d.entry);
+        print!(
+            "{}",
+            match output {
+                Output::Yaml => serde_norway::to_string(&entry)?,
+                Output::Json => serde_json::to_string_pretty(&entry)? + "\n",
+            }
+        );
+        return Ok(checked?);
+    }
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
+    let inventory = match &args.inventory {
+        Some(path) => inventory_json(path)?,
+        None => {
+            let (d, checked) = discovered(&args, &node);
+            for n in &d.notes {
+                tracing::info!(node = %node, "discovery: {n}");
+            }
+            checked?;
+            let mut v = entry_value(&d.entry);
+            v.as_object_mut().map(|m| m.remove("name"));
+            v.to_string()
+        }
     };
-    let inventory = inventory_json(&args.inventory)?;
     std::fs::create_dir_all(&args.work_dir).with_context(|| format!("--work-dir: cannot create {}", args.work_dir.display()))?;
-    let supervisor = Supervisor::new(args.work_dir.clone(), node.clone());
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(agent(args, node, inventory))
+}
+
+async fn agent(args: Args, node: String, inventory: String) -> anyhow::Result<()> {
+    let listener = match tokio::net::TcpListener::bind(&args.logs_listen).await {
+        Ok(l) => l,
+        // Several agents on one machine (tests, `motley dev up`) cannot all have the default.
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && args.logs_listen == "0.0.0.0:7072" => {
+            tracing::warn!(node = %node, "--logs-listen 0.0.0.0:7072 is taken; serving logs on a free port instead");
+            tokio::net::TcpListener::bind("0.0.0.0:0").await?
+        }
+        Err(e) => return Err(e).with_context(|| format!("--logs-listen {}: cannot listen", args.logs_listen)),
+    };
+    let logs_url = format!("http://{}:{}", args.address, listener.local_addr()?.port());
+    tracing::info!(node = %node, "rank logs at {logs_url}/logs/JOB/GENERATION/RANK");
+    tokio::spawn(motley_agent::logs::serve(listener, args.work_dir.clone(), args.token.clone()));
+    let wrapper = std::env::current_exe().context("cannot find this executable (the rank wrapper)")?;
+    let supervisor = Supervisor::new(args.work_dir.clone(), node.clone(), wrapper);
+    for n in supervisor.adopt() {
+        tracing::info!(node = %node, "{n}");
+    }
     let mut backoff = Duration::from_millis(200);
     // Each pass is one session: register (a new epoch), then heartbeat until the stream
     // breaks; ranks keep running across sessions and are reported again in the next one.
     loop {
-        match session(&args, &node, &inventory, &supervisor).await {
+        let began = std::time::Instant::now();
+        match session(&args, &node, &inventory, &logs_url, &supervisor).await {
             Ok(()) => return Ok(()),
             Err(e) => {
-                eprintln!("motley-agent {node}: {e:#}; reconnecting in {} ms", backoff.as_millis());
+                // A session that ran a while ended by a coordinator restart or failover: find
+                // the (new) leader at once rather than after an old backoff.
+                if began.elapsed() > Duration::from_secs(10) {
+                    backoff = Duration::from_millis(200);
+                }
+                tracing::warn!(node = %node, "{e:#}; reconnecting in {} ms", backoff.as_millis());
                 tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
+                // Capped low: a standby takes over within a couple of base intervals and the
+                // agents must find it before their jobs' grace period ends.
+                backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         }
     }
 }
 
-async fn connect(list: &str) -> anyhow::Result<AgentClient<tonic::transport::Channel>> {
-    let mut last = None;
-    for url in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        match AgentClient::connect(url.to_string()).await {
-            Ok(c) => return Ok(c),
-            Err(e) => last = Some(format!("{url}: {e}")),
-        }
+/// Record whether the node is draining in `WORK_DIR/draining` (present while it is), so tools
+/// on the node — a maintenance script waiting to reboot, say — can see it.
+fn mark_draining(work_dir: &Path, node: &str, draining: bool) {
+    let flag = work_dir.join("draining");
+    let done = if draining {
+        std::fs::write(&flag, "draining\n")
+    } else {
+        std::fs::remove_file(&flag).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
+    };
+    match done {
+        Ok(()) => tracing::info!(node = %node, draining, "drain state"),
+        Err(e) => tracing::warn!(node = %node, "{}: {e}", flag.display()),
     }
-    anyhow::bail!("no coordinator answered ({})", last.unwrap_or_else(|| "--coordinator is empty".into()))
 }
 
-async fn session(args: &Args, node: &str, inventory: &str, supervisor: &Supervisor) -> anyhow::Result<()> {
-    let mut client = connect(&args.coordinator).await?;
+/// Register with the leading coordinator: the addresses in order, and any leader a standby
+/// names (its refusal carries the leader's address in `motley-leader-grpc`).
+/// A channel to one coordinator URL; `https://` ones are checked against `ca` (PEM) or the
+/// system's roots.
+async fn channel(url: &str, ca: Option<&[u8]>) -> anyhow::Result<tonic::transport::Channel> {
+    // Bounded connects and HTTP/2 keepalives: a coordinator host that vanished (no RST) is
+    // noticed in seconds, so the agent moves on to the next address (or the new leader)
+    // before its jobs' grace period ends.
+    let mut endpoint = tonic::transport::Endpoint::from_shared(url.to_string())?
+        .connect_timeout(Duration::from_secs(2))
+        .http2_keep_alive_interval(Duration::from_secs(1))
+        .keep_alive_timeout(Duration::from_secs(3))
+        .keep_alive_while_idle(true);
+    if url.starts_with("https://") {
+        let tls = match ca {
+            Some(pem) => tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(pem)),
+            None => tonic::transport::ClientTlsConfig::new().with_native_roots(),
+        };
+        endpoint = endpoint.tls_config(tls)?;
+    }
+    Ok(endpoint.connect().await?)
+}
+
+async fn register(
+    list: &str,
+    ca: Option<&[u8]>,
+    req: RegisterRequest,
+) -> anyhow::Result<(AgentClient<tonic::transport::Channel>, RegisterReply)> {
+    let mut urls: Vec<String> = list.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect();
+    let mut last = None;
+    let mut i = 0;
+    while i < urls.len() {
+        let url = urls[i].clone();
+        i += 1;
+        let mut client = match channel(&url, ca).await {
+            Ok(c) => AgentClient::new(c),
+            Err(e) => {
+                last = Some(format!("{url}: {e}"));
+                continue;
+            }
+        };
+        match client.register(req.clone()).await {
+            Ok(reply) => return Ok((client, reply.into_inner())),
+            Err(s) if s.code() == tonic::Code::Unavailable => {
+                let leader = s.metadata().get("motley-leader-grpc").and_then(|v| v.to_str().ok()).map(str::to_string);
+                if let Some(l) = leader.filter(|l| !l.is_empty() && !urls.contains(l)) {
+                    urls.insert(i, l);
+                }
+                last = Some(format!("{url}: {}", s.message()));
+            }
+            Err(s) => anyhow::bail!("register at {url}: {}", s.message()),
+        }
+    }
+    anyhow::bail!("no coordinator took the registration ({})", last.unwrap_or_else(|| "--coordinator is empty".into()))
+}
+
+async fn session(args: &Args, node: &str, inventory: &str, logs_url: &str, supervisor: &Supervisor) -> anyhow::Result<()> {
     let token = args.token.clone().unwrap_or_default();
-    let reply = client
-        .register(RegisterRequest {
-            node: node.to_string(),
-            inventory_json: inventory.to_string(),
-            token: token.clone(),
-            address: args.address.clone(),
-        })
-        .await
-        .map_err(|s| anyhow::anyhow!("register: {}", s.message()))?
-        .into_inner();
+    let request = RegisterRequest {
+        node: node.to_string(),
+        inventory_json: inventory.to_string(),
+        token: token.clone(),
+        address: args.address.clone(),
+        logs_url: logs_url.to_string(),
+    };
+    let ca = match &args.ca_cert {
+        Some(p) => Some(std::fs::read(p).with_context(|| format!("--ca-cert: cannot read {}", p.display()))?),
+        None => None,
+    };
+    let (mut client, reply) = register(&args.coordinator, ca.as_deref(), request).await?;
     let epoch = reply.epoch;
     let interval = Duration::from_millis(reply.heartbeat_ms.max(10));
-    eprintln!("motley-agent {node}: registered as epoch {epoch}, heartbeat every {} ms", interval.as_millis());
+    tracing::info!(node = %node, epoch, "registered; heartbeat every {} ms", interval.as_millis());
+    supervisor.set_interval(interval);
     supervisor.resend_all();
     let (tx, rx) = tokio::sync::mpsc::channel::<AgentStatus>(16);
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
@@ -126,6 +346,7 @@ async fn session(args: &Args, node: &str, inventory: &str, supervisor: &Supervis
             Ok(Some(i)) => match i.kind {
                 Some(instruction::Kind::Launch(l)) => supervisor.launch(l),
                 Some(instruction::Kind::Stop(s)) => supervisor.stop(s.job, s.generation),
+                Some(instruction::Kind::Drain(d)) => mark_draining(&args.work_dir, node, d.draining),
                 None => {}
             },
             Ok(None) => break Err(anyhow::anyhow!("the coordinator closed the heartbeat stream")),

@@ -24,3 +24,50 @@ fn an_inventory_that_is_not_yaml_is_refused() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not YAML"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// `motley-agent discover` on an empty sysfs tree: the entry it prints shows which of flag,
+/// environment, config file and default won (node name, rdma_domain); no GPU here, so it
+/// also says to use --inventory and exits non-zero.
+#[test]
+fn discover_reads_flag_then_env_then_config_file() {
+    let dir = std::env::temp_dir().join(format!("motley-agent-config-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir); // pids are reused: never read an earlier run's files
+    std::fs::create_dir_all(dir.join("sys")).unwrap();
+    let config = dir.join("agent.toml");
+    std::fs::write(
+        &config,
+        format!("node = \"file-node\"\nrdma_domain = \"file-domain\"\nsysfs_root = \"{}\"\n", dir.join("sys").display()),
+    )
+    .unwrap();
+    let discover = |args: &[&str], env: &[(&str, &str)]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_motley-agent"))
+            .args(["discover", "-o", "json"])
+            .args(args)
+            .env_remove("MOTLEY_NODE")
+            .env_remove("MOTLEY_RDMA_DOMAIN")
+            .env("MOTLEY_CONFIG", &config)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        let entry: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+        (entry, out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (e, ok, err) = discover(&[], &[]);
+    assert_eq!(
+        (e["name"].as_str(), e["rdma_domain"].as_str(), e["nics"].as_array().map(Vec::len)),
+        (Some("file-node"), Some("file-domain"), Some(0))
+    );
+    assert!(!ok && err.contains("no GPU found") && err.contains("--inventory FILE"), "{err}");
+    let (e, _, _) = discover(&[], &[("MOTLEY_NODE", "env-node")]);
+    assert_eq!((e["name"].as_str(), e["rdma_domain"].as_str()), (Some("env-node"), Some("file-domain")));
+    let (e, _, _) = discover(&["--node", "flag-node"], &[("MOTLEY_NODE", "env-node"), ("MOTLEY_RDMA_DOMAIN", "env-domain")]);
+    assert_eq!((e["name"].as_str(), e["rdma_domain"].as_str()), (Some("flag-node"), Some("env-domain")));
+    // An unknown key is refused by name, and a named config file must exist.
+    std::fs::write(&config, "node = \"n\"\nlogs_listn = \"x\"\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_motley-agent")).arg("discover").env("MOTLEY_CONFIG", &config).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("line 2: unknown field `logs_listn`"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_motley-agent")).args(["--config", "/nonexistent/agent.toml", "discover"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--config: cannot read /nonexistent/agent.toml"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -5,8 +5,10 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use motley_solver::ClusterSpec;
@@ -30,6 +32,9 @@ pub enum DevCommand {
         heartbeat_ms: u64,
     },
 }
+
+/// Set by Ctrl-C: the watch loop cancels the job, waits for its ranks and returns.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 /// Children killed when `motley dev up` returns, whatever the path.
 struct Procs(Vec<Child>);
@@ -60,12 +65,21 @@ pub fn run(cmd: DevCommand) -> Result<String, InputError> {
     let spec: ClusterSpec = inputs::parse_yaml(&text, &origin)?;
     motley_solver::Cluster::from_spec(&spec).map_err(|e| inputs::in_file(&origin, e))?;
     let job_text = std::fs::read_to_string(&job).map_err(|e| InputError(format!("{}: cannot read job file: {e}", job.display())))?;
-    let dir = dir.unwrap_or_else(|| std::env::temp_dir().join(format!("motley-dev-{}", std::process::id())));
+    // The default directory is new for every run (pids are reused, so the time is in the name
+    // too): an earlier run's database would otherwise come back with its jobs.
+    let dir = dir.unwrap_or_else(|| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        std::env::temp_dir().join(format!("motley-dev-{}-{}", std::process::id(), now.as_millis()))
+    });
     let io = |e: std::io::Error| InputError(format!("{}: {e}", dir.display()));
     std::fs::create_dir_all(dir.join("nodes")).map_err(io)?;
 
+    // Ctrl-C reaches only this process (the children have their own process groups): it stops
+    // the job's ranks through the coordinator before the agents and the coordinator go.
+    ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst)).map_err(|e| InputError(format!("cannot handle Ctrl-C: {e}")))?;
     let mut procs = Procs(vec![]);
     let mut coordinator = Command::new(sibling("motley-coordinator")?)
+        .process_group(0)
         .args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--insecure", "--heartbeat-ms", &heartbeat_ms.to_string()])
         .arg("--data-dir")
         .arg(dir.join("coordinator"))
@@ -99,6 +113,7 @@ pub fn run(cmd: DevCommand) -> Result<String, InputError> {
             let file = dir.join("nodes").join(format!("{name}.yaml"));
             std::fs::write(&file, serde_norway::to_string(&entry).expect("a node entry serialises")).map_err(io)?;
             let agent = Command::new(sibling("motley-agent")?)
+                .process_group(0)
                 .args(["--coordinator", &grpc, "--node", &name, "--inventory"])
                 .arg(&file)
                 .arg("--work-dir")
@@ -118,6 +133,9 @@ pub fn run(cmd: DevCommand) -> Result<String, InputError> {
         if live == names.len() {
             break;
         }
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            return Err(InputError("interrupted before the job was submitted; stopping everything".into()));
+        }
         if start.elapsed() > Duration::from_secs(30) {
             return Err(InputError(format!("only {live} of {} agents registered within 30 s", names.len())));
         }
@@ -128,23 +146,61 @@ pub fn run(cmd: DevCommand) -> Result<String, InputError> {
     let submitted = client.call("POST", "/jobs", Some(&job_text)).map_err(|e| InputError(format!("{}: {}", job.display(), e.0)))?;
     let id = submitted["id"].as_i64().unwrap_or(0);
     say(&format!("job {id} ({}) submitted", submitted["name"].as_str().unwrap_or("")));
+    let followed = follow(&client, id, heartbeat_ms, &dir, names.len());
+    if followed.is_err() {
+        // Whatever went wrong, the ranks must not outlive this command (they run in their own
+        // process groups, which killing the agents does not reach).
+        let _ = client.call("POST", &format!("/jobs/{id}/cancel"), None);
+        wait_for_ranks(&client, id, heartbeat_ms);
+    }
+    followed
+}
+
+/// Stream the job's events and its ranks' output until it is over (or Ctrl-C cancels it).
+fn follow(client: &Client, id: i64, heartbeat_ms: u64, dir: &Path, agents: usize) -> Result<String, InputError> {
     let mut after = 0i64;
     let mut offsets: BTreeMap<PathBuf, u64> = BTreeMap::new();
     loop {
         // The state first, the events after (see `motley job watch`): none is missed at the end.
         let j = client.call("GET", &format!("/jobs/{id}"), None)?;
         let events = client.call("GET", &format!("/jobs/{id}/events?after={after}"), None)?;
+        // A full page (at most 1000 per answer): more are waiting, read them before deciding.
+        let full = events.as_array().map_or(0, Vec::len) >= 1000;
         for e in events.as_array().into_iter().flatten() {
             after = after.max(e["seq"].as_i64().unwrap_or(after));
             say(&format!("[{}] {}", e["kind"].as_str().unwrap_or(""), e["message"].as_str().unwrap_or("")));
         }
+        if full {
+            continue;
+        }
         print_new_output(&dir.join("agents"), &mut offsets);
         let state = j["state"].as_str().unwrap_or("").to_string();
+        if INTERRUPTED.load(Ordering::SeqCst) && !["succeeded", "failed", "cancelled"].contains(&state.as_str()) {
+            say(&format!("interrupted: cancelling job {id}"));
+            // A 409 means it ended meanwhile: nothing to cancel, the ranks are stopping anyway.
+            let _ = client.call("POST", &format!("/jobs/{id}/cancel"), None);
+            wait_for_ranks(client, id, heartbeat_ms);
+            print_new_output(&dir.join("agents"), &mut offsets);
+            return Ok(format!("job {id} cancelled; stopping the coordinator and {agents} agents"));
+        }
         if ["succeeded", "failed", "cancelled"].contains(&state.as_str()) {
             std::thread::sleep(Duration::from_millis(2 * heartbeat_ms));
             print_new_output(&dir.join("agents"), &mut offsets);
             let reason = j["reason"].as_str().map_or(String::new(), |r| format!(": {r}"));
-            return Ok(format!("job {id} {state}{reason}; stopping the coordinator and {} agents", names.len()));
+            return Ok(format!("job {id} {state}{reason}; stopping the coordinator and {agents} agents"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Until no rank of the job runs (each agent reports its stopped ranks on its next heartbeats),
+/// at most a stop's grace period and a few heartbeats more.
+fn wait_for_ranks(client: &Client, id: i64, heartbeat_ms: u64) {
+    let deadline = Instant::now() + Duration::from_millis(10 * heartbeat_ms);
+    while Instant::now() < deadline {
+        let Ok(plan) = client.call("GET", &format!("/jobs/{id}/plan"), None) else { return };
+        if plan["ranks"].as_array().into_iter().flatten().all(|r| r["state"] != "running") {
+            return;
         }
         std::thread::sleep(Duration::from_millis(100));
     }

@@ -22,6 +22,10 @@ pub struct Remote {
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Table, env = "MOTLEY_OUTPUT")]
     output: Output,
+    /// The CA certificate (PEM) an https coordinator's certificate is checked against
+    /// (default: the public web roots).
+    #[arg(long, env = "MOTLEY_CA_CERT")]
+    ca_cert: Option<PathBuf>,
 }
 
 #[derive(clap::Subcommand)]
@@ -61,6 +65,9 @@ pub enum JobCommand {
     /// Submit a job file (YAML); planning starts on the live inventory.
     Submit {
         file: PathBuf,
+        /// Plan the job on the live inventory and print the plan; store and launch nothing.
+        #[arg(long)]
+        dry_run: bool,
         #[command(flatten)]
         remote: Remote,
     },
@@ -75,6 +82,21 @@ pub enum JobCommand {
     /// Print the job's events as they happen until it is over.
     Watch {
         id: i64,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// The ranks' output (stdout and stderr), fetched through the coordinator from their nodes.
+    Logs {
+        id: i64,
+        /// Only this rank (default: every rank of the launch, each line prefixed with its rank).
+        #[arg(long)]
+        rank: Option<i64>,
+        /// An older launch (default: the current one).
+        #[arg(long)]
+        generation: Option<i64>,
+        /// Keep printing new output until the job is over.
+        #[arg(short, long)]
+        follow: bool,
         #[command(flatten)]
         remote: Remote,
     },
@@ -95,7 +117,7 @@ pub struct Client {
 impl Client {
     /// A client of one coordinator URL without a token (`--insecure` coordinators).
     pub fn local(url: &str) -> Result<Client, InputError> {
-        Client::new(&Remote { coordinator: url.to_string(), token: None, output: Output::Table })
+        Client::new(&Remote { coordinator: url.to_string(), token: None, output: Output::Table, ca_cert: None })
     }
 
     fn new(r: &Remote) -> Result<Client, InputError> {
@@ -109,15 +131,38 @@ impl Client {
             .clone()
             .or_else(|| std::fs::read_to_string("motley-data/token").ok().map(|t| t.trim().to_string()))
             .filter(|t| !t.is_empty());
-        let agent: ureq::Agent =
-            ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(30))).build().into();
+        let mut config = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(30)));
+        if let Some(path) = &r.ca_cert {
+            let pem = std::fs::read(path).map_err(|e| InputError(format!("--ca-cert: cannot read {}: {e}", path.display())))?;
+            let cert = ureq::tls::Certificate::from_pem(&pem)
+                .map_err(|e| InputError(format!("--ca-cert: {}: not a PEM certificate: {e}", path.display())))?;
+            let roots = ureq::tls::RootCerts::new_with_certs(&[cert]);
+            config = config.tls_config(ureq::tls::TlsConfig::builder().root_certs(roots).build());
+        }
+        let agent: ureq::Agent = config.build().into();
         Ok(Client { bases, token, agent })
     }
 
     /// One call, trying each coordinator until one answers; errors carry the server's message.
     pub fn call(&self, method: &str, path: &str, body: Option<&str>) -> Result<Value, InputError> {
+        let (status, bytes) = self.request(method, path, body)?;
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        let v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text.clone()));
+        if status >= 400 {
+            let msg = v.get("error").and_then(Value::as_str).unwrap_or(&text).to_string();
+            return Err(InputError(format!("coordinator ({status}): {msg}")));
+        }
+        Ok(v)
+    }
+
+    /// The raw answer (status, body). A standby's 503 names the leader: the call goes there.
+    pub fn request(&self, method: &str, path: &str, body: Option<&str>) -> Result<(u16, Vec<u8>), InputError> {
         let mut last = String::new();
-        for base in &self.bases {
+        let mut bases = self.bases.clone();
+        let mut i = 0;
+        while i < bases.len() {
+            let base = bases[i].clone();
+            i += 1;
             let url = format!("{base}/api/v1{path}");
             let auth = self.token.as_ref().map(|t| format!("Bearer {t}"));
             let result = match (method, body) {
@@ -139,13 +184,21 @@ impl Client {
             match result {
                 Ok(mut resp) => {
                     let status = resp.status().as_u16();
-                    let text = resp.body_mut().read_to_string().map_err(|e| InputError(format!("{url}: {e}")))?;
-                    let v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text.clone()));
-                    if status >= 400 {
-                        let msg = v.get("error").and_then(Value::as_str).unwrap_or(&text).to_string();
-                        return Err(InputError(format!("coordinator ({status}): {msg}")));
+                    let bytes =
+                        resp.body_mut().with_config().limit(64 << 20).read_to_vec().map_err(|e| InputError(format!("{url}: {e}")))?;
+                    if status == 503 {
+                        let leader = serde_json::from_slice::<Value>(&bytes).ok().and_then(|v| v["leader"].as_str().map(str::to_string));
+                        if let Some(l) = leader.filter(|l| !l.is_empty()) {
+                            // Next, unless it is already ahead in the list (the loop ends: every
+                            // address is tried at most once).
+                            if !bases[i..].contains(&l) && !bases[..i].contains(&l) {
+                                bases.insert(i, l);
+                            }
+                            last = format!("{base}: a standby");
+                            continue;
+                        }
                     }
-                    return Ok(v);
+                    return Ok((status, bytes));
                 }
                 Err(e) => last = format!("{base}: {e}"),
             }
@@ -198,6 +251,18 @@ fn nodes_table(v: &Value) -> String {
     table(vec!["node", "state", "gpus", "nics", "rdma domain", "agent epoch"], rows)
 }
 
+/// A rank assignment as a table row: rank, node, gpu, replica, stage, layers.
+fn assignment_row(a: &Value) -> Vec<String> {
+    vec![
+        s(&a["rank"]),
+        s(&a["node"]),
+        s(&a["gpu"]),
+        s(&a["replica"]),
+        s(&a["stage"]),
+        format!("{}-{}", s(&a["layer_start"]), s(&a["layer_end"])),
+    ]
+}
+
 fn jobs_table(v: &Value) -> String {
     let list = if v.is_array() { v.as_array().unwrap().clone() } else { vec![v.clone()] };
     let rows = list.iter().map(|j| vec![s(&j["id"]), s(&j["name"]), s(&j["state"]), s(&j["generation"]), s(&j["reason"])]).collect();
@@ -237,8 +302,22 @@ pub fn run_node(cmd: NodeCommand) -> Result<String, InputError> {
 
 pub fn run_job(cmd: JobCommand) -> Result<String, InputError> {
     match cmd {
-        JobCommand::Submit { file, remote } => {
+        JobCommand::Submit { file, dry_run, remote } => {
             let text = std::fs::read_to_string(&file).map_err(|e| InputError(format!("{}: cannot read job file: {e}", file.display())))?;
+            if dry_run {
+                let v = Client::new(&remote)?
+                    .call("POST", "/plan", Some(&text))
+                    .map_err(|e| InputError(format!("{}: {}", file.display(), e.0)))?;
+                return Ok(render(remote.output, &v, |v| {
+                    let rows = v["ranks"].as_array().into_iter().flatten().map(assignment_row).collect();
+                    format!(
+                        "dry run: {} GPUs, {:.3} s per iteration (nothing stored)\n{}",
+                        s(&v["plan"]["gpus_used"]),
+                        v["plan"]["iteration_time_s"].as_f64().unwrap_or(f64::NAN),
+                        table(vec!["rank", "node", "gpu", "replica", "stage", "layers"], rows)
+                    )
+                }));
+            }
             let v =
                 Client::new(&remote)?.call("POST", "/jobs", Some(&text)).map_err(|e| InputError(format!("{}: {}", file.display(), e.0)))?;
             Ok(render(remote.output, &v, |v| {
@@ -258,16 +337,9 @@ pub fn run_job(cmd: JobCommand) -> Result<String, InputError> {
                     let rows = ranks
                         .iter()
                         .map(|r| {
-                            let a = &r["assignment"];
-                            vec![
-                                s(&a["rank"]),
-                                s(&a["node"]),
-                                s(&a["gpu"]),
-                                s(&a["replica"]),
-                                s(&a["stage"]),
-                                format!("{}-{}", s(&a["layer_start"]), s(&a["layer_end"])),
-                                s(&r["state"]),
-                            ]
+                            let mut row = assignment_row(&r["assignment"]);
+                            row.push(s(&r["state"]));
+                            row
                         })
                         .collect();
                     out.push('\n');
@@ -277,10 +349,83 @@ pub fn run_job(cmd: JobCommand) -> Result<String, InputError> {
             }))
         }
         JobCommand::Watch { id, remote } => watch(id, &remote),
+        JobCommand::Logs { id, rank, generation, follow, remote } => logs(id, rank, generation, follow, &remote),
         JobCommand::Cancel { id, remote } => {
             let v = Client::new(&remote)?.call("POST", &format!("/jobs/{id}/cancel"), None)?;
             Ok(render(remote.output, &v, |v| format!("job {} is {}", s(&v["id"]), s(&v["state"]))))
         }
+    }
+}
+
+/// The most log bytes the coordinator answers with at once (its `LOG_CHUNK`).
+const LOG_CHUNK: usize = 4 << 20;
+
+/// Print the ranks' logs from where each left off; with `follow`, poll until the job is over.
+fn logs(id: i64, rank: Option<i64>, generation: Option<i64>, follow: bool, remote: &Remote) -> Result<String, InputError> {
+    use std::io::Write;
+    let c = Client::new(remote)?;
+    let job = c.call("GET", &format!("/jobs/{id}"), None)?;
+    let generation = generation.unwrap_or_else(|| job["generation"].as_i64().unwrap_or(0));
+    if generation == 0 {
+        return Err(InputError(format!("job {id} is {} and has no ranks yet; try `motley job watch {id}`", s(&job["state"]))));
+    }
+    let ranks: Vec<i64> = match rank {
+        Some(r) => vec![r],
+        None => {
+            let plan = c.call("GET", &format!("/jobs/{id}/plan"), None)?;
+            plan["ranks"].as_array().into_iter().flatten().filter_map(|r| r["assignment"]["rank"].as_i64()).collect()
+        }
+    };
+    let mut offsets = vec![0usize; ranks.len()];
+    // Partial lines wait for their end, so prefixes never land mid-line.
+    let mut pending = vec![Vec::<u8>::new(); ranks.len()];
+    loop {
+        let over =
+            ["succeeded", "failed", "cancelled"].contains(&c.call("GET", &format!("/jobs/{id}"), None)?["state"].as_str().unwrap_or(""));
+        let mut more = false;
+        for (i, r) in ranks.iter().enumerate() {
+            let (status, bytes) =
+                c.request("GET", &format!("/jobs/{id}/ranks/{r}/logs?generation={generation}&offset={}", offsets[i]), None)?;
+            if status >= 400 {
+                let msg = serde_json::from_slice::<Value>(&bytes).ok().and_then(|v| v["error"].as_str().map(str::to_string));
+                let msg = msg.unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+                // A rank not started yet has no log: wait for it when following.
+                if status == 404 && follow && !over {
+                    continue;
+                }
+                return Err(InputError(format!("rank {r}: coordinator ({status}): {msg}")));
+            }
+            offsets[i] += bytes.len();
+            // The coordinator answers at most LOG_CHUNK bytes: a full answer means more.
+            more |= bytes.len() >= LOG_CHUNK;
+            pending[i].extend_from_slice(&bytes);
+            let mut out = std::io::stdout().lock();
+            while let Some(end) = pending[i].iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = pending[i].drain(..=end).collect();
+                if rank.is_none() {
+                    let _ = write!(out, "[rank {r}] ");
+                }
+                let _ = out.write_all(&line);
+            }
+            if (!follow || over) && bytes.len() < LOG_CHUNK {
+                if !pending[i].is_empty() {
+                    let _ = writeln!(
+                        out,
+                        "{}{}",
+                        if rank.is_none() { format!("[rank {r}] ") } else { String::new() },
+                        String::from_utf8_lossy(&pending[i])
+                    );
+                    pending[i].clear();
+                }
+            }
+        }
+        if more {
+            continue;
+        }
+        if !follow || over {
+            return Ok(String::new());
+        }
+        std::thread::sleep(Duration::from_millis(500));
     }
 }
 
@@ -294,6 +439,8 @@ fn watch(id: i64, remote: &Remote) -> Result<String, InputError> {
         // once the state is final every event up to it is in this batch.
         let job = c.call("GET", &format!("/jobs/{id}"), None)?;
         let events = c.call("GET", &format!("/jobs/{id}/events?after={after}"), None)?;
+        // A full page (the API answers at most 1000) means more are waiting: no pause, no end.
+        let full = events.as_array().map_or(0, Vec::len) >= 1000;
         for e in events.as_array().into_iter().flatten() {
             after = after.max(e["seq"].as_i64().unwrap_or(after));
             let line = match remote.output {
@@ -301,6 +448,9 @@ fn watch(id: i64, remote: &Remote) -> Result<String, InputError> {
                 Output::Table => format!("[{}] generation {}: {}", s(&e["kind"]), s(&e["generation"]), s(&e["message"])),
             };
             let _ = writeln!(std::io::stdout().lock(), "{line}");
+        }
+        if full {
+            continue;
         }
         if ["succeeded", "failed", "cancelled"].contains(&job["state"].as_str().unwrap_or("")) {
             return Ok(format!("job {id} {}{}", s(&job["state"]), job["reason"].as_str().map_or(String::new(), |r| format!(": {r}"))));

@@ -18,6 +18,7 @@ fn processes_with(marker: &str) -> usize {
 #[test]
 fn dev_up_runs_the_example_job_to_the_end_and_stops_everything() {
     let dir = std::env::temp_dir().join(format!("motley-dev-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir); // pids are reused: an earlier run's database would hold job 1
     let out = Command::new(env!("CARGO_BIN_EXE_motley"))
         .args(["dev", "up", "examples/clusters/lab.yaml", "examples/jobs/hello.yaml", "--dir", dir.to_str().unwrap()])
         .current_dir(repo())
@@ -41,4 +42,45 @@ fn dev_up_refuses_bad_files_before_starting_anything() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read cluster file"));
+}
+
+#[test]
+fn ctrl_c_cancels_the_job_and_leaves_no_process_behind() {
+    use std::io::{BufRead, BufReader};
+    let dir = std::env::temp_dir().join(format!("motley-dev-ctrlc-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let marker = format!("motley-ctrlc-marker-{}", std::process::id());
+    let job = dir.join("sleeper.yaml");
+    std::fs::write(
+        &job,
+        format!("name: sleeper\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {{gpus: 4}}\nrun: 'sleep 600; echo {marker}'\n"),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_motley"))
+        .args(["dev", "up", "examples/clusters/lab.yaml", job.to_str().unwrap(), "--dir", dir.join("state").to_str().unwrap()])
+        .current_dir(repo())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "dev up ended before the job ran:\n{seen}");
+        seen.push_str(&line);
+        if line.contains("[running]") {
+            break;
+        }
+    }
+    assert!(processes_with(&marker) > 0, "the ranks run");
+    // What a terminal's Ctrl-C sends.
+    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{seen}{rest}");
+    assert!(rest.contains("interrupted: cancelling job 1") && rest.contains("job 1 cancelled"), "{rest}");
+    assert_eq!(processes_with(&marker), 0, "no rank is left behind");
+    assert_eq!(processes_with(dir.join("state").to_str().unwrap()), 0, "coordinator and agents are stopped");
 }

@@ -10,6 +10,16 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
+/// A child process killed when the test ends, also when it fails.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 struct Coordinator {
     child: Child,
     url: String,
@@ -27,10 +37,20 @@ impl Drop for Coordinator {
 fn start() -> Coordinator {
     let dir = std::env::temp_dir().join(format!("motley-remote-cli-{}-{}", std::process::id(), rand_suffix()));
     std::fs::create_dir_all(&dir).unwrap();
+    start_in(&dir)
+}
+
+/// A coordinator on the state in `dir` (a second one there stands by).
+fn start_in(dir: &Path) -> Coordinator {
+    start_with(dir, &[])
+}
+
+fn start_with(dir: &Path, extra: &[&str]) -> Coordinator {
     // Built beside `motley` by the workspace build.
     let bin = Path::new(env!("CARGO_BIN_EXE_motley")).with_file_name("motley-coordinator");
     let mut child = Command::new(bin)
         .args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--data-dir", dir.to_str().unwrap()])
+        .args(extra)
         .env_remove("MOTLEY_TOKEN")
         .env_remove("MOTLEY_DATABASE_URL")
         .stdout(Stdio::piped())
@@ -182,4 +202,151 @@ fn the_cli_reports_wrong_tokens_dead_coordinators_and_bad_files() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("envs.RANK: is set by the agent"), "{err}");
     assert!(motley(&c, &["job", "show", "42"]).status.code() == Some(2));
+}
+
+#[test]
+fn logs_dry_runs_and_a_standby_that_sends_the_cli_to_the_leader() {
+    let dir = std::env::temp_dir().join(format!("motley-remote-logs-{}-{}", std::process::id(), rand_suffix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let c = start_in(&dir);
+    let agent_bin = Path::new(env!("CARGO_BIN_EXE_motley")).with_file_name("motley-agent");
+    let _agent = Killed(
+        Command::new(agent_bin)
+            .args(["--coordinator", &c.grpc, "--node", "node-0", "--inventory", "examples/nodes/a100.yaml", "--logs-listen", "127.0.0.1:0"])
+            .args(["--work-dir", dir.join("agent").to_str().unwrap(), "--token", &c.token])
+            .current_dir(repo())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let start = Instant::now();
+    while !String::from_utf8_lossy(&motley(&c, &["node", "list", "-o", "json"]).stdout).contains("\"live\": true") {
+        assert!(start.elapsed() < Duration::from_secs(60), "the agent never registered");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let job = std::env::temp_dir().join(format!("motley-logs-job-{}.yaml", std::process::id()));
+    std::fs::write(&job, "name: talk\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'echo \"line from $RANK\"; echo \"err from $RANK\" >&2'\n").unwrap();
+
+    // A dry run plans on the live inventory and stores nothing.
+    let out = motley(&c, &["job", "submit", job.to_str().unwrap(), "--dry-run"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("dry run: 2 GPUs") && text.contains("node-0"), "{text}");
+    assert!(String::from_utf8_lossy(&motley(&c, &["job", "list", "-o", "json"]).stdout).trim() == "[]");
+
+    assert!(motley(&c, &["job", "submit", job.to_str().unwrap()]).status.success());
+    let watched = motley(&c, &["job", "watch", "1"]);
+    assert!(String::from_utf8_lossy(&watched.stdout).contains("job 1 succeeded"), "{}", String::from_utf8_lossy(&watched.stdout));
+    let out = motley(&c, &["job", "logs", "1"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for line in ["[rank 0] line from 0", "[rank 1] line from 1", "[rank 1] err from 1"] {
+        assert!(text.lines().any(|l| l == line), "no '{line}' in\n{text}");
+    }
+    let one = motley(&c, &["job", "logs", "1", "--rank", "1"]);
+    assert_eq!(
+        String::from_utf8_lossy(&one.stdout).lines().filter(|l| l.contains("from")).collect::<Vec<_>>(),
+        ["line from 1", "err from 1"]
+    );
+    let bad = motley(&c, &["job", "logs", "1", "--rank", "7"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("rank 7"), "{}", String::from_utf8_lossy(&bad.stderr));
+
+    // A standby on the same state: the CLI pointed at it is sent on to the leader.
+    let standby = start_in(&dir);
+    let mut via = Command::new(env!("CARGO_BIN_EXE_motley"));
+    via.args(["node", "list", "-o", "json"])
+        .env("MOTLEY_COORDINATOR", &standby.url)
+        .env("MOTLEY_TOKEN", &c.token)
+        .env_remove("MOTLEY_OUTPUT");
+    let out = via.output().unwrap();
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("node-0"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A test CA and a server certificate it signed for 127.0.0.1: (ca, cert, key). openssl is on
+/// every machine this runs on.
+fn test_certificates(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let p = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    std::fs::write(dir.join("ext.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n").unwrap();
+    let steps: [Vec<String>; 3] = [
+        ["req", "-x509"]
+            .iter()
+            .chain(&ec)
+            .map(|s| s.to_string())
+            .chain(["-days", "1", "-subj", "/CN=motley-test-ca", "-keyout", &p("ca.key"), "-out", &p("ca.pem")].map(String::from))
+            .collect(),
+        ["req"]
+            .iter()
+            .chain(&ec)
+            .map(|s| s.to_string())
+            .chain(["-subj", "/CN=127.0.0.1", "-keyout", &p("key.pem"), "-out", &p("cert.csr")].map(String::from))
+            .collect(),
+        [
+            "x509",
+            "-req",
+            "-in",
+            &p("cert.csr"),
+            "-CA",
+            &p("ca.pem"),
+            "-CAkey",
+            &p("ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            &p("ext.cnf"),
+            "-out",
+            &p("cert.pem"),
+        ]
+        .map(String::from)
+        .to_vec(),
+    ];
+    for args in steps {
+        let ok = Command::new("openssl").args(&args).stderr(Stdio::null()).stdout(Stdio::null()).status().unwrap().success();
+        assert!(ok, "openssl {args:?} failed");
+    }
+    (dir.join("ca.pem"), dir.join("cert.pem"), dir.join("key.pem"))
+}
+
+#[test]
+fn tls_for_the_cli_and_the_agents() {
+    let dir = std::env::temp_dir().join(format!("motley-remote-tls-{}-{}", std::process::id(), rand_suffix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (ca_pem, cert, key) = test_certificates(&dir);
+    let c = start_with(&dir, &["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()]);
+    assert!(c.url.starts_with("https://") && c.grpc.starts_with("https://"), "{} {}", c.url, c.grpc);
+    let _agent = Killed(
+        Command::new(Path::new(env!("CARGO_BIN_EXE_motley")).with_file_name("motley-agent"))
+            .args(["--coordinator", &c.grpc, "--ca-cert", ca_pem.to_str().unwrap(), "--token", &c.token])
+            .args(["--node", "node-0", "--inventory", "examples/nodes/a100.yaml", "--logs-listen", "127.0.0.1:0"])
+            .args(["--work-dir", dir.join("agent").to_str().unwrap()])
+            .current_dir(repo())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let ca = ca_pem.to_str().unwrap();
+    let start = Instant::now();
+    loop {
+        let out = motley(&c, &["node", "list", "-o", "json", "--ca-cert", ca]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        if String::from_utf8_lossy(&out.stdout).contains("\"live\": true") {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the agent never registered over TLS");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Without the CA the certificate is not trusted: a clear failure, not a plain-text fallback.
+    let out = motley(&c, &["node", "list"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no coordinator answered") && err.to_lowercase().contains("certificate"), "{err}");
+    // A certificate without its key is refused at start-up, naming the flag.
+    let bin = Path::new(env!("CARGO_BIN_EXE_motley")).with_file_name("motley-coordinator");
+    let out =
+        Command::new(bin).args(["--tls-cert", cert.to_str().unwrap(), "--data-dir", dir.join("other").to_str().unwrap()]).output().unwrap();
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--tls-key"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

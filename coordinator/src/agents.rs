@@ -4,11 +4,12 @@
 //! the store, fenced by agent epoch and job generation.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use motley_proto::v1::agent_server::Agent;
-use motley_proto::v1::{instruction, AgentStatus, Instruction, Launch, RankLaunch, RegisterReply, RegisterRequest, Stop};
+use motley_proto::v1::{instruction, AgentStatus, Drain, Instruction, Launch, RankLaunch, RegisterReply, RegisterRequest, Stop};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -17,14 +18,20 @@ use crate::control;
 use crate::error::CoordinatorError;
 use crate::job::JobState;
 use crate::jobspec::JobSpec;
-use crate::store::Store;
+use crate::store::{RankReport, Store};
 
 /// A lease expires after this many base intervals without a heartbeat.
 pub const LEASE_INTERVALS: u32 = 3;
 
+/// A launch not acknowledged (every rank running) within this many base intervals of this
+/// leader seeing it fails: an instruction or an agent was lost on the way.
+pub const LAUNCH_INTERVALS: u32 = 30;
+
 struct Lease {
     epoch: i64,
     address: String,
+    /// The agent's log service (empty: it serves none).
+    logs_url: String,
     last_seen: Instant,
     tx: Option<mpsc::Sender<Result<Instruction, Status>>>,
 }
@@ -34,11 +41,46 @@ pub struct Fleet {
     /// The base interval: agents heartbeat on it; every timeout derives from it.
     pub base: Duration,
     leases: Mutex<HashMap<String, Lease>>,
+    heartbeats: AtomicU64,
+    launches: AtomicU64,
+    /// Jobs being planned and launched by this process now.
+    planning: Mutex<std::collections::HashSet<i64>>,
 }
 
 impl Fleet {
     pub fn new(base: Duration) -> Arc<Fleet> {
-        Arc::new(Fleet { base, leases: Mutex::new(HashMap::new()) })
+        Arc::new(Fleet {
+            base,
+            leases: Mutex::new(HashMap::new()),
+            heartbeats: AtomicU64::new(0),
+            launches: AtomicU64::new(0),
+            planning: Default::default(),
+        })
+    }
+
+    /// Claim a job for planning; false if this process is planning it already.
+    pub fn begin_planning(&self, job: i64) -> bool {
+        self.planning.lock().expect("planning lock").insert(job)
+    }
+
+    pub fn end_planning(&self, job: i64) {
+        self.planning.lock().expect("planning lock").remove(&job);
+    }
+
+    /// Agents holding a lease now.
+    pub fn live_count(&self) -> usize {
+        let lease = self.base * LEASE_INTERVALS;
+        self.leases.lock().expect("lease lock").values().filter(|l| l.tx.is_some() && l.last_seen.elapsed() <= lease).count()
+    }
+
+    /// Heartbeats received since start.
+    pub fn heartbeat_count(&self) -> u64 {
+        self.heartbeats.load(Ordering::Relaxed)
+    }
+
+    /// Launch instructions sent since start.
+    pub fn launch_count(&self) -> u64 {
+        self.launches.load(Ordering::Relaxed)
     }
 
     /// The node's agent holds a lease and its heartbeat stream is open (it can take a launch).
@@ -50,9 +92,20 @@ impl Fleet {
             .is_some_and(|l| l.tx.is_some() && l.last_seen.elapsed() <= self.base * LEASE_INTERVALS)
     }
 
+    /// Tell the node's agent whether it is draining (if its stream is open; it is told again
+    /// when it next opens one).
+    pub fn tell_drain(&self, node: &str, draining: bool) {
+        self.send(node, Instruction { kind: Some(instruction::Kind::Drain(Drain { draining })) });
+    }
+
     fn send(&self, node: &str, i: Instruction) -> bool {
         let tx = self.leases.lock().expect("lease lock").get(node).and_then(|l| l.tx.clone());
         tx.is_some_and(|tx| tx.try_send(Ok(i)).is_ok())
+    }
+
+    /// Where the node's agent serves rank logs, if it is live and serves them.
+    pub fn logs_url(&self, node: &str) -> Option<String> {
+        self.leases.lock().expect("lease lock").get(node).map(|l| l.logs_url.clone()).filter(|u| !u.is_empty())
     }
 
     fn address(&self, node: &str) -> Option<String> {
@@ -71,14 +124,12 @@ impl Fleet {
     }
 }
 
-pub fn to_status(e: CoordinatorError) -> Status {
-    Status::new(tonic::Code::from(e.grpc_code()), e.to_string())
-}
-
 pub struct AgentService {
     pub store: Store,
     pub fleet: Arc<Fleet>,
     pub token: Option<String>,
+    /// Only the leader takes agents; a standby names the leader.
+    pub role: Arc<crate::leader::Role>,
 }
 
 impl AgentService {
@@ -97,9 +148,16 @@ impl Agent for AgentService {
     async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
         let r = req.into_inner();
         self.check_token(Some(&r.token))?;
-        let epoch = control::declare_node(&self.store, &r.node, &r.inventory_json).await.map_err(to_status)?;
+        if !self.role.is_leader() {
+            return Err(crate::grpc::status_of(self.role.not_leader()));
+        }
+        let epoch = control::declare_node(&self.store, &r.node, &r.inventory_json).await.map_err(crate::grpc::status_of)?;
         let address = if r.address.is_empty() { "127.0.0.1".to_string() } else { r.address };
-        self.fleet.leases.lock().expect("lease lock").insert(r.node.clone(), Lease { epoch, address, last_seen: Instant::now(), tx: None });
+        self.fleet
+            .leases
+            .lock()
+            .expect("lease lock")
+            .insert(r.node.clone(), Lease { epoch, address, logs_url: r.logs_url, last_seen: Instant::now(), tx: None });
         Ok(Response::new(RegisterReply { epoch, heartbeat_ms: self.fleet.base.as_millis() as u64 }))
     }
 
@@ -126,10 +184,11 @@ impl Agent for AgentService {
                     match leases.get_mut(&status.node) {
                         Some(lease) if lease.epoch == status.epoch => {
                             lease.last_seen = Instant::now();
+                            fleet.heartbeats.fetch_add(1, Ordering::Relaxed);
                             lease.tx = Some(tx.clone());
                             None
                         }
-                        Some(lease) => Some(to_status(CoordinatorError::StaleAgent {
+                        Some(lease) => Some(crate::grpc::status_of(CoordinatorError::StaleAgent {
                             node: status.node.clone(),
                             given: status.epoch,
                             current: lease.epoch,
@@ -144,36 +203,60 @@ impl Agent for AgentService {
                 if session.is_none() {
                     // The durable check too: an agent session older than the node's latest one.
                     if let Err(e) = store.check_agent(&status.node, status.epoch).await {
-                        let _ = tx.send(Err(to_status(e))).await;
+                        let _ = tx.send(Err(crate::grpc::status_of(e))).await;
                         return;
                     }
                     session = Some((status.node.clone(), status.epoch));
-                }
-                let mut jobs = vec![];
-                for r in &status.ranks {
-                    match store
-                        .report_rank_from(Some((&status.node, status.epoch)), r.job, r.generation, r.rank, &r.state, r.exit_code)
-                        .await
-                    {
-                        Ok(()) => jobs.push(r.job),
-                        // Reports of an older launch change nothing.
-                        Err(CoordinatorError::StaleGeneration { .. }) => {}
-                        Err(CoordinatorError::StaleAgent { .. }) => {
-                            let _ = tx.send(Err(Status::aborted("this agent session is stale; register again"))).await;
-                            return;
-                        }
-                        // Close the stream: the agent reconnects and reports everything again.
-                        Err(e) => {
-                            eprintln!("motley-coordinator: rank report from {}: {e}", status.node);
-                            let _ = tx.send(Err(Status::unavailable(e.to_string()))).await;
-                            return;
-                        }
+                    // A new session learns the node's drain state (it may have changed while
+                    // the agent was away).
+                    if store.node(&status.node).await.is_ok_and(|n| n.state == crate::store::NodeState::Draining) {
+                        let _ = tx.try_send(Ok(Instruction { kind: Some(instruction::Kind::Drain(Drain { draining: true })) }));
                     }
                 }
-                jobs.sort();
-                jobs.dedup();
-                for j in jobs {
-                    progress(&store, &fleet, j).await;
+                if status.ranks.is_empty() {
+                    continue;
+                }
+                // The heartbeat's reports as one unit (group-committed with other agents'); those of
+                // an older launch change nothing.
+                let reports: Vec<RankReport> = status
+                    .ranks
+                    .iter()
+                    .map(|r| RankReport {
+                        job: r.job,
+                        generation: r.generation,
+                        rank: r.rank,
+                        state: r.state.clone(),
+                        exit_code: r.exit_code,
+                    })
+                    .collect();
+                match store.report_ranks_from(Some((&status.node, status.epoch)), reports).await {
+                    Ok(done) => {
+                        for j in done.jobs {
+                            progress(&store, &fleet, j).await;
+                            // Ranks still running for a job that is over (failed or cancelled
+                            // while their agent was away): stop them, or they hold the GPUs.
+                            let running = status.ranks.iter().any(|r| r.job == j && r.state == "running");
+                            if running && store.job(j).await.is_ok_and(|job| job.state.is_terminal()) {
+                                let stop = Stop { job: j, generation: i64::MAX, reason: "the job is over".into() };
+                                let _ = tx.try_send(Ok(Instruction { kind: Some(instruction::Kind::Stop(stop)) }));
+                            }
+                        }
+                        // Ranks of a superseded launch: stop that launch's ranks on this node.
+                        for (job, given, _) in done.stale {
+                            let stop = Stop { job, generation: given, reason: "a newer generation of the job was launched".into() };
+                            let _ = tx.try_send(Ok(Instruction { kind: Some(instruction::Kind::Stop(stop)) }));
+                        }
+                    }
+                    Err(CoordinatorError::StaleAgent { .. }) => {
+                        let _ = tx.send(Err(Status::aborted("this agent session is stale; register again"))).await;
+                        return;
+                    }
+                    // Close the stream: the agent reconnects and reports everything again.
+                    Err(e) => {
+                        tracing::warn!(node = %status.node, "rank report: {e}");
+                        let _ = tx.send(Err(Status::unavailable(e.to_string()))).await;
+                        return;
+                    }
                 }
             }
         });
@@ -188,25 +271,30 @@ pub async fn progress(store: &Store, fleet: &Fleet, id: i64) {
     if !matches!(job.state, JobState::Launching | JobState::Running) {
         return;
     }
-    let Ok(ranks) = store.ranks(id, job.generation).await else { return };
-    if let Some(bad) = ranks.iter().find(|r| r.state == "exited" && r.exit_code != Some(0)) {
-        let reason =
-            format!("rank {} on node {} exited with code {}", bad.assignment.rank, bad.assignment.node, bad.exit_code.unwrap_or(-1));
+    // Counted by the database: a heartbeat of a 1,024-rank job does not read 1,024 rows.
+    let Ok(ranks) = store.rank_summary(id, job.generation).await else { return };
+    if let Some(bad) = ranks.first_failed {
+        let reason = if bad.lost {
+            format!("rank {} on node {} was lost (its process ended without an exit code while its agent was away)", bad.rank, bad.node)
+        } else {
+            format!("rank {} on node {} exited with code {}", bad.rank, bad.node, bad.exit_code.unwrap_or(-1))
+        };
         if store.transition_at(id, Some(job.generation), JobState::Failed, Some(&reason)).await.is_ok() {
             fleet.stop_job(store, id, job.generation, &reason).await;
         }
         return;
     }
-    let started = ranks.iter().all(|r| r.state == "running" || r.state == "exited");
+    let started = ranks.started == ranks.total;
     if job.state == JobState::Launching && started {
         let _ = store.transition_at(id, Some(job.generation), JobState::Running, None).await;
     }
-    if started && ranks.iter().all(|r| r.state == "exited") {
+    if started && ranks.exited == ranks.total {
         let _ = store.transition_at(id, Some(job.generation), JobState::Succeeded, None).await;
     }
 }
 
 /// Send a launched job's ranks to their agents; a node without a live agent fails the job.
+#[tracing::instrument(skip(store, fleet))]
 pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), CoordinatorError> {
     let job = store.job(id).await?;
     if job.state != JobState::Launching {
@@ -220,8 +308,10 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
     let master_addr = fleet.address(&first.assignment.node).unwrap_or_else(|| "127.0.0.1".into());
     // A port per launch, so a relaunch never meets the old rendezvous.
     let master_port = 20000 + ((id * 131 + job.generation * 17) % 20000) as u32;
+    let plan_doc: serde_json::Value = serde_json::from_str(&plan).unwrap_or_default();
     let mut by_node: HashMap<String, Vec<RankLaunch>> = HashMap::new();
     for r in &ranks {
+        let place = placement(&plan_doc, &r.assignment);
         by_node.entry(r.assignment.node.clone()).or_default().push(RankLaunch {
             rank: r.assignment.rank,
             local_rank: r.assignment.local_rank,
@@ -231,6 +321,12 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
             stage: r.assignment.stage,
             layer_start: r.assignment.layer_start,
             layer_end: r.assignment.layer_end,
+            tp_rank: place.tp_rank,
+            tp_size: place.tp_size,
+            stage_dp_rank: place.stage_dp_rank,
+            stage_dp_size: place.stage_dp_size,
+            pp_size: place.pp_size,
+            replicas: place.replicas,
         });
     }
     for (node, mut list) in by_node {
@@ -249,6 +345,7 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
             world_size: world,
             ranks: list,
         };
+        fleet.launches.fetch_add(1, Ordering::Relaxed);
         if !fleet.send(&node, Instruction { kind: Some(instruction::Kind::Launch(launch)) }) {
             let reason = format!("node {node} has no live agent to launch on");
             store.transition(id, JobState::Failed, Some(&reason)).await?;
@@ -259,12 +356,77 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
     Ok(())
 }
 
+/// Where a rank sits in the plan's parallelism.
+#[derive(Debug, Default, PartialEq)]
+struct Placement {
+    tp_rank: i64,
+    tp_size: i64,
+    stage_dp_rank: i64,
+    stage_dp_size: i64,
+    pp_size: i64,
+    replicas: i64,
+}
+
+/// A stage's GPUs are listed TP group by TP group (dp-major): the rank's position in that list
+/// gives its TP rank (fastest) and its data-parallel rank inside the stage.
+fn placement(plan: &serde_json::Value, a: &crate::store::RankAssignment) -> Placement {
+    let replicas = plan["replicas"].as_array().map_or(0, Vec::len) as i64;
+    let replica = &plan["replicas"][a.replica as usize];
+    let stage = &replica["stages"][a.stage as usize];
+    let tp = stage["tp"].as_i64().unwrap_or(1).max(1);
+    let position = stage["gpus"]
+        .as_array()
+        .and_then(|g| g.iter().position(|g| g["node"] == a.node.as_str() && g["index"].as_i64() == Some(a.gpu)))
+        .unwrap_or(0) as i64;
+    Placement {
+        tp_rank: position % tp,
+        tp_size: tp,
+        stage_dp_rank: position / tp,
+        stage_dp_size: stage["dp"].as_i64().unwrap_or(1),
+        pp_size: replica["stages"].as_array().map_or(0, Vec::len) as i64,
+        replicas,
+    }
+}
+
+/// Fail launches this leader has seen stuck in `launching` for `LAUNCH_INTERVALS`.
+async fn fail_stuck_launches(store: &Store, fleet: &Fleet, seen: &mut HashMap<(i64, i64), Instant>) {
+    let Ok(jobs) = store.unfinished_jobs().await else { return };
+    let now: Vec<(i64, i64)> = jobs.iter().filter(|j| j.state == JobState::Launching).map(|j| (j.id, j.generation)).collect();
+    seen.retain(|k, _| now.contains(k));
+    let limit = fleet.base * LAUNCH_INTERVALS;
+    for key in now {
+        let since = *seen.entry(key).or_insert_with(Instant::now);
+        if since.elapsed() <= limit {
+            continue;
+        }
+        let (id, generation) = key;
+        let waiting: Vec<String> = match store.ranks(id, generation).await {
+            Ok(r) => r
+                .into_iter()
+                .filter(|r| r.state == "assigned")
+                .map(|r| format!("{} (rank {})", r.assignment.node, r.assignment.rank))
+                .take(5)
+                .collect(),
+            Err(_) => continue,
+        };
+        let reason = format!("launch not acknowledged within {} ms; still waiting for {}", limit.as_millis(), waiting.join(", "));
+        if store.transition_at(id, Some(generation), JobState::Failed, Some(&reason)).await.is_ok() {
+            fleet.stop_job(store, id, generation, &reason).await;
+        }
+    }
+}
+
 /// Every base interval: expire leases older than `LEASE_INTERVALS` intervals, and fail the
-/// live jobs that have ranks on those nodes, with the reason.
+/// live jobs that have ranks on those nodes, with the reason; fail launches stuck for
+/// `LAUNCH_INTERVALS`.
 pub async fn watch_leases(store: Store, fleet: Arc<Fleet>) {
     let mut tick = tokio::time::interval(fleet.base);
+    // When this leader first saw each (job, generation) launching: a takeover starts the clock
+    // afresh rather than trusting another process's timestamps.
+    let mut launching: HashMap<(i64, i64), Instant> = HashMap::new();
     loop {
         tick.tick().await;
+        fail_stuck_launches(&store, &fleet, &mut launching).await;
         let expired: Vec<String> = {
             let mut leases = fleet.leases.lock().expect("lease lock");
             let dead: Vec<String> =
@@ -279,7 +441,7 @@ pub async fn watch_leases(store: Store, fleet: Arc<Fleet>) {
                 "node {node} lost: no heartbeat for {} ms ({LEASE_INTERVALS} intervals)",
                 (fleet.base * LEASE_INTERVALS).as_millis()
             );
-            eprintln!("motley-coordinator: {reason}");
+            tracing::warn!("{reason}");
             let _ = store.record_event(None, None, "node_lost", &reason).await;
             let Ok(jobs) = store.jobs().await else { continue };
             for j in jobs.into_iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)) {
@@ -289,5 +451,40 @@ pub async fn watch_leases(store: Store, fleet: Arc<Fleet>) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_job_is_planned_by_one_task_at_a_time() {
+        let fleet = Fleet::new(Duration::from_millis(100));
+        assert!(fleet.begin_planning(7));
+        assert!(!fleet.begin_planning(7), "a second start of the same job is skipped");
+        assert!(fleet.begin_planning(8), "other jobs are not held up");
+        fleet.end_planning(7);
+        assert!(fleet.begin_planning(7), "planned again once the first is done");
+    }
+
+    #[test]
+    fn placement_reads_tp_and_stage_dp_ranks_from_the_plan() {
+        let plan = serde_json::json!({"replicas": [{"stages": [
+            {"tp": 2, "dp": 2, "gpus": [{"node": "a", "index": 0}, {"node": "a", "index": 1}, {"node": "a", "index": 2}, {"node": "a", "index": 3}]},
+            {"tp": 1, "dp": 1, "gpus": [{"node": "b", "index": 0}]}
+        ]}]});
+        let a = crate::store::RankAssignment {
+            rank: 2,
+            node: "a".into(),
+            local_rank: 2,
+            gpu: 3,
+            replica: 0,
+            stage: 0,
+            layer_start: 0,
+            layer_end: 4,
+        };
+        let p = placement(&plan, &a);
+        assert_eq!(p, Placement { tp_rank: 1, tp_size: 2, stage_dp_rank: 1, stage_dp_size: 2, pp_size: 2, replicas: 1 });
     }
 }

@@ -20,6 +20,12 @@ pub enum CoordinatorError {
     /// An agent session older than the node's latest registration.
     #[error("node {node}: agent epoch {given} is stale; the node re-registered as epoch {current}")]
     StaleAgent { node: String, given: i64, current: i64 },
+    /// This coordinator is a standby: the control API and agents go to the leader.
+    #[error("this coordinator is a standby; the leader is at {}", if rest_url.is_empty() { "(not known yet: retry in a few seconds)" } else { rest_url.as_str() })]
+    NotLeader { rest_url: String, grpc_url: String },
+    /// Something the answer needs (an agent, say) cannot be reached now; retry.
+    #[error("{0}")]
+    Unavailable(String),
     /// The database failed or is unreachable.
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
@@ -44,7 +50,10 @@ impl CoordinatorError {
             CoordinatorError::NotFound { .. } => 5,     // NOT_FOUND
             CoordinatorError::Conflict(_) => 9,         // FAILED_PRECONDITION
             CoordinatorError::StaleGeneration { .. } | CoordinatorError::StaleAgent { .. } => 10, // ABORTED
-            CoordinatorError::Database(_) | CoordinatorError::Migration(_) => 14, // UNAVAILABLE
+            CoordinatorError::Database(_)
+            | CoordinatorError::Migration(_)
+            | CoordinatorError::NotLeader { .. }
+            | CoordinatorError::Unavailable(_) => 14, // UNAVAILABLE
         }
     }
 
@@ -54,7 +63,10 @@ impl CoordinatorError {
             CoordinatorError::InvalidInput { .. } => 400,
             CoordinatorError::NotFound { .. } => 404,
             CoordinatorError::Conflict(_) | CoordinatorError::StaleGeneration { .. } | CoordinatorError::StaleAgent { .. } => 409,
-            CoordinatorError::Database(_) | CoordinatorError::Migration(_) => 503,
+            CoordinatorError::Database(_)
+            | CoordinatorError::Migration(_)
+            | CoordinatorError::NotLeader { .. }
+            | CoordinatorError::Unavailable(_) => 503,
         }
     }
 }

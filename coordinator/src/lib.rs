@@ -1,16 +1,25 @@
 //! Motley's coordinator: the cluster inventory, jobs, plans and launches, kept in SQLite (the
-//! embedded default) or PostgreSQL. This crate so far holds the domain (the job life cycle,
-//! generation fencing, one error type for gRPC and REST), the durable store, the control
-//! operations (declare nodes, submit and plan jobs on the live inventory, cancel) and their
-//! REST edge; agents over gRPC, leases and launches come next (issue 6).
+//! embedded default) or PostgreSQL. The domain (`job`, `jobspec`, `control`: the job life
+//! cycle, generation fencing, planning on the live inventory) knows nothing of the edges:
+//! REST (`rest`), the gRPC control service (`grpc`) and the agents' service (`agents`: leases,
+//! launches, rank reports). `leader` decides which of several coordinators leads; `takeover`
+//! resumes the work in flight when one starts to lead. One error type (`error`) maps to both a
+//! gRPC and an HTTP status.
 
 pub mod agents;
+pub mod config;
 pub mod control;
 pub mod error;
+pub mod grpc;
 pub mod job;
 pub mod jobspec;
+pub mod leader;
+pub mod metrics;
 pub mod rest;
 pub mod store;
+pub mod takeover;
+pub mod telemetry;
+pub mod tls;
 
 pub use error::{CoordinatorError, Result};
 pub use job::JobState;

@@ -1,6 +1,8 @@
-//! `motley-coordinator`: the REST control API over the durable store. With no flags it keeps
-//! its state in `./motley-data/coordinator.db` (SQLite) and its bearer token in
-//! `./motley-data/token`, and listens on 127.0.0.1:7070.
+//! `motley-coordinator`: the control API (REST and gRPC) and the agents' service over the
+//! durable store. With no flags it keeps its state in `./motley-data/coordinator.db` (SQLite)
+//! and its bearer token in `./motley-data/token`, and listens on 127.0.0.1:7070 (REST) and
+//! 127.0.0.1:7071 (gRPC). Several coordinators may share one database: one leads, the others
+//! wait as standbys and name the leader (see `leader.rs`).
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -8,10 +10,18 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
+use std::sync::Arc;
+
 use motley_coordinator::agents::{watch_leases, AgentService, Fleet};
+use motley_coordinator::config;
+use motley_coordinator::grpc::ControlService;
+use motley_coordinator::leader::{self, Contender, LeaderInfo, Role};
+use motley_coordinator::metrics::Metrics;
 use motley_coordinator::rest::{router, AppState};
-use motley_coordinator::Store;
+use motley_coordinator::tls::TlsFiles;
+use motley_coordinator::{takeover, Store};
 use motley_proto::v1::agent_server::AgentServer;
+use motley_proto::v1::control_server::ControlServer;
 
 #[derive(Parser)]
 #[command(name = "motley-coordinator", version, about = "Motley's coordinator: inventory, jobs, plans and launches")]
@@ -37,6 +47,22 @@ struct Args {
     /// The base interval: agents heartbeat on it, a lease expires after 3 of them.
     #[arg(long, env = "MOTLEY_HEARTBEAT_MS", default_value_t = 1000)]
     heartbeat_ms: u64,
+    /// The host name or address published for the CLI and agents when this coordinator leads
+    /// (default: the listen address, or the host name when listening on a wildcard).
+    #[arg(long, env = "MOTLEY_ADVERTISE_HOST")]
+    advertise_host: Option<String>,
+    /// Serve REST and gRPC over TLS with this certificate chain (PEM); needs --tls-key.
+    #[arg(long, env = "MOTLEY_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "MOTLEY_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// Export spans over OTLP/gRPC to this collector (e.g. http://otel-collector:4317).
+    #[arg(long, env = "MOTLEY_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
+    /// A TOML file with any of these options (flags and MOTLEY_* variables win over it).
+    #[arg(long, env = "MOTLEY_CONFIG", default_value = "/etc/motley/coordinator.toml")]
+    config: PathBuf,
 }
 
 /// The token: given, or read from DATA_DIR/token, or generated there (mode 0600).
@@ -69,43 +95,119 @@ fn token(args: &Args) -> anyhow::Result<Option<String>> {
         f.sync_all()?;
     }
     std::fs::rename(&tmp, &path)?;
-    eprintln!("motley-coordinator: generated a bearer token in {}", path.display());
+    tracing::info!("generated a bearer token in {}", path.display());
     Ok(Some(t))
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args = config::parse::<Args>("/etc/motley/coordinator.toml")?;
+    let telemetry =
+        motley_coordinator::telemetry::init("motley-coordinator", args.otlp_endpoint.as_deref()).map_err(|e| anyhow::anyhow!("{e}"))?;
     std::fs::create_dir_all(&args.data_dir).with_context(|| format!("--data-dir: cannot create {}", args.data_dir.display()))?;
     let url = args.database_url.clone().unwrap_or_else(|| format!("sqlite://{}", args.data_dir.join("coordinator.db").display()));
     let store = Store::open(&url).await.map_err(|e| anyhow::anyhow!("{e}"))?;
     let token = token(&args)?;
     anyhow::ensure!((10..=3_600_000).contains(&args.heartbeat_ms), "--heartbeat-ms: must be between 10 and 3600000 (one hour)");
-    let fleet = Fleet::new(std::time::Duration::from_millis(args.heartbeat_ms));
+    let tls = TlsFiles::from_flags(args.tls_cert.clone(), args.tls_key.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
+    // Read and checked before anything listens: a bad certificate is a start-up error.
+    let rest_tls = tls.as_ref().map(TlsFiles::server_config).transpose().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let grpc_tls = match &tls {
+        Some(files) => {
+            let (cert, key) = files.pem().map_err(|e| anyhow::anyhow!("{e}"))?;
+            Some(tonic::transport::ServerTlsConfig::new().identity(tonic::transport::Identity::from_pem(cert, key)))
+        }
+        None => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let base = std::time::Duration::from_millis(args.heartbeat_ms);
+    let fleet = Fleet::new(base);
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("--listen: cannot bind {}", args.listen))?;
     let addr = listener.local_addr()?;
     let grpc = tokio::net::TcpListener::bind(args.grpc_listen)
         .await
         .with_context(|| format!("--grpc-listen: cannot bind {}", args.grpc_listen))?;
     let grpc_addr = grpc.local_addr()?;
+    let rest_host = args.advertise_host.clone().unwrap_or_else(|| advertised_host(addr.ip()));
+    let grpc_host = args.advertise_host.clone().unwrap_or_else(|| advertised_host(grpc_addr.ip()));
+    let me = LeaderInfo {
+        term: 0,
+        rest_url: format!("{scheme}://{rest_host}:{}", addr.port()),
+        grpc_url: format!("{scheme}://{grpc_host}:{}", grpc_addr.port()),
+    };
+    let role = Arc::new(Role::default());
+    let mut contender = {
+        let (store, fleet) = (store.clone(), fleet.clone());
+        Contender {
+            store: store.clone(),
+            lock: leader::lock_for(&url),
+            base,
+            role: role.clone(),
+            me,
+            on_lead: Some(move |_term| {
+                tokio::spawn(watch_leases(store.clone(), fleet.clone()));
+                tokio::spawn(takeover::resume(store, fleet));
+            }),
+        }
+    };
+    // The first round before the addresses are printed: a lone coordinator serves as leader
+    // from its first request.
+    contender.step().await.context("leadership")?;
+    if !role.is_leader() {
+        tracing::info!(leader = %role.leader().rest_url, "standing by");
+    }
     // A closed stdout (a supervisor that read the addresses and left) must not stop the service.
     let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "motley-coordinator listening on http://{addr}");
-    let _ = writeln!(out, "motley-coordinator agents on http://{grpc_addr}");
+    let _ = writeln!(out, "motley-coordinator listening on {scheme}://{addr}");
+    let _ = writeln!(out, "motley-coordinator agents on {scheme}://{grpc_addr}");
     let _ = out.flush();
     drop(out);
-    let service = AgentService { store: store.clone(), fleet: fleet.clone(), token: token.clone() };
-    tokio::spawn(async move {
+    let metrics = Metrics::new(store.clone(), fleet.clone(), role.clone());
+    let agents = AgentService { store: store.clone(), fleet: fleet.clone(), token: token.clone(), role: role.clone() };
+    let control = ControlService { store: store.clone(), fleet: fleet.clone(), role: role.clone(), token: token.clone() };
+    // Agents and the control API share the gRPC port.
+    let grpc_server = async move {
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
-        if let Err(e) = tonic::transport::Server::builder().add_service(AgentServer::new(service)).serve_with_incoming(incoming).await {
-            eprintln!("motley-coordinator: agent service stopped: {e}");
+        // Keepalives on the agents' streams: a peer that vanished without closing is dropped
+        // within a lease, with its heartbeat task.
+        let mut server = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(base))
+            .http2_keepalive_timeout(Some(base * motley_coordinator::agents::LEASE_INTERVALS));
+        if let Some(config) = grpc_tls {
+            server = server.tls_config(config)?;
         }
-    });
-    tokio::spawn(watch_leases(store.clone(), fleet.clone()));
-    let app = router(AppState { store: store.clone(), fleet, token });
-    axum::serve(listener, app).with_graceful_shutdown(shutdown()).await?;
+        server.add_service(AgentServer::new(agents)).add_service(ControlServer::new(control)).serve_with_incoming(incoming).await
+    };
+    let lead = contender.run();
+    let app = router(AppState { store: store.clone(), fleet, token, role, metrics });
+    let rest = async move {
+        match rest_tls {
+            Some(config) => {
+                tokio::select! {
+                    r = motley_coordinator::tls::serve_rest(listener, app, config) => r,
+                    _ = shutdown() => Ok(()),
+                }
+            }
+            None => axum::serve(listener, app).with_graceful_shutdown(shutdown()).await,
+        }
+    };
+    let result = tokio::select! {
+        r = rest => r.context("REST service"),
+        r = grpc_server => r.context("gRPC service"),
+        r = lead => r.context("leadership"),
+    };
     store.close().await;
-    Ok(())
+    telemetry.shutdown();
+    result
+}
+
+/// The host other machines reach this coordinator at: the listen address unless it is a
+/// wildcard, then the host name.
+fn advertised_host(ip: std::net::IpAddr) -> String {
+    if !ip.is_unspecified() {
+        return ip.to_string();
+    }
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into())
 }
 
 /// Ctrl-C or SIGTERM (systemd's stop).

@@ -15,7 +15,7 @@ use crate::job::JobState;
 /// `sqlx::migrate!` embeds `migrations/` in the binary.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum NodeState {
     Active,
@@ -57,7 +57,7 @@ pub struct JobRecord {
 }
 
 /// One rank of a launch: where it runs and which layers it holds (the seam for checkpoints).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RankAssignment {
     pub rank: i64,
     pub node: String,
@@ -69,7 +69,7 @@ pub struct RankAssignment {
     pub layer_end: i64,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RankRecord {
     pub assignment: RankAssignment,
     /// assigned | running | exited | lost
@@ -77,7 +77,7 @@ pub struct RankRecord {
     pub exit_code: Option<i64>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Event {
     pub seq: i64,
     pub job_id: Option<i64>,
@@ -90,10 +90,15 @@ pub struct Event {
 /// A handle on the database; cheap to clone.
 #[derive(Clone)]
 pub struct Store {
-    pool: AnyPool,
+    pub(crate) pool: AnyPool,
+    /// Rank reports waiting for the next group commit (`report_ranks_from`).
+    reports: std::sync::Arc<ReportQueue>,
+    /// The leadership term this process writes under (0: not fenced, e.g. tests); job moves
+    /// check it inside their transaction, so a deposed leader's late writes are refused.
+    term: std::sync::Arc<std::sync::atomic::AtomicI64>,
 }
 
-fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 
@@ -119,8 +124,35 @@ impl Store {
         // SQLite takes one writer at a time: one connection avoids "database is locked".
         let max = if url.starts_with("sqlite:") { 1 } else { 8 };
         let pool = AnyPoolOptions::new().max_connections(max).connect(&url).await?;
+        if url.starts_with("sqlite:") {
+            // Write-ahead logging: a commit appends to the log (still synced: a crash loses no
+            // committed state) instead of rewriting pages, and a standby coordinator on the same
+            // file reads while the leader writes.
+            sqlx::query("PRAGMA journal_mode=WAL").execute(&pool).await?;
+        }
         MIGRATOR.run(&pool).await?;
-        Ok(Store { pool })
+        Ok(Store { pool, reports: Default::default(), term: Default::default() })
+    }
+
+    /// Fence every later job move with this leadership term.
+    pub fn fence(&self, term: i64) {
+        self.term.store(term, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Inside a transaction: refuse unless this process still holds the term it writes under.
+    /// The no-op update locks the leader row (PostgreSQL), so a new leader's claim waits for
+    /// this transaction and a move either lands before the claim or is refused.
+    async fn check_term(&self, tx: &mut sqlx::Transaction<'_, sqlx::Any>) -> Result<()> {
+        let term = self.term.load(std::sync::atomic::Ordering::SeqCst);
+        if term == 0 {
+            return Ok(());
+        }
+        let same = sqlx::query("UPDATE leader SET term = term WHERE id = 1 AND term = $1").bind(term).execute(&mut **tx).await?;
+        if same.rows_affected() == 1 {
+            return Ok(());
+        }
+        let row = sqlx::query("SELECT rest_url, grpc_url FROM leader WHERE id = 1").fetch_one(&mut **tx).await?;
+        Err(CoordinatorError::NotLeader { rest_url: row.try_get("rest_url")?, grpc_url: row.try_get("grpc_url")? })
     }
 
     /// Close every connection (a test dropping its database waits for this).
@@ -283,6 +315,17 @@ impl Store {
         rows.iter().map(job_of).collect()
     }
 
+    /// Jobs that are not over (submitted, planning, launching, running), oldest first.
+    pub async fn unfinished_jobs(&self) -> Result<Vec<JobRecord>> {
+        let rows = sqlx::query(
+            "SELECT id, name, spec, state, generation, reason, created_at_ms, updated_at_ms FROM jobs \
+             WHERE state IN ('submitted', 'planning', 'launching', 'running') ORDER BY id",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(job_of).collect()
+    }
+
     /// Move a job to `to` if its life allows it from the state it is in (checked and written
     /// in one transaction: two coordinators cannot both move it).
     pub async fn transition(&self, id: i64, to: JobState, reason: Option<&str>) -> Result<JobRecord> {
@@ -311,6 +354,7 @@ impl Store {
         if done.rows_affected() != 1 {
             return Err(CoordinatorError::Conflict(format!("job {id} changed state concurrently; retry")));
         }
+        self.check_term(&mut tx).await?;
         let message = match reason {
             Some(r) => format!("job {id}: {} -> {to}: {r}", job.state),
             None => format!("job {id}: {} -> {to}", job.state),
@@ -337,25 +381,41 @@ impl Store {
             .bind(now)
             .execute(&mut *tx)
             .await?;
-        for r in ranks {
-            sqlx::query(
-                "INSERT INTO ranks (job_id, generation, rank, node, local_rank, gpu, replica, stage, layer_start, layer_end, state, exit_code) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
-            )
-            .bind(id)
-            .bind(generation)
-            .bind(r.rank)
-            .bind(&r.node)
-            .bind(r.local_rank)
-            .bind(r.gpu)
-            .bind(r.replica)
-            .bind(r.stage)
-            .bind(r.layer_start)
-            .bind(r.layer_end)
-            .bind("assigned")
-            .bind(None::<i64>)
-            .execute(&mut *tx)
-            .await?;
+        // Multi-row INSERTs (one round trip per chunk, not per rank): 8 parameters a row plus the
+        // job and generation, within SQLite's 32766 and PostgreSQL's 65535 parameters.
+        for chunk in ranks.chunks(RANK_ROWS_PER_INSERT) {
+            let mut sql = String::from(
+                "INSERT INTO ranks (job_id, generation, rank, node, local_rank, gpu, replica, stage, layer_start, layer_end, state, exit_code) VALUES ",
+            );
+            for i in 0..chunk.len() {
+                let p = 3 + 8 * i;
+                let sep = if i == 0 { "" } else { ", " };
+                sql.push_str(&format!(
+                    "{sep}($1, $2, ${}, ${}, ${}, ${}, ${}, ${}, ${}, ${}, 'assigned', NULL)",
+                    p,
+                    p + 1,
+                    p + 2,
+                    p + 3,
+                    p + 4,
+                    p + 5,
+                    p + 6,
+                    p + 7
+                ));
+            }
+            // Built from placeholders only: no value is spliced into the SQL.
+            let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(id).bind(generation);
+            for r in chunk {
+                q = q
+                    .bind(r.rank)
+                    .bind(&r.node)
+                    .bind(r.local_rank)
+                    .bind(r.gpu)
+                    .bind(r.replica)
+                    .bind(r.stage)
+                    .bind(r.layer_start)
+                    .bind(r.layer_end);
+            }
+            q.execute(&mut *tx).await?;
         }
         let done =
             sqlx::query("UPDATE jobs SET state = $1, generation = $2, updated_at_ms = $3 WHERE id = $4 AND generation = $5 AND state = $6")
@@ -371,6 +431,7 @@ impl Store {
         if done.rows_affected() != 1 {
             return Err(CoordinatorError::Conflict(format!("job {id} changed state concurrently; not launched")));
         }
+        self.check_term(&mut tx).await?;
         let message = format!("job {id}: generation {generation} launching {} ranks", ranks.len());
         Self::event(&mut tx, Some(id), Some(generation), "launching", &message).await?;
         tx.commit().await?;
@@ -426,65 +487,106 @@ impl Store {
         state: &str,
         exit_code: Option<i64>,
     ) -> Result<()> {
-        if !["running", "exited", "lost"].contains(&state) {
-            return Err(CoordinatorError::invalid("state", format!("'{state}' is not running, exited or lost")));
+        let report = RankReport { job: id, generation, rank, state: state.to_string(), exit_code };
+        let done = self.report_ranks_from(agent, vec![report]).await?;
+        match done.stale.first() {
+            Some(&(job, given, current)) => Err(CoordinatorError::StaleGeneration { job, given, current }),
+            None => Ok(()),
         }
+    }
+
+    /// A heartbeat's reports as one unit: the agent's epoch checked once (a stale session
+    /// changes nothing: `StaleAgent`), each job read once, one UPDATE per rank, the events (one
+    /// per rank that changed, in order) in one INSERT. A report of an older launch is skipped
+    /// and listed in `stale`; the others apply. Any other refusal (a bad state, a rank on
+    /// another node, an unknown rank) stops at that report: the reports before it stay, as if
+    /// each had been its own transaction, and the error is returned.
+    ///
+    /// Group commit: the units of concurrent callers (heartbeats of many agents) that queue
+    /// while a commit is in flight share the next transaction, each applied as above on its
+    /// own; a database error fails them all and commits nothing. One commit (one fsync on
+    /// SQLite) per group instead of one per report.
+    pub async fn report_ranks_from(&self, agent: Option<(&str, i64)>, reports: Vec<RankReport>) -> Result<RanksReported> {
+        let (reply, mut done) = tokio::sync::oneshot::channel();
+        let unit = QueuedReports { agent: agent.map(|(n, e)| (n.to_string(), e)), reports, reply };
+        self.reports.pending.lock().expect("report queue").push(unit);
+        let abandoned = || CoordinatorError::Database(sqlx::Error::Protocol("a rank report batch was abandoned; report again".into()));
+        loop {
+            // Either a writer's commit answers us, or we become the writer.
+            let writer = tokio::select! {
+                r = &mut done => return r.unwrap_or_else(|_| Err(abandoned())),
+                w = self.reports.writer.lock() => w,
+            };
+            if let Ok(r) = done.try_recv() {
+                return r;
+            }
+            let batch = std::mem::take(&mut *self.reports.pending.lock().expect("report queue"));
+            let results = match self.apply_reports(&batch).await {
+                Ok(results) => results,
+                Err(e) => {
+                    let message = e.to_string();
+                    batch.iter().map(|_| Err(CoordinatorError::Database(sqlx::Error::Protocol(message.clone())))).collect()
+                }
+            };
+            for (unit, result) in batch.into_iter().zip(results) {
+                let _ = unit.reply.send(result);
+            }
+            drop(writer);
+        }
+    }
+
+    /// Queued units of reports in one transaction, each with its own result.
+    async fn apply_reports(&self, batch: &[QueuedReports]) -> Result<Vec<Result<RanksReported>>> {
         let mut tx = self.pool.begin().await?;
-        if let Some((node, epoch)) = agent {
-            // A no-op update that locks the node's row (PostgreSQL) while the epoch is checked.
-            let same = sqlx::query("UPDATE nodes SET agent_epoch = agent_epoch WHERE name = $1 AND agent_epoch = $2")
-                .bind(node)
-                .bind(epoch)
-                .execute(&mut *tx)
-                .await?;
-            if same.rows_affected() != 1 {
-                let current = sqlx::query("SELECT agent_epoch FROM nodes WHERE name = $1").bind(node).fetch_optional(&mut *tx).await?;
-                let current = current.map(|r| r.try_get::<i64, _>(0)).transpose()?.unwrap_or(0);
-                return Err(CoordinatorError::StaleAgent { node: node.to_string(), given: epoch, current });
+        let mut events: Vec<(i64, i64, String)> = vec![];
+        let mut generations: std::collections::HashMap<i64, i64> = Default::default();
+        let mut results = Vec::with_capacity(batch.len());
+        for unit in batch {
+            let agent = unit.agent.as_ref().map(|(n, e)| (n.as_str(), *e));
+            match reports_in(&mut tx, agent, &unit.reports, &mut generations, &mut events).await {
+                Err(e @ CoordinatorError::Database(_)) => return Err(e),
+                result => results.push(result),
             }
         }
-        let job = job_in(&mut tx, id).await?;
-        if job.generation != generation {
-            return Err(CoordinatorError::StaleGeneration { job: id, given: generation, current: job.generation });
-        }
-        let node = agent.map(|a| a.0.to_string());
-        let done = sqlx::query(
-            "UPDATE ranks SET state = $1, exit_code = $2 WHERE job_id = $3 AND generation = $4 AND rank = $5 \
-             AND state <> 'exited' AND ($6 IS NULL OR node = $6)",
+        rank_events(&mut tx, &events).await?;
+        tx.commit().await?;
+        Ok(results)
+    }
+
+    /// How a launch's ranks stand (what a job's progress is decided on), counted by the
+    /// database rather than read rank by rank.
+    pub async fn rank_summary(&self, id: i64, generation: i64) -> Result<RankSummary> {
+        let row = sqlx::query(
+            "SELECT COUNT(*), \
+             COALESCE(SUM(CASE WHEN state = 'running' OR state = 'exited' THEN 1 ELSE 0 END), 0), \
+             COALESCE(SUM(CASE WHEN state = 'exited' THEN 1 ELSE 0 END), 0), \
+             COALESCE(SUM(CASE WHEN state = 'lost' OR (state = 'exited' AND (exit_code IS NULL OR exit_code <> 0)) THEN 1 ELSE 0 END), 0) \
+             FROM ranks WHERE job_id = $1 AND generation = $2",
         )
-        .bind(state)
-        .bind(exit_code)
         .bind(id)
         .bind(generation)
-        .bind(rank)
-        .bind(node)
-        .execute(&mut *tx)
+        .fetch_one(&self.pool)
         .await?;
-        if done.rows_affected() != 1 {
-            let row = sqlx::query("SELECT node, state FROM ranks WHERE job_id = $1 AND generation = $2 AND rank = $3")
-                .bind(id)
-                .bind(generation)
-                .bind(rank)
-                .fetch_optional(&mut *tx)
-                .await?;
-            let Some(row) = row else {
-                return Err(CoordinatorError::not_found(format!("rank {rank} of job {id} generation {generation}")));
-            };
-            let (on, was): (String, String) = (row.try_get("node")?, row.try_get("state")?);
-            if let Some((node, _)) = agent.filter(|(n, _)| *n != on) {
-                return Err(CoordinatorError::invalid("ranks.rank", format!("rank {rank} of job {id} runs on {on}, not {node}")));
-            }
-            // Already exited: a report sent again after a reconnect changes nothing.
-            debug_assert_eq!(was, "exited");
-            return Ok(());
-        }
-        let message = match exit_code {
-            Some(c) => format!("job {id}: rank {rank} {state} (exit code {c})"),
-            None => format!("job {id}: rank {rank} {state}"),
+        let mut summary = RankSummary {
+            total: row.try_get::<i64, _>(0)?,
+            started: row.try_get::<i64, _>(1)?,
+            exited: row.try_get::<i64, _>(2)?,
+            first_failed: None,
         };
-        Self::event(&mut tx, Some(id), Some(generation), "rank", &message).await?;
-        tx.commit().await?;
-        Ok(())
+        if row.try_get::<i64, _>(3)? > 0 {
+            let bad = sqlx::query(
+                "SELECT rank, node, exit_code, state FROM ranks WHERE job_id = $1 AND generation = $2 \
+                 AND (state = 'lost' OR (state = 'exited' AND (exit_code IS NULL OR exit_code <> 0))) ORDER BY rank LIMIT 1",
+            )
+            .bind(id)
+            .bind(generation)
+            .fetch_one(&self.pool)
+            .await?;
+            let lost = bad.try_get::<String, _>("state")? == "lost";
+            summary.first_failed =
+                Some(FailedRank { rank: bad.try_get("rank")?, node: bad.try_get("node")?, exit_code: bad.try_get("exit_code")?, lost });
+        }
+        Ok(summary)
     }
 
     /// Events after `after` (all jobs, or one), oldest first, at most `limit`.
@@ -520,6 +622,200 @@ impl Store {
             })
             .collect()
     }
+}
+
+/// Rows per multi-row INSERT of rank assignments.
+const RANK_ROWS_PER_INSERT: usize = 500;
+
+/// One rank's state as an agent reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankReport {
+    pub job: i64,
+    pub generation: i64,
+    pub rank: i64,
+    /// running | exited | lost
+    pub state: String,
+    pub exit_code: Option<i64>,
+}
+
+/// Reports waiting for a group commit, and the lock its writer holds.
+#[derive(Default)]
+struct ReportQueue {
+    pending: std::sync::Mutex<Vec<QueuedReports>>,
+    writer: tokio::sync::Mutex<()>,
+}
+
+/// One caller's reports (one heartbeat's), and where its result goes.
+struct QueuedReports {
+    agent: Option<(String, i64)>,
+    reports: Vec<RankReport>,
+    reply: tokio::sync::oneshot::Sender<Result<RanksReported>>,
+}
+
+/// One unit of `report_ranks_from` inside a group's transaction; its events join `events`.
+async fn reports_in(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    agent: Option<(&str, i64)>,
+    reports: &[RankReport],
+    generations: &mut std::collections::HashMap<i64, i64>,
+    events: &mut Vec<(i64, i64, String)>,
+) -> Result<RanksReported> {
+    if let Some((node, epoch)) = agent {
+        // A no-op update that locks the node's row (PostgreSQL) while the epoch is checked.
+        let same = sqlx::query("UPDATE nodes SET agent_epoch = agent_epoch WHERE name = $1 AND agent_epoch = $2")
+            .bind(node)
+            .bind(epoch)
+            .execute(&mut **tx)
+            .await?;
+        if same.rows_affected() != 1 {
+            let current = sqlx::query("SELECT agent_epoch FROM nodes WHERE name = $1").bind(node).fetch_optional(&mut **tx).await?;
+            let current = current.map(|r| r.try_get::<i64, _>(0)).transpose()?.unwrap_or(0);
+            return Err(CoordinatorError::StaleAgent { node: node.to_string(), given: epoch, current });
+        }
+    }
+    let mut out = RanksReported::default();
+    for r in reports {
+        match report_in(tx, agent, r, generations).await? {
+            Reported::Changed => {
+                out.jobs.push(r.job);
+                let message = match r.exit_code {
+                    Some(c) => format!("job {}: rank {} {} (exit code {c})", r.job, r.rank, r.state),
+                    None => format!("job {}: rank {} {}", r.job, r.rank, r.state),
+                };
+                events.push((r.job, r.generation, message));
+            }
+            Reported::Unchanged => out.jobs.push(r.job),
+            Reported::Stale(current) => out.stale.push((r.job, r.generation, current)),
+        }
+    }
+    out.jobs.sort_unstable();
+    out.jobs.dedup();
+    Ok(out)
+}
+
+/// What a batch of rank reports did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RanksReported {
+    /// Jobs of the reports that applied, whether they changed the rank or found it already
+    /// exited (sorted, once each): their progress may have to move (after a restart, too).
+    pub jobs: Vec<i64>,
+    /// Reports of an older launch, refused and without effect: (job, given, current generation).
+    pub stale: Vec<(i64, i64, i64)>,
+}
+
+/// A launch's ranks, counted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankSummary {
+    pub total: i64,
+    /// running or exited
+    pub started: i64,
+    pub exited: i64,
+    /// The lowest-numbered rank that exited with a non-zero (or no) code: rank, node, code.
+    pub first_failed: Option<FailedRank>,
+}
+
+/// The first rank that ended a launch: a non-zero exit, or lost (its process vanished without
+/// an exit code, e.g. while its agent was down).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FailedRank {
+    pub rank: i64,
+    pub node: String,
+    pub exit_code: Option<i64>,
+    pub lost: bool,
+}
+
+enum Reported {
+    Changed,
+    /// Already exited: a report sent again after a reconnect changes nothing.
+    Unchanged,
+    /// Of an older launch; the job's current generation.
+    Stale(i64),
+}
+
+/// One report inside `report_ranks_from`'s transaction; `generations` caches each job's.
+async fn report_in(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    agent: Option<(&str, i64)>,
+    r: &RankReport,
+    generations: &mut std::collections::HashMap<i64, i64>,
+) -> Result<Reported> {
+    let (id, generation, rank, state) = (r.job, r.generation, r.rank, r.state.as_str());
+    if !["running", "exited", "lost"].contains(&state) {
+        return Err(CoordinatorError::invalid("state", format!("'{state}' is not running, exited or lost")));
+    }
+    let current = match generations.get(&id) {
+        Some(&g) => g,
+        None => {
+            let g = job_in(tx, id).await?.generation;
+            generations.insert(id, g);
+            g
+        }
+    };
+    if current != generation {
+        return Ok(Reported::Stale(current));
+    }
+    let node = agent.map(|a| a.0.to_string());
+    let done = sqlx::query(
+        "UPDATE ranks SET state = $1, exit_code = $2 WHERE job_id = $3 AND generation = $4 AND rank = $5 \
+         AND state <> 'exited' AND ($6 IS NULL OR node = $6)",
+    )
+    .bind(state)
+    .bind(r.exit_code)
+    .bind(id)
+    .bind(generation)
+    .bind(rank)
+    .bind(node)
+    .execute(&mut **tx)
+    .await?;
+    if done.rows_affected() == 1 {
+        return Ok(Reported::Changed);
+    }
+    let row = sqlx::query("SELECT node, state FROM ranks WHERE job_id = $1 AND generation = $2 AND rank = $3")
+        .bind(id)
+        .bind(generation)
+        .bind(rank)
+        .fetch_optional(&mut **tx)
+        .await?;
+    let Some(row) = row else {
+        return Err(CoordinatorError::not_found(format!("rank {rank} of job {id} generation {generation}")));
+    };
+    let (on, was): (String, String) = (row.try_get("node")?, row.try_get("state")?);
+    if let Some((node, _)) = agent.filter(|(n, _)| *n != on) {
+        return Err(CoordinatorError::invalid("ranks.rank", format!("rank {rank} of job {id} runs on {on}, not {node}")));
+    }
+    debug_assert_eq!(was, "exited");
+    Ok(Reported::Unchanged)
+}
+
+/// The `rank` events of a batch of reports, in order: their sequence numbers taken in one
+/// counter update, the rows in one INSERT per chunk.
+async fn rank_events(tx: &mut sqlx::Transaction<'_, sqlx::Any>, events: &[(i64, i64, String)]) -> Result<()> {
+    if events.is_empty() {
+        return Ok(());
+    }
+    let row = sqlx::query("UPDATE counters SET value = value + $1 WHERE name = 'event_seq' RETURNING value")
+        .bind(events.len() as i64)
+        .fetch_one(&mut **tx)
+        .await?;
+    let mut seq = row.try_get::<i64, _>(0)? - events.len() as i64;
+    let at = now_ms();
+    // 4 parameters a row; `at_ms` and the kind are shared.
+    for chunk in events.chunks(1000) {
+        let mut sql = String::from("INSERT INTO events (at_ms, seq, job_id, generation, kind, message) VALUES ");
+        for i in 0..chunk.len() {
+            let p = 2 + 4 * i;
+            let sep = if i == 0 { "" } else { ", " };
+            sql.push_str(&format!("{sep}($1, ${}, ${}, ${}, 'rank', ${})", p, p + 1, p + 2, p + 3));
+        }
+        // Built from placeholders only: no value is spliced into the SQL.
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(at);
+        for (job, generation, message) in chunk {
+            seq += 1;
+            q = q.bind(seq).bind(*job).bind(*generation).bind(message.as_str());
+        }
+        q.execute(&mut **tx).await?;
+    }
+    Ok(())
 }
 
 async fn job_in(tx: &mut sqlx::Transaction<'_, sqlx::Any>, id: i64) -> Result<JobRecord> {

@@ -62,7 +62,7 @@ fn start(agents: usize) -> Cluster {
             Some(Proc(
                 Command::new(&agent_bin)
                     .args(["--coordinator", &grpc, "--node", &format!("node-{i}"), "--inventory", "examples/nodes/a100.yaml"])
-                    .args(["--work-dir", dir.join(format!("agent-{i}")).to_str().unwrap()])
+                    .args(["--work-dir", dir.join(format!("agent-{i}")).to_str().unwrap(), "--logs-listen", "127.0.0.1:0"])
                     .current_dir(repo())
                     .stderr(Stdio::null())
                     .spawn()
@@ -114,11 +114,12 @@ fn processes_with(marker: &str) -> usize {
 #[test]
 fn ranks_get_their_environment_and_the_job_succeeds() {
     let c = start(4);
-    // Every rank checks the torchrun and Motley variables and that its plan file is there.
-    let check = r#"test -n "$RANK" && test "$WORLD_SIZE" -ge 2 && test -n "$LOCAL_RANK" && test -n "$LOCAL_WORLD_SIZE" && test "$MASTER_ADDR" = 127.0.0.1 && test "$MASTER_PORT" -gt 0 && test -n "$CUDA_VISIBLE_DEVICES" && test "$MOTLEY_LAYER_END" -gt "$MOTLEY_LAYER_START" && test -s "$MOTLEY_PLAN" && test "$HELLO" = world && echo "rank $RANK ok""#;
+    // Every rank runs the workspace's probe: it checks the torchrun and Motley variables and
+    // the plan file, and meets every other rank at MASTER_ADDR:MASTER_PORT.
+    let probe = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-rank-probe");
     let job = format!(
-        "name: check\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {{gpus: 8}}\nrun: '{}'\nenvs: {{HELLO: world}}\n",
-        check.replace('\'', "''")
+        "name: check\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {{gpus: 8}}\nrun: 'test \"$HELLO\" = world && test \"$MOTLEY_TP_RANK\" -lt \"$MOTLEY_TP_SIZE\" && test \"$MOTLEY_DP_RANK\" -lt \"$MOTLEY_DP_SIZE\" && test \"$MOTLEY_PP_RANK\" -lt \"$MOTLEY_PP_SIZE\" && grep -q kind \"$MOTLEY_NCCL_GROUPS\" && {} && echo \"rank $RANK ok\"'\nenvs: {{HELLO: world}}\n",
+        probe.display()
     );
     let id = c.http("POST", "/api/v1/jobs", &job)["id"].as_i64().unwrap();
     c.until(|c| ["succeeded", "failed"].contains(&c.job_state(id).as_str()), "the job ends");
@@ -132,6 +133,13 @@ fn ranks_get_their_environment_and_the_job_succeeds() {
     let text: String =
         logs.iter().flat_map(|d| std::fs::read_dir(d).unwrap()).filter_map(|e| std::fs::read_to_string(e.unwrap().path()).ok()).collect();
     assert!(text.contains("rank 0 ok"), "{text}");
+
+    // A drained node's agent is told (it marks its work directory); undraining clears it.
+    let flag = c.dir.join("agent-1/draining");
+    c.http("POST", "/api/v1/nodes/node-1/drain", "");
+    c.until(|_| flag.exists(), "node-1's agent marks itself draining");
+    c.http("POST", "/api/v1/nodes/node-1/undrain", "");
+    c.until(|_| !flag.exists(), "node-1's agent clears the mark");
 
     // A rank that fails fails the job, with the rank and its exit code.
     let id = c.http("POST", "/api/v1/jobs", "name: bad\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'exit 3'\n")["id"]

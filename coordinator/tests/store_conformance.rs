@@ -12,7 +12,12 @@ use sqlx::Connection;
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
 fn unique(prefix: &str) -> String {
-    format!("{prefix}_{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{prefix}_{}_{}_{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() % 1_000_000_000_000
+    )
 }
 
 fn server() -> String {
@@ -234,5 +239,27 @@ conformance!(rank_reports_are_fenced_by_agent_session_and_node, |url: String| as
     s.transition(job.id, JobState::Cancelled, Some("user")).await.unwrap();
     assert!(matches!(s.start_generation(job.id, "{}", &ranks(&["n1"])).await, Err(CoordinatorError::Conflict(_))));
     assert_eq!(s.job(job.id).await.unwrap().generation, 2);
+    s.close().await;
+});
+
+conformance!(rank_summaries_count_starts_exits_failures_and_lost_ranks, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    s.register_node("n0", "{}").await.unwrap();
+    let job = s.submit_job("summed", "{}").await.unwrap();
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    s.start_generation(job.id, "{}", &ranks(&["n0", "n0", "n0"])).await.unwrap();
+    let sum = s.rank_summary(job.id, 1).await.unwrap();
+    assert_eq!((sum.total, sum.started, sum.exited, sum.first_failed.clone()), (3, 0, 0, None));
+    s.report_rank_from(Some(("n0", 1)), job.id, 1, 0, "exited", Some(0)).await.unwrap();
+    s.report_rank_from(Some(("n0", 1)), job.id, 1, 1, "running", None).await.unwrap();
+    let sum = s.rank_summary(job.id, 1).await.unwrap();
+    assert_eq!((sum.started, sum.exited, sum.first_failed.clone()), (2, 1, None));
+    // A rank whose process vanished without an exit code fails the launch like a bad exit.
+    s.report_rank_from(Some(("n0", 1)), job.id, 1, 2, "lost", None).await.unwrap();
+    let bad = s.rank_summary(job.id, 1).await.unwrap().first_failed.expect("a lost rank is a failure");
+    assert_eq!((bad.rank, bad.node.as_str(), bad.exit_code, bad.lost), (2, "n0", None, true));
+    s.report_rank_from(Some(("n0", 1)), job.id, 1, 1, "exited", Some(3)).await.unwrap();
+    let bad = s.rank_summary(job.id, 1).await.unwrap().first_failed.unwrap();
+    assert_eq!((bad.rank, bad.exit_code, bad.lost), (1, Some(3), false), "the lowest failed rank is named");
     s.close().await;
 });

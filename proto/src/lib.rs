@@ -1,4 +1,5 @@
-//! The gRPC contract between the coordinator and the agents (`motley/v1/agent.proto`),
+//! The gRPC contracts: coordinator and agents (`motley/v1/agent.proto`), operators and
+//! schedulers (`motley/v1/control.proto`),
 //! compiled at build time with protox (no protoc needed).
 
 pub mod v1 {

@@ -1,0 +1,25 @@
+//! The agent library's one error type: each variant names the flag, file or field at fault
+//! and, where there is one, the fix.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// A file the operator pointed at (config, inventory) cannot be read.
+    #[error("{flag}: cannot read {}: {err}", path.display())]
+    Read { flag: &'static str, path: PathBuf, err: std::io::Error },
+    /// The config file is not what `agent.toml` may hold (bad TOML, an unknown key, a wrong type).
+    #[error("{}: {message} (the keys are the long flags with '_' for '-'; see deploy/agent.toml)", path.display())]
+    Config { path: PathBuf, message: String },
+    /// The inventory file is not a node entry.
+    #[error("{}: not YAML: {message}", path.display())]
+    Inventory { path: PathBuf, message: String },
+    /// Discovery found hardware the coordinator will not accept as it is.
+    #[error("discovery: {0}; declare the node's hardware with --inventory FILE (a cluster-file node entry) instead")]
+    Discovery(String),
+    /// A file or directory under the work directory.
+    #[error("{what} {}: {err}", path.display())]
+    Io { what: &'static str, path: PathBuf, err: std::io::Error },
+}
+
+pub type Result<T, E = AgentError> = std::result::Result<T, E>;

@@ -1,0 +1,15 @@
+//! Motley's per-node agent as a library: hardware discovery (`discover`, `nvml`), the agent's
+//! configuration file (`config`), rank supervision that survives an agent restart (`ranks`,
+//! `rankfiles`) and the rank logs served over HTTP (`logs`). The binary `motley-agent` wires
+//! them to the coordinator.
+
+pub mod config;
+pub mod discover;
+pub mod error;
+pub mod groups;
+pub mod logs;
+pub mod nvml;
+pub mod rankfiles;
+pub mod ranks;
+
+pub use error::{AgentError, Result};

@@ -1,0 +1,237 @@
+//! The gRPC control service (`proto/motley/v1/control.proto`): a thin edge that checks the
+//! bearer token and leadership, translates messages and delegates to `control` and the store.
+//! Errors become statuses through `CoordinatorError::grpc_code`, as REST's through
+//! `http_status`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use motley_proto::v1 as pb;
+use motley_proto::v1::control_server::Control;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::agents::Fleet;
+use crate::control;
+use crate::error::CoordinatorError;
+use crate::leader::Role;
+use crate::store::{Event, JobRecord, NodeRecord, RankAssignment, RankRecord, Store};
+
+pub struct ControlService {
+    pub store: Store,
+    pub fleet: Arc<Fleet>,
+    pub role: Arc<Role>,
+    /// Bearer token every call must carry; None only with `--insecure`.
+    pub token: Option<String>,
+}
+
+/// A `CoordinatorError` as a gRPC status; a standby's refusal carries the leader's URLs.
+pub fn status_of(e: CoordinatorError) -> Status {
+    let mut status = Status::new(tonic::Code::from(e.grpc_code()), e.to_string());
+    if let CoordinatorError::NotLeader { rest_url, grpc_url } = &e {
+        for (key, url) in [("motley-leader", rest_url), ("motley-leader-grpc", grpc_url)] {
+            if let Ok(v) = url.parse() {
+                status.metadata_mut().insert(key, v);
+            }
+        }
+    }
+    status
+}
+
+type Reply<T> = Result<Response<T>, Status>;
+
+impl ControlService {
+    /// The token, then leadership: every call but `GetLeader` needs both.
+    fn admit<T>(&self, req: &Request<T>) -> Result<(), Status> {
+        self.authenticate(req)?;
+        if !self.role.is_leader() {
+            return Err(status_of(self.role.not_leader()));
+        }
+        Ok(())
+    }
+
+    fn authenticate<T>(&self, req: &Request<T>) -> Result<(), Status> {
+        let Some(token) = &self.token else { return Ok(()) };
+        let given = req.metadata().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(token.as_str()) {
+            return Err(Status::unauthenticated("missing or wrong bearer token; pass --token or set MOTLEY_TOKEN"));
+        }
+        Ok(())
+    }
+
+    fn node(&self, n: NodeRecord) -> pb::Node {
+        pb::Node {
+            live: self.fleet.live(&n.name),
+            name: n.name,
+            state: serde_json::to_value(n.state).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+            agent_epoch: n.agent_epoch,
+            registered_at_ms: n.registered_at_ms,
+            inventory_json: n.inventory,
+        }
+    }
+}
+
+fn job(j: JobRecord) -> pb::Job {
+    pb::Job {
+        id: j.id,
+        name: j.name,
+        state: j.state.to_string(),
+        generation: j.generation,
+        reason: j.reason,
+        created_at_ms: j.created_at_ms,
+        updated_at_ms: j.updated_at_ms,
+        spec_json: j.spec,
+    }
+}
+
+fn event(e: Event) -> pb::Event {
+    pb::Event { seq: e.seq, job_id: e.job_id, generation: e.generation, kind: e.kind, message: e.message, at_ms: e.at_ms }
+}
+
+fn rank(a: RankAssignment, state: &str, exit_code: Option<i64>) -> pb::Rank {
+    pb::Rank {
+        rank: a.rank,
+        node: a.node,
+        local_rank: a.local_rank,
+        gpu: a.gpu,
+        replica: a.replica,
+        stage: a.stage,
+        layer_start: a.layer_start,
+        layer_end: a.layer_end,
+        state: state.to_string(),
+        exit_code,
+    }
+}
+
+fn rank_record(r: RankRecord) -> pb::Rank {
+    rank(r.assignment, &r.state, r.exit_code)
+}
+
+#[tonic::async_trait]
+impl Control for ControlService {
+    async fn list_nodes(&self, req: Request<pb::ListNodesRequest>) -> Reply<pb::NodeList> {
+        self.admit(&req)?;
+        let nodes = self.store.nodes().await.map_err(status_of)?;
+        Ok(Response::new(pb::NodeList { nodes: nodes.into_iter().map(|n| self.node(n)).collect() }))
+    }
+
+    async fn describe_node(&self, req: Request<pb::NodeRef>) -> Reply<pb::Node> {
+        self.admit(&req)?;
+        Ok(Response::new(self.node(self.store.node(&req.into_inner().name).await.map_err(status_of)?)))
+    }
+
+    async fn drain_node(&self, req: Request<pb::NodeRef>) -> Reply<pb::Node> {
+        self.admit(&req)?;
+        let n = control::set_draining(&self.store, &self.fleet, &req.into_inner().name, true).await.map_err(status_of)?;
+        Ok(Response::new(self.node(n)))
+    }
+
+    async fn undrain_node(&self, req: Request<pb::NodeRef>) -> Reply<pb::Node> {
+        self.admit(&req)?;
+        let n = control::set_draining(&self.store, &self.fleet, &req.into_inner().name, false).await.map_err(status_of)?;
+        Ok(Response::new(self.node(n)))
+    }
+
+    async fn submit_job(&self, req: Request<pb::JobFile>) -> Reply<pb::Job> {
+        self.admit(&req)?;
+        let j = control::submit(&self.store, &req.into_inner().text).await.map_err(status_of)?;
+        control::start(&self.store, &self.fleet, j.id);
+        Ok(Response::new(job(j)))
+    }
+
+    async fn list_jobs(&self, req: Request<pb::ListJobsRequest>) -> Reply<pb::JobList> {
+        self.admit(&req)?;
+        let jobs = self.store.jobs().await.map_err(status_of)?;
+        Ok(Response::new(pb::JobList { jobs: jobs.into_iter().map(job).collect() }))
+    }
+
+    async fn get_job(&self, req: Request<pb::JobRef>) -> Reply<pb::Job> {
+        self.admit(&req)?;
+        Ok(Response::new(job(self.store.job(req.into_inner().id).await.map_err(status_of)?)))
+    }
+
+    type WatchJobStream = ReceiverStream<Result<pb::Event, Status>>;
+
+    async fn watch_job(&self, req: Request<pb::WatchJobRequest>) -> Reply<Self::WatchJobStream> {
+        self.admit(&req)?;
+        let pb::WatchJobRequest { id, after } = req.into_inner();
+        self.store.job(id).await.map_err(status_of)?;
+        let (tx, rx) = mpsc::channel(64);
+        let store = self.store.clone();
+        // Events are polled from the store (any coordinator may have written them); a fifth of
+        // the base interval keeps a watch close behind without loading the database.
+        let poll = (self.fleet.base / 5).clamp(Duration::from_millis(20), Duration::from_millis(500));
+        tokio::spawn(async move {
+            let mut after = after;
+            loop {
+                // The state first, then the events: a job seen over has all its events written.
+                let over = match store.job(id).await {
+                    Ok(j) => j.state.is_terminal(),
+                    Err(e) => {
+                        let _ = tx.send(Err(status_of(e))).await;
+                        return;
+                    }
+                };
+                let events = match store.events(Some(id), after, 1000).await {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = tx.send(Err(status_of(e))).await;
+                        return;
+                    }
+                };
+                let drained = events.len() < 1000;
+                for e in events {
+                    after = e.seq;
+                    if tx.send(Ok(event(e))).await.is_err() {
+                        return; // the watcher left
+                    }
+                }
+                if over && drained {
+                    return;
+                }
+                if drained {
+                    // A watcher that left ends the poll now, not at the next event.
+                    tokio::select! {
+                        _ = tokio::time::sleep(poll) => {}
+                        _ = tx.closed() => return,
+                    }
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn cancel_job(&self, req: Request<pb::JobRef>) -> Reply<pb::Job> {
+        self.admit(&req)?;
+        let j = control::cancel(&self.store, req.into_inner().id, "cancelled by the operator").await.map_err(status_of)?;
+        self.fleet.stop_job(&self.store, j.id, j.generation, "cancelled by the operator").await;
+        Ok(Response::new(job(j)))
+    }
+
+    async fn get_plan(&self, req: Request<pb::JobRef>) -> Reply<pb::JobPlan> {
+        self.admit(&req)?;
+        let (j, plan, ranks) = control::current_plan(&self.store, req.into_inner().id).await.map_err(status_of)?;
+        Ok(Response::new(pb::JobPlan {
+            job: j.id,
+            generation: j.generation,
+            plan_json: plan,
+            ranks: ranks.into_iter().map(rank_record).collect(),
+        }))
+    }
+
+    async fn dry_run_plan(&self, req: Request<pb::JobFile>) -> Reply<pb::DryRun> {
+        self.admit(&req)?;
+        let (report, ranks) = control::dry_run(&self.store, &req.into_inner().text).await.map_err(status_of)?;
+        Ok(Response::new(pb::DryRun {
+            plan_json: serde_json::to_string(&report).expect("a plan serialises"),
+            ranks: ranks.into_iter().map(|a| rank(a, "assigned", None)).collect(),
+        }))
+    }
+
+    async fn get_leader(&self, req: Request<pb::LeaderRequest>) -> Reply<pb::Leader> {
+        self.authenticate(&req)?;
+        let l = self.role.leader();
+        Ok(Response::new(pb::Leader { is_leader: self.role.is_leader(), rest_url: l.rest_url, grpc_url: l.grpc_url, term: l.term }))
+    }
+}

@@ -1,0 +1,72 @@
+//! `/metrics` in the Prometheus text format. Gauges are read at scrape time from what already
+//! holds them (the fleet's leases, the store, the role), so nothing can drift; counters are
+//! the fleet's own.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::agents::Fleet;
+use crate::job::JobState;
+use crate::leader::Role;
+use crate::store::Store;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabel {
+    state: String,
+}
+
+/// The coordinator's metrics.
+#[derive(Clone)]
+pub struct Metrics {
+    store: Store,
+    fleet: Arc<Fleet>,
+    role: Arc<Role>,
+}
+
+impl Metrics {
+    pub fn new(store: Store, fleet: Arc<Fleet>, role: Arc<Role>) -> Metrics {
+        Metrics { store, fleet, role }
+    }
+
+    /// The text exposition of every metric now.
+    pub async fn render(&self) -> crate::Result<String> {
+        let mut registry = Registry::with_prefix("motley");
+        let leader = Gauge::<i64>::default();
+        leader.set(i64::from(self.role.is_leader()));
+        registry.register("leader", "1 if this coordinator leads", leader);
+        let term = Gauge::<i64>::default();
+        term.set(self.role.leader().term);
+        registry.register("leader_term", "The leadership term last seen", term);
+        let live = Gauge::<i64>::default();
+        live.set(self.fleet.live_count() as i64);
+        registry.register("agents_live", "Agents holding a lease", live);
+        let beats = Counter::<u64>::default();
+        beats.inc_by(self.fleet.heartbeat_count());
+        registry.register("heartbeats", "Agent heartbeats received", beats);
+        let launches = Counter::<u64>::default();
+        launches.inc_by(self.fleet.launch_count());
+        registry.register("launch_instructions", "Launch instructions sent to agents", launches);
+        if self.role.is_leader() {
+            let jobs = Family::<StateLabel, Gauge<i64>>::default();
+            for s in JobState::ALL {
+                let _ = jobs.get_or_create(&StateLabel { state: s.to_string() });
+            }
+            for j in self.store.jobs().await? {
+                jobs.get_or_create(&StateLabel { state: j.state.to_string() }).inc();
+            }
+            registry.register("jobs", "Jobs by state", jobs);
+            let nodes = Gauge::<i64>::default();
+            nodes.set(self.store.nodes().await?.len() as i64);
+            registry.register("nodes", "Nodes in the inventory", nodes);
+        }
+        let mut out = String::new();
+        encode(&mut out, &registry).expect("writing to a String cannot fail");
+        Ok(out)
+    }
+}

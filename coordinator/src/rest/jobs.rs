@@ -1,0 +1,192 @@
+//! `/api/v1/jobs...` and `/api/v1/plan`: jobs, their events, plans and rank logs.
+
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::StatusCode;
+use axum::Json;
+use serde::Serialize;
+use serde_json::Value;
+
+use super::{ApiResult, AppState};
+use crate::control;
+use crate::error::CoordinatorError;
+use crate::store::{Event, JobRecord, RankAssignment, RankRecord};
+
+/// A job as the API shows it.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct JobView {
+    pub id: i64,
+    pub name: String,
+    pub state: crate::job::JobState,
+    /// 0 until the first launch; +1 on every (re)launch.
+    pub generation: i64,
+    pub reason: Option<String>,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+    /// The job file as stored.
+    #[schema(value_type = Object)]
+    pub spec: Value,
+}
+
+/// The plan and ranks of a job's current launch.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct PlanView {
+    pub job: i64,
+    pub generation: i64,
+    /// `motley plan -o json`'s document.
+    #[schema(value_type = Object)]
+    pub plan: Value,
+    pub ranks: Vec<RankRecord>,
+}
+
+/// A dry run's plan and the ranks it would launch.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct DryRunView {
+    #[schema(value_type = Object)]
+    pub plan: Value,
+    pub ranks: Vec<RankAssignment>,
+}
+
+fn view(j: JobRecord) -> JobView {
+    JobView {
+        spec: serde_json::from_str(&j.spec).unwrap_or(Value::Null),
+        id: j.id,
+        name: j.name,
+        state: j.state,
+        generation: j.generation,
+        reason: j.reason,
+        created_at_ms: j.created_at_ms,
+        updated_at_ms: j.updated_at_ms,
+    }
+}
+
+fn parse_id(what: &str, id: &str) -> Result<i64, CoordinatorError> {
+    id.parse().map_err(|_| CoordinatorError::invalid(what, format!("'{id}' is not a number")))
+}
+
+/// `?name=value&...` as a number (default when absent); a bad value names the parameter.
+fn query_number(raw: &Option<String>, name: &str, default: i64) -> Result<i64, CoordinatorError> {
+    let Some(raw) = raw else { return Ok(default) };
+    for pair in raw.split('&') {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        if k == name {
+            return v.parse().map_err(|_| CoordinatorError::invalid(name, format!("'{v}' is not a number")));
+        }
+    }
+    Ok(default)
+}
+
+#[utoipa::path(get, path = "/api/v1/jobs", tag = "jobs", responses((status = 200, body = [JobView])))]
+pub async fn list(State(s): State<AppState>) -> ApiResult<Vec<JobView>> {
+    Ok(Json(s.store.jobs().await?.into_iter().map(view).collect()))
+}
+
+/// The body is the job file (YAML or JSON). Planning starts in the background; watch the
+/// job's events for its progress.
+#[utoipa::path(post, path = "/api/v1/jobs", tag = "jobs", request_body(content = String, content_type = "application/yaml"),
+    responses((status = 201, body = JobView), (status = 400, body = super::ErrorBody)))]
+pub async fn submit(State(s): State<AppState>, body: Bytes) -> Result<(StatusCode, Json<JobView>), CoordinatorError> {
+    let text = std::str::from_utf8(&body).map_err(|_| CoordinatorError::invalid("body", "the job file must be UTF-8 text"))?;
+    let job = control::submit(&s.store, text).await?;
+    control::start(&s.store, &s.fleet, job.id);
+    Ok((StatusCode::CREATED, Json(view(job))))
+}
+
+#[utoipa::path(get, path = "/api/v1/jobs/{id}", tag = "jobs",
+    responses((status = 200, body = JobView), (status = 404, body = super::ErrorBody)))]
+pub async fn get(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<JobView> {
+    Ok(Json(view(s.store.job(parse_id("id", &id)?).await?)))
+}
+
+#[utoipa::path(post, path = "/api/v1/jobs/{id}/cancel", tag = "jobs",
+    responses((status = 200, body = JobView), (status = 409, body = super::ErrorBody)))]
+pub async fn cancel(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<JobView> {
+    let job = control::cancel(&s.store, parse_id("id", &id)?, "cancelled by the operator").await?;
+    s.fleet.stop_job(&s.store, job.id, job.generation, "cancelled by the operator").await;
+    Ok(Json(view(job)))
+}
+
+/// The job's events after `?after=SEQ` (default 0), oldest first, at most 1000.
+#[utoipa::path(get, path = "/api/v1/jobs/{id}/events", tag = "jobs", params(("after" = Option<i64>, Query, description = "events after this sequence number")),
+    responses((status = 200, body = [Event]), (status = 404, body = super::ErrorBody)))]
+pub async fn events(State(s): State<AppState>, Path(id): Path<String>, RawQuery(q): RawQuery) -> ApiResult<Vec<Event>> {
+    let id = parse_id("id", &id)?;
+    let after = query_number(&q, "after", 0)?;
+    s.store.job(id).await?;
+    Ok(Json(s.store.events(Some(id), after, 1000).await?))
+}
+
+#[utoipa::path(get, path = "/api/v1/jobs/{id}/plan", tag = "jobs",
+    responses((status = 200, body = PlanView), (status = 404, body = super::ErrorBody)))]
+pub async fn plan(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<PlanView> {
+    let (job, plan, ranks) = control::current_plan(&s.store, parse_id("id", &id)?).await?;
+    Ok(Json(PlanView { job: job.id, generation: job.generation, plan: serde_json::from_str(&plan).unwrap_or(Value::Null), ranks }))
+}
+
+/// Plan a job file (the body) on the live inventory; nothing is stored or launched.
+#[utoipa::path(post, path = "/api/v1/plan", tag = "plan", request_body(content = String, content_type = "application/yaml"),
+    responses((status = 200, body = DryRunView), (status = 400, body = super::ErrorBody), (status = 409, body = super::ErrorBody)))]
+pub async fn dry_run(State(s): State<AppState>, body: Bytes) -> ApiResult<DryRunView> {
+    let text = std::str::from_utf8(&body).map_err(|_| CoordinatorError::invalid("body", "the job file must be UTF-8 text"))?;
+    let (report, ranks) = control::dry_run(&s.store, text).await?;
+    Ok(Json(DryRunView { plan: serde_json::to_value(report).expect("a plan serialises"), ranks }))
+}
+
+/// A rank's output from byte `?offset=N` (default 0), fetched from its node's agent;
+/// `?generation=G` picks an older launch (default: the current one).
+#[utoipa::path(get, path = "/api/v1/jobs/{id}/ranks/{rank}/logs", tag = "jobs",
+    params(("offset" = Option<i64>, Query, description = "first byte"), ("generation" = Option<i64>, Query, description = "launch (default: current)")),
+    responses((status = 200, body = String, content_type = "text/plain"), (status = 404, body = super::ErrorBody), (status = 503, body = super::ErrorBody)))]
+pub async fn logs(
+    State(s): State<AppState>,
+    Path((id, rank)): Path<(String, String)>,
+    RawQuery(q): RawQuery,
+) -> Result<Vec<u8>, CoordinatorError> {
+    let (id, rank) = (parse_id("id", &id)?, parse_id("rank", &rank)?);
+    let job = s.store.job(id).await?;
+    let generation = query_number(&q, "generation", job.generation)?;
+    let offset = query_number(&q, "offset", 0)?;
+    if offset < 0 {
+        return Err(CoordinatorError::invalid("offset", "must be 0 or more"));
+    }
+    let ranks = s.store.ranks(id, generation).await?;
+    let Some(r) = ranks.into_iter().find(|r| r.assignment.rank == rank) else {
+        return Err(CoordinatorError::not_found(format!("rank {rank} of job {id} generation {generation}")));
+    };
+    let node = r.assignment.node;
+    let base =
+        s.fleet.logs_url(&node).ok_or_else(|| CoordinatorError::Unavailable(format!("node {node} has no live agent serving logs")))?;
+    let url = format!("{}/logs/{id}/{generation}/{rank}?offset={offset}", base.trim_end_matches('/'));
+    let token = s.token.clone();
+    tokio::task::spawn_blocking(move || fetch(&url, token.as_deref(), &node))
+        .await
+        .map_err(|e| CoordinatorError::Unavailable(format!("log fetch: {e}")))?
+}
+
+/// At most this much log per answer; the reader asks again from the new offset.
+const LOG_CHUNK: u64 = 4 << 20;
+
+fn fetch(url: &str, token: Option<&str>, node: &str) -> Result<Vec<u8>, CoordinatorError> {
+    use std::io::Read;
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(std::time::Duration::from_secs(10))).build().into();
+    let mut req = agent.get(url);
+    if let Some(t) = token {
+        req = req.header("Authorization", &format!("Bearer {t}"));
+    }
+    let mut resp = req.call().map_err(|e| CoordinatorError::Unavailable(format!("node {node}'s agent: {e}")))?;
+    let status = resp.status().as_u16();
+    let mut bytes = vec![];
+    resp.body_mut()
+        .as_reader()
+        .take(LOG_CHUNK)
+        .read_to_end(&mut bytes)
+        .map_err(|e| CoordinatorError::Unavailable(format!("node {node}'s agent: {e}")))?;
+    match status {
+        200 => Ok(bytes),
+        404 => Err(CoordinatorError::not_found(format!("log on node {node} ({})", String::from_utf8_lossy(&bytes).trim()))),
+        other => {
+            Err(CoordinatorError::Unavailable(format!("node {node}'s agent answered {other}: {}", String::from_utf8_lossy(&bytes).trim())))
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! REST (axum) for the control operations under `/api/v1/...`, plus `/live`, `/ready`,
+//! `/metrics` and the OpenAPI document at `/api/v1/openapi.json`. A thin edge: it translates
+//! requests and `CoordinatorError`s (one JSON body, the status from `http_status`) and
+//! delegates to `control` and the store.
+
+mod jobs;
+mod nodes;
+pub mod openapi;
+
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Serialize;
+
+use crate::error::CoordinatorError;
+use crate::metrics::Metrics;
+use crate::store::Store;
+
+#[derive(Clone)]
+pub struct AppState {
+    pub store: Store,
+    pub fleet: std::sync::Arc<crate::agents::Fleet>,
+    /// Bearer token the control API requires; None only with `--insecure`.
+    pub token: Option<String>,
+    pub role: std::sync::Arc<crate::leader::Role>,
+    pub metrics: Metrics,
+}
+
+/// Every error answer's body.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// What is wrong and how to fix it; names the field when a field is wrong.
+    pub error: String,
+    /// The gRPC status code the same error has on the gRPC API.
+    pub grpc_code: i32,
+    /// A standby's answer: the leader's REST URL (retry there).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leader: Option<String>,
+    /// A standby's answer: the leader's gRPC URL.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leader_grpc: Option<String>,
+}
+
+impl IntoResponse for CoordinatorError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let (leader, leader_grpc) = match &self {
+            CoordinatorError::NotLeader { rest_url, grpc_url } => (Some(rest_url.clone()), Some(grpc_url.clone())),
+            _ => (None, None),
+        };
+        (status, Json(ErrorBody { error: self.to_string(), grpc_code: self.grpc_code(), leader, leader_grpc })).into_response()
+    }
+}
+
+pub(crate) type ApiResult<T> = Result<Json<T>, CoordinatorError>;
+
+pub fn router(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/nodes", get(nodes::list))
+        .route("/nodes/{name}", get(nodes::get).put(nodes::declare))
+        .route("/nodes/{name}/drain", post(nodes::drain))
+        .route("/nodes/{name}/undrain", post(nodes::undrain))
+        .route("/jobs", get(jobs::list).post(jobs::submit))
+        .route("/jobs/{id}", get(jobs::get))
+        .route("/jobs/{id}/cancel", post(jobs::cancel))
+        .route("/jobs/{id}/events", get(jobs::events))
+        .route("/jobs/{id}/plan", get(jobs::plan))
+        .route("/jobs/{id}/ranks/{rank}/logs", get(jobs::logs))
+        .route("/plan", post(jobs::dry_run))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_leader))
+        .route("/leader", get(leader))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_token))
+        // The API's description is public, like the code it is derived from.
+        .route("/openapi.json", get(|| async { Json(openapi::document()) }));
+    Router::new()
+        .route("/live", get(|| async { "ok" }))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .nest("/api/v1", api)
+        .with_state(state)
+}
+
+/// Only the leader serves the control API; a standby names the leader.
+async fn require_leader(State(s): State<AppState>, req: Request, next: Next) -> Response {
+    if !s.role.is_leader() {
+        return s.role.not_leader().into_response();
+    }
+    next.run(req).await
+}
+
+/// `Authorization: Bearer TOKEN` on every control call (never logged).
+async fn require_token(State(s): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(token) = &s.token {
+        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(token.as_str()) {
+            let body = ErrorBody {
+                error: "missing or wrong bearer token; pass --token or set MOTLEY_TOKEN".into(),
+                grpc_code: 16,
+                leader: None,
+                leader_grpc: None,
+            };
+            return (StatusCode::UNAUTHORIZED, Json(body)).into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Ready to serve: leading, with the database answering (a load balancer sends traffic here).
+async fn ready(State(s): State<AppState>) -> Response {
+    if !s.role.is_leader() {
+        return s.role.not_leader().into_response();
+    }
+    match s.store.leader_info().await {
+        Ok(_) => (StatusCode::OK, "ready").into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    match s.metrics.render().await {
+        Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Who leads (answered by standbys too).
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct LeaderView {
+    pub is_leader: bool,
+    pub rest_url: String,
+    pub grpc_url: String,
+    pub term: i64,
+}
+
+#[utoipa::path(get, path = "/api/v1/leader", tag = "leader", responses((status = 200, body = LeaderView)))]
+async fn leader(State(s): State<AppState>) -> ApiResult<LeaderView> {
+    let l = s.role.leader();
+    Ok(Json(LeaderView { is_leader: s.role.is_leader(), rest_url: l.rest_url, grpc_url: l.grpc_url, term: l.term }))
+}

@@ -1,0 +1,73 @@
+//! `/api/v1/nodes...`: the inventory.
+
+use axum::extract::{Path, State};
+use axum::Json;
+use serde::Serialize;
+use serde_json::Value;
+
+use super::{ApiResult, AppState};
+use crate::control;
+use crate::store::{NodeRecord, NodeState};
+
+/// A node as the API shows it.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct NodeView {
+    pub name: String,
+    pub state: NodeState,
+    /// The node's agent holds a lease now.
+    pub live: bool,
+    pub agent_epoch: i64,
+    pub registered_at_ms: i64,
+    /// The node's cluster-file entry.
+    #[schema(value_type = Object)]
+    pub inventory: Value,
+}
+
+/// A declared node's new agent epoch.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct Declared {
+    pub name: String,
+    pub agent_epoch: i64,
+}
+
+fn view(n: NodeRecord, s: &AppState) -> NodeView {
+    NodeView {
+        live: s.fleet.live(&n.name),
+        inventory: serde_json::from_str(&n.inventory).unwrap_or(Value::Null),
+        name: n.name,
+        state: n.state,
+        agent_epoch: n.agent_epoch,
+        registered_at_ms: n.registered_at_ms,
+    }
+}
+
+#[utoipa::path(get, path = "/api/v1/nodes", tag = "nodes", responses((status = 200, body = [NodeView])))]
+pub async fn list(State(s): State<AppState>) -> ApiResult<Vec<NodeView>> {
+    Ok(Json(s.store.nodes().await?.into_iter().map(|n| view(n, &s)).collect()))
+}
+
+#[utoipa::path(get, path = "/api/v1/nodes/{name}", tag = "nodes",
+    responses((status = 200, body = NodeView), (status = 404, body = super::ErrorBody)))]
+pub async fn get(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<NodeView> {
+    Ok(Json(view(s.store.node(&name).await?, &s)))
+}
+
+/// The body is the node's cluster-file entry (YAML or JSON), as an agent's `--inventory`.
+#[utoipa::path(put, path = "/api/v1/nodes/{name}", tag = "nodes", request_body(content = String, content_type = "application/yaml"),
+    responses((status = 200, body = Declared), (status = 400, body = super::ErrorBody)))]
+pub async fn declare(State(s): State<AppState>, Path(name): Path<String>, body: String) -> ApiResult<Declared> {
+    let agent_epoch = control::declare_node(&s.store, &name, &body).await?;
+    Ok(Json(Declared { name, agent_epoch }))
+}
+
+#[utoipa::path(post, path = "/api/v1/nodes/{name}/drain", tag = "nodes",
+    responses((status = 200, body = NodeView), (status = 404, body = super::ErrorBody)))]
+pub async fn drain(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<NodeView> {
+    Ok(Json(view(control::set_draining(&s.store, &s.fleet, &name, true).await?, &s)))
+}
+
+#[utoipa::path(post, path = "/api/v1/nodes/{name}/undrain", tag = "nodes",
+    responses((status = 200, body = NodeView), (status = 404, body = super::ErrorBody)))]
+pub async fn undrain(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<NodeView> {
+    Ok(Json(view(control::set_draining(&s.store, &s.fleet, &name, false).await?, &s)))
+}

@@ -1,0 +1,74 @@
+//! What a coordinator does when it starts to lead (after a restart, or when a standby takes
+//! over): nothing is lost from the store, but the work in flight was the old leader's.
+//!
+//! - `submitted` and `planning` jobs are planned again (planning is pure; nothing was launched).
+//! - `launching` and `running` jobs wait for their agents to register again (they reconnect on
+//!   their own, trying the coordinators in their list). A job continues as soon as all its
+//!   nodes are back — a launching job's instructions are sent again (an agent ignores ranks it
+//!   already runs), a running job's ranks are reported again by their agents — and a job with
+//!   a node that is not back within `GRACE_INTERVALS` base intervals fails with the reason
+//!   (recovery from a lost node is the checkpoint issue's).
+
+use std::sync::Arc;
+
+use crate::agents::{dispatch, Fleet};
+use crate::control;
+use crate::job::JobState;
+use crate::store::Store;
+
+/// How long, in base intervals, a new leader waits for a launched job's agents to come back.
+pub const GRACE_INTERVALS: u32 = 10;
+
+/// Resume the unfinished jobs found at the start of a term.
+#[tracing::instrument(skip_all)]
+pub async fn resume(store: Store, fleet: Arc<Fleet>) {
+    let jobs = match store.unfinished_jobs().await {
+        Ok(j) => j,
+        Err(e) => {
+            tracing::error!("cannot read unfinished jobs: {e}");
+            return;
+        }
+    };
+    let mut launched = vec![];
+    for j in jobs {
+        match j.state {
+            JobState::Submitted | JobState::Planning => {
+                tracing::info!(job = j.id, "planning again after the change of leader");
+                control::start(&store, &fleet, j.id);
+            }
+            JobState::Launching | JobState::Running => launched.push(j),
+            _ => {}
+        }
+    }
+    // Each job continues as soon as all its nodes' agents are back (they reconnect on their
+    // own); one whose nodes are not all back within `GRACE_INTERVALS` fails with the reason.
+    let grace = fleet.base * GRACE_INTERVALS;
+    let started = tokio::time::Instant::now();
+    let mut tick = tokio::time::interval(fleet.base);
+    while !launched.is_empty() {
+        tick.tick().await;
+        let over = started.elapsed() > grace;
+        let mut waiting = vec![];
+        for j in launched {
+            let Ok(ranks) = store.ranks(j.id, j.generation).await else { continue };
+            let missing = ranks.iter().map(|r| r.assignment.node.clone()).find(|n| !fleet.live(n));
+            match missing {
+                None => {
+                    if j.state == JobState::Launching {
+                        if let Err(e) = dispatch(&store, &fleet, j.id).await {
+                            tracing::warn!(job = j.id, "launching again: {e}");
+                        }
+                    }
+                }
+                Some(node) if over => {
+                    let reason = format!("node {node} did not come back within {} ms of the change of leader", grace.as_millis());
+                    if store.transition_at(j.id, Some(j.generation), JobState::Failed, Some(&reason)).await.is_ok() {
+                        fleet.stop_job(&store, j.id, j.generation, &reason).await;
+                    }
+                }
+                Some(_) => waiting.push(j),
+            }
+        }
+        launched = waiting;
+    }
+}

@@ -1,0 +1,168 @@
+//! Helpers shared by the coordinator's end-to-end tests: the real `motley-coordinator` binary
+//! as a child process, plain HTTP/1.1 to its REST API, fresh PostgreSQL databases.
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sqlx::Connection;
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}_{}_{}_{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() % 1_000_000_000_000
+    )
+}
+
+pub struct Coordinator {
+    pub child: Child,
+    pub addr: String,
+    pub grpc: String,
+    pub token: Option<String>,
+}
+
+impl Coordinator {
+    pub fn start(data_dir: &Path, extra: &[&str]) -> Coordinator {
+        Coordinator::start_at(data_dir, "127.0.0.1:0", "127.0.0.1:0", extra)
+    }
+
+    /// On given REST and gRPC addresses (a restart where agents expect it).
+    pub fn start_at(data_dir: &Path, listen: &str, grpc_listen: &str, extra: &[&str]) -> Coordinator {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_motley-coordinator"))
+            .args(["--listen", listen, "--grpc-listen", grpc_listen, "--data-dir", data_dir.to_str().unwrap()])
+            .args(extra)
+            .env_remove("MOTLEY_TOKEN")
+            .env_remove("MOTLEY_DATABASE_URL")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        out.read_line(&mut line).unwrap();
+        let mut grpc = String::new();
+        out.read_line(&mut grpc).unwrap();
+        let addr = line.trim().rsplit("http://").next().expect("the listening address is printed").to_string();
+        let grpc = grpc.trim().rsplit("http://").next().expect("the gRPC address is printed").to_string();
+        let token = std::fs::read_to_string(data_dir.join("token")).ok().map(|t| t.trim().to_string());
+        Coordinator { child, addr, grpc, token }
+    }
+
+    /// One HTTP/1.1 request; returns (status, body).
+    pub fn call(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+        self.call_as(self.token.as_deref(), method, path, body)
+    }
+
+    pub fn call_as(&self, token: Option<&str>, method: &str, path: &str, body: &str) -> (u16, String) {
+        let mut s = TcpStream::connect(&self.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            self.addr,
+            body.len()
+        )
+        .unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+        let status: u16 = raw.split(' ').nth(1).unwrap().parse().unwrap();
+        let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
+        // axum answers small bodies with Content-Length; chunked only if it streams.
+        let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(rest) } else { rest.to_string() };
+        (status, body)
+    }
+
+    pub fn json(&self, method: &str, path: &str, body: &str, want: u16) -> Value {
+        let (status, text) = self.call(method, path, body);
+        assert_eq!(status, want, "{method} {path}: {text}");
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {text}"))
+    }
+
+    pub fn kill9(mut self) {
+        self.child.kill().unwrap(); // SIGKILL
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn dechunk(s: &str) -> String {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some((size, tail)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&tail[..n]);
+        rest = &tail[n + 2..];
+    }
+    out
+}
+
+pub fn temp_dir() -> PathBuf {
+    // create_dir, not create_dir_all: a directory left by an earlier process is never reused.
+    let d = std::env::temp_dir().join(unique("motley_coord"));
+    std::fs::create_dir(&d).unwrap();
+    d
+}
+
+pub fn wait_for_state(c: &Coordinator, id: i64, states: &[&str]) -> Value {
+    let start = Instant::now();
+    loop {
+        let j = c.json("GET", &format!("/api/v1/jobs/{id}"), "", 200);
+        if states.contains(&j["state"].as_str().unwrap()) {
+            return j;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "job {id} stuck in {}", j["state"]);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A fresh PostgreSQL database on the test server, dropped when this goes out of scope (also
+/// when the test panics).
+pub struct TestDb {
+    pub url: String,
+    name: String,
+    server: String,
+}
+
+impl TestDb {
+    pub fn create(prefix: &str) -> TestDb {
+        let server = std::env::var("MOTLEY_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+        // Only digits and underscores after a fixed prefix: safe to splice into DDL.
+        let name = unique(prefix);
+        admin(&server, &format!("CREATE DATABASE {name}"));
+        let url = format!("{}/{name}", server.rsplit_once('/').unwrap().0);
+        TestDb { url, name, server }
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        admin(&self.server, &format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name));
+    }
+}
+
+fn admin(server: &str, sql: &str) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut c = sqlx::PgConnection::connect(server).await.expect("PostgreSQL on 127.0.0.1:5432 must be up");
+        sqlx::query(sqlx::AssertSqlSafe(sql.to_string())).execute(&mut c).await.unwrap();
+    });
+}

@@ -1,0 +1,151 @@
+//! The gRPC control service, the OpenAPI document and /metrics of a real coordinator process:
+//! the same operations as REST, the same errors (codes, fields named), a watch stream that ends
+//! when the job is over.
+
+mod common;
+
+use common::{temp_dir, Coordinator};
+use motley_proto::v1 as pb;
+use motley_proto::v1::control_client::ControlClient;
+use serde_json::Value;
+use tonic::transport::Channel;
+use tonic::Code;
+
+const NODE: &str = "gpu: A100-80G\ngpus: 8\nnics: [{name: mlx5_0, kind: ib, gbps: 200}]\nrdma_domain: lab\n";
+const JOB: &str = "name: hello\nmodel: gpt3-1.3b\nglobal_batch: 32\nresources: {gpus: 8}\nrun: 'true'\n";
+
+fn authed<T>(msg: T, token: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    r
+}
+
+async fn client(c: &Coordinator) -> ControlClient<Channel> {
+    ControlClient::connect(format!("http://{}", c.grpc)).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_service_does_what_rest_does() {
+    let c = Coordinator::start(&temp_dir(), &[]);
+    let token = c.token.clone().expect("a generated token");
+    for n in ["a100-0", "a100-1"] {
+        c.json("PUT", &format!("/api/v1/nodes/{n}"), NODE, 200);
+    }
+    let mut g = client(&c).await;
+
+    // Nodes: list, describe, drain, undrain.
+    let nodes = g.list_nodes(authed(pb::ListNodesRequest {}, &token)).await.unwrap().into_inner().nodes;
+    assert_eq!(nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), ["a100-0", "a100-1"]);
+    assert!(!nodes[0].live, "no agent runs");
+    let inv: Value = serde_json::from_str(&nodes[0].inventory_json).unwrap();
+    assert_eq!(inv["gpus"], 8);
+    let drained = g.drain_node(authed(pb::NodeRef { name: "a100-1".into() }, &token)).await.unwrap().into_inner();
+    assert_eq!(drained.state, "draining");
+    assert_eq!(g.describe_node(authed(pb::NodeRef { name: "a100-1".into() }, &token)).await.unwrap().into_inner().state, "draining");
+    // A dry run plans on active nodes only: everything lands on a100-0.
+    let dry = g.dry_run_plan(authed(pb::JobFile { text: JOB.into() }, &token)).await.unwrap().into_inner();
+    assert_eq!(dry.ranks.len(), 8);
+    assert!(dry.ranks.iter().all(|r| r.node == "a100-0" && r.state == "assigned"), "{:?}", dry.ranks);
+    let plan: Value = serde_json::from_str(&dry.plan_json).unwrap();
+    assert_eq!(plan["gpus_used"], 8);
+    g.undrain_node(authed(pb::NodeRef { name: "a100-1".into() }, &token)).await.unwrap();
+    let jobs_before = g.list_jobs(authed(pb::ListJobsRequest {}, &token)).await.unwrap().into_inner().jobs;
+    assert!(jobs_before.is_empty(), "a dry run stores nothing");
+
+    // Submit and watch: the stream carries every event and ends when the job is over (no
+    // agent is live, so planning finds no live node and the job fails with that reason).
+    let job = g.submit_job(authed(pb::JobFile { text: JOB.into() }, &token)).await.unwrap().into_inner();
+    assert_eq!(job.state, "submitted");
+    let mut watch = g.watch_job(authed(pb::WatchJobRequest { id: job.id, after: 0 }, &token)).await.unwrap().into_inner();
+    let mut kinds = vec![];
+    while let Some(e) = watch.message().await.unwrap() {
+        assert_eq!(e.job_id, Some(job.id));
+        kinds.push(e.kind);
+    }
+    assert_eq!(kinds, ["submitted", "planning", "failed"]);
+    let done = g.get_job(authed(pb::JobRef { id: job.id }, &token)).await.unwrap().into_inner();
+    assert_eq!((done.state.as_str(), done.generation), ("failed", 0));
+    assert!(done.reason.unwrap().contains("no live node"));
+    let e = g.get_plan(authed(pb::JobRef { id: job.id }, &token)).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "nothing was launched: {e:?}");
+    // The same job over REST, the same answer.
+    let rest = c.json("GET", &format!("/api/v1/jobs/{}", job.id), "", 200);
+    assert_eq!(rest["state"], "failed");
+
+    // Errors: the same codes as REST's statuses, the field named.
+    let e = g.cancel_job(authed(pb::JobRef { id: job.id }, &token)).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert_eq!(c.call("POST", &format!("/api/v1/jobs/{}/cancel", job.id), "").0, 409);
+    let e = g.get_job(authed(pb::JobRef { id: 999 }, &token)).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let e = g
+        .submit_job(authed(pb::JobFile { text: "name: x\nmodel: gpt3-1.3b\nglobal_batch: -1\nrun: 'true'\n".into() }, &token))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("global_batch"), "{}", e.message());
+    let e = g.list_nodes(authed(pb::ListNodesRequest {}, "wrong")).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated);
+    let e = g.list_nodes(pb::ListNodesRequest {}).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated);
+    assert_eq!(g.list_jobs(authed(pb::ListJobsRequest {}, &token)).await.unwrap().into_inner().jobs.len(), 1, "nothing changed");
+
+    let leader = g.get_leader(authed(pb::LeaderRequest {}, &token)).await.unwrap().into_inner();
+    assert!(leader.is_leader);
+    assert_eq!(leader.grpc_url, format!("http://{}", c.grpc));
+}
+
+#[test]
+fn openapi_metrics_and_query_errors() {
+    let c = Coordinator::start(&temp_dir(), &[]);
+    // The document is public and lists every route.
+    let (status, doc) = c.call_as(None, "GET", "/api/v1/openapi.json", "");
+    assert_eq!(status, 200);
+    let doc: Value = serde_json::from_str(&doc).unwrap();
+    for path in [
+        "/api/v1/nodes",
+        "/api/v1/jobs",
+        "/api/v1/jobs/{id}/events",
+        "/api/v1/jobs/{id}/ranks/{rank}/logs",
+        "/api/v1/plan",
+        "/api/v1/leader",
+    ] {
+        assert!(doc["paths"][path].is_object(), "{path} missing from the OpenAPI document");
+    }
+    assert_eq!(doc["components"]["securitySchemes"]["bearer"]["scheme"], "bearer");
+
+    c.json("PUT", "/api/v1/nodes/a100-0", NODE, 200);
+    let id = c.json("POST", "/api/v1/jobs", JOB, 201)["id"].as_i64().unwrap();
+    common::wait_for_state(&c, id, &["failed"]);
+    let (status, text) = c.call_as(None, "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    for line in [
+        "motley_leader 1",
+        "motley_nodes 1",
+        "motley_jobs{state=\"failed\"} 1",
+        "motley_agents_live 0",
+        "motley_launch_instructions_total 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no '{line}' in\n{text}");
+    }
+
+    // Bad query parameters and bodies answer in JSON naming the parameter.
+    let (status, body) = c.call("GET", &format!("/api/v1/jobs/{id}/events?after=x"), "");
+    assert_eq!(status, 400);
+    assert!(body.contains("\"error\":\"after: 'x' is not a number\""), "{body}");
+    let (status, body) = c.call("GET", &format!("/api/v1/jobs/{id}/ranks/0/logs?offset=-1"), "");
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = c.call("GET", &format!("/api/v1/jobs/{id}/ranks/0/logs"), "");
+    assert_eq!(status, 404, "the job never launched, so it has no ranks: {body}");
+    assert!(body.contains("rank 0 of job"), "{body}");
+}
+
+/// deploy/coordinator.toml is a valid configuration (an unknown key would stop the start) and
+/// flags win over it.
+#[test]
+fn the_example_config_file_is_valid_and_flags_win() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/coordinator.toml");
+    let c = Coordinator::start(&temp_dir(), &["--config", config]);
+    assert!(c.addr.starts_with("127.0.0.1:"), "--listen beats the file's 0.0.0.0:7070: {}", c.addr);
+    assert_eq!(c.json("GET", "/api/v1/nodes", "", 200), serde_json::json!([]));
+}
