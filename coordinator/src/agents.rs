@@ -40,31 +40,40 @@ struct Lease {
 pub struct Fleet {
     /// The base interval: agents heartbeat on it; every timeout derives from it.
     pub base: Duration,
+    /// The first MASTER_PORT (see `master_port`).
+    master_port_base: u16,
     leases: Mutex<HashMap<String, Lease>>,
     heartbeats: AtomicU64,
     launches: AtomicU64,
-    /// Jobs being planned and launched by this process now.
-    planning: Mutex<std::collections::HashSet<i64>>,
+    /// Something the job queue waits on changed (a submit, a job's end).
+    queue: tokio::sync::Notify,
 }
 
 impl Fleet {
-    pub fn new(base: Duration) -> Arc<Fleet> {
+    pub fn new(base: Duration, master_port_base: u16) -> Arc<Fleet> {
         Arc::new(Fleet {
             base,
+            master_port_base,
             leases: Mutex::new(HashMap::new()),
             heartbeats: AtomicU64::new(0),
             launches: AtomicU64::new(0),
-            planning: Default::default(),
+            queue: tokio::sync::Notify::new(),
         })
     }
 
-    /// Claim a job for planning; false if this process is planning it already.
-    pub fn begin_planning(&self, job: i64) -> bool {
-        self.planning.lock().expect("planning lock").insert(job)
+    /// Have the job queue look again (a job was submitted or ended).
+    pub fn kick_queue(&self) {
+        self.queue.notify_one();
     }
 
-    pub fn end_planning(&self, job: i64) {
-        self.planning.lock().expect("planning lock").remove(&job);
+    /// Resolves at the next `kick_queue` (or at once if one came since the last wait).
+    pub async fn queue_changed(&self) {
+        self.queue.notified().await
+    }
+
+    /// Whether any agent holds a lease.
+    pub fn any_live(&self) -> bool {
+        self.live_count() > 0
     }
 
     /// Agents holding a lease now.
@@ -112,8 +121,9 @@ impl Fleet {
         self.leases.lock().expect("lease lock").get(node).map(|l| l.address.clone())
     }
 
-    /// Tell every node of a launch to stop the job's ranks.
+    /// Tell every node of a launch to stop the job's ranks (its GPUs go back to the queue).
     pub async fn stop_job(&self, store: &Store, job: i64, generation: i64, reason: &str) {
+        self.kick_queue();
         let Ok(ranks) = store.ranks(job, generation).await else { return };
         let mut nodes: Vec<String> = ranks.into_iter().map(|r| r.assignment.node).collect();
         nodes.sort();
@@ -288,8 +298,8 @@ pub async fn progress(store: &Store, fleet: &Fleet, id: i64) {
     if job.state == JobState::Launching && started {
         let _ = store.transition_at(id, Some(job.generation), JobState::Running, None).await;
     }
-    if started && ranks.exited == ranks.total {
-        let _ = store.transition_at(id, Some(job.generation), JobState::Succeeded, None).await;
+    if started && ranks.exited == ranks.total && store.transition_at(id, Some(job.generation), JobState::Succeeded, None).await.is_ok() {
+        fleet.kick_queue();
     }
 }
 
@@ -306,8 +316,7 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
     let world = ranks.len() as i64;
     let Some(first) = ranks.first() else { return Ok(()) };
     let master_addr = fleet.address(&first.assignment.node).unwrap_or_else(|| "127.0.0.1".into());
-    // A port per launch, so a relaunch never meets the old rendezvous.
-    let master_port = 20000 + ((id * 131 + job.generation * 17) % 20000) as u32;
+    let master_port = master_port(fleet.master_port_base, first.assignment.gpu, job.generation);
     let plan_doc: serde_json::Value = serde_json::from_str(&plan).unwrap_or_default();
     let mut by_node: HashMap<String, Vec<RankLaunch>> = HashMap::new();
     for r in &ranks {
@@ -354,6 +363,13 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
         }
     }
     Ok(())
+}
+
+/// Where a launch's ranks meet: a port per GPU of rank 0 (no two launched jobs share a GPU, so
+/// none share a master port on one node) and per generation (a relaunch never meets the
+/// rendezvous of the launch before it, whose ranks may still be stopping).
+fn master_port(base: u16, rank0_gpu: i64, generation: i64) -> u32 {
+    u32::from(base) + (rank0_gpu.rem_euclid(64) as u32) * 16 + generation.rem_euclid(16) as u32
 }
 
 /// Where a rank sits in the plan's parallelism.
@@ -459,13 +475,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_job_is_planned_by_one_task_at_a_time() {
-        let fleet = Fleet::new(Duration::from_millis(100));
-        assert!(fleet.begin_planning(7));
-        assert!(!fleet.begin_planning(7), "a second start of the same job is skipped");
-        assert!(fleet.begin_planning(8), "other jobs are not held up");
-        fleet.end_planning(7);
-        assert!(fleet.begin_planning(7), "planned again once the first is done");
+    fn master_ports_differ_by_rank0_gpu_and_by_generation() {
+        assert_eq!(master_port(29500, 0, 1), 29501);
+        assert_eq!(master_port(29500, 3, 1), 29549);
+        let mut seen = std::collections::HashSet::new();
+        for gpu in 0..64 {
+            for generation in 1..=16 {
+                let p = master_port(29500, gpu, generation);
+                assert!((29500..29500 + 1024).contains(&p));
+                assert!(seen.insert(p), "gpu {gpu} generation {generation} reuses port {p}");
+            }
+        }
     }
 
     #[test]

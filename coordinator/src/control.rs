@@ -1,7 +1,10 @@
 //! The control operations behind both APIs (REST and gRPC): they validate, call the store and
 //! the solver, and know nothing of HTTP or protobuf.
 
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
 use motley_solver::hardware::NodeSpec;
+use motley_solver::placement::GpuId;
 use motley_solver::{Cluster, ClusterSpec, PlanOptions, PlanReport, PlanRequest, ProfileSet, SearchMode};
 
 use crate::error::{CoordinatorError, Result};
@@ -29,33 +32,14 @@ pub async fn declare_node(store: &Store, name: &str, entry: &str) -> Result<i64>
     store.register_node(name, &json).await
 }
 
-/// Submit a job file: validated and stored as `submitted`.
+/// Submit a job file: validated and stored as `submitted`, then queued (`scheduler`).
 #[tracing::instrument(skip_all)]
-pub async fn submit(store: &Store, text: &str) -> Result<JobRecord> {
+pub async fn submit(store: &Store, fleet: &crate::agents::Fleet, text: &str) -> Result<JobRecord> {
     let spec = JobSpec::parse(text)?;
     let json = serde_json::to_string(&spec).expect("a job spec serialises");
-    store.submit_job(&spec.name, &json).await
-}
-
-/// Plan and launch a stored job in the background: planning on the live inventory, then the
-/// launch instructions to the agents. Progress shows in the job's events.
-pub fn start(store: &Store, fleet: &std::sync::Arc<crate::agents::Fleet>, id: i64) {
-    // Once per job at a time: a job submitted as a standby takes over is found by both the
-    // submit and the takeover, and a second planning could fail the launched job.
-    if !fleet.begin_planning(id) {
-        return;
-    }
-    let (store, fleet) = (store.clone(), fleet.clone());
-    tokio::spawn(async move {
-        let launched = match plan_job(&store, &fleet, id).await {
-            Ok(_) => crate::agents::dispatch(&store, &fleet, id).await,
-            Err(e) => Err(e),
-        };
-        fleet.end_planning(id);
-        if let Err(e) = launched {
-            tracing::warn!(job = id, "not launched: {e}");
-        }
-    });
+    let job = store.submit_job(&spec.name, &json).await?;
+    fleet.kick_queue();
+    Ok(job)
 }
 
 /// Plan a job file without storing anything, on the declared inventory (active nodes, live or
@@ -63,7 +47,8 @@ pub fn start(store: &Store, fleet: &std::sync::Arc<crate::agents::Fleet>, id: i6
 #[tracing::instrument(skip_all)]
 pub async fn dry_run(store: &Store, text: &str) -> Result<(PlanReport, Vec<RankAssignment>)> {
     let spec = JobSpec::parse(text)?;
-    plan_on_inventory(store, &spec, None).await
+    let offer = offer(store, &spec, None).await?;
+    solve(&spec, offer).await
 }
 
 /// The job with the plan and ranks of its current launch.
@@ -92,38 +77,86 @@ pub async fn cancel(store: &Store, id: i64, reason: &str) -> Result<JobRecord> {
     store.transition(id, JobState::Cancelled, Some(reason)).await
 }
 
-/// Plan a submitted job on the live inventory (active nodes with a live agent, within the
-/// job's resources) and store its first launch: `submitted -> planning -> launching` with
-/// generation 1, or `failed` with the planner's reason.
-#[tracing::instrument(skip(store, fleet))]
-pub async fn plan_job(store: &Store, fleet: &crate::agents::Fleet, id: i64) -> Result<JobRecord> {
+/// GPUs held by launched jobs (launching or running): node -> GPU index -> job.
+pub type Taken = HashMap<String, BTreeMap<u32, i64>>;
+
+/// What planning a queued job came to.
+#[derive(Debug)]
+pub enum Planned {
+    /// Planned and stored as a new launch (`launching`).
+    Launched(JobRecord),
+    /// Its share of GPUs is not free yet; nothing changed. The reason names what it waits for.
+    Waiting(String),
+    /// The planner (or the inventory) said no: the job is `failed` with the reason.
+    Failed(JobRecord),
+}
+
+/// Plan a queued job on the live inventory (active nodes with a live agent, within the job's
+/// resources) minus the GPUs `taken` by other launches, and store its first launch:
+/// `submitted -> planning -> launching` with generation 1, or `failed` with the planner's
+/// reason. A job waits (nothing changes) while fewer GPUs are free than it would get on an
+/// idle cluster: it is gang-scheduled, whole or not at all.
+#[tracing::instrument(skip(store, fleet, taken))]
+pub async fn plan_job(store: &Store, fleet: &crate::agents::Fleet, id: i64, taken: &Taken) -> Result<Planned> {
     let job = store.job(id).await?;
-    // A job found in `planning` was left there by a coordinator that stopped: plan it again.
-    let job = if job.state == JobState::Planning { job } else { store.transition(id, JobState::Planning, None).await? };
     let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
-    match plan_on_inventory(store, &spec, Some(fleet)).await {
+    let found = offer(store, &spec, Some((fleet, taken))).await;
+    if let Ok(o) = &found {
+        if o.free < o.wanted {
+            let mut holders: Vec<i64> = o.holders.iter().copied().collect();
+            holders.sort();
+            let holders: Vec<String> = holders.iter().map(|j| j.to_string()).collect();
+            return Ok(Planned::Waiting(format!(
+                "waiting for {} GPUs: {} of the {} it may use are free; job(s) {} hold the rest",
+                o.wanted,
+                o.free,
+                o.capacity,
+                holders.join(", ")
+            )));
+        }
+    }
+    // A job found in `planning` was left there by a coordinator that stopped: plan it again.
+    if job.state != JobState::Planning {
+        store.transition(id, JobState::Planning, None).await?;
+    }
+    let solved = match found {
+        Ok(o) => solve(&spec, o).await,
+        Err(e) => Err(e),
+    };
+    match solved {
         Ok((report, ranks)) => {
             let plan = serde_json::to_string(&report).expect("a plan serialises");
             store.start_generation(id, &plan, &ranks).await?;
-            store.job(id).await
+            Ok(Planned::Launched(store.job(id).await?))
         }
-        Err(e) => store.transition(id, JobState::Failed, Some(&e.to_string())).await,
+        Err(e) => Ok(Planned::Failed(store.transition(id, JobState::Failed, Some(&e.to_string())).await?)),
     }
 }
 
-/// The solver on the active nodes within the job's resources; with `live`, only nodes whose
-/// agent holds a lease (a launch on a node that vanished would fail at once).
-async fn plan_on_inventory(
-    store: &Store,
-    spec: &JobSpec,
-    live: Option<&crate::agents::Fleet>,
-) -> Result<(PlanReport, Vec<RankAssignment>)> {
+/// The nodes a job may use now, each cut down to its free GPUs and renumbered 0..n for the
+/// solver (`real` maps the solver's numbers back).
+struct Offer {
+    nodes: Vec<NodeSpec>,
+    /// Per node, the real GPU index of each solver GPU number.
+    real: HashMap<String, Vec<u32>>,
+    /// GPUs the job would get on an idle cluster: its budget, or every GPU of its nodes.
+    wanted: u32,
+    /// GPUs of its nodes (free or not) and how many are free.
+    capacity: u32,
+    free: u32,
+    /// Jobs holding GPUs of its nodes.
+    holders: BTreeSet<i64>,
+}
+
+/// Active nodes within the job's resources; with `live`, only nodes whose agent holds a lease
+/// (a launch on a node that vanished would fail at once) and only their GPUs no launch holds.
+async fn offer(store: &Store, spec: &JobSpec, live: Option<(&crate::agents::Fleet, &Taken)>) -> Result<Offer> {
     let mut nodes = vec![];
     for n in store.nodes().await? {
         if n.state != NodeState::Active || (!spec.resources.nodes.is_empty() && !spec.resources.nodes.contains(&n.name)) {
             continue;
         }
-        if live.is_some_and(|f| !f.live(&n.name)) {
+        if live.is_some_and(|(f, _)| !f.live(&n.name)) {
             continue;
         }
         let entry: NodeSpec = serde_json::from_str(&n.inventory)
@@ -134,27 +167,42 @@ async fn plan_on_inventory(
         let which = if live.is_some() { "live node (an active node whose agent holds a lease)" } else { "active node" };
         return Err(CoordinatorError::Conflict(format!("no {which} matches the job's resources; start agents, register or undrain nodes")));
     }
-    // Within a GPU budget, take nodes in name order until it is met (the last one only in
-    // part): the plan never uses more GPUs than the job may.
-    if let Some(budget) = spec.resources.gpus {
-        let mut left = budget;
-        nodes.retain_mut(|n| {
-            let take = n.gpus.min(left);
-            left -= take;
-            n.gpus = take;
-            // Rails name GPUs by index: keep those the part still has.
-            for nic in &mut n.nics {
-                nic.gpus.retain(|&g| g < take);
-            }
-            take > 0
-        });
-    }
+    let no_one = Taken::new();
+    let taken = live.map_or(&no_one, |(_, t)| t);
+    let capacity: u32 = nodes.iter().map(|n| n.gpus).sum();
+    let wanted = spec.resources.gpus.map_or(capacity, |b| b.min(capacity));
+    let (mut free, mut holders, mut real) = (0, BTreeSet::new(), HashMap::new());
+    // Within a GPU budget, take free GPUs in node-name order until it is met (the last node
+    // only in part): the plan never uses more GPUs than the job may.
+    let mut left = wanted;
+    nodes.retain_mut(|n| {
+        let held = taken.get(&n.name);
+        holders.extend(held.into_iter().flat_map(|h| h.values().copied()));
+        let mut ours: Vec<u32> = (0..n.gpus).filter(|g| !held.is_some_and(|h| h.contains_key(g))).collect();
+        free += ours.len() as u32;
+        ours.truncate(left as usize);
+        left -= ours.len() as u32;
+        n.gpus = ours.len() as u32;
+        // Rails name GPUs by index: keep those the node still offers, in the solver's numbers.
+        for nic in &mut n.nics {
+            nic.gpus = nic.gpus.iter().filter_map(|g| ours.iter().position(|o| o == g)).map(|p| p as u32).collect();
+        }
+        let keep = !ours.is_empty();
+        real.insert(n.name.clone(), ours);
+        keep
+    });
+    Ok(Offer { nodes, real, wanted, capacity, free, holders })
+}
+
+/// The solver on an offer; the plan and ranks name the real GPU indices.
+async fn solve(spec: &JobSpec, offer: Offer) -> Result<(PlanReport, Vec<RankAssignment>)> {
+    let Offer { nodes, real, .. } = offer;
     let cluster = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: vec![] })
         .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
     let model = spec.model()?;
     let opts = PlanOptions { global_batch: spec.global_batch, ..PlanOptions::default() };
     // The solver is pure CPU work: keep it off the async workers.
-    let report = tokio::task::spawn_blocking(move || {
+    let mut report = tokio::task::spawn_blocking(move || {
         let profiles = ProfileSet::default();
         let req = PlanRequest {
             cluster: &cluster,
@@ -170,6 +218,13 @@ async fn plan_on_inventory(
     .await
     .map_err(|e| CoordinatorError::Conflict(format!("planner: {e}")))?
     .map_err(|e| CoordinatorError::Conflict(e.to_string()))?;
+    let renumber = |g: &mut GpuId| {
+        if let Some(i) = real.get(&g.node).and_then(|r| r.get(g.index as usize)) {
+            g.index = *i;
+        }
+    };
+    report.replicas.iter_mut().flat_map(|r| r.stages.iter_mut()).flat_map(|s| s.gpus.iter_mut()).for_each(&renumber);
+    report.comm_groups.iter_mut().flat_map(|c| c.gpus.iter_mut()).for_each(&renumber);
     let ranks = ranks_of(&report);
     Ok((report, ranks))
 }

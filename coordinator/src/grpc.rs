@@ -135,8 +135,7 @@ impl Control for ControlService {
 
     async fn submit_job(&self, req: Request<pb::JobFile>) -> Reply<pb::Job> {
         self.admit(&req)?;
-        let j = control::submit(&self.store, &req.into_inner().text).await.map_err(status_of)?;
-        control::start(&self.store, &self.fleet, j.id);
+        let j = control::submit(&self.store, &self.fleet, &req.into_inner().text).await.map_err(status_of)?;
         Ok(Response::new(job(j)))
     }
 

@@ -47,6 +47,11 @@ struct Args {
     /// The base interval: agents heartbeat on it, a lease expires after 3 of them.
     #[arg(long, env = "MOTLEY_HEARTBEAT_MS", default_value_t = 1000)]
     heartbeat_ms: u64,
+    /// The first of the ports ranks meet at (MASTER_PORT): a launch whose rank 0 runs on GPU g
+    /// gets BASE + 16 g + (generation mod 16), so concurrent jobs (they never share a GPU)
+    /// never share a port; 1,024 ports from BASE are used (open them between the nodes).
+    #[arg(long, env = "MOTLEY_MASTER_PORT_BASE", default_value_t = 29500)]
+    master_port_base: u16,
     /// The host name or address published for the CLI and agents when this coordinator leads
     /// (default: the listen address, or the host name when listening on a wildcard).
     #[arg(long, env = "MOTLEY_ADVERTISE_HOST")]
@@ -121,7 +126,11 @@ async fn main() -> anyhow::Result<()> {
     };
     let scheme = if tls.is_some() { "https" } else { "http" };
     let base = std::time::Duration::from_millis(args.heartbeat_ms);
-    let fleet = Fleet::new(base);
+    anyhow::ensure!(
+        u32::from(args.master_port_base) >= 1024 && u32::from(args.master_port_base) + 1024 <= 65536,
+        "--master-port-base: must be between 1024 and 64512 (1,024 ports from it are used)"
+    );
+    let fleet = Fleet::new(base, args.master_port_base);
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("--listen: cannot bind {}", args.listen))?;
     let addr = listener.local_addr()?;
     let grpc = tokio::net::TcpListener::bind(args.grpc_listen)
@@ -146,6 +155,7 @@ async fn main() -> anyhow::Result<()> {
             me,
             on_lead: Some(move |_term| {
                 tokio::spawn(watch_leases(store.clone(), fleet.clone()));
+                tokio::spawn(motley_coordinator::scheduler::run(store.clone(), fleet.clone()));
                 tokio::spawn(takeover::resume(store, fleet));
             }),
         }

@@ -1,7 +1,8 @@
 //! What a coordinator does when it starts to lead (after a restart, or when a standby takes
 //! over): nothing is lost from the store, but the work in flight was the old leader's.
 //!
-//! - `submitted` and `planning` jobs are planned again (planning is pure; nothing was launched).
+//! - `submitted` and `planning` jobs are planned again by the job queue (planning is pure;
+//!   nothing was launched).
 //! - `launching` and `running` jobs wait for their agents to register again (they reconnect on
 //!   their own, trying the coordinators in their list). A job continues as soon as all its
 //!   nodes are back — a launching job's instructions are sent again (an agent ignores ranks it
@@ -12,7 +13,6 @@
 use std::sync::Arc;
 
 use crate::agents::{dispatch, Fleet};
-use crate::control;
 use crate::job::JobState;
 use crate::store::Store;
 
@@ -32,10 +32,8 @@ pub async fn resume(store: Store, fleet: Arc<Fleet>) {
     let mut launched = vec![];
     for j in jobs {
         match j.state {
-            JobState::Submitted | JobState::Planning => {
-                tracing::info!(job = j.id, "planning again after the change of leader");
-                control::start(&store, &fleet, j.id);
-            }
+            // The job queue (`scheduler`) plans them again.
+            JobState::Submitted | JobState::Planning => {}
             JobState::Launching | JobState::Running => launched.push(j),
             _ => {}
         }

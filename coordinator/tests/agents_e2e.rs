@@ -1,7 +1,7 @@
 //! A coordinator and four agents as separate processes on loopback, each agent with its
 //! inventory file: a job whose ranks check their environment succeeds; a cancelled job leaves
 //! no rank process behind; an agent killed with -9 loses its lease and fails its job with the
-//! reason.
+//! reason; jobs share the GPUs without ever sharing one, and a job waits for its share.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -44,6 +44,8 @@ fn start(agents: usize) -> Cluster {
     let mut child = Command::new(env!("CARGO_BIN_EXE_motley-coordinator"))
         .args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--insecure", "--heartbeat-ms", &HEARTBEAT_MS.to_string()])
         .args(["--data-dir", dir.to_str().unwrap()])
+        // Tests run side by side on one machine: each its own range of rendezvous ports.
+        .args(["--master-port-base", &(20000 + (std::process::id() % 40) * 1024).to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -178,4 +180,75 @@ fn cancel_kills_every_rank_and_a_lost_agent_fails_its_job() {
     assert_eq!(live, [false, true, true, true]);
     // The orphaned ranks of the dead agent are not ours to reap here: kill them by marker.
     let _ = Command::new("pkill").args(["-f", &marker]).status();
+}
+
+/// (node, GPU) of every rank of the job's current launch; also checks that each rank's
+/// CUDA_VISIBLE_DEVICES is its GPU in the plan.
+fn gpus_of(c: &Cluster, id: i64) -> Vec<(String, i64)> {
+    let plan = c.get(&format!("/api/v1/jobs/{id}/plan"));
+    let in_plan: Vec<(String, i64)> = plan["plan"]["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r["stages"].as_array().unwrap().iter())
+        .flat_map(|s| s["gpus"].as_array().unwrap().iter())
+        .map(|g| (g["node"].as_str().unwrap().to_string(), g["index"].as_i64().unwrap()))
+        .collect();
+    let mut ranks: Vec<(String, i64)> = plan["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["assignment"]["node"].as_str().unwrap().to_string(), r["assignment"]["gpu"].as_i64().unwrap()))
+        .collect();
+    assert_eq!(ranks, in_plan, "ranks are numbered in plan order");
+    ranks.sort();
+    ranks
+}
+
+#[test]
+fn jobs_share_the_cluster_but_never_a_gpu_and_a_job_waits_for_its_share() {
+    let c = start(2); // 16 GPUs
+    let marker = format!("motley-queue-marker-{}", std::process::id());
+    let job = |name: &str, gpus: u32| {
+        format!(
+            "name: {name}\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {{gpus: {gpus}}}\nrun: 'test \"$CUDA_VISIBLE_DEVICES\" -ge 0 && sleep 600; echo {marker}'\n"
+        )
+    };
+    let a = c.http("POST", "/api/v1/jobs", &job("a", 6))["id"].as_i64().unwrap();
+    c.until(|c| c.job_state(a) == "running", "a runs");
+    let b = c.http("POST", "/api/v1/jobs", &job("b", 8))["id"].as_i64().unwrap();
+    c.until(|c| c.job_state(b) == "running", "b runs beside a");
+    let (ga, gb) = (gpus_of(&c, a), gpus_of(&c, b));
+    assert!(ga.len() <= 6 && gb.len() <= 8, "within their budgets: {ga:?} {gb:?}");
+    assert!(ga.iter().all(|g| !gb.contains(g)), "a {ga:?} and b {gb:?} share a GPU");
+
+    // 2 GPUs are left; c wants 6: it waits, saying for what, and changes nothing.
+    let cid = c.http("POST", "/api/v1/jobs", &job("c", 6))["id"].as_i64().unwrap();
+    c.until(|c| c.get(&format!("/api/v1/jobs/{cid}/events")).as_array().unwrap().iter().any(|e| e["kind"] == "waiting"), "c waits");
+    let events = c.get(&format!("/api/v1/jobs/{cid}/events"));
+    let waiting = events.as_array().unwrap().iter().find(|e| e["kind"] == "waiting").unwrap();
+    let why = waiting["message"].as_str().unwrap();
+    let free = 16 - ga.len() - gb.len();
+    assert!(free < 6, "the test needs c not to fit: {free} free");
+    assert!(why.contains(&format!("waiting for 6 GPUs: {free} of the 16")) && why.contains(&format!("{a}, {b}")), "{why}");
+    std::thread::sleep(Duration::from_millis(3 * HEARTBEAT_MS));
+    assert_eq!(c.job_state(cid), "submitted");
+    // A job submitted behind it waits too, even though it would fit: first come, first served.
+    let d = c.http("POST", "/api/v1/jobs", &job("d", 2))["id"].as_i64().unwrap();
+    std::thread::sleep(Duration::from_millis(3 * HEARTBEAT_MS));
+    assert_eq!(c.job_state(d), "submitted");
+
+    // a ends: c takes GPUs a held, still none of b's.
+    assert_eq!(c.http("POST", &format!("/api/v1/jobs/{a}/cancel"), "")["state"], "cancelled");
+    c.until(|c| c.job_state(cid) == "running", "c runs once a is gone");
+    let gc = gpus_of(&c, cid);
+    assert!(!gc.is_empty() && gc.len() <= 6);
+    assert!(gc.iter().all(|g| !gb.contains(g)), "c {gc:?} and b {gb:?} share a GPU");
+    c.until(|c| c.job_state(d) == "running", "d runs on the last 2");
+    let gd = gpus_of(&c, d);
+    assert!(gd.iter().all(|g| !gb.contains(g) && !gc.contains(g)), "d {gd:?} overlaps b or c");
+    for id in [b, cid, d] {
+        c.http("POST", &format!("/api/v1/jobs/{id}/cancel"), "");
+    }
+    c.until(|_| processes_with(&marker) == 0, "every rank process is gone");
 }

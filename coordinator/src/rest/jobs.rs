@@ -87,8 +87,7 @@ pub async fn list(State(s): State<AppState>) -> ApiResult<Vec<JobView>> {
     responses((status = 201, body = JobView), (status = 400, body = super::ErrorBody)))]
 pub async fn submit(State(s): State<AppState>, body: Bytes) -> Result<(StatusCode, Json<JobView>), CoordinatorError> {
     let text = std::str::from_utf8(&body).map_err(|_| CoordinatorError::invalid("body", "the job file must be UTF-8 text"))?;
-    let job = control::submit(&s.store, text).await?;
-    control::start(&s.store, &s.fleet, job.id);
+    let job = control::submit(&s.store, &s.fleet, text).await?;
     Ok((StatusCode::CREATED, Json(view(job))))
 }
 
