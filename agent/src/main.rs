@@ -328,13 +328,24 @@ async fn session(args: &Args, node: &str, inventory: &str, logs_url: &str, super
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
     request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().context("token is not a valid header value")?);
     let beat = {
-        let (supervisor, node) = (supervisor.clone(), node.to_string());
+        let (supervisor, node, work_dir) = (supervisor.clone(), node.to_string(), args.work_dir.clone());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             loop {
-                tick.tick().await;
-                let status = AgentStatus { node: node.clone(), epoch, ranks: supervisor.changes() };
-                if tx.send(status).await.is_err() {
+                // On the interval (the lease), and at once when ranks started or ended.
+                let beat = tokio::select! {
+                    _ = tick.tick() => true,
+                    _ = supervisor.changed() => false,
+                };
+                let ranks = supervisor.changes();
+                if !beat && ranks.is_empty() {
+                    continue;
+                }
+                let load = match beat {
+                    true => motley_agent::load::sample_within(work_dir.clone(), supervisor.running(), interval / 2).await,
+                    false => None,
+                };
+                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load }).await.is_err() {
                     return;
                 }
             }

@@ -44,6 +44,40 @@ pub fn gpus() -> (Vec<Gpu>, Option<String>) {
     (out, None)
 }
 
+/// NVML, opened once (a heartbeat samples every GPU each base interval); None without a
+/// driver.
+#[cfg(feature = "nvml")]
+fn handle() -> Option<&'static nvml_wrapper::Nvml> {
+    static NVML: std::sync::OnceLock<Option<nvml_wrapper::Nvml>> = std::sync::OnceLock::new();
+    NVML.get_or_init(|| nvml_wrapper::Nvml::init().ok()).as_ref()
+}
+
+/// Each GPU's utilisation, memory and temperature now; empty without NVML. A GPU whose
+/// figures cannot be read (fallen off the bus, say) reports zeros.
+#[cfg(feature = "nvml")]
+pub fn gpu_loads() -> Vec<motley_proto::v1::GpuLoad> {
+    let Some(nvml) = handle() else { return vec![] };
+    let count = nvml.device_count().unwrap_or(0);
+    (0..count)
+        .map(|index| {
+            let mut g = motley_proto::v1::GpuLoad { index, ..Default::default() };
+            if let Ok(d) = nvml.device_by_index(index) {
+                g.utilization_percent = d.utilization_rates().map_or(0, |u| u.gpu);
+                if let Ok(m) = d.memory_info() {
+                    (g.memory_used_bytes, g.memory_total_bytes) = (m.used, m.total);
+                }
+                g.temperature_c = d.temperature(nvml_wrapper::enum_wrappers::device::TemperatureSensor::Gpu).ok();
+            }
+            g
+        })
+        .collect()
+}
+
+#[cfg(not(feature = "nvml"))]
+pub fn gpu_loads() -> Vec<motley_proto::v1::GpuLoad> {
+    vec![]
+}
+
 #[cfg(not(feature = "nvml"))]
 pub fn gpus() -> (Vec<Gpu>, Option<String>) {
     (vec![], Some("built without the nvml feature: no GPUs reported".into()))

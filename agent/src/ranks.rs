@@ -52,11 +52,21 @@ pub struct Supervisor {
     wrapper: PathBuf,
     ranks: Arc<Mutex<Ranks>>,
     grace: Arc<Mutex<Duration>>,
+    /// A rank started or ended: report it now rather than on the next heartbeat (a launch is
+    /// acknowledged, and a job's end seen, within milliseconds).
+    changed: Arc<tokio::sync::Notify>,
 }
 
 impl Supervisor {
     pub fn new(work_dir: PathBuf, node: String, wrapper: PathBuf) -> Supervisor {
-        Supervisor { work_dir, node, wrapper, ranks: Arc::default(), grace: Arc::new(Mutex::new(Duration::from_secs(5))) }
+        Supervisor {
+            work_dir,
+            node,
+            wrapper,
+            ranks: Arc::default(),
+            grace: Arc::new(Mutex::new(Duration::from_secs(5))),
+            changed: Arc::new(tokio::sync::Notify::new()),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Ranks> {
@@ -91,6 +101,16 @@ impl Supervisor {
             }
         }
         notes
+    }
+
+    /// Ranks running now (stopping ones included).
+    pub fn running(&self) -> u32 {
+        self.lock().values().filter(|r| matches!(r.state, State::Running { .. })).count() as u32
+    }
+
+    /// Resolves once a rank started or ended since the last call (at once if one did).
+    pub async fn changed(&self) {
+        self.changed.notified().await
     }
 
     /// States changed since the last heartbeat (each change is reported once).
@@ -149,6 +169,7 @@ impl Supervisor {
                 }
             }
         }
+        self.changed.notify_one();
     }
 
     /// The rank's wrapper, in its own process group, with the rank's environment; then its
@@ -230,6 +251,7 @@ impl Supervisor {
             r.state = state;
             r.reported = false;
         }
+        self.changed.notify_one();
     }
 
     /// A rank this agent started: wait(2) for its wrapper; the exit file has the code.

@@ -238,17 +238,60 @@ fn nodes_table(v: &Value) -> String {
                 .flatten()
                 .map(|x| format!("{} {} {}G", s(&x["name"]), s(&x["kind"]), x["gbps"].as_f64().unwrap_or(0.0)))
                 .collect();
-            vec![
+            let mut row = vec![
                 s(&n["name"]),
                 s(&n["state"]),
+                if n["live"] == true { "yes" } else { "no" }.to_string(),
                 format!("{} x {}", s(&inv["gpus"]), s(&inv["gpu"])),
-                nics.join(", "),
-                s(&inv["rdma_domain"]),
-                s(&n["agent_epoch"]),
-            ]
+            ];
+            row.extend(load_cells(&n["load"]));
+            row.extend([nics.join(", "), s(&inv["rdma_domain"]), s(&n["agent_epoch"])]);
+            row
         })
         .collect();
-    table(vec!["node", "state", "gpus", "nics", "rdma domain", "agent epoch"], rows)
+    let header =
+        ["node", "state", "live", "gpus", "ranks", "gpu util", "gpu memory", "work dir free", "load", "nics", "rdma domain", "agent epoch"];
+    table(header.to_vec(), rows)
+}
+
+/// A node's last reported load as table cells: ranks, mean GPU utilisation, GPU memory used of
+/// total, free disk in the work directory, load average ("-" where nothing was reported).
+fn load_cells(load: &Value) -> [String; 5] {
+    if load.is_null() {
+        return ["-", "-", "-", "-", "-"].map(String::from);
+    }
+    let gpus = load["gpus"].as_array().cloned().unwrap_or_default();
+    let sum = |k: &str| gpus.iter().map(|g| g[k].as_u64().unwrap_or(0)).sum::<u64>();
+    let (util, memory) = if gpus.is_empty() {
+        ("-".to_string(), "-".to_string())
+    } else {
+        (
+            format!("{}%", sum("utilization_percent") / gpus.len() as u64),
+            format!("{} / {}", bytes(sum("memory_used_bytes")), bytes(sum("memory_total_bytes"))),
+        )
+    };
+    [
+        s(&load["ranks_running"]),
+        util,
+        memory,
+        bytes(load["work_dir_free_bytes"].as_u64().unwrap_or(0)),
+        format!("{:.2}", load["load_1m"].as_f64().unwrap_or(0.0)),
+    ]
+}
+
+/// Bytes for people: 1 GiB = 2^30 B.
+fn bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let (mut v, mut unit) = (b as f64, 0);
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
 }
 
 /// A rank assignment as a table row: rank, node, gpu, replica, stage, layers.
@@ -456,5 +499,26 @@ fn watch(id: i64, remote: &Remote) -> Result<String, InputError> {
             return Ok(format!("job {id} {}{}", s(&job["state"]), job["reason"].as_str().map_or(String::new(), |r| format!(": {r}"))));
         }
         std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_cells_average_gpus_and_size_bytes() {
+        let gib = 1u64 << 30;
+        let load = serde_json::json!({
+            "gpus": [
+                {"index": 0, "utilization_percent": 90, "memory_used_bytes": 60 * gib, "memory_total_bytes": 80 * gib},
+                {"index": 1, "utilization_percent": 10, "memory_used_bytes": 20 * gib, "memory_total_bytes": 80 * gib}
+            ],
+            "work_dir_free_bytes": 1536 * gib, "load_1m": 2.5, "mem_available_bytes": 0, "ranks_running": 2, "age_ms": 10
+        });
+        assert_eq!(load_cells(&load), ["2", "50%", "80.0 GiB / 160.0 GiB", "1.5 TiB", "2.50"].map(String::from));
+        let no_gpus = serde_json::json!({"gpus": [], "work_dir_free_bytes": 512, "load_1m": 0.0, "ranks_running": 0});
+        assert_eq!(load_cells(&no_gpus), ["0", "-", "-", "512 B", "0.00"].map(String::from));
+        assert_eq!(load_cells(&Value::Null), ["-"; 5].map(String::from));
     }
 }

@@ -137,10 +137,16 @@ fn operators_manage_nodes_and_jobs_from_the_cli() {
 
     // Wait for the agent's node to hold a lease.
     let start = Instant::now();
-    while !ok(&c, &["node", "list", "-o", "json"]).contains("\"live\": true") {
-        assert!(start.elapsed() < Duration::from_secs(30), "the agent never registered");
+    while !ok(&c, &["node", "list", "-o", "json"]).contains("\"work_dir_free_bytes\"") {
+        assert!(start.elapsed() < Duration::from_secs(30), "the agent never registered (or never reported its load)");
         std::thread::sleep(Duration::from_millis(50));
     }
+    // Its heartbeats carry the node's load: free disk in its work directory, no GPUs here.
+    let node: serde_json::Value = serde_json::from_str(&ok(&c, &["node", "describe", "a100-2", "-o", "json"])).unwrap();
+    assert_eq!(node["live"], true);
+    assert!(node["load"]["work_dir_free_bytes"].as_u64().unwrap() > 0, "{node}");
+    let row = ok(&c, &["node", "list"]).lines().find(|l| l.contains("a100-2")).unwrap().to_string();
+    assert!(row.contains("yes") && row.contains("iB"), "live, with its free disk: {row}");
     // Only the node with a live agent may run it; its ranks sleep until cancelled.
     let job = std::env::temp_dir().join(format!("motley-cli-job-{}.yaml", rand_suffix()));
     std::fs::write(&job, "name: sleeper\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2, nodes: [a100-2]}\nrun: sleep 600\n")

@@ -5,7 +5,7 @@
 //!   N agents heartbeat on the default 1 s interval, after they all registered;
 //! * the launch of an R-rank job on that fleet (8 GPUs a node): submit over REST -> planning ->
 //!   launching (plan and rank assignments stored) -> Launch instructions out -> every agent
-//!   reports its ranks `running` on its next heartbeat -> the job is `running`; phases from the
+//!   reports its ranks `running` at once (as `motley-agent` does) -> the job is `running`; phases from the
 //!   job's events (`at_ms`) and this process's clock (the same machine's wall clock).
 //!
 //! on SQLite (a file in a temporary directory) and on PostgreSQL (a fresh database per fleet,
@@ -273,8 +273,8 @@ impl Shared {
     }
 }
 
-/// One agent: register, then one heartbeat stream; a Launch's ranks are reported `running` on
-/// the next heartbeat (what `motley-agent` does once its processes started), a Stop's `exited`.
+/// One agent: register, then one heartbeat stream; a Launch's ranks are reported `running` at
+/// once (what `motley-agent` does once its processes started), a Stop's `exited`.
 async fn agent(i: usize, channel: Channel, shared: Arc<Shared>, gate: Arc<tokio::sync::Semaphore>) {
     let node = format!("n{i:05}");
     if let Err(e) = agent_session(i, &node, channel, &shared, gate).await {
@@ -301,11 +301,12 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
     };
     let epoch = reply.epoch;
     let interval = Duration::from_millis(reply.heartbeat_ms.max(10));
-    // Reports waiting for the next heartbeat.
+    // Reports waiting to be sent: at once (`changed`), as the agent does.
     let pending: Arc<Mutex<Vec<RankStatus>>> = Default::default();
+    let changed = Arc::new(tokio::sync::Notify::new());
     let (tx, rx) = tokio::sync::mpsc::channel::<AgentStatus>(16);
     let beat_task = {
-        let (pending, node, shared) = (pending.clone(), node.to_string(), shared.clone());
+        let (pending, node, shared, changed) = (pending.clone(), node.to_string(), shared.clone(), changed.clone());
         let (index, burst) = (index, shared.burst);
         tokio::spawn(async move {
             // Heartbeat on a fixed phase of the wall clock: spread uniformly over the interval
@@ -316,8 +317,14 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
             let wait = (phase + period - now % period) % period;
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + Duration::from_micros(wait), interval);
             loop {
-                tick.tick().await;
+                let beat = tokio::select! {
+                    _ = tick.tick() => true,
+                    _ = changed.notified() => false,
+                };
                 let ranks = std::mem::take(&mut *pending.lock().unwrap());
+                if !beat && ranks.is_empty() {
+                    continue;
+                }
                 let mut running: HashMap<i64, usize> = HashMap::new();
                 for r in ranks.iter().filter(|r| r.state == "running") {
                     *running.entry(r.job).or_default() += 1;
@@ -325,7 +332,9 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
                 if tx.send(AgentStatus { node: node.clone(), epoch, ranks, ..Default::default() }).await.is_err() {
                     return;
                 }
-                shared.heartbeats.fetch_add(1, Ordering::Relaxed);
+                if beat {
+                    shared.heartbeats.fetch_add(1, Ordering::Relaxed);
+                }
                 if !running.is_empty() {
                     let at = now_ms();
                     let mut jobs = shared.jobs.lock().unwrap();
@@ -372,6 +381,7 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
                                 exit_code: None,
                             });
                         }
+                        changed.notify_one();
                     }
                     Some(instruction::Kind::Stop(s)) => {
                         shared.jobs.lock().unwrap().entry(s.job).or_default().stops += 1;
@@ -391,6 +401,7 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
                             }
                             !stopped
                         });
+                        changed.notify_one();
                     }
                     Some(instruction::Kind::Drain(_)) | None => {}
                 },
@@ -429,8 +440,8 @@ struct LaunchRow {
     planning_to_launching: f64,
     /// `launching` event -> the last agent got its Launch
     dispatch: f64,
-    /// the last Launch got -> the last agent sent its ranks running (the wait for its next heartbeat)
-    heartbeat_wait: f64,
+    /// the last Launch got -> the last agent sent its ranks running
+    report_wait: f64,
     /// the last report sent -> the `running` event
     reports_to_running: f64,
     /// submit -> `running`
@@ -556,8 +567,8 @@ async fn fleet_on(
     for &r in cfg.ranks.iter().filter(|&&r| r <= n * GPUS_PER_NODE) {
         let row = launch(coord, &shared, db, n, r).await?;
         println!(
-            "  {db} {n} agents, {r} GPUs: {} ranks on {} nodes running {:.0} ms after submit (planning->launching {:.0} ms, dispatch {:.0} ms, heartbeat wait {:.0} ms, reports->running {:.0} ms)",
-            row.ranks, row.nodes, row.total, row.planning_to_launching, row.dispatch, row.heartbeat_wait, row.reports_to_running
+            "  {db} {n} agents, {r} GPUs: {} ranks on {} nodes running {:.0} ms after submit (planning->launching {:.0} ms, dispatch {:.0} ms, ranks reported {:.0} ms later, reports->running {:.0} ms)",
+            row.ranks, row.nodes, row.total, row.planning_to_launching, row.dispatch, row.report_wait, row.reports_to_running
         );
         launches.push(row);
     }
@@ -622,7 +633,7 @@ async fn launch(coord: &Coordinator, shared: &Shared, db: &str, n: usize, gpus: 
         to_planning: planning - t_submit,
         planning_to_launching: launching - planning,
         dispatch: seen.last_launch_ms - launching,
-        heartbeat_wait: seen.last_running_sent_ms - seen.last_launch_ms,
+        report_wait: seen.last_running_sent_ms - seen.last_launch_ms,
         reports_to_running: running - seen.last_running_sent_ms,
         total: running - t_submit,
         stop_s,
@@ -722,7 +733,7 @@ fn real_main() -> Result<()> {
         );
     }
     println!("\nLaunches: ms from submit (this process's clock, before the POST) and between the job's events");
-    println!("| database | agents | GPUs asked | ranks | nodes | submit -> planning | planning -> launching (solver + store) | launching -> last Launch at an agent | -> last ranks reported (heartbeat wait) | -> running | submit -> running | cancel -> all exited (s) |");
+    println!("| database | agents | GPUs asked | ranks | nodes | submit -> planning | planning -> launching (solver + store) | launching -> last Launch at an agent | -> last ranks reported | -> running | submit -> running | cancel -> all exited (s) |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &launches {
         println!(
@@ -735,7 +746,7 @@ fn real_main() -> Result<()> {
             r.to_planning,
             r.planning_to_launching,
             r.dispatch,
-            r.heartbeat_wait,
+            r.report_wait,
             r.reports_to_running,
             r.total,
             r.stop_s

@@ -18,6 +18,7 @@ use crate::control;
 use crate::error::CoordinatorError;
 use crate::job::JobState;
 use crate::jobspec::JobSpec;
+use crate::load::NodeLoad;
 use crate::store::{RankReport, Store};
 
 /// A lease expires after this many base intervals without a heartbeat.
@@ -34,6 +35,8 @@ struct Lease {
     logs_url: String,
     last_seen: Instant,
     tx: Option<mpsc::Sender<Result<Instruction, Status>>>,
+    /// The load of its last interval heartbeat, and when it came.
+    load: Option<(NodeLoad, Instant)>,
 }
 
 /// The live agents (in memory only).
@@ -99,6 +102,21 @@ impl Fleet {
             .expect("lease lock")
             .get(node)
             .is_some_and(|l| l.tx.is_some() && l.last_seen.elapsed() <= self.base * LEASE_INTERVALS)
+    }
+
+    /// The load the node's agent last reported, if it is live.
+    pub fn load(&self, node: &str) -> Option<NodeLoad> {
+        let leases = self.leases.lock().expect("lease lock");
+        let lease = leases.get(node).filter(|l| l.last_seen.elapsed() <= self.base * LEASE_INTERVALS)?;
+        lease.load.as_ref().map(|(l, at)| NodeLoad { age_ms: at.elapsed().as_millis() as u64, ..l.clone() })
+    }
+
+    /// Every live node's last load, by node name.
+    pub fn loads(&self) -> Vec<(String, NodeLoad)> {
+        let names: Vec<String> = self.leases.lock().expect("lease lock").keys().cloned().collect();
+        let mut out: Vec<(String, NodeLoad)> = names.into_iter().filter_map(|n| self.load(&n).map(|l| (n, l))).collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
     }
 
     /// Tell the node's agent whether it is draining (if its stream is open; it is told again
@@ -167,7 +185,7 @@ impl Agent for AgentService {
             .leases
             .lock()
             .expect("lease lock")
-            .insert(r.node.clone(), Lease { epoch, address, logs_url: r.logs_url, last_seen: Instant::now(), tx: None });
+            .insert(r.node.clone(), Lease { epoch, address, logs_url: r.logs_url, last_seen: Instant::now(), tx: None, load: None });
         Ok(Response::new(RegisterReply { epoch, heartbeat_ms: self.fleet.base.as_millis() as u64 }))
     }
 
@@ -196,6 +214,9 @@ impl Agent for AgentService {
                             lease.last_seen = Instant::now();
                             fleet.heartbeats.fetch_add(1, Ordering::Relaxed);
                             lease.tx = Some(tx.clone());
+                            if let Some(load) = status.load.clone() {
+                                lease.load = Some((load.into(), lease.last_seen));
+                            }
                             None
                         }
                         Some(lease) => Some(crate::grpc::status_of(CoordinatorError::StaleAgent {

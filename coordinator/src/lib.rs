@@ -15,6 +15,7 @@ pub mod grpc;
 pub mod job;
 pub mod jobspec;
 pub mod leader;
+pub mod load;
 pub mod metrics;
 pub mod rest;
 pub mod scheduler;

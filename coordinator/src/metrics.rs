@@ -21,6 +21,17 @@ struct StateLabel {
     state: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeLabel {
+    node: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabel {
+    node: String,
+    gpu: String,
+}
+
 /// The coordinator's metrics.
 #[derive(Clone)]
 pub struct Metrics {
@@ -64,9 +75,42 @@ impl Metrics {
             let nodes = Gauge::<i64>::default();
             nodes.set(self.store.nodes().await?.len() as i64);
             registry.register("nodes", "Nodes in the inventory", nodes);
+            self.register_loads(&mut registry);
         }
         let mut out = String::new();
         encode(&mut out, &registry).expect("writing to a String cannot fail");
         Ok(out)
+    }
+
+    /// What live agents reported on their last heartbeat, per node and per GPU.
+    fn register_loads(&self, registry: &mut Registry) {
+        let util = Family::<GpuLabel, Gauge<i64>>::default();
+        let mem_used = Family::<GpuLabel, Gauge<i64>>::default();
+        let mem_total = Family::<GpuLabel, Gauge<i64>>::default();
+        let disk = Family::<NodeLabel, Gauge<i64>>::default();
+        let ranks = Family::<NodeLabel, Gauge<i64>>::default();
+        let load = Family::<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        let mem = Family::<NodeLabel, Gauge<i64>>::default();
+        let bytes = |b: u64| i64::try_from(b).unwrap_or(i64::MAX);
+        for (node, l) in self.fleet.loads() {
+            let n = NodeLabel { node: node.clone() };
+            disk.get_or_create(&n).set(bytes(l.work_dir_free_bytes));
+            ranks.get_or_create(&n).set(i64::from(l.ranks_running));
+            load.get_or_create(&n).set(l.load_1m);
+            mem.get_or_create(&n).set(bytes(l.mem_available_bytes));
+            for g in &l.gpus {
+                let label = GpuLabel { node: node.clone(), gpu: g.index.to_string() };
+                util.get_or_create(&label).set(i64::from(g.utilization_percent));
+                mem_used.get_or_create(&label).set(bytes(g.memory_used_bytes));
+                mem_total.get_or_create(&label).set(bytes(g.memory_total_bytes));
+            }
+        }
+        registry.register("node_gpu_utilization_percent", "GPU utilisation on the node's last heartbeat", util);
+        registry.register("node_gpu_memory_used_bytes", "GPU memory in use on the node's last heartbeat", mem_used);
+        registry.register("node_gpu_memory_total_bytes", "GPU memory of each GPU", mem_total);
+        registry.register("node_work_dir_free_bytes", "Free bytes in the agent's work directory", disk);
+        registry.register("node_ranks_running", "Ranks the node's agent runs", ranks);
+        registry.register("node_load1", "The node's 1-minute load average", load);
+        registry.register("node_mem_available_bytes", "Memory available on the node", mem);
     }
 }

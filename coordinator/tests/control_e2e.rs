@@ -8,7 +8,9 @@ use common::{temp_dir, Coordinator};
 use motley_proto::v1 as pb;
 use motley_proto::v1::control_client::ControlClient;
 use serde_json::Value;
+use std::time::Duration;
 use tonic::transport::Channel;
+
 use tonic::Code;
 
 const NODE: &str = "gpu: A100-80G\ngpus: 8\nnics: [{name: mlx5_0, kind: ib, gbps: 200}]\nrdma_domain: lab\n";
@@ -148,4 +150,112 @@ fn the_example_config_file_is_valid_and_flags_win() {
     let c = Coordinator::start(&temp_dir(), &["--config", config]);
     assert!(c.addr.starts_with("127.0.0.1:"), "--listen beats the file's 0.0.0.0:7070: {}", c.addr);
     assert_eq!(c.json("GET", "/api/v1/nodes", "", 200), serde_json::json!([]));
+}
+
+/// What an agent reports of its node's load on a heartbeat reaches the node APIs (REST and
+/// gRPC) and /metrics, and goes when the lease does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_load_reaches_the_apis_and_metrics() {
+    use motley_proto::v1::agent_client::AgentClient;
+    use motley_proto::v1::{AgentStatus, GpuLoad, NodeLoad, RegisterRequest};
+    let c = Coordinator::start(&temp_dir(), &["--heartbeat-ms", "100"]);
+    let token = c.token.clone().unwrap();
+    let mut agents = AgentClient::connect(format!("http://{}", c.grpc)).await.unwrap();
+    let reply = agents
+        .register(RegisterRequest {
+            node: "g0".into(),
+            inventory_json: r#"{"gpu": "A100-80G", "gpus": 2}"#.into(),
+            token: token.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let gib = 1u64 << 30;
+    let load = NodeLoad {
+        gpus: vec![
+            GpuLoad {
+                index: 0,
+                utilization_percent: 87,
+                memory_used_bytes: 60 * gib,
+                memory_total_bytes: 80 * gib,
+                temperature_c: Some(71),
+            },
+            GpuLoad { index: 1, utilization_percent: 0, memory_used_bytes: 0, memory_total_bytes: 80 * gib, temperature_c: None },
+        ],
+        work_dir_free_bytes: 500 * gib,
+        load_1m: 3.5,
+        mem_available_bytes: 200 * gib,
+        ranks_running: 1,
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let epoch = reply.epoch;
+    let beats = tokio::spawn(async move {
+        loop {
+            let status = AgentStatus { node: "g0".into(), epoch, ranks: vec![], load: Some(load.clone()) };
+            if tx.send(status).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    let mut inbound = agents.heartbeat(request).await.unwrap().into_inner();
+    tokio::spawn(async move { while let Ok(Some(_)) = inbound.message().await {} });
+
+    let c = std::sync::Arc::new(c);
+    let rest = {
+        let c = c.clone();
+        tokio::task::spawn_blocking(move || {
+            let start = std::time::Instant::now();
+            loop {
+                let node = c.json("GET", "/api/v1/nodes/g0", "", 200);
+                if !node["load"].is_null() {
+                    return (node, c.call_as(None, "GET", "/metrics", "").1);
+                }
+                assert!(start.elapsed() < Duration::from_secs(20), "no load reported: {node}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+        .await
+        .unwrap()
+    };
+    let (node, metrics) = rest;
+    let load = &node["load"];
+    assert_eq!(load["gpus"][0]["utilization_percent"], 87);
+    assert_eq!(load["gpus"][0]["temperature_c"], 71);
+    assert_eq!(load["gpus"][1]["memory_total_bytes"], 80 * gib);
+    assert_eq!((load["work_dir_free_bytes"].as_u64(), load["ranks_running"].as_u64()), (Some(500 * gib), Some(1)));
+    assert!(load["age_ms"].as_u64().unwrap() < 10_000, "{load}");
+    for line in [
+        "motley_node_gpu_utilization_percent{node=\"g0\",gpu=\"0\"} 87".to_string(),
+        format!("motley_node_gpu_memory_used_bytes{{node=\"g0\",gpu=\"0\"}} {}", 60 * gib),
+        format!("motley_node_work_dir_free_bytes{{node=\"g0\"}} {}", 500 * gib),
+        "motley_node_ranks_running{node=\"g0\"} 1".to_string(),
+        "motley_node_load1{node=\"g0\"} 3.5".to_string(),
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "no '{line}' in\n{metrics}");
+    }
+    let mut g = client(&c).await;
+    let described = g.describe_node(authed(pb::NodeRef { name: "g0".into() }, &token)).await.unwrap().into_inner();
+    assert_eq!(described.load.unwrap().gpus[0].utilization_percent, 87);
+
+    // The agent goes quiet: its lease expires after 3 intervals and its load goes with it.
+    beats.abort();
+    let gone = tokio::task::spawn_blocking(move || {
+        let start = std::time::Instant::now();
+        loop {
+            let node = c.json("GET", "/api/v1/nodes/g0", "", 200);
+            if node["live"] == false {
+                return (node, c.call_as(None, "GET", "/metrics", "").1);
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "the lease never expired");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    })
+    .await
+    .unwrap();
+    assert!(gone.0["load"].is_null(), "{}", gone.0);
+    assert!(!gone.1.contains("motley_node_gpu_utilization_percent{"), "{}", gone.1);
 }

@@ -21,6 +21,8 @@ pub struct NodeView {
     /// The node's cluster-file entry.
     #[schema(value_type = Object)]
     pub inventory: Value,
+    /// What its agent reported on its last heartbeat (null unless live).
+    pub load: Option<crate::load::NodeLoad>,
 }
 
 /// A declared node's new agent epoch.
@@ -33,6 +35,7 @@ pub struct Declared {
 fn view(n: NodeRecord, s: &AppState) -> NodeView {
     NodeView {
         live: s.fleet.live(&n.name),
+        load: s.fleet.load(&n.name),
         inventory: serde_json::from_str(&n.inventory).unwrap_or(Value::Null),
         name: n.name,
         state: n.state,

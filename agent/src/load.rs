@@ -1,0 +1,73 @@
+//! The node's load, sampled for every interval heartbeat: GPU utilisation and memory (NVML),
+//! free space in the work directory (statvfs), the load average and available memory (/proc).
+//! A source that cannot be read contributes nothing (zeros or no GPUs) rather than stopping
+//! the heartbeat, which is the node's lease.
+
+use std::path::Path;
+
+use motley_proto::v1::NodeLoad;
+
+/// `sample` off the async workers, given up after `limit`: a work directory on a hung network
+/// file system (or a stuck driver) must not hold up the heartbeat, which is the node's lease.
+pub async fn sample_within(work_dir: std::path::PathBuf, ranks_running: u32, limit: std::time::Duration) -> Option<NodeLoad> {
+    let task = tokio::task::spawn_blocking(move || sample(&work_dir, ranks_running));
+    tokio::time::timeout(limit, task).await.ok()?.ok()
+}
+
+/// Sample the node now.
+pub fn sample(work_dir: &Path, ranks_running: u32) -> NodeLoad {
+    let proc_text = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    NodeLoad {
+        gpus: crate::nvml::gpu_loads(),
+        work_dir_free_bytes: free_bytes(work_dir).unwrap_or(0),
+        load_1m: load_1m(&proc_text("/proc/loadavg")).unwrap_or(0.0),
+        mem_available_bytes: mem_available(&proc_text("/proc/meminfo")).unwrap_or(0),
+        ranks_running,
+    }
+}
+
+/// Bytes an unprivileged writer may still use on the file system holding `dir`.
+pub fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is a valid NUL-terminated string and `st` a writable statvfs.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// The first field of /proc/loadavg.
+fn load_1m(text: &str) -> Option<f64> {
+    text.split_whitespace().next()?.parse().ok()
+}
+
+/// MemAvailable of /proc/meminfo, in bytes.
+fn mem_available(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_files_parse() {
+        assert_eq!(load_1m("0.52 0.58 0.59 1/467 12345\n"), Some(0.52));
+        assert_eq!(load_1m(""), None);
+        let meminfo = "MemTotal:       24576000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\n";
+        assert_eq!(mem_available(meminfo), Some(20_000_000 * 1024));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+    }
+
+    #[test]
+    fn this_machine_has_free_disk_and_memory() {
+        let l = sample(&std::env::temp_dir(), 3);
+        assert!(l.work_dir_free_bytes > 0 && l.mem_available_bytes > 0, "{l:?}");
+        assert_eq!(l.ranks_running, 3);
+        assert_eq!(free_bytes(Path::new("/no/such/dir")), None);
+    }
+}
