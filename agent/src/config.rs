@@ -26,6 +26,7 @@ pub struct FileConfig {
     pub sysfs_root: Option<PathBuf>,
     pub rdma_domain: Option<String>,
     pub ca_cert: Option<PathBuf>,
+    pub keep_finished_hours: Option<f64>,
 }
 
 /// Read the config file; `explicit` when the operator named it (then it must exist).

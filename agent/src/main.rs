@@ -40,6 +40,10 @@ struct Args {
     /// Where rank logs, plan files and rank records go.
     #[arg(long, env = "MOTLEY_WORK_DIR", default_value = "motley-agent")]
     work_dir: PathBuf,
+    /// Hours a finished launch's files (rank logs, plan, records) are kept after its ranks'
+    /// ends were reported and nothing in them changed; then they are deleted (0: at once).
+    #[arg(long, env = "MOTLEY_KEEP_FINISHED_HOURS", default_value_t = 72.0)]
+    keep_finished_hours: f64,
     /// The address other nodes reach this one at (MASTER_ADDR when rank 0 runs here, and the
     /// host of the logs URL).
     #[arg(long, env = "MOTLEY_ADDRESS", default_value = "127.0.0.1")]
@@ -94,7 +98,11 @@ fn settings() -> anyhow::Result<Args> {
             }
         )*};
     }
-    from_file!(coordinator, node, inventory, token, work_dir, address, logs_listen, sysfs_root, rdma_domain, ca_cert);
+    from_file!(coordinator, node, inventory, token, work_dir, address, logs_listen, sysfs_root, rdma_domain, ca_cert, keep_finished_hours);
+    anyhow::ensure!(
+        args.keep_finished_hours.is_finite() && args.keep_finished_hours >= 0.0,
+        "keep_finished_hours: must be a number of hours, 0 or more (e.g. 72)"
+    );
     Ok(args)
 }
 
@@ -211,6 +219,20 @@ async fn agent(args: Args, node: String, inventory: String) -> anyhow::Result<()
     for n in supervisor.adopt() {
         tracing::info!(node = %node, "{n}");
     }
+    // Finished launches' files go after --keep-finished-hours; looked for a few times per
+    // period (at least every 10 minutes), off the async workers.
+    let keep = Duration::from_secs_f64(args.keep_finished_hours * 3600.0);
+    let sweeper = (supervisor.clone(), node.clone());
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval((keep / 4).clamp(Duration::from_secs(1), Duration::from_secs(600)));
+        loop {
+            tick.tick().await;
+            let s = sweeper.0.clone();
+            for n in tokio::task::spawn_blocking(move || s.prune(keep)).await.unwrap_or_default() {
+                tracing::info!(node = %sweeper.1, "{n}");
+            }
+        }
+    });
     let mut backoff = Duration::from_millis(200);
     // Each pass is one session: register (a new epoch), then heartbeat until the stream
     // breaks; ranks keep running across sessions and are reported again in the next one.

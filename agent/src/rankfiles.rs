@@ -97,6 +97,12 @@ pub fn scan(work_dir: &Path) -> (Vec<RankRecord>, Vec<String>) {
     (out, notes)
 }
 
+/// Whether no file in `dir` was modified within `keep` (a rank's log grows while it runs).
+pub fn untouched_for(dir: &Path, keep: std::time::Duration) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else { return false };
+    entries.filter_map(|e| e.ok()?.metadata().ok()?.modified().ok()).all(|m| m.elapsed().is_ok_and(|age| age >= keep))
+}
+
 /// Whether any process of the group still runs. Zombies do not count: under an init that
 /// does not reap (some containers), an orphaned wrapper killed with its rank stays a zombie,
 /// and kill(2) still finds its group.

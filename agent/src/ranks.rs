@@ -52,6 +52,9 @@ pub struct Supervisor {
     wrapper: PathBuf,
     ranks: Arc<Mutex<Ranks>>,
     grace: Arc<Mutex<Duration>>,
+    /// Launches (job, generation) whose files were pruned: a late copy of their Launch must not
+    /// run them again.
+    pruned: Arc<Mutex<std::collections::HashSet<(i64, i64)>>>,
     /// A rank started or ended: report it now rather than on the next heartbeat (a launch is
     /// acknowledged, and a job's end seen, within milliseconds).
     changed: Arc<tokio::sync::Notify>,
@@ -66,6 +69,7 @@ impl Supervisor {
             ranks: Arc::default(),
             grace: Arc::new(Mutex::new(Duration::from_secs(5))),
             changed: Arc::new(tokio::sync::Notify::new()),
+            pruned: Arc::default(),
         }
     }
 
@@ -143,6 +147,10 @@ impl Supervisor {
     /// Start the launch's ranks; a rank that cannot start is reported as exited with 127. A
     /// launch of an older generation than one this agent already has for the job is ignored.
     pub fn launch(&self, l: Launch) {
+        if self.pruned.lock().expect("pruned lock").contains(&(l.job, l.generation)) {
+            tracing::warn!(node = %self.node, "ignoring a launch of job {} generation {}: it ended and was pruned", l.job, l.generation);
+            return;
+        }
         let newest = self.lock().keys().filter(|k| k.0 == l.job).map(|k| k.1).max();
         if let Some(g) = newest.filter(|&g| g > l.generation) {
             tracing::warn!(node = %self.node, "ignoring a launch of job {} generation {}: generation {g} is already here", l.job, l.generation);
@@ -279,6 +287,38 @@ impl Supervisor {
         }
     }
 
+    /// Delete the directories (logs included) of launches whose every rank here ended and was
+    /// reported, once nothing in them changed for `keep`, and forget those ranks: without it
+    /// a long-lived agent's disk and memory grow with every job it ever ran. Returns what was
+    /// removed, for the log.
+    pub fn prune(&self, keep: Duration) -> Vec<String> {
+        let numbered = |dir: &Path| -> Vec<(i64, PathBuf)> {
+            let entries = std::fs::read_dir(dir).map(|d| d.filter_map(|e| e.ok()).collect::<Vec<_>>()).unwrap_or_default();
+            entries.into_iter().filter_map(|e| Some((e.file_name().to_str()?.parse().ok()?, e.path()))).collect()
+        };
+        let mut removed = vec![];
+        for (job, job_dir) in numbered(&self.work_dir.join("jobs")) {
+            for (generation, dir) in numbered(&job_dir) {
+                let mut ranks = self.lock();
+                let busy =
+                    ranks.iter().any(|(k, r)| k.0 == job && k.1 == generation && (matches!(r.state, State::Running { .. }) || !r.reported));
+                if busy || !rankfiles::untouched_for(&dir, keep) {
+                    continue;
+                }
+                // Under the rank lock: a launch of this generation cannot slip in between.
+                if let Err(e) = std::fs::remove_dir_all(&dir) {
+                    tracing::warn!(node = %self.node, "{}: {e}", dir.display());
+                    continue;
+                }
+                ranks.retain(|k, _| !(k.0 == job && k.1 == generation));
+                self.pruned.lock().expect("pruned lock").insert((job, generation));
+                removed.push(format!("job {job} generation {generation}: ended, files removed ({})", dir.display()));
+            }
+            let _ = std::fs::remove_dir(&job_dir); // only if empty
+        }
+        removed
+    }
+
     /// Stop the job's ranks of generations up to `generation`: SIGTERM to each group, SIGKILL
     /// after the grace period to those still there.
     pub fn stop(&self, job: i64, generation: i64) {
@@ -298,5 +338,48 @@ impl Supervisor {
                 }
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A launch directory as an earlier agent left it: one rank's record and exit code, and the
+    /// `reported` marker if its end was told to a coordinator.
+    fn finished(work: &Path, job: i64, reported: bool) -> PathBuf {
+        let dir = generation_dir(work, job, 1);
+        std::fs::create_dir_all(&dir).unwrap();
+        // A process group that cannot exist: the rank is not running.
+        let record = RankRecord { job, generation: 1, rank: 0, pgid: i32::MAX, log: rank_file(&dir, 0, "log") };
+        rankfiles::write_record(&dir, &record).unwrap();
+        std::fs::write(rank_file(&dir, 0, "exit"), "0\n").unwrap();
+        std::fs::write(rank_file(&dir, 0, "log"), "done\n").unwrap();
+        if reported {
+            std::fs::write(rank_file(&dir, 0, "reported"), "").unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn finished_and_reported_launches_are_pruned_after_the_keep_period() {
+        let work = std::env::temp_dir().join(format!("motley-prune-{}-{}", std::process::id(), line!()));
+        let _ = std::fs::remove_dir_all(&work);
+        let (told, untold) = (finished(&work, 1, true), finished(&work, 2, false));
+        let s = Supervisor::new(work.clone(), "n".into(), PathBuf::from("/bin/false"));
+        s.adopt();
+        assert!(s.prune(Duration::from_secs(3600)).is_empty(), "nothing is old enough yet");
+        let removed = s.prune(Duration::ZERO);
+        assert_eq!(removed.len(), 1, "{removed:?}");
+        assert!(!told.exists() && !work.join("jobs/1").exists(), "the reported launch and its empty job directory are gone");
+        assert!(untold.exists(), "an end not yet reported keeps its files");
+        assert_eq!(s.changes().len(), 1, "job 2's end is reported now");
+        assert_eq!(s.prune(Duration::ZERO).len(), 1);
+        assert!(!untold.exists());
+        assert!(s.changes().is_empty() && s.running() == 0, "pruned ranks are forgotten");
+        // A late copy of a pruned launch does not run it again.
+        s.launch(Launch { job: 2, generation: 1, ranks: vec![RankLaunch { rank: 0, ..Default::default() }], ..Default::default() });
+        assert!(s.changes().is_empty() && !untold.exists());
+        std::fs::remove_dir_all(&work).unwrap();
     }
 }

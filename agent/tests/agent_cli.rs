@@ -16,6 +16,17 @@ fn a_missing_inventory_names_the_flag() {
 }
 
 #[test]
+fn a_negative_retention_names_the_setting() {
+    let out = Command::new(env!("CARGO_BIN_EXE_motley-agent"))
+        .args(["--node", "n0", "--keep-finished-hours=-1", "--coordinator", "http://127.0.0.1:9"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("keep_finished_hours: must be a number of hours, 0 or more"), "{err}");
+}
+
+#[test]
 fn an_inventory_that_is_not_yaml_is_refused() {
     let file = std::env::temp_dir().join(format!("motley-agent-bad-{}.yaml", std::process::id()));
     std::fs::write(&file, "gpu: [unclosed\n").unwrap();

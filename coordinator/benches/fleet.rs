@@ -273,6 +273,26 @@ impl Shared {
     }
 }
 
+/// A busy 8-GPU node's load, the size of what a real agent sends on every interval heartbeat.
+fn node_load() -> motley_proto::v1::NodeLoad {
+    let gib = 1u64 << 30;
+    motley_proto::v1::NodeLoad {
+        gpus: (0..8)
+            .map(|index| motley_proto::v1::GpuLoad {
+                index,
+                utilization_percent: 97,
+                memory_used_bytes: 71 * gib,
+                memory_total_bytes: 80 * gib,
+                temperature_c: Some(68),
+            })
+            .collect(),
+        work_dir_free_bytes: 3 * 1024 * gib,
+        load_1m: 12.5,
+        mem_available_bytes: 900 * gib,
+        ranks_running: 8,
+    }
+}
+
 /// One agent: register, then one heartbeat stream; a Launch's ranks are reported `running` at
 /// once (what `motley-agent` does once its processes started), a Stop's `exited`.
 async fn agent(i: usize, channel: Channel, shared: Arc<Shared>, gate: Arc<tokio::sync::Semaphore>) {
@@ -329,7 +349,9 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
                 for r in ranks.iter().filter(|r| r.state == "running") {
                     *running.entry(r.job).or_default() += 1;
                 }
-                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, ..Default::default() }).await.is_err() {
+                // Every interval heartbeat carries the node's load, as `motley-agent`'s do.
+                let load = beat.then(node_load);
+                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, ..Default::default() }).await.is_err() {
                     return;
                 }
                 if beat {
