@@ -7,11 +7,33 @@ use std::path::Path;
 
 use motley_proto::v1::NodeLoad;
 
-/// `sample` off the async workers, given up after `limit`: a work directory on a hung network
-/// file system (or a stuck driver) must not hold up the heartbeat, which is the node's lease.
-pub async fn sample_within(work_dir: std::path::PathBuf, ranks_running: u32, limit: std::time::Duration) -> Option<NodeLoad> {
-    let task = tokio::task::spawn_blocking(move || sample(&work_dir, ranks_running));
-    tokio::time::timeout(limit, task).await.ok()?.ok()
+/// How often the node is sampled.
+pub const SAMPLE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The latest sample and when it was taken.
+pub type Latest = tokio::sync::watch::Receiver<Option<(NodeLoad, std::time::Instant)>>;
+
+/// Sample the node every `SAMPLE_EVERY`, one sample at a time and off the async workers, into
+/// a watch channel the heartbeat reads without waiting: a work directory on a hung network
+/// file system (or a stuck driver) stalls this loop and leaves the load stale (the heartbeat
+/// then sends none), never the heartbeat, which is the node's lease.
+pub fn sampler(work_dir: std::path::PathBuf, ranks_running: impl Fn() -> u32 + Send + 'static) -> Latest {
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    tokio::spawn(async move {
+        loop {
+            let (dir, running) = (work_dir.clone(), ranks_running());
+            match tokio::task::spawn_blocking(move || sample(&dir, running)).await {
+                Ok(load) => {
+                    if tx.send(Some((load, std::time::Instant::now()))).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => tracing::warn!("load sample: {e}"),
+            }
+            tokio::time::sleep(SAMPLE_EVERY).await;
+        }
+    });
+    rx
 }
 
 /// Sample the node now.

@@ -233,12 +233,16 @@ async fn agent(args: Args, node: String, inventory: String) -> anyhow::Result<()
             }
         }
     });
+    let load = {
+        let s = supervisor.clone();
+        motley_agent::load::sampler(args.work_dir.clone(), move || s.running())
+    };
     let mut backoff = Duration::from_millis(200);
     // Each pass is one session: register (a new epoch), then heartbeat until the stream
     // breaks; ranks keep running across sessions and are reported again in the next one.
     loop {
         let began = std::time::Instant::now();
-        match session(&args, &node, &inventory, &logs_url, &supervisor).await {
+        match session(&args, &node, &inventory, &logs_url, &supervisor, &load).await {
             Ok(()) => return Ok(()),
             Err(e) => {
                 // A session that ran a while ended by a coordinator restart or failover: find
@@ -327,7 +331,14 @@ async fn register(
     anyhow::bail!("no coordinator took the registration ({})", last.unwrap_or_else(|| "--coordinator is empty".into()))
 }
 
-async fn session(args: &Args, node: &str, inventory: &str, logs_url: &str, supervisor: &Supervisor) -> anyhow::Result<()> {
+async fn session(
+    args: &Args,
+    node: &str,
+    inventory: &str,
+    logs_url: &str,
+    supervisor: &Supervisor,
+    load: &motley_agent::load::Latest,
+) -> anyhow::Result<()> {
     let token = args.token.clone().unwrap_or_default();
     let request = RegisterRequest {
         node: node.to_string(),
@@ -350,7 +361,7 @@ async fn session(args: &Args, node: &str, inventory: &str, logs_url: &str, super
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
     request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().context("token is not a valid header value")?);
     let beat = {
-        let (supervisor, node, work_dir) = (supervisor.clone(), node.to_string(), args.work_dir.clone());
+        let (supervisor, node, load) = (supervisor.clone(), node.to_string(), load.clone());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             loop {
@@ -363,8 +374,10 @@ async fn session(args: &Args, node: &str, inventory: &str, logs_url: &str, super
                 if !beat && ranks.is_empty() {
                     continue;
                 }
+                // A fresh sample only (a stalled sampler's old one would mislead).
+                let fresh = interval.max(motley_agent::load::SAMPLE_EVERY) * 3;
                 let load = match beat {
-                    true => motley_agent::load::sample_within(work_dir.clone(), supervisor.running(), interval / 2).await,
+                    true => load.borrow().as_ref().filter(|(_, at)| at.elapsed() <= fresh).map(|(l, _)| l.clone()),
                     false => None,
                 };
                 if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load }).await.is_err() {

@@ -212,7 +212,11 @@ impl Agent for AgentService {
                     match leases.get_mut(&status.node) {
                         Some(lease) if lease.epoch == status.epoch => {
                             lease.last_seen = Instant::now();
-                            fleet.heartbeats.fetch_add(1, Ordering::Relaxed);
+                            // Interval heartbeats (they carry the load), not the rank reports
+                            // an agent sends between them.
+                            if status.load.is_some() || status.ranks.is_empty() {
+                                fleet.heartbeats.fetch_add(1, Ordering::Relaxed);
+                            }
                             lease.tx = Some(tx.clone());
                             if let Some(load) = status.load.clone() {
                                 lease.load = Some((load.into(), lease.last_seen));
@@ -337,7 +341,7 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
     let world = ranks.len() as i64;
     let Some(first) = ranks.first() else { return Ok(()) };
     let master_addr = fleet.address(&first.assignment.node).unwrap_or_else(|| "127.0.0.1".into());
-    let master_port = master_port(fleet.master_port_base, first.assignment.gpu, job.generation);
+    let master_port = master_port(fleet.master_port_base, id, job.generation);
     let plan_doc: serde_json::Value = serde_json::from_str(&plan).unwrap_or_default();
     let mut by_node: HashMap<String, Vec<RankLaunch>> = HashMap::new();
     for r in &ranks {
@@ -386,11 +390,12 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
     Ok(())
 }
 
-/// Where a launch's ranks meet: a port per GPU of rank 0 (no two launched jobs share a GPU, so
-/// none share a master port on one node) and per generation (a relaunch never meets the
-/// rendezvous of the launch before it, whose ranks may still be stopping).
-fn master_port(base: u16, rank0_gpu: i64, generation: i64) -> u32 {
-    u32::from(base) + (rank0_gpu.rem_euclid(64) as u32) * 16 + generation.rem_euclid(16) as u32
+/// Where a launch's ranks meet: one of 1,024 ports from the base, by job (jobs whose ids differ
+/// by less than 512 never share one, even when their rank 0s share a host) and by generation's
+/// parity (a relaunch never meets the rendezvous of the launch before it, whose ranks may still
+/// be stopping).
+fn master_port(base: u16, job: i64, generation: i64) -> u32 {
+    u32::from(base) + (job.rem_euclid(512) as u32) * 2 + generation.rem_euclid(2) as u32
 }
 
 /// Where a rank sits in the plan's parallelism.
@@ -496,15 +501,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn master_ports_differ_by_rank0_gpu_and_by_generation() {
-        assert_eq!(master_port(29500, 0, 1), 29501);
-        assert_eq!(master_port(29500, 3, 1), 29549);
+    fn master_ports_differ_by_job_and_by_generation() {
+        assert_eq!(master_port(29500, 1, 1), 29503);
+        assert_eq!(master_port(29500, 1, 2), 29502, "a relaunch moves to the next port");
         let mut seen = std::collections::HashSet::new();
-        for gpu in 0..64 {
-            for generation in 1..=16 {
-                let p = master_port(29500, gpu, generation);
+        for job in 1000..1512 {
+            for generation in [7, 8] {
+                let p = master_port(29500, job, generation);
                 assert!((29500..29500 + 1024).contains(&p));
-                assert!(seen.insert(p), "gpu {gpu} generation {generation} reuses port {p}");
+                assert!(seen.insert(p), "job {job} generation {generation} reuses port {p}");
             }
         }
     }

@@ -100,37 +100,59 @@ pub enum Planned {
 pub async fn plan_job(store: &Store, fleet: &crate::agents::Fleet, id: i64, taken: &Taken) -> Result<Planned> {
     let job = store.job(id).await?;
     let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
-    let found = offer(store, &spec, Some((fleet, taken))).await;
-    if let Ok(o) = &found {
-        if o.free < o.wanted {
-            let mut holders: Vec<i64> = o.holders.iter().copied().collect();
-            holders.sort();
-            let holders: Vec<String> = holders.iter().map(|j| j.to_string()).collect();
-            return Ok(Planned::Waiting(format!(
-                "waiting for {} GPUs: {} of the {} it may use are free; job(s) {} hold the rest",
-                o.wanted,
-                o.free,
-                o.capacity,
-                holders.join(", ")
-            )));
-        }
-    }
-    // A job found in `planning` was left there by a coordinator that stopped: plan it again.
-    if job.state != JobState::Planning {
-        store.transition(id, JobState::Planning, None).await?;
-    }
-    let solved = match found {
-        Ok(o) => solve(&spec, o).await,
-        Err(e) => Err(e),
+    let offer = match offer(store, &spec, Some((fleet, taken))).await {
+        Ok(o) => o,
+        Err(e) => return fail_planning(store, &job, e).await,
     };
-    match solved {
+    let holders = || offer.holders.iter().map(|j| j.to_string()).collect::<Vec<_>>().join(", ");
+    if offer.free < offer.wanted {
+        return Ok(Planned::Waiting(format!(
+            "waiting for {} GPUs: {} of the {} it may use are free; job(s) {} hold the rest",
+            offer.wanted,
+            offer.free,
+            offer.capacity,
+            holders()
+        )));
+    }
+    let (partial, free, held_by) = (offer.free < offer.capacity, offer.free, holders());
+    match solve(&spec, offer).await {
         Ok((report, ranks)) => {
+            // A job found in `planning` was left there by a coordinator that stopped.
+            if job.state != JobState::Planning {
+                store.transition(id, JobState::Planning, None).await?;
+            }
             let plan = serde_json::to_string(&report).expect("a plan serialises");
             store.start_generation(id, &plan, &ranks).await?;
             Ok(Planned::Launched(store.job(id).await?))
         }
-        Err(e) => Ok(Planned::Failed(store.transition(id, JobState::Failed, Some(&e.to_string())).await?)),
+        // Other jobs hold some of its GPUs: what is free may not fit it (too few per node for
+        // its layers, say), but all of them might once those jobs end.
+        Err(e) if partial => {
+            Ok(Planned::Waiting(format!("waiting for more GPUs: the {free} free do not fit it ({e}); job(s) {held_by} hold the rest")))
+        }
+        Err(e) => fail_planning(store, &job, e).await,
     }
+}
+
+/// `planning` (as a record that it was tried), then `failed` with the reason.
+async fn fail_planning(store: &Store, job: &JobRecord, e: CoordinatorError) -> Result<Planned> {
+    if job.state != JobState::Planning {
+        store.transition(job.id, JobState::Planning, None).await?;
+    }
+    Ok(Planned::Failed(store.transition(job.id, JobState::Failed, Some(&e.to_string())).await?))
+}
+
+/// Active nodes within the job's resources whose agent holds no lease now.
+pub async fn missing_nodes(store: &Store, fleet: &crate::agents::Fleet, job: &JobRecord) -> Result<Vec<String>> {
+    let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
+    let mine = |n: &str| spec.resources.nodes.is_empty() || spec.resources.nodes.iter().any(|m| m == n);
+    Ok(store
+        .nodes()
+        .await?
+        .into_iter()
+        .filter(|n| n.state == NodeState::Active && mine(&n.name) && !fleet.live(&n.name))
+        .map(|n| n.name)
+        .collect())
 }
 
 /// The nodes a job may use now, each cut down to its free GPUs and renumbered 0..n for the
@@ -172,13 +194,19 @@ async fn offer(store: &Store, spec: &JobSpec, live: Option<(&crate::agents::Flee
     let capacity: u32 = nodes.iter().map(|n| n.gpus).sum();
     let wanted = spec.resources.gpus.map_or(capacity, |b| b.min(capacity));
     let (mut free, mut holders, mut real) = (0, BTreeSet::new(), HashMap::new());
-    // Within a GPU budget, take free GPUs in node-name order until it is met (the last node
-    // only in part): the plan never uses more GPUs than the job may.
+    let free_of = |n: &NodeSpec| -> Vec<u32> {
+        let held = taken.get(&n.name);
+        (0..n.gpus).filter(|g| !held.is_some_and(|h| h.contains_key(g))).collect()
+    };
+    // Emptiest nodes first (whole free nodes before the leftovers of busy ones: fewer jobs
+    // split across nodes), then by name.
+    nodes.sort_by(|a, b| free_of(b).len().cmp(&free_of(a).len()).then_with(|| a.name.cmp(&b.name)));
+    // Within a GPU budget, take free GPUs in that order until it is met (the last node only in
+    // part): the plan never uses more GPUs than the job may.
     let mut left = wanted;
     nodes.retain_mut(|n| {
-        let held = taken.get(&n.name);
-        holders.extend(held.into_iter().flat_map(|h| h.values().copied()));
-        let mut ours: Vec<u32> = (0..n.gpus).filter(|g| !held.is_some_and(|h| h.contains_key(g))).collect();
+        holders.extend(taken.get(&n.name).into_iter().flat_map(|h| h.values().copied()));
+        let mut ours = free_of(n);
         free += ours.len() as u32;
         ours.truncate(left as usize);
         left -= ours.len() as u32;

@@ -47,9 +47,9 @@ struct Args {
     /// The base interval: agents heartbeat on it, a lease expires after 3 of them.
     #[arg(long, env = "MOTLEY_HEARTBEAT_MS", default_value_t = 1000)]
     heartbeat_ms: u64,
-    /// The first of the ports ranks meet at (MASTER_PORT): a launch whose rank 0 runs on GPU g
-    /// gets BASE + 16 g + (generation mod 16), so concurrent jobs (they never share a GPU)
-    /// never share a port; 1,024 ports from BASE are used (open them between the nodes).
+    /// The first of the ports ranks meet at (MASTER_PORT): job J's launch of generation G gets
+    /// BASE + 2 (J mod 512) + (G mod 2), so jobs less than 512 apart never share one; 1,024
+    /// ports from BASE are used (open them between the nodes).
     #[arg(long, env = "MOTLEY_MASTER_PORT_BASE", default_value_t = 29500)]
     master_port_base: u16,
     /// The host name or address published for the CLI and agents when this coordinator leads

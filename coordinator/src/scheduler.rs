@@ -1,33 +1,50 @@
 //! The job queue. One task of the leader plans queued jobs (`submitted`, or `planning` when a
-//! coordinator stopped mid-plan), one at a time and oldest first, onto the GPUs no launched job
-//! holds, and sends each launch out. One task means two jobs are never planned onto the same
-//! free GPUs.
+//! coordinator stopped mid-plan), one at a time and oldest first, onto the GPUs no rank holds,
+//! and sends each launch out. One task means two jobs are never planned onto the same free
+//! GPUs.
 //!
+//! - A GPU is held by every rank of a launched job's current launch, and by any rank still
+//!   reported running on a live node (a cancelled or failed job's ranks take up to the stop
+//!   grace to exit, longer if a stop was lost): it is free once its rank is reported gone.
 //! - A job is gang-scheduled: it waits while fewer GPUs are free than it would get on an idle
-//!   cluster (its `resources.gpus`, or every GPU of its nodes), and the jobs behind it wait
-//!   too — first come, first served, so a big job is not starved by small ones. The wait is
-//!   recorded as a `waiting` event each time its reason changes.
+//!   cluster (its `resources.gpus`, or every GPU of its nodes), or while the free ones do not
+//!   fit it (the solver says no but would have more to work with once others end), and the
+//!   jobs behind it wait too — first come, first served, so a big job is not starved by small
+//!   ones. The wait is recorded as a `waiting` event each time its reason changes.
 //! - A job none of whose nodes is live fails with that reason — except a job queued before this
-//!   term began, during the term's first `takeover::GRACE_INTERVALS`: its agents may still be
-//!   finding the new leader.
-//! - The queue is looked at on every submit, whenever a job ends, and every base interval (nodes
-//!   come and go, launches are cancelled).
+//!   term began, during the term's first `takeover::GRACE_INTERVALS`: it waits until every
+//!   node it may use is back (agents are still finding the new leader).
+//! - A job that cannot be planned for any other reason than the database (a stored spec this
+//!   version cannot read) fails with the reason rather than blocking the queue.
+//! - A launch is sent to its agents once every node of it is live (at once for a new one; for
+//!   one inherited from an earlier leader, when its agents are back), and again on a later pass
+//!   if sending failed.
+//! - The queue is looked at on every submit, whenever a job ends, and every base interval.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
 use crate::agents::{dispatch, Fleet};
 use crate::control::{self, Planned, Taken};
-use crate::error::Result;
+use crate::error::{CoordinatorError, Result};
 use crate::job::JobState;
 use crate::store::{JobRecord, Store};
+
+/// What the queue remembers between passes (in memory: a new leader starts afresh).
+#[derive(Default)]
+struct Memory {
+    /// The last `waiting` reason recorded per job.
+    told: HashMap<i64, String>,
+    /// Launches (job, generation) this leader has sent out.
+    dispatched: HashSet<(i64, i64)>,
+}
 
 /// Run the queue for as long as this coordinator leads (a deposed leader exits).
 pub async fn run(store: Store, fleet: Arc<Fleet>) {
     let began = Instant::now();
     let began_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
-    let mut told: HashMap<i64, String> = HashMap::new();
+    let mut memory = Memory::default();
     let mut tick = tokio::time::interval(fleet.base);
     loop {
         tokio::select! {
@@ -35,41 +52,60 @@ pub async fn run(store: Store, fleet: Arc<Fleet>) {
             _ = fleet.queue_changed() => {}
         }
         let settling = (began.elapsed() < fleet.base * crate::takeover::GRACE_INTERVALS).then_some(began_ms);
-        if let Err(e) = schedule(&store, &fleet, settling, &mut told).await {
+        if let Err(e) = schedule(&store, &fleet, settling, &mut memory).await {
             tracing::warn!("job queue: {e}");
         }
     }
 }
 
-/// One pass over the queue. `settling`: early in a term that began at this time (ms), agents
-/// may not be back yet.
-async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>, told: &mut HashMap<i64, String>) -> Result<()> {
+/// One pass over the queue. `settling`: early in a term that began at this time (ms).
+async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>, memory: &mut Memory) -> Result<()> {
     let jobs = store.unfinished_jobs().await?;
-    told.retain(|id, _| jobs.iter().any(|j| j.id == *id && j.state == JobState::Submitted));
-    let mut taken = taken(store, &jobs).await?;
+    memory.told.retain(|id, _| jobs.iter().any(|j| j.id == *id && matches!(j.state, JobState::Submitted | JobState::Planning)));
+    memory.dispatched.retain(|(id, g)| jobs.iter().any(|j| j.id == *id && j.generation == *g && j.state == JobState::Launching));
+    let unsent: Vec<(i64, i64)> = jobs
+        .iter()
+        .filter(|j| j.state == JobState::Launching)
+        .map(|j| (j.id, j.generation))
+        .filter(|k| !memory.dispatched.contains(k))
+        .collect();
+    for (id, generation) in unsent {
+        send_out(store, fleet, id, generation, memory).await?;
+    }
+    let mut taken = taken(store, fleet, &jobs).await?;
     for job in jobs.iter().filter(|j| matches!(j.state, JobState::Submitted | JobState::Planning)) {
-        let why = if settling.is_some_and(|t| job.created_at_ms < t) && !fleet.any_live() {
-            Some("waiting for agents to register with the new leader".to_string())
+        let why = if settling.is_some_and(|t| job.created_at_ms < t) {
+            let missing = control::missing_nodes(store, fleet, job).await.unwrap_or_default();
+            (!missing.is_empty()).then(|| format!("waiting for the agents of {} to register with the new leader", missing.join(", ")))
         } else {
-            match control::plan_job(store, fleet, job.id, &taken).await? {
-                Planned::Waiting(why) => Some(why),
-                Planned::Failed(_) => None,
-                Planned::Launched(j) => {
+            None
+        };
+        let why = match why {
+            Some(why) => Some(why),
+            None => match control::plan_job(store, fleet, job.id, &taken).await {
+                Ok(Planned::Waiting(why)) => Some(why),
+                Ok(Planned::Failed(_)) => None,
+                Ok(Planned::Launched(j)) => {
                     for r in store.ranks(j.id, j.generation).await? {
                         taken.entry(r.assignment.node).or_default().insert(r.assignment.gpu as u32, j.id);
                     }
-                    if let Err(e) = dispatch(store, fleet, j.id).await {
-                        tracing::warn!(job = j.id, "not launched: {e}");
-                    }
+                    send_out(store, fleet, j.id, j.generation, memory).await?;
                     None
                 }
-            }
+                Err(e @ CoordinatorError::Database(_)) => return Err(e),
+                Err(e) => {
+                    // Not this pass's to retry: the job itself cannot be planned.
+                    tracing::warn!(job = job.id, "cannot be planned: {e}");
+                    let _ = store.transition(job.id, JobState::Failed, Some(&format!("cannot be planned: {e}"))).await;
+                    None
+                }
+            },
         };
         if let Some(why) = why {
-            if told.get(&job.id) != Some(&why) {
+            if memory.told.get(&job.id) != Some(&why) {
                 tracing::info!(job = job.id, "{why}");
                 store.record_event(Some(job.id), None, "waiting", &why).await?;
-                told.insert(job.id, why);
+                memory.told.insert(job.id, why);
             }
             break; // first come, first served
         }
@@ -77,12 +113,29 @@ async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>, told: &mu
     Ok(())
 }
 
-/// The GPUs of every launched job's current generation.
-async fn taken(store: &Store, jobs: &[JobRecord]) -> Result<Taken> {
+/// Send a launch to its agents if all its nodes are live; remembered once sent.
+async fn send_out(store: &Store, fleet: &Fleet, id: i64, generation: i64, memory: &mut Memory) -> Result<()> {
+    let ranks = store.ranks(id, generation).await?;
+    if !ranks.iter().all(|r| fleet.live(&r.assignment.node)) {
+        return Ok(()); // the takeover's grace (or the launch timeout) decides if they never come
+    }
+    match dispatch(store, fleet, id).await {
+        Ok(()) => {
+            memory.dispatched.insert((id, generation));
+        }
+        Err(e) => tracing::warn!(job = id, "not launched yet: {e}"),
+    }
+    Ok(())
+}
+
+/// GPUs no new launch may use: those of every launched job's current launch, and those of
+/// ranks still reported running on a live node.
+async fn taken(store: &Store, fleet: &Fleet, jobs: &[JobRecord]) -> Result<Taken> {
+    let launched: HashSet<i64> = jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)).map(|j| j.id).collect();
     let mut taken = Taken::new();
-    for j in jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)) {
-        for r in store.ranks(j.id, j.generation).await? {
-            taken.entry(r.assignment.node).or_default().insert(r.assignment.gpu as u32, j.id);
+    for h in store.held_gpus().await? {
+        if launched.contains(&h.job) || (h.running && fleet.live(&h.node)) {
+            taken.entry(h.node).or_default().insert(h.gpu as u32, h.job);
         }
     }
     Ok(taken)

@@ -69,6 +69,16 @@ pub struct RankAssignment {
     pub layer_end: i64,
 }
 
+/// A GPU a rank holds (`Store::held_gpus`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeldGpu {
+    pub node: String,
+    pub gpu: i64,
+    pub job: i64,
+    /// Its rank reported running (it holds the GPU whatever its job's state).
+    pub running: bool,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RankRecord {
     pub assignment: RankAssignment,
@@ -467,6 +477,32 @@ impl Store {
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(rank_of).collect()
+    }
+
+    /// GPUs held by ranks: every rank of a launched (`launching` or `running`) job's current
+    /// launch, and ranks of other launches still reported `running` (a job that is over whose
+    /// ranks have not exited yet). Sorted by node, GPU.
+    pub async fn held_gpus(&self) -> Result<Vec<HeldGpu>> {
+        let rows = sqlx::query(
+            "SELECT r.node, r.gpu, r.job_id, r.state FROM ranks r JOIN jobs j ON j.id = r.job_id \
+             WHERE (j.state IN ('launching', 'running') AND r.generation = j.generation) \
+             UNION ALL \
+             SELECT r.node, r.gpu, r.job_id, r.state FROM ranks r JOIN jobs j ON j.id = r.job_id \
+             WHERE r.state = 'running' AND NOT (j.state IN ('launching', 'running') AND r.generation = j.generation) \
+             ORDER BY 1, 2",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(HeldGpu {
+                    node: r.try_get("node")?,
+                    gpu: r.try_get("gpu")?,
+                    job: r.try_get("job_id")?,
+                    running: r.try_get::<String, _>("state")? == "running",
+                })
+            })
+            .collect()
     }
 
     /// An agent's report on a rank, fenced by generation: a report of an older launch is

@@ -5,14 +5,15 @@
 //!   nothing was launched).
 //! - `launching` and `running` jobs wait for their agents to register again (they reconnect on
 //!   their own, trying the coordinators in their list). A job continues as soon as all its
-//!   nodes are back — a launching job's instructions are sent again (an agent ignores ranks it
-//!   already runs), a running job's ranks are reported again by their agents — and a job with
+//!   nodes are back — the job queue sends a launching job's instructions again (an agent
+//!   ignores ranks it already runs), a running job's ranks are reported again by their
+//!   agents — and a job with
 //!   a node that is not back within `GRACE_INTERVALS` base intervals fails with the reason
 //!   (recovery from a lost node is the checkpoint issue's).
 
 use std::sync::Arc;
 
-use crate::agents::{dispatch, Fleet};
+use crate::agents::Fleet;
 use crate::job::JobState;
 use crate::store::Store;
 
@@ -51,13 +52,8 @@ pub async fn resume(store: Store, fleet: Arc<Fleet>) {
             let Ok(ranks) = store.ranks(j.id, j.generation).await else { continue };
             let missing = ranks.iter().map(|r| r.assignment.node.clone()).find(|n| !fleet.live(n));
             match missing {
-                None => {
-                    if j.state == JobState::Launching {
-                        if let Err(e) = dispatch(&store, &fleet, j.id).await {
-                            tracing::warn!(job = j.id, "launching again: {e}");
-                        }
-                    }
-                }
+                // All back: a launching job's instructions are sent again by the job queue.
+                None => {}
                 Some(node) if over => {
                     let reason = format!("node {node} did not come back within {} ms of the change of leader", grace.as_millis());
                     if store.transition_at(j.id, Some(j.generation), JobState::Failed, Some(&reason)).await.is_ok() {

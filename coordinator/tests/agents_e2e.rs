@@ -44,8 +44,9 @@ fn start(agents: usize) -> Cluster {
     let mut child = Command::new(env!("CARGO_BIN_EXE_motley-coordinator"))
         .args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--insecure", "--heartbeat-ms", &HEARTBEAT_MS.to_string()])
         .args(["--data-dir", dir.to_str().unwrap()])
-        // Tests run side by side on one machine: each its own range of rendezvous ports.
-        .args(["--master-port-base", &(20000 + (std::process::id() % 40) * 1024).to_string()])
+        // Tests run side by side on one machine (nextest: one process each): a range of
+        // rendezvous ports per process, below the ephemeral ports (32768 and up).
+        .args(["--master-port-base", &(10000 + (std::process::id() % 20) * 1024).to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -101,6 +102,15 @@ impl Cluster {
 
     fn job_state(&self, id: i64) -> String {
         self.get(&format!("/api/v1/jobs/{id}"))["state"].as_str().unwrap().to_string()
+    }
+}
+
+/// Kills the ranks carrying the marker when dropped (a failed assertion leaves none behind).
+struct Reaper(String);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        let _ = Command::new("pkill").args(["-f", &self.0]).status();
     }
 }
 
@@ -209,6 +219,7 @@ fn gpus_of(c: &Cluster, id: i64) -> Vec<(String, i64)> {
 fn jobs_share_the_cluster_but_never_a_gpu_and_a_job_waits_for_its_share() {
     let c = start(2); // 16 GPUs
     let marker = format!("motley-queue-marker-{}", std::process::id());
+    let _reaper = Reaper(marker.clone());
     let job = |name: &str, gpus: u32| {
         format!(
             "name: {name}\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {{gpus: {gpus}}}\nrun: 'test \"$CUDA_VISIBLE_DEVICES\" -ge 0 && sleep 600; echo {marker}'\n"

@@ -158,7 +158,8 @@ fn the_example_config_file_is_valid_and_flags_win() {
 async fn node_load_reaches_the_apis_and_metrics() {
     use motley_proto::v1::agent_client::AgentClient;
     use motley_proto::v1::{AgentStatus, GpuLoad, NodeLoad, RegisterRequest};
-    let c = Coordinator::start(&temp_dir(), &["--heartbeat-ms", "100"]);
+    // A 3 s lease: a stall of the loaded CI machine must not cost the stand-in agent its lease.
+    let c = Coordinator::start(&temp_dir(), &["--heartbeat-ms", "1000"]);
     let token = c.token.clone().unwrap();
     let mut agents = AgentClient::connect(format!("http://{}", c.grpc)).await.unwrap();
     let reply = agents
@@ -196,7 +197,7 @@ async fn node_load_reaches_the_apis_and_metrics() {
             if tx.send(status).await.is_err() {
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
     });
     let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));

@@ -263,3 +263,27 @@ conformance!(rank_summaries_count_starts_exits_failures_and_lost_ranks, |url: St
     assert_eq!((bad.rank, bad.exit_code, bad.lost), (1, Some(3), false), "the lowest failed rank is named");
     s.close().await;
 });
+
+conformance!(gpus_are_held_by_launched_jobs_and_by_ranks_still_running, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    s.register_node("n0", "{}").await.unwrap();
+    let held =
+        |s: Store| async move { s.held_gpus().await.unwrap().into_iter().map(|h| (h.node, h.gpu, h.job, h.running)).collect::<Vec<_>>() };
+    let job = s.submit_job("held", "{}").await.unwrap();
+    assert!(held(s.clone()).await.is_empty(), "a queued job holds nothing");
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    let mut two = ranks(&["n0", "n0"]);
+    two[1].gpu = 1;
+    s.start_generation(job.id, "{}", &two).await.unwrap();
+    assert_eq!(held(s.clone()).await, [("n0".into(), 0, job.id, false), ("n0".into(), 1, job.id, false)], "launching: both");
+    s.report_rank_from(Some(("n0", 1)), job.id, 1, 0, "running", None).await.unwrap();
+    s.report_rank_from(Some(("n0", 1)), job.id, 1, 1, "running", None).await.unwrap();
+    // Cancelled: its GPUs stay held until its ranks are reported gone.
+    s.transition(job.id, JobState::Cancelled, Some("test")).await.unwrap();
+    assert_eq!(held(s.clone()).await.len(), 2);
+    s.report_rank_from(Some(("n0", 1)), job.id, 1, 1, "exited", Some(143)).await.unwrap();
+    assert_eq!(held(s.clone()).await, [("n0".into(), 0, job.id, true)]);
+    s.report_rank_from(Some(("n0", 1)), job.id, 1, 0, "lost", None).await.unwrap();
+    assert!(held(s.clone()).await.is_empty());
+    s.close().await;
+});
