@@ -456,9 +456,10 @@ struct LaunchRow {
     asked: usize,
     ranks: usize,
     nodes: usize,
-    /// submit (this clock) -> the `planning` event
+    /// submit (this clock) -> the `planning` event: the job queue picks the job up and the
+    /// solver plans it on the live inventory (a job moves to `planning` once it has a plan)
     to_planning: f64,
-    /// `planning` -> `launching` events: the solver on the live inventory and the launch's transaction
+    /// `planning` -> `launching` events: the launch's transaction
     planning_to_launching: f64,
     /// `launching` event -> the last agent got its Launch
     dispatch: f64,
@@ -589,7 +590,7 @@ async fn fleet_on(
     for &r in cfg.ranks.iter().filter(|&&r| r <= n * GPUS_PER_NODE) {
         let row = launch(coord, &shared, db, n, r).await?;
         println!(
-            "  {db} {n} agents, {r} GPUs: {} ranks on {} nodes running {:.0} ms after submit (planning->launching {:.0} ms, dispatch {:.0} ms, ranks reported {:.0} ms later, reports->running {:.0} ms)",
+            "  {db} {n} agents, {r} GPUs: {} ranks on {} nodes running {:.0} ms after submit (planning->launching (store) {:.0} ms, dispatch {:.0} ms, ranks reported {:.0} ms later, reports->running {:.0} ms)",
             row.ranks, row.nodes, row.total, row.planning_to_launching, row.dispatch, row.report_wait, row.reports_to_running
         );
         launches.push(row);
@@ -755,7 +756,7 @@ fn real_main() -> Result<()> {
         );
     }
     println!("\nLaunches: ms from submit (this process's clock, before the POST) and between the job's events");
-    println!("| database | agents | GPUs asked | ranks | nodes | submit -> planning | planning -> launching (solver + store) | launching -> last Launch at an agent | -> last ranks reported | -> running | submit -> running | cancel -> all exited (s) |");
+    println!("| database | agents | GPUs asked | ranks | nodes | submit -> planning (queue + solver) | planning -> launching (store) | launching -> last Launch at an agent | -> last ranks reported | -> running | submit -> running | cancel -> all exited (s) |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &launches {
         println!(
