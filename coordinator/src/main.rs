@@ -38,8 +38,9 @@ struct Args {
     /// Bearer token for the control API (default: read or generate DATA_DIR/token).
     #[arg(long, env = "MOTLEY_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// Serve the control API without a token (local use only).
-    #[arg(long)]
+    /// Serve the control API without a token (local use only). `--insecure=false` turns off a
+    /// config file's `insecure = true`.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
     insecure: bool,
     /// Address of the agents' gRPC service (port 0 picks a free one; it is printed).
     #[arg(long, env = "MOTLEY_GRPC_LISTEN", default_value = "127.0.0.1:7071")]

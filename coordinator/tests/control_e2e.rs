@@ -140,6 +140,29 @@ fn openapi_metrics_and_query_errors() {
     let (status, body) = c.call("GET", &format!("/api/v1/jobs/{id}/ranks/0/logs"), "");
     assert_eq!(status, 404, "the job never launched, so it has no ranks: {body}");
     assert!(body.contains("rank 0 of job"), "{body}");
+    // Unknown routes and wrong methods answer in the same JSON shape.
+    let (status, body) = c.call("GET", "/api/v1/nope", "");
+    assert_eq!(status, 404);
+    assert!(body.contains("\"error\":\"route GET /api/v1/nope (the routes are in /api/v1/openapi.json) not found\""), "{body}");
+    let (status, body) = c.call("DELETE", "/api/v1/nodes", "");
+    assert_eq!(status, 405);
+    assert!(body.contains("DELETE is not allowed on /api/v1/nodes") && body.contains("\"grpc_code\":12"), "{body}");
+}
+
+/// `insecure = true` in a config file serves without a token, and `--insecure=false` turns it
+/// off again (a token is generated and required).
+#[test]
+fn a_flag_turns_off_the_config_files_insecure() {
+    let dir = temp_dir();
+    let config = dir.join("coordinator.toml");
+    std::fs::write(&config, "insecure = true\n").unwrap();
+    let open = Coordinator::start(&dir.join("open"), &["--config", config.to_str().unwrap()]);
+    assert_eq!(open.token, None);
+    assert_eq!(open.call_as(None, "GET", "/api/v1/nodes", "").0, 200);
+    let closed = Coordinator::start(&dir.join("closed"), &["--config", config.to_str().unwrap(), "--insecure=false"]);
+    assert!(closed.token.is_some(), "a token was generated");
+    assert_eq!(closed.call_as(None, "GET", "/api/v1/nodes", "").0, 401);
+    assert_eq!(closed.call("GET", "/api/v1/nodes", "").0, 200);
 }
 
 /// deploy/coordinator.toml is a valid configuration (an unknown key would stop the start) and

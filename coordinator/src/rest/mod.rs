@@ -74,13 +74,29 @@ pub fn router(state: AppState) -> Router {
         .route("/leader", get(leader))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token))
         // The API's description is public, like the code it is derived from.
-        .route("/openapi.json", get(|| async { Json(openapi::document()) }));
+        .route("/openapi.json", get(|| async { Json(openapi::document()) }))
+        .method_not_allowed_fallback(wrong_method);
     Router::new()
         .route("/live", get(|| async { "ok" }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .nest("/api/v1", api)
+        .fallback(no_route)
         .with_state(state)
+}
+
+/// An unknown path answers in the API's JSON error shape, naming what was asked.
+async fn no_route(req: Request) -> Response {
+    let what = format!("route {} {} (the routes are in /api/v1/openapi.json)", req.method(), req.uri().path());
+    CoordinatorError::not_found(what).into_response()
+}
+
+/// A known `/api/v1` path asked with a method it does not have.
+async fn wrong_method(req: Request) -> Response {
+    // Inside the nested API the path has lost its prefix.
+    let error = format!("{} is not allowed on /api/v1{}; its methods are in /api/v1/openapi.json", req.method(), req.uri().path());
+    let body = ErrorBody { error, grpc_code: 12, leader: None, leader_grpc: None };
+    (StatusCode::METHOD_NOT_ALLOWED, Json(body)).into_response()
 }
 
 /// Only the leader serves the control API; a standby names the leader.

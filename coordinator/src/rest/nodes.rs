@@ -58,8 +58,10 @@ pub async fn get(State(s): State<AppState>, Path(name): Path<String>) -> ApiResu
 /// The body is the node's cluster-file entry (YAML or JSON), as an agent's `--inventory`.
 #[utoipa::path(put, path = "/api/v1/nodes/{name}", tag = "nodes", request_body(content = String, content_type = "application/yaml"),
     responses((status = 200, body = Declared), (status = 400, body = super::ErrorBody)))]
-pub async fn declare(State(s): State<AppState>, Path(name): Path<String>, body: String) -> ApiResult<Declared> {
-    let agent_epoch = control::declare_node(&s.store, &name, &body).await?;
+pub async fn declare(State(s): State<AppState>, Path(name): Path<String>, body: axum::body::Bytes) -> ApiResult<Declared> {
+    let body = std::str::from_utf8(&body)
+        .map_err(|_| crate::CoordinatorError::invalid("body", "the node entry must be UTF-8 text (YAML or JSON)"))?;
+    let agent_epoch = control::declare_node(&s.store, &name, body).await?;
     Ok(Json(Declared { name, agent_epoch }))
 }
 
