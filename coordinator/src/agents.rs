@@ -485,7 +485,7 @@ pub async fn watch_leases(store: Store, fleet: Arc<Fleet>) {
             );
             tracing::warn!("{reason}");
             let _ = store.record_event(None, None, "node_lost", &reason).await;
-            let Ok(jobs) = store.jobs().await else { continue };
+            let Ok(jobs) = store.unfinished_jobs().await else { continue };
             for j in jobs.into_iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)) {
                 let on_node = store.ranks(j.id, j.generation).await.is_ok_and(|r| r.iter().any(|r| r.assignment.node == node));
                 if on_node && store.transition_at(j.id, Some(j.generation), JobState::Failed, Some(&reason)).await.is_ok() {

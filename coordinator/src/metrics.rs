@@ -68,8 +68,8 @@ impl Metrics {
             for s in JobState::ALL {
                 let _ = jobs.get_or_create(&StateLabel { state: s.to_string() });
             }
-            for j in self.store.jobs().await? {
-                jobs.get_or_create(&StateLabel { state: j.state.to_string() }).inc();
+            for (state, n) in self.store.job_counts().await? {
+                jobs.get_or_create(&StateLabel { state }).set(n);
             }
             registry.register("jobs", "Jobs by state", jobs);
             let nodes = Gauge::<i64>::default();

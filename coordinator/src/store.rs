@@ -325,6 +325,13 @@ impl Store {
         rows.iter().map(job_of).collect()
     }
 
+    /// How many jobs are in each state (counted by the database: `/metrics` need not read the
+    /// whole history).
+    pub async fn job_counts(&self) -> Result<Vec<(String, i64)>> {
+        let rows = sqlx::query("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state ORDER BY state").fetch_all(&self.pool).await?;
+        rows.iter().map(|r| Ok((r.try_get("state")?, r.try_get("n")?))).collect()
+    }
+
     /// Jobs that are not over (submitted, planning, launching, running), oldest first.
     pub async fn unfinished_jobs(&self) -> Result<Vec<JobRecord>> {
         let rows = sqlx::query(

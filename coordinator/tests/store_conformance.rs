@@ -285,5 +285,7 @@ conformance!(gpus_are_held_by_launched_jobs_and_by_ranks_still_running, |url: St
     assert_eq!(held(s.clone()).await, [("n0".into(), 0, job.id, true)]);
     s.report_rank_from(Some(("n0", 1)), job.id, 1, 0, "lost", None).await.unwrap();
     assert!(held(s.clone()).await.is_empty());
+    s.submit_job("queued", "{}").await.unwrap();
+    assert_eq!(s.job_counts().await.unwrap(), [("cancelled".to_string(), 1), ("submitted".to_string(), 1)]);
     s.close().await;
 });
