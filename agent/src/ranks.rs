@@ -2,7 +2,8 @@
 //! own process group, watched, reported once per change, stopped as a group; recorded on disk
 //! so a restarted agent adopts the ones still running and reports how the others ended.
 //!
-//! Stop: SIGTERM to the group, then SIGKILL after the grace period, which is 5 base intervals
+//! Stop: SIGTERM to the group (marked `rank-R.stopping` first, so an agent that restarts
+//! mid-stop finishes it), then SIGKILL after the grace period, which is 5 base intervals
 //! of the coordinator's heartbeat (given at registration; 5 s before the first one): long
 //! enough for a rank to flush a log line or a checkpoint marker, short enough that a cancel
 //! frees the GPUs within a few heartbeats. A rank killed that way exits with 137.
@@ -91,17 +92,22 @@ impl Supervisor {
             if rank_file(&dir, r.rank, "reported").exists() {
                 continue; // its end was told to a coordinator already
             }
+            // A stop the earlier agent began (it died before the grace ended) is finished here.
+            let stopping = rank_file(&dir, r.rank, "stopping").exists();
             let state = match rankfiles::read_exit(&dir, r.rank) {
                 Some(code) => State::Exited(code),
-                None if rankfiles::group_alive(r.pgid) => State::Running { pgid: r.pgid, stopping: false },
+                None if rankfiles::group_alive(r.pgid) => State::Running { pgid: r.pgid, stopping },
                 None => State::Lost,
             };
             notes.push(format!("job {} generation {} rank {}: adopted, {state:?}", r.job, r.generation, r.rank));
             let running = matches!(state, State::Running { .. });
             self.lock().insert((r.job, r.generation, r.rank), Rank { state, reported: false, dir: dir.clone() });
             if running {
-                let me = self.clone();
-                tokio::spawn(async move { me.watch_adopted((r.job, r.generation, r.rank), r.pgid, dir).await });
+                let (me, key) = (self.clone(), (r.job, r.generation, r.rank));
+                if stopping {
+                    self.escalate(key, r.pgid, dir.clone());
+                }
+                tokio::spawn(async move { me.watch_adopted(key, r.pgid, dir).await });
             }
         }
         notes
@@ -185,7 +191,7 @@ impl Supervisor {
     fn spawn(&self, l: &Launch, r: &RankLaunch, dir: &Path, plan: &Path) -> Result<(tokio::process::Child, i32), String> {
         // Files of an earlier agent life for the same key (a coordinator whose database was
         // reset hands out job ids again) must not describe this rank.
-        for ext in ["exit", "reported", "json"] {
+        for ext in ["exit", "reported", "json", "stopping"] {
             let _ = std::fs::remove_file(rank_file(dir, r.rank, ext));
         }
         let (groups, common) = crate::groups::for_rank(&l.plan_json, &self.node, r.gpu);
@@ -322,22 +328,34 @@ impl Supervisor {
     /// Stop the job's ranks of generations up to `generation`: SIGTERM to each group, SIGKILL
     /// after the grace period to those still there.
     pub fn stop(&self, job: i64, generation: i64) {
-        let grace = *self.grace.lock().expect("grace lock");
-        let mut ranks = self.lock();
-        for (&key, r) in ranks.iter_mut().filter(|(k, _)| k.0 == job && k.1 <= generation) {
+        let mut stopped = vec![];
+        for (&key, r) in self.lock().iter_mut().filter(|(k, _)| k.0 == job && k.1 <= generation) {
             let State::Running { pgid, stopping: false } = r.state else { continue };
             r.state = State::Running { pgid, stopping: true };
+            // Marked before the signal: an agent that dies now leaves the next one to finish.
+            if let Err(e) = rankfiles::write_atomic(&rank_file(&r.dir, key.2, "stopping"), b"") {
+                tracing::warn!(node = %self.node, "{e}; a restarted agent would not finish this stop");
+            }
             rankfiles::signal_group(pgid, libc::SIGTERM);
-            let (me, dir) = (self.clone(), r.dir.clone());
-            tokio::spawn(async move {
-                tokio::time::sleep(grace).await;
-                if matches!(me.lock().get(&key).map(|r| &r.state), Some(State::Running { .. })) {
-                    // The code first: with the wrapper killed too, nobody else will write it.
-                    let _ = rankfiles::write_once(&rank_file(&dir, key.2, "exit"), b"137\n");
-                    rankfiles::signal_group(pgid, libc::SIGKILL);
-                }
-            });
+            stopped.push((key, pgid, r.dir.clone()));
         }
+        for (key, pgid, dir) in stopped {
+            self.escalate(key, pgid, dir);
+        }
+    }
+
+    /// SIGKILL to the rank's group if it is still running after the grace period.
+    fn escalate(&self, key: (i64, i64, i64), pgid: i32, dir: PathBuf) {
+        let grace = *self.grace.lock().expect("grace lock");
+        let me = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            if matches!(me.lock().get(&key).map(|r| &r.state), Some(State::Running { .. })) {
+                // The code first: with the wrapper killed too, nobody else will write it.
+                let _ = rankfiles::write_once(&rank_file(&dir, key.2, "exit"), b"137\n");
+                rankfiles::signal_group(pgid, libc::SIGKILL);
+            }
+        });
     }
 }
 

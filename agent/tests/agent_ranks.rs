@@ -234,7 +234,7 @@ fn ranks_survive_an_agent_restart_and_stop_escalates() {
     };
     wait_gone(pg1);
 
-    let _agent = start_agent(&url, &work, &log);
+    let agent = start_agent(&url, &work, &log);
     fake.until("the second registration", |s| (s.registrations.len() == 2).then_some(()));
     assert_eq!(fake.wait_state(2, (1, 1, 0), "running"), None);
     fake.wait_state(2, (1, 1, 1), "lost");
@@ -272,5 +272,19 @@ fn ranks_survive_an_agent_restart_and_stop_escalates() {
     }
     assert!(!fake.0.lock().unwrap().statuses.iter().any(|(_, r)| r.job == 4 && r.generation == 1));
     assert!(std::fs::read_to_string(&log).unwrap().contains("ignoring a launch of job 4 generation 1"));
+
+    // A stop whose agent dies before the grace period ends is finished by the next agent: the
+    // rank that ignores SIGTERM is killed all the same.
+    fake.send(launch(6, 1, "trap '' TERM; echo up; while true; do sleep 0.05; done", &[0], 29505));
+    fake.wait_state(2, (6, 1, 0), "running");
+    let pg6 = pgid_of(&work, 6, 0);
+    fake.send(instruction::Kind::Stop(Stop { job: 6, generation: 1, reason: "test".into() }));
+    fake.until("the stop's marker", |_| work.join("jobs/6/1/rank-0.stopping").exists().then_some(()));
+    drop(agent);
+    assert!(!group_gone(pg6), "the rank ignored SIGTERM and outlived its agent");
+    let _agent = start_agent(&url, &work, &log);
+    fake.until("the third registration", |s| (s.registrations.len() == 3).then_some(()));
+    assert_eq!(fake.wait_state(3, (6, 1, 0), "exited"), Some(137));
+    wait_gone(pg6);
     let _ = std::fs::remove_dir_all(&dir);
 }
