@@ -283,3 +283,23 @@ async fn node_load_reaches_the_apis_and_metrics() {
     assert!(gone.0["load"].is_null(), "{}", gone.0);
     assert!(!gone.1.contains("motley_node_gpu_utilization_percent{"), "{}", gone.1);
 }
+
+/// A stored job this version cannot read (written by another version, say) fails with the
+/// reason instead of holding up the queue: the job behind it is planned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_job_fails_without_blocking_the_queue() {
+    let dir = temp_dir();
+    let c = std::sync::Arc::new(Coordinator::start(&dir, &[]));
+    // A second writer on the coordinator's SQLite file (WAL mode allows it).
+    let store = motley_coordinator::Store::open(&format!("sqlite://{}", dir.join("coordinator.db").display())).await.unwrap();
+    let bad = store.submit_job("old", r#"{"not": "a job spec"}"#).await.unwrap();
+    store.close().await;
+    let (bad, next) = tokio::task::spawn_blocking(move || {
+        let id = c.json("POST", "/api/v1/jobs", JOB, 201)["id"].as_i64().unwrap();
+        (common::wait_for_state(&c, bad.id, &["failed"]), common::wait_for_state(&c, id, &["failed"]))
+    })
+    .await
+    .unwrap();
+    assert!(bad["reason"].as_str().unwrap().starts_with("cannot be planned: stored job spec"), "{bad}");
+    assert!(next["reason"].as_str().unwrap().contains("no live node"), "planned, not stuck behind it: {next}");
+}
