@@ -50,6 +50,8 @@ pub struct Fleet {
     launches: AtomicU64,
     /// Something the job queue waits on changed (a submit, a job's end).
     queue: tokio::sync::Notify,
+    /// Why each queued job waits, as the job queue last saw it.
+    waiting: Mutex<HashMap<i64, String>>,
 }
 
 impl Fleet {
@@ -61,6 +63,7 @@ impl Fleet {
             heartbeats: AtomicU64::new(0),
             launches: AtomicU64::new(0),
             queue: tokio::sync::Notify::new(),
+            waiting: Mutex::default(),
         })
     }
 
@@ -72,6 +75,28 @@ impl Fleet {
     /// Resolves at the next `kick_queue` (or at once if one came since the last wait).
     pub async fn queue_changed(&self) {
         self.queue.notified().await
+    }
+
+    /// Record why a queued job waits (None: it no longer does); true if the reason changed.
+    pub fn set_waiting(&self, job: i64, why: Option<String>) -> bool {
+        let mut waiting = self.waiting.lock().expect("waiting lock");
+        match why {
+            Some(w) => waiting.insert(job, w.clone()).as_ref() != Some(&w),
+            None => waiting.remove(&job).is_some(),
+        }
+    }
+
+    /// Forget the waits of jobs no longer queued.
+    pub fn keep_waiting(&self, queued: &[i64]) {
+        self.waiting.lock().expect("waiting lock").retain(|id, _| queued.contains(id));
+    }
+
+    /// A queued job's record with why it waits as its reason (a queued job has no other).
+    pub fn annotate(&self, mut job: crate::store::JobRecord) -> crate::store::JobRecord {
+        if matches!(job.state, JobState::Submitted | JobState::Planning) && job.reason.is_none() {
+            job.reason = self.waiting.lock().expect("waiting lock").get(&job.id).cloned();
+        }
+        job
     }
 
     /// Whether any agent holds a lease.

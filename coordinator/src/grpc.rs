@@ -145,12 +145,12 @@ impl Control for ControlService {
     async fn list_jobs(&self, req: Request<pb::ListJobsRequest>) -> Reply<pb::JobList> {
         self.admit(&req)?;
         let jobs = self.store.jobs().await.map_err(status_of)?;
-        Ok(Response::new(pb::JobList { jobs: jobs.into_iter().map(job).collect() }))
+        Ok(Response::new(pb::JobList { jobs: jobs.into_iter().map(|j| job(self.fleet.annotate(j))).collect() }))
     }
 
     async fn get_job(&self, req: Request<pb::JobRef>) -> Reply<pb::Job> {
         self.admit(&req)?;
-        Ok(Response::new(job(self.store.job(req.into_inner().id).await.map_err(status_of)?)))
+        Ok(Response::new(job(self.fleet.annotate(self.store.job(req.into_inner().id).await.map_err(status_of)?))))
     }
 
     type WatchJobStream = ReceiverStream<Result<pb::Event, Status>>;

@@ -21,7 +21,7 @@
 //!   if sending failed.
 //! - The queue is looked at on every submit, whenever a job ends, and every base interval.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,11 +31,10 @@ use crate::error::{CoordinatorError, Result};
 use crate::job::JobState;
 use crate::store::{JobRecord, Store};
 
-/// What the queue remembers between passes (in memory: a new leader starts afresh).
+/// What the queue remembers between passes (in memory: a new leader starts afresh). Why each
+/// queued job waits is kept in the fleet, where the job APIs show it as the job's reason.
 #[derive(Default)]
 struct Memory {
-    /// The last `waiting` reason recorded per job.
-    told: HashMap<i64, String>,
     /// Launches (job, generation) this leader has sent out.
     dispatched: HashSet<(i64, i64)>,
 }
@@ -61,7 +60,8 @@ pub async fn run(store: Store, fleet: Arc<Fleet>) {
 /// One pass over the queue. `settling`: early in a term that began at this time (ms).
 async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>, memory: &mut Memory) -> Result<()> {
     let jobs = store.unfinished_jobs().await?;
-    memory.told.retain(|id, _| jobs.iter().any(|j| j.id == *id && matches!(j.state, JobState::Submitted | JobState::Planning)));
+    let queued: Vec<i64> = jobs.iter().filter(|j| matches!(j.state, JobState::Submitted | JobState::Planning)).map(|j| j.id).collect();
+    fleet.keep_waiting(&queued);
     memory.dispatched.retain(|(id, g)| jobs.iter().any(|j| j.id == *id && j.generation == *g && j.state == JobState::Launching));
     let unsent: Vec<(i64, i64)> = jobs
         .iter()
@@ -101,14 +101,15 @@ async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>, memory: &
                 }
             },
         };
-        if let Some(why) = why {
-            if memory.told.get(&job.id) != Some(&why) {
-                tracing::info!(job = job.id, "{why}");
-                store.record_event(Some(job.id), None, "waiting", &why).await?;
-                memory.told.insert(job.id, why);
-            }
+        let waits = why.is_some();
+        if let Some(why) = why.filter(|w| fleet.set_waiting(job.id, Some(w.clone()))) {
+            tracing::info!(job = job.id, "{why}");
+            store.record_event(Some(job.id), None, "waiting", &why).await?;
+        }
+        if waits {
             break; // first come, first served
         }
+        fleet.set_waiting(job.id, None);
     }
     Ok(())
 }

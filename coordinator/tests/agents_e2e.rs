@@ -244,6 +244,8 @@ fn jobs_share_the_cluster_but_never_a_gpu_and_a_job_waits_for_its_share() {
     assert!(why.contains(&format!("waiting for 6 GPUs: {free} of the 16")) && why.contains(&format!("{a}, {b}")), "{why}");
     std::thread::sleep(Duration::from_millis(3 * HEARTBEAT_MS));
     assert_eq!(c.job_state(cid), "submitted");
+    // The job itself says why it waits (its reason while queued).
+    assert_eq!(c.get(&format!("/api/v1/jobs/{cid}"))["reason"], why);
     // A job submitted behind it waits too, even though it would fit: first come, first served.
     let d = c.http("POST", "/api/v1/jobs", &job("d", 2))["id"].as_i64().unwrap();
     std::thread::sleep(Duration::from_millis(3 * HEARTBEAT_MS));

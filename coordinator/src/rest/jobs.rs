@@ -78,7 +78,7 @@ fn query_number(raw: &Option<String>, name: &str, default: i64) -> Result<i64, C
 
 #[utoipa::path(get, path = "/api/v1/jobs", tag = "jobs", responses((status = 200, body = [JobView])))]
 pub async fn list(State(s): State<AppState>) -> ApiResult<Vec<JobView>> {
-    Ok(Json(s.store.jobs().await?.into_iter().map(view).collect()))
+    Ok(Json(s.store.jobs().await?.into_iter().map(|j| view(s.fleet.annotate(j))).collect()))
 }
 
 /// The body is the job file (YAML or JSON). Planning starts in the background; watch the
@@ -94,7 +94,7 @@ pub async fn submit(State(s): State<AppState>, body: Bytes) -> Result<(StatusCod
 #[utoipa::path(get, path = "/api/v1/jobs/{id}", tag = "jobs",
     responses((status = 200, body = JobView), (status = 404, body = super::ErrorBody)))]
 pub async fn get(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<JobView> {
-    Ok(Json(view(s.store.job(parse_id("id", &id)?).await?)))
+    Ok(Json(view(s.fleet.annotate(s.store.job(parse_id("id", &id)?).await?))))
 }
 
 #[utoipa::path(post, path = "/api/v1/jobs/{id}/cancel", tag = "jobs",
