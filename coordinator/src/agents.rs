@@ -99,11 +99,6 @@ impl Fleet {
         job
     }
 
-    /// Whether any agent holds a lease.
-    pub fn any_live(&self) -> bool {
-        self.live_count() > 0
-    }
-
     /// Agents holding a lease now.
     pub fn live_count(&self) -> usize {
         let lease = self.base * LEASE_INTERVALS;

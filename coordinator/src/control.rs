@@ -200,7 +200,7 @@ async fn offer(store: &Store, spec: &JobSpec, live: Option<(&crate::agents::Flee
     };
     // Emptiest nodes first (whole free nodes before the leftovers of busy ones: fewer jobs
     // split across nodes), then by name.
-    nodes.sort_by(|a, b| free_of(b).len().cmp(&free_of(a).len()).then_with(|| a.name.cmp(&b.name)));
+    nodes.sort_by_cached_key(|n| (std::cmp::Reverse(free_of(n).len()), n.name.clone()));
     // Within a GPU budget, take free GPUs in that order until it is met (the last node only in
     // part): the plan never uses more GPUs than the job may.
     let mut left = wanted;

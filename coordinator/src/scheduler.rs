@@ -72,6 +72,9 @@ async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>, memory: &
     for (id, generation) in unsent {
         send_out(store, fleet, id, generation, memory).await?;
     }
+    if queued.is_empty() {
+        return Ok(()); // nothing to plan: no need to read who holds which GPU
+    }
     let mut taken = taken(store, fleet, &jobs).await?;
     for job in jobs.iter().filter(|j| matches!(j.state, JobState::Submitted | JobState::Planning)) {
         let why = if settling.is_some_and(|t| job.created_at_ms < t) {
