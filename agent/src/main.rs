@@ -380,7 +380,7 @@ async fn session(
                     true => load.borrow().as_ref().filter(|(_, at)| at.elapsed() <= fresh).map(|(l, _)| l.clone()),
                     false => None,
                 };
-                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load }).await.is_err() {
+                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, ..Default::default() }).await.is_err() {
                     return;
                 }
             }
@@ -393,7 +393,7 @@ async fn session(
                 Some(instruction::Kind::Launch(l)) => supervisor.launch(l),
                 Some(instruction::Kind::Stop(s)) => supervisor.stop(s.job, s.generation),
                 Some(instruction::Kind::Drain(d)) => mark_draining(&args.work_dir, node, d.draining),
-                None => {}
+                Some(instruction::Kind::Ack(_)) | None => {}
             },
             Ok(None) => break Err(anyhow::anyhow!("the coordinator closed the heartbeat stream")),
             Err(s) => break Err(anyhow::anyhow!("heartbeat: {}", s.message())),

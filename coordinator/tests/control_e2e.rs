@@ -216,7 +216,7 @@ async fn node_load_reaches_the_apis_and_metrics() {
     let epoch = reply.epoch;
     let beats = tokio::spawn(async move {
         loop {
-            let status = AgentStatus { node: "g0".into(), epoch, ranks: vec![], load: Some(load.clone()) };
+            let status = AgentStatus { node: "g0".into(), epoch, ranks: vec![], load: Some(load.clone()), ..Default::default() };
             if tx.send(status).await.is_err() {
                 return;
             }

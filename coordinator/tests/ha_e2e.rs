@@ -157,7 +157,7 @@ async fn an_unacknowledged_launch_fails_with_the_reason() {
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let beats = tokio::spawn(async move {
         loop {
-            if tx.send(AgentStatus { node: "mute".into(), epoch: reply.epoch, ranks: vec![], load: None }).await.is_err() {
+            if tx.send(AgentStatus { node: "mute".into(), epoch: reply.epoch, ranks: vec![], load: None, ..Default::default() }).await.is_err() {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
