@@ -52,7 +52,7 @@ pub struct Discovered {
 /// words of the name (so H200 is not H20), memory telling the A100 and V100 sizes apart.
 pub fn catalog_gpu(nvml_name: &str, memory_bytes: u64) -> Option<&'static str> {
     let upper = nvml_name.to_ascii_uppercase();
-    let words: Vec<&str> = upper.split(|c: char| c == ' ' || c == '-' || c == '_').filter(|w| !w.is_empty()).collect();
+    let words: Vec<&str> = upper.split([' ', '-', '_']).filter(|w| !w.is_empty()).collect();
     let has = |w: &str| words.contains(&w);
     let gib = memory_bytes as f64 / (1u64 << 30) as f64;
     Some(match () {

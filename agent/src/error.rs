@@ -20,6 +20,13 @@ pub enum AgentError {
     /// A file or directory under the work directory.
     #[error("{what} {}: {err}", path.display())]
     Io { what: &'static str, path: PathBuf, err: std::io::Error },
+    /// Another agent holds the work directory's lock: two agents on one directory would take
+    /// each other's ranks.
+    #[error(
+        "--work-dir {}: another motley-agent is running on this directory (it holds agent.lock); stop it, or give this agent its own --work-dir",
+        path.display()
+    )]
+    WorkDirBusy { path: PathBuf },
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;

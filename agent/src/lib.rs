@@ -1,13 +1,14 @@
 //! Motley's per-node agent as a library: hardware discovery (`discover`, `nvml`), the agent's
 //! configuration file (`config`), rank supervision that survives an agent restart (`ranks`,
-//! `rankfiles`), the rank logs served over HTTP (`logs`) and the node's load sent with every
-//! heartbeat (`load`). The binary `motley-agent` wires
-//! them to the coordinator.
+//! `rankfiles`), the dead-man switch that stops ranks whose agent is gone (`lease`), the rank
+//! logs served over HTTP (`logs`) and the node's load sent with every heartbeat (`load`). The
+//! binary `motley-agent` wires them to the coordinator.
 
 pub mod config;
 pub mod discover;
 pub mod error;
 pub mod groups;
+pub mod lease;
 pub mod load;
 pub mod logs;
 pub mod nvml;

@@ -37,9 +37,11 @@ struct Args {
     /// The shared agent token (also required by the logs endpoint when set).
     #[arg(long, env = "MOTLEY_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// Where rank logs, plan files and rank records go.
-    #[arg(long, env = "MOTLEY_WORK_DIR", default_value = "motley-agent")]
-    work_dir: PathBuf,
+    /// Where rank logs, plan files and rank records go (default: motley-agent/NODE, so that
+    /// agents of several nodes on one machine never share one). Made absolute at start; one
+    /// agent per directory.
+    #[arg(long, env = "MOTLEY_WORK_DIR")]
+    work_dir: Option<PathBuf>,
     /// Hours a finished launch's files (rank logs, plan, records) are kept after its ranks'
     /// ends were reported and nothing in them changed; then they are deleted (0: at once).
     #[arg(long, env = "MOTLEY_KEEP_FINISHED_HOURS", default_value_t = 72.0)]
@@ -144,21 +146,28 @@ fn main() {
     let argv: Vec<String> = std::env::args().collect();
     // The rank wrapper (see rankfiles.rs): no config, no runtime, just the rank.
     if argv.get(1).map(String::as_str) == Some("__rank-wrapper") {
-        let code = match (argv.get(2), argv.get(3).map(String::as_str), argv.get(4)) {
-            (Some(exit_file), Some("--"), Some(program)) => {
-                motley_agent::rankfiles::wrapper_main(Path::new(exit_file), program, &argv[5..])
-            }
-            _ => {
-                eprintln!("usage: motley-agent __rank-wrapper EXIT_FILE -- PROGRAM ARGS...");
-                2
-            }
-        };
-        std::process::exit(code);
+        std::process::exit(rank_wrapper(&argv[2..]));
     }
     if let Err(e) = run() {
         eprintln!("motley-agent: {e:#}");
         std::process::exit(2);
     }
+}
+
+/// `__rank-wrapper EXIT_FILE [--lease LEASE_FILE] -- PROGRAM ARGS...` (see rankfiles.rs).
+fn rank_wrapper(argv: &[String]) -> i32 {
+    let a: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let (exit_file, lease, rest) = match a.as_slice() {
+        [exit, "--lease", lease, "--", rest @ ..] => (exit, Some(Path::new(lease)), rest),
+        [exit, "--", rest @ ..] => (exit, None, rest),
+        _ => (&"", None, &[][..]),
+    };
+    let Some((program, args)) = rest.split_first() else {
+        eprintln!("usage: motley-agent __rank-wrapper EXIT_FILE [--lease LEASE_FILE] -- PROGRAM ARGS...");
+        return 2;
+    };
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    motley_agent::rankfiles::wrapper_main(Path::new(exit_file), lease, program, &args)
 }
 
 fn run() -> anyhow::Result<()> {
@@ -196,12 +205,19 @@ fn run() -> anyhow::Result<()> {
             v.to_string()
         }
     };
-    std::fs::create_dir_all(&args.work_dir).with_context(|| format!("--work-dir: cannot create {}", args.work_dir.display()))?;
+    let given = args.work_dir.clone().unwrap_or_else(|| Path::new("motley-agent").join(&node));
+    // Held (open) for the agent's whole life: the lock goes with the process.
+    let (work_dir, _lock) = motley_agent::rankfiles::open_work_dir(&given)?;
     let rt = tokio::runtime::Runtime::new()?;
-    rt.block_on(agent(args, node, inventory))
+    rt.block_on(agent(args, work_dir, node, inventory))
 }
 
-async fn agent(args: Args, node: String, inventory: String) -> anyhow::Result<()> {
+/// How many sessions in a row the coordinator may refuse as stale before the agent gives up:
+/// another agent keeps registering as this node (a re-registration gives this one a new
+/// epoch; if it is refused again, someone else's registration came in between).
+const STALE_SESSIONS: u32 = 3;
+
+async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -> anyhow::Result<()> {
     let listener = match tokio::net::TcpListener::bind(&args.logs_listen).await {
         Ok(l) => l,
         // Several agents on one machine (tests, `motley dev up`) cannot all have the default.
@@ -213,9 +229,9 @@ async fn agent(args: Args, node: String, inventory: String) -> anyhow::Result<()
     };
     let logs_url = format!("http://{}:{}", args.address, listener.local_addr()?.port());
     tracing::info!(node = %node, "rank logs at {logs_url}/logs/JOB/GENERATION/RANK");
-    tokio::spawn(motley_agent::logs::serve(listener, args.work_dir.clone(), args.token.clone()));
+    tokio::spawn(motley_agent::logs::serve(listener, work_dir.clone(), args.token.clone()));
     let wrapper = std::env::current_exe().context("cannot find this executable (the rank wrapper)")?;
-    let supervisor = Supervisor::new(args.work_dir.clone(), node.clone(), wrapper);
+    let supervisor = Supervisor::new(work_dir.clone(), node.clone(), wrapper);
     for n in supervisor.adopt() {
         tracing::info!(node = %node, "{n}");
     }
@@ -235,28 +251,41 @@ async fn agent(args: Args, node: String, inventory: String) -> anyhow::Result<()
     });
     let load = {
         let s = supervisor.clone();
-        motley_agent::load::sampler(args.work_dir.clone(), move || s.running())
+        motley_agent::load::sampler(work_dir.clone(), move || s.running())
     };
     let mut backoff = Duration::from_millis(200);
+    let mut stale = 0;
     // Each pass is one session: register (a new epoch), then heartbeat until the stream
     // breaks; ranks keep running across sessions and are reported again in the next one.
     loop {
         let began = std::time::Instant::now();
-        match session(&args, &node, &inventory, &logs_url, &supervisor, &load).await {
-            Ok(()) => return Ok(()),
-            Err(e) => {
-                // A session that ran a while ended by a coordinator restart or failover: find
-                // the (new) leader at once rather than after an old backoff.
-                if began.elapsed() > Duration::from_secs(10) {
-                    backoff = Duration::from_millis(200);
+        let e = match session(&args, &work_dir, &node, &inventory, &logs_url, &supervisor, &load).await {
+            Ended::Fatal(e) => return Err(e),
+            Ended::Stale(message) => {
+                stale += 1;
+                if stale >= STALE_SESSIONS {
+                    anyhow::bail!(
+                        "node {node}: the coordinator refused this agent's heartbeats as stale {stale} sessions in a row ({message}): \
+                         another agent is registering as node {node}; stop it, or start this one with another --node"
+                    );
                 }
-                tracing::warn!(node = %node, "{e:#}; reconnecting in {} ms", backoff.as_millis());
-                tokio::time::sleep(backoff).await;
-                // Capped low: a standby takes over within a couple of base intervals and the
-                // agents must find it before their jobs' grace period ends.
-                backoff = (backoff * 2).min(Duration::from_secs(1));
+                anyhow::anyhow!("heartbeat refused: {message}")
             }
+            Ended::Retry(e) => {
+                stale = 0;
+                e
+            }
+        };
+        // A session that ran a while ended by a coordinator restart or failover: find the
+        // (new) leader at once rather than after an old backoff.
+        if began.elapsed() > Duration::from_secs(10) {
+            backoff = Duration::from_millis(200);
         }
+        tracing::warn!(node = %node, "{e:#}; reconnecting in {} ms", backoff.as_millis());
+        tokio::time::sleep(backoff).await;
+        // Capped low: a standby takes over within a couple of base intervals and the agents
+        // must find it before their jobs' grace period ends.
+        backoff = (backoff * 2).min(Duration::from_secs(1));
     }
 }
 
@@ -265,9 +294,11 @@ async fn agent(args: Args, node: String, inventory: String) -> anyhow::Result<()
 fn mark_draining(work_dir: &Path, node: &str, draining: bool) {
     let flag = work_dir.join("draining");
     let done = if draining {
-        std::fs::write(&flag, "draining\n")
+        motley_agent::rankfiles::replace(&flag, b"draining\n").map_err(|e| e.to_string())
     } else {
-        std::fs::remove_file(&flag).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
+        std::fs::remove_file(&flag)
+            .or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
+            .map_err(|e| e.to_string())
     };
     match done {
         Ok(()) => tracing::info!(node = %node, draining, "drain state"),
@@ -298,11 +329,36 @@ async fn channel(url: &str, ca: Option<&[u8]>) -> anyhow::Result<tonic::transpor
     Ok(endpoint.connect().await?)
 }
 
+/// How a session ended (never well: the agent runs until it is killed).
+enum Ended {
+    /// Connection trouble, a coordinator going away: register again after a backoff.
+    Retry(anyhow::Error),
+    /// The coordinator refused the heartbeats as those of a stale session (ABORTED).
+    Stale(String),
+    /// Refused for good: the agent exits with this error.
+    Fatal(anyhow::Error),
+}
+
+impl From<anyhow::Error> for Ended {
+    fn from(e: anyhow::Error) -> Ended {
+        Ended::Retry(e)
+    }
+}
+
+/// A refused heartbeat stream: stale (the coordinator's ABORTED naming a stale epoch) or not.
+fn heartbeat_refused(s: &tonic::Status) -> Ended {
+    if s.code() == tonic::Code::Aborted && s.message().contains("stale") {
+        Ended::Stale(s.message().to_string())
+    } else {
+        Ended::Retry(anyhow::anyhow!("heartbeat: {}", s.message()))
+    }
+}
+
 async fn register(
     list: &str,
     ca: Option<&[u8]>,
     req: RegisterRequest,
-) -> anyhow::Result<(AgentClient<tonic::transport::Channel>, RegisterReply)> {
+) -> Result<(AgentClient<tonic::transport::Channel>, RegisterReply), Ended> {
     let mut urls: Vec<String> = list.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect();
     let mut last = None;
     let mut i = 0;
@@ -325,20 +381,46 @@ async fn register(
                 }
                 last = Some(format!("{url}: {}", s.message()));
             }
-            Err(s) => anyhow::bail!("register at {url}: {}", s.message()),
+            // Another agent runs as this node: registering again would only evict it (and
+            // then be evicted), so stop here and say what to do.
+            Err(s) if s.code() == tonic::Code::AlreadyExists => {
+                return Err(Ended::Fatal(anyhow::anyhow!(
+                    "register at {url}: node {} is held by another live agent ({}); stop it or start this one with another --node",
+                    req.node,
+                    s.message()
+                )))
+            }
+            Err(s) => return Err(anyhow::anyhow!("register at {url}: {}", s.message()).into()),
         }
     }
-    anyhow::bail!("no coordinator took the registration ({})", last.unwrap_or_else(|| "--coordinator is empty".into()))
+    Err(anyhow::anyhow!("no coordinator took the registration ({})", last.unwrap_or_else(|| "--coordinator is empty".into())).into())
 }
 
+/// One session: register (a new epoch), then heartbeat until the stream breaks.
 async fn session(
     args: &Args,
+    work_dir: &Path,
     node: &str,
     inventory: &str,
     logs_url: &str,
     supervisor: &Supervisor,
     load: &motley_agent::load::Latest,
-) -> anyhow::Result<()> {
+) -> Ended {
+    match session_inner(args, work_dir, node, inventory, logs_url, supervisor, load).await {
+        Ok(never) => match never {},
+        Err(e) => e,
+    }
+}
+
+async fn session_inner(
+    args: &Args,
+    work_dir: &Path,
+    node: &str,
+    inventory: &str,
+    logs_url: &str,
+    supervisor: &Supervisor,
+    load: &motley_agent::load::Latest,
+) -> Result<std::convert::Infallible, Ended> {
     let token = args.token.clone().unwrap_or_default();
     let request = RegisterRequest {
         node: node.to_string(),
@@ -356,7 +438,7 @@ async fn session(
     let interval = Duration::from_millis(reply.heartbeat_ms.max(10));
     tracing::info!(node = %node, epoch, "registered; heartbeat every {} ms", interval.as_millis());
     supervisor.set_interval(interval);
-    supervisor.resend_all();
+    supervisor.new_session();
     let (tx, rx) = tokio::sync::mpsc::channel::<AgentStatus>(16);
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
     request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().context("token is not a valid header value")?);
@@ -364,41 +446,67 @@ async fn session(
         let (supervisor, node, load) = (supervisor.clone(), node.to_string(), load.clone());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
+            // Every message has its number (1, 2, ...); the first lists every rank.
+            let mut seq = 0;
             loop {
                 // On the interval (the lease), and at once when ranks started or ended.
                 let beat = tokio::select! {
                     _ = tick.tick() => true,
                     _ = supervisor.changed() => false,
                 };
-                let ranks = supervisor.changes();
-                if !beat && ranks.is_empty() {
+                let full = seq == 0;
+                let ranks = supervisor.report(seq + 1, full);
+                if !beat && !full && ranks.is_empty() {
                     continue;
                 }
+                seq += 1;
                 // A fresh sample only (a stalled sampler's old one would mislead).
                 let fresh = interval.max(motley_agent::load::SAMPLE_EVERY) * 3;
                 let load = match beat {
                     true => load.borrow().as_ref().filter(|(_, at)| at.elapsed() <= fresh).map(|(l, _)| l.clone()),
                     false => None,
                 };
-                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, ..Default::default() }).await.is_err() {
+                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, seq, full }).await.is_err() {
                     return;
                 }
             }
         })
     };
-    let mut inbound = client.heartbeat(request).await.map_err(|s| anyhow::anyhow!("heartbeat: {}", s.message()))?.into_inner();
-    let result = loop {
+    let result = heartbeat(&mut client, request, work_dir, node, interval, supervisor).await;
+    beat.abort();
+    Err(result)
+}
+
+/// Read the coordinator's instructions until the stream breaks; how it broke.
+async fn heartbeat(
+    client: &mut AgentClient<tonic::transport::Channel>,
+    request: tonic::Request<ReceiverStream<AgentStatus>>,
+    work_dir: &Path,
+    node: &str,
+    interval: Duration,
+    supervisor: &Supervisor,
+) -> Ended {
+    let mut inbound = match client.heartbeat(request).await {
+        Ok(r) => r.into_inner(),
+        Err(s) => return heartbeat_refused(&s),
+    };
+    loop {
         match inbound.message().await {
             Ok(Some(i)) => match i.kind {
                 Some(instruction::Kind::Launch(l)) => supervisor.launch(l),
                 Some(instruction::Kind::Stop(s)) => supervisor.stop(s.job, s.generation),
-                Some(instruction::Kind::Drain(d)) => mark_draining(&args.work_dir, node, d.draining),
-                Some(instruction::Kind::Ack(_)) | None => {}
+                Some(instruction::Kind::Drain(d)) => mark_draining(work_dir, node, d.draining),
+                Some(instruction::Kind::Ack(a)) => {
+                    supervisor.ack(a.seq);
+                    // The coordinator holds this node's lease: so do its ranks (the switch).
+                    if let Err(e) = motley_agent::lease::renew(work_dir, interval) {
+                        tracing::warn!(node = %node, "{e}; ranks stop when the lease file's deadline passes");
+                    }
+                }
+                None => {}
             },
-            Ok(None) => break Err(anyhow::anyhow!("the coordinator closed the heartbeat stream")),
-            Err(s) => break Err(anyhow::anyhow!("heartbeat: {}", s.message())),
+            Ok(None) => return Ended::Retry(anyhow::anyhow!("the coordinator closed the heartbeat stream")),
+            Err(s) => return heartbeat_refused(&s),
         }
-    };
-    beat.abort();
-    result
+    }
 }

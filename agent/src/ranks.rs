@@ -6,13 +6,21 @@
 //! mid-stop finishes it), then SIGKILL after the grace period, which is 5 base intervals
 //! of the coordinator's heartbeat (given at registration; 5 s before the first one): long
 //! enough for a rank to flush a log line or a checkpoint marker, short enough that a cancel
-//! frees the GPUs within a few heartbeats. A rank killed that way exits with 137.
+//! frees the GPUs within a few heartbeats. A rank killed that way exits with 137. Only a
+//! group whose leader is still the rank's wrapper (same boot, same start time) is signalled:
+//! after a reboot or a pid wrap-around the number may be someone else's.
+//!
+//! Reports: each message to the coordinator has a number in its session (`seq`); the ranks it
+//! reports are in flight under that number until the coordinator acknowledges it. Only then is
+//! the state told, and an end marked `rank-R.reported` on disk (a later agent does not report
+//! it again): an agent that dies in between reports it again. Unacknowledged reports are sent
+//! again after one base interval, and every session opens with every rank (`full`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use motley_proto::v1::{Launch, RankLaunch, RankStatus};
 
@@ -27,6 +35,8 @@ const ADOPTED_POLL: Duration = Duration::from_millis(200);
 enum State {
     Running {
         pgid: i32,
+        /// The wrapper's start time (see `rankfiles::is_rank_group`).
+        start: u64,
         stopping: bool,
     },
     Exited(i64),
@@ -34,15 +44,55 @@ enum State {
     Lost,
 }
 
+/// A state as the coordinator sees it (a stop under way is still running).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Report {
+    Running,
+    Exited(i64),
+    Lost,
+}
+
+impl State {
+    fn report(&self) -> Report {
+        match *self {
+            State::Running { .. } => Report::Running,
+            State::Exited(code) => Report::Exited(code),
+            State::Lost => Report::Lost,
+        }
+    }
+}
+
 struct Rank {
     state: State,
-    /// Reported to the coordinator in its current state.
-    reported: bool,
+    /// The state the coordinator acknowledged.
+    told: Option<Report>,
+    /// The state last sent in this session, and when: sent again if unacknowledged after an
+    /// interval.
+    sent: Option<(Report, Instant)>,
     dir: PathBuf,
 }
 
+impl Rank {
+    fn new(state: State, dir: PathBuf) -> Rank {
+        Rank { state, told: None, sent: None, dir }
+    }
+
+    /// Its current state is acknowledged (nothing more to send or keep).
+    fn settled(&self) -> bool {
+        self.told == Some(self.state.report())
+    }
+}
+
+type Key = (i64, i64, i64);
 /// Ranks by (job, generation, rank).
-type Ranks = BTreeMap<(i64, i64, i64), Rank>;
+type Ranks = BTreeMap<Key, Rank>;
+
+/// The ranks (and the states) each unacknowledged message reported, by seq.
+type InFlight = BTreeMap<u64, Vec<(Key, Report)>>;
+
+/// Messages in flight are bounded: a coordinator that never acknowledges (an older one) must
+/// not grow the agent's memory; what falls out is sent again anyway.
+const MAX_IN_FLIGHT: usize = 1024;
 
 /// Shared by the heartbeat task, the instruction loop and the watchers.
 #[derive(Clone)]
@@ -52,7 +102,14 @@ pub struct Supervisor {
     /// The program that runs a rank's wrapper (this agent's own executable).
     wrapper: PathBuf,
     ranks: Arc<Mutex<Ranks>>,
+    /// The ranks and states each unacknowledged message of this session reported, by seq.
+    /// Locked after `ranks` when both are.
+    in_flight: Arc<Mutex<InFlight>>,
+    /// The base interval (unacknowledged reports are sent again after it).
+    interval: Arc<Mutex<Duration>>,
     grace: Arc<Mutex<Duration>>,
+    /// This boot's id, written in rank records.
+    boot_id: String,
     /// Launches (job, generation) whose files were pruned: a late copy of their Launch must not
     /// run them again.
     pruned: Arc<Mutex<std::collections::HashSet<(i64, i64)>>>,
@@ -68,7 +125,10 @@ impl Supervisor {
             node,
             wrapper,
             ranks: Arc::default(),
+            in_flight: Arc::default(),
+            interval: Arc::new(Mutex::new(Duration::from_secs(1))),
             grace: Arc::new(Mutex::new(Duration::from_secs(5))),
+            boot_id: rankfiles::boot_id(),
             changed: Arc::new(tokio::sync::Notify::new()),
             pruned: Arc::default(),
         }
@@ -81,33 +141,50 @@ impl Supervisor {
     /// The coordinator's base interval (at each registration) sets the stop grace period.
     pub fn set_interval(&self, base: Duration) {
         *self.grace.lock().expect("grace lock") = base * GRACE_INTERVALS;
+        *self.interval.lock().expect("interval lock") = base;
     }
 
-    /// At start: take back the ranks an earlier agent left, from their records. Returns notes
-    /// for the log (what was adopted, what was skipped).
+    /// At start: take back this node's ranks an earlier agent left, from their records. Returns
+    /// notes for the log (what was adopted, what was skipped). A rank is taken for running only
+    /// if its group is still led by its wrapper (same boot, same start time); any other is
+    /// never signalled.
     pub fn adopt(&self) -> Vec<String> {
         let (records, mut notes) = rankfiles::scan(&self.work_dir);
         for r in records {
+            let what = format!("job {} generation {} rank {}", r.job, r.generation, r.rank);
+            if r.node != self.node {
+                let whose = if r.node.is_empty() { "no node (an older agent's record)".to_string() } else { format!("node {}", r.node) };
+                notes.push(format!("{what}: its record names {whose}, not {}; not adopted", self.node));
+                continue;
+            }
             let dir = generation_dir(&self.work_dir, r.job, r.generation);
             if rank_file(&dir, r.rank, "reported").exists() {
                 continue; // its end was told to a coordinator already
             }
             // A stop the earlier agent began (it died before the grace ended) is finished here.
             let stopping = rank_file(&dir, r.rank, "stopping").exists();
+            let ours = !self.boot_id.is_empty() && r.boot_id == self.boot_id && rankfiles::is_rank_group(r.pgid, r.start_time);
             let state = match rankfiles::read_exit(&dir, r.rank) {
                 Some(code) => State::Exited(code),
-                None if rankfiles::group_alive(r.pgid) => State::Running { pgid: r.pgid, stopping },
-                None => State::Lost,
+                None if ours => State::Running { pgid: r.pgid, start: r.start_time, stopping },
+                None => {
+                    if rankfiles::group_alive(r.pgid) {
+                        notes.push(format!(
+                            "{what}: process group {} is not the rank's (another boot or another process now); left alone",
+                            r.pgid
+                        ));
+                    }
+                    State::Lost
+                }
             };
-            notes.push(format!("job {} generation {} rank {}: adopted, {state:?}", r.job, r.generation, r.rank));
-            let running = matches!(state, State::Running { .. });
-            self.lock().insert((r.job, r.generation, r.rank), Rank { state, reported: false, dir: dir.clone() });
-            if running {
+            notes.push(format!("{what}: adopted, {state:?}"));
+            self.lock().insert((r.job, r.generation, r.rank), Rank::new(state.clone(), dir.clone()));
+            if let State::Running { pgid, start, .. } = state {
                 let (me, key) = (self.clone(), (r.job, r.generation, r.rank));
                 if stopping {
-                    self.escalate(key, r.pgid, dir.clone());
+                    self.escalate(key, pgid, start, dir.clone());
                 }
-                tokio::spawn(async move { me.watch_adopted(key, r.pgid, dir).await });
+                tokio::spawn(async move { me.watch_adopted(key, pgid, dir).await });
             }
         }
         notes
@@ -123,30 +200,79 @@ impl Supervisor {
         self.changed.notified().await
     }
 
-    /// States changed since the last heartbeat (each change is reported once).
-    pub fn changes(&self) -> Vec<RankStatus> {
+    /// A new session (its seq numbers start again at 1): what was in flight is forgotten, and
+    /// everything not acknowledged is sent again.
+    pub fn new_session(&self) {
         let mut ranks = self.lock();
-        let mut out = vec![];
-        for (&(job, generation, rank), r) in ranks.iter_mut().filter(|(_, r)| !r.reported) {
-            r.reported = true;
-            let (state, exit_code) = match r.state {
-                State::Running { .. } => ("running", None),
-                State::Exited(code) => ("exited", Some(code)),
-                State::Lost => ("lost", None),
+        for r in ranks.values_mut() {
+            r.sent = None;
+        }
+        self.in_flight.lock().expect("in-flight lock").clear();
+    }
+
+    /// The ranks message `seq` reports: with `full` (a session's first message) every rank,
+    /// acknowledged or not; otherwise those whose state the coordinator has not acknowledged
+    /// and that were not sent in that state within the last interval. They are in flight under
+    /// `seq` until `ack(seq)`.
+    pub fn report(&self, seq: u64, full: bool) -> Vec<RankStatus> {
+        let resend_after = *self.interval.lock().expect("interval lock");
+        let mut ranks = self.lock();
+        let (mut out, mut flying) = (vec![], vec![]);
+        let now = Instant::now();
+        for (&key, r) in ranks.iter_mut() {
+            let report = r.state.report();
+            let due = match r.sent {
+                _ if full => true,
+                _ if r.settled() => false,
+                Some((sent, at)) => sent != report || now.duration_since(at) >= resend_after,
+                None => true,
             };
-            if !matches!(r.state, State::Running { .. }) {
-                // Best effort: a later agent need not report this end again.
-                let _ = rankfiles::write_atomic(&rank_file(&r.dir, rank, "reported"), b"");
+            if !due {
+                continue;
             }
-            out.push(RankStatus { job, generation, rank, state: state.into(), exit_code });
+            r.sent = Some((report, now));
+            flying.push((key, report));
+            let (state, exit_code) = match report {
+                Report::Running => ("running", None),
+                Report::Exited(code) => ("exited", Some(code)),
+                Report::Lost => ("lost", None),
+            };
+            out.push(RankStatus { job: key.0, generation: key.1, rank: key.2, state: state.into(), exit_code });
+        }
+        if !flying.is_empty() {
+            let mut in_flight = self.in_flight.lock().expect("in-flight lock");
+            in_flight.insert(seq, flying);
+            while in_flight.len() > MAX_IN_FLIGHT {
+                in_flight.pop_first();
+            }
         }
         out
     }
 
-    /// A new session: report every rank again (the coordinator may have missed changes).
-    pub fn resend_all(&self) {
-        for r in self.lock().values_mut() {
-            r.reported = false;
+    /// The coordinator holds what message `seq` said: the ranks it reported are told, unless
+    /// their state changed since (then the newer state is still to be told), and the ends are
+    /// marked on disk so that a later agent does not report them again.
+    pub fn ack(&self, seq: u64) {
+        let mut ended = vec![];
+        {
+            let mut ranks = self.lock();
+            let Some(flown) = self.in_flight.lock().expect("in-flight lock").remove(&seq) else { return };
+            for (key, report) in flown {
+                let Some(r) = ranks.get_mut(&key) else { continue };
+                if r.state.report() != report || r.told == Some(report) {
+                    continue;
+                }
+                r.told = Some(report);
+                if report != Report::Running {
+                    ended.push((key, r.dir.clone()));
+                }
+            }
+        }
+        // Off the rank lock: each marker is fsync'd.
+        for (key, dir) in ended {
+            if let Err(e) = rankfiles::write_atomic(&rank_file(&dir, key.2, "reported"), b"") {
+                tracing::warn!(node = %self.node, "{e}; a restarted agent will report this end again");
+            }
         }
     }
 
@@ -165,21 +291,21 @@ impl Supervisor {
         let dir = generation_dir(&self.work_dir, l.job, l.generation);
         let plan = dir.join("plan.json");
         let prepared =
-            std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&plan, &l.plan_json)).map_err(|e| format!("{}: {e}", dir.display()));
+            rankfiles::create_dirs(&dir).and_then(|_| rankfiles::replace(&plan, l.plan_json.as_bytes())).map_err(|e| e.to_string());
         for r in &l.ranks {
             let key = (l.job, l.generation, r.rank);
             if self.lock().contains_key(&key) {
                 continue; // the same instruction twice
             }
             match prepared.clone().and_then(|_| self.spawn(&l, r, &dir, &plan)) {
-                Ok((child, pgid)) => {
-                    self.lock().insert(key, Rank { state: State::Running { pgid, stopping: false }, reported: false, dir: dir.clone() });
+                Ok((child, pgid, start)) => {
+                    self.lock().insert(key, Rank::new(State::Running { pgid, start, stopping: false }, dir.clone()));
                     let (me, dir) = (self.clone(), dir.clone());
                     tokio::spawn(async move { me.watch_child(key, child, dir).await });
                 }
                 Err(e) => {
                     tracing::warn!(node = %self.node, job = l.job, rank = r.rank, "rank did not start: {e}");
-                    self.lock().insert(key, Rank { state: State::Exited(127), reported: false, dir: dir.clone() });
+                    self.lock().insert(key, Rank::new(State::Exited(127), dir.clone()));
                 }
             }
         }
@@ -188,7 +314,7 @@ impl Supervisor {
 
     /// The rank's wrapper, in its own process group, with the rank's environment; then its
     /// record, so a later agent can find it.
-    fn spawn(&self, l: &Launch, r: &RankLaunch, dir: &Path, plan: &Path) -> Result<(tokio::process::Child, i32), String> {
+    fn spawn(&self, l: &Launch, r: &RankLaunch, dir: &Path, plan: &Path) -> Result<(tokio::process::Child, i32, u64), String> {
         // Files of an earlier agent life for the same key (a coordinator whose database was
         // reset hands out job ids again) must not describe this rank.
         for ext in ["exit", "reported", "json", "stopping"] {
@@ -196,12 +322,14 @@ impl Supervisor {
         }
         let (groups, common) = crate::groups::for_rank(&l.plan_json, &self.node, r.gpu);
         let nccl = rank_file(dir, r.rank, "groups.json");
-        std::fs::write(&nccl, groups.to_string()).map_err(|e| format!("{}: {e}", nccl.display()))?;
+        rankfiles::replace(&nccl, groups.to_string().as_bytes()).map_err(|e| e.to_string())?;
         let log = rank_file(dir, r.rank, "log");
-        let out = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        let out = rankfiles::create_file(&log).map_err(|e| e.to_string())?;
         let err = out.try_clone().map_err(|e| e.to_string())?;
         let mut cmd = tokio::process::Command::new(&self.wrapper);
-        cmd.arg("__rank-wrapper").arg(rank_file(dir, r.rank, "exit")).arg("--").arg("sh").arg("-c").arg(&l.run);
+        cmd.arg("__rank-wrapper").arg(rank_file(dir, r.rank, "exit"));
+        cmd.arg("--lease").arg(crate::lease::path(&self.work_dir));
+        cmd.arg("--").arg("sh").arg("-c").arg(&l.run);
         cmd.current_dir(dir).stdin(Stdio::null()).stdout(out).stderr(err);
         // CUDA numbers GPUs fastest first unless told otherwise; NVML (discovery, the plan's
         // GPU indices) numbers them in PCI order. A job may still override it.
@@ -253,23 +381,33 @@ impl Supervisor {
         cmd.process_group(0);
         let child = cmd.spawn().map_err(|e| format!("{}: {e}", self.wrapper.display()))?;
         let pgid = child.id().map_or(0, |p| p as i32);
-        let record = RankRecord { job: l.job, generation: l.generation, rank: r.rank, pgid, log };
+        // Not reaped before `watch_child` waits for it, so the pid is still the wrapper's.
+        let start = rankfiles::start_time(pgid).unwrap_or(0);
+        let record = RankRecord {
+            node: self.node.clone(),
+            job: l.job,
+            generation: l.generation,
+            rank: r.rank,
+            pgid,
+            log,
+            boot_id: self.boot_id.clone(),
+            start_time: start,
+        };
         if let Err(e) = rankfiles::write_record(dir, &record) {
             tracing::warn!(node = %self.node, "{e}; a restarted agent will not find this rank");
         }
-        Ok((child, pgid))
+        Ok((child, pgid, start))
     }
 
-    fn finish(&self, key: (i64, i64, i64), state: State) {
+    fn finish(&self, key: Key, state: State) {
         if let Some(r) = self.lock().get_mut(&key) {
             r.state = state;
-            r.reported = false;
         }
         self.changed.notify_one();
     }
 
     /// A rank this agent started: wait(2) for its wrapper; the exit file has the code.
-    async fn watch_child(self, key: (i64, i64, i64), mut child: tokio::process::Child, dir: PathBuf) {
+    async fn watch_child(self, key: Key, mut child: tokio::process::Child, dir: PathBuf) {
         let status = child.wait().await;
         let code = rankfiles::read_exit(&dir, key.2).unwrap_or_else(|| match status {
             Ok(s) => s.code().map_or_else(|| 128 + std::os::unix::process::ExitStatusExt::signal(&s).unwrap_or(0) as i64, i64::from),
@@ -279,7 +417,7 @@ impl Supervisor {
     }
 
     /// A rank an earlier agent started: poll its exit file and its process group.
-    async fn watch_adopted(self, key: (i64, i64, i64), pgid: i32, dir: PathBuf) {
+    async fn watch_adopted(self, key: Key, pgid: i32, dir: PathBuf) {
         loop {
             if let Some(code) = rankfiles::read_exit(&dir, key.2) {
                 return self.finish(key, State::Exited(code));
@@ -306,8 +444,9 @@ impl Supervisor {
         for (job, job_dir) in numbered(&self.work_dir.join("jobs")) {
             for (generation, dir) in numbered(&job_dir) {
                 let mut ranks = self.lock();
-                let busy =
-                    ranks.iter().any(|(k, r)| k.0 == job && k.1 == generation && (matches!(r.state, State::Running { .. }) || !r.reported));
+                let busy = ranks
+                    .iter()
+                    .any(|(k, r)| k.0 == job && k.1 == generation && (matches!(r.state, State::Running { .. }) || !r.settled()));
                 if busy || !rankfiles::untouched_for(&dir, keep) {
                     continue;
                 }
@@ -330,30 +469,33 @@ impl Supervisor {
     pub fn stop(&self, job: i64, generation: i64) {
         let mut stopped = vec![];
         for (&key, r) in self.lock().iter_mut().filter(|(k, _)| k.0 == job && k.1 <= generation) {
-            let State::Running { pgid, stopping: false } = r.state else { continue };
-            r.state = State::Running { pgid, stopping: true };
+            let State::Running { pgid, start, stopping: false } = r.state else { continue };
+            r.state = State::Running { pgid, start, stopping: true };
             // Marked before the signal: an agent that dies now leaves the next one to finish.
             if let Err(e) = rankfiles::write_atomic(&rank_file(&r.dir, key.2, "stopping"), b"") {
                 tracing::warn!(node = %self.node, "{e}; a restarted agent would not finish this stop");
             }
-            rankfiles::signal_group(pgid, libc::SIGTERM);
-            stopped.push((key, pgid, r.dir.clone()));
+            if !rankfiles::signal_group(pgid, start, libc::SIGTERM) {
+                tracing::warn!(node = %self.node, "job {job} rank {}: process group {pgid} is no longer the rank's; not signalled", key.2);
+            }
+            stopped.push((key, pgid, start, r.dir.clone()));
         }
-        for (key, pgid, dir) in stopped {
-            self.escalate(key, pgid, dir);
+        for (key, pgid, start, dir) in stopped {
+            self.escalate(key, pgid, start, dir);
         }
     }
 
     /// SIGKILL to the rank's group if it is still running after the grace period.
-    fn escalate(&self, key: (i64, i64, i64), pgid: i32, dir: PathBuf) {
+    fn escalate(&self, key: Key, pgid: i32, start: u64, dir: PathBuf) {
         let grace = *self.grace.lock().expect("grace lock");
         let me = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(grace).await;
-            if matches!(me.lock().get(&key).map(|r| &r.state), Some(State::Running { .. })) {
+            let running = matches!(me.lock().get(&key).map(|r| &r.state), Some(State::Running { .. }));
+            if running && rankfiles::is_rank_group(pgid, start) {
                 // The code first: with the wrapper killed too, nobody else will write it.
                 let _ = rankfiles::write_once(&rank_file(&dir, key.2, "exit"), b"137\n");
-                rankfiles::signal_group(pgid, libc::SIGKILL);
+                rankfiles::signal_group(pgid, start, libc::SIGKILL);
             }
         });
     }
@@ -362,15 +504,25 @@ impl Supervisor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::process::CommandExt;
 
-    /// A launch directory as an earlier agent left it: one rank's record and exit code, and the
-    /// `reported` marker if its end was told to a coordinator.
+    fn work_dir(name: &str) -> PathBuf {
+        let work = std::env::temp_dir().join(format!("motley-ranks-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&work);
+        work
+    }
+
+    fn record(node: &str, job: i64, pgid: i32, boot_id: String, start_time: u64, dir: &Path) -> RankRecord {
+        RankRecord { node: node.into(), job, generation: 1, rank: 0, pgid, log: rank_file(dir, 0, "log"), boot_id, start_time }
+    }
+
+    /// A launch directory as an earlier agent of node "n" left it: one rank's record and exit
+    /// code, and the `reported` marker if its end was told to a coordinator.
     fn finished(work: &Path, job: i64, reported: bool) -> PathBuf {
         let dir = generation_dir(work, job, 1);
         std::fs::create_dir_all(&dir).unwrap();
         // A process group that cannot exist: the rank is not running.
-        let record = RankRecord { job, generation: 1, rank: 0, pgid: i32::MAX, log: rank_file(&dir, 0, "log") };
-        rankfiles::write_record(&dir, &record).unwrap();
+        rankfiles::write_record(&dir, &record("n", job, i32::MAX, rankfiles::boot_id(), 1, &dir)).unwrap();
         std::fs::write(rank_file(&dir, 0, "exit"), "0\n").unwrap();
         std::fs::write(rank_file(&dir, 0, "log"), "done\n").unwrap();
         if reported {
@@ -379,25 +531,160 @@ mod tests {
         dir
     }
 
+    fn supervisor(work: &Path) -> Supervisor {
+        Supervisor::new(work.to_path_buf(), "n".into(), PathBuf::from("/bin/false"))
+    }
+
     #[test]
     fn finished_and_reported_launches_are_pruned_after_the_keep_period() {
-        let work = std::env::temp_dir().join(format!("motley-prune-{}-{}", std::process::id(), line!()));
-        let _ = std::fs::remove_dir_all(&work);
+        let work = work_dir("prune");
         let (told, untold) = (finished(&work, 1, true), finished(&work, 2, false));
-        let s = Supervisor::new(work.clone(), "n".into(), PathBuf::from("/bin/false"));
+        let s = supervisor(&work);
         s.adopt();
         assert!(s.prune(Duration::from_secs(3600)).is_empty(), "nothing is old enough yet");
         let removed = s.prune(Duration::ZERO);
         assert_eq!(removed.len(), 1, "{removed:?}");
         assert!(!told.exists() && !work.join("jobs/1").exists(), "the reported launch and its empty job directory are gone");
         assert!(untold.exists(), "an end not yet reported keeps its files");
-        assert_eq!(s.changes().len(), 1, "job 2's end is reported now");
+        assert_eq!(s.report(1, false).len(), 1, "job 2's end is reported now");
+        assert!(s.prune(Duration::ZERO).is_empty() && untold.exists(), "an end sent but not acknowledged keeps its files");
+        s.ack(1);
         assert_eq!(s.prune(Duration::ZERO).len(), 1);
         assert!(!untold.exists());
-        assert!(s.changes().is_empty() && s.running() == 0, "pruned ranks are forgotten");
+        assert!(s.report(2, true).is_empty() && s.running() == 0, "pruned ranks are forgotten");
         // A late copy of a pruned launch does not run it again.
         s.launch(Launch { job: 2, generation: 1, ranks: vec![RankLaunch { rank: 0, ..Default::default() }], ..Default::default() });
-        assert!(s.changes().is_empty() && !untold.exists());
+        assert!(s.report(3, true).is_empty() && !untold.exists());
+        std::fs::remove_dir_all(&work).unwrap();
+    }
+
+    /// Issue 13 item 11: `rank-R.reported` follows the coordinator's acknowledgement, not the
+    /// queueing of the report; an ack of an older state does not tell a newer one.
+    #[test]
+    fn an_end_is_marked_reported_only_once_acknowledged_in_that_state() {
+        let work = work_dir("ack");
+        let dir = finished(&work, 1, false);
+        let marker = rank_file(&dir, 0, "reported");
+        let s = supervisor(&work);
+        s.set_interval(Duration::from_secs(3600));
+        s.adopt();
+        let sent = s.report(1, false);
+        assert_eq!((sent.len(), sent[0].state.as_str(), sent[0].exit_code), (1, "exited", Some(0)));
+        assert!(!marker.exists(), "no marker before the acknowledgement");
+        assert!(s.report(2, false).is_empty(), "in flight: not sent again within the interval");
+        s.ack(7); // not a seq this agent sent
+        assert!(!marker.exists());
+        s.ack(1);
+        assert!(marker.exists(), "the marker follows the acknowledgement");
+        assert!(s.report(3, false).is_empty(), "told: nothing more to send");
+
+        // A running rank reported under seq 1 ends before seq 1 is acknowledged.
+        let s = supervisor(&work);
+        s.set_interval(Duration::from_secs(3600));
+        let (key, dir2) = ((5, 1, 0), generation_dir(&work, 5, 1));
+        std::fs::create_dir_all(&dir2).unwrap();
+        s.lock().insert(key, Rank::new(State::Running { pgid: i32::MAX, start: 1, stopping: false }, dir2.clone()));
+        assert_eq!(s.report(1, false)[0].state, "running");
+        s.finish(key, State::Exited(3));
+        s.ack(1);
+        assert!(!rank_file(&dir2, 0, "reported").exists(), "an ack of `running` does not tell the end");
+        let sent = s.report(2, false);
+        assert_eq!((sent.len(), sent[0].state.as_str(), sent[0].exit_code), (1, "exited", Some(3)));
+        // Acks out of order: a later message's first.
+        s.lock().insert((6, 1, 0), Rank::new(State::Lost, dir2.clone()));
+        assert_eq!(s.report(3, false).len(), 1, "only the new rank: the end of rank 5 is in flight");
+        s.ack(3);
+        assert!(rank_file(&dir2, 0, "reported").exists() && s.lock()[&(6, 1, 0)].settled());
+        assert!(!s.lock()[&key].settled());
+        s.ack(2);
+        assert!(s.lock()[&key].settled());
+        std::fs::remove_dir_all(&work).unwrap();
+    }
+
+    #[test]
+    fn unacknowledged_reports_are_sent_again_after_an_interval_and_every_session_opens_with_all() {
+        let work = work_dir("resend");
+        finished(&work, 1, false);
+        finished(&work, 2, false);
+        let s = supervisor(&work);
+        s.adopt();
+        s.set_interval(Duration::ZERO); // any unacknowledged report is due again
+        assert_eq!(s.report(1, false).len(), 2);
+        s.ack(1);
+        s.set_interval(Duration::from_secs(3600));
+        s.finish((2, 1, 0), State::Exited(9));
+        assert_eq!(s.report(2, false).len(), 1, "only the change");
+        s.set_interval(Duration::ZERO);
+        assert_eq!(s.report(3, false).len(), 1, "unacknowledged for an interval: sent again");
+        // A new session: every rank, told or not; an ack of the old session's seq is void.
+        s.new_session();
+        let full = s.report(1, true);
+        assert_eq!(full.len(), 2, "{full:?}");
+        s.ack(1);
+        assert!(s.lock().values().all(Rank::settled));
+        std::fs::remove_dir_all(&work).unwrap();
+    }
+
+    /// Issue 13 item 1: two agents' records in one directory; each adopts its own node's only.
+    #[test]
+    fn a_record_of_another_node_is_never_adopted() {
+        let work = work_dir("node");
+        let dir = generation_dir(&work, 1, 1);
+        std::fs::create_dir_all(&dir).unwrap();
+        let b = record("b", 1, i32::MAX, rankfiles::boot_id(), 1, &dir);
+        rankfiles::write_record(&dir, &b).unwrap();
+        std::fs::write(rank_file(&dir, 0, "exit"), "0\n").unwrap();
+        let a = Supervisor::new(work.clone(), "a".into(), PathBuf::from("/bin/false"));
+        let notes = a.adopt();
+        assert!(notes.iter().any(|n| n.contains("names node b, not a; not adopted")), "{notes:?}");
+        assert!(a.report(1, true).is_empty(), "node a knows no rank");
+        let b_agent = Supervisor::new(work.clone(), "b".into(), PathBuf::from("/bin/false"));
+        b_agent.adopt();
+        assert_eq!(b_agent.report(1, true).len(), 1, "node b adopts its own");
+        std::fs::remove_dir_all(&work).unwrap();
+    }
+
+    /// Issue 13 item 14: a record whose boot id or start time does not match the live group
+    /// its pgid names is not running, and that group is never signalled.
+    #[tokio::test]
+    async fn a_record_naming_a_foreign_live_group_is_not_adopted_as_running() {
+        let work = work_dir("pid");
+        let mut sleep = std::process::Command::new("sleep").arg("60").process_group(0).spawn().unwrap();
+        let pid = sleep.id() as i32;
+        let start = rankfiles::start_time(pid).unwrap();
+        for (job, boot, st) in [(1, "another-boot".to_string(), start), (2, rankfiles::boot_id(), start + 1), (3, String::new(), 0)] {
+            let dir = generation_dir(&work, job, 1);
+            std::fs::create_dir_all(&dir).unwrap();
+            // A stop under way too: the next agent would SIGKILL the group after the grace.
+            std::fs::write(rank_file(&dir, 0, "stopping"), "").unwrap();
+            rankfiles::write_record(&dir, &record("n", job, pid, boot, st, &dir)).unwrap();
+        }
+        let s = supervisor(&work);
+        s.set_interval(Duration::from_millis(1));
+        let notes = s.adopt();
+        assert_eq!(notes.iter().filter(|n| n.contains("is not the rank's")).count(), 3, "{notes:?}");
+        assert_eq!(s.running(), 0);
+        let states: Vec<String> = s.report(1, true).into_iter().map(|r| r.state).collect();
+        assert_eq!(states, ["lost", "lost", "lost"]);
+        for job in 1..=3 {
+            s.stop(job, 1);
+        }
+        assert!(!rankfiles::signal_group(pid, start + 1, libc::SIGKILL), "a wrong start time is never signalled");
+        tokio::time::sleep(Duration::from_millis(100)).await; // past the (1 ms x 5) grace
+        assert!(sleep.try_wait().unwrap().is_none(), "the foreign sleep is alive");
+        assert!(rankfiles::is_rank_group(pid, start), "the check itself takes the right start time");
+
+        // The same group with the right boot and start time is the rank's: running, and a stop
+        // signals it.
+        let dir = generation_dir(&work, 4, 1);
+        std::fs::create_dir_all(&dir).unwrap();
+        rankfiles::write_record(&dir, &record("n", 4, pid, rankfiles::boot_id(), start, &dir)).unwrap();
+        let s = supervisor(&work);
+        s.adopt();
+        assert_eq!(s.running(), 1);
+        s.stop(4, 1);
+        let status = sleep.wait().unwrap();
+        assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(libc::SIGTERM));
         std::fs::remove_dir_all(&work).unwrap();
     }
 }

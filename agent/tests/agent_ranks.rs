@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use motley_proto::v1::agent_server::{Agent, AgentServer};
-use motley_proto::v1::{instruction, AgentStatus, Instruction, Launch, RankLaunch, RankStatus, RegisterReply, RegisterRequest, Stop};
+use motley_proto::v1::{instruction, Ack, AgentStatus, Instruction, Launch, RankLaunch, RankStatus, RegisterReply, RegisterRequest, Stop};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -23,7 +23,13 @@ struct Seen {
     registrations: Vec<RegisterRequest>,
     /// Every status, with the registration count at the time it came.
     statuses: Vec<(usize, RankStatus)>,
+    /// Every message's (registration count, seq, full, number of ranks).
+    messages: Vec<(usize, u64, bool, usize)>,
     down: Option<mpsc::Sender<Result<Instruction, Status>>>,
+    /// Refuse registrations with this status (another agent holds the node).
+    refuse_register: Option<Status>,
+    /// Refuse heartbeat streams with this status (a stale session).
+    refuse_heartbeat: Option<Status>,
 }
 
 #[derive(Clone, Default)]
@@ -33,6 +39,9 @@ struct Fake(Arc<Mutex<Seen>>);
 impl Agent for Fake {
     async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
         let mut s = self.0.lock().unwrap();
+        if let Some(status) = s.refuse_register.clone() {
+            return Err(status);
+        }
         s.registrations.push(req.into_inner());
         Ok(Response::new(RegisterReply { epoch: s.registrations.len() as i64, heartbeat_ms: 50 }))
     }
@@ -44,14 +53,22 @@ impl Agent for Fake {
         if auth.as_deref() != Some("Bearer s3cret") {
             return Err(Status::unauthenticated("token"));
         }
+        if let Some(status) = self.0.lock().unwrap().refuse_heartbeat.clone() {
+            return Err(status);
+        }
         let (tx, rx) = mpsc::channel(64);
-        self.0.lock().unwrap().down = Some(tx);
+        self.0.lock().unwrap().down = Some(tx.clone());
         let (me, mut up) = (self.clone(), req.into_inner());
         tokio::spawn(async move {
             while let Ok(Some(status)) = up.message().await {
-                let mut s = me.0.lock().unwrap();
-                let n = s.registrations.len();
-                s.statuses.extend(status.ranks.into_iter().map(|r| (n, r)));
+                {
+                    let mut s = me.0.lock().unwrap();
+                    let n = s.registrations.len();
+                    s.messages.push((n, status.seq, status.full, status.ranks.len()));
+                    s.statuses.extend(status.ranks.into_iter().map(|r| (n, r)));
+                }
+                // Held: acknowledged, as the coordinator does once it has stored a report.
+                let _ = tx.send(Ok(Instruction { kind: Some(instruction::Kind::Ack(Ack { seq: status.seq })) })).await;
             }
         });
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -129,22 +146,61 @@ impl Drop for AgentProc {
 }
 
 fn start_agent(url: &str, work: &Path, log: &Path) -> AgentProc {
+    AgentProc(agent_command(url, "n0", Some(work), log).spawn().unwrap())
+}
+
+/// The agent of `node` on the fake at `url`, its stderr appended to `log`; its work directory
+/// `work` (relative to its current directory, which is `log`'s) or the default.
+fn agent_command(url: &str, node: &str, work: Option<&Path>, log: &Path) -> Command {
     let inventory = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/nodes/a100.yaml");
-    let config = work.with_extension("toml");
+    let config = log.with_extension("toml");
     std::fs::write(&config, "logs_listen = \"127.0.0.1:0\"\n").unwrap();
     let err = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
-    AgentProc(
-        Command::new(env!("CARGO_BIN_EXE_motley-agent"))
-            .args(["--coordinator", url, "--node", "n0", "--token", "s3cret", "--inventory"])
-            .arg(inventory)
-            .arg("--work-dir")
-            .arg(work)
-            .env("MOTLEY_CONFIG", &config)
-            .stdout(Stdio::null())
-            .stderr(err)
-            .spawn()
-            .unwrap(),
-    )
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_motley-agent"));
+    cmd.args(["--coordinator", url, "--node", node, "--token", "s3cret", "--inventory"])
+        .arg(inventory)
+        .current_dir(log.parent().unwrap())
+        .env("MOTLEY_CONFIG", &config)
+        .env_remove("MOTLEY_WORK_DIR")
+        .stdout(Stdio::null())
+        .stderr(err);
+    if let Some(w) = work {
+        cmd.arg("--work-dir").arg(w);
+    }
+    cmd
+}
+
+/// A fake coordinator served on a runtime of its own: (runtime, fake, its URL).
+fn serve_fake() -> (tokio::runtime::Runtime, Fake, String) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let fake = Fake::default();
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    rt.spawn(
+        tonic::transport::Server::builder()
+            .add_service(AgentServer::new(fake.clone()))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    (rt, fake, url)
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("motley-agent-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Wait for a process to end (bounded, only so a hang fails the test): its exit status.
+fn wait_exit(child: &mut Child, what: &str) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "{what} did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// GET a path of the logs server: (status, body).
@@ -175,20 +231,8 @@ fn free_port() -> u16 {
 
 #[test]
 fn ranks_survive_an_agent_restart_and_stop_escalates() {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let fake = Fake::default();
-    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let server = AgentServer::new(fake.clone());
-    rt.spawn(
-        tonic::transport::Server::builder()
-            .add_service(server)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-
-    let dir = std::env::temp_dir().join(format!("motley-agent-ranks-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let (_rt, fake, url) = serve_fake();
+    let dir = scratch("ranks");
     let (work, log) = (dir.join("work"), dir.join("agent.log"));
     let agent = start_agent(&url, &work, &log);
     let logs_url = fake.until("registration", |s| s.registrations.first().map(|r| r.logs_url.clone()));
@@ -286,5 +330,102 @@ fn ranks_survive_an_agent_restart_and_stop_escalates() {
     fake.until("the third registration", |s| (s.registrations.len() == 3).then_some(()));
     assert_eq!(fake.wait_state(3, (6, 1, 0), "exited"), Some(137));
     wait_gone(pg6);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 13 items 1, 2, 8 and 11: a relative --work-dir is made absolute (the rank, in its
+/// launch's directory, finds MOTLEY_PLAN and MOTLEY_NCCL_GROUPS, and its exit file is written);
+/// the default work directory is per node; a second agent on a work directory in use stops at
+/// once naming --work-dir; every directory is 0700 and every file 0600; the first message of a
+/// session lists every rank, and an end is marked reported once acknowledged.
+#[test]
+fn a_relative_work_dir_is_absolute_private_and_one_agents() {
+    let (_rt, fake, url) = serve_fake();
+    let dir = scratch("relative");
+    let log = dir.join("agent.log");
+    let _agent = AgentProc(agent_command(&url, "n0", Some(Path::new("work")), &log).spawn().unwrap());
+    let run = r#"case "$MOTLEY_PLAN" in /*) ;; *) exit 3 ;; esac; case "$MOTLEY_NCCL_GROUPS" in /*) ;; *) exit 4 ;; esac
+        test -f "$MOTLEY_PLAN" && test -f "$MOTLEY_NCCL_GROUPS""#;
+    fake.send(launch(1, 1, run, &[0], 29500));
+    let gen_dir = dir.join("work/jobs/1/1");
+    assert_eq!(
+        fake.wait_state(1, (1, 1, 0), "exited"),
+        Some(0),
+        "{}",
+        std::fs::read_to_string(gen_dir.join("rank-0.log")).unwrap_or_default()
+    );
+    assert_eq!(std::fs::read_to_string(gen_dir.join("rank-0.exit")).unwrap(), "0\n", "the wrapper wrote the exit file");
+    fake.until("the reported marker (after the ack)", |_| gen_dir.join("rank-0.reported").exists().then_some(()));
+    fake.until("the lease file", |_| dir.join("work/lease").exists().then_some(()));
+    let record: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(gen_dir.join("rank-0.json")).unwrap()).unwrap();
+    assert_eq!(record["node"], "n0");
+    {
+        let s = fake.0.lock().unwrap();
+        assert_eq!((s.messages[0].1, s.messages[0].2), (1, true), "seq 1, full: {:?}", s.messages);
+        assert!(s.messages.iter().skip(1).all(|m| !m.2), "only the first message is full");
+        assert!(s.messages.windows(2).all(|w| w[1].1 == w[0].1 + 1), "seq counts up: {:?}", s.messages);
+    }
+
+    // Modes: the work directory and everything under it.
+    use std::os::unix::fs::PermissionsExt;
+    let mut stack = vec![dir.join("work")];
+    let mut files = 0;
+    while let Some(p) = stack.pop() {
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        if p.is_dir() {
+            assert_eq!(mode, 0o700, "{}", p.display());
+            stack.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+        } else {
+            assert_eq!(mode, 0o600, "{}", p.display());
+            files += 1;
+        }
+    }
+    assert!(files >= 8, "agent.lock, lease, plan, record, groups, log, exit, reported: {files}");
+
+    // A second agent on the same directory stops at once, naming the flag; one with the default
+    // work directory gets its node's own.
+    let mut second = agent_command(&url, "n0", Some(Path::new("work")), &log).spawn().unwrap();
+    assert!(!wait_exit(&mut second, "the second agent").success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("--work-dir") && text.contains("another motley-agent is running on this directory"), "{text}");
+    let _default = AgentProc(agent_command(&url, "n1", None, &log).spawn().unwrap());
+    fake.until("n1's registration", |s| s.registrations.iter().any(|r| r.node == "n1").then_some(()));
+    assert!(dir.join("motley-agent/n1/agent.lock").exists());
+
+    // A work directory left too open is closed again.
+    std::fs::create_dir_all(dir.join("open")).unwrap();
+    std::fs::set_permissions(dir.join("open"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let _open = AgentProc(agent_command(&url, "n2", Some(Path::new("open")), &log).spawn().unwrap());
+    fake.until("n2's registration", |s| s.registrations.iter().any(|r| r.node == "n2").then_some(()));
+    assert_eq!(std::fs::metadata(dir.join("open")).unwrap().permissions().mode() & 0o777, 0o700);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 13 items 1 and 4: a node held by another live agent (ALREADY_EXISTS), or heartbeats
+/// refused as stale session after session, end the agent with an error saying what to do,
+/// instead of re-registering forever.
+#[test]
+fn a_refused_node_ends_the_agent_with_a_clear_error() {
+    let (_rt, fake, url) = serve_fake();
+    let dir = scratch("refused");
+    let log = dir.join("held.log");
+    fake.0.lock().unwrap().refuse_register = Some(Status::already_exists("node n0 is held by another live agent (at 10.0.0.1)"));
+    let mut agent = agent_command(&url, "n0", Some(Path::new("w1")), &log).spawn().unwrap();
+    assert!(!wait_exit(&mut agent, "the agent of a held node").success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("node n0 is held by another live agent") && text.contains("another --node"), "{text}");
+    assert!(!text.contains("reconnecting"), "no retry: {text}");
+
+    let log = dir.join("stale.log");
+    {
+        let mut s = fake.0.lock().unwrap();
+        s.refuse_register = None;
+        s.refuse_heartbeat = Some(Status::aborted("this agent session is stale (node n0: agent epoch 1 is stale); register again"));
+    }
+    let mut agent = agent_command(&url, "n0", Some(Path::new("w2")), &log).spawn().unwrap();
+    assert!(!wait_exit(&mut agent, "the agent refused as stale").success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("stale 3 sessions in a row") && text.contains("another --node"), "{text}");
+    assert_eq!(fake.0.lock().unwrap().registrations.len(), 3);
     let _ = std::fs::remove_dir_all(&dir);
 }
