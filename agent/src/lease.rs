@@ -57,6 +57,18 @@ pub fn read(path: &Path) -> Option<Lease> {
     serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
 }
 
+/// At agent start: a lease an earlier agent left that has run out is removed, or the ranks
+/// launched before this agent's first acknowledgement would be stopped at once by its
+/// deadline. (The wrappers of ranks that outlived that agent keep the deadline they read:
+/// they stop all the same.) Whether one was removed.
+pub fn clear_if_lapsed(work_dir: &Path) -> bool {
+    let file = path(work_dir);
+    match read(&file) {
+        Some(l) if l.deadline_ms <= now_ms() => std::fs::remove_file(&file).is_ok(),
+        _ => false,
+    }
+}
+
 /// The wrapper's watch (a thread of its own, for the life of the wrapper): once the lease has
 /// run out, SIGTERM to the rank, SIGKILL after the grace period; `fired` says it did.
 pub fn switch(lease_file: &Path, child: i32, fired: &AtomicBool) {
@@ -113,5 +125,23 @@ pub fn kill_rest_of_group() {
     for pid in crate::rankfiles::group_members(me).into_iter().filter(|&p| p != me) {
         // SAFETY: kill(2) of a member of the wrapper's own group.
         unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lapsed_lease_left_by_an_earlier_agent_is_cleared_at_start_and_a_live_one_kept() {
+        let dir = std::env::temp_dir().join(format!("motley-lease-unit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        write(&path(&dir), &Lease { deadline_ms: now_ms() - 1, grace_ms: 5 }).unwrap();
+        assert!(clear_if_lapsed(&dir) && !path(&dir).exists());
+        let live = renew(&dir, Duration::from_secs(1)).unwrap();
+        assert!(!clear_if_lapsed(&dir));
+        assert_eq!(read(&path(&dir)), Some(live));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

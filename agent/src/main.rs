@@ -232,6 +232,9 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
     tokio::spawn(motley_agent::logs::serve(listener, work_dir.clone(), args.token.clone()));
     let wrapper = std::env::current_exe().context("cannot find this executable (the rank wrapper)")?;
     let supervisor = Supervisor::new(work_dir.clone(), node.clone(), wrapper);
+    if motley_agent::lease::clear_if_lapsed(&work_dir) {
+        tracing::info!(node = %node, "the lease file an earlier agent left had run out; removed (renewed on the first acknowledgement)");
+    }
     for n in supervisor.adopt() {
         tracing::info!(node = %node, "{n}");
     }

@@ -1,11 +1,16 @@
 //! A rank's files under `WORK_DIR/jobs/JOB/GENERATION/`, which let a restarted agent find its
-//! ranks again: `rank-R.json` (the record: job, generation, rank, process group, log),
-//! `rank-R.exit` (the exit code, written by the rank's wrapper), `rank-R.reported` (the exit
-//! was sent to a coordinator, so a later agent does not adopt it again), `rank-R.log`.
+//! ranks again: `rank-R.json` (the record: node, job, generation, rank, process group, boot id
+//! and the wrapper's start time, log), `rank-R.exit` (the exit code, written by the rank's
+//! wrapper), `rank-R.reported` (the coordinator acknowledged the rank's end, so a later agent
+//! does not report it again), `rank-R.stopping`, `rank-R.groups.json`, `rank-R.log`; and the
+//! work directory itself (`open_work_dir`: absolute, 0700, locked by one agent).
 //!
 //! Every file is written whole or not at all (a temporary file in the same directory, then a
 //! rename or a link), so a crash never leaves a half-written record that a later agent could
 //! take for a whole one; a record that does not parse is skipped with a note all the same.
+//! Records, exit codes and markers are fsync'd (file and directory): they must survive a power
+//! loss. Every file is 0600 and every directory 0700: plans carry the job's settings, logs
+//! whatever the rank prints.
 
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};

@@ -30,6 +30,10 @@ struct Seen {
     refuse_register: Option<Status>,
     /// Refuse heartbeat streams with this status (a stale session).
     refuse_heartbeat: Option<Status>,
+    /// Acknowledge every message (as the coordinator does). Off where agents are killed and
+    /// restarted: acknowledgements start the ranks' dead-man switch, whose deadline (10 of
+    /// these 50 ms intervals) a restart on a loaded machine could miss.
+    acks: bool,
 }
 
 #[derive(Clone, Default)]
@@ -68,6 +72,9 @@ impl Agent for Fake {
                     s.statuses.extend(status.ranks.into_iter().map(|r| (n, r)));
                 }
                 // Held: acknowledged, as the coordinator does once it has stored a report.
+                if !me.0.lock().unwrap().acks {
+                    continue;
+                }
                 let _ = tx.send(Ok(Instruction { kind: Some(instruction::Kind::Ack(Ack { seq: status.seq })) })).await;
             }
         });
@@ -343,6 +350,7 @@ fn a_relative_work_dir_is_absolute_private_and_one_agents() {
     let (_rt, fake, url) = serve_fake();
     let dir = scratch("relative");
     let log = dir.join("agent.log");
+    fake.0.lock().unwrap().acks = true;
     let _agent = AgentProc(agent_command(&url, "n0", Some(Path::new("work")), &log).spawn().unwrap());
     let run = r#"case "$MOTLEY_PLAN" in /*) ;; *) exit 3 ;; esac; case "$MOTLEY_NCCL_GROUPS" in /*) ;; *) exit 4 ;; esac
         test -f "$MOTLEY_PLAN" && test -f "$MOTLEY_NCCL_GROUPS""#;
