@@ -15,10 +15,14 @@ use motley_solver::ClusterSpec;
 
 use crate::inputs::{self, InputError};
 use crate::remote::Client;
+use crate::table::escape;
+use crate::{exit, Outcome};
 
 #[derive(clap::Subcommand)]
 pub enum DevCommand {
-    /// Start a coordinator and one agent per node of CLUSTER, run JOB, stream it, stop.
+    /// Start a coordinator and one agent per node of CLUSTER, run JOB, stream it, stop; exit 0
+    /// if the job succeeded, 1 if it failed, 3 if it was cancelled (Ctrl-C cancels it).
+    #[command(after_help = crate::exit::HELP)]
     Up {
         /// Cluster file (YAML), as for `motley plan`.
         cluster: PathBuf,
@@ -58,7 +62,9 @@ fn sibling(name: &str) -> Result<PathBuf, InputError> {
     }
 }
 
-pub fn run(cmd: DevCommand) -> Result<String, InputError> {
+/// Runs the job to its end; the exit code is the job's outcome (`exit::for_job_state`): a job
+/// that failed or was cancelled (Ctrl-C included) is not a success for the script that ran this.
+pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
     let DevCommand::Up { cluster, job, dir, heartbeat_ms } = cmd;
     let origin = cluster.display().to_string();
     let text = std::fs::read_to_string(&cluster).map_err(|e| InputError(format!("{origin}: cannot read cluster file: {e}")))?;
@@ -157,7 +163,7 @@ pub fn run(cmd: DevCommand) -> Result<String, InputError> {
 }
 
 /// Stream the job's events and its ranks' output until it is over (or Ctrl-C cancels it).
-fn follow(client: &Client, id: i64, heartbeat_ms: u64, dir: &Path, agents: usize) -> Result<String, InputError> {
+fn follow(client: &Client, id: i64, heartbeat_ms: u64, dir: &Path, agents: usize) -> Result<Outcome, InputError> {
     let mut after = 0i64;
     let mut offsets: BTreeMap<PathBuf, u64> = BTreeMap::new();
     loop {
@@ -168,26 +174,32 @@ fn follow(client: &Client, id: i64, heartbeat_ms: u64, dir: &Path, agents: usize
         let full = events.as_array().map_or(0, Vec::len) >= 1000;
         for e in events.as_array().into_iter().flatten() {
             after = after.max(e["seq"].as_i64().unwrap_or(after));
-            say(&format!("[{}] {}", e["kind"].as_str().unwrap_or(""), e["message"].as_str().unwrap_or("")));
+            say(&format!("[{}] {}", escape(e["kind"].as_str().unwrap_or("")), escape(e["message"].as_str().unwrap_or(""))));
         }
         if full {
             continue;
         }
         print_new_output(&dir.join("agents"), &mut offsets);
-        let state = j["state"].as_str().unwrap_or("").to_string();
+        let state = escape(j["state"].as_str().unwrap_or("")).into_owned();
         if INTERRUPTED.load(Ordering::SeqCst) && !["succeeded", "failed", "cancelled"].contains(&state.as_str()) {
             say(&format!("interrupted: cancelling job {id}"));
             // A 409 means it ended meanwhile: nothing to cancel, the ranks are stopping anyway.
             let _ = client.call("POST", &format!("/jobs/{id}/cancel"), None);
             wait_for_ranks(client, id, heartbeat_ms);
             print_new_output(&dir.join("agents"), &mut offsets);
-            return Ok(format!("job {id} cancelled; stopping the coordinator and {agents} agents"));
+            return Ok(Outcome {
+                text: format!("job {id} cancelled; stopping the coordinator and {agents} agents"),
+                code: exit::JOB_CANCELLED,
+            });
         }
         if ["succeeded", "failed", "cancelled"].contains(&state.as_str()) {
             std::thread::sleep(Duration::from_millis(2 * heartbeat_ms));
             print_new_output(&dir.join("agents"), &mut offsets);
-            let reason = j["reason"].as_str().map_or(String::new(), |r| format!(": {r}"));
-            return Ok(format!("job {id} {state}{reason}; stopping the coordinator and {agents} agents"));
+            let reason = j["reason"].as_str().map_or(String::new(), |r| format!(": {}", escape(r)));
+            return Ok(Outcome {
+                text: format!("job {id} {state}{reason}; stopping the coordinator and {agents} agents"),
+                code: exit::for_job_state(&state),
+            });
         }
         std::thread::sleep(Duration::from_millis(100));
     }

@@ -258,7 +258,7 @@ fn plan_table(l: &Loaded, order: &[usize], layers: &[u32], dp: u32, e: &Estimate
     for (i, ((&gi, &n), s)) in order.iter().zip(layers).zip(&e.stages).enumerate() {
         t.add_row(vec![
             i.to_string(),
-            l.estimator.gpus[gi].name.clone(),
+            crate::table::escape(&l.estimator.gpus[gi].name).into_owned(),
             n.to_string(),
             format!("{:.2}", s.memory / GIB),
             format!("{:.2}", s.memory_left / GIB),

@@ -10,3 +10,43 @@ pub mod plan;
 pub mod provision;
 pub mod remote;
 pub mod table;
+
+/// `motley`'s exit codes. A script running `motley job watch` or `motley dev up` must be able
+/// to tell a job that failed from one that was cancelled and from a CLI that could not do its
+/// work, so each has its own code (documented in `--help` and the README).
+pub mod exit {
+    /// The command did its work; for `job watch` and `dev up`, the job succeeded.
+    pub const SUCCESS: u8 = 0;
+    /// `job watch` / `dev up`: the job ended failed.
+    pub const JOB_FAILED: u8 = 1;
+    /// Bad input or usage, an error answer from the coordinator, no coordinator answering.
+    pub const ERROR: u8 = 2;
+    /// `job watch` / `dev up`: the job ended cancelled (also after Ctrl-C in `dev up`).
+    pub const JOB_CANCELLED: u8 = 3;
+
+    /// The code for a job that ended in `state` (`succeeded`, `failed`, `cancelled`).
+    pub fn for_job_state(state: &str) -> u8 {
+        match state {
+            "succeeded" => SUCCESS,
+            "cancelled" => JOB_CANCELLED,
+            _ => JOB_FAILED,
+        }
+    }
+
+    /// The codes for `--help`.
+    pub const HELP: &str = "Exit codes: 0 success (for `job watch` and `dev up`: the job succeeded), \
+                            1 the watched job failed, 2 bad input, usage or a coordinator error, 3 the watched job was cancelled.";
+}
+
+/// What a command prints on standard output, and the process's exit code.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub text: String,
+    pub code: u8,
+}
+
+impl From<String> for Outcome {
+    fn from(text: String) -> Outcome {
+        Outcome { text, code: exit::SUCCESS }
+    }
+}

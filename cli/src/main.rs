@@ -1,12 +1,13 @@
-//! `motley`, the operator's CLI. Today: `motley plan`, `motley replan`, `motley provision`, `motley metis` and
-//! `motley espresso`, which work offline.
+//! `motley`, the operator's CLI: `motley plan`, `motley replan`, `motley provision`, `motley metis` and
+//! `motley espresso`, which work offline, and `motley node|job|dev`, which talk to a coordinator.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use motley::{exit, Outcome};
 
 #[derive(Parser)]
-#[command(name = "motley", version, about = "Plan and run LLM training on clusters of mixed GPUs")]
+#[command(name = "motley", version, about = "Plan and run LLM training on clusters of mixed GPUs", after_help = motley::exit::HELP)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -24,45 +25,47 @@ enum Command {
     Espresso(motley::espresso::EspressoArgs),
     /// Which GPUs to rent, and how many, to meet an iteration-time SLO for the least money.
     Provision(motley::provision::ProvisionArgs),
-    /// The coordinator's inventory: list, describe, add, drain, undrain.
+    /// The coordinator's inventory: list, describe, add, drain, undrain, remove.
     #[command(subcommand)]
     Node(motley::remote::NodeCommand),
-    /// Jobs on the coordinator: submit, list, show, watch, cancel.
-    #[command(subcommand)]
+    /// Jobs on the coordinator: submit, list, show, watch, logs, cancel.
+    #[command(subcommand, after_help = motley::exit::HELP)]
     Job(motley::remote::JobCommand),
     /// The whole system on this machine: `motley dev up CLUSTER JOB`.
-    #[command(subcommand)]
+    #[command(subcommand, after_help = motley::exit::HELP)]
     Dev(motley::dev::DevCommand),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Plan(args) => motley::plan::run_plan(args),
-        Command::Replan(args) => motley::plan::run_replan(args),
-        Command::Provision(a) => motley::provision::run(a),
-        Command::Node(c) => motley::remote::run_node(c),
+    let result: Result<Outcome, _> = match cli.command {
+        Command::Plan(args) => motley::plan::run_plan(args).map(Outcome::from),
+        Command::Replan(args) => motley::plan::run_replan(args).map(Outcome::from),
+        Command::Provision(a) => motley::provision::run(a).map(Outcome::from),
+        Command::Node(c) => motley::remote::run_node(c).map(Outcome::from),
         Command::Job(c) => motley::remote::run_job(c),
         Command::Dev(c) => motley::dev::run(c),
         Command::Espresso(e) => match e.command {
             motley::espresso::EspressoCommand::Eval(a) => motley::espresso::run_eval(a),
             motley::espresso::EspressoCommand::Search(a) => motley::espresso::run_search(a),
-        },
+        }
+        .map(Outcome::from),
         Command::Metis(m) => match m.command {
             motley::metis::MetisCommand::Eval(a) => motley::metis::run_eval(a),
             motley::metis::MetisCommand::Search(a) => motley::metis::run_search(a),
-        },
+        }
+        .map(Outcome::from),
     };
     match result {
-        Ok(text) => {
+        Ok(Outcome { text, code }) => {
             use std::io::Write;
             // A closed pipe (`motley plan ... | head`) is not an error worth a panic.
             let _ = writeln!(std::io::stdout().lock(), "{text}");
-            ExitCode::SUCCESS
+            ExitCode::from(code)
         }
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::from(2)
+            ExitCode::from(exit::ERROR)
         }
     }
 }

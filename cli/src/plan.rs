@@ -73,22 +73,33 @@ pub struct PlanArgs {
 }
 
 fn check_options(a: &PlanArgs) -> Result<(), InputError> {
+    use motley_solver::limits::{MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_SEQ_LEN, MAX_STAGES};
     let bad = |flag: &str, msg: &str| Err(InputError(format!("{flag}: {msg}")));
     if a.global_batch == 0 {
         return bad("--global-batch", "must be at least 1");
+    }
+    // The solver refuses these too (naming the job file's field); here the flag is named.
+    if a.global_batch > MAX_GLOBAL_BATCH {
+        return bad("--global-batch", &format!("{} is more than the {MAX_GLOBAL_BATCH} sequences an iteration may have", a.global_batch));
     }
     if let Some(b) = a.micro_batch {
         if b == 0 || !a.global_batch.is_multiple_of(b) {
             return bad("--micro-batch", "must be a positive divisor of --global-batch");
         }
+        if b > MAX_MICRO_BATCH {
+            return bad("--micro-batch", &format!("{b} is more than the {MAX_MICRO_BATCH} sequences a micro-batch may have"));
+        }
+    }
+    if let Some(s) = a.seq_len.filter(|&s| s > MAX_SEQ_LEN) {
+        return bad("--seq-len", &format!("{s} is more than the {MAX_SEQ_LEN} tokens a sequence may have"));
     }
     if let Some(t) = a.tp {
         if t == 0 || !t.is_power_of_two() {
             return bad("--tp", "must be a power of two (1, 2, 4, 8)");
         }
     }
-    if a.max_stages > 4096 {
-        return bad("--max-stages", "must be at most 4096 (0 chooses automatically)");
+    if a.max_stages > MAX_STAGES {
+        return bad("--max-stages", &format!("must be at most {MAX_STAGES} (0 chooses automatically)"));
     }
     if !(a.efficiency > 0.0 && a.efficiency <= 1.0) {
         return bad("--efficiency", "must be in (0, 1]");

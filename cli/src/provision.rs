@@ -101,7 +101,8 @@ pub fn run(a: ProvisionArgs) -> Result<String, InputError> {
     let spec: OffersSpec = inputs::parse_yaml(&text, &origin)?;
     let offers = Offers::from_spec(&spec).map_err(|e| in_file(&origin, e))?;
     let count = offers.allocation_count();
-    if count > 5e6 {
+    // Checked by the solver too; here before the model is read.
+    if count > motley_solver::limits::MAX_ALLOCATIONS {
         return Err(InputError(format!(
             "{origin}: offers[].quota: {count:.0} allocations are too many to search; lower the quotas or raise gpus_per_node"
         )));
@@ -196,7 +197,7 @@ impl Progress {
 
 /// "4 x A30 + 2 x A6000".
 fn alloc_text(lines: &[AllocationLine]) -> String {
-    lines.iter().map(|l| format!("{} x {}", l.gpus, l.offer)).collect::<Vec<_>>().join(" + ")
+    lines.iter().map(|l| format!("{} x {}", l.gpus, crate::table::escape(&l.offer))).collect::<Vec<_>>().join(" + ")
 }
 
 fn render(r: &ProvisionReport) -> String {

@@ -10,6 +10,7 @@ use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use serde_json::Value;
 
 use crate::inputs::{InputError, Output};
+use crate::{exit, Outcome};
 
 #[derive(clap::Args, Clone)]
 pub struct Remote {
@@ -26,7 +27,16 @@ pub struct Remote {
     /// (default: the public web roots).
     #[arg(long, env = "MOTLEY_CA_CERT")]
     ca_cert: Option<PathBuf>,
+    /// Seconds one request may take, connecting and reading the whole answer included, before
+    /// the coordinator counts as not answering (`job watch` and `logs -f` poll, so this bounds
+    /// each poll, not the watch).
+    #[arg(long, env = "MOTLEY_TIMEOUT", default_value_t = DEFAULT_TIMEOUT_S)]
+    timeout: f64,
 }
+
+/// `--timeout`'s default, seconds: far above what any answer of a healthy coordinator takes,
+/// short enough that a frozen one does not hang a script.
+pub const DEFAULT_TIMEOUT_S: f64 = 30.0;
 
 #[derive(clap::Subcommand)]
 pub enum NodeCommand {
@@ -58,6 +68,13 @@ pub enum NodeCommand {
         #[command(flatten)]
         remote: Remote,
     },
+    /// Forget the node (refused while ranks of an unfinished job are on it). An agent that
+    /// registers under the name later declares it again.
+    Remove {
+        name: String,
+        #[command(flatten)]
+        remote: Remote,
+    },
 }
 
 #[derive(clap::Subcommand)]
@@ -79,7 +96,9 @@ pub enum JobCommand {
         #[command(flatten)]
         remote: Remote,
     },
-    /// Print the job's events as they happen until it is over.
+    /// Print the job's events as they happen until it is over; exit 0 if it succeeded, 1 if it
+    /// failed, 3 if it was cancelled.
+    #[command(after_help = crate::exit::HELP)]
     Watch {
         id: i64,
         #[command(flatten)]
@@ -112,12 +131,13 @@ pub struct Client {
     bases: Vec<String>,
     token: Option<String>,
     agent: ureq::Agent,
+    timeout: Duration,
 }
 
 impl Client {
     /// A client of one coordinator URL without a token (`--insecure` coordinators).
     pub fn local(url: &str) -> Result<Client, InputError> {
-        Client::new(&Remote { coordinator: url.to_string(), token: None, output: Output::Table, ca_cert: None })
+        Client::new(&Remote { coordinator: url.to_string(), token: None, output: Output::Table, ca_cert: None, timeout: DEFAULT_TIMEOUT_S })
     }
 
     fn new(r: &Remote) -> Result<Client, InputError> {
@@ -131,7 +151,13 @@ impl Client {
             .clone()
             .or_else(|| std::fs::read_to_string("motley-data/token").ok().map(|t| t.trim().to_string()))
             .filter(|t| !t.is_empty());
-        let mut config = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(30)));
+        let timeout = Duration::try_from_secs_f64(r.timeout)
+            .ok()
+            .filter(|t| !t.is_zero())
+            .ok_or_else(|| InputError(format!("--timeout: {} is not a positive number of seconds, e.g. 30", r.timeout)))?;
+        // ureq's global timeout is per call of the agent (a new budget for every request):
+        // exactly one request's bound, while polling commands run as long as their job.
+        let mut config = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(timeout));
         if let Some(path) = &r.ca_cert {
             let pem = std::fs::read(path).map_err(|e| InputError(format!("--ca-cert: cannot read {}: {e}", path.display())))?;
             let cert = ureq::tls::Certificate::from_pem(&pem)
@@ -140,7 +166,7 @@ impl Client {
             config = config.tls_config(ureq::tls::TlsConfig::builder().root_certs(roots).build());
         }
         let agent: ureq::Agent = config.build().into();
-        Ok(Client { bases, token, agent })
+        Ok(Client { bases, token, agent, timeout })
     }
 
     /// One call, trying each coordinator until one answers; errors carry the server's message.
@@ -166,8 +192,8 @@ impl Client {
             let url = format!("{base}/api/v1{path}");
             let auth = self.token.as_ref().map(|t| format!("Bearer {t}"));
             let result = match (method, body) {
-                ("GET", _) => {
-                    let mut r = self.agent.get(&url);
+                ("GET" | "DELETE", _) => {
+                    let mut r = if method == "GET" { self.agent.get(&url) } else { self.agent.delete(&url) };
                     if let Some(a) = &auth {
                         r = r.header("Authorization", a);
                     }
@@ -184,8 +210,10 @@ impl Client {
             match result {
                 Ok(mut resp) => {
                     let status = resp.status().as_u16();
-                    let bytes =
-                        resp.body_mut().with_config().limit(64 << 20).read_to_vec().map_err(|e| InputError(format!("{url}: {e}")))?;
+                    let bytes = match resp.body_mut().with_config().limit(64 << 20).read_to_vec() {
+                        Ok(b) => b,
+                        Err(e) => return Err(InputError(format!("{url}: {}", self.describe(e)))),
+                    };
                     if status == 503 {
                         let leader = serde_json::from_slice::<Value>(&bytes).ok().and_then(|v| v["leader"].as_str().map(str::to_string));
                         if let Some(l) = leader.filter(|l| !l.is_empty()) {
@@ -200,11 +228,42 @@ impl Client {
                     }
                     return Ok((status, bytes));
                 }
-                Err(e) => last = format!("{base}: {e}"),
+                Err(e) => last = format!("{base}: {}", self.describe(e)),
             }
         }
         Err(InputError(format!("no coordinator answered ({last}); check --coordinator / MOTLEY_COORDINATOR")))
     }
+
+    /// A transport error for people: a timeout says how long was waited and which flag sets it.
+    fn describe(&self, e: ureq::Error) -> String {
+        let timed_out = match &e {
+            ureq::Error::Timeout(_) => true,
+            ureq::Error::Io(io) => io.kind() == std::io::ErrorKind::TimedOut,
+            _ => false,
+        };
+        if timed_out {
+            format!("no answer within {} s (--timeout / MOTLEY_TIMEOUT)", self.timeout.as_secs_f64())
+        } else {
+            e.to_string()
+        }
+    }
+}
+
+/// A node name as one URL path segment, percent-encoded: a name such as `../jobs/1` or `a?b`
+/// must reach `/nodes/{name}` (to be refused there), never another route.
+fn path_segment(name: &str) -> String {
+    if name == "." || name == ".." {
+        return name.replace('.', "%2E");
+    }
+    let mut out = String::with_capacity(name.len());
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 fn table(header: Vec<&str>, rows: Vec<Vec<String>>) -> String {
@@ -212,14 +271,16 @@ fn table(header: Vec<&str>, rows: Vec<Vec<String>>) -> String {
     t.load_preset(UTF8_FULL_CONDENSED);
     t.set_header(header);
     for r in rows {
-        t.add_row(r);
+        t.add_row(crate::table::row(r));
     }
     t.to_string()
 }
 
+/// A JSON value as text for people, its control characters escaped (see `table::escape`):
+/// names, reasons and messages come from whoever registered the node or submitted the job.
 fn s(v: &Value) -> String {
     match v {
-        Value::String(x) => x.clone(),
+        Value::String(x) => crate::table::escape(x).into_owned(),
         Value::Null => String::new(),
         other => other.to_string(),
     }
@@ -323,35 +384,41 @@ pub fn run_node(cmd: NodeCommand) -> Result<String, InputError> {
     match cmd {
         NodeCommand::List(r) => Ok(render(r.output, &Client::new(&r)?.call("GET", "/nodes", None)?, nodes_table)),
         NodeCommand::Describe { name, remote } => {
-            let v = Client::new(&remote)?.call("GET", &format!("/nodes/{name}"), None)?;
+            let v = Client::new(&remote)?.call("GET", &format!("/nodes/{}", path_segment(&name)), None)?;
             Ok(render(remote.output, &v, |v| serde_json::to_string_pretty(v).expect("JSON serialises")))
         }
         NodeCommand::Add { name, entry, remote } => {
             let text =
                 std::fs::read_to_string(&entry).map_err(|e| InputError(format!("{}: cannot read node entry: {e}", entry.display())))?;
-            let v = Client::new(&remote)?.call("PUT", &format!("/nodes/{name}"), Some(&text))?;
+            let v = Client::new(&remote)?.call("PUT", &format!("/nodes/{}", path_segment(&name)), Some(&text))?;
             Ok(render(remote.output, &v, |v| format!("node {} registered (agent epoch {})", s(&v["name"]), s(&v["agent_epoch"]))))
         }
         NodeCommand::Drain { name, remote } => {
-            let v = Client::new(&remote)?.call("POST", &format!("/nodes/{name}/drain"), None)?;
+            let v = Client::new(&remote)?.call("POST", &format!("/nodes/{}/drain", path_segment(&name)), None)?;
             Ok(render(remote.output, &v, |v| format!("node {} is {}", s(&v["name"]), s(&v["state"]))))
         }
         NodeCommand::Undrain { name, remote } => {
-            let v = Client::new(&remote)?.call("POST", &format!("/nodes/{name}/undrain"), None)?;
+            let v = Client::new(&remote)?.call("POST", &format!("/nodes/{}/undrain", path_segment(&name)), None)?;
             Ok(render(remote.output, &v, |v| format!("node {} is {}", s(&v["name"]), s(&v["state"]))))
+        }
+        NodeCommand::Remove { name, remote } => {
+            let v = Client::new(&remote)?.call("DELETE", &format!("/nodes/{}", path_segment(&name)), None)?;
+            Ok(render(remote.output, &v, |v| format!("node {} removed", s(&v["name"]))))
         }
     }
 }
 
-pub fn run_job(cmd: JobCommand) -> Result<String, InputError> {
-    match cmd {
+pub fn run_job(cmd: JobCommand) -> Result<Outcome, InputError> {
+    let text = match cmd {
+        // The one command whose exit code is the job's outcome.
+        JobCommand::Watch { id, remote } => return watch(id, &remote),
         JobCommand::Submit { file, dry_run, remote } => {
             let text = std::fs::read_to_string(&file).map_err(|e| InputError(format!("{}: cannot read job file: {e}", file.display())))?;
             if dry_run {
                 let v = Client::new(&remote)?
                     .call("POST", "/plan", Some(&text))
                     .map_err(|e| InputError(format!("{}: {}", file.display(), e.0)))?;
-                return Ok(render(remote.output, &v, |v| {
+                render(remote.output, &v, |v| {
                     let rows = v["ranks"].as_array().into_iter().flatten().map(assignment_row).collect();
                     format!(
                         "dry run: {} GPUs, {:.3} s per iteration (nothing stored)\n{}",
@@ -359,22 +426,24 @@ pub fn run_job(cmd: JobCommand) -> Result<String, InputError> {
                         v["plan"]["iteration_time_s"].as_f64().unwrap_or(f64::NAN),
                         table(vec!["rank", "node", "gpu", "replica", "stage", "layers"], rows)
                     )
-                }));
+                })
+            } else {
+                let v = Client::new(&remote)?
+                    .call("POST", "/jobs", Some(&text))
+                    .map_err(|e| InputError(format!("{}: {}", file.display(), e.0)))?;
+                render(remote.output, &v, |v| {
+                    format!("job {} ({}) submitted; `motley job watch {}` follows it", s(&v["id"]), s(&v["name"]), s(&v["id"]))
+                })
             }
-            let v =
-                Client::new(&remote)?.call("POST", "/jobs", Some(&text)).map_err(|e| InputError(format!("{}: {}", file.display(), e.0)))?;
-            Ok(render(remote.output, &v, |v| {
-                format!("job {} ({}) submitted; `motley job watch {}` follows it", s(&v["id"]), s(&v["name"]), s(&v["id"]))
-            }))
         }
-        JobCommand::List(r) => Ok(render(r.output, &Client::new(&r)?.call("GET", "/jobs", None)?, jobs_table)),
+        JobCommand::List(r) => render(r.output, &Client::new(&r)?.call("GET", "/jobs", None)?, jobs_table),
         JobCommand::Show { id, remote } => {
             let c = Client::new(&remote)?;
             let mut v = c.call("GET", &format!("/jobs/{id}"), None)?;
             if v["generation"].as_i64().unwrap_or(0) > 0 {
                 v["launch"] = c.call("GET", &format!("/jobs/{id}/plan"), None)?;
             }
-            Ok(render(remote.output, &v, |v| {
+            render(remote.output, &v, |v| {
                 let mut out = jobs_table(v);
                 if let Some(ranks) = v["launch"]["ranks"].as_array() {
                     let rows = ranks
@@ -389,15 +458,15 @@ pub fn run_job(cmd: JobCommand) -> Result<String, InputError> {
                     out.push_str(&table(vec!["rank", "node", "gpu", "replica", "stage", "layers", "state"], rows));
                 }
                 out
-            }))
+            })
         }
-        JobCommand::Watch { id, remote } => watch(id, &remote),
-        JobCommand::Logs { id, rank, generation, follow, remote } => logs(id, rank, generation, follow, &remote),
+        JobCommand::Logs { id, rank, generation, follow, remote } => logs(id, rank, generation, follow, &remote)?,
         JobCommand::Cancel { id, remote } => {
             let v = Client::new(&remote)?.call("POST", &format!("/jobs/{id}/cancel"), None)?;
-            Ok(render(remote.output, &v, |v| format!("job {} is {}", s(&v["id"]), s(&v["state"]))))
+            render(remote.output, &v, |v| format!("job {} is {}", s(&v["id"]), s(&v["state"])))
         }
-    }
+    };
+    Ok(Outcome::from(text))
 }
 
 /// The most log bytes the coordinator answers with at once (its `LOG_CHUNK`).
@@ -450,16 +519,14 @@ fn logs(id: i64, rank: Option<i64>, generation: Option<i64>, follow: bool, remot
                 }
                 let _ = out.write_all(&line);
             }
-            if (!follow || over) && bytes.len() < LOG_CHUNK {
-                if !pending[i].is_empty() {
-                    let _ = writeln!(
-                        out,
-                        "{}{}",
-                        if rank.is_none() { format!("[rank {r}] ") } else { String::new() },
-                        String::from_utf8_lossy(&pending[i])
-                    );
-                    pending[i].clear();
-                }
+            if (!follow || over) && bytes.len() < LOG_CHUNK && !pending[i].is_empty() {
+                let _ = writeln!(
+                    out,
+                    "{}{}",
+                    if rank.is_none() { format!("[rank {r}] ") } else { String::new() },
+                    String::from_utf8_lossy(&pending[i])
+                );
+                pending[i].clear();
             }
         }
         if more {
@@ -472,8 +539,9 @@ fn logs(id: i64, rank: Option<i64>, generation: Option<i64>, follow: bool, remot
     }
 }
 
-/// Poll the job's events (every 200 ms) and print each once, until the job is over.
-fn watch(id: i64, remote: &Remote) -> Result<String, InputError> {
+/// Poll the job's events (every 200 ms) and print each once, until the job is over; the exit
+/// code says how it ended (`exit::for_job_state`).
+fn watch(id: i64, remote: &Remote) -> Result<Outcome, InputError> {
     use std::io::Write;
     let c = Client::new(remote)?;
     let mut after = 0i64;
@@ -495,8 +563,10 @@ fn watch(id: i64, remote: &Remote) -> Result<String, InputError> {
         if full {
             continue;
         }
-        if ["succeeded", "failed", "cancelled"].contains(&job["state"].as_str().unwrap_or("")) {
-            return Ok(format!("job {id} {}{}", s(&job["state"]), job["reason"].as_str().map_or(String::new(), |r| format!(": {r}"))));
+        let state = job["state"].as_str().unwrap_or("");
+        if ["succeeded", "failed", "cancelled"].contains(&state) {
+            let reason = job["reason"].as_str().map_or(String::new(), |r| format!(": {}", crate::table::escape(r)));
+            return Ok(Outcome { text: format!("job {id} {}{reason}", s(&job["state"])), code: exit::for_job_state(state) });
         }
         std::thread::sleep(Duration::from_millis(200));
     }
@@ -505,6 +575,27 @@ fn watch(id: i64, remote: &Remote) -> Result<String, InputError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_names_stay_one_path_segment() {
+        assert_eq!(path_segment("a100-0.rack_1~x"), "a100-0.rack_1~x");
+        assert_eq!(path_segment("../jobs/1"), "..%2Fjobs%2F1");
+        assert_eq!(path_segment(".."), "%2E%2E");
+        assert_eq!(path_segment("a b?c#d\n"), "a%20b%3Fc%23d%0A");
+        assert_eq!(path_segment("nœud"), "n%C5%93ud");
+    }
+
+    #[test]
+    fn table_cells_and_texts_escape_control_characters() {
+        let v = serde_json::json!([{"id": 1, "name": "evil\u{1b}]0;owned\u{7}\nsecond line", "state": "failed", "generation": 1,
+                                    "reason": "exit\tcode \u{9b}2J"}]);
+        let out = jobs_table(&v);
+        assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
+        assert!(out.contains("evil\\x1b]0;owned\\x07\\nsecond line"), "{out}");
+        assert!(out.contains("exit\\tcode \\u{9b}2J"), "{out}");
+        assert_eq!(out.lines().count(), jobs_table(&serde_json::json!([{"id": 1}])).lines().count(), "one line per row");
+        assert_eq!(s(&serde_json::json!("a\u{1b}b")), "a\\x1bb");
+    }
 
     #[test]
     fn load_cells_average_gpus_and_size_bytes() {

@@ -1,16 +1,54 @@
-//! The human-readable rendering of a plan.
+//! The human-readable rendering of a plan, and the escaping every table cell of the CLI goes
+//! through.
+
+use std::borrow::Cow;
+use std::fmt::Display;
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
 use motley_solver::report::ReplicaReport;
 use motley_solver::PlanReport;
+
+/// `s` with its control characters written out (`\n`, `\t`, `\x1b`, `\u{9b}`) and everything
+/// else, non-ASCII letters included, as it is. Names and messages come from files and from the
+/// coordinator, i.e. from anyone who can register a node or submit a job: printed raw, an escape
+/// sequence in one would be executed by the operator's terminal (retitle it, hide rows, fake
+/// output), and a newline would split a row.
+pub fn escape(s: &str) -> Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_control() && (c as u32) < 0x80 => out.push_str(&format!("\\x{:02x}", c as u32)),
+            // C1 controls (U+0080..U+009F): U+009B alone starts an escape sequence on some terminals.
+            c if c.is_control() => out.extend(c.escape_unicode()),
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// A table cell whose text is escaped (see [`escape`]).
+pub fn cell(x: impl Display) -> Cell {
+    Cell::new(escape(&x.to_string()))
+}
+
+/// A row of plain text cells, escaped (see [`escape`]).
+pub fn row<S: AsRef<str>>(cells: impl IntoIterator<Item = S>) -> Vec<Cell> {
+    cells.into_iter().map(|c| cell(c.as_ref())).collect()
+}
 
 pub fn render(r: &PlanReport, compare: bool) -> String {
     let mut out = String::new();
     let proof = if r.search.proven_optimal { "optimal in its space" } else { "best found" };
     out.push_str(&format!(
         "Plan for {} on {}: {} of {} GPUs, {} replica(s); search {} ({}, {} plans costed)\n",
-        r.model,
-        r.cluster,
+        escape(&r.model),
+        escape(&r.cluster),
         r.gpus_used,
         r.gpus_total,
         r.replicas.len(),
@@ -54,16 +92,16 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
         for (si, s) in rep.stages.iter().enumerate() {
             let first = si == 0;
             t.add_row(vec![
-                Cell::new(if first { label.clone() } else { String::new() }),
-                Cell::new(if first { rep.samples.to_string() } else { String::new() }).set_alignment(CellAlignment::Right),
-                Cell::new(si),
-                Cell::new(format!("{}-{}", s.layers[0], s.layers[1])),
-                Cell::new(&s.gpu),
-                Cell::new(s.tp),
-                Cell::new(s.dp),
-                Cell::new(compact_gpus(&s.gpus)),
-                Cell::new(format!("{:.1} / {:.1}", s.memory_gib_per_gpu, s.memory_capacity_gib)).set_alignment(CellAlignment::Right),
-                Cell::new(if first { format!("{:.3}", rep.iteration_time_s) } else { String::new() }),
+                cell(if first { label.clone() } else { String::new() }),
+                cell(if first { rep.samples.to_string() } else { String::new() }).set_alignment(CellAlignment::Right),
+                cell(si),
+                cell(format!("{}-{}", s.layers[0], s.layers[1])),
+                cell(&s.gpu),
+                cell(s.tp),
+                cell(s.dp),
+                cell(compact_gpus(&s.gpus)),
+                cell(format!("{:.1} / {:.1}", s.memory_gib_per_gpu, s.memory_capacity_gib)).set_alignment(CellAlignment::Right),
+                cell(if first { format!("{:.3}", rep.iteration_time_s) } else { String::new() }),
             ]);
         }
         ri = end;
@@ -71,7 +109,7 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
     out.push_str(&t.to_string());
     out.push('\n');
     if !r.idle_gpus.is_empty() {
-        let list: Vec<String> = r.idle_gpus.iter().map(|(g, n)| format!("{n} x {g}")).collect();
+        let list: Vec<String> = r.idle_gpus.iter().map(|(g, n)| format!("{n} x {}", escape(g))).collect();
         out.push_str(&format!("idle: {} (the search found no faster plan that uses them)\n", list.join(", ")));
     }
     if grouped {
@@ -139,14 +177,14 @@ pub fn render_network(groups: &[motley_solver::network::CommGroup]) -> String {
         };
         let env: Vec<String> = g.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         t.add_row(vec![
-            Cell::new(kind),
-            Cell::new(place),
-            Cell::new(compact_gpus(&g.gpus)),
-            Cell::new(format!("{:?}", g.transport).to_lowercase()),
-            Cell::new(g.nics.join(",")),
-            Cell::new(format!("{:.1}", g.link_gb_per_s)).set_alignment(CellAlignment::Right),
-            Cell::new(format!("{:.4}", g.seconds_per_iteration)).set_alignment(CellAlignment::Right),
-            Cell::new(env.join(" ")),
+            cell(kind),
+            cell(place),
+            cell(compact_gpus(&g.gpus)),
+            cell(format!("{:?}", g.transport).to_lowercase()),
+            cell(g.nics.join(",")),
+            cell(format!("{:.1}", g.link_gb_per_s)).set_alignment(CellAlignment::Right),
+            cell(format!("{:.4}", g.seconds_per_iteration)).set_alignment(CellAlignment::Right),
+            cell(env.join(" ")),
         ]);
     }
     let mut out = format!("Communication groups ({}), in the order ranks create them:\n", groups.len());
@@ -186,7 +224,7 @@ pub fn render_replan(r: &motley_solver::replan::ReplanReport, compare: bool) -> 
         t.load_preset(UTF8_FULL_CONDENSED);
         t.set_header(vec!["layers before", "layers after", "gpus"]);
         for ((from, to), gpus) in moves {
-            t.add_row(vec![Cell::new(from), Cell::new(to), Cell::new(compact_gpus(&gpus))]);
+            t.add_row(vec![cell(from), cell(to), cell(compact_gpus(&gpus))]);
         }
         out.push_str(&t.to_string());
         out.push('\n');
@@ -194,4 +232,43 @@ pub fn render_replan(r: &motley_solver::replan::ReplanReport, compare: bool) -> 
     out.push_str("New plan:\n");
     out.push_str(&render(&r.new_plan, compare));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escape_writes_out_control_characters_only() {
+        assert_eq!(escape("a100-0 ▸ H800 ünïcode 漢字"), "a100-0 ▸ H800 ünïcode 漢字");
+        assert!(matches!(escape("plain"), Cow::Borrowed(_)), "no copy when nothing is escaped");
+        assert_eq!(escape("\u{1b}[2J\u{1b}]0;x\u{7}"), "\\x1b[2J\\x1b]0;x\\x07");
+        assert_eq!(escape("a\nb\r\tc\u{0}\u{7f}"), "a\\nb\\r\\tc\\x00\\x7f");
+        assert_eq!(escape("\u{9b}31m"), "\\u{9b}31m");
+        // Escaping twice changes nothing: the output has no control characters left.
+        assert_eq!(escape(&escape("x\u{1b}y")), "x\\x1by");
+    }
+
+    #[test]
+    fn plan_tables_escape_names_from_the_cluster_file() {
+        let spec: motley_solver::ClusterSpec =
+            serde_norway::from_str("name: \"lab\\e[31m\"\nnodes: [{name: \"n\\e]0;x\\a\", gpu: A100-80G, gpus: 2}]\n").unwrap();
+        let cluster = motley_solver::Cluster::from_spec(&spec).unwrap();
+        let model = motley_solver::Model::new(motley_solver::model::model_by_name("bert-large").unwrap(), None).unwrap();
+        let opts = motley_solver::PlanOptions { global_batch: 8, ..Default::default() };
+        let profiles = motley_solver::ProfileSet::default();
+        let req = motley_solver::PlanRequest {
+            cluster: &cluster,
+            model: &model,
+            profiles: &profiles,
+            opts: &opts,
+            mode: motley_solver::SearchMode::Auto,
+            exhaustive: false,
+            seeds: vec![],
+        };
+        let report = motley_solver::plan(&req).unwrap();
+        let out = format!("{}{}", render(&report, true), render_network(&report.comm_groups));
+        assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
+        assert!(out.contains("lab\\x1b[31m") && out.contains("n\\x1b]0;x\\x07:0"), "{out}");
+    }
 }

@@ -25,12 +25,32 @@ fn dev_up_runs_the_example_job_to_the_end_and_stops_everything() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("3 agents live: a100-0, a100-1, v100"), "{text}");
     assert!(text.contains("[running]") && text.contains("job 1 succeeded"), "{text}");
     // The ranks' own output, streamed with node and rank: 16 GPUs allowed by the job.
     assert!(text.contains("rank-0: rank 0 of 16") && text.contains("HELLO=world"), "{text}");
     assert_eq!(processes_with(dir.to_str().unwrap()), 0, "coordinator and agents are stopped");
+}
+
+#[test]
+fn dev_up_of_a_failing_job_exits_1() {
+    let dir = std::env::temp_dir().join(format!("motley-dev-fail-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cluster = dir.join("one.yaml");
+    std::fs::write(&cluster, "name: one\nnodes:\n  - {name: solo, gpu: A100-80G, gpus: 2}\n").unwrap();
+    let job = dir.join("failing.yaml");
+    std::fs::write(&job, "name: failing\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'exit 7'\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_motley"))
+        .args(["dev", "up", cluster.to_str().unwrap(), job.to_str().unwrap(), "--dir", dir.join("state").to_str().unwrap()])
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("job 1 failed"), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert_eq!(processes_with(dir.join("state").to_str().unwrap()), 0, "coordinator and agents are stopped");
 }
 
 #[test]
@@ -79,7 +99,8 @@ fn ctrl_c_cancels_the_job_and_leaves_no_process_behind() {
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
     let status = child.wait().unwrap();
-    assert!(status.success(), "{seen}{rest}");
+    // The job was cancelled: exit code 3, not a success.
+    assert_eq!(status.code(), Some(3), "{seen}{rest}");
     assert!(rest.contains("interrupted: cancelling job 1") && rest.contains("job 1 cancelled"), "{rest}");
     assert_eq!(processes_with(&marker), 0, "no rank is left behind");
     assert_eq!(processes_with(dir.join("state").to_str().unwrap()), 0, "coordinator and agents are stopped");

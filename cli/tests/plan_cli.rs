@@ -228,3 +228,27 @@ fn a_model_that_fits_nowhere_says_how_much_it_needs() {
     let c = write_temp("t4.yaml", "name: t4\nnodes:\n  - {name: t, gpu: T4, gpus: 2, intra: pcie}\n");
     refused(&["plan", "--cluster", c.to_str().unwrap(), "--model", "llama-70b"], &["t4.yaml", "does not fit", "GiB", "add GPUs"]);
 }
+
+/// Sizes beyond the planner's limits are refused (exit 2) naming the field, before anything
+/// is expanded: `count: 100000000` used to grow `motley plan` to 16 GB.
+#[test]
+fn sizes_beyond_the_limits_are_refused_naming_the_field() {
+    let c = write_temp(
+        "typo.yaml",
+        "name: x\nnodes:\n  - {name: a, gpu: H100, gpus: 8}\n  - {name: g, count: 100000000, gpu: H100, gpus: 8}\n",
+    );
+    refused(
+        &["plan", "--cluster", c.to_str().unwrap(), "--model", "gpt3-1.3b"],
+        &["typo.yaml", "nodes[1].count: 100000000 is more than the 65536 nodes a cluster may have", "solver/README.md"],
+    );
+    let c = write_temp("wide.yaml", "name: x\nnodes:\n  - {name: a, gpu: H100, gpus: 1000}\n");
+    refused(&["plan", "--cluster", c.to_str().unwrap(), "--model", "gpt3-1.3b"], &["wide.yaml", "nodes[0].gpus: 1000", "64 GPUs a node"]);
+    let m = write_temp("deep.yaml", "name: m\nlayers: 100000000\nhidden: 1024\nheads: 16\nseq_len: 512\nvocab: 8000\n");
+    refused(&["plan", "--cluster", "examples/lab.yaml", "--model", m.to_str().unwrap()], &["deep.yaml", "layers: 100000000", "4096"]);
+    let lab = ["plan", "--cluster", "examples/lab.yaml", "--model", "gpt3-1.3b"];
+    let with = |extra: &[&'static str]| [&lab[..], extra].concat();
+    refused(&with(&["--global-batch", "100000000"]), &["--global-batch: 100000000 is more than"]);
+    refused(&with(&["--global-batch", "1048576", "--micro-batch", "131072"]), &["--micro-batch: 131072 is more than"]);
+    refused(&with(&["--seq-len", "100000000"]), &["--seq-len: 100000000 is more than"]);
+    refused(&with(&["--max-stages", "100000"]), &["--max-stages", "at most 4096"]);
+}

@@ -25,6 +25,9 @@ struct Coordinator {
     url: String,
     grpc: String,
     token: String,
+    /// What agents present (the coordinator's agent token; the operators' one where a
+    /// coordinator has no separate agent token).
+    agent_token: String,
 }
 
 impl Drop for Coordinator {
@@ -64,7 +67,8 @@ fn start_with(dir: &Path, extra: &[&str]) -> Coordinator {
     let url = rest.trim().rsplit(' ').next().unwrap().to_string();
     let grpc = grpc.trim().rsplit(' ').next().unwrap().to_string();
     let token = std::fs::read_to_string(dir.join("token")).unwrap().trim().to_string();
-    Coordinator { child, url, grpc, token }
+    let agent_token = std::fs::read_to_string(dir.join("agent-token")).map(|t| t.trim().to_string()).unwrap_or_else(|_| token.clone());
+    Coordinator { child, url, grpc, token, agent_token }
 }
 
 fn rand_suffix() -> u128 {
@@ -113,7 +117,7 @@ fn agent(c: &Coordinator, name: &str) -> Agent {
                 "--work-dir",
                 work.to_str().unwrap(),
             ])
-            .env("MOTLEY_TOKEN", &c.token)
+            .env("MOTLEY_TOKEN", &c.agent_token)
             .current_dir(repo())
             .stderr(Stdio::null())
             .spawn()
@@ -167,8 +171,19 @@ fn operators_manage_nodes_and_jobs_from_the_cli() {
     }
     let shown = ok(&c, &["job", "show", &id]);
     assert!(shown.contains("running") && shown.contains("layers"), "{shown}");
+    // A node with ranks of an unfinished job cannot be removed; one without can, once.
+    let out = motley(&c, &["node", "remove", "a100-2"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("coordinator (409)"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(ok(&c, &["node", "remove", "a100-0"]).trim(), "node a100-0 removed");
+    assert!(!ok(&c, &["node", "list", "-o", "json"]).contains("\"a100-0\""));
+    let out = motley(&c, &["node", "remove", "a100-0"]);
+    assert!(out.status.code() == Some(2) && String::from_utf8_lossy(&out.stderr).contains("coordinator (404)"));
     assert!(ok(&c, &["job", "cancel", &id]).contains("cancelled"));
-    let watched = ok(&c, &["job", "watch", &id]);
+    // Watching a cancelled job ends with exit code 3, not a success.
+    let out = motley(&c, &["job", "watch", &id]);
+    assert_eq!(out.status.code(), Some(3), "{}", String::from_utf8_lossy(&out.stderr));
+    let watched = String::from_utf8_lossy(&out.stdout);
     assert!(
         watched.contains("[submitted]") && watched.contains("[running]") && watched.contains(&format!("job {id} cancelled")),
         "{watched}"
@@ -219,7 +234,7 @@ fn logs_dry_runs_and_a_standby_that_sends_the_cli_to_the_leader() {
     let _agent = Killed(
         Command::new(agent_bin)
             .args(["--coordinator", &c.grpc, "--node", "node-0", "--inventory", "examples/nodes/a100.yaml", "--logs-listen", "127.0.0.1:0"])
-            .args(["--work-dir", dir.join("agent").to_str().unwrap(), "--token", &c.token])
+            .args(["--work-dir", dir.join("agent").to_str().unwrap(), "--token", &c.agent_token])
             .current_dir(repo())
             .stderr(Stdio::null())
             .spawn()
@@ -242,6 +257,7 @@ fn logs_dry_runs_and_a_standby_that_sends_the_cli_to_the_leader() {
     assert!(motley(&c, &["job", "submit", job.to_str().unwrap()]).status.success());
     let watched = motley(&c, &["job", "watch", "1"]);
     assert!(String::from_utf8_lossy(&watched.stdout).contains("job 1 succeeded"), "{}", String::from_utf8_lossy(&watched.stdout));
+    assert_eq!(watched.status.code(), Some(0));
     let out = motley(&c, &["job", "logs", "1"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -255,6 +271,15 @@ fn logs_dry_runs_and_a_standby_that_sends_the_cli_to_the_leader() {
     );
     let bad = motley(&c, &["job", "logs", "1", "--rank", "7"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("rank 7"), "{}", String::from_utf8_lossy(&bad.stderr));
+
+    // A job whose ranks fail: watching it exits 1 (a script must see the failure).
+    let failing = std::env::temp_dir().join(format!("motley-failing-job-{}-{}.yaml", std::process::id(), rand_suffix()));
+    std::fs::write(&failing, "name: failing\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'exit 7'\n").unwrap();
+    assert!(motley(&c, &["job", "submit", failing.to_str().unwrap()]).status.success());
+    let watched = motley(&c, &["job", "watch", "2"]);
+    let text = String::from_utf8_lossy(&watched.stdout);
+    assert!(text.contains("job 2 failed"), "{text}");
+    assert_eq!(watched.status.code(), Some(1), "{text}");
 
     // A standby on the same state: the CLI pointed at it is sent on to the leader.
     let standby = start_in(&dir);
@@ -322,7 +347,7 @@ fn tls_for_the_cli_and_the_agents() {
     assert!(c.url.starts_with("https://") && c.grpc.starts_with("https://"), "{} {}", c.url, c.grpc);
     let _agent = Killed(
         Command::new(Path::new(env!("CARGO_BIN_EXE_motley")).with_file_name("motley-agent"))
-            .args(["--coordinator", &c.grpc, "--ca-cert", ca_pem.to_str().unwrap(), "--token", &c.token])
+            .args(["--coordinator", &c.grpc, "--ca-cert", ca_pem.to_str().unwrap(), "--token", &c.agent_token])
             .args(["--node", "node-0", "--inventory", "examples/nodes/a100.yaml", "--logs-listen", "127.0.0.1:0"])
             .args(["--work-dir", dir.join("agent").to_str().unwrap()])
             .current_dir(repo())
@@ -355,4 +380,112 @@ fn tls_for_the_cli_and_the_agents() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// A coordinator that accepts connections and never answers (frozen: SIGSTOP, a dead disk).
+/// The listener's thread holds every connection open until the test process ends.
+fn frozen_coordinator() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let mut held = vec![];
+        for conn in listener.incoming() {
+            held.push(conn);
+        }
+    });
+    url
+}
+
+#[test]
+fn a_frozen_coordinator_times_out_with_the_url_and_the_flag() {
+    let url = frozen_coordinator();
+    let out = Command::new(env!("CARGO_BIN_EXE_motley"))
+        .args(["node", "list", "--timeout", "1", "--coordinator", &url])
+        .env_remove("MOTLEY_TIMEOUT")
+        .env_remove("MOTLEY_TOKEN")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains(&url) && err.contains("no answer within 1 s (--timeout / MOTLEY_TIMEOUT)"), "{err}");
+    // The variable stands in for the flag; a frozen first address does not stop the next one
+    // from being tried.
+    let (answering, seen) = scripted_coordinator(vec![(200, "[]")]);
+    let out = Command::new(env!("CARGO_BIN_EXE_motley"))
+        .args(["job", "list", "-o", "json", "--coordinator", &format!("{url},{answering}")])
+        .env("MOTLEY_TIMEOUT", "0.5")
+        .env_remove("MOTLEY_TOKEN")
+        .current_dir(std::env::temp_dir())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "[]");
+    assert_eq!(seen.recv().unwrap(), "GET /api/v1/jobs HTTP/1.1");
+    let out = Command::new(env!("CARGO_BIN_EXE_motley")).args(["node", "list", "--timeout", "0", "--coordinator", &url]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--timeout: 0 is not a positive number of seconds"));
+}
+
+/// A coordinator that answers each connection with the next canned (status, JSON body) and
+/// sends the request lines it saw down the channel.
+fn scripted_coordinator(answers: Vec<(u16, &'static str)>) -> (String, std::sync::mpsc::Receiver<String>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for ((status, body), conn) in answers.into_iter().zip(listener.incoming()) {
+            let mut conn = conn.unwrap();
+            let mut head = vec![];
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).unwrap() == 1 {
+                head.push(byte[0]);
+            }
+            let _ = tx.send(String::from_utf8_lossy(&head).lines().next().unwrap_or("").to_string());
+            let _ = write!(
+                conn,
+                "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    (url, rx)
+}
+
+#[test]
+fn node_remove_deletes_the_node_and_reports_refusals() {
+    let (url, seen) = scripted_coordinator(vec![
+        (200, r#"{"name": "a100-3", "state": "active", "live": false}"#),
+        (409, r#"{"error": "node a100-3 still has ranks of job 4; cancel it or wait for it to end", "grpc_code": "FAILED_PRECONDITION"}"#),
+        (404, r#"{"error": "no node named ../jobs/1", "grpc_code": "NOT_FOUND"}"#),
+        (200, r#"{"name": "a100-3", "state": "active"}"#),
+    ]);
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_motley"))
+            .args(args)
+            .args(["--coordinator", &url])
+            .env_remove("MOTLEY_TOKEN")
+            .env_remove("MOTLEY_OUTPUT")
+            .current_dir(std::env::temp_dir())
+            .output()
+            .unwrap()
+    };
+    let out = run(&["node", "remove", "a100-3"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "node a100-3 removed");
+    assert_eq!(seen.recv().unwrap(), "DELETE /api/v1/nodes/a100-3 HTTP/1.1");
+
+    let out = run(&["node", "remove", "a100-3"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("coordinator (409): node a100-3 still has ranks of job 4"));
+    seen.recv().unwrap();
+
+    // A name is one path segment, whatever it holds: it never reaches another route.
+    let out = run(&["node", "remove", "../jobs/1"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(seen.recv().unwrap(), "DELETE /api/v1/nodes/..%2Fjobs%2F1 HTTP/1.1");
+
+    let out = run(&["node", "remove", "a100-3", "-o", "json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["name"], "a100-3");
 }

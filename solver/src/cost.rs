@@ -1,7 +1,9 @@
 //! Motley's cost model: one training iteration of a plan, and the memory of every GPU.
 //! The formulas are stated in `solver/README.md`; this file implements them.
 
+use crate::error::{Result, SolverError};
 use crate::hardware::Cluster;
+use crate::limits::{self, MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_STAGES};
 use crate::model::Model;
 use crate::profile::ProfileSet;
 
@@ -45,6 +47,22 @@ impl Default for PlanOptions {
             tp: None,
             p2p_blocking: false,
         }
+    }
+}
+
+impl PlanOptions {
+    /// The sizes that drive the planner's work within `limits` (the coordinator's job files
+    /// and the CLI's flags both come through here), named as a job file names them.
+    pub fn validate(&self) -> Result<()> {
+        if self.global_batch == 0 {
+            return Err(SolverError::invalid("global_batch", "must be at least 1"));
+        }
+        limits::at_most("global_batch", self.global_batch as u64, MAX_GLOBAL_BATCH as u64, "sequences an iteration may have")?;
+        if let Some(b) = self.micro_batch {
+            limits::at_most("micro_batch", b as u64, MAX_MICRO_BATCH as u64, "sequences a micro-batch may have")?;
+        }
+        limits::at_most("max_stages", self.max_stages as u64, MAX_STAGES as u64, "pipeline stages the search may consider")?;
+        Ok(())
     }
 }
 

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{Result, SolverError};
+use crate::limits::{self, MAX_GPUS, MAX_GPUS_PER_NODE, MAX_NODES};
 
 /// A GPU model as the planner sees it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -210,6 +211,28 @@ impl Cluster {
         }
         if spec.nodes.is_empty() {
             return Err(SolverError::invalid("nodes", "the cluster has no nodes; add at least one entry under nodes:"));
+        }
+        // Sizes first, before anything is expanded: a `count` typo must not allocate.
+        let (mut total_nodes, mut total_gpus) = (0u64, 0u64);
+        for (i, n) in spec.nodes.iter().enumerate() {
+            let f = |x: &str| format!("nodes[{i}].{x}");
+            let count = n.count.unwrap_or(1) as u64;
+            limits::at_most(f("count"), count, MAX_NODES, "nodes a cluster may have")?;
+            limits::at_most(f("gpus"), n.gpus as u64, MAX_GPUS_PER_NODE as u64, "GPUs a node may have")?;
+            total_nodes += count;
+            total_gpus += count * n.gpus as u64;
+            if total_nodes > MAX_NODES {
+                return Err(SolverError::invalid(
+                    f("count"),
+                    format!("the entries up to this one declare {total_nodes} nodes, more than the {MAX_NODES} a cluster may have; fix the counts, or plan part of the cluster"),
+                ));
+            }
+            if total_gpus > MAX_GPUS {
+                return Err(SolverError::invalid(
+                    f("gpus"),
+                    format!("the entries up to this one declare {total_gpus} GPUs, more than the {MAX_GPUS} a cluster may have; fix the counts, or plan part of the cluster"),
+                ));
+            }
         }
         let mut nodes = Vec::new();
         let mut classes: Vec<NodeClass> = Vec::new();

@@ -10,6 +10,7 @@ pub mod cost;
 pub mod error;
 pub mod espresso;
 pub mod hardware;
+pub mod limits;
 pub mod metis;
 pub mod model;
 pub mod network;

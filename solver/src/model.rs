@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, SolverError};
+use crate::limits::{self, MAX_LAYERS, MAX_SEQ_LEN};
 
 /// A decoder (or encoder) stack of identical transformer layers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -84,6 +85,9 @@ impl Model {
         nz("heads", spec.heads as u64)?;
         nz("seq_len", seq_len_override.unwrap_or(spec.seq_len))?;
         nz("vocab", spec.vocab)?;
+        // Before any size is derived: layers drive the search's layer splits.
+        limits::at_most("layers", spec.layers as u64, MAX_LAYERS as u64, "transformer layers a model may have")?;
+        limits::at_most("seq_len", seq_len_override.unwrap_or(spec.seq_len), MAX_SEQ_LEN, "tokens a sequence may have")?;
         if !spec.hidden.is_multiple_of(spec.heads as u64) {
             return Err(SolverError::invalid("hidden", format!("{} is not divisible by heads ({})", spec.hidden, spec.heads)));
         }

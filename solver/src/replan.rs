@@ -152,6 +152,7 @@ pub fn structure_of(cm: &CostModel, current: &CurrentPlan) -> Result<PlanStructu
 
 /// Re-plan on `req`'s cluster (with the new measurements in force) and compare with `current`.
 pub fn replan(req: &PlanRequest, current: &CurrentPlan, policy: SwitchPolicy) -> Result<ReplanReport> {
+    req.opts.validate()?;
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
     let structure = structure_of(&cm, current)?;
     let now = cm.evaluate(&structure).iteration_time;

@@ -105,6 +105,7 @@ pub struct PlanRequest<'a> {
 
 /// Plan, compare with the baselines, and lay out the report.
 pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
+    req.opts.validate()?;
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
     let megatron = best_baseline(&cm, Baseline::Megatron);
     let whale = best_baseline(&cm, Baseline::Whale);

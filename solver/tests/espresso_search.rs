@@ -58,7 +58,7 @@ fn brute_full(est: &motley_solver::espresso::Estimator, quotas: &[u32], max_pp: 
     let per = est.job.global_batch_size / m;
     let l = est.job.model_layer.unwrap_or(est.job.num_layers);
     let mut best = f64::INFINITY;
-    for dp in (1..=per).filter(|d| per % d == 0) {
+    for dp in (1..=per).filter(|&d| per.is_multiple_of(d)) {
         let placer = motley_solver::espresso::Placer::new(est, &gpus, &peaks, dp);
         // Every sequence of GPU types of length 1..=max_pp within the quotas, every split.
         fn rec(

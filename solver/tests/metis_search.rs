@@ -88,7 +88,7 @@ fn brute_force(m: &MetisModel, union: bool, variance: f64) -> f64 {
     let gpn = m.cluster.gpus_per_node;
     let mut best = f64::INFINITY;
     for order in [vec!["V100", "A100"], vec!["A100", "V100"]] {
-        for batches in (1..=gbs).filter(|d| gbs % d == 0) {
+        for batches in (1..=gbs).filter(|&d| gbs.is_multiple_of(d)) {
             for s in 1..=(n as usize).min(l) {
                 let sizes: Vec<u32> = if union {
                     (1..=n).filter(|g| g.is_power_of_two() || g % gpn == 0).collect()
@@ -107,7 +107,7 @@ fn brute_force(m: &MetisModel, union: bool, variance: f64) -> f64 {
                                 .filter(|&[dp, _]| {
                                     let metis = g.is_power_of_two() && dp.is_power_of_two();
                                     let mbs = gbs / dp / batches;
-                                    (metis || (union && gbs % (dp * batches) == 0)) && mbs >= 1 && mbs <= m.profiles.max_bs
+                                    (metis || (union && gbs.is_multiple_of(dp * batches))) && mbs >= 1 && mbs <= m.profiles.max_bs
                                 })
                                 .collect()
                         })

@@ -132,6 +132,17 @@ pub struct ProvisionReport {
 /// Rent the cheapest allocation that meets the SLO, and lay out the report.
 pub fn provision(req: &ProvisionRequest) -> Result<ProvisionReport> {
     let s = req.search;
+    s.opts.validate()?;
+    let count = s.offers.allocation_count();
+    if count > crate::limits::MAX_ALLOCATIONS {
+        return Err(SolverError::invalid(
+            "offers[].quota",
+            format!(
+                "{count:.0} allocations are too many to search (at most {:.0}); lower the quotas or raise gpus_per_node",
+                crate::limits::MAX_ALLOCATIONS
+            ),
+        ));
+    }
     check_memory(&s)?;
     let all = |_: &[u32]| true;
     let out = if req.exhaustive { s.exhaustive(all) } else { s.branch_and_bound(all, req.frontier_cap) };

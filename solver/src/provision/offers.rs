@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, SolverError};
 use crate::hardware::{Cluster, ClusterSpec, GpuType, IntraLink, NicSpec, NodeSpec};
+use crate::limits::{self, MAX_GPUS, MAX_GPUS_PER_NODE};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -83,12 +84,12 @@ impl Offers {
             if !(o.price_per_gpu_hour.is_finite() && o.price_per_gpu_hour > 0.0 && o.price_per_gpu_hour <= 1e6) {
                 return Err(SolverError::invalid(f("price_per_gpu_hour"), "must be a positive number of $ per GPU-hour (at most 1000000)"));
             }
-            if o.gpus_per_node == 0 || o.gpus_per_node > 1024 {
-                return Err(SolverError::invalid(f("gpus_per_node"), "must be between 1 and 1024"));
+            if o.gpus_per_node == 0 {
+                return Err(SolverError::invalid(f("gpus_per_node"), "must be at least 1"));
             }
-            if o.quota > 1_000_000 {
-                return Err(SolverError::invalid(f("quota"), "must be at most 1000000 GPUs"));
-            }
+            // An allocation is a cluster: the cluster file's limits bound what can be rented.
+            limits::at_most(f("gpus_per_node"), o.gpus_per_node as u64, MAX_GPUS_PER_NODE as u64, "GPUs a node may have")?;
+            limits::at_most(f("quota"), o.quota as u64, MAX_GPUS, "GPUs a cluster may have")?;
             if o.quota < o.gpus_per_node {
                 return Err(SolverError::invalid(
                     f("quota"),

@@ -211,9 +211,9 @@ impl<'a, 'b> Dfs<'a, 'b> {
         let s = &self.shapes[i];
         let r: u32 = self.groups.iter().map(|g| g.1).sum();
         let mut xmax = self.n - r;
-        for (c, &u) in s.units.iter().enumerate() {
-            if u > 0 {
-                xmax = xmax.min(self.rem[c] / u);
+        for (&rem, &u) in self.rem.iter().zip(&s.units) {
+            if let Some(fit) = rem.checked_div(u) {
+                xmax = xmax.min(fit);
             }
         }
         let units = s.units.clone();
@@ -225,8 +225,8 @@ impl<'a, 'b> Dfs<'a, 'b> {
                     self.cut = true;
                     return;
                 }
-                for c in 0..units.len() {
-                    self.rem[c] -= units[c] * x;
+                for (rem, &u) in self.rem.iter_mut().zip(&units) {
+                    *rem -= u * x;
                 }
                 self.groups.push((i, x));
                 let groups = self.groups.clone();
@@ -240,8 +240,8 @@ impl<'a, 'b> Dfs<'a, 'b> {
             self.go(i + 1);
             if x > 0 {
                 self.groups.pop();
-                for c in 0..units.len() {
-                    self.rem[c] += units[c] * x;
+                for (rem, &u) in self.rem.iter_mut().zip(&units) {
+                    *rem += u * x;
                 }
             }
             if self.cut {

@@ -54,11 +54,12 @@ pub fn simplex_max(c: &[f64], a: &[Vec<f64>], b: &[f64]) -> Vec<f64> {
         for v in t[row].iter_mut() {
             *v /= p;
         }
-        for i in 0..=m {
-            if i != row && t[i][col].abs() > eps {
-                let f = t[i][col];
-                for j in 0..w {
-                    t[i][j] -= f * t[row][j];
+        let pivot = t[row].clone();
+        for (i, r) in t.iter_mut().enumerate() {
+            if i != row && r[col].abs() > eps {
+                let f = r[col];
+                for (v, &pv) in r.iter_mut().zip(&pivot) {
+                    *v -= f * pv;
                 }
             }
         }

@@ -326,8 +326,8 @@ impl Shape {
             .enumerate()
             .map(|(si, s)| {
                 let mut exposed: f64 = 0.0;
-                for i in 0..s.layers.len() {
-                    exposed = exposed.max(s.sync_params[i] * coef[i] - s.pre_bwd[i]);
+                for ((&params, &c), &pre) in s.sync_params.iter().zip(&coef).zip(&s.pre_bwd).take(s.layers.len()) {
+                    exposed = exposed.max(params * c - pre);
                 }
                 Point { base: s.latency + exposed + s.optimizer, period: s.period, split: si }
             })

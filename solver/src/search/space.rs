@@ -70,45 +70,43 @@ pub fn max_stages(cm: &CostModel, tp: u32) -> u32 {
 /// blocks and `pmax` stages, within the TP groups each class has.
 pub fn shape_kinds(units: &[u32], tp: u32, micro_batch: u32, max_dp: u32, pmax: u32, max_classes: usize) -> Vec<Vec<StageKind>> {
     let dps: Vec<u32> = (0..4).map(|i| 1u32 << i).filter(|&d| d <= max_dp && d <= micro_batch && micro_batch.is_multiple_of(d)).collect();
-    let mut out = vec![];
-    let mut used = vec![false; units.len()];
-    let mut cur: Vec<StageKind> = vec![];
-    fn rec(
-        units: &[u32],
-        dps: &[u32],
+    /// What stays fixed while the blocks are chosen.
+    struct Space<'a> {
+        units: &'a [u32],
+        dps: &'a [u32],
         tp: u32,
         pmax: u32,
         max_classes: usize,
-        used: &mut [bool],
-        cur: &mut Vec<StageKind>,
-        out: &mut Vec<Vec<StageKind>>,
-    ) {
+    }
+    fn rec(sp: &Space, used: &mut [bool], cur: &mut Vec<StageKind>, out: &mut Vec<Vec<StageKind>>) {
         if !cur.is_empty() {
             out.push(cur.clone());
         }
-        if used.iter().filter(|&&u| u).count() >= max_classes {
+        if used.iter().filter(|&&u| u).count() >= sp.max_classes {
             return;
         }
-        for c in 0..units.len() {
+        for (c, &units) in sp.units.iter().enumerate() {
             if used[c] {
                 continue;
             }
-            for &d in dps {
-                for p in 1..=pmax.saturating_sub(cur.len() as u32) {
-                    if p * d > units[c] {
+            for &d in sp.dps {
+                for p in 1..=sp.pmax.saturating_sub(cur.len() as u32) {
+                    if p * d > units {
                         break;
                     }
                     used[c] = true;
                     let len = cur.len();
-                    cur.extend((0..p).map(|_| StageKind { class: c, tp, dp: d }));
-                    rec(units, dps, tp, pmax, max_classes, used, cur, out);
+                    cur.extend((0..p).map(|_| StageKind { class: c, tp: sp.tp, dp: d }));
+                    rec(sp, used, cur, out);
                     cur.truncate(len);
                     used[c] = false;
                 }
             }
         }
     }
-    rec(units, &dps, tp, pmax, max_classes, &mut used, &mut cur, &mut out);
+    let mut out = vec![];
+    let space = Space { units, dps: &dps, tp, pmax, max_classes };
+    rec(&space, &mut vec![false; units.len()], &mut vec![], &mut out);
     out
 }
 
