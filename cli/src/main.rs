@@ -64,7 +64,8 @@ fn main() -> ExitCode {
             ExitCode::from(code)
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            // Errors quote names and messages from files and the coordinator: escaped like tables.
+            eprintln!("error: {}", motley::table::escape(&e.to_string()));
             ExitCode::from(exit::ERROR)
         }
     }

@@ -457,7 +457,7 @@ fn node_remove_deletes_the_node_and_reports_refusals() {
     let (url, seen) = scripted_coordinator(vec![
         (200, r#"{"name": "a100-3", "state": "active", "live": false}"#),
         (409, r#"{"error": "node a100-3 still has ranks of job 4; cancel it or wait for it to end", "grpc_code": "FAILED_PRECONDITION"}"#),
-        (404, r#"{"error": "no node named ../jobs/1", "grpc_code": "NOT_FOUND"}"#),
+        (404, r#"{"error": "no node named ../jobs/1\u001b[2J", "grpc_code": "NOT_FOUND"}"#),
         (200, r#"{"name": "a100-3", "state": "active"}"#),
     ]);
     let run = |args: &[&str]| {
@@ -484,6 +484,9 @@ fn node_remove_deletes_the_node_and_reports_refusals() {
     let out = run(&["node", "remove", "../jobs/1"]);
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(seen.recv().unwrap(), "DELETE /api/v1/nodes/..%2Fjobs%2F1 HTTP/1.1");
+    // The error quotes the coordinator, escaped: no terminal control reaches stderr either.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no node named ../jobs/1\\x1b[2J") && !err.contains('\u{1b}'), "{err:?}");
 
     let out = run(&["node", "remove", "a100-3", "-o", "json"]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
