@@ -336,6 +336,8 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
             let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
             let wait = (phase + period - now % period) % period;
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + Duration::from_micros(wait), interval);
+            // Numbered as `motley-agent`'s messages are: the coordinator acknowledges each.
+            let mut seq = 0u64;
             loop {
                 let beat = tokio::select! {
                     _ = tick.tick() => true,
@@ -351,7 +353,8 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
                 }
                 // Every interval heartbeat carries the node's load, as `motley-agent`'s do.
                 let load = beat.then(node_load);
-                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, ..Default::default() }).await.is_err() {
+                seq += 1;
+                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, seq, full: seq == 1 }).await.is_err() {
                     return;
                 }
                 if beat {
@@ -425,7 +428,7 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
                         });
                         changed.notify_one();
                     }
-                    Some(instruction::Kind::Drain(_)) | None => {}
+                    Some(instruction::Kind::Drain(_)) | Some(instruction::Kind::Ack(_)) | None => {}
                 },
                 Ok(None) => bail!("the coordinator closed the heartbeat stream"),
                 Err(s) => bail!("heartbeat stream: {:?} {}", s.code(), s.message()),

@@ -15,6 +15,7 @@ use crate::store::{JobRecord, NodeState, RankAssignment, Store};
 /// Declare (or update) a node's inventory: its cluster-file entry, one node (no `count`).
 #[tracing::instrument(skip(store, entry))]
 pub async fn declare_node(store: &Store, name: &str, entry: &str) -> Result<i64> {
+    crate::validate::node_name(name).map_err(|e| CoordinatorError::invalid("node.name", e))?;
     let mut value: serde_norway::Value = serde_norway::from_str(entry).map_err(|e| CoordinatorError::invalid("node", format!("{e}")))?;
     let Some(map) = value.as_mapping_mut() else {
         return Err(CoordinatorError::invalid("node", "must be a cluster-file node entry (gpu, gpus, nics, ...)"));
@@ -34,7 +35,7 @@ pub async fn declare_node(store: &Store, name: &str, entry: &str) -> Result<i64>
 
 /// Submit a job file: validated and stored as `submitted`, then queued (`scheduler`).
 #[tracing::instrument(skip_all)]
-pub async fn submit(store: &Store, fleet: &crate::agents::Fleet, text: &str) -> Result<JobRecord> {
+pub async fn submit(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> Result<JobRecord> {
     let spec = JobSpec::parse(text)?;
     let json = serde_json::to_string(&spec).expect("a job spec serialises");
     let job = store.submit_job(&spec.name, &json).await?;
@@ -64,17 +65,33 @@ pub async fn current_plan(store: &Store, id: i64) -> Result<(JobRecord, String, 
 
 /// Drain (or undrain) a node: it gets no new ranks; its agent is told.
 #[tracing::instrument(skip(store, fleet))]
-pub async fn set_draining(store: &Store, fleet: &crate::agents::Fleet, name: &str, draining: bool) -> Result<crate::store::NodeRecord> {
+pub async fn set_draining(store: &Store, fleet: &crate::fleet::Fleet, name: &str, draining: bool) -> Result<crate::store::NodeRecord> {
     let state = if draining { NodeState::Draining } else { NodeState::Active };
     let node = store.set_node_state(name, state).await?;
     fleet.tell_drain(name, draining);
     Ok(node)
 }
 
-/// Cancel a job that is not over yet.
-#[tracing::instrument(skip(store))]
-pub async fn cancel(store: &Store, id: i64, reason: &str) -> Result<JobRecord> {
-    store.transition(id, JobState::Cancelled, Some(reason)).await
+/// Cancel a job that is not over yet, and stop its ranks.
+#[tracing::instrument(skip(store, fleet))]
+pub async fn cancel(store: &Store, fleet: &crate::fleet::Fleet, id: i64, reason: &str) -> Result<JobRecord> {
+    let job = store.transition(id, JobState::Cancelled, Some(reason)).await?;
+    crate::lifecycle::stop_job(store, fleet, job.id, job.generation, reason).await;
+    Ok(job)
+}
+
+/// Remove a node from the inventory: refused while its agent holds a lease (it would register
+/// the node again) or while ranks of an unfinished job, or ranks still running, are on it.
+#[tracing::instrument(skip(store, fleet))]
+pub async fn remove_node(store: &Store, fleet: &crate::fleet::Fleet, name: &str) -> Result<crate::store::NodeRecord> {
+    let node = store.node(name).await?;
+    if fleet.live(name) {
+        return Err(CoordinatorError::Conflict(format!(
+            "node {name} has a live agent; stop it (systemctl stop motley-agent) first, then remove the node"
+        )));
+    }
+    store.remove_node(name).await?;
+    Ok(node)
 }
 
 /// GPUs held by launched jobs (launching or running): node -> GPU index -> job.
@@ -97,7 +114,7 @@ pub enum Planned {
 /// reason. A job waits (nothing changes) while fewer GPUs are free than it would get on an
 /// idle cluster: it is gang-scheduled, whole or not at all.
 #[tracing::instrument(skip(store, fleet, taken))]
-pub async fn plan_job(store: &Store, fleet: &crate::agents::Fleet, id: i64, taken: &Taken) -> Result<Planned> {
+pub async fn plan_job(store: &Store, fleet: &crate::fleet::Fleet, id: i64, taken: &Taken) -> Result<Planned> {
     let job = store.job(id).await?;
     let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
     let offer = match offer(store, &spec, Some((fleet, taken))).await {
@@ -115,7 +132,18 @@ pub async fn plan_job(store: &Store, fleet: &crate::agents::Fleet, id: i64, take
         )));
     }
     let (partial, free, held_by) = (offer.free < offer.capacity, offer.free, holders());
-    match solve(&spec, offer).await {
+    let deadline = spec.plan_timeout_s.map_or(fleet.plan_deadline, |s| std::time::Duration::from_secs(u64::from(s)));
+    let planned = match tokio::time::timeout(deadline, solve(&spec, offer)).await {
+        Ok(p) => p,
+        Err(_) => {
+            let e = CoordinatorError::Conflict(format!(
+                "planning took longer than {} ms; give the job fewer GPUs or nodes (resources), or more time (plan_timeout_s in the job file, --plan-timeout-ms on the coordinator)",
+                deadline.as_millis()
+            ));
+            return fail_planning(store, &job, e).await;
+        }
+    };
+    match planned {
         Ok((report, ranks)) => {
             // A job found in `planning` was left there by a coordinator that stopped.
             if job.state != JobState::Planning {
@@ -143,7 +171,7 @@ async fn fail_planning(store: &Store, job: &JobRecord, e: CoordinatorError) -> R
 }
 
 /// Active nodes within the job's resources whose agent holds no lease now.
-pub async fn missing_nodes(store: &Store, fleet: &crate::agents::Fleet, job: &JobRecord) -> Result<Vec<String>> {
+pub async fn missing_nodes(store: &Store, fleet: &crate::fleet::Fleet, job: &JobRecord) -> Result<Vec<String>> {
     let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
     let mine = |n: &str| spec.resources.nodes.is_empty() || spec.resources.nodes.iter().any(|m| m == n);
     Ok(store
@@ -172,7 +200,7 @@ struct Offer {
 
 /// Active nodes within the job's resources; with `live`, only nodes whose agent holds a lease
 /// (a launch on a node that vanished would fail at once) and only their GPUs no launch holds.
-async fn offer(store: &Store, spec: &JobSpec, live: Option<(&crate::agents::Fleet, &Taken)>) -> Result<Offer> {
+async fn offer(store: &Store, spec: &JobSpec, live: Option<(&crate::fleet::Fleet, &Taken)>) -> Result<Offer> {
     let mut nodes = vec![];
     for n in store.nodes().await? {
         if n.state != NodeState::Active || (!spec.resources.nodes.is_empty() && !spec.resources.nodes.contains(&n.name)) {

@@ -26,6 +26,15 @@ pub enum CoordinatorError {
     /// Something the answer needs (an agent, say) cannot be reached now; retry.
     #[error("{0}")]
     Unavailable(String),
+    /// No credential, or a wrong one.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// A credential that does not open this door (the agents' token on the control API).
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// A request bigger than the API takes (a body, a URI).
+    #[error("{0}")]
+    TooLarge(String),
     /// The database failed or is unreachable.
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
@@ -50,6 +59,9 @@ impl CoordinatorError {
             CoordinatorError::NotFound { .. } => 5,     // NOT_FOUND
             CoordinatorError::Conflict(_) => 9,         // FAILED_PRECONDITION
             CoordinatorError::StaleGeneration { .. } | CoordinatorError::StaleAgent { .. } => 10, // ABORTED
+            CoordinatorError::Unauthenticated(_) => 16, // UNAUTHENTICATED
+            CoordinatorError::PermissionDenied(_) => 7, // PERMISSION_DENIED
+            CoordinatorError::TooLarge(_) => 8,         // RESOURCE_EXHAUSTED
             CoordinatorError::Database(_)
             | CoordinatorError::Migration(_)
             | CoordinatorError::NotLeader { .. }
@@ -63,6 +75,9 @@ impl CoordinatorError {
             CoordinatorError::InvalidInput { .. } => 400,
             CoordinatorError::NotFound { .. } => 404,
             CoordinatorError::Conflict(_) | CoordinatorError::StaleGeneration { .. } | CoordinatorError::StaleAgent { .. } => 409,
+            CoordinatorError::Unauthenticated(_) => 401,
+            CoordinatorError::PermissionDenied(_) => 403,
+            CoordinatorError::TooLarge(_) => 413,
             CoordinatorError::Database(_)
             | CoordinatorError::Migration(_)
             | CoordinatorError::NotLeader { .. }

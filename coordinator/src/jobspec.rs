@@ -9,9 +9,15 @@
 //!   nodes: [a100-0, a100-1]   # only these nodes (optional)
 //! run: python train.py        # started once per rank
 //! envs: {DATA: /data/c4}
-//! max_restarts: 0             # relaunches after a rank fails
-//! max_preemptions: 3          # relaunches after a node is lost
+//! max_restarts: 0             # relaunches after a rank fails (0 until recovery lands)
+//! max_preemptions: 0          # relaunches after a node is lost (0 until recovery lands)
 //! ```
+//!
+//! Limits (a rank gets `run` as one argument and each env value as one string, and Linux
+//! refuses any single one over 128 KiB, so a bigger one would make every rank fail with 127):
+//! `name` at most 253 characters, `run` at most 64 KiB, each env value at most 32 KiB, all
+//! envs together at most 256 KiB, at most 256 env variables, `resources.nodes` at most 16,384
+//! names. No control characters in `name` (tables print it).
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -50,7 +56,18 @@ pub struct JobSpec {
     pub max_restarts: u32,
     #[serde(default)]
     pub max_preemptions: u32,
+    /// How long planning this job may take (default: the coordinator's `--plan-timeout-ms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan_timeout_s: Option<u32>,
 }
+
+/// See the module's doc: the limits a job file is held to.
+pub const MAX_NAME: usize = 253;
+pub const MAX_RUN_BYTES: usize = 64 * 1024;
+pub const MAX_ENV_VALUE_BYTES: usize = 32 * 1024;
+pub const MAX_ENVS_BYTES: usize = 256 * 1024;
+pub const MAX_ENVS: usize = 256;
+pub const MAX_NODES: usize = 16_384;
 
 /// Variables the agent sets for every rank; a job may not override them.
 const RESERVED: [&str; 7] = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"];
@@ -67,11 +84,72 @@ impl JobSpec {
         if self.name.trim().is_empty() {
             return Err(CoordinatorError::invalid("name", "a job needs a name"));
         }
+        if self.name.chars().count() > MAX_NAME {
+            return Err(CoordinatorError::invalid("name", format!("is {} characters; at most {MAX_NAME}", self.name.chars().count())));
+        }
+        if self.name.chars().any(char::is_control) {
+            return Err(CoordinatorError::invalid("name", "must not hold control characters (newlines, escapes)"));
+        }
+        if self.run.len() > MAX_RUN_BYTES {
+            return Err(CoordinatorError::invalid(
+                "run",
+                format!("is {} bytes; at most {MAX_RUN_BYTES} (put a long command in a script and run that)", self.run.len()),
+            ));
+        }
+        if self.envs.len() > MAX_ENVS {
+            return Err(CoordinatorError::invalid("envs", format!("has {} variables; at most {MAX_ENVS}", self.envs.len())));
+        }
+        for (key, value) in &self.envs {
+            if value.len() > MAX_ENV_VALUE_BYTES || key.len() > 256 {
+                return Err(CoordinatorError::invalid(
+                    format!("envs.{}", key.chars().take(64).collect::<String>()),
+                    format!(
+                        "is {} bytes; a name may have 256 and a value {MAX_ENV_VALUE_BYTES} at most (pass big data as a file)",
+                        value.len()
+                    ),
+                ));
+            }
+            if value.contains('\0') {
+                return Err(CoordinatorError::invalid(format!("envs.{key}"), "must not hold a NUL character"));
+            }
+        }
+        let total: usize = self.envs.iter().map(|(k, v)| k.len() + v.len()).sum();
+        if total > MAX_ENVS_BYTES {
+            return Err(CoordinatorError::invalid(
+                "envs",
+                format!("are {total} bytes in all; at most {MAX_ENVS_BYTES} (pass big data as a file)"),
+            ));
+        }
+        if self.resources.nodes.len() > MAX_NODES {
+            return Err(CoordinatorError::invalid(
+                "resources.nodes",
+                format!("names {} nodes; at most {MAX_NODES}", self.resources.nodes.len()),
+            ));
+        }
+        for (i, n) in self.resources.nodes.iter().enumerate() {
+            crate::validate::node_name(n).map_err(|e| CoordinatorError::invalid(format!("resources.nodes[{i}]"), e))?;
+        }
+        // Parsed so old job files still read; recovery (relaunches) is a later issue's.
+        if self.max_restarts != 0 {
+            return Err(CoordinatorError::invalid(
+                "max_restarts",
+                "relaunching a failed job is not supported yet; remove it or set 0 (a failed rank fails the job)",
+            ));
+        }
+        if self.max_preemptions != 0 {
+            return Err(CoordinatorError::invalid(
+                "max_preemptions",
+                "relaunching after a lost node is not supported yet; remove it or set 0 (a lost node fails the job)",
+            ));
+        }
         if self.global_batch == 0 {
             return Err(CoordinatorError::invalid("global_batch", "must be at least 1"));
         }
         if self.run.trim().is_empty() {
             return Err(CoordinatorError::invalid("run", "the command each rank runs must not be empty"));
+        }
+        if self.plan_timeout_s == Some(0) || self.plan_timeout_s.is_some_and(|s| s > 3600) {
+            return Err(CoordinatorError::invalid("plan_timeout_s", "must be between 1 and 3600 seconds"));
         }
         if self.resources.gpus == Some(0) {
             return Err(CoordinatorError::invalid("resources.gpus", "must be at least 1; leave it out to allow any number"));

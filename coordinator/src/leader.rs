@@ -78,17 +78,57 @@ impl LeaderLock for FileLock {
     }
 }
 
-/// A PostgreSQL session advisory lock on a dedicated connection.
+/// A leader that has not renewed for this many base intervals is taken over (PostgreSQL).
+pub const STALE_LEADER_INTERVALS: u32 = 5;
+
+/// A PostgreSQL session advisory lock on a dedicated connection. The holder also renews
+/// `leader.renewed_at_ms` (the database's clock) every base interval; a standby that finds it
+/// older than `STALE_LEADER_INTERVALS` intervals ends the holder's session (a frozen leader's
+/// session lives on, and with it the lock) and takes the lock.
 pub struct PgAdvisoryLock {
     url: String,
     conn: Option<sqlx::AnyConnection>,
     held: bool,
+    base: Duration,
 }
 
 impl PgAdvisoryLock {
-    pub fn new(url: &str) -> PgAdvisoryLock {
-        PgAdvisoryLock { url: url.to_string(), conn: None, held: false }
+    pub fn new(url: &str, base: Duration) -> PgAdvisoryLock {
+        PgAdvisoryLock { url: url.to_string(), conn: None, held: false, base }
     }
+}
+
+/// The database's clock, in ms since the epoch (one clock for every coordinator).
+const DB_NOW_MS: &str = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)";
+
+async fn renew(conn: &mut sqlx::AnyConnection) -> Result<()> {
+    sqlx::query(sqlx::AssertSqlSafe(format!("UPDATE leader SET renewed_at_ms = {DB_NOW_MS} WHERE id = 1"))).execute(&mut *conn).await?;
+    Ok(())
+}
+
+/// If the lock's holder stopped renewing, end its session (which frees the lock); true if so.
+async fn end_stale_holder(conn: &mut sqlx::AnyConnection, stale: Duration) -> Result<bool> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT renewed_at_ms, {DB_NOW_MS} - renewed_at_ms FROM leader WHERE id = 1")))
+        .fetch_one(&mut *conn)
+        .await?;
+    let (renewed, age): (i64, i64) = (row.try_get(0)?, row.try_get(1)?);
+    if renewed == 0 || age <= stale.as_millis() as i64 {
+        return Ok(false);
+    }
+    // A bigint advisory key is (classid, objid) = (high, low) 32 bits, objsubid 1.
+    let holder = sqlx::query(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 \
+         AND CAST(classid AS BIGINT) = $1 AND CAST(objid AS BIGINT) = $2",
+    )
+    .bind(PG_LOCK_KEY >> 32)
+    .bind(PG_LOCK_KEY & 0xffff_ffff)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(holder) = holder else { return Ok(false) };
+    let pid: i32 = holder.try_get(0)?;
+    tracing::warn!(pid, age_ms = age, "the leader has not renewed for {age} ms; ending its database session to take over");
+    sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&mut *conn).await?;
+    Ok(true)
 }
 
 #[tonic::async_trait]
@@ -107,16 +147,35 @@ impl LeaderLock for PgAdvisoryLock {
             self.conn = Some(conn);
         }
         let conn = self.conn.as_mut().expect("connected above");
-        let got = sqlx::query("SELECT pg_try_advisory_lock($1)").bind(PG_LOCK_KEY).fetch_one(&mut *conn).await;
-        match got {
-            Ok(row) => {
-                self.held = row.try_get::<bool, _>(0)?;
-                Ok(self.held)
+        let stale = self.base * STALE_LEADER_INTERVALS;
+        let attempt = async {
+            let take = || sqlx::query("SELECT pg_try_advisory_lock($1)").bind(PG_LOCK_KEY);
+            let mut held = take().fetch_one(&mut *conn).await?.try_get::<bool, _>(0)?;
+            if !held && end_stale_holder(conn, stale).await? {
+                // The terminated session's locks go with it (at once, or within moments).
+                for _ in 0..10 {
+                    held = take().fetch_one(&mut *conn).await?.try_get::<bool, _>(0)?;
+                    if held {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            if held {
+                // Renewed before the claim: a standby must not find the new leader stale.
+                renew(conn).await?;
+            }
+            Ok::<bool, CoordinatorError>(held)
+        };
+        match attempt.await {
+            Ok(held) => {
+                self.held = held;
+                Ok(held)
             }
             Err(e) => {
                 // A broken connection is opened again next time.
                 self.conn = None;
-                Err(e.into())
+                Err(e)
             }
         }
     }
@@ -124,16 +183,17 @@ impl LeaderLock for PgAdvisoryLock {
     async fn still_held(&mut self) -> Result<bool> {
         let Some(conn) = self.conn.as_mut() else { return Ok(false) };
         // The lock lives exactly as long as this session: if the session answers, we hold it.
-        sqlx::query("SELECT 1").execute(&mut *conn).await?;
+        // The answer is the renewal standbys judge this leader's life by.
+        renew(conn).await?;
         Ok(self.held)
     }
 }
 
 /// The lock that fits the database URL: beside the SQLite file itself (coordinators with
 /// different data directories may share one database file).
-pub fn lock_for(database_url: &str) -> Box<dyn LeaderLock> {
+pub fn lock_for(database_url: &str, base: Duration) -> Box<dyn LeaderLock> {
     if database_url.starts_with("postgres://") || database_url.starts_with("postgresql://") {
-        return Box::new(PgAdvisoryLock::new(database_url));
+        return Box::new(PgAdvisoryLock::new(database_url, base));
     }
     let path = database_url.strip_prefix("sqlite://").unwrap_or(database_url);
     let path = path.split('?').next().unwrap_or(path);

@@ -1,28 +1,37 @@
 //! Motley's coordinator: the cluster inventory, jobs, plans and launches, kept in SQLite (the
-//! embedded default) or PostgreSQL. The domain (`job`, `jobspec`, `control`: the job life
-//! cycle, generation fencing, planning on the live inventory) knows nothing of the edges:
-//! REST (`rest`), the gRPC control service (`grpc`) and the agents' service (`agents`: leases,
-//! launches, rank reports). `scheduler` is the job queue (gang-scheduled, first come first served, on free GPUs).
-//! `leader` decides which of several coordinators leads; `takeover`
-//! resumes the work in flight when one starts to lead. One error type (`error`) maps to both a
-//! gRPC and an HTTP status.
+//! embedded default) or PostgreSQL. Its rooms, and what each may touch:
+//!
+//! | room | holds | talks to |
+//! |---|---|---|
+//! | `fleet` | live agents: leases, addresses, load, an outbox of instructions per node | nothing durable |
+//! | `lifecycle` | how launched jobs move: rank reports, dispatch, launch and lease timeouts, stops | store, fleet |
+//! | `scheduler` | the job queue: which queued job gets which free GPUs, and why a job waits | store, solver, fleet |
+//! | `control` | the operations behind both APIs: declare, submit, cancel, plan | store, solver, fleet, lifecycle |
+//! | `store` | every durable read and write, each job move fenced (state, generation, term) in SQL | the database |
+//! | `leader`, `takeover` | who leads; what a new leader resumes | store |
+//! | `service::{rest, control, agent}` | translate requests and streams, errors into status codes | the rooms above |
+//!
+//! Arrows run from services to domain rooms to the store; a domain room never imports a
+//! service. One error type (`error`) maps to both a gRPC and an HTTP status.
 
-pub mod agents;
 pub mod config;
 pub mod control;
 pub mod error;
-pub mod grpc;
+pub mod fleet;
 pub mod job;
 pub mod jobspec;
 pub mod leader;
+pub mod lifecycle;
 pub mod load;
 pub mod metrics;
-pub mod rest;
 pub mod scheduler;
+pub mod service;
 pub mod store;
+pub mod supervise;
 pub mod takeover;
 pub mod telemetry;
 pub mod tls;
+pub mod validate;
 
 pub use error::{CoordinatorError, Result};
 pub use job::JobState;

@@ -12,12 +12,14 @@ use anyhow::Context;
 use clap::Parser;
 use std::sync::Arc;
 
-use motley_coordinator::agents::{watch_leases, AgentService, Fleet};
 use motley_coordinator::config;
-use motley_coordinator::grpc::ControlService;
+use motley_coordinator::fleet::Fleet;
 use motley_coordinator::leader::{self, Contender, LeaderInfo, Role};
 use motley_coordinator::metrics::Metrics;
-use motley_coordinator::rest::{router, AppState};
+use motley_coordinator::service::agent::AgentService;
+use motley_coordinator::service::control::ControlService;
+use motley_coordinator::service::rest::{router, AppState};
+use motley_coordinator::service::Tokens;
 use motley_coordinator::tls::TlsFiles;
 use motley_coordinator::{takeover, Store};
 use motley_proto::v1::agent_server::AgentServer;
@@ -35,9 +37,17 @@ struct Args {
     /// sqlite://PATH or postgres://USER@HOST:PORT/DB (default: SQLite in --data-dir).
     #[arg(long, env = "MOTLEY_DATABASE_URL")]
     database_url: Option<String>,
-    /// Bearer token for the control API (default: read or generate DATA_DIR/token).
+    /// Bearer token for the control API, the operators' (default: read or generate
+    /// DATA_DIR/token).
     #[arg(long, env = "MOTLEY_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// The agents' token: it opens the agent service (and the agents' log service) only; the
+    /// control API refuses it (default: read or generate DATA_DIR/agent-token).
+    #[arg(long, env = "MOTLEY_AGENT_TOKEN", hide_env_values = true)]
+    agent_token: Option<String>,
+    /// How long planning one job may take before it fails (a job file's plan_timeout_s wins).
+    #[arg(long, env = "MOTLEY_PLAN_TIMEOUT_MS", default_value_t = 60_000)]
+    plan_timeout_ms: u64,
     /// Serve the control API without a token (local use only). `--insecure=false` turns off a
     /// config file's `insecure = true`.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
@@ -71,16 +81,16 @@ struct Args {
     config: PathBuf,
 }
 
-/// The token: given, or read from DATA_DIR/token, or generated there (mode 0600).
-fn token(args: &Args) -> anyhow::Result<Option<String>> {
+/// A token: given (`flag` names it), or read from DATA_DIR/FILE, or generated there (0600).
+fn token(args: &Args, given: Option<&String>, flag: &str, file: &str) -> anyhow::Result<Option<String>> {
     if args.insecure {
         return Ok(None);
     }
-    if let Some(t) = &args.token {
-        anyhow::ensure!(!t.trim().is_empty(), "--token: must not be empty; pass --insecure to serve without one");
+    if let Some(t) = given {
+        anyhow::ensure!(!t.trim().is_empty(), "{flag}: must not be empty; pass --insecure to serve without one");
         return Ok(Some(t.clone()));
     }
-    let path = args.data_dir.join("token");
+    let path = args.data_dir.join(file);
     if let Ok(t) = std::fs::read_to_string(&path) {
         if !t.trim().is_empty() {
             return Ok(Some(t.trim().to_string()));
@@ -110,10 +120,25 @@ async fn main() -> anyhow::Result<()> {
     let args = config::parse::<Args>("/etc/motley/coordinator.toml")?;
     let telemetry =
         motley_coordinator::telemetry::init("motley-coordinator", args.otlp_endpoint.as_deref()).map_err(|e| anyhow::anyhow!("{e}"))?;
+    // Everything this process creates (the database and its journal, tokens) is the service
+    // user's alone: job specs carry their envs.
+    // SAFETY: umask(2) only sets this process's file-creation mask.
+    unsafe {
+        libc::umask(0o077);
+    }
     std::fs::create_dir_all(&args.data_dir).with_context(|| format!("--data-dir: cannot create {}", args.data_dir.display()))?;
+    private(&args.data_dir)?;
     let url = args.database_url.clone().unwrap_or_else(|| format!("sqlite://{}", args.data_dir.join("coordinator.db").display()));
     let store = Store::open(&url).await.map_err(|e| anyhow::anyhow!("{e}"))?;
-    let token = token(&args)?;
+    let tokens = Tokens {
+        operator: token(&args, args.token.as_ref(), "--token", "token")?,
+        agent: token(&args, args.agent_token.as_ref(), "--agent-token", "agent-token")?,
+    };
+    anyhow::ensure!(
+        tokens.operator.is_none() || tokens.operator != tokens.agent,
+        "--agent-token: must differ from --token (a GPU node's credential must not open the control API)"
+    );
+    anyhow::ensure!((1..=3_600_000).contains(&args.plan_timeout_ms), "--plan-timeout-ms: must be between 1 and 3600000 (one hour)");
     anyhow::ensure!((10..=3_600_000).contains(&args.heartbeat_ms), "--heartbeat-ms: must be between 10 and 3600000 (one hour)");
     let tls = TlsFiles::from_flags(args.tls_cert.clone(), args.tls_key.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
     // Read and checked before anything listens: a bad certificate is a start-up error.
@@ -131,7 +156,7 @@ async fn main() -> anyhow::Result<()> {
         u32::from(args.master_port_base) >= 1024 && u32::from(args.master_port_base) + 1024 <= 65536,
         "--master-port-base: must be between 1024 and 64512 (1,024 ports from it are used)"
     );
-    let fleet = Fleet::new(base, args.master_port_base);
+    let fleet = Fleet::new(base, args.master_port_base, std::time::Duration::from_millis(args.plan_timeout_ms));
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("--listen: cannot bind {}", args.listen))?;
     let addr = listener.local_addr()?;
     let grpc = tokio::net::TcpListener::bind(args.grpc_listen)
@@ -146,20 +171,30 @@ async fn main() -> anyhow::Result<()> {
         grpc_url: format!("{scheme}://{grpc_host}:{}", grpc_addr.port()),
     };
     let role = Arc::new(Role::default());
+    // The leader's tasks, handed to the supervisor below once leadership is won.
+    let (led, leading) = tokio::sync::oneshot::channel();
     let mut contender = {
         let (store, fleet) = (store.clone(), fleet.clone());
         Contender {
             store: store.clone(),
-            lock: leader::lock_for(&url),
+            lock: leader::lock_for(&url, base),
             base,
             role: role.clone(),
             me,
             on_lead: Some(move |_term| {
-                tokio::spawn(watch_leases(store.clone(), fleet.clone()));
-                tokio::spawn(motley_coordinator::scheduler::run(store.clone(), fleet.clone()));
-                tokio::spawn(takeover::resume(store, fleet));
+                let _ = led.send(vec![
+                    ("lease watcher", tokio::spawn(motley_coordinator::lifecycle::watch(store.clone(), fleet.clone()))),
+                    ("job queue", tokio::spawn(motley_coordinator::scheduler::run(store.clone(), fleet.clone()))),
+                    ("takeover", tokio::spawn(takeover::resume(store, fleet))),
+                ]);
             }),
         }
+    };
+    let supervised = async move {
+        let Ok(tasks) = leading.await else { return std::future::pending().await };
+        let why = motley_coordinator::supervise::watch(tasks, &["takeover"]).await;
+        tracing::error!("{why}; stepping down");
+        Err::<(), _>(anyhow::anyhow!("{why}"))
     };
     // The first round before the addresses are printed: a lone coordinator serves as leader
     // from its first request.
@@ -174,8 +209,8 @@ async fn main() -> anyhow::Result<()> {
     let _ = out.flush();
     drop(out);
     let metrics = Metrics::new(store.clone(), fleet.clone(), role.clone());
-    let agents = AgentService { store: store.clone(), fleet: fleet.clone(), token: token.clone(), role: role.clone() };
-    let control = ControlService { store: store.clone(), fleet: fleet.clone(), role: role.clone(), token: token.clone() };
+    let agents = AgentService { store: store.clone(), fleet: fleet.clone(), tokens: tokens.clone(), role: role.clone() };
+    let control = ControlService { store: store.clone(), fleet: fleet.clone(), role: role.clone(), tokens: tokens.clone() };
     // Agents and the control API share the gRPC port.
     let grpc_server = async move {
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
@@ -183,14 +218,14 @@ async fn main() -> anyhow::Result<()> {
         // within a lease, with its heartbeat task.
         let mut server = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(base))
-            .http2_keepalive_timeout(Some(base * motley_coordinator::agents::LEASE_INTERVALS));
+            .http2_keepalive_timeout(Some(base * motley_coordinator::fleet::LEASE_INTERVALS));
         if let Some(config) = grpc_tls {
             server = server.tls_config(config)?;
         }
         server.add_service(AgentServer::new(agents)).add_service(ControlServer::new(control)).serve_with_incoming(incoming).await
     };
     let lead = contender.run();
-    let app = router(AppState { store: store.clone(), fleet, token, role, metrics });
+    let app = router(AppState { store: store.clone(), fleet, tokens, role, metrics });
     let rest = async move {
         match rest_tls {
             Some(config) => {
@@ -206,10 +241,26 @@ async fn main() -> anyhow::Result<()> {
         r = rest => r.context("REST service"),
         r = grpc_server => r.context("gRPC service"),
         r = lead => r.context("leadership"),
+        r = supervised => r.context("leadership"),
     };
     store.close().await;
     telemetry.shutdown();
     result
+}
+
+/// Make the data directory the service user's alone (0700), and its files 0600: an earlier
+/// version left them world-readable.
+fn private(dir: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("--data-dir: cannot chmod {}", dir.display()))?;
+    for entry in std::fs::read_dir(dir)?.flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_file()) {
+            std::fs::set_permissions(entry.path(), std::fs::Permissions::from_mode(0o600))
+                .with_context(|| format!("--data-dir: cannot chmod {}", entry.path().display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// The host other machines reach this coordinator at: the listen address unless it is a

@@ -11,7 +11,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::agents::Fleet;
+use crate::fleet::Fleet;
 use crate::job::JobState;
 use crate::leader::Role;
 use crate::store::Store;

@@ -16,34 +16,28 @@
 //!   node it may use is back (agents are still finding the new leader).
 //! - A job that cannot be planned for any other reason than the database (a stored spec this
 //!   version cannot read) fails with the reason rather than blocking the queue.
-//! - A launch is sent to its agents once every node of it is live (at once for a new one; for
-//!   one inherited from an earlier leader, when its agents are back), and again on a later pass
-//!   if sending failed.
+//! - A new launch is sent to its agents at once; one that could not be sent (or inherited from
+//!   an earlier leader) is sent by `lifecycle::watch` once its nodes are live.
+//! - Planning has a deadline (`--plan-timeout-ms`, or the job file's `plan_timeout_s`): a job
+//!   whose plan takes longer fails with the reason. Dispatch, lease and launch timeouts and the
+//!   re-check of launched jobs run on `lifecycle::watch`, never behind a plan.
 //! - The queue is looked at on every submit, whenever a job ends, and every base interval.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::agents::{dispatch, Fleet};
 use crate::control::{self, Planned, Taken};
 use crate::error::{CoordinatorError, Result};
+use crate::fleet::Fleet;
 use crate::job::JobState;
+use crate::lifecycle::dispatch;
 use crate::store::{JobRecord, Store};
-
-/// What the queue remembers between passes (in memory: a new leader starts afresh). Why each
-/// queued job waits is kept in the fleet, where the job APIs show it as the job's reason.
-#[derive(Default)]
-struct Memory {
-    /// Launches (job, generation) this leader has sent out.
-    dispatched: HashSet<(i64, i64)>,
-}
 
 /// Run the queue for as long as this coordinator leads (a deposed leader exits).
 pub async fn run(store: Store, fleet: Arc<Fleet>) {
     let began = Instant::now();
     let began_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
-    let mut memory = Memory::default();
     let mut tick = tokio::time::interval(fleet.base);
     loop {
         tokio::select! {
@@ -51,27 +45,17 @@ pub async fn run(store: Store, fleet: Arc<Fleet>) {
             _ = fleet.queue_changed() => {}
         }
         let settling = (began.elapsed() < fleet.base * crate::takeover::GRACE_INTERVALS).then_some(began_ms);
-        if let Err(e) = schedule(&store, &fleet, settling, &mut memory).await {
+        if let Err(e) = schedule(&store, &fleet, settling).await {
             tracing::warn!("job queue: {e}");
         }
     }
 }
 
 /// One pass over the queue. `settling`: early in a term that began at this time (ms).
-async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>, memory: &mut Memory) -> Result<()> {
+async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>) -> Result<()> {
     let jobs = store.unfinished_jobs().await?;
     let queued: Vec<i64> = jobs.iter().filter(|j| matches!(j.state, JobState::Submitted | JobState::Planning)).map(|j| j.id).collect();
     fleet.keep_waiting(&queued);
-    memory.dispatched.retain(|(id, g)| jobs.iter().any(|j| j.id == *id && j.generation == *g && j.state == JobState::Launching));
-    let unsent: Vec<(i64, i64)> = jobs
-        .iter()
-        .filter(|j| j.state == JobState::Launching)
-        .map(|j| (j.id, j.generation))
-        .filter(|k| !memory.dispatched.contains(k))
-        .collect();
-    for (id, generation) in unsent {
-        send_out(store, fleet, id, generation, memory).await?;
-    }
     if queued.is_empty() {
         return Ok(()); // nothing to plan: no need to read who holds which GPU
     }
@@ -92,14 +76,16 @@ async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>, memory: &
                     for r in store.ranks(j.id, j.generation).await? {
                         taken.entry(r.assignment.node).or_default().insert(r.assignment.gpu as u32, j.id);
                     }
-                    send_out(store, fleet, j.id, j.generation, memory).await?;
+                    send_out(store, fleet, j.id, j.generation).await?;
                     None
                 }
                 Err(e @ CoordinatorError::Database(_)) => return Err(e),
                 Err(e) => {
                     // Not this pass's to retry: the job itself cannot be planned.
                     tracing::warn!(job = job.id, "cannot be planned: {e}");
-                    let _ = store.transition(job.id, JobState::Failed, Some(&format!("cannot be planned: {e}"))).await;
+                    if let Err(e) = store.transition(job.id, JobState::Failed, Some(&format!("cannot be planned: {e}"))).await {
+                        tracing::info!(job = job.id, "move refused: {e}");
+                    }
                     None
                 }
             },
@@ -117,16 +103,14 @@ async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>, memory: &
     Ok(())
 }
 
-/// Send a launch to its agents if all its nodes are live; remembered once sent.
-async fn send_out(store: &Store, fleet: &Fleet, id: i64, generation: i64, memory: &mut Memory) -> Result<()> {
+/// Send a launch to its agents if all its nodes are live; remembered (in the fleet) once sent.
+pub(crate) async fn send_out(store: &Store, fleet: &Fleet, id: i64, generation: i64) -> Result<()> {
     let ranks = store.ranks(id, generation).await?;
     if !ranks.iter().all(|r| fleet.live(&r.assignment.node)) {
         return Ok(()); // the takeover's grace (or the launch timeout) decides if they never come
     }
     match dispatch(store, fleet, id).await {
-        Ok(()) => {
-            memory.dispatched.insert((id, generation));
-        }
+        Ok(()) => fleet.mark_sent(id, generation),
         Err(e) => tracing::warn!(job = id, "not launched yet: {e}"),
     }
     Ok(())

@@ -209,39 +209,56 @@ impl Store {
 
     /// Register (or re-register) a node with its inventory; returns the new agent epoch,
     /// which fences every older session of the node's agent. A draining node stays draining.
+    /// The epoch is incremented by the database in one statement, so two registrations at once
+    /// (on PostgreSQL's several connections) always get two different epochs.
     pub async fn register_node(&self, name: &str, inventory: &str) -> Result<i64> {
         if name.trim().is_empty() {
             return Err(CoordinatorError::invalid("node.name", "must not be empty"));
         }
         let mut tx = self.pool.begin().await?;
-        let existing = sqlx::query("SELECT agent_epoch FROM nodes WHERE name = $1").bind(name).fetch_optional(&mut *tx).await?;
-        let epoch = match existing {
-            Some(row) => {
-                let epoch = row.try_get::<i64, _>(0)? + 1;
-                sqlx::query("UPDATE nodes SET inventory = $1, agent_epoch = $2, registered_at_ms = $3 WHERE name = $4")
-                    .bind(inventory)
-                    .bind(epoch)
-                    .bind(now_ms())
-                    .bind(name)
-                    .execute(&mut *tx)
-                    .await?;
-                epoch
-            }
-            None => {
-                sqlx::query("INSERT INTO nodes (name, inventory, state, agent_epoch, registered_at_ms) VALUES ($1, $2, $3, $4, $5)")
-                    .bind(name)
-                    .bind(inventory)
-                    .bind(NodeState::Active.as_str())
-                    .bind(1i64)
-                    .bind(now_ms())
-                    .execute(&mut *tx)
-                    .await?;
-                1
-            }
-        };
+        let row = sqlx::query(
+            "INSERT INTO nodes (name, inventory, state, agent_epoch, registered_at_ms) VALUES ($1, $2, 'active', 1, $3) \
+             ON CONFLICT (name) DO UPDATE SET inventory = excluded.inventory, agent_epoch = nodes.agent_epoch + 1, \
+             registered_at_ms = excluded.registered_at_ms, \
+             state = CASE WHEN nodes.state = 'removed' THEN 'active' ELSE nodes.state END RETURNING agent_epoch",
+        )
+        .bind(name)
+        .bind(inventory)
+        .bind(now_ms())
+        .fetch_one(&mut *tx)
+        .await?;
+        let epoch = row.try_get::<i64, _>(0)?;
         Self::event(&mut tx, None, None, "node_registered", &format!("node {name} registered (agent epoch {epoch})")).await?;
         tx.commit().await?;
         Ok(epoch)
+    }
+
+    /// Remove a node from the inventory, unless ranks of an unfinished job's current launch, or
+    /// ranks reported running, are on it (checked in the same transaction). The row stays, as
+    /// `removed` (finished jobs' ranks still name it); the node is gone from every listing and
+    /// lookup until an agent registers it again.
+    pub async fn remove_node(&self, name: &str) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        let busy = sqlx::query(
+            "SELECT r.job_id FROM ranks r JOIN jobs j ON j.id = r.job_id WHERE r.node = $1 AND \
+             (r.state = 'running' OR (j.state IN ('submitted', 'planning', 'launching', 'running') AND r.generation = j.generation)) \
+             ORDER BY r.job_id LIMIT 1",
+        )
+        .bind(name)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(row) = busy {
+            let job: i64 = row.try_get(0)?;
+            return Err(CoordinatorError::Conflict(format!("node {name} has ranks of job {job}; cancel the job or wait for it to end")));
+        }
+        let done =
+            sqlx::query("UPDATE nodes SET state = 'removed' WHERE name = $1 AND state <> 'removed'").bind(name).execute(&mut *tx).await?;
+        if done.rows_affected() == 0 {
+            return Err(CoordinatorError::not_found(format!("node '{name}'")));
+        }
+        Self::event(&mut tx, None, None, "node_removed", &format!("node {name} removed")).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Refuse a report or heartbeat of an agent session older than the node's latest one.
@@ -254,25 +271,31 @@ impl Store {
     }
 
     pub async fn node(&self, name: &str) -> Result<NodeRecord> {
-        let row = sqlx::query("SELECT name, inventory, state, agent_epoch, registered_at_ms FROM nodes WHERE name = $1")
-            .bind(name)
-            .fetch_optional(&self.pool)
-            .await?
-            .ok_or_else(|| CoordinatorError::not_found(format!("node '{name}'")))?;
+        let row =
+            sqlx::query("SELECT name, inventory, state, agent_epoch, registered_at_ms FROM nodes WHERE name = $1 AND state <> 'removed'")
+                .bind(name)
+                .fetch_optional(&self.pool)
+                .await?
+                .ok_or_else(|| CoordinatorError::not_found(format!("node '{name}'")))?;
         node_of(&row)
     }
 
     pub async fn nodes(&self) -> Result<Vec<NodeRecord>> {
-        let rows = sqlx::query("SELECT name, inventory, state, agent_epoch, registered_at_ms FROM nodes ORDER BY name")
-            .fetch_all(&self.pool)
-            .await?;
+        let rows =
+            sqlx::query("SELECT name, inventory, state, agent_epoch, registered_at_ms FROM nodes WHERE state <> 'removed' ORDER BY name")
+                .fetch_all(&self.pool)
+                .await?;
         rows.iter().map(node_of).collect()
     }
 
     /// Drain or undrain a node.
     pub async fn set_node_state(&self, name: &str, state: NodeState) -> Result<NodeRecord> {
         let mut tx = self.pool.begin().await?;
-        let done = sqlx::query("UPDATE nodes SET state = $1 WHERE name = $2").bind(state.as_str()).bind(name).execute(&mut *tx).await?;
+        let done = sqlx::query("UPDATE nodes SET state = $1 WHERE name = $2 AND state <> 'removed'")
+            .bind(state.as_str())
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
         if done.rows_affected() == 0 {
             return Err(CoordinatorError::not_found(format!("node '{name}'")));
         }
@@ -360,18 +383,28 @@ impl Store {
         if !job.state.can_become(to) {
             return Err(CoordinatorError::Conflict(format!("job {id} is {}; it cannot become {to}", job.state)));
         }
-        let done = sqlx::query("UPDATE jobs SET state = $1, reason = $2, updated_at_ms = $3 WHERE id = $4 AND state = $5")
-            .bind(to.as_str())
-            .bind(reason.map(str::to_string).or(job.reason.clone()))
-            .bind(now_ms())
-            .bind(id)
-            .bind(job.state.as_str())
-            .execute(&mut *tx)
-            .await?;
+        // The term first: it locks the leader row (PostgreSQL), so a new leader's claim waits for
+        // this move, and the move lands before the claim or is refused.
+        self.check_term(&mut tx).await?;
+        // A compare-and-set on what was read (state and generation) and on the term, in SQL:
+        // a concurrent move, a relaunch, or a new leader between the read and this write makes
+        // it match no row.
+        let done = sqlx::query(
+            "UPDATE jobs SET state = $1, reason = $2, updated_at_ms = $3 WHERE id = $4 AND state = $5 AND generation = $6 \
+             AND ($7 = 0 OR EXISTS (SELECT 1 FROM leader WHERE id = 1 AND term = $7))",
+        )
+        .bind(to.as_str())
+        .bind(reason.map(str::to_string).or(job.reason.clone()))
+        .bind(now_ms())
+        .bind(id)
+        .bind(job.state.as_str())
+        .bind(job.generation)
+        .bind(self.term.load(std::sync::atomic::Ordering::SeqCst))
+        .execute(&mut *tx)
+        .await?;
         if done.rows_affected() != 1 {
             return Err(CoordinatorError::Conflict(format!("job {id} changed state concurrently; retry")));
         }
-        self.check_term(&mut tx).await?;
         let message = match reason {
             Some(r) => format!("job {id}: {} -> {to}: {r}", job.state),
             None => format!("job {id}: {} -> {to}", job.state),
@@ -385,6 +418,7 @@ impl Store {
     /// to `launching`, all in one transaction. Returns the new generation.
     pub async fn start_generation(&self, id: i64, plan: &str, ranks: &[RankAssignment]) -> Result<i64> {
         let mut tx = self.pool.begin().await?;
+        self.check_term(&mut tx).await?;
         let job = job_in(&mut tx, id).await?;
         if !job.state.can_become(JobState::Launching) {
             return Err(CoordinatorError::Conflict(format!("job {id} is {}; it cannot be launched", job.state)));
@@ -434,21 +468,23 @@ impl Store {
             }
             q.execute(&mut *tx).await?;
         }
-        let done =
-            sqlx::query("UPDATE jobs SET state = $1, generation = $2, updated_at_ms = $3 WHERE id = $4 AND generation = $5 AND state = $6")
-                .bind(JobState::Launching.as_str())
-                .bind(generation)
-                .bind(now)
-                .bind(id)
-                .bind(job.generation)
-                .bind(job.state.as_str())
-                .execute(&mut *tx)
-                .await?;
+        let done = sqlx::query(
+            "UPDATE jobs SET state = $1, generation = $2, updated_at_ms = $3 WHERE id = $4 AND generation = $5 AND state = $6 \
+             AND ($7 = 0 OR EXISTS (SELECT 1 FROM leader WHERE id = 1 AND term = $7))",
+        )
+        .bind(JobState::Launching.as_str())
+        .bind(generation)
+        .bind(now)
+        .bind(id)
+        .bind(job.generation)
+        .bind(job.state.as_str())
+        .bind(self.term.load(std::sync::atomic::Ordering::SeqCst))
+        .execute(&mut *tx)
+        .await?;
         // Moved (cancelled, say) since it was read: the whole launch is rolled back.
         if done.rows_affected() != 1 {
             return Err(CoordinatorError::Conflict(format!("job {id} changed state concurrently; not launched")));
         }
-        self.check_term(&mut tx).await?;
         let message = format!("job {id}: generation {generation} launching {} ranks", ranks.len());
         Self::event(&mut tx, Some(id), Some(generation), "launching", &message).await?;
         tx.commit().await?;
@@ -630,6 +666,51 @@ impl Store {
                 Some(FailedRank { rank: bad.try_get("rank")?, node: bad.try_get("node")?, exit_code: bad.try_get("exit_code")?, lost });
         }
         Ok(summary)
+    }
+
+    /// A new agent session's full list of the ranks it knows: ranks held as running on the node
+    /// (of a launched job's current launch) that the agent does not know are lost (its agent
+    /// died between the report and the acknowledgement, or the host rebooted). Fenced by the
+    /// agent's epoch in the same transaction. Returns the jobs whose ranks were lost.
+    pub async fn lose_unknown_ranks(&self, node: &str, epoch: i64, known: &[(i64, i64, i64)]) -> Result<Vec<i64>> {
+        let mut tx = self.pool.begin().await?;
+        let same = sqlx::query("UPDATE nodes SET agent_epoch = agent_epoch WHERE name = $1 AND agent_epoch = $2")
+            .bind(node)
+            .bind(epoch)
+            .execute(&mut *tx)
+            .await?;
+        if same.rows_affected() != 1 {
+            let current = sqlx::query("SELECT agent_epoch FROM nodes WHERE name = $1").bind(node).fetch_optional(&mut *tx).await?;
+            let current = current.map(|r| r.try_get::<i64, _>(0)).transpose()?.unwrap_or(0);
+            return Err(CoordinatorError::StaleAgent { node: node.to_string(), given: epoch, current });
+        }
+        let rows = sqlx::query(
+            "SELECT r.job_id, r.generation, r.rank FROM ranks r JOIN jobs j ON j.id = r.job_id AND r.generation = j.generation \
+             WHERE r.node = $1 AND r.state = 'running' AND j.state IN ('launching', 'running') ORDER BY r.job_id, r.rank",
+        )
+        .bind(node)
+        .fetch_all(&mut *tx)
+        .await?;
+        let known: std::collections::HashSet<&(i64, i64, i64)> = known.iter().collect();
+        let (mut events, mut jobs) = (vec![], vec![]);
+        for row in rows {
+            let key: (i64, i64, i64) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+            if known.contains(&key) {
+                continue;
+            }
+            sqlx::query("UPDATE ranks SET state = 'lost' WHERE job_id = $1 AND generation = $2 AND rank = $3 AND state = 'running'")
+                .bind(key.0)
+                .bind(key.1)
+                .bind(key.2)
+                .execute(&mut *tx)
+                .await?;
+            events.push((key.0, key.1, format!("job {}: rank {} lost (its agent on {node} no longer knows it)", key.0, key.2)));
+            jobs.push(key.0);
+        }
+        rank_events(&mut tx, &events).await?;
+        tx.commit().await?;
+        jobs.dedup();
+        Ok(jobs)
     }
 
     /// Events after `after` (all jobs, or one), oldest first, at most `limit`.
@@ -872,10 +953,21 @@ async fn job_in(tx: &mut sqlx::Transaction<'_, sqlx::Any>, id: i64) -> Result<Jo
 
 fn node_of(r: &AnyRow) -> Result<NodeRecord> {
     let state: String = r.try_get("state")?;
+    let name: String = r.try_get("name")?;
+    let state = match state.as_str() {
+        "active" => NodeState::Active,
+        "draining" => NodeState::Draining,
+        // Never read as active: a state a newer version wrote (cordoned, say) must not get ranks.
+        other => {
+            return Err(CoordinatorError::Conflict(format!(
+                "node {name}: stored state '{other}' is unknown to this version (active, draining); upgrade the coordinator"
+            )))
+        }
+    };
     Ok(NodeRecord {
-        name: r.try_get("name")?,
+        name,
         inventory: r.try_get("inventory")?,
-        state: if state == "draining" { NodeState::Draining } else { NodeState::Active },
+        state,
         agent_epoch: r.try_get("agent_epoch")?,
         registered_at_ms: r.try_get("registered_at_ms")?,
     })

@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use crate::agents::Fleet;
+use crate::fleet::Fleet;
 use crate::job::JobState;
 use crate::store::Store;
 
@@ -56,9 +56,7 @@ pub async fn resume(store: Store, fleet: Arc<Fleet>) {
                 None => {}
                 Some(node) if over => {
                     let reason = format!("node {node} did not come back within {} ms of the change of leader", grace.as_millis());
-                    if store.transition_at(j.id, Some(j.generation), JobState::Failed, Some(&reason)).await.is_ok() {
-                        fleet.stop_job(&store, j.id, j.generation, &reason).await;
-                    }
+                    crate::lifecycle::fail(&store, &fleet, j.id, j.generation, &reason).await;
                 }
                 Some(_) => waiting.push(j),
             }

@@ -265,3 +265,74 @@ fn jobs_share_the_cluster_but_never_a_gpu_and_a_job_waits_for_its_share() {
     }
     c.until(|_| processes_with(&marker) == 0, "every rank process is gone");
 }
+
+/// Send a signal to a process (SIGSTOP freezes it: its sockets stay open, nothing answers).
+fn signal(pid: u32, sig: &str) {
+    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success());
+}
+
+#[test]
+fn a_coordinator_paused_for_4_seconds_fails_no_job() {
+    let c = start(2);
+    let marker = format!("motley-pause-marker-{}", std::process::id());
+    let _reaper = Reaper(marker.clone());
+    let job = format!("name: patient\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {{gpus: 16}}\nrun: 'sleep 600; echo {marker}'\n");
+    let id = c.http("POST", "/api/v1/jobs", &job)["id"].as_i64().unwrap();
+    c.until(|c| c.job_state(id) == "running", "the job runs");
+    // A long GC, a VM migration, a slow disk: the coordinator does not run for 4 s, more than
+    // its 1.5 s lease. It cannot have seen heartbeats meanwhile, so it judges no lease by them.
+    let pid = c._coordinator.0.id();
+    signal(pid, "-STOP");
+    std::thread::sleep(Duration::from_secs(4));
+    signal(pid, "-CONT");
+    // Several leases later, the job is still running on both nodes.
+    std::thread::sleep(Duration::from_millis(6 * HEARTBEAT_MS));
+    let j = c.get(&format!("/api/v1/jobs/{id}"));
+    assert_eq!(j["state"], "running", "{j}");
+    c.until(|c| c.get("/api/v1/nodes").as_array().unwrap().iter().all(|n| n["live"] == true), "both agents hold leases again");
+    let lost = c.get("/api/v1/jobs/0/events");
+    assert!(!lost.to_string().contains("node_lost"), "{lost}");
+    c.http("POST", &format!("/api/v1/jobs/{id}/cancel"), "");
+    c.until(|_| processes_with(&marker) == 0, "every rank process is gone");
+}
+
+#[test]
+fn a_second_agent_for_a_held_node_is_refused_and_a_node_is_removed_once_free() {
+    let mut c = start(1);
+    let agent_bin = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-agent");
+    let grpc = c.get("/api/v1/leader")["grpc_url"].as_str().unwrap().to_string();
+    // Another agent started with the same --node (its own work dir): refused, loudly, and it stops.
+    let mut second = Proc(
+        Command::new(&agent_bin)
+            .args(["--coordinator", &grpc, "--node", "node-0", "--inventory", "examples/nodes/a100.yaml"])
+            .args(["--work-dir", c.dir.join("impostor").to_str().unwrap(), "--logs-listen", "127.0.0.1:0"])
+            .current_dir(repo())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = second.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "the second agent for node-0 kept going");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success());
+    let mut err = String::new();
+    second.0.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(err.contains("held by another live agent"), "{err}");
+    let node = &c.get("/api/v1/nodes")[0];
+    assert_eq!((node["live"].as_bool(), node["agent_epoch"].as_i64()), (Some(true), Some(1)), "the first agent was never evicted: {node}");
+
+    // A node with a live agent is not removed; once its agent is gone, it is.
+    let refused = c.http("DELETE", "/api/v1/nodes/node-0", "");
+    assert!(refused["error"].as_str().unwrap().contains("live agent"), "{refused}");
+    let mut agent = c.agents[0].take().unwrap();
+    agent.0.kill().unwrap();
+    agent.0.wait().unwrap();
+    c.until(|c| c.get("/api/v1/nodes")[0]["live"] == false, "node-0's lease ends");
+    assert_eq!(c.http("DELETE", "/api/v1/nodes/node-0", "")["name"], "node-0");
+    assert!(c.get("/api/v1/nodes").as_array().unwrap().is_empty());
+}

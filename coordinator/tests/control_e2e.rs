@@ -183,13 +183,13 @@ async fn node_load_reaches_the_apis_and_metrics() {
     use motley_proto::v1::{AgentStatus, GpuLoad, NodeLoad, RegisterRequest};
     // A 3 s lease: a stall of the loaded CI machine must not cost the stand-in agent its lease.
     let c = Coordinator::start(&temp_dir(), &["--heartbeat-ms", "1000"]);
-    let token = c.token.clone().unwrap();
+    let (token, agent_token) = (c.token.clone().unwrap(), c.agent_token.clone().unwrap());
     let mut agents = AgentClient::connect(format!("http://{}", c.grpc)).await.unwrap();
     let reply = agents
         .register(RegisterRequest {
             node: "g0".into(),
             inventory_json: r#"{"gpu": "A100-80G", "gpus": 2}"#.into(),
-            token: token.clone(),
+            token: agent_token.clone(),
             ..Default::default()
         })
         .await
@@ -224,7 +224,7 @@ async fn node_load_reaches_the_apis_and_metrics() {
         }
     });
     let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-    request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    request.metadata_mut().insert("authorization", format!("Bearer {agent_token}").parse().unwrap());
     let mut inbound = agents.heartbeat(request).await.unwrap().into_inner();
     tokio::spawn(async move { while let Ok(Some(_)) = inbound.message().await {} });
 

@@ -157,7 +157,11 @@ async fn an_unacknowledged_launch_fails_with_the_reason() {
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let beats = tokio::spawn(async move {
         loop {
-            if tx.send(AgentStatus { node: "mute".into(), epoch: reply.epoch, ranks: vec![], load: None, ..Default::default() }).await.is_err() {
+            if tx
+                .send(AgentStatus { node: "mute".into(), epoch: reply.epoch, ranks: vec![], load: None, ..Default::default() })
+                .await
+                .is_err()
+            {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -178,4 +182,42 @@ async fn an_unacknowledged_launch_fails_with_the_reason() {
     assert_eq!(done["state"], "failed");
     let reason = done["reason"].as_str().unwrap();
     assert!(reason.contains("launch not acknowledged within 3000 ms") && reason.contains("mute (rank 0)"), "{reason}");
+}
+
+/// Send a signal to a process (SIGSTOP freezes it: its sockets stay open, nothing answers).
+fn signal(pid: u32, sig: &str) {
+    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success());
+}
+
+#[test]
+fn a_frozen_postgres_leader_is_replaced_and_steps_down_when_it_thaws() {
+    let db = TestDb::create("motley_frozen");
+    let extra = ["--insecure", "--heartbeat-ms", "500", "--database-url", &db.url];
+    let mut a = Coordinator::start(&temp_dir(), &extra);
+    let b = Coordinator::start(&temp_dir(), &extra);
+    assert_eq!(a.json("GET", "/api/v1/leader", "", 200)["is_leader"], true);
+    // Frozen, not dead: its database session (and so the advisory lock) lives on.
+    signal(a.child.id(), "-STOP");
+    let frozen = Instant::now();
+    loop {
+        if b.json("GET", "/api/v1/leader", "", 200)["is_leader"] == true {
+            break;
+        }
+        assert!(frozen.elapsed() < Duration::from_secs(15), "the standby did not take over a leader that stopped renewing");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(b.json("GET", "/api/v1/leader", "", 200)["term"], 2);
+    b.json("PUT", "/api/v1/nodes/a100-0", NODE, 200);
+    // Thawed, the old leader finds its session gone and steps down (exits; systemd restarts it).
+    signal(a.child.id(), "-CONT");
+    let thawed = Instant::now();
+    let status = loop {
+        if let Some(s) = a.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(thawed.elapsed() < Duration::from_secs(15), "the thawed leader did not step down");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success(), "stepping down is a failure exit: {status}");
+    assert_eq!(b.json("GET", "/api/v1/leader", "", 200)["is_leader"], true, "the new leader keeps leading");
 }

@@ -6,6 +6,8 @@ mod common;
 
 use std::path::Path;
 
+use serde_json::Value;
+
 use common::{temp_dir, wait_for_state, Coordinator, TestDb};
 
 const NODE: &str =
@@ -107,4 +109,66 @@ fn tokens_bad_input_and_unplannable_jobs_get_clear_errors() {
     let c2 = Coordinator::start(&temp_dir(), &["--token", "s3cret"]);
     assert_eq!(c2.call_as(Some("s3cret"), "GET", "/api/v1/nodes", "").0, 200);
     assert_eq!(c2.call_as(None, "GET", "/api/v1/nodes", "").0, 401);
+}
+
+/// The JSON error body's `error`, asserting the status and that the body is the API's shape.
+fn error_of(c: &Coordinator, method: &str, path: &str, body: &str, want: u16) -> String {
+    let (status, text) = c.call(method, path, body);
+    assert_eq!(status, want, "{method} {}: {text}", &path[..path.len().min(80)]);
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("not the JSON error shape ({e}): {text}"));
+    assert!(v["grpc_code"].is_i64(), "{text}");
+    v["error"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn bad_names_sizes_and_the_agents_token_are_refused_in_json() {
+    let dir = temp_dir();
+    let c = Coordinator::start(&dir, &[]);
+    // The agents' token is not the operators': the control API answers it 403.
+    let agent_token = c.agent_token.clone().expect("an agent token is generated beside the operators'");
+    assert_ne!(Some(&agent_token), c.token.as_ref());
+    let (status, body) = c.call_as(Some(&agent_token), "GET", "/api/v1/nodes", "");
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("agents' token"), "{body}");
+
+    // Node names that are not DNS-like never get in.
+    let long = "a".repeat(5000);
+    for bad in ["..%2F..%2Fetc", "a%0Ab", "a%1B%5B31mb", long.as_str(), "-x"] {
+        let e = error_of(&c, "PUT", &format!("/api/v1/nodes/{bad}"), "gpu: A100-80G\ngpus: 8\n", 400);
+        assert!(e.starts_with("node.name:"), "{e}");
+        assert!(!e.contains('\n') && !e.contains('\u{1b}'), "{e}");
+    }
+    assert!(c.json("GET", "/api/v1/nodes", "", 200).as_array().unwrap().is_empty());
+
+    // Job files: a long name, a huge env value, a huge command, relaunch counts not yet supported.
+    let job = "name: j\nmodel: gpt3-1.3b\nglobal_batch: 8\nrun: 'true'\n";
+    let e = error_of(&c, "POST", "/api/v1/jobs", &job.replace("name: j", &format!("name: {}", "n".repeat(254))), 400);
+    assert!(e.starts_with("name: is 254 characters; at most 253"), "{e}");
+    let e = error_of(&c, "POST", "/api/v1/jobs", &format!("{job}envs: {{BIG: '{}'}}\n", "x".repeat(900_000)), 400);
+    assert!(e.starts_with("envs.BIG: is 900000 bytes"), "{e}");
+    let e = error_of(&c, "POST", "/api/v1/jobs", &job.replace("run: 'true'", &format!("run: 'echo {}'", "y".repeat(70_000))), 400);
+    assert!(e.starts_with("run: is 70005 bytes; at most 65536"), "{e}");
+    let e = error_of(&c, "POST", "/api/v1/jobs", &format!("{job}max_restarts: 2\n"), 400);
+    assert!(e.starts_with("max_restarts: relaunching a failed job is not supported yet"), "{e}");
+    let e = error_of(&c, "POST", "/api/v1/jobs", &format!("{job}max_preemptions: 1\n"), 400);
+    assert!(e.starts_with("max_preemptions:"), "{e}");
+    assert!(c.json("GET", "/api/v1/jobs", "", 200).as_array().unwrap().is_empty(), "nothing was stored");
+
+    // A body over the limit is refused in the API's JSON shape, not axum's text.
+    let e = error_of(&c, "POST", "/api/v1/jobs", &"#".repeat(3 << 20), 413);
+    assert!(e.contains("request body is over"), "{e}");
+
+    // A node is removed once nothing runs there; a removed one is gone.
+    c.json("PUT", "/api/v1/nodes/spare", "gpu: T4\ngpus: 1\n", 200);
+    assert_eq!(c.json("DELETE", "/api/v1/nodes/spare", "", 200)["name"], "spare");
+    error_of(&c, "GET", "/api/v1/nodes/spare", "", 404);
+    error_of(&c, "DELETE", "/api/v1/nodes/spare", "", 404);
+
+    // The data directory and every file in it are the service user's alone.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&dir), 0o700);
+    for f in ["coordinator.db", "token", "agent-token"] {
+        assert_eq!(mode(&dir.join(f)), 0o600, "{f}");
+    }
 }

@@ -289,3 +289,131 @@ conformance!(gpus_are_held_by_launched_jobs_and_by_ranks_still_running, |url: St
     assert_eq!(s.job_counts().await.unwrap(), [("cancelled".to_string(), 1), ("submitted".to_string(), 1)]);
     s.close().await;
 });
+
+conformance!(concurrent_terminal_moves_let_exactly_one_win, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    s.register_node("n0", "{}").await.unwrap();
+    let job = s.submit_job("race", "{}").await.unwrap();
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    s.start_generation(job.id, "{}", &ranks(&["n0"])).await.unwrap();
+    // Many movers read `launching` at once (PostgreSQL has several connections); a terminal
+    // state can be entered once: without the compare-and-set in SQL, several would "win".
+    let moves = (0..16).map(|i| {
+        let s = s.clone();
+        async move {
+            let to = if i % 2 == 0 { JobState::Failed } else { JobState::Cancelled };
+            s.transition_at(job.id, Some(1), to, Some(&format!("mover {i}"))).await
+        }
+    });
+    let results = futures_join_all(moves.collect()).await;
+    let won: Vec<usize> = results.iter().enumerate().filter(|(_, r)| r.is_ok()).map(|(i, _)| i).collect();
+    assert_eq!(won.len(), 1, "exactly one move wins: {won:?}");
+    let end = s.job(job.id).await.unwrap();
+    assert_eq!(end.reason.as_deref(), Some(format!("mover {}", won[0]).as_str()));
+    let ends = s.events(Some(job.id), 0, 100).await.unwrap().into_iter().filter(|e| e.kind == "failed" || e.kind == "cancelled").count();
+    assert_eq!(ends, 1, "one end event");
+    // A move at a generation the job has left is refused.
+    assert!(matches!(s.transition_at(job.id, Some(7), JobState::Failed, None).await, Err(CoordinatorError::StaleGeneration { .. })));
+    s.close().await;
+});
+
+/// Run the futures concurrently on this task and collect their outputs in order.
+async fn futures_join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let local: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = local.iter().map(|_| None).collect();
+    let mut local: Vec<Option<std::pin::Pin<Box<F>>>> = local.into_iter().map(Some).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (i, f) in local.iter_mut().enumerate() {
+            if let Some(fut) = f {
+                match fut.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => {
+                        outputs[i] = Some(v);
+                        *f = None;
+                    }
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().map(|o| o.expect("every future finished")).collect()
+}
+
+conformance!(concurrent_registrations_get_distinct_epochs, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    let registrations = (0..16).map(|_| {
+        let s = s.clone();
+        async move { s.register_node("n0", "{}").await.unwrap() }
+    });
+    let mut epochs = futures_join_all(registrations.collect()).await;
+    epochs.sort_unstable();
+    assert_eq!(epochs, (1..=16).collect::<Vec<i64>>(), "every registration fences the ones before it");
+    s.close().await;
+});
+
+conformance!(an_unknown_node_state_is_an_error_not_active, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    s.register_node("n0", "{}").await.unwrap();
+    sqlx::any::install_default_drivers();
+    let mut raw = sqlx::AnyConnection::connect(&url).await.unwrap();
+    sqlx::query("UPDATE nodes SET state = 'cordoned' WHERE name = 'n0'").execute(&mut raw).await.unwrap();
+    match s.node("n0").await {
+        Err(e @ CoordinatorError::Conflict(_)) => assert!(e.to_string().contains("'cordoned' is unknown"), "{e}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+    assert!(s.nodes().await.is_err(), "never listed as active");
+    raw.close().await.unwrap();
+    s.close().await;
+});
+
+conformance!(running_ranks_an_agent_no_longer_knows_are_lost, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    for n in ["n0", "n1"] {
+        s.register_node(n, "{}").await.unwrap();
+    }
+    let job = s.submit_job("lost", "{}").await.unwrap();
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    s.start_generation(job.id, "{}", &ranks(&["n0", "n0", "n1"])).await.unwrap();
+    for (node, rank) in [("n0", 0), ("n0", 1), ("n1", 2)] {
+        s.report_rank_from(Some((node, 1)), job.id, 1, rank, "running", None).await.unwrap();
+    }
+    // n0's agent comes back knowing rank 0 only (rank 1's end was never acknowledged).
+    assert!(matches!(s.lose_unknown_ranks("n0", 7, &[(job.id, 1, 0)]).await, Err(CoordinatorError::StaleAgent { .. })), "fenced");
+    assert_eq!(s.lose_unknown_ranks("n0", 1, &[(job.id, 1, 0)]).await.unwrap(), vec![job.id]);
+    let states: Vec<String> = s.ranks(job.id, 1).await.unwrap().into_iter().map(|r| r.state).collect();
+    assert_eq!(states, ["running", "lost", "running"], "n1's rank is not n0's to lose");
+    assert!(s.lose_unknown_ranks("n0", 1, &[(job.id, 1, 0)]).await.unwrap().is_empty(), "a repeat changes nothing");
+    s.close().await;
+});
+
+conformance!(a_node_is_removed_only_without_ranks_and_comes_back_on_registration, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    for n in ["n0", "n1"] {
+        s.register_node(n, "{}").await.unwrap();
+    }
+    let job = s.submit_job("busy", "{}").await.unwrap();
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    s.start_generation(job.id, "{}", &ranks(&["n0"])).await.unwrap();
+    match s.remove_node("n0").await {
+        Err(e @ CoordinatorError::Conflict(_)) => assert!(e.to_string().contains(&format!("ranks of job {}", job.id)), "{e}"),
+        other => panic!("a busy node is kept: {other:?}"),
+    }
+    s.remove_node("n1").await.unwrap();
+    assert!(matches!(s.node("n1").await, Err(CoordinatorError::NotFound { .. })));
+    assert!(matches!(s.remove_node("n1").await, Err(CoordinatorError::NotFound { .. })));
+    assert_eq!(s.nodes().await.unwrap().len(), 1);
+    // Its agent registers again: back, active, with a newer epoch.
+    assert_eq!(s.register_node("n1", "{}").await.unwrap(), 2);
+    assert_eq!(s.node("n1").await.unwrap().state, NodeState::Active);
+    // Once the job is over, n0 goes too (its old ranks keep naming it).
+    s.transition(job.id, JobState::Cancelled, None).await.unwrap();
+    s.remove_node("n0").await.unwrap();
+    assert_eq!(s.ranks(job.id, 1).await.unwrap()[0].assignment.node, "n0");
+    s.close().await;
+});

@@ -12,31 +12,18 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::agents::Fleet;
 use crate::control;
-use crate::error::CoordinatorError;
+use crate::fleet::Fleet;
 use crate::leader::Role;
+use crate::service::{status_of, Tokens};
 use crate::store::{Event, JobRecord, NodeRecord, RankAssignment, RankRecord, Store};
 
 pub struct ControlService {
     pub store: Store,
     pub fleet: Arc<Fleet>,
     pub role: Arc<Role>,
-    /// Bearer token every call must carry; None only with `--insecure`.
-    pub token: Option<String>,
-}
-
-/// A `CoordinatorError` as a gRPC status; a standby's refusal carries the leader's URLs.
-pub fn status_of(e: CoordinatorError) -> Status {
-    let mut status = Status::new(tonic::Code::from(e.grpc_code()), e.to_string());
-    if let CoordinatorError::NotLeader { rest_url, grpc_url } = &e {
-        for (key, url) in [("motley-leader", rest_url), ("motley-leader-grpc", grpc_url)] {
-            if let Ok(v) = url.parse() {
-                status.metadata_mut().insert(key, v);
-            }
-        }
-    }
-    status
+    /// The operators' token every call must carry (the agents' is refused).
+    pub tokens: Tokens,
 }
 
 type Reply<T> = Result<Response<T>, Status>;
@@ -52,12 +39,8 @@ impl ControlService {
     }
 
     fn authenticate<T>(&self, req: &Request<T>) -> Result<(), Status> {
-        let Some(token) = &self.token else { return Ok(()) };
-        let given = req.metadata().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(token.as_str()) {
-            return Err(Status::unauthenticated("missing or wrong bearer token; pass --token or set MOTLEY_TOKEN"));
-        }
-        Ok(())
+        let given = req.metadata().get("authorization").and_then(|v| v.to_str().ok()).and_then(crate::service::bearer);
+        self.tokens.check_operator(given).map_err(status_of)
     }
 
     fn node(&self, n: NodeRecord) -> pb::Node {
@@ -206,8 +189,7 @@ impl Control for ControlService {
 
     async fn cancel_job(&self, req: Request<pb::JobRef>) -> Reply<pb::Job> {
         self.admit(&req)?;
-        let j = control::cancel(&self.store, req.into_inner().id, "cancelled by the operator").await.map_err(status_of)?;
-        self.fleet.stop_job(&self.store, j.id, j.generation, "cancelled by the operator").await;
+        let j = control::cancel(&self.store, &self.fleet, req.into_inner().id, "cancelled by the operator").await.map_err(status_of)?;
         Ok(Response::new(job(j)))
     }
 

@@ -28,6 +28,8 @@ pub struct Coordinator {
     pub addr: String,
     pub grpc: String,
     pub token: Option<String>,
+    /// The agents' token (DATA_DIR/agent-token when generated).
+    pub agent_token: Option<String>,
 }
 
 impl Coordinator {
@@ -41,6 +43,7 @@ impl Coordinator {
             .args(["--listen", listen, "--grpc-listen", grpc_listen, "--data-dir", data_dir.to_str().unwrap()])
             .args(extra)
             .env_remove("MOTLEY_TOKEN")
+            .env_remove("MOTLEY_AGENT_TOKEN")
             .env_remove("MOTLEY_DATABASE_URL")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -54,7 +57,8 @@ impl Coordinator {
         let addr = line.trim().rsplit("http://").next().expect("the listening address is printed").to_string();
         let grpc = grpc.trim().rsplit("http://").next().expect("the gRPC address is printed").to_string();
         let token = std::fs::read_to_string(data_dir.join("token")).ok().map(|t| t.trim().to_string());
-        Coordinator { child, addr, grpc, token }
+        let agent_token = std::fs::read_to_string(data_dir.join("agent-token")).ok().map(|t| t.trim().to_string());
+        Coordinator { child, addr, grpc, token, agent_token }
     }
 
     /// One HTTP/1.1 request; returns (status, body).

@@ -100,8 +100,7 @@ pub async fn get(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult
 #[utoipa::path(post, path = "/api/v1/jobs/{id}/cancel", tag = "jobs",
     responses((status = 200, body = JobView), (status = 409, body = super::ErrorBody)))]
 pub async fn cancel(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<JobView> {
-    let job = control::cancel(&s.store, parse_id("id", &id)?, "cancelled by the operator").await?;
-    s.fleet.stop_job(&s.store, job.id, job.generation, "cancelled by the operator").await;
+    let job = control::cancel(&s.store, &s.fleet, parse_id("id", &id)?, "cancelled by the operator").await?;
     Ok(Json(view(job)))
 }
 
@@ -156,7 +155,8 @@ pub async fn logs(
     let base =
         s.fleet.logs_url(&node).ok_or_else(|| CoordinatorError::Unavailable(format!("node {node} has no live agent serving logs")))?;
     let url = format!("{}/logs/{id}/{generation}/{rank}?offset={offset}", base.trim_end_matches('/'));
-    let token = s.token.clone();
+    // The agents' token: the agent's log service must never see the operators'.
+    let token = s.tokens.agent.clone();
     tokio::task::spawn_blocking(move || fetch(&url, token.as_deref(), &node))
         .await
         .map_err(|e| CoordinatorError::Unavailable(format!("log fetch: {e}")))?

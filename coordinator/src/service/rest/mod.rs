@@ -22,9 +22,9 @@ use crate::store::Store;
 #[derive(Clone)]
 pub struct AppState {
     pub store: Store,
-    pub fleet: std::sync::Arc<crate::agents::Fleet>,
-    /// Bearer token the control API requires; None only with `--insecure`.
-    pub token: Option<String>,
+    pub fleet: std::sync::Arc<crate::fleet::Fleet>,
+    /// The operators' token the control API requires (and the agents', for their log service).
+    pub tokens: crate::service::Tokens,
     pub role: std::sync::Arc<crate::leader::Role>,
     pub metrics: Metrics,
 }
@@ -60,7 +60,7 @@ pub(crate) type ApiResult<T> = Result<Json<T>, CoordinatorError>;
 pub fn router(state: AppState) -> Router {
     let api = Router::new()
         .route("/nodes", get(nodes::list))
-        .route("/nodes/{name}", get(nodes::get).put(nodes::declare))
+        .route("/nodes/{name}", get(nodes::get).put(nodes::declare).delete(nodes::remove))
         .route("/nodes/{name}/drain", post(nodes::drain))
         .route("/nodes/{name}/undrain", post(nodes::undrain))
         .route("/jobs", get(jobs::list).post(jobs::submit))
@@ -82,7 +82,40 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(metrics))
         .nest("/api/v1", api)
         .fallback(no_route)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::map_response(errors_as_json))
         .with_state(state)
+}
+
+/// The largest request body (a job file, a node entry): far above any real one.
+pub const MAX_BODY: usize = 2 << 20;
+
+/// Every error answers in the API's JSON shape, also those axum makes itself (a body over
+/// `MAX_BODY` is 413 text/plain there, a malformed header 400 text/plain).
+async fn errors_as_json(res: Response) -> Response {
+    let status = res.status();
+    let json = res.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || json {
+        return res;
+    }
+    let text =
+        axum::body::to_bytes(res.into_body(), 64 << 10).await.map(|b| String::from_utf8_lossy(&b).trim().to_string()).unwrap_or_default();
+    let error = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => {
+            CoordinatorError::TooLarge(format!("the request body is over {MAX_BODY} bytes; send a smaller file")).to_string()
+        }
+        _ if text.is_empty() => status.canonical_reason().unwrap_or("error").to_string(),
+        _ => text,
+    };
+    let grpc_code = match status {
+        StatusCode::PAYLOAD_TOO_LARGE | StatusCode::URI_TOO_LONG | StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => 8,
+        StatusCode::UNAUTHORIZED => 16,
+        StatusCode::FORBIDDEN => 7,
+        StatusCode::NOT_FOUND => 5,
+        s if s.is_server_error() => 13,
+        _ => 3,
+    };
+    (status, Json(ErrorBody { error, grpc_code, leader: None, leader_grpc: None })).into_response()
 }
 
 /// An unknown path answers in the API's JSON error shape, naming what was asked.
@@ -107,21 +140,13 @@ async fn require_leader(State(s): State<AppState>, req: Request, next: Next) -> 
     next.run(req).await
 }
 
-/// `Authorization: Bearer TOKEN` on every control call (never logged).
+/// `Authorization: Bearer TOKEN` (the operators') on every control call (never logged).
 async fn require_token(State(s): State<AppState>, req: Request, next: Next) -> Response {
-    if let Some(token) = &s.token {
-        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(token.as_str()) {
-            let body = ErrorBody {
-                error: "missing or wrong bearer token; pass --token or set MOTLEY_TOKEN".into(),
-                grpc_code: 16,
-                leader: None,
-                leader_grpc: None,
-            };
-            return (StatusCode::UNAUTHORIZED, Json(body)).into_response();
-        }
+    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(crate::service::bearer);
+    match s.tokens.check_operator(given) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
     }
-    next.run(req).await
 }
 
 /// Ready to serve: leading, with the database answering (a load balancer sends traffic here).

@@ -65,6 +65,13 @@ pub async fn declare(State(s): State<AppState>, Path(name): Path<String>, body: 
     Ok(Json(Declared { name, agent_epoch }))
 }
 
+/// Remove a node that has no ranks and no live agent; answers the node as it was.
+#[utoipa::path(delete, path = "/api/v1/nodes/{name}", tag = "nodes",
+    responses((status = 200, body = NodeView), (status = 404, body = super::ErrorBody), (status = 409, body = super::ErrorBody)))]
+pub async fn remove(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<NodeView> {
+    Ok(Json(view(control::remove_node(&s.store, &s.fleet, &name).await?, &s)))
+}
+
 #[utoipa::path(post, path = "/api/v1/nodes/{name}/drain", tag = "nodes",
     responses((status = 200, body = NodeView), (status = 404, body = super::ErrorBody)))]
 pub async fn drain(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<NodeView> {

@@ -1,0 +1,219 @@
+//! The agents' gRPC service (`motley.v1.Agent`): translates registrations and heartbeat streams
+//! into calls on the fleet (leases, outboxes), the store (rank reports) and the job life cycle,
+//! and their errors into statuses.
+//!
+//! One heartbeat stream is one agent session. Its reader never waits on the database: it
+//! renews the lease on receipt and acknowledges a bare heartbeat at once; messages with rank
+//! reports (and a session's first message) go to the session's worker, which commits them in
+//! order, moves the jobs on, and acknowledges each once committed. A slow commit delays acks,
+//! never the lease.
+
+use std::sync::Arc;
+
+use motley_proto::v1::agent_server::Agent;
+use motley_proto::v1::{instruction, Ack, AgentStatus, Drain, Instruction, RegisterReply, RegisterRequest, Stop};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::control;
+use crate::error::CoordinatorError;
+use crate::fleet::{Fleet, Outbound, Refused};
+use crate::lifecycle;
+use crate::service::{status_of, Tokens};
+use crate::store::{NodeState, RankReport, Store};
+
+pub struct AgentService {
+    pub store: Store,
+    pub fleet: Arc<Fleet>,
+    pub tokens: Tokens,
+    /// Only the leader takes agents; a standby names the leader.
+    pub role: Arc<crate::leader::Role>,
+}
+
+#[tonic::async_trait]
+impl Agent for AgentService {
+    async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
+        let r = req.into_inner();
+        self.tokens.check_agent(Some(&r.token)).map_err(status_of)?;
+        if !self.role.is_leader() {
+            return Err(status_of(self.role.not_leader()));
+        }
+        if let Some(address) = self.fleet.held_by_live_agent(&r.node) {
+            return Err(Status::already_exists(format!(
+                "node {} is held by another live agent (at {address}); stop that agent, or start this one with another --node",
+                r.node
+            )));
+        }
+        let epoch = control::declare_node(&self.store, &r.node, &r.inventory_json).await.map_err(status_of)?;
+        let address = if r.address.is_empty() { "127.0.0.1".to_string() } else { r.address };
+        self.fleet.register(&r.node, epoch, address, r.logs_url);
+        Ok(Response::new(RegisterReply { epoch, heartbeat_ms: self.fleet.base.as_millis() as u64 }))
+    }
+
+    type HeartbeatStream = ReceiverStream<Result<Instruction, Status>>;
+
+    async fn heartbeat(&self, req: Request<Streaming<AgentStatus>>) -> Result<Response<Self::HeartbeatStream>, Status> {
+        let token = req.metadata().get("authorization").and_then(|v| v.to_str().ok()).and_then(crate::service::bearer);
+        self.tokens.check_agent(token).map_err(status_of)?;
+        let inbound = req.into_inner();
+        let (outbox, out) = mpsc::unbounded_channel::<Outbound>();
+        let (to_worker, work) = mpsc::unbounded_channel::<AgentStatus>();
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(forward(out, tx));
+        tokio::spawn(read(inbound, self.fleet.clone(), outbox.clone(), to_worker));
+        tokio::spawn(work_on(work, self.store.clone(), self.fleet.clone(), outbox));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// The outbox down the response stream; a refusal ends it.
+async fn forward(mut out: mpsc::UnboundedReceiver<Outbound>, tx: mpsc::Sender<Result<Instruction, Status>>) {
+    while let Some(o) = out.recv().await {
+        match o {
+            Outbound::Instruction(i) => {
+                if tx.send(Ok(i)).await.is_err() {
+                    return;
+                }
+            }
+            Outbound::Refuse(e) => {
+                let _ = tx.send(Err(refusal(e))).await;
+                return;
+            }
+        }
+    }
+}
+
+fn refusal(e: CoordinatorError) -> Status {
+    match e {
+        CoordinatorError::StaleAgent { .. } => Status::aborted(format!("this agent session is stale ({e}); register again")),
+        e => status_of(e),
+    }
+}
+
+fn ack(seq: u64) -> Outbound {
+    Outbound::Instruction(Instruction { kind: Some(instruction::Kind::Ack(Ack { seq })) })
+}
+
+/// The session's reader: one node and one epoch (those of its first message); leases renewed on
+/// receipt; reports handed to the worker.
+async fn read(
+    mut inbound: Streaming<AgentStatus>,
+    fleet: Arc<Fleet>,
+    outbox: mpsc::UnboundedSender<Outbound>,
+    to_worker: mpsc::UnboundedSender<AgentStatus>,
+) {
+    let mut session: Option<(String, i64)> = None;
+    while let Ok(Some(status)) = inbound.message().await {
+        if session.as_ref().is_some_and(|(n, e)| *n != status.node || *e != status.epoch) {
+            let _ =
+                outbox.send(Outbound::Refuse(CoordinatorError::invalid("heartbeat", "a heartbeat stream carries one node and one epoch")));
+            break;
+        }
+        // Interval heartbeats (they carry the load), not the rank reports an agent sends between them.
+        let interval = status.load.is_some() || status.ranks.is_empty();
+        match fleet.renew(&status.node, status.epoch, &outbox, status.load.clone().map(Into::into), interval) {
+            Ok(()) => {}
+            Err(Refused::Stale { current }) => {
+                let e = CoordinatorError::StaleAgent { node: status.node.clone(), given: status.epoch, current };
+                let _ = outbox.send(Outbound::Refuse(e));
+                break;
+            }
+            Err(Refused::NoLease) => {
+                let e = CoordinatorError::Conflict("the lease expired (or the coordinator restarted); register again".into());
+                let _ = outbox.send(Outbound::Refuse(e));
+                break;
+            }
+        }
+        let first = session.is_none();
+        session.get_or_insert_with(|| (status.node.clone(), status.epoch));
+        if first || status.full || !status.ranks.is_empty() {
+            if to_worker.send(status).is_err() {
+                break; // the worker refused the session
+            }
+        } else if status.seq > 0 {
+            let _ = outbox.send(ack(status.seq));
+        }
+    }
+    if let Some((node, epoch)) = session {
+        fleet.closed(&node, epoch);
+    }
+}
+
+/// The session's worker: the durable session check and the node's drain state on the first
+/// message, then each message's reports committed in order and acknowledged.
+async fn work_on(mut work: mpsc::UnboundedReceiver<AgentStatus>, store: Store, fleet: Arc<Fleet>, outbox: mpsc::UnboundedSender<Outbound>) {
+    let mut checked = false;
+    while let Some(status) = work.recv().await {
+        if !checked {
+            // The durable check too: an agent session older than the node's latest one.
+            if let Err(e) = store.check_agent(&status.node, status.epoch).await {
+                let _ = outbox.send(Outbound::Refuse(e));
+                return;
+            }
+            checked = true;
+            // A new session learns the node's drain state (it may have changed while the agent was away).
+            if store.node(&status.node).await.is_ok_and(|n| n.state == NodeState::Draining) {
+                let _ = outbox.send(Outbound::Instruction(Instruction { kind: Some(instruction::Kind::Drain(Drain { draining: true })) }));
+            }
+        }
+        if let Err(e) = apply(&store, &fleet, &outbox, &status).await {
+            tracing::warn!(node = %status.node, "rank report: {e}");
+            // Close the stream: the agent reconnects and reports everything again.
+            let _ = outbox.send(Outbound::Refuse(e));
+            return;
+        }
+        if status.seq > 0 {
+            let _ = outbox.send(ack(status.seq));
+        }
+    }
+}
+
+/// One message's reports (and, for a session's full list, the ranks it no longer has).
+async fn apply(
+    store: &Store,
+    fleet: &Fleet,
+    outbox: &mpsc::UnboundedSender<Outbound>,
+    status: &AgentStatus,
+) -> Result<(), CoordinatorError> {
+    let agent = Some((status.node.as_str(), status.epoch));
+    let reports: Vec<RankReport> = status
+        .ranks
+        .iter()
+        .map(|r| RankReport { job: r.job, generation: r.generation, rank: r.rank, state: r.state.clone(), exit_code: r.exit_code })
+        .collect();
+    let stop = |job: i64, generation: i64, reason: &str| {
+        let stop = Stop { job, generation, reason: reason.into() };
+        let _ = outbox.send(Outbound::Instruction(Instruction { kind: Some(instruction::Kind::Stop(stop)) }));
+    };
+    let mut jobs = vec![];
+    if !reports.is_empty() {
+        let done = store.report_ranks_from(agent, reports).await?;
+        for j in &done.jobs {
+            // Ranks still running for a job that is over (failed or cancelled while their agent
+            // was away): stop them, or they hold the GPUs.
+            let running = status.ranks.iter().any(|r| r.job == *j && r.state == "running");
+            if running && store.job(*j).await.is_ok_and(|job| job.state.is_terminal()) {
+                stop(*j, i64::MAX, "the job is over");
+            }
+        }
+        // Ranks of a superseded launch: stop that launch's ranks on this node.
+        for (job, given, _) in done.stale {
+            stop(job, given, "a newer generation of the job was launched");
+        }
+        jobs = done.jobs;
+    }
+    if status.full {
+        let known: Vec<(i64, i64, i64)> = status.ranks.iter().map(|r| (r.job, r.generation, r.rank)).collect();
+        jobs.extend(store.lose_unknown_ranks(&status.node, status.epoch, &known).await?);
+    }
+    jobs.sort_unstable();
+    jobs.dedup();
+    for j in jobs {
+        if let Err(e) = lifecycle::progress(store, fleet, j).await {
+            // The job queue looks at every launched job again on its next pass.
+            tracing::warn!(job = j, "progress: {e}");
+        }
+    }
+    Ok(())
+}

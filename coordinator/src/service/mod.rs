@@ -1,0 +1,107 @@
+//! The edges: REST (`rest`), the gRPC control service (`control`) and the agents' gRPC service
+//! (`agent`). Each translates requests and streams into calls of the domain rooms (`control`
+//! operations, `fleet`, `lifecycle`, `store`) and their errors into status codes; none holds
+//! domain logic. The credentials they check are here.
+
+pub mod agent;
+pub mod control;
+pub mod rest;
+
+use tonic::Status;
+
+use crate::error::CoordinatorError;
+
+/// A `CoordinatorError` as a gRPC status; a standby's refusal carries the leader's URLs.
+pub fn status_of(e: CoordinatorError) -> Status {
+    let mut status = Status::new(tonic::Code::from(e.grpc_code()), e.to_string());
+    if let CoordinatorError::NotLeader { rest_url, grpc_url } = &e {
+        for (key, url) in [("motley-leader", rest_url), ("motley-leader-grpc", grpc_url)] {
+            if let Ok(v) = url.parse() {
+                status.metadata_mut().insert(key, v);
+            }
+        }
+    }
+    status
+}
+
+/// The credential of an `Authorization` header value: `Bearer TOKEN`, the scheme in any case
+/// (RFC 9110 makes auth schemes case-insensitive).
+pub fn bearer(header: &str) -> Option<&str> {
+    let (scheme, token) = header.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+/// Equal in time that depends on the lengths only, not on where the first difference is (a
+/// token compared byte by byte with an early exit leaks its prefix to a patient caller).
+pub fn same_secret(given: &str, expected: &str) -> bool {
+    let (a, b) = (given.as_bytes(), expected.as_bytes());
+    let mut diff = a.len() ^ b.len();
+    for i in 0..a.len().max(b.len()) {
+        diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0));
+    }
+    diff == 0
+}
+
+/// The two credentials: operators' (the control API) and agents' (the agent service and the
+/// agents' log service). Either is None only with `--insecure`.
+#[derive(Clone, Default)]
+pub struct Tokens {
+    pub operator: Option<String>,
+    pub agent: Option<String>,
+}
+
+impl Tokens {
+    /// A control API call: the operators' token. The agents' token is recognised and refused
+    /// (403): a GPU node's credential must never open the control API.
+    pub fn check_operator(&self, given: Option<&str>) -> Result<(), CoordinatorError> {
+        let Some(expected) = &self.operator else { return Ok(()) };
+        match given {
+            Some(g) if same_secret(g, expected) => Ok(()),
+            Some(g) if self.agent.as_deref().is_some_and(|a| same_secret(g, a)) => Err(CoordinatorError::PermissionDenied(
+                "this is the agents' token; the control API takes the operators' token (--token, MOTLEY_TOKEN)".into(),
+            )),
+            _ => Err(CoordinatorError::Unauthenticated("missing or wrong bearer token; pass --token or set MOTLEY_TOKEN".into())),
+        }
+    }
+
+    /// An agent service call: the agents' token.
+    pub fn check_agent(&self, given: Option<&str>) -> Result<(), CoordinatorError> {
+        let Some(expected) = &self.agent else { return Ok(()) };
+        match given {
+            Some(g) if same_secret(g, expected) => Ok(()),
+            _ => Err(CoordinatorError::Unauthenticated(
+                "wrong or missing agent token; pass the coordinator's agent token (its --agent-token, or DATA_DIR/agent-token) as the agent's --token or MOTLEY_TOKEN"
+                    .into(),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bearer abc"), Some("abc"));
+        assert_eq!(bearer("BEARER abc"), Some("abc"));
+        assert_eq!(bearer("Basic abc"), None);
+        assert_eq!(bearer("Bearerabc"), None);
+    }
+
+    #[test]
+    fn secrets_compare_whole() {
+        assert!(same_secret("abc", "abc"));
+        assert!(!same_secret("abd", "abc") && !same_secret("ab", "abc") && !same_secret("abcd", "abc") && !same_secret("", "abc"));
+    }
+
+    #[test]
+    fn each_token_opens_its_own_door_only() {
+        let t = Tokens { operator: Some("op".into()), agent: Some("ag".into()) };
+        assert!(t.check_operator(Some("op")).is_ok() && t.check_agent(Some("ag")).is_ok());
+        assert!(matches!(t.check_operator(Some("ag")), Err(CoordinatorError::PermissionDenied(_))));
+        assert!(matches!(t.check_operator(None), Err(CoordinatorError::Unauthenticated(_))));
+        assert!(matches!(t.check_agent(Some("op")), Err(CoordinatorError::Unauthenticated(_))));
+    }
+}
