@@ -46,10 +46,15 @@ pub async fn submit(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> R
 /// Plan a job file without storing anything, on the declared inventory (active nodes, live or
 /// not: operators plan before the agents are up).
 #[tracing::instrument(skip_all)]
-pub async fn dry_run(store: &Store, text: &str) -> Result<(PlanReport, Vec<RankAssignment>)> {
+pub async fn dry_run(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> Result<(PlanReport, Vec<RankAssignment>)> {
     let spec = JobSpec::parse(text)?;
     let offer = offer(store, &spec, None).await?;
-    solve(&spec, offer).await
+    solve(&spec, offer, deadline(fleet, &spec)).await
+}
+
+/// How long planning the job may take: its `plan_timeout_s`, or the coordinator's.
+fn deadline(fleet: &crate::fleet::Fleet, spec: &JobSpec) -> std::time::Duration {
+    spec.plan_timeout_s.map_or(fleet.plan_deadline, |s| std::time::Duration::from_secs(u64::from(s)))
 }
 
 /// The job with the plan and ranks of its current launch.
@@ -132,18 +137,7 @@ pub async fn plan_job(store: &Store, fleet: &crate::fleet::Fleet, id: i64, taken
         )));
     }
     let (partial, free, held_by) = (offer.free < offer.capacity, offer.free, holders());
-    let deadline = spec.plan_timeout_s.map_or(fleet.plan_deadline, |s| std::time::Duration::from_secs(u64::from(s)));
-    let planned = match tokio::time::timeout(deadline, solve(&spec, offer)).await {
-        Ok(p) => p,
-        Err(_) => {
-            let e = CoordinatorError::Conflict(format!(
-                "planning took longer than {} ms; give the job fewer GPUs or nodes (resources), or more time (plan_timeout_s in the job file, --plan-timeout-ms on the coordinator)",
-                deadline.as_millis()
-            ));
-            return fail_planning(store, &job, e).await;
-        }
-    };
-    match planned {
+    match solve(&spec, offer, deadline(fleet, &spec)).await {
         Ok((report, ranks)) => {
             // A job found in `planning` was left there by a coordinator that stopped.
             if job.state != JobState::Planning {
@@ -155,7 +149,9 @@ pub async fn plan_job(store: &Store, fleet: &crate::fleet::Fleet, id: i64, taken
         }
         // Other jobs hold some of its GPUs: what is free may not fit it (too few per node for
         // its layers, say), but all of them might once those jobs end.
-        Err(e) if partial => {
+        // A plan out of time fails whatever is free: waiting would spend the deadline again on
+        // every pass.
+        Err(e) if partial && !matches!(e, CoordinatorError::DeadlineExceeded(_)) => {
             Ok(Planned::Waiting(format!("waiting for more GPUs: the {free} free do not fit it ({e}); job(s) {held_by} hold the rest")))
         }
         Err(e) => fail_planning(store, &job, e).await,
@@ -250,15 +246,17 @@ async fn offer(store: &Store, spec: &JobSpec, live: Option<(&crate::fleet::Fleet
     Ok(Offer { nodes, real, wanted, capacity, free, holders })
 }
 
-/// The solver on an offer; the plan and ranks name the real GPU indices.
-async fn solve(spec: &JobSpec, offer: Offer) -> Result<(PlanReport, Vec<RankAssignment>)> {
+/// The solver on an offer, within `deadline`; the plan and ranks name the real GPU indices. A
+/// plan that takes longer is refused (the solver's thread runs on to its end, but nothing
+/// waits for it: the job queue and the request move on).
+async fn solve(spec: &JobSpec, offer: Offer, deadline: std::time::Duration) -> Result<(PlanReport, Vec<RankAssignment>)> {
     let Offer { nodes, real, .. } = offer;
     let cluster = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: vec![] })
         .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
     let model = spec.model()?;
     let opts = PlanOptions { global_batch: spec.global_batch, ..PlanOptions::default() };
     // The solver is pure CPU work: keep it off the async workers.
-    let mut report = tokio::task::spawn_blocking(move || {
+    let planner = tokio::task::spawn_blocking(move || {
         let profiles = ProfileSet::default();
         let req = PlanRequest {
             cluster: &cluster,
@@ -270,10 +268,15 @@ async fn solve(spec: &JobSpec, offer: Offer) -> Result<(PlanReport, Vec<RankAssi
             seeds: vec![],
         };
         motley_solver::plan(&req)
-    })
-    .await
-    .map_err(|e| CoordinatorError::Conflict(format!("planner: {e}")))?
-    .map_err(|e| CoordinatorError::Conflict(e.to_string()))?;
+    });
+    let planned = tokio::time::timeout(deadline, planner).await.map_err(|_| {
+        CoordinatorError::DeadlineExceeded(format!(
+            "planning took longer than {} ms; give the job fewer GPUs or nodes (resources), or more time (plan_timeout_s in the job file, --plan-timeout-ms on the coordinator)",
+            deadline.as_millis()
+        ))
+    })?;
+    let mut report =
+        planned.map_err(|e| CoordinatorError::Conflict(format!("planner: {e}")))?.map_err(|e| CoordinatorError::Conflict(e.to_string()))?;
     let renumber = |g: &mut GpuId| {
         if let Some(i) = real.get(&g.node).and_then(|r| r.get(g.index as usize)) {
             g.index = *i;

@@ -35,6 +35,9 @@ pub enum CoordinatorError {
     /// A request bigger than the API takes (a body, a URI).
     #[error("{0}")]
     TooLarge(String),
+    /// Work that has a deadline (planning) did not finish within it.
+    #[error("{0}")]
+    DeadlineExceeded(String),
     /// The database failed or is unreachable.
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
@@ -62,6 +65,7 @@ impl CoordinatorError {
             CoordinatorError::Unauthenticated(_) => 16, // UNAUTHENTICATED
             CoordinatorError::PermissionDenied(_) => 7, // PERMISSION_DENIED
             CoordinatorError::TooLarge(_) => 8,         // RESOURCE_EXHAUSTED
+            CoordinatorError::DeadlineExceeded(_) => 4, // DEADLINE_EXCEEDED
             CoordinatorError::Database(_)
             | CoordinatorError::Migration(_)
             | CoordinatorError::NotLeader { .. }
@@ -78,6 +82,7 @@ impl CoordinatorError {
             CoordinatorError::Unauthenticated(_) => 401,
             CoordinatorError::PermissionDenied(_) => 403,
             CoordinatorError::TooLarge(_) => 413,
+            CoordinatorError::DeadlineExceeded(_) => 504,
             CoordinatorError::Database(_)
             | CoordinatorError::Migration(_)
             | CoordinatorError::NotLeader { .. }

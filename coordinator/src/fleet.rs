@@ -72,6 +72,8 @@ pub struct Fleet {
     leases: Mutex<HashMap<String, Lease>>,
     /// When `expire` last looked (the continuity of this process).
     last_look: Mutex<Option<Instant>>,
+    /// When `expire` last found this process had not been running (monotonic, and wall ms).
+    last_pause: Mutex<Option<(Instant, i64)>>,
     heartbeats: AtomicU64,
     launches: AtomicU64,
     /// Something the job queue waits on changed (a submit, a job's end).
@@ -93,6 +95,7 @@ impl Fleet {
             master_port_base,
             leases: Mutex::new(HashMap::new()),
             last_look: Mutex::new(None),
+            last_pause: Mutex::new(None),
             heartbeats: AtomicU64::new(0),
             launches: AtomicU64::new(0),
             queue: tokio::sync::Notify::new(),
@@ -126,6 +129,11 @@ impl Fleet {
     /// Whether the launch was sent by this leader.
     pub fn was_sent(&self, job: i64, generation: i64) -> bool {
         self.sent.lock().expect("sent lock").contains(&(job, generation))
+    }
+
+    /// Send every launching launch again on the next look (a session changed under it).
+    pub fn resend_launches(&self) {
+        self.sent.lock().expect("sent lock").clear();
     }
 
     /// Forget the launches that are no longer launching.
@@ -227,6 +235,7 @@ impl Fleet {
             for l in leases.values_mut() {
                 l.last_seen = now;
             }
+            *self.last_pause.lock().expect("pause lock") = Some((now, crate::store::now_ms()));
             return vec![];
         }
         let dead: Vec<String> = leases.iter().filter(|(_, l)| now - l.last_seen > self.lease_length()).map(|(n, _)| n.clone()).collect();
@@ -234,6 +243,12 @@ impl Fleet {
             leases.remove(n);
         }
         dead
+    }
+
+    /// When this process last found it had been paused (wall ms), if that was within `within`:
+    /// agents are finding their way back, so their absence is no reason to fail a job yet.
+    pub fn paused_within(&self, within: Duration) -> Option<i64> {
+        self.last_pause.lock().expect("pause lock").filter(|(at, _)| at.elapsed() < within).map(|(_, ms)| ms)
     }
 
     /// Agents holding a lease now.

@@ -11,6 +11,7 @@
 //! envs: {DATA: /data/c4}
 //! max_restarts: 0             # relaunches after a rank fails (0 until recovery lands)
 //! max_preemptions: 0          # relaunches after a node is lost (0 until recovery lands)
+//! user: alice                 # the ranks run as this user where the agent runs as root (optional)
 //! ```
 //!
 //! Limits (a rank gets `run` as one argument and each env value as one string, and Linux
@@ -59,6 +60,11 @@ pub struct JobSpec {
     /// How long planning this job may take (default: the coordinator's `--plan-timeout-ms`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan_timeout_s: Option<u32>,
+    /// The user the ranks run as (a POSIX user name on every node). An agent running as root
+    /// refuses a job without one unless its operator allows root ranks; an agent running as
+    /// another user refuses any other name (it cannot switch users).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 /// See the module's doc: the limits a job file is held to.
@@ -68,6 +74,27 @@ pub const MAX_ENV_VALUE_BYTES: usize = 32 * 1024;
 pub const MAX_ENVS_BYTES: usize = 256 * 1024;
 pub const MAX_ENVS: usize = 256;
 pub const MAX_NODES: usize = 16_384;
+/// The longest user name accepted (what useradd takes by default).
+pub const MAX_USER: usize = 32;
+
+/// A POSIX-ish user name, as useradd takes it: `[a-z_][a-z0-9_-]*[$]?`, at most 32
+/// characters. Anything else could never name a user on the nodes (and `-x` would read as
+/// an option to the tools an operator checks it with).
+fn user_name(name: &str) -> std::result::Result<(), String> {
+    let body = name.strip_suffix('$').unwrap_or(name);
+    let mut chars = body.chars();
+    let first = chars.next().is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    if !first || !chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-') {
+        return Err(format!(
+            "'{}' is not a user name; use lower-case letters, digits, '_' and '-', starting with a letter or '_' (e.g. alice)",
+            name.escape_default()
+        ));
+    }
+    if name.len() > MAX_USER {
+        return Err(format!("is {} characters; a user name has at most {MAX_USER}", name.len()));
+    }
+    Ok(())
+}
 
 /// Variables the agent sets for every rank; a job may not override them.
 const RESERVED: [&str; 7] = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"];
@@ -147,6 +174,9 @@ impl JobSpec {
         }
         if self.run.trim().is_empty() {
             return Err(CoordinatorError::invalid("run", "the command each rank runs must not be empty"));
+        }
+        if let Some(user) = &self.user {
+            user_name(user).map_err(|e| CoordinatorError::invalid("user", e))?;
         }
         if self.plan_timeout_s == Some(0) || self.plan_timeout_s.is_some_and(|s| s > 3600) {
             return Err(CoordinatorError::invalid("plan_timeout_s", "must be between 1 and 3600 seconds"));
@@ -229,5 +259,21 @@ mod tests {
         assert!(err(&GOOD.replace("DATA", "1BAD")).starts_with("envs.1BAD: is not a valid"));
         assert!(err(&format!("{GOOD}colour: red\n")).contains("unknown field `colour`"));
         assert!(err(&GOOD.replace("python train.py", "\"  \"")).starts_with("run:"));
+    }
+
+    #[test]
+    fn the_user_is_a_posix_user_name() {
+        let with = |u: &str| JobSpec::parse(&format!("{GOOD}user: \"{u}\"\n"));
+        for good in ["alice", "_svc", "a-b_9", "machine$", &"a".repeat(MAX_USER)] {
+            assert_eq!(with(good).unwrap().user.as_deref(), Some(good));
+        }
+        assert_eq!(JobSpec::parse(GOOD).unwrap().user, None, "no user: none");
+        for bad in ["", "Alice", "9lives", "-rf", "a b", "a$b", "root\\n", "é", &"a".repeat(MAX_USER + 1)] {
+            let e = with(bad).unwrap_err().to_string();
+            assert!(e.starts_with("user:"), "{bad:?}: {e}");
+        }
+        // Stored specs without the field read back, and a spec without a user stores none.
+        let j = JobSpec::parse(GOOD).unwrap();
+        assert!(!serde_json::to_string(&j).unwrap().contains("user"));
     }
 }

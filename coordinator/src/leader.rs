@@ -82,7 +82,7 @@ impl LeaderLock for FileLock {
 pub const STALE_LEADER_INTERVALS: u32 = 5;
 
 /// A PostgreSQL session advisory lock on a dedicated connection. The holder also renews
-/// `leader.renewed_at_ms` (the database's clock) every base interval; a standby that finds it
+/// `leader_renewal.renewed_at_ms` (the database's clock) every base interval; a standby that finds it
 /// older than `STALE_LEADER_INTERVALS` intervals ends the holder's session (a frozen leader's
 /// session lives on, and with it the lock) and takes the lock.
 pub struct PgAdvisoryLock {
@@ -102,23 +102,30 @@ impl PgAdvisoryLock {
 const DB_NOW_MS: &str = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)";
 
 async fn renew(conn: &mut sqlx::AnyConnection) -> Result<()> {
-    sqlx::query(sqlx::AssertSqlSafe(format!("UPDATE leader SET renewed_at_ms = {DB_NOW_MS} WHERE id = 1"))).execute(&mut *conn).await?;
+    // A row of its own: job moves lock the `leader` row (the term fence), and a renewal must
+    // never wait behind them.
+    sqlx::query(sqlx::AssertSqlSafe(format!("UPDATE leader_renewal SET renewed_at_ms = {DB_NOW_MS} WHERE id = 1")))
+        .execute(&mut *conn)
+        .await?;
     Ok(())
 }
 
 /// If the lock's holder stopped renewing, end its session (which frees the lock); true if so.
 async fn end_stale_holder(conn: &mut sqlx::AnyConnection, stale: Duration) -> Result<bool> {
-    let row = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT renewed_at_ms, {DB_NOW_MS} - renewed_at_ms FROM leader WHERE id = 1")))
-        .fetch_one(&mut *conn)
-        .await?;
+    let row =
+        sqlx::query(sqlx::AssertSqlSafe(format!("SELECT renewed_at_ms, {DB_NOW_MS} - renewed_at_ms FROM leader_renewal WHERE id = 1")))
+            .fetch_one(&mut *conn)
+            .await?;
     let (renewed, age): (i64, i64) = (row.try_get(0)?, row.try_get(1)?);
     if renewed == 0 || age <= stale.as_millis() as i64 {
         return Ok(false);
     }
-    // A bigint advisory key is (classid, objid) = (high, low) 32 bits, objsubid 1.
+    // A bigint advisory key is (classid, objid) = (high, low) 32 bits, objsubid 1; advisory
+    // locks are per database, and pg_locks shows the whole server's.
     let holder = sqlx::query(
         "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 \
-         AND CAST(classid AS BIGINT) = $1 AND CAST(objid AS BIGINT) = $2",
+         AND CAST(classid AS BIGINT) = $1 AND CAST(objid AS BIGINT) = $2 \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
     )
     .bind(PG_LOCK_KEY >> 32)
     .bind(PG_LOCK_KEY & 0xffff_ffff)
@@ -292,7 +299,13 @@ impl<F: FnOnce(i64) + Send> Contender<F> {
         };
         match attempt {
             Ok(true) => {
-                let term = self.store.claim_leadership(&self.me.rest_url, &self.me.grpc_url).await?;
+                // Bounded: the old leader's row lock (a move it froze in) holds the claim until
+                // the database ends that session; past the bound, this process exits and
+                // contends again.
+                let claim = self.store.claim_leadership(&self.me.rest_url, &self.me.grpc_url);
+                let term = tokio::time::timeout(self.base * STALE_LEADER_INTERVALS * 4, claim)
+                    .await
+                    .map_err(|_| CoordinatorError::Unavailable("claiming leadership: the leader row stayed locked".into()))??;
                 self.store.fence(term);
                 *self.role.known.write().expect("leader lock") = LeaderInfo { term, ..self.me.clone() };
                 self.role.leading.store(true, Ordering::SeqCst);

@@ -137,6 +137,7 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
             master_port,
             world_size: world,
             ranks: list,
+            user: spec.user.clone().unwrap_or_default(),
         };
         if !fleet.send_launch(&node, launch) {
             let reason = format!("node {node} has no live agent to launch on");
@@ -213,25 +214,45 @@ async fn fail_stuck_launches(store: &Store, fleet: &Fleet, seen: &mut HashMap<(i
     }
 }
 
-/// Every base interval: expire leases older than `LEASE_INTERVALS` intervals (judged by this
-/// process's own continuity, `Fleet::expire`), and fail the live jobs that have ranks on those
-/// nodes, with the reason; send launches not sent yet once their nodes are live; fail launches
-/// stuck for `LAUNCH_INTERVALS`; and look at every launched job's ranks again (a report whose
-/// move failed, on a database error say, is not lost: the job moves on this pass).
-pub async fn watch(store: Store, fleet: Arc<Fleet>) {
+/// The lease clock: every base interval, expire leases older than `LEASE_INTERVALS` intervals
+/// (judged by this process's own continuity, `Fleet::expire`) and hand the lost nodes to
+/// `watch`. No database work here: a slow database must neither delay an expiry nor look like
+/// a pause of the coordinator.
+pub async fn lease_clock(fleet: Arc<Fleet>, lost: tokio::sync::mpsc::UnboundedSender<String>) {
+    let mut tick = tokio::time::interval(fleet.base);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        for node in fleet.expire() {
+            if lost.send(node).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Fail the launched jobs of the nodes `lease_clock` finds lost, with the reason; and every
+/// base interval send launches not sent yet once their nodes are live, fail launches stuck for
+/// `LAUNCH_INTERVALS`, and look at every launched job's ranks again (a report whose move
+/// failed, on a database error say, is not lost: the job moves on this pass).
+pub async fn watch(store: Store, fleet: Arc<Fleet>, mut lost: tokio::sync::mpsc::UnboundedReceiver<String>) {
     let mut tick = tokio::time::interval(fleet.base);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // When this leader first saw each (job, generation) launching: a takeover starts the clock
     // afresh rather than trusting another process's timestamps.
     let mut launching: HashMap<(i64, i64), Instant> = HashMap::new();
     loop {
-        tick.tick().await;
-        for node in fleet.expire() {
-            node_lost(&store, &fleet, &node).await;
-        }
-        fail_stuck_launches(&store, &fleet, &mut launching).await;
-        if let Err(e) = recheck(&store, &fleet).await {
-            tracing::warn!("launched jobs: {e}");
+        tokio::select! {
+            node = lost.recv() => match node {
+                Some(node) => node_lost(&store, &fleet, &node).await,
+                None => return,
+            },
+            _ = tick.tick() => {
+                fail_stuck_launches(&store, &fleet, &mut launching).await;
+                if let Err(e) = recheck(&store, &fleet).await {
+                    tracing::warn!("launched jobs: {e}");
+                }
+            }
         }
     }
 }

@@ -129,7 +129,12 @@ async fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.data_dir).with_context(|| format!("--data-dir: cannot create {}", args.data_dir.display()))?;
     private(&args.data_dir)?;
     let url = args.database_url.clone().unwrap_or_else(|| format!("sqlite://{}", args.data_dir.join("coordinator.db").display()));
-    let store = Store::open(&url).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    anyhow::ensure!((10..=3_600_000).contains(&args.heartbeat_ms), "--heartbeat-ms: must be between 10 and 3600000 (one hour)");
+    let base = std::time::Duration::from_millis(args.heartbeat_ms);
+    // Longer than a standby waits for a stale leader, never so short a loaded machine's
+    // transactions are cut.
+    let idle_in_transaction = (base * leader::STALE_LEADER_INTERVALS).max(std::time::Duration::from_secs(5));
+    let store = Store::open_bounded(&url, idle_in_transaction).await.map_err(|e| anyhow::anyhow!("{e}"))?;
     let tokens = Tokens {
         operator: token(&args, args.token.as_ref(), "--token", "token")?,
         agent: token(&args, args.agent_token.as_ref(), "--agent-token", "agent-token")?,
@@ -139,7 +144,6 @@ async fn main() -> anyhow::Result<()> {
         "--agent-token: must differ from --token (a GPU node's credential must not open the control API)"
     );
     anyhow::ensure!((1..=3_600_000).contains(&args.plan_timeout_ms), "--plan-timeout-ms: must be between 1 and 3600000 (one hour)");
-    anyhow::ensure!((10..=3_600_000).contains(&args.heartbeat_ms), "--heartbeat-ms: must be between 10 and 3600000 (one hour)");
     let tls = TlsFiles::from_flags(args.tls_cert.clone(), args.tls_key.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
     // Read and checked before anything listens: a bad certificate is a start-up error.
     let rest_tls = tls.as_ref().map(TlsFiles::server_config).transpose().map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -151,7 +155,6 @@ async fn main() -> anyhow::Result<()> {
         None => None,
     };
     let scheme = if tls.is_some() { "https" } else { "http" };
-    let base = std::time::Duration::from_millis(args.heartbeat_ms);
     anyhow::ensure!(
         u32::from(args.master_port_base) >= 1024 && u32::from(args.master_port_base) + 1024 <= 65536,
         "--master-port-base: must be between 1024 and 64512 (1,024 ports from it are used)"
@@ -182,8 +185,10 @@ async fn main() -> anyhow::Result<()> {
             role: role.clone(),
             me,
             on_lead: Some(move |_term| {
+                let (lost, lost_nodes) = tokio::sync::mpsc::unbounded_channel();
                 let _ = led.send(vec![
-                    ("lease watcher", tokio::spawn(motley_coordinator::lifecycle::watch(store.clone(), fleet.clone()))),
+                    ("lease clock", tokio::spawn(motley_coordinator::lifecycle::lease_clock(fleet.clone(), lost))),
+                    ("lease watcher", tokio::spawn(motley_coordinator::lifecycle::watch(store.clone(), fleet.clone(), lost_nodes))),
                     ("job queue", tokio::spawn(motley_coordinator::scheduler::run(store.clone(), fleet.clone()))),
                     ("takeover", tokio::spawn(takeover::resume(store, fleet))),
                 ]);

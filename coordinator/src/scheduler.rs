@@ -12,8 +12,9 @@
 //!   jobs behind it wait too — first come, first served, so a big job is not starved by small
 //!   ones. The wait is recorded as a `waiting` event each time its reason changes.
 //! - A job none of whose nodes is live fails with that reason — except a job queued before this
-//!   term began, during the term's first `takeover::GRACE_INTERVALS`: it waits until every
-//!   node it may use is back (agents are still finding the new leader).
+//!   term began (or before this process found it had been paused), during the next
+//!   `takeover::GRACE_INTERVALS`: it waits until every node it may use is back (agents are
+//!   still finding the leader).
 //! - A job that cannot be planned for any other reason than the database (a stored spec this
 //!   version cannot read) fails with the reason rather than blocking the queue.
 //! - A new launch is sent to its agents at once; one that could not be sent (or inherited from
@@ -44,7 +45,10 @@ pub async fn run(store: Store, fleet: Arc<Fleet>) {
             _ = tick.tick() => {}
             _ = fleet.queue_changed() => {}
         }
-        let settling = (began.elapsed() < fleet.base * crate::takeover::GRACE_INTERVALS).then_some(began_ms);
+        // Early in a term, or soon after this process was paused: agents may still be on their
+        // way back, so a queued job whose nodes are not live waits rather than fails.
+        let grace = fleet.base * crate::takeover::GRACE_INTERVALS;
+        let settling = fleet.paused_within(grace).or((began.elapsed() < grace).then_some(began_ms));
         if let Err(e) = schedule(&store, &fleet, settling).await {
             tracing::warn!("job queue: {e}");
         }

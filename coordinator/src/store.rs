@@ -116,6 +116,14 @@ impl Store {
     /// Open (creating a SQLite file if needed) and migrate. `url`: `sqlite://PATH` or
     /// `postgres://USER@HOST:PORT/DB`.
     pub async fn open(url: &str) -> Result<Store> {
+        Store::open_bounded(url, std::time::Duration::from_secs(60)).await
+    }
+
+    /// `open`, with PostgreSQL sessions ended by the server when they sit inside a transaction
+    /// for `idle_in_transaction` (a coordinator frozen mid-transaction would otherwise hold its
+    /// row locks, the leader row's among them, and block the standby's takeover for as long
+    /// as it stays frozen).
+    pub async fn open_bounded(url: &str, idle_in_transaction: std::time::Duration) -> Result<Store> {
         sqlx::any::install_default_drivers();
         let url = if let Some(path) = url.strip_prefix("sqlite://") {
             if path.contains('?') {
@@ -133,7 +141,23 @@ impl Store {
         };
         // SQLite takes one writer at a time: one connection avoids "database is locked".
         let max = if url.starts_with("sqlite:") { 1 } else { 8 };
-        let pool = AnyPoolOptions::new().max_connections(max).connect(&url).await?;
+        let postgres = !url.starts_with("sqlite:");
+        let idle_ms = idle_in_transaction.as_millis().max(1);
+        let pool = AnyPoolOptions::new()
+            .max_connections(max)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if postgres {
+                        // A number, not user input.
+                        sqlx::query(sqlx::AssertSqlSafe(format!("SET idle_in_transaction_session_timeout = {idle_ms}")))
+                            .execute(&mut *conn)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await?;
         if url.starts_with("sqlite:") {
             // Write-ahead logging: a commit appends to the log (still synced: a crash loses no
             // committed state) instead of rewriting pages, and a standby coordinator on the same
@@ -568,8 +592,14 @@ impl Store {
     ) -> Result<()> {
         let report = RankReport { job: id, generation, rank, state: state.to_string(), exit_code };
         let done = self.report_ranks_from(agent, vec![report]).await?;
-        match done.stale.first() {
-            Some(&(job, given, current)) => Err(CoordinatorError::StaleGeneration { job, given, current }),
+        if let Some(&(job, given, current)) = done.stale.first() {
+            return Err(CoordinatorError::StaleGeneration { job, given, current });
+        }
+        match done.unknown.first() {
+            Some(&(job, generation, rank)) => Err(CoordinatorError::invalid(
+                "ranks.rank",
+                format!("rank {rank} of job {job} generation {generation} does not run on {}", agent.map_or("this node", |a| a.0)),
+            )),
             None => Ok(()),
         }
     }
@@ -810,6 +840,7 @@ async fn reports_in(
             }
             Reported::Unchanged => out.jobs.push(r.job),
             Reported::Stale(current) => out.stale.push((r.job, r.generation, current)),
+            Reported::Unknown => out.unknown.push((r.job, r.generation, r.rank)),
         }
     }
     out.jobs.sort_unstable();
@@ -825,6 +856,9 @@ pub struct RanksReported {
     pub jobs: Vec<i64>,
     /// Reports of an older launch, refused and without effect: (job, given, current generation).
     pub stale: Vec<(i64, i64, i64)>,
+    /// Reports of a job or rank this database does not have on the reporting node (job,
+    /// generation, rank): refused, without effect; the agent stops them and forgets them.
+    pub unknown: Vec<(i64, i64, i64)>,
 }
 
 /// A launch's ranks, counted.
@@ -850,6 +884,8 @@ pub struct FailedRank {
 
 enum Reported {
     Changed,
+    /// A job, rank or node placement this database does not have: refused, without effect.
+    Unknown,
     /// Already exited: a report sent again after a reconnect changes nothing.
     Unchanged,
     /// Of an older launch; the job's current generation.
@@ -870,7 +906,13 @@ async fn report_in(
     let current = match generations.get(&id) {
         Some(&g) => g,
         None => {
-            let g = job_in(tx, id).await?.generation;
+            let g = match job_in(tx, id).await {
+                Ok(job) => job.generation,
+                // A job this database never had (restored from a backup, reset): nothing to
+                // apply, and the agent must not be stuck resending it.
+                Err(CoordinatorError::NotFound { .. }) => return Ok(Reported::Unknown),
+                Err(e) => return Err(e),
+            };
             generations.insert(id, g);
             g
         }
@@ -901,11 +943,16 @@ async fn report_in(
         .fetch_optional(&mut **tx)
         .await?;
     let Some(row) = row else {
-        return Err(CoordinatorError::not_found(format!("rank {rank} of job {id} generation {generation}")));
+        return match agent {
+            Some(_) => Ok(Reported::Unknown),
+            None => Err(CoordinatorError::not_found(format!("rank {rank} of job {id} generation {generation}"))),
+        };
     };
     let (on, was): (String, String) = (row.try_get("node")?, row.try_get("state")?);
     if let Some((node, _)) = agent.filter(|(n, _)| *n != on) {
-        return Err(CoordinatorError::invalid("ranks.rank", format!("rank {rank} of job {id} runs on {on}, not {node}")));
+        // Another node's rank: nothing of it applies here; the agent is told to stop its copy.
+        tracing::warn!(job = id, generation, rank, "node {node} reported a rank that runs on {on}; refused");
+        return Ok(Reported::Unknown);
     }
     debug_assert_eq!(was, "exited");
     Ok(Reported::Unchanged)

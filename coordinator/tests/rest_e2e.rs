@@ -172,3 +172,20 @@ fn bad_names_sizes_and_the_agents_token_are_refused_in_json() {
         assert_eq!(mode(&dir.join(f)), 0o600, "{f}");
     }
 }
+
+#[test]
+fn planning_has_a_deadline() {
+    // 1 ms: no plan of a 512-GPU cluster is made that fast.
+    let c = Coordinator::start(&temp_dir(), &["--plan-timeout-ms", "1"]);
+    for i in 0..64 {
+        c.json("PUT", &format!("/api/v1/nodes/a100-{i}"), NODE, 200);
+    }
+    let e = error_of(&c, "POST", "/api/v1/plan", JOB, 504);
+    assert!(e.starts_with("planning took longer than 1 ms"), "{e}");
+    assert!(e.contains("plan_timeout_s"), "names the fix: {e}");
+    // The job file's own deadline wins over the coordinator's.
+    let plan = c.json("POST", "/api/v1/plan", &format!("{JOB}plan_timeout_s: 60\n"), 200);
+    assert!(!plan["ranks"].as_array().unwrap().is_empty());
+    let e = error_of(&c, "POST", "/api/v1/plan", &format!("{JOB}plan_timeout_s: 0\n"), 400);
+    assert!(e.starts_with("plan_timeout_s:"), "{e}");
+}

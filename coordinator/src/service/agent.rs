@@ -152,9 +152,11 @@ async fn work_on(mut work: mpsc::UnboundedReceiver<AgentStatus>, store: Store, f
                 return;
             }
             checked = true;
-            // A new session learns the node's drain state (it may have changed while the agent was away).
-            if store.node(&status.node).await.is_ok_and(|n| n.state == NodeState::Draining) {
-                let _ = outbox.send(Outbound::Instruction(Instruction { kind: Some(instruction::Kind::Drain(Drain { draining: true })) }));
+            // A new session learns the node's drain state, either way (it may have changed while
+            // the agent was away).
+            if let Ok(node) = store.node(&status.node).await {
+                let draining = node.state == NodeState::Draining;
+                let _ = outbox.send(Outbound::Instruction(Instruction { kind: Some(instruction::Kind::Drain(Drain { draining })) }));
             }
         }
         if let Err(e) = apply(&store, &fleet, &outbox, &status).await {
@@ -201,9 +203,18 @@ async fn apply(
         for (job, given, _) in done.stale {
             stop(job, given, "a newer generation of the job was launched");
         }
+        // Ranks the coordinator does not know here: stopped, and acknowledged like the rest so
+        // the agent does not resend them forever.
+        for (job, generation, rank) in done.unknown {
+            tracing::warn!(node = %status.node, job, generation, rank, "a rank this coordinator does not know here; stopping it");
+            stop(job, generation, "the coordinator does not know this rank on this node");
+        }
         jobs = done.jobs;
     }
     if status.full {
+        // A launch queued on the session before this one may never have reached the agent:
+        // the lease watcher sends launching launches again (an agent ignores ranks it has).
+        fleet.resend_launches();
         let known: Vec<(i64, i64, i64)> = status.ranks.iter().map(|r| (r.job, r.generation, r.rank)).collect();
         jobs.extend(store.lose_unknown_ranks(&status.node, status.epoch, &known).await?);
     }

@@ -206,7 +206,7 @@ impl Control for ControlService {
 
     async fn dry_run_plan(&self, req: Request<pb::JobFile>) -> Reply<pb::DryRun> {
         self.admit(&req)?;
-        let (report, ranks) = control::dry_run(&self.store, &req.into_inner().text).await.map_err(status_of)?;
+        let (report, ranks) = control::dry_run(&self.store, &self.fleet, &req.into_inner().text).await.map_err(status_of)?;
         Ok(Response::new(pb::DryRun {
             plan_json: serde_json::to_string(&report).expect("a plan serialises"),
             ranks: ranks.into_iter().map(|a| rank(a, "assigned", None)).collect(),

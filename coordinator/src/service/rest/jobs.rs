@@ -126,7 +126,7 @@ pub async fn plan(State(s): State<AppState>, Path(id): Path<String>) -> ApiResul
     responses((status = 200, body = DryRunView), (status = 400, body = super::ErrorBody), (status = 409, body = super::ErrorBody)))]
 pub async fn dry_run(State(s): State<AppState>, body: Bytes) -> ApiResult<DryRunView> {
     let text = std::str::from_utf8(&body).map_err(|_| CoordinatorError::invalid("body", "the job file must be UTF-8 text"))?;
-    let (report, ranks) = control::dry_run(&s.store, text).await?;
+    let (report, ranks) = control::dry_run(&s.store, &s.fleet, text).await?;
     Ok(Json(DryRunView { plan: serde_json::to_value(report).expect("a plan serialises"), ranks }))
 }
 
