@@ -27,6 +27,7 @@ pub struct FileConfig {
     pub rdma_domain: Option<String>,
     pub ca_cert: Option<PathBuf>,
     pub keep_finished_hours: Option<f64>,
+    pub allow_root_ranks: Option<bool>,
 }
 
 /// Read the config file; `explicit` when the operator named it (then it must exist).
@@ -57,6 +58,7 @@ mod tests {
         assert_eq!(c.coordinator.as_deref(), Some("http://c:7071"));
         assert_eq!(c.work_dir, Some(PathBuf::from("/w")));
         assert_eq!(c.logs_listen.as_deref(), Some("127.0.0.1:0"));
+        assert_eq!(parse("allow_root_ranks = true\n").unwrap().allow_root_ranks, Some(true));
         let e = parse("work_dri = \"/w\"\n").unwrap_err();
         assert!(e.contains("work_dri"), "{e}");
         let e = parse("address = 7\n").unwrap_err();

@@ -17,8 +17,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
 
-/// The lease lasts this many base intervals after the latest acknowledgement.
-pub const LOST_INTERVALS: u32 = 10;
+/// The lease lasts this many base intervals after the latest acknowledgement: longer than a
+/// PostgreSQL standby waits for a frozen leader (5) plus the new leader's grace for agents to
+/// come back (10), plus a coordinator pause or an agent's reconnect (its keepalive, register
+/// timeout and backoff), so a healthy node's ranks are never stopped by a failover.
+pub const LOST_INTERVALS: u32 = 30;
 /// How often a wrapper reads the lease file.
 const POLL: Duration = Duration::from_millis(500);
 
@@ -49,8 +52,12 @@ pub fn renew(work_dir: &Path, base: Duration) -> Result<Lease> {
     Ok(lease)
 }
 
+/// The lease file's mode: ranks running as the job's user (not the agent's) read it in their
+/// wrapper; it holds a deadline and a grace period, nothing secret.
+pub const MODE: u32 = 0o644;
+
 pub fn write(path: &Path, lease: &Lease) -> Result<()> {
-    crate::rankfiles::replace(path, serde_json::to_string(lease).expect("a lease serialises").as_bytes())
+    crate::rankfiles::replace_with_mode(path, serde_json::to_string(lease).expect("a lease serialises").as_bytes(), MODE)
 }
 
 pub fn read(path: &Path) -> Option<Lease> {
@@ -142,6 +149,8 @@ mod tests {
         let live = renew(&dir, Duration::from_secs(1)).unwrap();
         assert!(!clear_if_lapsed(&dir));
         assert_eq!(read(&path(&dir)), Some(live));
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(path(&dir)).unwrap().permissions().mode() & 0o777, MODE, "readable by ranks of other users");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

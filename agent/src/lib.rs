@@ -1,8 +1,8 @@
 //! Motley's per-node agent as a library: hardware discovery (`discover`, `nvml`), the agent's
 //! configuration file (`config`), rank supervision that survives an agent restart (`ranks`,
 //! `rankfiles`), the dead-man switch that stops ranks whose agent is gone (`lease`), the rank
-//! logs served over HTTP (`logs`) and the node's load sent with every heartbeat (`load`). The
-//! binary `motley-agent` wires them to the coordinator.
+//! logs served over HTTP (`logs`), the node's load sent with every heartbeat (`load`) and whom
+//! ranks run as (`users`). The binary `motley-agent` wires them to the coordinator.
 
 pub mod config;
 pub mod discover;
@@ -14,5 +14,6 @@ pub mod logs;
 pub mod nvml;
 pub mod rankfiles;
 pub mod ranks;
+pub mod users;
 
 pub use error::{AgentError, Result};

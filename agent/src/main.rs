@@ -64,6 +64,11 @@ struct Args {
     /// (default: the system's roots).
     #[arg(long, env = "MOTLEY_CA_CERT")]
     ca_cert: Option<PathBuf>,
+    /// Let ranks run as root: when the agent runs as root, a job that names no `user` runs its
+    /// ranks as root (without it they are refused, exit 126), and so does one naming a uid-0
+    /// user. Off by default: a job file alone must not run code as root on every node.
+    #[arg(long, env = "MOTLEY_ALLOW_ROOT_RANKS")]
+    allow_root_ranks: bool,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -100,7 +105,20 @@ fn settings() -> anyhow::Result<Args> {
             }
         )*};
     }
-    from_file!(coordinator, node, inventory, token, work_dir, address, logs_listen, sysfs_root, rdma_domain, ca_cert, keep_finished_hours);
+    from_file!(
+        coordinator,
+        node,
+        inventory,
+        token,
+        work_dir,
+        address,
+        logs_listen,
+        sysfs_root,
+        rdma_domain,
+        ca_cert,
+        keep_finished_hours,
+        allow_root_ranks
+    );
     anyhow::ensure!(
         args.keep_finished_hours.is_finite() && args.keep_finished_hours >= 0.0,
         "keep_finished_hours: must be a number of hours, 0 or more (e.g. 72)"
@@ -231,7 +249,13 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
     tracing::info!(node = %node, "rank logs at {logs_url}/logs/JOB/GENERATION/RANK");
     tokio::spawn(motley_agent::logs::serve(listener, work_dir.clone(), args.token.clone()));
     let wrapper = std::env::current_exe().context("cannot find this executable (the rank wrapper)")?;
-    let supervisor = Supervisor::new(work_dir.clone(), node.clone(), wrapper);
+    let supervisor = Supervisor::new(work_dir.clone(), node.clone(), wrapper).allow_root_ranks(args.allow_root_ranks);
+    if motley_agent::users::euid() == 0 {
+        match args.allow_root_ranks {
+            true => tracing::warn!(node = %node, "allow_root_ranks: jobs that name no user run their ranks as root"),
+            false => tracing::info!(node = %node, "running as root: ranks run as their job's user; jobs that name none are refused"),
+        }
+    }
     if motley_agent::lease::clear_if_lapsed(&work_dir) {
         tracing::info!(node = %node, "the lease file an earlier agent left had run out; removed (renewed on the first acknowledgement)");
     }
@@ -258,12 +282,24 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
     };
     let mut backoff = Duration::from_millis(200);
     let mut stale = 0;
+    // Since when registrations are refused as held by another agent.
+    let mut held_since: Option<std::time::Instant> = None;
     // Each pass is one session: register (a new epoch), then heartbeat until the stream
     // breaks; ranks keep running across sessions and are reported again in the next one.
     loop {
         let began = std::time::Instant::now();
         let e = match session(&args, &work_dir, &node, &inventory, &logs_url, &supervisor, &load).await {
             Ended::Fatal(e) => return Err(e),
+            Ended::Held(e) => {
+                let since = *held_since.get_or_insert_with(std::time::Instant::now);
+                // Longer than the coordinator's lease of a session it has not yet seen close
+                // (3 base intervals), and at least 10 s.
+                let window = (supervisor.interval() * 4).max(Duration::from_secs(10));
+                if since.elapsed() > window {
+                    return Err(e);
+                }
+                e
+            }
             Ended::Stale(message) => {
                 stale += 1;
                 if stale >= STALE_SESSIONS {
@@ -276,6 +312,7 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
             }
             Ended::Retry(e) => {
                 stale = 0;
+                held_since = None;
                 e
             }
         };
@@ -340,6 +377,10 @@ enum Ended {
     Stale(String),
     /// Refused for good: the agent exits with this error.
     Fatal(anyhow::Error),
+    /// The node is held by another live agent (ALREADY_EXISTS). Fatal once it lasts longer than
+    /// the coordinator could take to notice that an earlier session of this very agent is gone
+    /// (a connection that dropped on this side only stays open there up to a lease).
+    Held(anyhow::Error),
 }
 
 impl From<anyhow::Error> for Ended {
@@ -375,7 +416,16 @@ async fn register(
                 continue;
             }
         };
-        match client.register(req.clone()).await {
+        // Bounded: a frozen coordinator's kernel still accepts the connection, and an agent
+        // stuck on it would miss the new leader.
+        let answer = match tokio::time::timeout(Duration::from_secs(3), client.register(req.clone())).await {
+            Ok(a) => a,
+            Err(_) => {
+                last = Some(format!("{url}: no answer to the registration within 3 s"));
+                continue;
+            }
+        };
+        match answer {
             Ok(reply) => return Ok((client, reply.into_inner())),
             Err(s) if s.code() == tonic::Code::Unavailable => {
                 let leader = s.metadata().get("motley-leader-grpc").and_then(|v| v.to_str().ok()).map(str::to_string);
@@ -385,13 +435,17 @@ async fn register(
                 last = Some(format!("{url}: {}", s.message()));
             }
             // Another agent runs as this node: registering again would only evict it (and
-            // then be evicted), so stop here and say what to do.
+            // then be evicted), so stop (once it lasts, see `Ended::Held`) and say what to do.
             Err(s) if s.code() == tonic::Code::AlreadyExists => {
-                return Err(Ended::Fatal(anyhow::anyhow!(
+                return Err(Ended::Held(anyhow::anyhow!(
                     "register at {url}: node {} is held by another live agent ({}); stop it or start this one with another --node",
                     req.node,
                     s.message()
                 )))
+            }
+            // A wrong token or a refused entry will not change by trying again.
+            Err(s) if matches!(s.code(), tonic::Code::Unauthenticated | tonic::Code::PermissionDenied | tonic::Code::InvalidArgument) => {
+                return Err(Ended::Fatal(anyhow::anyhow!("register at {url}: {}", s.message())))
             }
             Err(s) => return Err(anyhow::anyhow!("register at {url}: {}", s.message()).into()),
         }
@@ -440,6 +494,11 @@ async fn session_inner(
     let epoch = reply.epoch;
     let interval = Duration::from_millis(reply.heartbeat_ms.max(10));
     tracing::info!(node = %node, epoch, "registered; heartbeat every {} ms", interval.as_millis());
+    // A lease that ran out while this agent was cut off must not stop the ranks a launch of
+    // this session starts before its first acknowledgement renews it.
+    if motley_agent::lease::clear_if_lapsed(work_dir) {
+        tracing::warn!(node = %node, "the node's lease had run out while the coordinator was away; cleared");
+    }
     supervisor.set_interval(interval);
     supervisor.new_session();
     let (tx, rx) = tokio::sync::mpsc::channel::<AgentStatus>(16);

@@ -10,7 +10,14 @@
 //! take for a whole one; a record that does not parse is skipped with a note all the same.
 //! Records, exit codes and markers are fsync'd (file and directory): they must survive a power
 //! loss. Every file is 0600 and every directory 0700: plans carry the job's settings, logs
-//! whatever the rank prints.
+//! whatever the rank prints. Two exceptions, for ranks that run as the job's user (see
+//! `users`): the launch directory and the rank's own files (plan, groups, log, exit) belong to
+//! that user, and the directories above it (the work directory, `jobs/`, `jobs/JOB/`) are 0711
+//! once such a rank was launched, so the user can reach its launch directory by name but list
+//! nothing; the lease file (a deadline, no secret) is 0644 so the rank's wrapper can read it.
+//! Records stay the agent's: a record not owned by the agent's user is never trusted (a rank
+//! can write in its own launch directory, and a forged record would have the agent signal a
+//! process group of its choosing).
 
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
@@ -56,6 +63,9 @@ pub fn rank_file(dir: &Path, rank: i64, ext: &str) -> PathBuf {
 pub const FILE_MODE: u32 = 0o600;
 /// Directories under the work directory, and the work directory itself.
 pub const DIR_MODE: u32 = 0o700;
+/// The directories above a launch directory whose ranks run as another user: reachable by
+/// name, not listable.
+pub const PASS_MODE: u32 = 0o711;
 
 /// Create `dir` and its missing parents with mode 0700.
 pub fn create_dirs(dir: &Path) -> Result<()> {
@@ -67,10 +77,18 @@ pub fn create_dirs(dir: &Path) -> Result<()> {
 }
 
 /// Open `path` for writing, created with mode 0600 (and set to 0600 if it was there before:
-/// the mode of an existing file is not changed by `create`).
+/// the mode of an existing file is not changed by `create`). Never through a symbolic link: a
+/// rank running as another user can plant one in its launch directory.
 pub fn create_file(path: &Path) -> Result<std::fs::File> {
     let io = |err| AgentError::Io { what: "writing", path: path.to_path_buf(), err };
-    let f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(FILE_MODE).open(path).map_err(io)?;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(FILE_MODE)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(io)?;
     f.set_permissions(std::fs::Permissions::from_mode(FILE_MODE)).map_err(io)?;
     Ok(f)
 }
@@ -112,8 +130,44 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// every heartbeat (the lease), whose loss in a power cut does not matter (nothing runs after
 /// one).
 pub fn replace(path: &Path, bytes: &[u8]) -> Result<()> {
+    replace_with_mode(path, bytes, FILE_MODE)
+}
+
+/// `replace`, the file with `mode` (set before it takes the name, so it is never readable by
+/// more than `mode` says, nor by fewer).
+pub fn replace_with_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
     let tmp = write_temp(path, bytes, false)?;
-    std::fs::rename(&tmp, path).map_err(|err| AgentError::Io { what: "writing", path: path.to_path_buf(), err })
+    let io = |err| AgentError::Io { what: "writing", path: path.to_path_buf(), err };
+    if mode != FILE_MODE {
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(io)?;
+    }
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+/// Give `path` (a file or directory the agent made, never followed if it is a link) to the
+/// user a rank runs as.
+pub fn hand_over(path: &Path, uid: u32, gid: u32) -> Result<()> {
+    std::os::unix::fs::lchown(path, Some(uid), Some(gid)).map_err(|err| AgentError::Io {
+        what: "changing the owner of",
+        path: path.to_path_buf(),
+        err,
+    })
+}
+
+/// Let ranks running as other users reach their launch directory `dir` (under
+/// `WORK_DIR/jobs/JOB/`): the directories from the work directory down to the job's are
+/// made 0711 (passable, not listable).
+pub fn open_passage(work_dir: &Path, dir: &Path) -> Result<()> {
+    let mut at = dir.parent();
+    while let Some(d) = at.filter(|d| d.starts_with(work_dir)) {
+        let io = |err| AgentError::Io { what: "setting the mode of", path: d.to_path_buf(), err };
+        let mode = std::fs::symlink_metadata(d).map_err(io)?.permissions().mode() & 0o777;
+        if mode != PASS_MODE {
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(PASS_MODE)).map_err(io)?;
+        }
+        at = d.parent();
+    }
+    Ok(())
 }
 
 /// Write `bytes` to `path` atomically unless it exists (then nothing changes): for the agent's
@@ -139,7 +193,9 @@ pub fn open_work_dir(dir: &Path) -> Result<(PathBuf, std::fs::File)> {
     let io = |what, err| AgentError::Io { what, path: dir.to_path_buf(), err };
     create_dirs(dir)?;
     let mode = std::fs::metadata(dir).map_err(|e| io("reading", e))?.permissions().mode();
-    if mode & 0o077 != 0 {
+    // Passable (0711) is how an agent leaves it once ranks ran as other users (see the module's
+    // doc); anything more is closed.
+    if mode & 0o066 != 0 {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(DIR_MODE)).map_err(|e| io("setting the mode of", e))?;
     }
     let dir = std::fs::canonicalize(dir).map_err(|e| io("resolving", e))?;
@@ -182,6 +238,13 @@ pub fn scan(work_dir: &Path) -> (Vec<RankRecord>, Vec<String>) {
                 let name = f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
                 // Only `rank-N.json`: temporaries start with '.', and are never a record.
                 if !(name.starts_with("rank-") && name.ends_with(".json")) {
+                    continue;
+                }
+                // Only the agent's own records: a rank running as another user may write in its
+                // launch directory, and must not tell the agent which process group to signal.
+                let owner = std::fs::symlink_metadata(&f).map(|m| std::os::unix::fs::MetadataExt::uid(&m)).ok();
+                if let Some(uid) = owner.filter(|&u| u != crate::users::euid()) {
+                    notes.push(format!("{}: owned by uid {uid}, not by the agent's user; not trusted, skipped", f.display()));
                     continue;
                 }
                 match std::fs::read_to_string(&f)

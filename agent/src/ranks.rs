@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use motley_proto::v1::{Launch, RankLaunch, RankStatus};
 
 use crate::rankfiles::{self, generation_dir, rank_file, RankRecord};
+use crate::users;
 
 /// Grace periods are this many base intervals.
 pub const GRACE_INTERVALS: u32 = 5;
@@ -110,6 +111,9 @@ pub struct Supervisor {
     grace: Arc<Mutex<Duration>>,
     /// This boot's id, written in rank records.
     boot_id: String,
+    /// Ranks may run as root: as the agent when it is root and a job names no user, or as a
+    /// uid-0 user a job names (the operator's `allow_root_ranks`; see `users`).
+    allow_root_ranks: bool,
     /// Launches (job, generation) whose files were pruned: a late copy of their Launch must not
     /// run them again.
     pruned: Arc<Mutex<std::collections::HashSet<(i64, i64)>>>,
@@ -131,11 +135,23 @@ impl Supervisor {
             boot_id: rankfiles::boot_id(),
             changed: Arc::new(tokio::sync::Notify::new()),
             pruned: Arc::default(),
+            allow_root_ranks: false,
         }
+    }
+
+    /// Let ranks run as root (see `users::run_as`).
+    pub fn allow_root_ranks(mut self, allow: bool) -> Supervisor {
+        self.allow_root_ranks = allow;
+        self
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Ranks> {
         self.ranks.lock().expect("rank lock")
+    }
+
+    /// The coordinator's base interval as last given (1 s before the first registration).
+    pub fn interval(&self) -> Duration {
+        *self.interval.lock().expect("interval lock")
     }
 
     /// The coordinator's base interval (at each registration) sets the stop grace period.
@@ -276,8 +292,10 @@ impl Supervisor {
         }
     }
 
-    /// Start the launch's ranks; a rank that cannot start is reported as exited with 127. A
-    /// launch of an older generation than one this agent already has for the job is ignored.
+    /// Start the launch's ranks; a rank that cannot start is reported as exited with 127, one
+    /// refused as the user the launch names (or as root, see `users`) with 126, the reason in
+    /// its log either way. A launch of an older generation than one this agent already has for
+    /// the job is ignored.
     pub fn launch(&self, l: Launch) {
         if self.pruned.lock().expect("pruned lock").contains(&(l.job, l.generation)) {
             tracing::warn!(node = %self.node, "ignoring a launch of job {} generation {}: it ended and was pruned", l.job, l.generation);
@@ -290,31 +308,79 @@ impl Supervisor {
         }
         let dir = generation_dir(&self.work_dir, l.job, l.generation);
         let plan = dir.join("plan.json");
-        let prepared =
-            rankfiles::create_dirs(&dir).and_then(|_| rankfiles::replace(&plan, l.plan_json.as_bytes())).map_err(|e| e.to_string());
+        let who = users::run_as(users::euid(), &l.user, self.allow_root_ranks, &self.node, users::lookup);
+        let prepared = rankfiles::create_dirs(&dir)
+            .and_then(|_| rankfiles::replace(&plan, l.plan_json.as_bytes()))
+            .and_then(|_| match &who {
+                // The user's own launch directory, reachable through the ones above it.
+                Ok(Some(a)) => rankfiles::open_passage(&self.work_dir, &dir)
+                    .and_then(|_| rankfiles::hand_over(&dir, a.uid, a.gid))
+                    .and_then(|_| rankfiles::hand_over(&plan, a.uid, a.gid)),
+                _ => Ok(()),
+            })
+            .map_err(|e| e.to_string());
         for r in &l.ranks {
             let key = (l.job, l.generation, r.rank);
             if self.lock().contains_key(&key) {
                 continue; // the same instruction twice
             }
-            match prepared.clone().and_then(|_| self.spawn(&l, r, &dir, &plan)) {
+            let started = match (&who, prepared.clone()) {
+                (Err(why), _) => Err((users::REFUSED, why.clone())),
+                (_, Err(e)) => Err((127, e)),
+                (Ok(account), Ok(())) => self.spawn(&l, r, &dir, &plan, account.as_ref()).map_err(|e| (127, e)),
+            };
+            match started {
                 Ok((child, pgid, start)) => {
                     self.lock().insert(key, Rank::new(State::Running { pgid, start, stopping: false }, dir.clone()));
                     let (me, dir) = (self.clone(), dir.clone());
                     tokio::spawn(async move { me.watch_child(key, child, dir).await });
                 }
-                Err(e) => {
-                    tracing::warn!(node = %self.node, job = l.job, rank = r.rank, "rank did not start: {e}");
-                    self.lock().insert(key, Rank::new(State::Exited(127), dir.clone()));
+                Err((code, why)) => {
+                    tracing::warn!(node = %self.node, job = l.job, rank = r.rank, "rank did not start (exit {code}): {why}");
+                    self.did_not_start(l.job, l.generation, r.rank, &dir, code, &why);
+                    self.lock().insert(key, Rank::new(State::Exited(code), dir.clone()));
                 }
             }
         }
         self.changed.notify_one();
     }
 
+    /// A rank that never started: why, in its log (what `motley job logs` shows), and its exit
+    /// code and record on disk so that a restarted agent reports the same end. Best effort:
+    /// the launch directory itself may be what failed.
+    fn did_not_start(&self, job: i64, generation: i64, rank: i64, dir: &Path, code: i64, why: &str) {
+        for ext in ["reported", "stopping"] {
+            let _ = std::fs::remove_file(rank_file(dir, rank, ext));
+        }
+        let log = rank_file(dir, rank, "log");
+        let line = format!("motley-agent: rank {rank} of job {job} generation {generation} not started on node {}: {why}\n", self.node);
+        let written = rankfiles::create_file(&log).and_then(|mut f| {
+            std::io::Write::write_all(&mut f, line.as_bytes()).map_err(|err| crate::AgentError::Io {
+                what: "writing",
+                path: log.clone(),
+                err,
+            })
+        });
+        let record =
+            RankRecord { node: self.node.clone(), job, generation, rank, pgid: 0, log, boot_id: self.boot_id.clone(), start_time: 0 };
+        let done = written
+            .and_then(|_| rankfiles::write_atomic(&rank_file(dir, rank, "exit"), format!("{code}\n").as_bytes()))
+            .and_then(|_| rankfiles::write_record(dir, &record));
+        if let Err(e) = done {
+            tracing::warn!(node = %self.node, "{e}");
+        }
+    }
+
     /// The rank's wrapper, in its own process group, with the rank's environment; then its
     /// record, so a later agent can find it.
-    fn spawn(&self, l: &Launch, r: &RankLaunch, dir: &Path, plan: &Path) -> Result<(tokio::process::Child, i32, u64), String> {
+    fn spawn(
+        &self,
+        l: &Launch,
+        r: &RankLaunch,
+        dir: &Path,
+        plan: &Path,
+        user: Option<&users::Account>,
+    ) -> Result<(tokio::process::Child, i32, u64), String> {
         // Files of an earlier agent life for the same key (a coordinator whose database was
         // reset hands out job ids again) must not describe this rank.
         for ext in ["exit", "reported", "json", "stopping"] {
@@ -325,6 +391,12 @@ impl Supervisor {
         rankfiles::replace(&nccl, groups.to_string().as_bytes()).map_err(|e| e.to_string())?;
         let log = rank_file(dir, r.rank, "log");
         let out = rankfiles::create_file(&log).map_err(|e| e.to_string())?;
+        if let Some(a) = user {
+            // Its own files: the rank may read its groups and append to its log by name.
+            for file in [&nccl, &log] {
+                rankfiles::hand_over(file, a.uid, a.gid).map_err(|e| e.to_string())?;
+            }
+        }
         let err = out.try_clone().map_err(|e| e.to_string())?;
         let mut cmd = tokio::process::Command::new(&self.wrapper);
         cmd.arg("__rank-wrapper").arg(rank_file(dir, r.rank, "exit"));
@@ -374,6 +446,14 @@ impl Supervisor {
         for (k, v) in &common {
             if !l.envs.contains_key(k) {
                 cmd.env(k, v);
+            }
+        }
+        if let Some(a) = user {
+            cmd.env("HOME", &a.home).env("USER", &a.name).env("LOGNAME", &a.name);
+            // The wrapper, and so the rank, as the job's user (groups, gid, uid: see `users`).
+            // SAFETY: the closure makes system calls only (no allocation, no locks).
+            unsafe {
+                cmd.pre_exec(users::become_user(a));
             }
         }
         // Its own process group: a stop kills the rank and everything it started, and a
@@ -622,6 +702,49 @@ mod tests {
         assert_eq!(full.len(), 2, "{full:?}");
         s.ack(1);
         assert!(s.lock().values().all(Rank::settled));
+        std::fs::remove_dir_all(&work).unwrap();
+    }
+
+    /// A record the agent's user does not own (a rank running as another user wrote it in its
+    /// launch directory) is never adopted: it could name any process group.
+    #[test]
+    fn a_record_not_owned_by_the_agents_user_is_not_trusted() {
+        if users::euid() != 0 {
+            return; // only root can give a file away
+        }
+        let work = work_dir("forged");
+        let dir = finished(&work, 1, false);
+        rankfiles::hand_over(&rank_file(&dir, 0, "json"), 65534, 65534).unwrap();
+        let s = supervisor(&work);
+        let notes = s.adopt();
+        assert!(notes.iter().any(|n| n.contains("owned by uid 65534, not by the agent's user; not trusted")), "{notes:?}");
+        assert!(s.report(1, true).is_empty());
+        std::fs::remove_dir_all(&work).unwrap();
+    }
+
+    /// A rank refused (or that could not start) leaves its reason in its log, and its exit code
+    /// and record, so a restarted agent reports the same end.
+    #[tokio::test]
+    async fn a_refused_rank_is_told_in_its_log_and_survives_an_agent_restart() {
+        let work = work_dir("refused");
+        let s = supervisor(&work).allow_root_ranks(false);
+        let launch = |user: &str| Launch {
+            job: 1,
+            generation: 1,
+            user: user.into(),
+            ranks: vec![RankLaunch { rank: 0, ..Default::default() }],
+            ..Default::default()
+        };
+        s.launch(launch("motley-no-such-user"));
+        let sent = s.report(1, true);
+        assert_eq!((sent[0].state.as_str(), sent[0].exit_code), ("exited", Some(users::REFUSED)));
+        let dir = generation_dir(&work, 1, 1);
+        let log = std::fs::read_to_string(rank_file(&dir, 0, "log")).unwrap();
+        assert!(log.contains("not started on node n: the job's user 'motley-no-such-user' does not exist on node n"), "{log}");
+        let again = supervisor(&work);
+        again.adopt();
+        let sent = again.report(1, true);
+        assert_eq!((sent.len(), sent[0].exit_code), (1, Some(users::REFUSED)), "{sent:?}");
         std::fs::remove_dir_all(&work).unwrap();
     }
 
