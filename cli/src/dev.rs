@@ -119,6 +119,7 @@ pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
             let file = dir.join("nodes").join(format!("{name}.yaml"));
             std::fs::write(&file, serde_norway::to_string(&entry).expect("a node entry serialises")).map_err(io)?;
             let agent = Command::new(sibling("motley-agent")?)
+                .arg("--allow-root-ranks")
                 .process_group(0)
                 .args(["--coordinator", &grpc, "--node", &name, "--inventory"])
                 .arg(&file)

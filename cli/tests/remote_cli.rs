@@ -107,6 +107,7 @@ fn agent(c: &Coordinator, name: &str) -> Agent {
     let work = std::env::temp_dir().join(format!("motley-remote-agent-{name}-{}", rand_suffix()));
     Agent(
         Command::new(bin)
+            .arg("--allow-root-ranks")
             .args([
                 "--coordinator",
                 &c.grpc,
@@ -233,6 +234,7 @@ fn logs_dry_runs_and_a_standby_that_sends_the_cli_to_the_leader() {
     let agent_bin = Path::new(env!("CARGO_BIN_EXE_motley")).with_file_name("motley-agent");
     let _agent = Killed(
         Command::new(agent_bin)
+            .arg("--allow-root-ranks")
             .args(["--coordinator", &c.grpc, "--node", "node-0", "--inventory", "examples/nodes/a100.yaml", "--logs-listen", "127.0.0.1:0"])
             .args(["--work-dir", dir.join("agent").to_str().unwrap(), "--token", &c.agent_token])
             .current_dir(repo())
@@ -347,6 +349,7 @@ fn tls_for_the_cli_and_the_agents() {
     assert!(c.url.starts_with("https://") && c.grpc.starts_with("https://"), "{} {}", c.url, c.grpc);
     let _agent = Killed(
         Command::new(Path::new(env!("CARGO_BIN_EXE_motley")).with_file_name("motley-agent"))
+            .arg("--allow-root-ranks")
             .args(["--coordinator", &c.grpc, "--ca-cert", ca_pem.to_str().unwrap(), "--token", &c.agent_token])
             .args(["--node", "node-0", "--inventory", "examples/nodes/a100.yaml", "--logs-listen", "127.0.0.1:0"])
             .args(["--work-dir", dir.join("agent").to_str().unwrap()])

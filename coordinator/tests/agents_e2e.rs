@@ -64,6 +64,7 @@ fn start(agents: usize) -> Cluster {
         .map(|i| {
             Some(Proc(
                 Command::new(&agent_bin)
+                    .arg("--allow-root-ranks")
                     .args(["--coordinator", &grpc, "--node", &format!("node-{i}"), "--inventory", "examples/nodes/a100.yaml"])
                     .args(["--work-dir", dir.join(format!("agent-{i}")).to_str().unwrap(), "--logs-listen", "127.0.0.1:0"])
                     .current_dir(repo())
@@ -304,6 +305,7 @@ fn a_second_agent_for_a_held_node_is_refused_and_a_node_is_removed_once_free() {
     // Another agent started with the same --node (its own work dir): refused, loudly, and it stops.
     let mut second = Proc(
         Command::new(&agent_bin)
+            .arg("--allow-root-ranks")
             .args(["--coordinator", &grpc, "--node", "node-0", "--inventory", "examples/nodes/a100.yaml"])
             .args(["--work-dir", c.dir.join("impostor").to_str().unwrap(), "--logs-listen", "127.0.0.1:0"])
             .current_dir(repo())

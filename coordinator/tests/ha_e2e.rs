@@ -74,6 +74,7 @@ fn a_coordinator_killed_mid_job_loses_nothing_and_the_job_finishes() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let _agent = Agent(
         Command::new(agent_bin)
+            .arg("--allow-root-ranks")
             .args(["--coordinator", &format!("http://{grpc}"), "--node", "node-0", "--inventory", "examples/nodes/a100.yaml"])
             .args(["--work-dir", dir.join("agent").to_str().unwrap(), "--logs-listen", "127.0.0.1:0"])
             .current_dir(repo)
@@ -115,6 +116,7 @@ fn agents_follow_the_leader_through_a_failover() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let _agent = Agent(
         Command::new(agent_bin)
+            .arg("--allow-root-ranks")
             .args(["--coordinator", &format!("http://{},http://{}", b.grpc, a.grpc)])
             .args(["--node", "node-0", "--inventory", "examples/nodes/a100.yaml", "--logs-listen", "127.0.0.1:0"])
             .args(["--work-dir", dir.join("agent").to_str().unwrap()])
