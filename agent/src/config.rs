@@ -28,6 +28,8 @@ pub struct FileConfig {
     pub ca_cert: Option<PathBuf>,
     pub keep_finished_hours: Option<f64>,
     pub allow_root_ranks: Option<bool>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
 }
 
 /// Read the config file; `explicit` when the operator named it (then it must exist).
@@ -59,6 +61,8 @@ mod tests {
         assert_eq!(c.work_dir, Some(PathBuf::from("/w")));
         assert_eq!(c.logs_listen.as_deref(), Some("127.0.0.1:0"));
         assert_eq!(parse("allow_root_ranks = true\n").unwrap().allow_root_ranks, Some(true));
+        let c = parse("tls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\n").unwrap();
+        assert_eq!((c.tls_cert, c.tls_key), (Some(PathBuf::from("/c.pem")), Some(PathBuf::from("/k.pem"))));
         let e = parse("work_dri = \"/w\"\n").unwrap_err();
         assert!(e.contains("work_dri"), "{e}");
         let e = parse("address = 7\n").unwrap_err();

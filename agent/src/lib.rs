@@ -1,7 +1,7 @@
 //! Motley's per-node agent as a library: hardware discovery (`discover`, `nvml`), the agent's
 //! configuration file (`config`), rank supervision that survives an agent restart (`ranks`,
 //! `rankfiles`), the dead-man switch that stops ranks whose agent is gone (`lease`), the rank
-//! logs served over HTTP (`logs`), the node's load sent with every heartbeat (`load`) and whom
+//! logs served over HTTP or HTTPS (`logs`, `tls`), the node's load sent with every heartbeat (`load`) and whom
 //! ranks run as (`users`). The binary `motley-agent` wires them to the coordinator.
 
 pub mod config;
@@ -14,6 +14,7 @@ pub mod logs;
 pub mod nvml;
 pub mod rankfiles;
 pub mod ranks;
+pub mod tls;
 pub mod users;
 
 pub use error::{AgentError, Result};

@@ -4,7 +4,9 @@
 //! polls with offset + the length it got) and the log's size at the time in the
 //! `x-motley-log-size` header. An absent log is 404 with `{"error": ...}` naming job,
 //! generation and rank; with an agent token, a request without `Authorization: Bearer TOKEN`
-//! is 401. Tokens are never logged.
+//! (the scheme in any case, the token compared in constant time) is 401: the coordinator
+//! fetches with the agents' token, never the operators'. Tokens are never logged. Served over
+//! TLS with `--tls-cert`/`--tls-key` (see `tls`).
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
@@ -44,8 +46,8 @@ async fn log(
     Query(q): Query<Offset>,
 ) -> Response {
     if let Some(t) = &s.token {
-        let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(t.as_str()) {
+        let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer);
+        if !given.is_some_and(|g| same_secret(g, t)) {
             return error(StatusCode::UNAUTHORIZED, "wrong or missing token; send Authorization: Bearer TOKEN (the agent token)".into());
         }
     }
@@ -75,11 +77,55 @@ async fn log(
     }
 }
 
+/// The credential of an `Authorization` value: `Bearer TOKEN`, the scheme in any case (RFC
+/// 9110), as the coordinator takes it.
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+/// Equal in a time that depends on the lengths only (an early exit would leak the token's
+/// prefix to a patient caller).
+fn same_secret(given: &str, expected: &str) -> bool {
+    let (a, b) = (given.as_bytes(), expected.as_bytes());
+    let mut diff = a.len() ^ b.len();
+    for i in 0..a.len().max(b.len()) {
+        diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0));
+    }
+    diff == 0
+}
+
 pub fn router(work_dir: PathBuf, token: Option<String>) -> Router {
     Router::new().route("/logs/{job}/{generation}/{rank}", get(log)).with_state(Arc::new(Logs { work_dir, token }))
 }
 
-/// Serve until the process ends.
-pub async fn serve(listener: tokio::net::TcpListener, work_dir: PathBuf, token: Option<String>) -> std::io::Result<()> {
-    axum::serve(listener, router(work_dir, token)).await
+/// Serve until the process ends: over TLS with `tls` (see `tls::TlsFiles::server_config`),
+/// plain HTTP without.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    work_dir: PathBuf,
+    token: Option<String>,
+    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+) -> std::io::Result<()> {
+    match tls {
+        Some(config) => crate::tls::serve(listener, router(work_dir, token), config).await,
+        None => axum::serve(listener, router(work_dir, token)).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive_and_tokens_compare_whole() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bEARER abc"), Some("abc"));
+        assert_eq!(bearer("Basic abc"), None);
+        assert_eq!(bearer("Bearerabc"), None);
+        assert!(same_secret("abc", "abc"));
+        for other in ["abd", "ab", "abcd", ""] {
+            assert!(!same_secret(other, "abc"), "{other}");
+        }
+    }
 }

@@ -64,6 +64,13 @@ struct Args {
     /// (default: the system's roots).
     #[arg(long, env = "MOTLEY_CA_CERT")]
     ca_cert: Option<PathBuf>,
+    /// Serve the rank logs over TLS with this certificate chain (PEM); needs --tls-key. The
+    /// logs URL sent to the coordinator is then https://ADDRESS:PORT.
+    #[arg(long, env = "MOTLEY_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "MOTLEY_TLS_KEY")]
+    tls_key: Option<PathBuf>,
     /// Let ranks run as root: when the agent runs as root, a job that names no `user` runs its
     /// ranks as root (without it they are refused, exit 126), and so does one naming a uid-0
     /// user. Off by default: a job file alone must not run code as root on every node.
@@ -117,7 +124,9 @@ fn settings() -> anyhow::Result<Args> {
         rdma_domain,
         ca_cert,
         keep_finished_hours,
-        allow_root_ranks
+        allow_root_ranks,
+        tls_cert,
+        tls_key
     );
     anyhow::ensure!(
         args.keep_finished_hours.is_finite() && args.keep_finished_hours >= 0.0,
@@ -236,6 +245,9 @@ fn run() -> anyhow::Result<()> {
 const STALE_SESSIONS: u32 = 3;
 
 async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -> anyhow::Result<()> {
+    // Read and checked before anything listens: a bad certificate is a start-up error.
+    let tls = motley_agent::tls::TlsFiles::from_flags(args.tls_cert.clone(), args.tls_key.clone())?;
+    let tls = tls.as_ref().map(motley_agent::tls::TlsFiles::server_config).transpose()?;
     let listener = match tokio::net::TcpListener::bind(&args.logs_listen).await {
         Ok(l) => l,
         // Several agents on one machine (tests, `motley dev up`) cannot all have the default.
@@ -245,9 +257,10 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
         }
         Err(e) => return Err(e).with_context(|| format!("--logs-listen {}: cannot listen", args.logs_listen)),
     };
-    let logs_url = format!("http://{}:{}", args.address, listener.local_addr()?.port());
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let logs_url = format!("{scheme}://{}:{}", args.address, listener.local_addr()?.port());
     tracing::info!(node = %node, "rank logs at {logs_url}/logs/JOB/GENERATION/RANK");
-    tokio::spawn(motley_agent::logs::serve(listener, work_dir.clone(), args.token.clone()));
+    tokio::spawn(motley_agent::logs::serve(listener, work_dir.clone(), args.token.clone(), tls));
     let wrapper = std::env::current_exe().context("cannot find this executable (the rank wrapper)")?;
     let supervisor = Supervisor::new(work_dir.clone(), node.clone(), wrapper).allow_root_ranks(args.allow_root_ranks);
     if motley_agent::users::euid() == 0 {
@@ -441,11 +454,11 @@ async fn register(
                     "register at {url}: node {} is held by another live agent ({}); stop it or start this one with another --node",
                     req.node,
                     s.message()
-                )))
+                )));
             }
             // A wrong token or a refused entry will not change by trying again.
             Err(s) if matches!(s.code(), tonic::Code::Unauthenticated | tonic::Code::PermissionDenied | tonic::Code::InvalidArgument) => {
-                return Err(Ended::Fatal(anyhow::anyhow!("register at {url}: {}", s.message())))
+                return Err(Ended::Fatal(anyhow::anyhow!("register at {url}: {}", s.message())));
             }
             Err(s) => return Err(anyhow::anyhow!("register at {url}: {}", s.message()).into()),
         }

@@ -82,3 +82,18 @@ fn discover_reads_flag_then_env_then_config_file() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--config: cannot read /nonexistent/agent.toml"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_tls_cert_without_its_key_names_the_missing_flag() {
+    let dir = std::env::temp_dir().join(format!("motley-agent-cli-tls-{}", std::process::id()));
+    let inventory = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/nodes/a100.yaml");
+    let out = Command::new(env!("CARGO_BIN_EXE_motley-agent"))
+        .args(["--node", "n0", "--inventory", inventory, "--tls-cert", "/c.pem", "--work-dir"])
+        .arg(&dir)
+        .env("MOTLEY_CONFIG", "/dev/null")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--tls-key: --tls-cert needs its private key"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -73,6 +73,10 @@ struct Args {
     /// The private key (PEM) of --tls-cert.
     #[arg(long, env = "MOTLEY_TLS_KEY")]
     tls_key: Option<PathBuf>,
+    /// The CA certificate(s) (PEM) the agents' log-service certificates are checked against
+    /// when their logs URL is https (default: the public web roots ureq ships).
+    #[arg(long, env = "MOTLEY_AGENT_CA_CERT")]
+    agent_ca_cert: Option<PathBuf>,
     /// Export spans over OTLP/gRPC to this collector (e.g. http://otel-collector:4317).
     #[arg(long, env = "MOTLEY_OTLP_ENDPOINT")]
     otlp_endpoint: Option<String>,
@@ -154,6 +158,26 @@ async fn main() -> anyhow::Result<()> {
         }
         None => None,
     };
+    let agent_roots = match &args.agent_ca_cert {
+        None => ureq::tls::RootCerts::WebPki,
+        Some(path) => {
+            let pem = std::fs::read(path).with_context(|| format!("--agent-ca-cert: cannot read {}", path.display()))?;
+            let certs = ureq::tls::parse_pem(&pem)
+                .filter_map(|item| match item {
+                    Ok(ureq::tls::PemItem::Certificate(c)) => Some(Ok(c)),
+                    Ok(_) => None,
+                    Err(e) => Some(Err(e)),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .with_context(|| format!("--agent-ca-cert: {} is not PEM", path.display()))?;
+            anyhow::ensure!(
+                !certs.is_empty(),
+                "--agent-ca-cert: no certificate in {}; give the CA that signed the agents' --tls-cert",
+                path.display()
+            );
+            ureq::tls::RootCerts::new_with_certs(&certs)
+        }
+    };
     let scheme = if tls.is_some() { "https" } else { "http" };
     anyhow::ensure!(
         u32::from(args.master_port_base) >= 1024 && u32::from(args.master_port_base) + 1024 <= 65536,
@@ -230,7 +254,7 @@ async fn main() -> anyhow::Result<()> {
         server.add_service(AgentServer::new(agents)).add_service(ControlServer::new(control)).serve_with_incoming(incoming).await
     };
     let lead = contender.run();
-    let app = router(AppState { store: store.clone(), fleet, tokens, role, metrics });
+    let app = router(AppState { store: store.clone(), fleet, tokens, role, metrics, agent_roots });
     let rest = async move {
         match rest_tls {
             Some(config) => {

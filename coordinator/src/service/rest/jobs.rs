@@ -156,8 +156,8 @@ pub async fn logs(
         s.fleet.logs_url(&node).ok_or_else(|| CoordinatorError::Unavailable(format!("node {node} has no live agent serving logs")))?;
     let url = format!("{}/logs/{id}/{generation}/{rank}?offset={offset}", base.trim_end_matches('/'));
     // The agents' token: the agent's log service must never see the operators'.
-    let token = s.tokens.agent.clone();
-    tokio::task::spawn_blocking(move || fetch(&url, token.as_deref(), &node))
+    let (token, roots) = (s.tokens.agent.clone(), s.agent_roots.clone());
+    tokio::task::spawn_blocking(move || fetch(&url, token.as_deref(), &node, roots))
         .await
         .map_err(|e| CoordinatorError::Unavailable(format!("log fetch: {e}")))?
 }
@@ -165,15 +165,26 @@ pub async fn logs(
 /// At most this much log per answer; the reader asks again from the new offset.
 const LOG_CHUNK: u64 = 4 << 20;
 
-fn fetch(url: &str, token: Option<&str>, node: &str) -> Result<Vec<u8>, CoordinatorError> {
+/// One chunk of a rank's log from its agent, with the agents' token; an https logs URL is
+/// checked against `roots` (`--agent-ca-cert`).
+fn fetch(url: &str, token: Option<&str>, node: &str, roots: ureq::tls::RootCerts) -> Result<Vec<u8>, CoordinatorError> {
     use std::io::Read;
-    let agent: ureq::Agent =
-        ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(std::time::Duration::from_secs(10))).build().into();
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(std::time::Duration::from_secs(10)))
+        .tls_config(ureq::tls::TlsConfig::builder().root_certs(roots).build())
+        .build()
+        .into();
     let mut req = agent.get(url);
     if let Some(t) = token {
         req = req.header("Authorization", &format!("Bearer {t}"));
     }
-    let mut resp = req.call().map_err(|e| CoordinatorError::Unavailable(format!("node {node}'s agent: {e}")))?;
+    let mut resp = req.call().map_err(|e| {
+        // A certificate the coordinator cannot check: say which setting decides.
+        let tls = matches!(e, ureq::Error::Tls(_) | ureq::Error::Rustls(_)) || e.to_string().contains("certificate");
+        let hint = if tls { " (the agent's log-service certificate is checked against --agent-ca-cert)" } else { "" };
+        CoordinatorError::Unavailable(format!("node {node}'s agent: {e}{hint}"))
+    })?;
     let status = resp.status().as_u16();
     let mut bytes = vec![];
     resp.body_mut()

@@ -27,6 +27,9 @@ pub struct AppState {
     pub tokens: crate::service::Tokens,
     pub role: std::sync::Arc<crate::leader::Role>,
     pub metrics: Metrics,
+    /// What the agents' log-service certificates are checked against when their logs URL is
+    /// https (`--agent-ca-cert`, else the public web roots).
+    pub agent_roots: ureq::tls::RootCerts,
 }
 
 /// Every error answer's body.
