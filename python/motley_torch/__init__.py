@@ -1,0 +1,32 @@
+"""motley_torch: run a Motley plan (mixed GPU clusters) with PyTorch.
+
+    import motley_torch
+    view = motley_torch.init()          # in a rank started by the Motley agent
+    view.layers, view.tp_group, view.pp_prev_ranks, view.segments, ...
+
+See python/README.md.
+"""
+
+from .plan import ModelSpec, Plan, PlanError, load_model
+
+__all__ = ["init", "RankView", "Plan", "PlanError", "ModelSpec", "load_model",
+           "ColumnParallelLinear", "RowParallelLinear", "one_f_one_b", "Pipeline", "allreduce_gradients"]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # torch is imported lazily: the plan helpers work without it.
+    if name in ("init", "RankView", "RankEnvError"):
+        from . import dist
+
+        return getattr(dist, name)
+    if name in ("ColumnParallelLinear", "RowParallelLinear"):
+        from . import tp
+
+        return getattr(tp, name)
+    if name in ("one_f_one_b", "Pipeline", "allreduce_gradients"):
+        from . import schedule
+
+        return getattr(schedule, name)
+    raise AttributeError(f"module 'motley_torch' has no attribute {name!r}")

@@ -1,0 +1,188 @@
+"""The reference GPT, built for one pipeline stage (layers [l0, l1)) and one TP rank.
+
+Token embedding + learned position embedding, pre-LN blocks (causal attention with `heads`
+query and `kv_heads` key/value heads; MLP with GELU, or SwiGLU when `gated_mlp`), final LN and
+an untied output head. Attention and MLP matrices are Megatron-split over the TP group
+(q/k/v and the MLP's first matrices by columns, the attention output and the MLP's last matrix
+by rows); embeddings, layer norms and the head are replicated on every TP rank.
+
+Every parameter is initialised from (seed, full parameter name) on the FULL tensor and then
+sliced for the TP rank, so any plan (and the single-process run) starts from identical weights.
+Parameter names are those of the full model (`layers.7.attn.q.weight`), whatever the stage.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .plan import ModelSpec
+from .tp import ColumnParallelLinear, RowParallelLinear
+
+
+def param_generator(seed: int, name: str) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**62))
+    return g
+
+
+def full_init(seed: int, name: str, shape: Tuple[int, ...], kind: str, std: float) -> torch.Tensor:
+    """The full (unsharded) initial value of a parameter, in fp32 on the CPU."""
+    if kind == "ones":
+        return torch.ones(shape)
+    if kind == "zeros":
+        return torch.zeros(shape)
+    return torch.randn(shape, generator=param_generator(seed, name)) * std
+
+
+class Block(nn.Module):
+    def __init__(self, m: ModelSpec, group, tp_rank: int, tp_size: int):
+        super().__init__()
+        for what, n in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn_hidden", m.ffn_hidden)):
+            if n % tp_size:
+                raise ValueError(f"model.{what}: {n} is not divisible by the plan's tp {tp_size}")
+        h, hd = m.hidden, m.hidden // m.heads
+        self.hd = hd
+        self.local_heads = m.heads // tp_size
+        self.local_kv = m.kv_heads // tp_size
+        self.tp_size, self.group = tp_size, group
+        kw = dict(group=group, tp_rank=tp_rank, tp_size=tp_size)
+        self.ln1 = nn.LayerNorm(h)
+        self.attn = nn.Module()
+        self.attn.q = ColumnParallelLinear(h, m.heads * hd, **kw)
+        self.attn.k = ColumnParallelLinear(h, m.kv_heads * hd, **kw)
+        self.attn.v = ColumnParallelLinear(h, m.kv_heads * hd, **kw)
+        self.attn.o = RowParallelLinear(m.heads * hd, h, **kw)
+        self.ln2 = nn.LayerNorm(h)
+        self.mlp = nn.Module()
+        self.gated = m.gated_mlp
+        if m.gated_mlp:
+            self.mlp.gate = ColumnParallelLinear(h, m.ffn_hidden, bias=False, **kw)
+            self.mlp.up = ColumnParallelLinear(h, m.ffn_hidden, bias=False, **kw)
+            self.mlp.down = RowParallelLinear(m.ffn_hidden, h, bias=False, **kw)
+        else:
+            self.mlp.fc1 = ColumnParallelLinear(h, m.ffn_hidden, **kw)
+            self.mlp.fc2 = RowParallelLinear(m.ffn_hidden, h, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        y = self.ln1(x)
+        q = self.attn.q(y).view(b, s, self.local_heads, self.hd).transpose(1, 2)
+        k = self.attn.k(y).view(b, s, self.local_kv, self.hd).transpose(1, 2)
+        v = self.attn.v(y).view(b, s, self.local_kv, self.hd).transpose(1, 2)
+        if self.local_kv != self.local_heads:
+            rep = self.local_heads // self.local_kv
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        a = (att @ v).transpose(1, 2).reshape(b, s, self.local_heads * self.hd)
+        x = x + self.attn.o(a)
+        y = self.ln2(x)
+        if self.gated:
+            y = self.mlp.down(F.silu(self.mlp.gate(y)) * self.mlp.up(y))
+        else:
+            y = self.mlp.fc2(F.gelu(self.mlp.fc1(y)))
+        return x + y
+
+
+class GPTStage(nn.Module):
+    """Layers [l0, l1) of the GPT; the embeddings on the first stage, the head on the last."""
+
+    def __init__(self, m: ModelSpec, seq_len: int, layers: Tuple[int, int], group=None,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.spec, self.seq_len, self.l0, self.l1 = m, seq_len, layers[0], layers[1]
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.first = self.l0 == 0
+        self.last = self.l1 == m.layers
+        if self.first:
+            self.embed = nn.Embedding(m.vocab, m.hidden)
+            self.pos = nn.Embedding(seq_len, m.hidden)
+        self.layers = nn.ModuleDict({str(i): Block(m, group, tp_rank, tp_size) for i in range(self.l0, self.l1)})
+        if self.last:
+            self.ln_f = nn.LayerNorm(m.hidden)
+            self.head = nn.Linear(m.hidden, m.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens [b, s] on the first stage, hidden states [b, s, hidden] after; logits
+        [b, s, vocab] out of the last stage, hidden states out of the others."""
+        if self.first:
+            s = x.shape[1]
+            x = self.embed(x) + self.pos(torch.arange(s, device=x.device))[None]
+        for blk in self.layers.values():
+            x = blk(x)
+        if self.last:
+            x = self.head(self.ln_f(x))
+        return x
+
+    # -- parameters by their full-model names ----------------------------------------------
+
+    def full_params(self) -> Iterator[Tuple[str, nn.Parameter, Optional[nn.Module], str]]:
+        """(full name, local parameter, the TP layer that shards it or None, 'weight'|'bias')."""
+        for name, p in self.named_parameters():
+            mod_name, _, attr = name.rpartition(".")
+            mod = self.get_submodule(mod_name)
+            tp_mod = mod if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) else None
+            yield name, p, tp_mod, attr
+
+    def full_shape(self, name: str, p: torch.Tensor, tp_mod) -> Tuple[int, ...]:
+        if tp_mod is None:
+            return tuple(p.shape)
+        if isinstance(tp_mod, ColumnParallelLinear):
+            return (tp_mod.out_features,) + tuple(p.shape[1:])
+        return (tp_mod.out_features, tp_mod.in_features) if p.dim() == 2 else tuple(p.shape)
+
+    def init_kind(self, name: str, attr: str) -> Tuple[str, float]:
+        if ".ln" in "." + name and attr == "weight" or name.startswith("ln_f.weight"):
+            return "ones", 0.0
+        if attr == "bias":
+            return "zeros", 0.0
+        if name.endswith("attn.o.weight") or name.endswith("mlp.fc2.weight") or name.endswith("mlp.down.weight"):
+            return "normal", 0.02 / math.sqrt(2 * self.spec.layers)
+        return "normal", 0.02
+
+    def init_from_seed(self, seed: int):
+        with torch.no_grad():
+            for name, p, tp_mod, attr in self.full_params():
+                kind, std = self.init_kind(name, attr)
+                full = full_init(seed, name, self.full_shape(name, p, tp_mod), kind, std)
+                part = tp_mod.shard(full, attr) if tp_mod is not None else full
+                p.copy_(part.to(dtype=p.dtype, device=p.device))
+
+    def load_full_state(self, tensors: Dict[str, torch.Tensor]):
+        with torch.no_grad():
+            for name, p, tp_mod, attr in self.full_params():
+                full = tensors[name]
+                part = tp_mod.shard(full, attr) if tp_mod is not None else full
+                p.copy_(part.to(dtype=p.dtype, device=p.device))
+
+    def gather_full(self, tp_group) -> Dict[str, torch.Tensor]:
+        """Full (unsharded) fp32 CPU tensors of this stage's parameters: TP shards are
+        all-gathered over `tp_group` (every TP rank of the stage must call this)."""
+        import torch.distributed as dist
+
+        out = {}
+        for name, p, tp_mod, attr in self.full_params():
+            t = p.detach()
+            if tp_mod is not None and self.tp_size > 1 and not (isinstance(tp_mod, RowParallelLinear) and attr == "bias"):
+                parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+                dist.all_gather(parts, t.contiguous(), group=tp_group)
+                t = torch.cat(parts, dim=0 if isinstance(tp_mod, ColumnParallelLinear) else 1)
+            out[name] = t.float().cpu().contiguous()
+        return out
+
+    def segment_of(self, name: str) -> int:
+        """The layer a parameter belongs to for gradient rings: its block's layer; the
+        embeddings go with layer 0, the final LN and head with the last layer."""
+        if name.startswith("layers."):
+            return int(name.split(".")[1])
+        if name.startswith(("embed.", "pos.")):
+            return 0
+        return self.spec.layers - 1

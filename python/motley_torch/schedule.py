@@ -1,0 +1,160 @@
+"""1F1B pipeline schedule over a plan's hops, and the gradient rings.
+
+A replica with P stages runs its M micro-batches 1F1B: stage s does min(P-s-1, M) warm-up
+forwards, then alternates one forward and one backward, then drains the backwards. Replicas
+may have different P and M (uneven batch shares); nothing couples them until the gradient
+rings.
+
+A hop joins stage s (dp TP-groups) and stage s+1 (dp' TP-groups), whose dp may differ. For
+every pair (sender slice d, receiver slice e) whose rows of the micro-batch overlap, TP rank j
+of sender group d sends the overlapping rows to TP rank j of receiver group e over the hop's
+pp group; gradients go back over the same pairs. Sends are non-blocking (kept until the step
+ends), receives blocking, which with the 1F1B order cannot deadlock.
+
+Loss scaling: a last-stage rank's loss is the sum of its tokens' cross-entropy over
+(global_batch * seq_len), i.e. its local mean times its share of the samples; summing the
+gradients of every rank holding a layer segment (SUM all-reduce over the segment's dp ring)
+then gives exactly the gradient of the global mean loss, however unevenly the replicas share
+the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .dist import RankView
+
+
+def one_f_one_b(num_stages: int, stage: int, num_micro: int) -> List[Tuple[str, int]]:
+    """The order in which `stage` runs forwards ("F", k) and backwards ("B", k)."""
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} outside [0, {num_stages})")
+    warm = min(num_stages - stage - 1, num_micro)
+    out = [("F", k) for k in range(warm)]
+    for i in range(num_micro - warm):
+        out.append(("F", warm + i))
+        out.append(("B", i))
+    out.extend(("B", k) for k in range(num_micro - warm, num_micro))
+    return out
+
+
+class Pipeline:
+    """Runs one training step's forwards and backwards for one rank."""
+
+    def __init__(self, view: RankView, model: torch.nn.Module, hidden: int, seq_len: int, dtype=torch.float32):
+        self.v, self.model, self.hidden, self.seq_len, self.dtype = view, model, hidden, seq_len, dtype
+        plan = view.plan
+        rep = plan.replicas[view.replica]
+        st = rep.stages[view.stage]
+        j, d = view.tp_rank, view.stage_dp_rank
+        lo, _ = plan.dp_slice(st, d)
+        self.my_lo = lo
+        # (peer global rank, rows [a, b) of the micro-batch) per neighbour, in row order.
+        self.recv_from: List[Tuple[int, Tuple[int, int]]] = []
+        self.send_to: List[Tuple[int, Tuple[int, int]]] = []
+        if view.stage > 0:
+            prev = rep.stages[view.stage - 1]
+            for ds, e, rows in plan.hop_pairs(view.replica, view.stage - 1):
+                if e == d:
+                    self.recv_from.append((prev.ranks[ds * prev.tp + j], rows))
+        if view.stage + 1 < len(rep.stages):
+            nxt = rep.stages[view.stage + 1]
+            for ds, e, rows in plan.hop_pairs(view.replica, view.stage):
+                if ds == d:
+                    self.send_to.append((nxt.ranks[e * nxt.tp + j], rows))
+        self.pending = []
+
+    def _pg(self, g):
+        return g.pg if g is not None else None
+
+    def _send(self, t: torch.Tensor, dst: int, group):
+        t = t.detach().contiguous()
+        self.pending.append((dist.isend(t, dst=dst, group=self._pg(group)), t))
+
+    def _recv(self, shape, src: int, group) -> torch.Tensor:
+        t = torch.empty(shape, dtype=self.dtype, device=self.v.device)
+        dist.recv(t, src=src, group=self._pg(group))
+        return t
+
+    def step(self, micro: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: float) -> float:
+        """Forward and backward every micro-batch (inputs, targets of this rank's rows; only
+        the first stage reads inputs, only the last targets). Returns the sum of this rank's
+        scaled losses (0 unless last stage)."""
+        v = self.v
+        order = one_f_one_b(v.pp_size, v.stage, len(micro))
+        saved: Dict[int, tuple] = {}
+        total = 0.0
+        for what, k in order:
+            if what == "F":
+                x_in = None
+                if v.is_first_stage:
+                    x = micro[k][0].to(v.device)
+                else:
+                    parts = [self._recv((b - a, self.seq_len, self.hidden), src, v.pp_prev_group)
+                             for src, (a, b) in self.recv_from]
+                    x_in = torch.cat(parts) if len(parts) > 1 else parts[0]
+                    x_in.requires_grad_()
+                    x = x_in
+                out = self.model(x)
+                if v.is_last_stage:
+                    tgt = micro[k][1].to(v.device)
+                    loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), tgt.reshape(-1), reduction="sum")
+                    out = loss * loss_scale
+                    total += float(out.detach())
+                else:
+                    for dst, (a, b) in self.send_to:
+                        self._send(out[a - self.my_lo : b - self.my_lo], dst, v.pp_next_group)
+                saved[k] = (x_in, out)
+            else:
+                x_in, out = saved.pop(k)
+                if v.is_last_stage:
+                    out.backward()
+                else:
+                    grad = torch.empty_like(out)
+                    for src, (a, b) in self.send_to:
+                        grad[a - self.my_lo : b - self.my_lo] = self._recv((b - a, self.seq_len, self.hidden), src,
+                                                                           v.pp_next_group)
+                    torch.autograd.backward(out, grad)
+                if x_in is not None:
+                    off = self.my_lo
+                    for src, (a, b) in self.recv_from:
+                        self._send(x_in.grad[a - off : b - off], src, v.pp_prev_group)
+        return total
+
+    def finish(self):
+        for w, _ in self.pending:
+            w.wait()
+        self.pending = []
+
+
+def allreduce_gradients(view: RankView, named_params, segment_of: Callable[[str], int]):
+    """SUM each layer segment's gradients over its dp ring (one flat buffer per segment)."""
+    by_seg: Dict[int, List[torch.nn.Parameter]] = {}
+    for name, p in named_params:
+        layer = segment_of(name)
+        for i, s in enumerate(view.segments):
+            if s.layers[0] <= layer < s.layers[1]:
+                by_seg.setdefault(i, []).append(p)
+                break
+        else:
+            raise RuntimeError(f"parameter {name} (layer {layer}) is in none of the rank's segments")
+    for i, params in sorted(by_seg.items()):
+        seg = view.segments[i]
+        if seg.group is None:
+            continue
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=seg.group.pg)
+        off = 0
+        for p in params:
+            n = p.numel()
+            g = flat[off : off + n].view_as(p)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+            off += n

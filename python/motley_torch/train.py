@@ -1,0 +1,189 @@
+"""The reference trainer: `python -m motley_torch.train`.
+
+Run by every rank of a job (the job file's `run:`), it trains the plan's GPT on synthetic data
+with the plan's pipeline, tensor and data parallelism; global rank 0 prints one JSON line per
+step, {"step": i, "loss": x}, the global mean loss. With --single-process it trains the same
+model on the same data in one process and prints the same lines (the two agree within 1e-4 in
+fp32), which is how the distributed paths are checked.
+
+    python -m motley_torch.train --steps 20 --seed 1                      # in a rank
+    python -m motley_torch.train --single-process --model m.yaml \\
+        --global-batch 8 --seq-len 16 --steps 20 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .data import global_batch_tokens, rank_micro_batches
+from .model import GPTStage
+from .plan import ModelSpec, PlanError, load_model
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m motley_torch.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--plan", help="plan JSON (default: $MOTLEY_PLAN)")
+    p.add_argument("--model", help="model YAML file or catalog name; default: the plan's model_spec")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16/fp16 on CUDA only")
+    p.add_argument("--save-params", metavar="DIR",
+                   help="write the final parameters, full (unsharded) tensors, to DIR/params.safetensors")
+    p.add_argument("--single-process", action="store_true", help="train the whole model in this process")
+    p.add_argument("--global-batch", type=int, help="--single-process: sequences per step")
+    p.add_argument("--seq-len", type=int, help="--single-process: tokens per sequence (default: the model's)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
+    return p.parse_args(argv)
+
+
+def make_optimizer(params, args):
+    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+
+
+def emit(step: int, loss: float):
+    print(json.dumps({"step": step, "loss": loss}), flush=True)
+
+
+def save_file(tensors, path: str):
+    from safetensors.torch import save_file as st_save
+
+    tmp = path + ".tmp"
+    st_save({k: v.contiguous() for k, v in tensors.items()}, tmp)
+    os.replace(tmp, path)
+
+
+def run_single(args) -> int:
+    if not args.model:
+        raise PlanError("--model: required with --single-process")
+    if not args.global_batch or args.global_batch < 1:
+        raise PlanError("--global-batch: required with --single-process (a positive integer)")
+    spec = load_model(args.model)
+    seq = args.seq_len or spec.seq_len
+    dtype = DTYPES[args.dtype]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype != torch.float32 and device.type != "cuda":
+        raise PlanError(f"--dtype: {args.dtype} needs CUDA; use fp32 on the CPU")
+    model = GPTStage(spec, seq, (0, spec.layers))
+    model.init_from_seed(args.seed)
+    model.to(device=device, dtype=dtype)
+    opt = make_optimizer(model.parameters(), args)
+    for step in range(args.steps):
+        tokens = global_batch_tokens(args.seed, step, args.global_batch, seq, spec.vocab).to(device)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, spec.vocab), tokens[:, 1:].reshape(-1), reduction="sum")
+        loss = loss / (args.global_batch * seq)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        emit(step, float(loss.detach()))
+    if args.save_params:
+        os.makedirs(args.save_params, exist_ok=True)
+        save_file({k: v.detach().float().cpu() for k, v in model.state_dict().items()},
+                  os.path.join(args.save_params, "params.safetensors"))
+    return 0
+
+
+def _check_model(plan_model: ModelSpec, given: Optional[ModelSpec], ref: str):
+    if given is None:
+        return
+    for k, v in plan_model.to_dict().items():
+        if k != "name" and given.to_dict()[k] != v:
+            raise PlanError(f"--model: {ref} has {k} {given.to_dict()[k]}, the plan's model_spec {v}")
+
+
+def run_rank(args) -> int:
+    import torch.distributed as dist
+
+    from .dist import init
+    from .schedule import Pipeline, allreduce_gradients
+
+    given = load_model(args.model) if args.model else None
+    view = init(args.plan, model=given, timeout_s=args.timeout)
+    plan = view.plan
+    _check_model(plan.model, given, args.model)
+    spec, seq = plan.model, plan.seq_len
+    dtype = DTYPES[args.dtype]
+    if dtype != torch.float32 and view.device.type != "cuda":
+        raise PlanError(f"--dtype: {args.dtype} needs CUDA; use fp32 on the CPU")
+    tp_pg = view.tp_group.pg if view.tp_group is not None else None
+    model = GPTStage(spec, seq, view.layers, group=tp_pg, tp_rank=view.tp_rank, tp_size=view.tp_size)
+    model.init_from_seed(args.seed)
+    model.to(device=view.device, dtype=dtype)
+    opt = make_optimizer(model.parameters(), args)
+    pipe = Pipeline(view, model, spec.hidden, seq, dtype=dtype)
+    scale = 1.0 / (plan.global_batch * seq)
+    reports_loss = view.is_last_stage and view.tp_rank == 0
+    for step in range(args.steps):
+        tokens = global_batch_tokens(args.seed, step, plan.global_batch, seq, spec.vocab)
+        local = pipe.step(rank_micro_batches(plan, view.rank, tokens), scale)
+        pipe.finish()
+        allreduce_gradients(view, model.named_parameters(), model.segment_of)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        # The global mean loss: every sample's scaled loss is summed once (TP rank 0 of the
+        # last stages), over the whole world, so rank 0 has it whatever stage it holds.
+        t = torch.tensor([local if reports_loss else 0.0], dtype=torch.float64 if view.backend == "gloo" else torch.float32,
+                         device=view.device)
+        dist.all_reduce(t)
+        if view.rank == 0:
+            emit(step, float(t.item()))
+    if args.save_params:
+        save_params_distributed(view, model, args.save_params)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def save_params_distributed(view, model: GPTStage, out_dir: str):
+    """Replica 0's first TP group of every stage gathers its stage's full tensors; TP rank 0
+    writes DIR/params-stage{s}.safetensors; rank 0 then merges them into DIR/params.safetensors
+    (when DIR is shared, as on one host; otherwise the stage files stay where they were written)."""
+    import torch.distributed as dist
+
+    os.makedirs(out_dir, exist_ok=True)
+    if view.replica == 0 and view.stage_dp_rank == 0:
+        tp_pg = view.tp_group.pg if view.tp_group is not None else None
+        full = model.gather_full(tp_pg)
+        if view.tp_rank == 0:
+            save_file(full, os.path.join(out_dir, f"params-stage{view.stage}.safetensors"))
+    dist.barrier()
+    if view.rank == 0:
+        from safetensors.torch import load_file
+
+        parts = [os.path.join(out_dir, f"params-stage{s}.safetensors") for s in range(view.pp_size)]
+        if all(os.path.exists(p) for p in parts):
+            merged = {}
+            for p in parts:
+                merged.update(load_file(p))
+            save_file(merged, os.path.join(out_dir, "params.safetensors"))
+            for p in parts:
+                os.remove(p)
+        else:
+            print(f"motley_torch.train: stage parameter files are not all in {out_dir} on this node; "
+                  f"not merged", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.steps < 0:
+            raise PlanError("--steps: must be >= 0")
+        return run_single(args) if args.single_process else run_rank(args)
+    except PlanError as e:
+        print(f"motley_torch.train: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Test helpers: run `motley plan`, hand-write plans in the documented form, and start one
+local CPU process per rank of a plan with exactly the environment the Motley agent gives a
+rank (agent/src/ranks.rs), MOTLEY_NCCL_GROUPS written as agent/src/groups.rs writes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "data"
+REPO = HERE.parent.parent
+PYTHON = sys.executable
+
+
+def motley_bin() -> Optional[str]:
+    b = os.environ.get("MOTLEY_BIN") or str(REPO / "target" / "release" / "motley")
+    return b if os.path.exists(b) and os.access(b, os.X_OK) else None
+
+
+def motley_plan(cluster: str, model: str, global_batch: int, *extra: str) -> dict:
+    """`motley plan -o json` on a cluster and model file of tests/data."""
+    b = motley_bin()
+    if b is None:
+        raise RuntimeError("no motley binary: set MOTLEY_BIN or build target/release/motley")
+    cmd = [b, "plan", "--cluster", str(DATA / cluster), "--model", str(DATA / model),
+           "--global-batch", str(global_batch), *extra, "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr}")
+    return json.loads(out.stdout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- what the coordinator and the agent compute, re-implemented from the Rust sources --------
+
+
+def ranks_of(plan: dict) -> List[dict]:
+    """coordinator/src/control.rs `ranks_of` + coordinator/src/lifecycle.rs `placement`."""
+    out, local = [], {}
+    for ri, r in enumerate(plan["replicas"]):
+        for si, s in enumerate(r["stages"]):
+            tp = max(1, int(s["tp"]))
+            for pos, g in enumerate(s["gpus"]):
+                lr = local.get(g["node"], 0)
+                local[g["node"]] = lr + 1
+                out.append(dict(rank=len(out), node=g["node"], gpu=g["index"], local_rank=lr, replica=ri, stage=si,
+                                layer_start=s["layers"][0], layer_end=s["layers"][1], tp_rank=pos % tp, tp_size=tp,
+                                stage_dp_rank=pos // tp, stage_dp_size=s["dp"], pp_size=len(r["stages"]),
+                                replicas=len(plan["replicas"])))
+    for r in out:
+        r["local_world_size"] = local[r["node"]]
+    return out
+
+
+def groups_for_rank(plan: dict, node: str, gpu: int, extended: bool = True):
+    """agent/src/groups.rs `for_rank`: the rank's groups (env with node_env on top) and the
+    settings common to all of them. `extended` adds index, gpus and layers (the newer agent)."""
+    groups = []
+    for i, g in enumerate(plan.get("comm_groups") or []):
+        if not any(m["node"] == node and m["index"] == gpu for m in g["gpus"]):
+            continue
+        env = {}
+        for src in (g.get("env") or {}, (g.get("node_env") or {}).get(node) or {}):
+            for k, v in src.items():
+                env[k] = v if isinstance(v, str) else json.dumps(v)
+        e = {"kind": g["kind"], "replica": g.get("replica"), "stage": g.get("stage"), "nccl_net": g.get("nccl_net"),
+             "env": env}
+        if extended:
+            e.update(index=i, gpus=g["gpus"], layers=g.get("layers"))
+        groups.append(e)
+    common = {}
+    if groups:
+        first = groups[0]["env"]
+        common = {k: v for k, v in first.items() if all(x["env"].get(k) == v for x in groups[1:])}
+    return groups, common
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    stdout: str
+    log: str  # stdout + stderr as the agent's rank log has them (stderr here)
+    groups_log: List[dict]
+    env: Dict[str, str]
+
+
+def launch(plan: dict, args: List[str], workdir: Path, timeout: float = 240.0, extended: bool = True,
+           module: str = "motley_torch.train", extra_env: Optional[Dict[str, str]] = None) -> List[RankResult]:
+    """Start every rank of `plan` on localhost (gloo on the CPU), wait, collect outputs."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan_path = workdir / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    ranks = ranks_of(plan)
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MOTLEY_", "NCCL_"))}
+    base.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    procs = []
+    for r in ranks:
+        groups, common = groups_for_rank(plan, r["node"], r["gpu"], extended)
+        gfile = workdir / f"rank{r['rank']}.groups.json"
+        gfile.write_text(json.dumps(groups))
+        env = dict(base)
+        env.update({
+            "RANK": str(r["rank"]), "WORLD_SIZE": str(len(ranks)), "LOCAL_RANK": str(r["local_rank"]),
+            "LOCAL_WORLD_SIZE": str(r["local_world_size"]), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "CUDA_VISIBLE_DEVICES": str(r["gpu"]), "MOTLEY_NODE": r["node"], "MOTLEY_JOB": "1",
+            "MOTLEY_GENERATION": "0", "MOTLEY_REPLICA": str(r["replica"]), "MOTLEY_STAGE": str(r["stage"]),
+            "MOTLEY_LAYER_START": str(r["layer_start"]), "MOTLEY_LAYER_END": str(r["layer_end"]),
+            "MOTLEY_PLAN": str(plan_path), "MOTLEY_TP_RANK": str(r["tp_rank"]), "MOTLEY_TP_SIZE": str(r["tp_size"]),
+            "MOTLEY_STAGE_DP_RANK": str(r["stage_dp_rank"]), "MOTLEY_STAGE_DP_SIZE": str(r["stage_dp_size"]),
+            "MOTLEY_DP_RANK": str(r["replica"]), "MOTLEY_DP_SIZE": str(r["replicas"]),
+            "MOTLEY_PP_RANK": str(r["stage"]), "MOTLEY_PP_SIZE": str(r["pp_size"]),
+            "MOTLEY_NCCL_GROUPS": str(gfile),
+            "MOTLEY_GROUP_LOG": str(workdir / f"rank{r['rank']}.group.log"),
+        })
+        for k, v in common.items():
+            env.setdefault(k, v)
+        env.update(extra_env or {})
+        out = open(workdir / f"rank{r['rank']}.out", "w")
+        err = open(workdir / f"rank{r['rank']}.log", "w")
+        p = subprocess.Popen([PYTHON, "-m", module, *args], env=env, stdout=out, stderr=err, cwd=workdir,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+        procs.append((r, p, out, err, env))
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    for r, p, out, err, env in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    results = []
+    for r, p, out, err, env in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
+        out.close()
+        err.close()
+        n = r["rank"]
+        glog = workdir / f"rank{n}.group.log"
+        lines = [json.loads(x) for x in glog.read_text().splitlines()] if glog.exists() else []
+        results.append(RankResult(n, p.returncode, (workdir / f"rank{n}.out").read_text(),
+                                  (workdir / f"rank{n}.log").read_text(), lines, env))
+    if timed_out:
+        logs = "\n".join(f"--- rank {x.rank} ({x.returncode})\n{x.log[-3000:]}" for x in results)
+        raise AssertionError(f"ranks did not finish within {timeout} s\n{logs}")
+    return results
+
+
+def check_ok(results: List[RankResult]):
+    bad = [x for x in results if x.returncode != 0]
+    if bad:
+        logs = "\n".join(f"--- rank {x.rank} exit {x.returncode}\n{x.log[-4000:]}" for x in bad)
+        raise AssertionError(f"{len(bad)} rank(s) failed\n{logs}")
+
+
+def losses(stdout: str) -> List[float]:
+    return [json.loads(line)["loss"] for line in stdout.splitlines() if line.startswith("{")]
+
+
+def single_process(model: str, global_batch: int, seq_len: int, steps: int, seed: int, save: Optional[Path] = None,
+                   extra: Optional[List[str]] = None) -> List[float]:
+    cmd = [PYTHON, "-m", "motley_torch.train", "--single-process", "--model", model, "--global-batch",
+           str(global_batch), "--seq-len", str(seq_len), "--steps", str(steps), "--seed", str(seed), *(extra or [])]
+    if save is not None:
+        cmd += ["--save-params", str(save)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    return losses(out.stdout)
+
+
+# ---- plans written by hand in the documented form --------------------------------------------
+
+
+def hand_plan(model_spec: dict, global_batch: int, micro_batch: int, replicas: List[dict],
+              node_kind: Optional[Dict[str, str]] = None, with_model_spec: bool = True) -> dict:
+    """A plan document with comm_groups made by the rules of solver/src/network.rs (tp groups,
+    then pipeline hops, then gradient rings per layer segment and TP rank). `replicas`:
+    [{micro_batches, stages: [{layers, tp, dp, gpus: [(node, index), ...]}]}]. `node_kind`
+    gives each node's RDMA island ("ib" / "roce") for the transport fields; nodes on no island
+    or rings mixing islands use sockets."""
+    node_kind = node_kind or {}
+    reps = []
+    for r in replicas:
+        stages = [dict(layers=list(s["layers"]), gpu=s.get("gpu", "cpu"), tp=s["tp"], dp=s["dp"],
+                       gpus=[{"node": n, "index": i} for n, i in s["gpus"]]) for s in r["stages"]]
+        reps.append(dict(samples=r["micro_batches"] * micro_batch, micro_batches=r["micro_batches"], stages=stages))
+
+    def group(kind, gpus, replica, stage, layers):
+        nodes = sorted({g["node"] for g in gpus})
+        kinds = {node_kind.get(n) for n in nodes}
+        if len(nodes) == 1:
+            transport, env, net = "nvlink", {}, None
+        elif len(kinds) == 1 and None not in kinds:
+            k = kinds.pop()
+            transport, net = k, "IB"
+            env = {"NCCL_NET": "IB", "NCCL_IB_DISABLE": "0", "NCCL_IB_HCA": "=mlx5_0:1", "NCCL_CROSS_NIC": "0"}
+            if k == "roce":
+                env["NCCL_IB_GID_INDEX"] = "3"
+        else:
+            transport, net, env = "socket", "Socket", {"NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "=eth0"}
+        return dict(kind=kind, gpus=gpus, transport=transport, nics=[], env=env, nccl_net=net, replica=replica,
+                    stage=stage, layers=list(layers))
+
+    groups = []
+    for ri, r in enumerate(reps):
+        for si, s in enumerate(r["stages"]):
+            if s["tp"] >= 2:
+                for d in range(s["dp"]):
+                    groups.append(group("tp", s["gpus"][d * s["tp"] : (d + 1) * s["tp"]], ri, si, s["layers"]))
+    for ri, r in enumerate(reps):
+        for si in range(len(r["stages"]) - 1):
+            b = r["stages"][si]["layers"][1]
+            groups.append(group("pp", r["stages"][si]["gpus"] + r["stages"][si + 1]["gpus"], ri, si, [b, b]))
+    layers = model_spec["layers"]
+    cuts = sorted({0, layers} | {s["layers"][0] for r in reps for s in r["stages"]})
+    tp = reps[0]["stages"][0]["tp"]
+    for l0, l1 in zip(cuts[:-1], cuts[1:]):
+        for j in range(tp):
+            gpus = []
+            for r in reps:
+                s = next(s for s in r["stages"] if s["layers"][0] <= l0 < s["layers"][1])
+                gpus += [s["gpus"][d * s["tp"] + j] for d in range(s["dp"])]
+            if len(gpus) >= 2:
+                groups.append(group("dp", gpus, None, None, [l0, l1]))
+    doc = dict(model=model_spec["name"], global_batch=global_batch, micro_batch=micro_batch,
+               seq_len=model_spec["seq_len"], replicas=reps, comm_groups=groups)
+    if with_model_spec:
+        doc["model_spec"] = model_spec
+    return doc
