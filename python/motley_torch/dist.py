@@ -206,6 +206,10 @@ def _entries(plan: Plan, node: str, gpu: int, path: str) -> Dict[int, dict]:
         if idx != g.index or e.get("kind") != g.kind:
             raise RankEnvError(f"MOTLEY_NCCL_GROUPS: entry {i} ({e.get('kind')}, index {idx}) is not the plan's "
                                f"comm_groups[{g.index}] ({g.kind}) for GPU {node}:{gpu}")
+        if "gpus" in e and e["gpus"] is not None:
+            gpus = [(str(m.get("node")), m.get("index")) for m in e["gpus"]] if isinstance(e["gpus"], list) else None
+            if gpus != g.gpus:
+                raise RankEnvError(f"MOTLEY_NCCL_GROUPS: entry {i}.gpus are not the plan's comm_groups[{g.index}].gpus")
         env = e.get("env") or {}
         if not isinstance(env, dict):
             raise RankEnvError(f"MOTLEY_NCCL_GROUPS: entry {i}.env is not an object")

@@ -1,0 +1,121 @@
+"""Rank numbering, segments, the data split and the errors naming what is at fault."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from launcher import DATA, groups_for_rank, hand_plan, ranks_of
+from motley_torch.data import global_batch_tokens, rank_micro_batches
+from motley_torch.plan import ModelSpec, Plan, PlanError, group_entries_for_gpu, load_model
+
+SPEC = dict(name="t", layers=4, hidden=32, heads=4, seq_len=8, vocab=64)
+
+
+def asym():
+    # replica 0: 3 micro-batches over two stages, the first with dp 2; replica 1: one stage, 1 micro-batch
+    return hand_plan(SPEC, 8, 2, [
+        dict(micro_batches=3, stages=[dict(layers=[0, 1], tp=2, dp=2, gpus=[("a", 0), ("a", 1), ("a", 2), ("a", 3)]),
+                                      dict(layers=[1, 4], tp=2, dp=1, gpus=[("b", 0), ("b", 1)])]),
+        dict(micro_batches=1, stages=[dict(layers=[0, 4], tp=2, dp=1, gpus=[("c", 0), ("c", 1)])]),
+    ])
+
+
+def test_rank_numbering_matches_the_coordinator():
+    doc = asym()
+    plan = Plan(doc)
+    want = ranks_of(doc)
+    assert plan.world_size == 8
+    for r, w in zip(plan.ranks, want):
+        assert (r.rank, r.node, r.gpu, r.local_rank, r.replica, r.stage, r.tp_rank, r.stage_dp_rank) == (
+            w["rank"], w["node"], w["gpu"], w["local_rank"], w["replica"], w["stage"], w["tp_rank"], w["stage_dp_rank"])
+    assert plan.rank_of[("b", 1)] == 5
+
+
+def test_segments_and_their_gradient_rings():
+    plan = Plan(asym())
+    assert plan.segments() == [(0, 1), (1, 4)]
+    assert plan.segment_holders((0, 1), 0) == [0, 2, 6]
+    assert plan.segment_holders((1, 4), 1) == [5, 7]
+    dp = [(g.layers, g.ranks) for g in plan.comm_groups if g.kind == "dp"]
+    assert dp == [((0, 1), [0, 2, 6]), ((0, 1), [1, 3, 7]), ((1, 4), [4, 6]), ((1, 4), [5, 7])]
+
+
+def test_hop_pairs_between_stages_of_different_dp():
+    plan = Plan(asym())
+    assert plan.hop_pairs(0, 0) == [(0, 0, (0, 1)), (1, 0, (1, 2))]
+
+
+def test_data_slices_cover_the_global_batch_once():
+    doc = asym()
+    plan = Plan(doc)
+    tokens = global_batch_tokens(5, 3, 8, 8, 64)
+    assert tokens.shape == (8, 9)
+    assert torch.equal(tokens, global_batch_tokens(5, 3, 8, 8, 64))
+    assert not torch.equal(tokens, global_batch_tokens(5, 4, 8, 8, 64))
+    # replica 0 rows 0..5 (3 micro-batches of 2; stage 0 dp 2 takes one row each), replica 1 rows 6..7
+    assert plan.rank_samples(0) == [(0, 1), (2, 3), (4, 5)]
+    assert plan.rank_samples(2) == [(1, 2), (3, 4), (5, 6)]
+    assert plan.rank_samples(4) == [(0, 2), (2, 4), (4, 6)]
+    assert plan.rank_samples(6) == [(6, 8)]
+    seen = []
+    for stage_ranks in ([0, 2, 6], [4, 6]):  # first stages / last stages, TP rank 0
+        rows = sorted(r for rank in stage_ranks for a, b in plan.rank_samples(rank) for r in range(a, b))
+        assert rows == list(range(8))
+    mb = rank_micro_batches(plan, 2, tokens)
+    assert torch.equal(mb[1][0], tokens[3:4, :-1]) and torch.equal(mb[1][1], tokens[3:4, 1:])
+
+
+def test_groups_file_matches_the_agents():
+    doc = asym()
+    doc["comm_groups"][4]["node_env"] = {"a": {"NCCL_IB_GID_INDEX": "3"}}
+    mine = group_entries_for_gpu(doc, "a", 0)
+    agent, common = groups_for_rank(doc, "a", 0)
+    assert mine == agent
+    assert [e["index"] for e in mine] == [0, 4, 5]
+
+
+def test_errors_name_the_field():
+    doc = asym()
+    doc["replicas"][1]["samples"] = 3
+    with pytest.raises(PlanError, match=r"replicas\[1\]\.samples"):
+        Plan(doc)
+    doc = asym()
+    del doc["model_spec"]
+    with pytest.raises(PlanError, match="model_spec"):
+        Plan(doc)
+    assert Plan(doc, ModelSpec.from_dict(SPEC)).model.ffn_hidden == 128
+    doc = asym()
+    doc["replicas"][0]["stages"][1]["layers"] = [2, 4]
+    with pytest.raises(PlanError, match=r"stages\[1\]\.layers"):
+        Plan(doc)
+    with pytest.raises(PlanError, match="kv_heads"):
+        ModelSpec.from_dict(dict(SPEC, kv_heads=3))
+    assert load_model(str(DATA / "tiny6-gqa.yaml")).kv_heads == 2
+
+
+def run_rank_env(tmp_path, **env):
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MOTLEY_")}
+    base.update(env)
+    return subprocess.run([sys.executable, "-m", "motley_torch.train", "--steps", "1"], env=base, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+
+
+def test_a_rank_with_a_bad_environment_exits_naming_the_variable(tmp_path):
+    out = run_rank_env(tmp_path)
+    assert out.returncode != 0 and "MOTLEY_PLAN" in out.stderr
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(asym()))
+    out = run_rank_env(tmp_path, MOTLEY_PLAN=str(plan), RANK="0", WORLD_SIZE="4")
+    assert out.returncode != 0 and "WORLD_SIZE" in out.stderr
+    groups = tmp_path / "g.json"
+    groups.write_text("[]")
+    out = run_rank_env(tmp_path, MOTLEY_PLAN=str(plan), RANK="1", WORLD_SIZE="8", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT="1", MOTLEY_NCCL_GROUPS=str(groups), MOTLEY_STAGE="1")
+    assert out.returncode != 0 and "MOTLEY_STAGE" in out.stderr
+    out = run_rank_env(tmp_path, MOTLEY_PLAN=str(plan), RANK="1", WORLD_SIZE="8", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT="1", MOTLEY_NCCL_GROUPS=str(groups))
+    assert out.returncode != 0 and "MOTLEY_NCCL_GROUPS" in out.stderr, out.stderr
