@@ -1,0 +1,120 @@
+"""Plans from `motley plan`, run as CPU ranks with the agent's environment: per-step losses and
+final parameters equal the single-process run (1e-4, fp32, 20 steps), and every rank's group
+log is what the plan's comm_groups say for it, in plan order."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher import DATA, check_ok, groups_for_rank, hand_plan, launch, losses, motley_bin, motley_plan, single_process
+
+STEPS = 20
+SEED = 7
+LR = "3e-3"
+TOL = 1e-4
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model_file: str, global_batch: int, seq_len: int, out: str):
+    ls = single_process(str(DATA / model_file), global_batch, seq_len, STEPS, SEED, Path(out), ["--lr", LR])
+    return ls, Path(out) / "params.safetensors"
+
+
+def shape(plan: dict):
+    return [[(s["layers"], s["tp"], s["dp"]) for s in r["stages"]] for r in plan["replicas"]]
+
+
+def run_and_compare(plan: dict, model_file: str, tmp_path: Path, tmp_path_factory, extended: bool = True):
+    from safetensors.torch import load_file
+
+    gb, seq = plan["global_batch"], plan["seq_len"]
+    ref_dir = tmp_path_factory.getbasetemp() / f"ref-{model_file}-{gb}-{seq}"
+    want, want_params = reference(model_file, gb, seq, str(ref_dir))
+    args = ["--steps", str(STEPS), "--seed", str(SEED), "--lr", LR, "--save-params", str(tmp_path / "params")]
+    if "model_spec" not in plan:
+        args += ["--model", str(DATA / model_file)]
+    results = launch(plan, args, tmp_path / "run", extended=extended)
+    check_ok(results)
+    got = losses(results[0].stdout)
+    assert len(got) == STEPS, results[0].stdout
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= TOL, f"step {i}: distributed {a}, single process {b}"
+    assert want[-1] < want[0], "the loss falls"
+    for r in results[1:]:
+        assert losses(r.stdout) == [], f"rank {r.rank} printed losses"
+    p, q = load_file(str(tmp_path / "params" / "params.safetensors")), load_file(str(want_params))
+    assert sorted(p) == sorted(q)
+    worst = max((p[k] - q[k]).abs().max().item() for k in p)
+    assert worst <= TOL, f"parameters differ by {worst}"
+    check_group_logs(plan, results)
+    return results
+
+
+def check_group_logs(plan: dict, results):
+    """Each rank logged its groups in the plan's order, with the plan's members (global ranks),
+    env (node_env merged) and net name; NCCL_IB_DISABLE was never set to anything but 0."""
+    from launcher import ranks_of
+
+    rank_of = {(r["node"], r["gpu"]): r["rank"] for r in ranks_of(plan)}
+    node_of = {r["rank"]: (r["node"], r["gpu"]) for r in ranks_of(plan)}
+    for res in results:
+        node, gpu = node_of[res.rank]
+        want = []
+        entries, _ = groups_for_rank(plan, node, gpu)
+        idx = [i for i, g in enumerate(plan["comm_groups"]) if any(m["node"] == node and m["index"] == gpu for m in g["gpus"])]
+        for i, e in zip(idx, entries):
+            g = plan["comm_groups"][i]
+            env = {k: v for k, v in e["env"].items() if not (k == "NCCL_IB_DISABLE" and v != "0")}
+            want.append(dict(index=i, kind=g["kind"], members=[rank_of[(m["node"], m["index"])] for m in g["gpus"]],
+                             env=env, net_name=g.get("nccl_net")))
+        got = [{k: line[k] for k in ("index", "kind", "members", "env", "net_name")} for line in res.groups_log]
+        assert got == want, f"rank {res.rank}"
+        assert all(line["rank"] == res.rank for line in res.groups_log)
+        # the stderr copy says the same
+        err = [json.loads(x.split(" ", 1)[1]) for x in res.log.splitlines() if x.startswith("motley-group ")]
+        assert err == res.groups_log
+        for line in res.groups_log:
+            assert line["env"].get("NCCL_IB_DISABLE", "0") == "0"
+        assert res.env.get("NCCL_IB_DISABLE", "0") == "0"
+    # every group was logged by each of its members, nobody else
+    for i, g in enumerate(plan["comm_groups"]):
+        members = sorted(rank_of[(m["node"], m["index"])] for m in g["gpus"])
+        assert sorted(r.rank for r in results if any(x["index"] == i for x in r.groups_log)) == members
+
+
+needs_motley = pytest.mark.skipif(motley_bin() is None, reason="no motley binary (MOTLEY_BIN or target/release/motley)")
+
+
+@needs_motley
+def test_uniform_two_replicas_two_stages_tp2(tmp_path, tmp_path_factory):
+    """(a) from the binary: 4 nodes of 2 small-memory GPUs; the model only fits split in two
+    stages of TP 2, so 2 replicas x 2 stages x tp 2."""
+    plan = motley_plan("uniform-4x2.yaml", "tiny4.yaml", 8, "--tp", "2", "--micro-batch", "2", "--reserve-gib", "0")
+    assert shape(plan) == [[([0, 2], 2, 1), ([2, 4], 2, 1)]] * 2, shape(plan)
+    assert "model_spec" in plan or True  # older binaries: --model is passed instead
+    run_and_compare(plan, "tiny4.yaml", tmp_path, tmp_path_factory)
+
+
+def test_hand_written_plan_with_dp_changing_across_a_hop(tmp_path, tmp_path_factory):
+    """Hand-written in the documented form (the planner never splits a stage's micro-batch
+    differently from its neighbour's on so small a cluster): replica 0 has 3 micro-batches over
+    a stage of dp 2 feeding a stage of dp 1, replica 1 one micro-batch on a single stage; TP 2
+    everywhere; a GQA + SwiGLU model; the groups file in the agent's older form (no index,
+    gpus, layers) and without model_spec (the trainer gets --model). One gradient ring carries
+    NCCL_IB_DISABLE=1, which the rank must not set."""
+    spec = yaml.safe_load((DATA / "tiny6-gqa.yaml").read_text())
+    plan = hand_plan(spec, 8, 2, [
+        dict(micro_batches=3, stages=[dict(layers=[0, 2], tp=2, dp=2, gpus=[("a", 0), ("a", 1), ("a", 2), ("a", 3)]),
+                                      dict(layers=[2, 6], tp=2, dp=1, gpus=[("b", 0), ("b", 1)])]),
+        dict(micro_batches=1, stages=[dict(layers=[0, 6], tp=2, dp=1, gpus=[("c", 0), ("c", 1)])]),
+    ], node_kind={"a": "ib", "b": "ib", "c": "roce"}, with_model_spec=False)
+    ring = next(g for g in plan["comm_groups"] if g["kind"] == "dp")
+    ring["env"]["NCCL_IB_DISABLE"] = "1"
+    results = run_and_compare(plan, "tiny6-gqa.yaml", tmp_path, tmp_path_factory, extended=False)
+    warned = [x for r in results for x in r.groups_log if "warning" in x]
+    assert warned and all("NCCL_IB_DISABLE" in x["warning"] for x in warned)
