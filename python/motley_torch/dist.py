@@ -275,6 +275,9 @@ def init(plan_path: Optional[str] = None, model=None, timeout_s: float = 600.0) 
         backend = "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
+        # No device_id: eager NCCL init would let torch make the groups by ncclCommSplit from the
+        # world communicator; lazily, each group's communicator is its own ncclCommInitRankConfig
+        # at the forcing all-reduce below, under the group's settings.
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
 
     base_env = dict(os.environ)
@@ -305,6 +308,8 @@ def init(plan_path: Optional[str] = None, model=None, timeout_s: float = 600.0) 
             dist.all_reduce(one, group=pg)
             if int(one.item()) != len(g.ranks):
                 raise RuntimeError(f"comm_groups[{g.index}]: all-reduce over {len(g.ranks)} members gave {one.item()}")
+            if g.kind == "pp" and g.replica is not None and g.stage is not None:
+                _warm_p2p(plan, g, pg, rank, device)
             grp.pg = pg
             _restore_env(base_env)
             line = {"rank": rank, "index": g.index, "kind": g.kind, "members": list(g.ranks), "env": grp.env,
@@ -316,6 +321,26 @@ def init(plan_path: Optional[str] = None, model=None, timeout_s: float = 600.0) 
         groups.append(grp)
     _restore_env(base_env)
     return _view(plan, place, rank, world, device, backend, groups)
+
+
+def hop_peers(plan: Plan, replica: int, stage: int) -> List[Tuple[int, int]]:
+    """(sender, receiver) global ranks that exchange activations over hop stage -> stage+1 of
+    `replica`: TP rank j of every overlapping pair of dp-slices (Plan.hop_pairs)."""
+    rep = plan.replicas[replica]
+    s, t = rep.stages[stage], rep.stages[stage + 1]
+    return [(s.ranks[d * s.tp + j], t.ranks[e * t.tp + j]) for d, e, _ in plan.hop_pairs(replica, stage)
+            for j in range(min(s.tp, t.tp))]
+
+
+def _warm_p2p(plan: Plan, g: CommGroup, pg, rank: int, device):
+    """NCCL makes a separate communicator per pair for send/recv unless the group's own exists:
+    exchange one element over every pair of the hop now, while the group's settings hold. Pairs
+    go in one order on every rank, so the blocking exchanges cannot deadlock."""
+    for src, dst in hop_peers(plan, g.replica, g.stage):
+        if rank == src:
+            dist.send(torch.zeros(1, device=device), dst=dst, group=pg)
+        elif rank == dst:
+            dist.recv(torch.zeros(1, device=device), src=src, group=pg)
 
 
 def _restore_env(base: Dict[str, str]):

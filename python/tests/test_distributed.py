@@ -88,33 +88,56 @@ def check_group_logs(plan: dict, results):
 
 
 needs_motley = pytest.mark.skipif(motley_bin() is None, reason="no motley binary (MOTLEY_BIN or target/release/motley)")
+PIN = ("--tp", "2", "--micro-batch", "2", "--reserve-gib", "0")
 
 
 @needs_motley
-def test_uniform_two_replicas_two_stages_tp2(tmp_path, tmp_path_factory):
-    """(a) from the binary: 4 nodes of 2 small-memory GPUs; the model only fits split in two
-    stages of TP 2, so 2 replicas x 2 stages x tp 2."""
-    plan = motley_plan("uniform-4x2.yaml", "tiny4.yaml", 8, "--tp", "2", "--micro-batch", "2", "--reserve-gib", "0")
+def test_a_uniform_two_replicas_two_stages_tp2(tmp_path, tmp_path_factory):
+    """(a) 4 nodes of 2 small, slow GPUs: 2 replicas x 2 stages x tp 2 (8 ranks)."""
+    plan = motley_plan("uniform-4x2.yaml", "tiny4.yaml", 8, *PIN, "--max-stages", "2")
     assert shape(plan) == [[([0, 2], 2, 1), ([2, 4], 2, 1)]] * 2, shape(plan)
-    assert "model_spec" in plan or True  # older binaries: --model is passed instead
+    assert plan.get("model_spec", {}).get("layers", 4) == 4
     run_and_compare(plan, "tiny4.yaml", tmp_path, tmp_path_factory)
 
 
-def test_hand_written_plan_with_dp_changing_across_a_hop(tmp_path, tmp_path_factory):
-    """Hand-written in the documented form (the planner never splits a stage's micro-batch
-    differently from its neighbour's on so small a cluster): replica 0 has 3 micro-batches over
-    a stage of dp 2 feeding a stage of dp 1, replica 1 one micro-batch on a single stage; TP 2
-    everywhere; a GQA + SwiGLU model; the groups file in the agent's older form (no index,
-    gpus, layers) and without model_spec (the trainer gets --model). One gradient ring carries
-    NCCL_IB_DISABLE=1, which the rank must not set."""
-    spec = yaml.safe_load((DATA / "tiny6-gqa.yaml").read_text())
-    plan = hand_plan(spec, 8, 2, [
-        dict(micro_batches=3, stages=[dict(layers=[0, 2], tp=2, dp=2, gpus=[("a", 0), ("a", 1), ("a", 2), ("a", 3)]),
-                                      dict(layers=[2, 6], tp=2, dp=1, gpus=[("b", 0), ("b", 1)])]),
-        dict(micro_batches=1, stages=[dict(layers=[0, 6], tp=2, dp=1, gpus=[("c", 0), ("c", 1)])]),
-    ], node_kind={"a": "ib", "b": "ib", "c": "roce"}, with_model_spec=False)
+@needs_motley
+def test_b_replicas_of_different_depths_and_uneven_shares(tmp_path, tmp_path_factory):
+    """(b) one pair of large GPUs beside two nodes of small ones: a one-stage replica with 2 of
+    the 8 samples and a two-stage replica with 6 (6 ranks, TP 2, a GQA + SwiGLU model)."""
+    plan = motley_plan("mixed-3x2.yaml", "tiny6-gqa.yaml", 8, *PIN, "--max-stages", "2")
+    assert shape(plan) == [[([0, 6], 2, 1)], [([0, 3], 2, 1), ([3, 6], 2, 1)]], shape(plan)
+    assert [r["samples"] for r in plan["replicas"]] == [2, 6]
+    run_and_compare(plan, "tiny6-gqa.yaml", tmp_path, tmp_path_factory)
+
+
+@needs_motley
+def test_b_dp_changes_across_a_hop_older_agent_and_plan(tmp_path, tmp_path_factory):
+    """(b') a stage of two TP pairs (dp 2) feeding one pair (dp 1): each sender pair sends its
+    half of the micro-batch. Run as an older agent and planner would: the groups file without
+    index/gpus/layers, the plan without model_spec (the trainer gets --model). One ring of the
+    plan is made to carry NCCL_IB_DISABLE=1, which a rank must never set."""
+    plan = motley_plan("mixed-dp-3x2.yaml", "tiny6-gqa.yaml", 8, *PIN)
+    assert shape(plan) == [[([0, 2], 2, 2), ([2, 6], 2, 1)]], shape(plan)
+    plan.pop("model_spec", None)
     ring = next(g for g in plan["comm_groups"] if g["kind"] == "dp")
     ring["env"]["NCCL_IB_DISABLE"] = "1"
     results = run_and_compare(plan, "tiny6-gqa.yaml", tmp_path, tmp_path_factory, extended=False)
     warned = [x for r in results for x in r.groups_log if "warning" in x]
-    assert warned and all("NCCL_IB_DISABLE" in x["warning"] for x in warned)
+    assert len(warned) == len(ring["gpus"]) and all("NCCL_IB_DISABLE" in x["warning"] for x in warned)
+
+
+@needs_motley
+def test_c_holmes_ib_and_roce_islands_joined_by_ethernet(tmp_path, tmp_path_factory):
+    """(c) Holmes' hybrid cluster in small: each replica's pipeline inside an island over its
+    RDMA (the RoCE one with a node_env GID index), gradient rings between islands over sockets."""
+    plan = motley_plan("holmes-hybrid-4x2.yaml", "tiny4.yaml", 8, *PIN, "--max-stages", "2")
+    assert shape(plan) == [[([0, 2], 2, 1), ([2, 4], 2, 1)]] * 2, shape(plan)
+    transports = {(g["kind"], g["transport"]) for g in plan["comm_groups"]}
+    assert {("pp", "ib"), ("pp", "roce"), ("dp", "socket")} <= transports, transports
+    assert any(g.get("node_env") for g in plan["comm_groups"])
+    results = run_and_compare(plan, "tiny4.yaml", tmp_path, tmp_path_factory)
+    roce1 = [r for r in results if r.env["MOTLEY_NODE"] == "roce-1"]
+    pp = [x for r in roce1 for x in r.groups_log if x["kind"] == "pp"]
+    assert pp and all(x["env"]["NCCL_IB_GID_INDEX"] == "5" and x["net_name"] == "IB" for x in pp)
+    dp = [x for r in results for x in r.groups_log if x["kind"] == "dp"]
+    assert dp and all(x["net_name"] == "Socket" and x["env"]["NCCL_NET"] == "Socket" for x in dp)
