@@ -139,6 +139,18 @@ class RankView:
     def my_groups(self) -> List[Group]:
         return [g for g in self.groups if self.rank in g.ranks]
 
+    def summary(self) -> dict:
+        """The view as plain data (what the trainer logs as `motley-view {...}`)."""
+        return {
+            "rank": self.rank, "node": self.node, "gpu": self.gpu, "replica": self.replica, "stage": self.stage,
+            "layers": list(self.layers), "tp_rank": self.tp_rank, "tp_ranks": list(self.tp_ranks),
+            "stage_dp_rank": self.stage_dp_rank, "stage_dp_size": self.stage_dp_size,
+            "pp_prev_ranks": list(self.pp_prev_ranks), "pp_next_ranks": list(self.pp_next_ranks),
+            "segments": [{"layers": list(s.layers), "ranks": list(s.ranks),
+                          "group": s.group.index if s.group is not None else None} for s in self.segments],
+            "backend": self.backend, "device": str(self.device),
+        }
+
 
 def _log_line(line: dict):
     text = json.dumps(line, sort_keys=True)

@@ -111,6 +111,7 @@ def run_rank(args) -> int:
     given = load_model(args.model) if args.model else None
     view = init(args.plan, model=given, timeout_s=args.timeout)
     plan = view.plan
+    print("motley-view " + json.dumps(view.summary(), sort_keys=True), file=sys.stderr, flush=True)
     _check_model(plan.model, given, args.model)
     spec, seq = plan.model, plan.seq_len
     dtype = DTYPES[args.dtype]

@@ -52,7 +52,47 @@ def run_and_compare(plan: dict, model_file: str, tmp_path: Path, tmp_path_factor
     worst = max((p[k] - q[k]).abs().max().item() for k in p)
     assert worst <= TOL, f"parameters differ by {worst}"
     check_group_logs(plan, results)
+    check_views(plan, results)
     return results
+
+
+def check_views(plan: dict, results):
+    """The rank view init() returned (logged by the trainer): layers, TP group, the
+    neighbouring stages and the gradient ring of every layer segment, derived independently."""
+    from launcher import ranks_of
+
+    ranks = ranks_of(plan)
+    rank_of = {(r["node"], r["gpu"]): r["rank"] for r in ranks}
+    stage_ranks = {}
+    for r in ranks:
+        stage_ranks.setdefault((r["replica"], r["stage"]), []).append(r["rank"])
+    layers = (plan.get("model_spec") or {}).get("layers") or plan["replicas"][0]["stages"][-1]["layers"][1]
+    cuts = sorted({0, layers} | {s["layers"][0] for r in plan["replicas"] for s in r["stages"]})
+    for res in results:
+        views = [json.loads(x.split(" ", 1)[1]) for x in res.log.splitlines() if x.startswith("motley-view ")]
+        assert len(views) == 1, res.log[-2000:]
+        v = views[0]
+        me = ranks[res.rank]
+        st = plan["replicas"][me["replica"]]["stages"][me["stage"]]
+        mine = stage_ranks[(me["replica"], me["stage"])]
+        tp = st["tp"]
+        d = me["stage_dp_rank"]
+        segs = []
+        for l0, l1 in zip(cuts[:-1], cuts[1:]):
+            if not st["layers"][0] <= l0 < st["layers"][1]:
+                continue
+            ring = []
+            for r in plan["replicas"]:
+                s = next(s for s in r["stages"] if s["layers"][0] <= l0 < s["layers"][1])
+                ring += [rank_of[(g["node"], g["index"])] for g in s["gpus"][me["tp_rank"]::s["tp"]]]
+            idx = [i for i, g in enumerate(plan["comm_groups"]) if g["kind"] == "dp" and g["layers"] == [l0, l1]
+                   and [rank_of[(m["node"], m["index"])] for m in g["gpus"]] == ring]
+            segs.append({"layers": [l0, l1], "ranks": ring, "group": idx[0] if len(ring) > 1 else None})
+        assert v == dict(v, rank=res.rank, replica=me["replica"], stage=me["stage"], layers=st["layers"],
+                         tp_rank=me["tp_rank"], tp_ranks=mine[d * tp:(d + 1) * tp], stage_dp_rank=d,
+                         stage_dp_size=st["dp"], pp_prev_ranks=stage_ranks.get((me["replica"], me["stage"] - 1), []),
+                         pp_next_ranks=stage_ranks.get((me["replica"], me["stage"] + 1), []), segments=segs,
+                         backend="gloo"), f"rank {res.rank}"
 
 
 def check_group_logs(plan: dict, results):

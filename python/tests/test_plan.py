@@ -97,25 +97,54 @@ def test_errors_name_the_field():
     assert load_model(str(DATA / "tiny6-gqa.yaml")).kv_heads == 2
 
 
-def run_rank_env(tmp_path, **env):
-    base = {k: v for k, v in os.environ.items() if not k.startswith("MOTLEY_")}
-    base.update(env)
-    return subprocess.run([sys.executable, "-m", "motley_torch.train", "--steps", "1"], env=base, capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path)
-
-
 def test_a_rank_with_a_bad_environment_exits_naming_the_variable(tmp_path):
-    out = run_rank_env(tmp_path)
-    assert out.returncode != 0 and "MOTLEY_PLAN" in out.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOTLEY_")}
+    out = subprocess.run([sys.executable, "-m", "motley_torch.train", "--steps", "1"], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and "MOTLEY_PLAN: not set" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("bad,var", [
+    (dict(WORLD_SIZE="4"), "WORLD_SIZE"),
+    (dict(RANK="9"), "RANK"),
+    (dict(MOTLEY_STAGE="0"), "MOTLEY_STAGE"),
+    (dict(MOTLEY_NODE="z"), "MOTLEY_NODE"),
+    (dict(MASTER_PORT="x"), "MASTER_PORT"),
+    (dict(MOTLEY_NCCL_GROUPS="/nonexistent"), "MOTLEY_NCCL_GROUPS"),
+    (dict(groups="[]"), "MOTLEY_NCCL_GROUPS"),
+    (dict(groups='[{"kind": "pp"}, {"kind": "tp"}, {"kind": "dp"}]'), "MOTLEY_NCCL_GROUPS"),
+    (dict(plan="{}"), "MOTLEY_PLAN"),
+])
+def test_init_names_the_variable_at_fault(tmp_path, monkeypatch, bad, var):
+    from motley_torch.dist import RankEnvError, init
+
+    doc = asym()
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps(asym()))
-    out = run_rank_env(tmp_path, MOTLEY_PLAN=str(plan), RANK="0", WORLD_SIZE="4")
-    assert out.returncode != 0 and "WORLD_SIZE" in out.stderr
-    groups = tmp_path / "g.json"
-    groups.write_text("[]")
-    out = run_rank_env(tmp_path, MOTLEY_PLAN=str(plan), RANK="1", WORLD_SIZE="8", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT="1", MOTLEY_NCCL_GROUPS=str(groups), MOTLEY_STAGE="1")
-    assert out.returncode != 0 and "MOTLEY_STAGE" in out.stderr
-    out = run_rank_env(tmp_path, MOTLEY_PLAN=str(plan), RANK="1", WORLD_SIZE="8", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT="1", MOTLEY_NCCL_GROUPS=str(groups))
-    assert out.returncode != 0 and "MOTLEY_NCCL_GROUPS" in out.stderr, out.stderr
+    plan.write_text(bad.pop("plan", json.dumps(doc)))
+    groups = tmp_path / "groups.json"
+    entries, _ = groups_for_rank(doc, "b", 1)  # rank 5: replica 0, stage 1
+    groups.write_text(bad.pop("groups", json.dumps(entries)))
+    for k in list(os.environ):
+        if k.startswith("MOTLEY_"):
+            monkeypatch.delenv(k)
+    env = dict(MOTLEY_PLAN=str(plan), RANK="5", WORLD_SIZE="8", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+               MOTLEY_NCCL_GROUPS=str(groups), MOTLEY_NODE="b", MOTLEY_STAGE="1", MOTLEY_REPLICA="0")
+    env.update(bad)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(RankEnvError) as e:
+        init()
+    assert str(e.value).startswith(var), str(e.value)
+
+
+def test_nccl_config_carries_the_net_name_and_the_per_communicator_fields():
+    from motley_torch.dist import _refused, nccl_options
+
+    opts, fields, warn = nccl_options("IB", {"NCCL_IB_TC": "106", "NCCL_NET": "IB"}, "motley-dp-7")
+    assert warn is None
+    assert fields == {"net_name": "IB", "traffic_class": 106, "comm_name": "motley-dp-7"}
+    assert opts.config.net_name == "IB" and opts.config.traffic_class == 106
+    _, fields, _ = nccl_options(None, {}, "motley-tp-0")
+    assert fields == {"comm_name": "motley-tp-0"}
+    assert _refused("NCCL_IB_DISABLE", "1") and not _refused("NCCL_IB_DISABLE", "0")
+    assert not _refused("NCCL_NET", "Socket")
