@@ -140,11 +140,14 @@ class GPTStage(nn.Module):
         return (tp_mod.out_features, tp_mod.in_features) if p.dim() == 2 else tuple(p.shape)
 
     def init_kind(self, name: str, attr: str) -> Tuple[str, float]:
-        if ".ln" in "." + name and attr == "weight" or name.startswith("ln_f.weight"):
-            return "ones", 0.0
+        """Layer norms start at (1, 0), biases at 0; matrices and embeddings N(0, 0.02), the
+        matrices writing into the residual stream N(0, 0.02 / sqrt(2 * layers)) (GPT-2)."""
+        mod = self.get_submodule(name.rpartition(".")[0])
+        if isinstance(mod, nn.LayerNorm):
+            return ("ones", 0.0) if attr == "weight" else ("zeros", 0.0)
         if attr == "bias":
             return "zeros", 0.0
-        if name.endswith("attn.o.weight") or name.endswith("mlp.fc2.weight") or name.endswith("mlp.down.weight"):
+        if isinstance(mod, RowParallelLinear):
             return "normal", 0.02 / math.sqrt(2 * self.spec.layers)
         return "normal", 0.02
 

@@ -181,3 +181,14 @@ def test_c_holmes_ib_and_roce_islands_joined_by_ethernet(tmp_path, tmp_path_fact
     assert pp and all(x["env"]["NCCL_IB_GID_INDEX"] == "5" and x["net_name"] == "IB" for x in pp)
     dp = [x for r in results for x in r.groups_log if x["kind"] == "dp"]
     assert dp and all(x["net_name"] == "Socket" and x["env"]["NCCL_NET"] == "Socket" for x in dp)
+
+
+def test_hand_written_plan_with_dp_two_to_three(tmp_path, tmp_path_factory):
+    """Hand-written in the documented form (the planner makes no such plan on a cluster this
+    small): a stage of dp 2 feeding a stage of dp 3, tp 1, micro-batches of 6 rows; the middle
+    receiver takes rows from both senders, every sender feeds two receivers."""
+    spec = yaml.safe_load((DATA / "tiny4.yaml").read_text())
+    plan = hand_plan(spec, 12, 6, [dict(micro_batches=2, stages=[
+        dict(layers=[0, 1], tp=1, dp=2, gpus=[("a", 0), ("a", 1)]),
+        dict(layers=[1, 4], tp=1, dp=3, gpus=[("b", 0), ("b", 1), ("b", 2)])])], node_kind={"a": "ib", "b": "ib"})
+    run_and_compare(plan, "tiny4.yaml", tmp_path, tmp_path_factory)

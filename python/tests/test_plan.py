@@ -148,3 +148,15 @@ def test_nccl_config_carries_the_net_name_and_the_per_communicator_fields():
     assert fields == {"comm_name": "motley-tp-0"}
     assert _refused("NCCL_IB_DISABLE", "1") and not _refused("NCCL_IB_DISABLE", "0")
     assert not _refused("NCCL_NET", "Socket")
+
+
+def test_hop_pairs_when_dp_goes_from_two_to_three():
+    doc = hand_plan(SPEC, 12, 6, [dict(micro_batches=2, stages=[
+        dict(layers=[0, 2], tp=1, dp=2, gpus=[("a", 0), ("a", 1)]),
+        dict(layers=[2, 4], tp=1, dp=3, gpus=[("b", 0), ("b", 1), ("b", 2)])])])
+    plan = Plan(doc)
+    assert plan.hop_pairs(0, 0) == [(0, 0, (0, 2)), (0, 1, (2, 3)), (1, 1, (3, 4)), (1, 2, (4, 6))]
+    from motley_torch.dist import hop_peers
+
+    assert hop_peers(plan, 0, 0) == [(0, 2), (0, 3), (1, 3), (1, 4)]
+    assert plan.rank_samples(3) == [(2, 4), (8, 10)]
