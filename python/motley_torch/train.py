@@ -30,14 +30,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m motley_torch.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m motley_torch.train",
+        description="Motley's reference trainer: a GPT on synthetic data, run by every rank of a job "
+                    "(the plan from $MOTLEY_PLAN) or, with --single-process, in one process.")
     p.add_argument("--plan", help="plan JSON (default: $MOTLEY_PLAN)")
     p.add_argument("--model", help="model YAML file or catalog name; default: the plan's model_spec")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16/fp16 on CUDA only")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the initial parameters and the synthetic data")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="parameter and activation type; bf16/fp16 on CUDA only (fp16 without a loss scaler)")
     p.add_argument("--save-params", metavar="DIR",
                    help="write the final parameters, full (unsharded) tensors, to DIR/params.safetensors")
     p.add_argument("--single-process", action="store_true", help="train the whole model in this process")
