@@ -161,7 +161,8 @@ def _log_line(line: dict):
             f.write(text + "\n")
 
 
-def nccl_options(net_name: Optional[str], env: Dict[str, str], comm_name: str):
+def nccl_options(net_name: Optional[str], env: Dict[str, str], comm_name: str,
+                 timeout: Optional[datetime.timedelta] = None):
     """ProcessGroupNCCL options whose ncclConfig_t carries the group's netName (and the
     per-communicator fields of CONFIG_FROM_ENV its env sets). Returns (options, config fields
     set, warning or None)."""
@@ -170,6 +171,9 @@ def nccl_options(net_name: Optional[str], env: Dict[str, str], comm_name: str):
     except ImportError:  # pragma: no cover - torch built without NCCL
         return None, {}, "torch has no ProcessGroupNCCL; NCCL settings from env only"
     opts = ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = False
+    if timeout is not None and hasattr(opts, "_timeout"):
+        opts._timeout = timeout  # new_group's timeout overrides it anyway; equal, torch does not warn
     cfg = getattr(opts, "config", None)
     if cfg is None:
         return opts, {}, f"torch {torch.__version__} exposes no ncclConfig_t; NCCL settings from env only"
@@ -310,7 +314,7 @@ def init(plan_path: Optional[str] = None, model=None, timeout_s: float = 600.0) 
             _restore_env(base_env)
             os.environ.update(grp.env)
             if backend == "nccl":
-                opts, config, w = nccl_options(grp.net_name, grp.env, f"motley-{g.kind}-{g.index}")
+                opts, config, w = nccl_options(grp.net_name, grp.env, f"motley-{g.kind}-{g.index}", timeout)
                 warn = warn or w
         kw = {"pg_options": opts} if opts is not None else {}
         pg = dist.new_group(ranks=list(g.ranks), backend=backend, timeout=timeout, **kw)
