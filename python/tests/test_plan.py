@@ -160,3 +160,28 @@ def test_hop_pairs_when_dp_goes_from_two_to_three():
 
     assert hop_peers(plan, 0, 0) == [(0, 2), (0, 3), (1, 3), (1, 4)]
     assert plan.rank_samples(3) == [(2, 4), (8, 10)]
+
+
+def test_launcher_writes_groups_files_as_the_agent_does():
+    """The example of contract/src/groups.rs (agent/src/groups.rs before it), through the
+    launcher's copy of the agent's rule and the library's."""
+    plan = {"comm_groups": [
+        {"kind": "tp", "gpus": [{"node": "a", "index": 0}, {"node": "a", "index": 1}], "transport": "nvlink",
+         "env": {"NCCL_P2P_LEVEL": "NVL"}, "nccl_net": None, "replica": 0, "stage": 0, "layers": [0, 2]},
+        {"kind": "dp", "gpus": [{"node": "a", "index": 0}, {"node": "b", "index": 0}], "transport": "ib",
+         "env": {"NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1", "NCCL_P2P_LEVEL": "NVL"},
+         "node_env": {"a": {"NCCL_IB_GID_INDEX": "3"}}, "nccl_net": "IB", "replica": None, "stage": None,
+         "layers": [0, 2]},
+        {"kind": "dp", "gpus": [{"node": "a", "index": 1}, {"node": "b", "index": 1}], "transport": "socket",
+         "env": {"NCCL_NET": "Socket"}, "nccl_net": "Socket", "replica": None, "stage": None, "layers": [0, 2]},
+    ]}
+    groups, common = groups_for_rank(plan, "a", 0)
+    assert [g["kind"] for g in groups] == ["tp", "dp"] and [g["index"] for g in groups] == [0, 1]
+    assert groups[1]["env"]["NCCL_IB_GID_INDEX"] == "3"
+    assert common == {"NCCL_P2P_LEVEL": "NVL"}
+    groups, common = groups_for_rank(plan, "b", 0)
+    assert len(groups) == 1 and "NCCL_IB_GID_INDEX" not in groups[0]["env"]
+    assert common["NCCL_NET"] == "IB"
+    assert group_entries_for_gpu(plan, "a", 0) == groups_for_rank(plan, "a", 0)[0]
+    old, _ = groups_for_rank(plan, "a", 0, extended=False)
+    assert set(old[0]) == {"kind", "replica", "stage", "nccl_net", "env"}
