@@ -20,6 +20,15 @@ REPO = HERE.parent.parent
 PYTHON = sys.executable
 
 
+def python_env(**extra: str) -> Dict[str, str]:
+    """os.environ for a child Python that imports motley_torch from this tree even when the
+    package is not installed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(HERE.parent), env.get("PYTHONPATH")) if x)
+    env.update(extra)
+    return env
+
+
 def motley_bin() -> Optional[str]:
     b = os.environ.get("MOTLEY_BIN") or str(REPO / "target" / "release" / "motley")
     return b if os.path.exists(b) and os.access(b, os.X_OK) else None
@@ -106,7 +115,7 @@ def launch(plan: dict, args: List[str], workdir: Path, timeout: float = 240.0, e
     plan_path.write_text(json.dumps(plan))
     ranks = ranks_of(plan)
     port = free_port()
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("MOTLEY_", "NCCL_"))}
+    base = {k: v for k, v in python_env().items() if not k.startswith(("MOTLEY_", "NCCL_"))}
     base.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_ORDER="PCI_BUS_ID")
     procs = []
     for r in ranks:
@@ -177,7 +186,7 @@ def single_process(model: str, global_batch: int, seq_len: int, steps: int, seed
            str(global_batch), "--seq-len", str(seq_len), "--steps", str(steps), "--seed", str(seed), *(extra or [])]
     if save is not None:
         cmd += ["--save-params", str(save)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = python_env(OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     return losses(out.stdout)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from launcher import DATA, groups_for_rank, hand_plan, ranks_of
+from launcher import DATA, groups_for_rank, hand_plan, python_env, ranks_of
 from motley_torch.data import global_batch_tokens, rank_micro_batches
 from motley_torch.plan import ModelSpec, Plan, PlanError, group_entries_for_gpu, load_model
 
@@ -98,7 +98,7 @@ def test_errors_name_the_field():
 
 
 def test_a_rank_with_a_bad_environment_exits_naming_the_variable(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOTLEY_")}
+    env = {k: v for k, v in python_env().items() if not k.startswith("MOTLEY_")}
     out = subprocess.run([sys.executable, "-m", "motley_torch.train", "--steps", "1"], env=env, capture_output=True,
                          text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 2 and "MOTLEY_PLAN: not set" in out.stderr, out.stderr

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher import free_port
+from launcher import free_port, python_env
 
 HERE = Path(__file__).resolve().parent
 
@@ -14,8 +14,7 @@ def test_tp_layers_match_plain_linear_and_the_full_model():
     port = str(free_port())
     procs = []
     for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   OMP_NUM_THREADS="1")
+        env = python_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, str(HERE / "tp_worker.py")], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = []
