@@ -1,0 +1,112 @@
+"""The real system, once: `motley dev up` starts a coordinator (SQLite) and one motley-agent per
+node of a two-node cluster file, submits examples/jobs/train-tiny.yaml (the reference trainer
+on every rank, this venv's Python), and the job succeeds; the losses global rank 0 printed, in
+dev up's stream and in its rank log, equal the single-process run within 1e-4 (issue 14)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from launcher import DATA, REPO, motley_bin, single_process
+
+CLUSTER = DATA / "dev-2x1.yaml"
+MODEL = DATA / "tiny-dev.yaml"
+JOB = REPO / "examples" / "jobs" / "train-tiny.yaml"
+STEPS = 8
+SEED = 3
+TOL = 1e-4
+TIMEOUT = 180.0
+
+
+def step_losses(text: str) -> list:
+    """The {"step": i, "loss": x} lines of a rank's output, as (step, loss)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            out.append((d["step"], d["loss"]))
+    return out
+
+
+def dev_up(cluster: Path, job: Path, work: Path) -> subprocess.CompletedProcess:
+    """Run `motley dev up`; on a timeout Ctrl-C it (it cancels the job and stops its
+    coordinator, agents and ranks, which run in process groups of their own), then kill it."""
+    b = motley_bin()
+    assert b is not None, "no motley binary: set MOTLEY_BIN (python/run-tests does) or build target/release/motley"
+    for sib in ("motley-coordinator", "motley-agent"):
+        assert os.access(Path(b).with_name(sib), os.X_OK), f"{sib} is not next to {b}: `motley dev up` needs it"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOTLEY_", "NCCL_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [b, "dev", "up", str(cluster), str(job), "--dir", str(work)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGINT)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not finish within {TIMEOUT} s\n--- stdout\n{out[-6000:]}\n"
+                             f"--- stderr\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def test_train_tiny_through_dev_up(tmp_path: Path):
+    spec = yaml.safe_load(JOB.read_text())
+    # The example stays runnable as documented: the trainer on every rank, the test's model.
+    assert spec["run"].startswith("python -m motley_torch.train "), spec["run"]
+    model = yaml.safe_load(MODEL.read_text())
+    assert spec["model"] == model, "examples/jobs/train-tiny.yaml's model is tests/data/tiny-dev.yaml"
+    # Ranks run `run` with sh -c in their own directories: this venv's Python by its absolute
+    # path, motley_torch from this tree whether or not it is installed.
+    spec["run"] = f"{shlex.quote(sys.executable)} -m motley_torch.train --steps {STEPS} --seed {SEED}"
+    spec["envs"] = dict(spec.get("envs") or {}, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "python"))
+    job = tmp_path / "train-tiny.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    work = tmp_path / "dev"
+
+    res = dev_up(CLUSTER, job, work)
+    logs = sorted(work.glob("agents/*/jobs/*/*/rank-*.log"))
+    report = f"--- stdout\n{res.stdout[-8000:]}\n--- stderr\n{res.stderr[-4000:]}\n" + "".join(
+        f"--- {p.relative_to(work)}\n{p.read_text()[-3000:]}\n" for p in logs)
+    assert res.returncode == 0, f"motley dev up exited {res.returncode}\n{report}"
+    assert re.search(r"^motley dev: \[.*\]", res.stdout, re.M), f"no job events streamed\n{report}"
+
+    # Ranks ran under both agents (two pipeline stages, one per node); rank 0's log is one.
+    nodes = {p.relative_to(work).parts[1] for p in logs}
+    assert len(logs) >= 2 and len(nodes) >= 2, (
+        f"expected ranks on both nodes of {CLUSTER.name} (the planner's choice may have changed: "
+        f"adjust the cluster so the job spans both agents)\n{report}")
+    rank0 = [p for p in logs if p.name == "rank-0.log"]
+    assert len(rank0) == 1, f"{[str(p) for p in logs]}"
+    from_log = step_losses(rank0[0].read_text())
+    # dev up prints each rank log line as "NODE rank-R: LINE".
+    streamed = [m.group(1) for m in re.finditer(r"^\S+ rank-0: (\{.*\})$", res.stdout, re.M)]
+    from_stream = step_losses("\n".join(streamed))
+    assert from_log == from_stream, f"the streamed losses are not rank 0's log\n{report}"
+    assert [s for s, _ in from_log] == list(range(STEPS)), f"rank 0 printed steps {from_log}\n{report}"
+    for p in logs:
+        if p is not rank0[0]:
+            assert step_losses(p.read_text()) == [], f"{p.relative_to(work)} printed losses"
+
+    # The plan's global batch and seq len, from the plan the agents handed the ranks.
+    plan = json.loads((rank0[0].parent / "plan.json").read_text())
+    gb, seq = plan["global_batch"], plan["seq_len"]
+    assert (gb, seq) == (spec["global_batch"], model["seq_len"])
+    want = single_process(str(MODEL), gb, seq, STEPS, SEED)
+    got = [x for _, x in from_log]
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= TOL, f"step {i}: through dev up {a}, single process {b}"
+    assert want[-1] < want[0], "the loss falls"
