@@ -8,9 +8,6 @@ pub enum AgentError {
     /// A file the operator pointed at (config, inventory) cannot be read.
     #[error("{flag}: cannot read {}: {err}", path.display())]
     Read { flag: &'static str, path: PathBuf, err: std::io::Error },
-    /// The config file is not what `agent.toml` may hold (bad TOML, an unknown key, a wrong type).
-    #[error("{}: {message} (the keys are the long flags with '_' for '-'; see deploy/agent.toml)", path.display())]
-    Config { path: PathBuf, message: String },
     /// The inventory file is not a node entry.
     #[error("{}: not YAML: {message}", path.display())]
     Inventory { path: PathBuf, message: String },

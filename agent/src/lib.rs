@@ -1,13 +1,12 @@
 //! Motley's per-node agent as a library: hardware discovery (`discover`, `nvml`), the agent's
 //! configuration file (`config`), rank supervision that survives an agent restart (`ranks`,
-//! `rankfiles`), the dead-man switch that stops ranks whose agent is gone (`lease`), the rank
+//! `rankfiles`, each rank in its own cgroup where it can: `cgroup`), the dead-man switch that stops ranks whose agent is gone (`lease`), the rank
 //! logs served over HTTP or HTTPS (`logs`, `tls`), the node's load sent with every heartbeat (`load`) and whom
 //! ranks run as (`users`). The binary `motley-agent` wires them to the coordinator.
 
-pub mod config;
+pub mod cgroup;
 pub mod discover;
 pub mod error;
-pub mod groups;
 pub mod lease;
 pub mod load;
 pub mod logs;

@@ -9,11 +9,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::parser::ValueSource;
-use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 use motley_agent::discover::{default_sysfs, discover, entry_value};
 use motley_agent::ranks::Supervisor;
-use motley_agent::{config, AgentError};
+use motley_agent::AgentError;
+use motley_contract::config;
 use motley_proto::v1::agent_client::AgentClient;
 use motley_proto::v1::{instruction, AgentStatus, RegisterReply, RegisterRequest};
 use tokio_stream::wrappers::ReceiverStream;
@@ -95,50 +95,17 @@ enum Output {
     Json,
 }
 
-/// Flags and environment first, then the config file, then the defaults.
+/// The agent's config file when `--config` names none (it may be absent).
+const DEFAULT_CONFIG: &str = "/etc/motley/agent.toml";
+
+/// Flags, then the environment, then the config file, then the defaults.
 fn settings() -> anyhow::Result<Args> {
-    let matches = Args::command().get_matches();
-    let mut args = Args::from_arg_matches(&matches)?;
-    let explicit = args.config.is_some();
-    let path = args.config.clone().unwrap_or_else(|| PathBuf::from(config::DEFAULT_PATH));
-    let file = config::load(&path, explicit)?;
-    let given = |id: &str| given(&matches, id);
-    macro_rules! from_file {
-        ($($field:ident),*) => {$(
-            if !given(stringify!($field)) {
-                if let Some(v) = file.$field.clone() {
-                    args.$field = v.into();
-                }
-            }
-        )*};
-    }
-    from_file!(
-        coordinator,
-        node,
-        inventory,
-        token,
-        work_dir,
-        address,
-        logs_listen,
-        sysfs_root,
-        rdma_domain,
-        ca_cert,
-        keep_finished_hours,
-        allow_root_ranks,
-        tls_cert,
-        tls_key
-    );
+    let args: Args = config::parse(DEFAULT_CONFIG)?;
     anyhow::ensure!(
         args.keep_finished_hours.is_finite() && args.keep_finished_hours >= 0.0,
         "keep_finished_hours: must be a number of hours, 0 or more (e.g. 72)"
     );
     Ok(args)
-}
-
-/// Whether the operator set the value (a flag or the environment), here or in a subcommand.
-fn given(m: &ArgMatches, id: &str) -> bool {
-    let here = matches!(m.value_source(id), Some(ValueSource::CommandLine | ValueSource::EnvVariable));
-    here || m.subcommand().is_some_and(|(_, sub)| sub.try_contains_id(id).unwrap_or(false) && given(sub, id))
 }
 
 fn node_name(args: &Args) -> String {
@@ -262,7 +229,14 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
     tracing::info!(node = %node, "rank logs at {logs_url}/logs/JOB/GENERATION/RANK");
     tokio::spawn(motley_agent::logs::serve(listener, work_dir.clone(), args.token.clone(), tls));
     let wrapper = std::env::current_exe().context("cannot find this executable (the rank wrapper)")?;
-    let supervisor = Supervisor::new(work_dir.clone(), node.clone(), wrapper).allow_root_ranks(args.allow_root_ranks);
+    let cgroups = match motley_agent::cgroup::RankCgroups::detect(&node, &work_dir) {
+        Ok(c) => Some(c),
+        Err(why) => {
+            tracing::warn!("ranks run without a cgroup of their own ({why}): a stop reaches their process groups only");
+            None
+        }
+    };
+    let supervisor = Supervisor::new(work_dir.clone(), node.clone(), wrapper).allow_root_ranks(args.allow_root_ranks).rank_cgroups(cgroups);
     if motley_agent::users::euid() == 0 {
         match args.allow_root_ranks {
             true => tracing::warn!(node = %node, "allow_root_ranks: jobs that name no user run their ranks as root"),

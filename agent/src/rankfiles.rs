@@ -368,8 +368,12 @@ pub fn wrapper_main(exit_file: &Path, lease_file: Option<&Path>, program: &str, 
         }
     };
     if fired.load(std::sync::atomic::Ordering::SeqCst) {
-        // What the rank started and left behind is stopped with it.
+        // What the rank started and left behind is stopped with it: its process group now,
+        // and, its code written, everything in its cgroup (the wrapper too).
         crate::lease::kill_rest_of_group();
+        let code = finish_wrapper(exit_file, code);
+        crate::cgroup::kill_own_rank_cgroup();
+        return code;
     }
     finish_wrapper(exit_file, code)
 }

@@ -120,6 +120,8 @@ pub struct Supervisor {
     /// A rank started or ended: report it now rather than on the next heartbeat (a launch is
     /// acknowledged, and a job's end seen, within milliseconds).
     changed: Arc<tokio::sync::Notify>,
+    /// Each rank's own cgroup, where the host lets the agent make them (`cgroup`).
+    cgroups: Option<crate::cgroup::RankCgroups>,
 }
 
 impl Supervisor {
@@ -136,7 +138,14 @@ impl Supervisor {
             changed: Arc::new(tokio::sync::Notify::new()),
             pruned: Arc::default(),
             allow_root_ranks: false,
+            cgroups: None,
         }
+    }
+
+    /// Run each rank in its own cgroup (see `cgroup`).
+    pub fn rank_cgroups(mut self, cgroups: Option<crate::cgroup::RankCgroups>) -> Supervisor {
+        self.cgroups = cgroups;
+        self
     }
 
     /// Let ranks run as root (see `users::run_as`).
@@ -386,9 +395,12 @@ impl Supervisor {
         for ext in ["exit", "reported", "json", "stopping"] {
             let _ = std::fs::remove_file(rank_file(dir, r.rank, ext));
         }
-        let (groups, common) = crate::groups::for_rank(&l.plan_json, &self.node, r.gpu);
+        let doc = motley_contract::PlanDocument::from_json(&l.plan_json).map_err(|e| format!("the launch's plan document: {e}"))?;
+        let gpu = u32::try_from(r.gpu).map_err(|_| format!("the launch's GPU index {} is not a GPU index", r.gpu))?;
+        let (groups, common) = motley_contract::for_rank(&doc, &self.node, gpu);
         let nccl = rank_file(dir, r.rank, "groups.json");
-        rankfiles::replace(&nccl, groups.to_string().as_bytes()).map_err(|e| e.to_string())?;
+        let text = serde_json::to_string(&groups).map_err(|e| e.to_string())?;
+        rankfiles::replace(&nccl, text.as_bytes()).map_err(|e| e.to_string())?;
         let log = rank_file(dir, r.rank, "log");
         let out = rankfiles::create_file(&log).map_err(|e| e.to_string())?;
         if let Some(a) = user {
@@ -448,6 +460,14 @@ impl Supervisor {
                 cmd.env(k, v);
             }
         }
+        if let Some(cg) = &self.cgroups {
+            let procs = cg.create(l.job, l.generation, r.rank).map_err(|e| format!("the rank's cgroup: {e}"))?;
+            // First of the child's steps: it still has the agent's rights to move itself.
+            // SAFETY: `enter` makes system calls only (no allocation, no locks).
+            unsafe {
+                cmd.pre_exec(move || crate::cgroup::enter(&procs));
+            }
+        }
         if let Some(a) = user {
             cmd.env("HOME", &a.home).env("USER", &a.name).env("LOGNAME", &a.name);
             // The wrapper, and so the rank, as the job's user (groups, gid, uid: see `users`).
@@ -482,6 +502,10 @@ impl Supervisor {
     fn finish(&self, key: Key, state: State) {
         if let Some(r) = self.lock().get_mut(&key) {
             r.state = state;
+        }
+        // A rank's end ends everything it started, also what left its process group.
+        if let Some(cg) = &self.cgroups {
+            tokio::spawn(crate::cgroup::clear(cg.path(key.0, key.1, key.2)));
         }
         self.changed.notify_one();
     }
@@ -576,6 +600,9 @@ impl Supervisor {
                 // The code first: with the wrapper killed too, nobody else will write it.
                 let _ = rankfiles::write_once(&rank_file(&dir, key.2, "exit"), b"137\n");
                 rankfiles::signal_group(pgid, start, libc::SIGKILL);
+                if let Some(cg) = &me.cgroups {
+                    crate::cgroup::kill(&cg.path(key.0, key.1, key.2));
+                }
             }
         });
     }

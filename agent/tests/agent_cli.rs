@@ -77,7 +77,7 @@ fn discover_reads_flag_then_env_then_config_file() {
     std::fs::write(&config, "node = \"n\"\nlogs_listn = \"x\"\n").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_motley-agent")).arg("discover").env("MOTLEY_CONFIG", &config).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("line 2: unknown field `logs_listn`"), "{err}");
+    assert!(!out.status.success() && err.contains("unknown key 'logs_listn'"), "{err}");
     let out = Command::new(env!("CARGO_BIN_EXE_motley-agent")).args(["--config", "/nonexistent/agent.toml", "discover"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("--config: cannot read /nonexistent/agent.toml"));
     let _ = std::fs::remove_dir_all(&dir);

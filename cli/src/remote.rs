@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
+use motley_contract::views::{JobView, NodeLoad, NodeView};
 use serde_json::Value;
 
 use crate::inputs::{InputError, Output};
@@ -286,13 +287,23 @@ fn s(v: &Value) -> String {
     }
 }
 
-fn nodes_table(v: &Value) -> String {
-    let rows = v
-        .as_array()
-        .into_iter()
-        .flatten()
+/// Text for people, its control characters escaped.
+fn e(x: &str) -> String {
+    crate::table::escape(x).into_owned()
+}
+
+/// An answer read as the coordinator's view type (motley-contract), or an error naming it.
+fn typed<T: serde::de::DeserializeOwned>(v: &Value, what: &str) -> Result<T, InputError> {
+    T::deserialize(v).map_err(|err| {
+        InputError(format!("the coordinator's {what} does not read as this CLI's ({err}); are the CLI and the coordinator one version?"))
+    })
+}
+
+fn nodes_table(nodes: &[NodeView]) -> String {
+    let rows = nodes
+        .iter()
         .map(|n| {
-            let inv = &n["inventory"];
+            let inv = &n.inventory;
             let nics: Vec<String> = inv["nics"]
                 .as_array()
                 .into_iter()
@@ -300,13 +311,13 @@ fn nodes_table(v: &Value) -> String {
                 .map(|x| format!("{} {} {}G", s(&x["name"]), s(&x["kind"]), x["gbps"].as_f64().unwrap_or(0.0)))
                 .collect();
             let mut row = vec![
-                s(&n["name"]),
-                s(&n["state"]),
-                if n["live"] == true { "yes" } else { "no" }.to_string(),
+                e(&n.name),
+                n.state.as_str().to_string(),
+                if n.live { "yes" } else { "no" }.to_string(),
                 format!("{} x {}", s(&inv["gpus"]), s(&inv["gpu"])),
             ];
-            row.extend(load_cells(&n["load"]));
-            row.extend([nics.join(", "), s(&inv["rdma_domain"]), s(&n["agent_epoch"])]);
+            row.extend(load_cells(n.load.as_ref()));
+            row.extend([nics.join(", "), s(&inv["rdma_domain"]), n.agent_epoch.to_string()]);
             row
         })
         .collect();
@@ -317,27 +328,18 @@ fn nodes_table(v: &Value) -> String {
 
 /// A node's last reported load as table cells: ranks, mean GPU utilisation, GPU memory used of
 /// total, free disk in the work directory, load average ("-" where nothing was reported).
-fn load_cells(load: &Value) -> [String; 5] {
-    if load.is_null() {
-        return ["-", "-", "-", "-", "-"].map(String::from);
-    }
-    let gpus = load["gpus"].as_array().cloned().unwrap_or_default();
-    let sum = |k: &str| gpus.iter().map(|g| g[k].as_u64().unwrap_or(0)).sum::<u64>();
+fn load_cells(load: Option<&NodeLoad>) -> [String; 5] {
+    let Some(load) = load else { return ["-", "-", "-", "-", "-"].map(String::from) };
+    let gpus = &load.gpus;
     let (util, memory) = if gpus.is_empty() {
         ("-".to_string(), "-".to_string())
     } else {
-        (
-            format!("{}%", sum("utilization_percent") / gpus.len() as u64),
-            format!("{} / {}", bytes(sum("memory_used_bytes")), bytes(sum("memory_total_bytes"))),
-        )
+        let used: u64 = gpus.iter().map(|g| g.memory_used_bytes).sum();
+        let total: u64 = gpus.iter().map(|g| g.memory_total_bytes).sum();
+        let util: u64 = gpus.iter().map(|g| u64::from(g.utilization_percent)).sum();
+        (format!("{}%", util / gpus.len() as u64), format!("{} / {}", bytes(used), bytes(total)))
     };
-    [
-        s(&load["ranks_running"]),
-        util,
-        memory,
-        bytes(load["work_dir_free_bytes"].as_u64().unwrap_or(0)),
-        format!("{:.2}", load["load_1m"].as_f64().unwrap_or(0.0)),
-    ]
+    [load.ranks_running.to_string(), util, memory, bytes(load.work_dir_free_bytes), format!("{:.2}", load.load_1m)]
 }
 
 /// Bytes for people: 1 GiB = 2^30 B.
@@ -367,9 +369,19 @@ fn assignment_row(a: &Value) -> Vec<String> {
     ]
 }
 
-fn jobs_table(v: &Value) -> String {
-    let list = if v.is_array() { v.as_array().unwrap().clone() } else { vec![v.clone()] };
-    let rows = list.iter().map(|j| vec![s(&j["id"]), s(&j["name"]), s(&j["state"]), s(&j["generation"]), s(&j["reason"])]).collect();
+fn jobs_table(jobs: &[JobView]) -> String {
+    let rows = jobs
+        .iter()
+        .map(|j| {
+            vec![
+                j.id.to_string(),
+                e(&j.name),
+                j.state.to_string(),
+                j.generation.to_string(),
+                j.reason.as_deref().map(e).unwrap_or_default(),
+            ]
+        })
+        .collect();
     table(vec!["id", "name", "state", "generation", "reason"], rows)
 }
 
@@ -382,7 +394,11 @@ fn render(out: Output, v: &Value, human: impl Fn(&Value) -> String) -> String {
 
 pub fn run_node(cmd: NodeCommand) -> Result<String, InputError> {
     match cmd {
-        NodeCommand::List(r) => Ok(render(r.output, &Client::new(&r)?.call("GET", "/nodes", None)?, nodes_table)),
+        NodeCommand::List(r) => {
+            let v = Client::new(&r)?.call("GET", "/nodes", None)?;
+            let nodes: Vec<NodeView> = typed(&v, "node list")?;
+            Ok(render(r.output, &v, |_| nodes_table(&nodes)))
+        }
         NodeCommand::Describe { name, remote } => {
             let v = Client::new(&remote)?.call("GET", &format!("/nodes/{}", path_segment(&name)), None)?;
             Ok(render(remote.output, &v, |v| serde_json::to_string_pretty(v).expect("JSON serialises")))
@@ -436,15 +452,20 @@ pub fn run_job(cmd: JobCommand) -> Result<Outcome, InputError> {
                 })
             }
         }
-        JobCommand::List(r) => render(r.output, &Client::new(&r)?.call("GET", "/jobs", None)?, jobs_table),
+        JobCommand::List(r) => {
+            let v = Client::new(&r)?.call("GET", "/jobs", None)?;
+            let jobs: Vec<JobView> = typed(&v, "job list")?;
+            render(r.output, &v, |_| jobs_table(&jobs))
+        }
         JobCommand::Show { id, remote } => {
             let c = Client::new(&remote)?;
             let mut v = c.call("GET", &format!("/jobs/{id}"), None)?;
             if v["generation"].as_i64().unwrap_or(0) > 0 {
                 v["launch"] = c.call("GET", &format!("/jobs/{id}/plan"), None)?;
             }
+            let job: JobView = typed(&v, "job")?;
             render(remote.output, &v, |v| {
-                let mut out = jobs_table(v);
+                let mut out = jobs_table(std::slice::from_ref(&job));
                 if let Some(ranks) = v["launch"]["ranks"].as_array() {
                     let rows = ranks
                         .iter()
@@ -587,13 +608,21 @@ mod tests {
 
     #[test]
     fn table_cells_and_texts_escape_control_characters() {
-        let v = serde_json::json!([{"id": 1, "name": "evil\u{1b}]0;owned\u{7}\nsecond line", "state": "failed", "generation": 1,
-                                    "reason": "exit\tcode \u{9b}2J"}]);
-        let out = jobs_table(&v);
+        let job = |name: &str, reason: Option<&str>| JobView {
+            id: 1,
+            name: name.into(),
+            state: motley_contract::job::JobState::Failed,
+            generation: 1,
+            reason: reason.map(str::to_string),
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            spec: Value::Null,
+        };
+        let out = jobs_table(&[job("evil\u{1b}]0;owned\u{7}\nsecond line", Some("exit\tcode \u{9b}2J"))]);
         assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
         assert!(out.contains("evil\\x1b]0;owned\\x07\\nsecond line"), "{out}");
         assert!(out.contains("exit\\tcode \\u{9b}2J"), "{out}");
-        assert_eq!(out.lines().count(), jobs_table(&serde_json::json!([{"id": 1}])).lines().count(), "one line per row");
+        assert_eq!(out.lines().count(), jobs_table(&[job("j", None)]).lines().count(), "one line per row");
         assert_eq!(s(&serde_json::json!("a\u{1b}b")), "a\\x1bb");
     }
 
@@ -607,9 +636,10 @@ mod tests {
             ],
             "work_dir_free_bytes": 1536 * gib, "load_1m": 2.5, "mem_available_bytes": 0, "ranks_running": 2, "age_ms": 10
         });
-        assert_eq!(load_cells(&load), ["2", "50%", "80.0 GiB / 160.0 GiB", "1.5 TiB", "2.50"].map(String::from));
-        let no_gpus = serde_json::json!({"gpus": [], "work_dir_free_bytes": 512, "load_1m": 0.0, "ranks_running": 0});
-        assert_eq!(load_cells(&no_gpus), ["0", "-", "-", "512 B", "0.00"].map(String::from));
-        assert_eq!(load_cells(&Value::Null), ["-"; 5].map(String::from));
+        let load: NodeLoad = serde_json::from_value(load).unwrap();
+        assert_eq!(load_cells(Some(&load)), ["2", "50%", "80.0 GiB / 160.0 GiB", "1.5 TiB", "2.50"].map(String::from));
+        let no_gpus = NodeLoad { work_dir_free_bytes: 512, ..Default::default() };
+        assert_eq!(load_cells(Some(&no_gpus)), ["0", "-", "-", "512 B", "0.00"].map(String::from));
+        assert_eq!(load_cells(None), ["-"; 5].map(String::from));
     }
 }

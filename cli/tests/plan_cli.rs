@@ -37,6 +37,11 @@ fn check_contract(v: &serde_json::Value, layers: u64) {
         assert_eq!(next, layers, "every replica holds the whole model");
     }
     assert_eq!(samples, gb, "samples add up to the global batch");
+    // The typed reading every other part uses (motley-contract) takes the document whole.
+    let doc: motley_contract::PlanDocument = serde_json::from_value(v.clone()).expect("the plan document reads as the contract type");
+    assert_eq!(doc.placements().len() as u64, v["gpus_used"].as_u64().unwrap(), "one rank per GPU used");
+    assert_eq!(doc.comm_groups.len(), v["comm_groups"].as_array().unwrap().len());
+    assert_eq!(doc.model_spec.as_ref().map(|m| u64::from(m.layers)), Some(layers), "the plan carries its model");
     for b in ["megatron", "whale"] {
         if let Some(bt) = v["baselines"][b]["iteration_time_s"].as_f64() {
             assert!(t <= bt * (1.0 + 1e-12), "never slower than {b}");

@@ -14,7 +14,6 @@
 //! Arrows run from services to domain rooms to the store; a domain room never imports a
 //! service. One error type (`error`) maps to both a gRPC and an HTTP status.
 
-pub mod config;
 pub mod control;
 pub mod error;
 pub mod fleet;

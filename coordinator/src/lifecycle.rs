@@ -101,10 +101,19 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
     let Some(first) = ranks.first() else { return Ok(()) };
     let master_addr = fleet.address(&first.assignment.node).unwrap_or_else(|| "127.0.0.1".into());
     let master_port = master_port(fleet.master_port_base, id, job.generation);
-    let plan_doc: serde_json::Value = serde_json::from_str(&plan).unwrap_or_default();
+    let doc = match motley_contract::PlanDocument::from_json(&plan) {
+        Ok(doc) => doc,
+        Err(e) => {
+            fail(store, fleet, id, job.generation, &format!("the stored plan of generation {} does not read: {e}", job.generation)).await;
+            return Ok(());
+        }
+    };
+    let places: HashMap<(String, u32), motley_contract::RankPlacement> =
+        doc.placements().into_iter().map(|(g, p)| ((g.node, g.index), p)).collect();
     let mut by_node: HashMap<String, Vec<RankLaunch>> = HashMap::new();
     for r in &ranks {
-        let place = placement(&plan_doc, &r.assignment);
+        let a = &r.assignment;
+        let place = u32::try_from(a.gpu).ok().and_then(|gpu| places.get(&(a.node.clone(), gpu))).copied().unwrap_or_default();
         by_node.entry(r.assignment.node.clone()).or_default().push(RankLaunch {
             rank: r.assignment.rank,
             local_rank: r.assignment.local_rank,
@@ -114,12 +123,12 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
             stage: r.assignment.stage,
             layer_start: r.assignment.layer_start,
             layer_end: r.assignment.layer_end,
-            tp_rank: place.tp_rank,
-            tp_size: place.tp_size,
-            stage_dp_rank: place.stage_dp_rank,
-            stage_dp_size: place.stage_dp_size,
-            pp_size: place.pp_size,
-            replicas: place.replicas,
+            tp_rank: place.tp_rank.into(),
+            tp_size: place.tp_size.into(),
+            stage_dp_rank: place.stage_dp_rank.into(),
+            stage_dp_size: place.stage_dp_size.into(),
+            pp_size: place.pp_size.into(),
+            replicas: place.replicas.into(),
         });
     }
     for (node, mut list) in by_node {
@@ -154,38 +163,6 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
 /// be stopping).
 fn master_port(base: u16, job: i64, generation: i64) -> u32 {
     u32::from(base) + (job.rem_euclid(512) as u32) * 2 + generation.rem_euclid(2) as u32
-}
-
-/// Where a rank sits in the plan's parallelism.
-#[derive(Debug, Default, PartialEq)]
-struct Placement {
-    tp_rank: i64,
-    tp_size: i64,
-    stage_dp_rank: i64,
-    stage_dp_size: i64,
-    pp_size: i64,
-    replicas: i64,
-}
-
-/// A stage's GPUs are listed TP group by TP group (dp-major): the rank's position in that list
-/// gives its TP rank (fastest) and its data-parallel rank inside the stage.
-fn placement(plan: &serde_json::Value, a: &crate::store::RankAssignment) -> Placement {
-    let replicas = plan["replicas"].as_array().map_or(0, Vec::len) as i64;
-    let replica = &plan["replicas"][a.replica as usize];
-    let stage = &replica["stages"][a.stage as usize];
-    let tp = stage["tp"].as_i64().unwrap_or(1).max(1);
-    let position = stage["gpus"]
-        .as_array()
-        .and_then(|g| g.iter().position(|g| g["node"] == a.node.as_str() && g["index"].as_i64() == Some(a.gpu)))
-        .unwrap_or(0) as i64;
-    Placement {
-        tp_rank: position % tp,
-        tp_size: tp,
-        stage_dp_rank: position / tp,
-        stage_dp_size: stage["dp"].as_i64().unwrap_or(1),
-        pp_size: replica["stages"].as_array().map_or(0, Vec::len) as i64,
-        replicas,
-    }
 }
 
 /// Fail launches this leader has seen stuck in `launching` for `LAUNCH_INTERVALS`.
@@ -312,25 +289,5 @@ mod tests {
                 assert!(seen.insert(p), "job {job} generation {generation} reuses port {p}");
             }
         }
-    }
-
-    #[test]
-    fn placement_reads_tp_and_stage_dp_ranks_from_the_plan() {
-        let plan = serde_json::json!({"replicas": [{"stages": [
-            {"tp": 2, "dp": 2, "gpus": [{"node": "a", "index": 0}, {"node": "a", "index": 1}, {"node": "a", "index": 2}, {"node": "a", "index": 3}]},
-            {"tp": 1, "dp": 1, "gpus": [{"node": "b", "index": 0}]}
-        ]}]});
-        let a = crate::store::RankAssignment {
-            rank: 2,
-            node: "a".into(),
-            local_rank: 2,
-            gpu: 3,
-            replica: 0,
-            stage: 0,
-            layer_start: 0,
-            layer_end: 4,
-        };
-        let p = placement(&plan, &a);
-        assert_eq!(p, Placement { tp_rank: 1, tp_size: 2, stage_dp_rank: 1, stage_dp_size: 2, pp_size: 2, replicas: 1 });
     }
 }

@@ -12,7 +12,7 @@ use anyhow::Context;
 use clap::Parser;
 use std::sync::Arc;
 
-use motley_coordinator::config;
+use motley_contract::config;
 use motley_coordinator::fleet::Fleet;
 use motley_coordinator::leader::{self, Contender, LeaderInfo, Role};
 use motley_coordinator::metrics::Metrics;

@@ -15,22 +15,7 @@ use crate::job::JobState;
 /// `sqlx::migrate!` embeds `migrations/` in the binary.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum NodeState {
-    Active,
-    /// Gets no new ranks; what runs there keeps running.
-    Draining,
-}
-
-impl NodeState {
-    fn as_str(self) -> &'static str {
-        match self {
-            NodeState::Active => "active",
-            NodeState::Draining => "draining",
-        }
-    }
-}
+pub use motley_contract::views::NodeState;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeRecord {
@@ -57,7 +42,7 @@ pub struct JobRecord {
 }
 
 /// One rank of a launch: where it runs and which layers it holds (the seam for checkpoints).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema, sqlx::FromRow)]
 pub struct RankAssignment {
     pub rank: i64,
     pub node: String,
@@ -79,15 +64,16 @@ pub struct HeldGpu {
     pub running: bool,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema, sqlx::FromRow)]
 pub struct RankRecord {
+    #[sqlx(flatten)]
     pub assignment: RankAssignment,
     /// assigned | running | exited | lost
     pub state: String,
     pub exit_code: Option<i64>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema, sqlx::FromRow)]
 pub struct Event {
     pub seq: i64,
     pub job_id: Option<i64>,
@@ -535,15 +521,14 @@ impl Store {
     }
 
     pub async fn ranks(&self, id: i64, generation: i64) -> Result<Vec<RankRecord>> {
-        let rows = sqlx::query(
+        Ok(sqlx::query_as::<_, RankRecord>(
             "SELECT rank, node, local_rank, gpu, replica, stage, layer_start, layer_end, state, exit_code FROM ranks \
              WHERE job_id = $1 AND generation = $2 ORDER BY rank",
         )
         .bind(id)
         .bind(generation)
         .fetch_all(&self.pool)
-        .await?;
-        rows.iter().map(rank_of).collect()
+        .await?)
     }
 
     /// GPUs held by ranks: every rank of a launched (`launching` or `running`) job's current
@@ -745,9 +730,9 @@ impl Store {
 
     /// Events after `after` (all jobs, or one), oldest first, at most `limit`.
     pub async fn events(&self, job: Option<i64>, after: i64, limit: i64) -> Result<Vec<Event>> {
-        let rows =
+        let events =
             match job {
-                Some(id) => sqlx::query(
+                Some(id) => sqlx::query_as::<_, Event>(
                     "SELECT seq, job_id, generation, kind, message, at_ms FROM events WHERE job_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
                 )
                 .bind(id)
@@ -756,25 +741,16 @@ impl Store {
                 .fetch_all(&self.pool)
                 .await?,
                 None => {
-                    sqlx::query("SELECT seq, job_id, generation, kind, message, at_ms FROM events WHERE seq > $1 ORDER BY seq LIMIT $2")
-                        .bind(after)
-                        .bind(limit)
-                        .fetch_all(&self.pool)
-                        .await?
+                    sqlx::query_as::<_, Event>(
+                        "SELECT seq, job_id, generation, kind, message, at_ms FROM events WHERE seq > $1 ORDER BY seq LIMIT $2",
+                    )
+                    .bind(after)
+                    .bind(limit)
+                    .fetch_all(&self.pool)
+                    .await?
                 }
             };
-        rows.iter()
-            .map(|r| {
-                Ok(Event {
-                    seq: r.try_get("seq")?,
-                    job_id: r.try_get("job_id")?,
-                    generation: r.try_get("generation")?,
-                    kind: r.try_get("kind")?,
-                    message: r.try_get("message")?,
-                    at_ms: r.try_get("at_ms")?,
-                })
-            })
-            .collect()
+        Ok(events)
     }
 }
 
@@ -1031,22 +1007,5 @@ fn job_of(r: &AnyRow) -> Result<JobRecord> {
         reason: r.try_get("reason")?,
         created_at_ms: r.try_get("created_at_ms")?,
         updated_at_ms: r.try_get("updated_at_ms")?,
-    })
-}
-
-fn rank_of(r: &AnyRow) -> Result<RankRecord> {
-    Ok(RankRecord {
-        assignment: RankAssignment {
-            rank: r.try_get("rank")?,
-            node: r.try_get("node")?,
-            local_rank: r.try_get("local_rank")?,
-            gpu: r.try_get("gpu")?,
-            replica: r.try_get("replica")?,
-            stage: r.try_get("stage")?,
-            layer_start: r.try_get("layer_start")?,
-            layer_end: r.try_get("layer_end")?,
-        },
-        state: r.try_get("state")?,
-        exit_code: r.try_get("exit_code")?,
     })
 }

@@ -8,7 +8,7 @@ use crate::baselines::{best_baseline, Baseline};
 use crate::cost::{CostModel, PlanOptions};
 use crate::error::Result;
 use crate::hardware::Cluster;
-use crate::model::Model;
+use crate::model::{Model, ModelSpec};
 use crate::network::{comm_groups, CommGroup};
 use crate::oracle;
 use crate::placement::{place, GpuId};
@@ -67,6 +67,8 @@ pub struct SearchReport {
 pub struct PlanReport {
     pub cluster: String,
     pub model: String,
+    /// The whole model (its file's fields), so ranks can build it from the plan alone.
+    pub model_spec: ModelSpec,
     pub global_batch: u32,
     pub micro_batch: u32,
     pub seq_len: u64,
@@ -187,6 +189,7 @@ fn build_report(
     PlanReport {
         cluster: cm.cluster.name.clone(),
         model: cm.model.spec.name.clone(),
+        model_spec: cm.model.spec.clone(),
         global_batch: cm.opts.global_batch,
         micro_batch: plan.micro_batch,
         seq_len: cm.model.seq_len,

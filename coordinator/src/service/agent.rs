@@ -112,7 +112,7 @@ async fn read(
         }
         // Interval heartbeats (they carry the load), not the rank reports an agent sends between them.
         let interval = status.load.is_some() || status.ranks.is_empty();
-        match fleet.renew(&status.node, status.epoch, &outbox, status.load.clone().map(Into::into), interval) {
+        match fleet.renew(&status.node, status.epoch, &outbox, status.load.clone().map(crate::load::from_proto), interval) {
             Ok(()) => {}
             Err(Refused::Stale { current }) => {
                 let e = CoordinatorError::StaleAgent { node: status.node.clone(), given: status.epoch, current };

@@ -48,7 +48,7 @@ impl ControlService {
         pb::Node {
             live: self.fleet.live(&n.name),
             load_age_ms: load.as_ref().map_or(0, |l| l.age_ms),
-            load: load.map(Into::into),
+            load: load.map(crate::load::to_proto),
             name: n.name,
             state: serde_json::to_value(n.state).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
             agent_epoch: n.agent_epoch,

@@ -1,10 +1,11 @@
 //! `/api/v1/jobs...` and `/api/v1/plan`: jobs, their events, plans and rank logs.
 
 use axum::body::Bytes;
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{ApiResult, AppState};
@@ -12,21 +13,7 @@ use crate::control;
 use crate::error::CoordinatorError;
 use crate::store::{Event, JobRecord, RankAssignment, RankRecord};
 
-/// A job as the API shows it.
-#[derive(Serialize, utoipa::ToSchema)]
-pub struct JobView {
-    pub id: i64,
-    pub name: String,
-    pub state: crate::job::JobState,
-    /// 0 until the first launch; +1 on every (re)launch.
-    pub generation: i64,
-    pub reason: Option<String>,
-    pub created_at_ms: i64,
-    pub updated_at_ms: i64,
-    /// The job file as stored.
-    #[schema(value_type = Object)]
-    pub spec: Value,
-}
+pub use motley_contract::views::JobView;
 
 /// The plan and ranks of a job's current launch.
 #[derive(Serialize, utoipa::ToSchema)]
@@ -64,16 +51,25 @@ fn parse_id(what: &str, id: &str) -> Result<i64, CoordinatorError> {
     id.parse().map_err(|_| CoordinatorError::invalid(what, format!("'{id}' is not a number")))
 }
 
-/// `?name=value&...` as a number (default when absent); a bad value names the parameter.
-fn query_number(raw: &Option<String>, name: &str, default: i64) -> Result<i64, CoordinatorError> {
-    let Some(raw) = raw else { return Ok(default) };
-    for pair in raw.split('&') {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        if k == name {
-            return v.parse().map_err(|_| CoordinatorError::invalid(name, format!("'{v}' is not a number")));
-        }
-    }
-    Ok(default)
+/// `?after=SEQ`
+#[derive(Deserialize)]
+pub struct EventsQuery {
+    #[serde(default)]
+    after: i64,
+}
+
+/// `?offset=BYTE&generation=G`
+#[derive(Deserialize)]
+pub struct LogsQuery {
+    #[serde(default)]
+    offset: u64,
+    generation: Option<i64>,
+}
+
+/// A query string that does not read names the parameter (serde's message does).
+fn bad_query(r: QueryRejection) -> CoordinatorError {
+    let text = r.body_text();
+    CoordinatorError::invalid("query", text.trim_start_matches("Failed to deserialize query string: "))
 }
 
 #[utoipa::path(get, path = "/api/v1/jobs", tag = "jobs", responses((status = 200, body = [JobView])))]
@@ -107,9 +103,13 @@ pub async fn cancel(State(s): State<AppState>, Path(id): Path<String>) -> ApiRes
 /// The job's events after `?after=SEQ` (default 0), oldest first, at most 1000.
 #[utoipa::path(get, path = "/api/v1/jobs/{id}/events", tag = "jobs", params(("after" = Option<i64>, Query, description = "events after this sequence number")),
     responses((status = 200, body = [Event]), (status = 404, body = super::ErrorBody)))]
-pub async fn events(State(s): State<AppState>, Path(id): Path<String>, RawQuery(q): RawQuery) -> ApiResult<Vec<Event>> {
+pub async fn events(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    query: Result<Query<EventsQuery>, QueryRejection>,
+) -> ApiResult<Vec<Event>> {
     let id = parse_id("id", &id)?;
-    let after = query_number(&q, "after", 0)?;
+    let after = query.map_err(bad_query)?.after;
     s.store.job(id).await?;
     Ok(Json(s.store.events(Some(id), after, 1000).await?))
 }
@@ -138,15 +138,12 @@ pub async fn dry_run(State(s): State<AppState>, body: Bytes) -> ApiResult<DryRun
 pub async fn logs(
     State(s): State<AppState>,
     Path((id, rank)): Path<(String, String)>,
-    RawQuery(q): RawQuery,
+    query: Result<Query<LogsQuery>, QueryRejection>,
 ) -> Result<Vec<u8>, CoordinatorError> {
     let (id, rank) = (parse_id("id", &id)?, parse_id("rank", &rank)?);
+    let Query(q) = query.map_err(bad_query)?;
     let job = s.store.job(id).await?;
-    let generation = query_number(&q, "generation", job.generation)?;
-    let offset = query_number(&q, "offset", 0)?;
-    if offset < 0 {
-        return Err(CoordinatorError::invalid("offset", "must be 0 or more"));
-    }
+    let (generation, offset) = (q.generation.unwrap_or(job.generation), q.offset);
     let ranks = s.store.ranks(id, generation).await?;
     let Some(r) = ranks.into_iter().find(|r| r.assignment.rank == rank) else {
         return Err(CoordinatorError::not_found(format!("rank {rank} of job {id} generation {generation}")));

@@ -7,23 +7,9 @@ use serde_json::Value;
 
 use super::{ApiResult, AppState};
 use crate::control;
-use crate::store::{NodeRecord, NodeState};
+use crate::store::NodeRecord;
 
-/// A node as the API shows it.
-#[derive(Serialize, utoipa::ToSchema)]
-pub struct NodeView {
-    pub name: String,
-    pub state: NodeState,
-    /// The node's agent holds a lease now.
-    pub live: bool,
-    pub agent_epoch: i64,
-    pub registered_at_ms: i64,
-    /// The node's cluster-file entry.
-    #[schema(value_type = Object)]
-    pub inventory: Value,
-    /// What its agent reported on its last heartbeat (null unless live).
-    pub load: Option<crate::load::NodeLoad>,
-}
+pub use motley_contract::views::NodeView;
 
 /// A declared node's new agent epoch.
 #[derive(Serialize, utoipa::ToSchema)]

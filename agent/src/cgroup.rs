@@ -1,0 +1,162 @@
+//! One cgroup (v2) per rank, where the agent may make them: a rank that `setsid`s or double-
+//! forks leaves its process group, never its cgroup, so `cgroup.kill` ends everything a rank
+//! started. Without a writable cgroup v2 hierarchy (a v1-only host, an unprivileged agent
+//! outside a delegated subtree) ranks are stopped by process group alone, as before.
+//!
+//! Layout: `<the agent's own cgroup>/motley-<node>-<work dir hash>/job-J-gen-G-rank-R`, a path
+//! derived from the agent's node and work directory and the rank alone, so an agent restarted
+//! into the same cgroup (systemd's `Delegate=yes` unit) finds the cgroups of the ranks it adopts
+//! without a record, and agents of other coordinators on the same host (job numbers repeat
+//! between coordinators) never share one. A rank enters its cgroup in the forked
+//! child before `exec` (and before it drops root), so nothing it runs is ever outside it.
+
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+/// Where this agent's rank cgroups live.
+#[derive(Clone, Debug)]
+pub struct RankCgroups {
+    root: PathBuf,
+}
+
+impl RankCgroups {
+    /// The agent's own cgroup v2 directory with `motley-<node>-<hash>` made inside it, or why
+    /// there is no writable cgroup v2 hierarchy. `work_dir` is absolute.
+    pub fn detect(node: &str, work_dir: &Path) -> Result<RankCgroups, String> {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| format!("/proc/self/mountinfo: {e}"))?;
+        let mount = cgroup2_mount(&mountinfo).ok_or("no cgroup2 file system is mounted")?;
+        let own = std::fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("/proc/self/cgroup: {e}"))?;
+        let own = own_v2_path(&own).ok_or("/proc/self/cgroup names no cgroup v2 path")?;
+        let root = mount.join(own.trim_start_matches('/')).join(format!("motley-{node}-{:08x}", fnv1a(work_dir.as_os_str().as_bytes())));
+        match std::fs::create_dir(&root) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(format!("{}: {e}", root.display())),
+        }
+        if !root.join("cgroup.kill").exists() {
+            return Err(format!("{}: no cgroup.kill (a kernel older than 5.14)", root.display()));
+        }
+        Ok(RankCgroups { root })
+    }
+
+    /// The cgroup of one rank (made or not).
+    pub fn path(&self, job: i64, generation: i64, rank: i64) -> PathBuf {
+        self.root.join(format!("job-{job}-gen-{generation}-rank-{rank}"))
+    }
+
+    /// Make the rank's cgroup: the file a child writes itself into (see `enter`).
+    pub fn create(&self, job: i64, generation: i64, rank: i64) -> io::Result<CString> {
+        let dir = self.path(job, generation, rank);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        CString::new(dir.join("cgroup.procs").as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
+    }
+}
+
+/// In a forked child before exec: move the calling process into the cgroup whose
+/// `cgroup.procs` is `procs` ("0" is the writer itself). System calls only: no allocation.
+pub fn enter(procs: &CString) -> io::Result<()> {
+    // SAFETY: a valid NUL-terminated path; the descriptor is closed on every path.
+    unsafe {
+        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let wrote = libc::write(fd, b"0".as_ptr().cast(), 1);
+        let err = io::Error::last_os_error();
+        libc::close(fd);
+        if wrote != 1 {
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
+/// SIGKILL every process in the cgroup (and its descendants' cgroups), wherever their process
+/// groups and sessions are. False when there is no such cgroup.
+pub fn kill(dir: &Path) -> bool {
+    std::fs::write(dir.join("cgroup.kill"), b"1").is_ok()
+}
+
+/// Whether any process is left in the cgroup.
+pub fn populated(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("cgroup.events")).is_ok_and(|e| e.lines().any(|l| l == "populated 1"))
+}
+
+/// Kill what is left of a finished rank and remove its cgroup (a cgroup is removed only once
+/// empty: the kill takes a moment to land).
+pub async fn clear(dir: PathBuf) {
+    if !dir.exists() {
+        return;
+    }
+    kill(&dir);
+    for _ in 0..100 {
+        if !populated(&dir) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    if let Err(e) = std::fs::remove_dir(&dir) {
+        tracing::warn!("{}: {e}", dir.display());
+    }
+}
+
+/// The dead-man switch's last step in a rank's wrapper: SIGKILL everything left in the rank's
+/// cgroup, the wrapper included. Nothing when the wrapper is not in a rank cgroup.
+pub fn kill_own_rank_cgroup() -> bool {
+    let (Ok(mountinfo), Ok(own)) = (std::fs::read_to_string("/proc/self/mountinfo"), std::fs::read_to_string("/proc/self/cgroup")) else {
+        return false;
+    };
+    let (Some(mount), Some(own)) = (cgroup2_mount(&mountinfo), own_v2_path(&own)) else { return false };
+    let dir = mount.join(own.trim_start_matches('/'));
+    let name = |p: Option<&Path>| p.and_then(Path::file_name).and_then(|n| n.to_str()).map(str::to_string).unwrap_or_default();
+    let is_rank = name(Some(&dir)).starts_with("job-") && name(dir.parent()).starts_with("motley-");
+    is_rank && kill(&dir)
+}
+
+/// FNV-1a, 32 bits: a short stable name for a work directory (not a secret, no collision
+/// attack to fear: the directories are the operator's own).
+fn fnv1a(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5u32, |h, &b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
+}
+
+/// The mount point of the cgroup2 file system in /proc/self/mountinfo (field 5 is the mount
+/// point; the file system type follows the " - " separator).
+fn cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        if right.split_whitespace().next()? != "cgroup2" {
+            return None;
+        }
+        left.split_whitespace().nth(4).map(PathBuf::from)
+    })
+}
+
+/// The cgroup v2 path in /proc/self/cgroup (the `0::` line).
+fn own_v2_path(cgroup: &str) -> Option<String> {
+    cgroup.lines().find_map(|l| l.strip_prefix("0::")).map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_cgroup2_mount_and_the_agents_own_cgroup() {
+        let hybrid = "35 25 0:30 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n\
+                      36 35 0:31 / /sys/fs/cgroup/unified rw,relatime shared:9 - cgroup2 cgroup2 rw\n\
+                      37 35 0:32 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n";
+        assert_eq!(cgroup2_mount(hybrid), Some(PathBuf::from("/sys/fs/cgroup/unified")));
+        assert_eq!(cgroup2_mount("37 35 0:32 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n"), None);
+        assert_eq!(
+            own_v2_path("4:memory:/x\n0::/system.slice/motley-agent.service\n").as_deref(),
+            Some("/system.slice/motley-agent.service")
+        );
+        assert_eq!(own_v2_path("4:memory:/x\n"), None);
+    }
+}

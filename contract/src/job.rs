@@ -1,0 +1,112 @@
+//! A job's life: submitted -> planning -> launching -> running -> succeeded | failed | cancelled.
+//! Pure: the coordinator's store applies these rules inside its transactions; clients read the
+//! states in job views (`views`).
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "utoipa", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum JobState {
+    Submitted,
+    Planning,
+    Launching,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub const ALL: [JobState; 7] = [
+        JobState::Submitted,
+        JobState::Planning,
+        JobState::Launching,
+        JobState::Running,
+        JobState::Succeeded,
+        JobState::Failed,
+        JobState::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Submitted => "submitted",
+            JobState::Planning => "planning",
+            JobState::Launching => "launching",
+            JobState::Running => "running",
+            JobState::Succeeded => "succeeded",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
+    /// No way out: the job is over.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, JobState::Succeeded | JobState::Failed | JobState::Cancelled)
+    }
+
+    /// Whether `self -> to` is a step of the job's life. Any live state may fail or be
+    /// cancelled; a running job may go back to launching (a relaunch under a new generation,
+    /// after a node is lost, once recovery lands).
+    pub fn can_become(self, to: JobState) -> bool {
+        use JobState::*;
+        if self.is_terminal() {
+            return false;
+        }
+        matches!(
+            (self, to),
+            (Submitted, Planning)
+                | (Planning, Launching)
+                | (Launching, Running)
+                | (Running, Succeeded)
+                | (Running, Launching)
+                | (Launching, Launching)
+                | (_, Failed)
+                | (_, Cancelled)
+        )
+    }
+}
+
+impl fmt::Display for JobState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for JobState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        JobState::ALL.into_iter().find(|j| j.as_str() == s).ok_or_else(|| format!("unknown job state '{s}'"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::JobState::*;
+    use super::*;
+
+    #[test]
+    fn the_life_of_a_job() {
+        assert!(Submitted.can_become(Planning));
+        assert!(Planning.can_become(Launching));
+        assert!(Launching.can_become(Running));
+        assert!(Running.can_become(Succeeded));
+        assert!(Running.can_become(Launching), "relaunch under a new generation");
+        for s in [Submitted, Planning, Launching, Running] {
+            assert!(s.can_become(Failed) && s.can_become(Cancelled));
+        }
+        for s in [Succeeded, Failed, Cancelled] {
+            for t in JobState::ALL {
+                assert!(!s.can_become(t), "{s} is final, not -> {t}");
+            }
+        }
+        assert!(!Submitted.can_become(Running), "no launch without a plan");
+        assert!(!Submitted.can_become(Succeeded));
+        for s in JobState::ALL {
+            assert_eq!(s.as_str().parse::<JobState>().unwrap(), s);
+        }
+        assert!("nope".parse::<JobState>().is_err());
+    }
+}

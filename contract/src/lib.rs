@@ -1,0 +1,21 @@
+//! The documents Motley's parts hand each other, as types: the plan document (what
+//! `motley plan -o json` prints, what the coordinator stores and launches, what a rank reads
+//! at `MOTLEY_PLAN`), a rank's groups file (`MOTLEY_NCCL_GROUPS`), and the node and job views
+//! of the API (`views`, with the job's states in `job`). The coordinator, the agent and the
+//! CLI read them through these types, never by indexing untyped JSON. The config files under
+//! `/etc/motley/` have one loader for every binary (`config`).
+//!
+//! The solver writes the plan document (`motley_solver::report::PlanReport`; the solver uses
+//! nothing of ours), and `cli/tests/plan_cli.rs` reads every plan it makes back through
+//! `PlanDocument`, which keeps the two in step. Field names are a contract (docs/plan.md):
+//! fields may be added, never renamed. Readers ignore fields they do not know, so a newer
+//! writer never breaks an older reader.
+
+pub mod config;
+pub mod groups;
+pub mod job;
+pub mod plan;
+pub mod views;
+
+pub use groups::{for_rank, RankGroup};
+pub use plan::{CommGroupDoc, GpuRef, GroupKind, ModelDoc, PlanDocument, RankPlacement, ReplicaDoc, StageDoc};
