@@ -80,6 +80,9 @@ pub struct LayerCost {
     /// Seconds per layer per micro-batch, TP all-reduces included.
     pub fwd: f64,
     pub bwd: f64,
+    /// Forward and backward seconds of 1, 2, 4 and 8 consecutive layers when a profile measured
+    /// them (AutoHet eq. 5: a stage's layers cost the blocks of their count's binary digits).
+    pub blocks: Option<[(f64, f64); 4]>,
     /// Extra forward+backward seconds when the stage holds the embedding / the output head.
     pub embed_time: f64,
     pub head_time: f64,
@@ -171,6 +174,10 @@ impl<'a> CostModel<'a> {
             }
         };
         let bwd = if self.opts.recompute { bwd + fwd } else { bwd };
+        let recompute = self.opts.recompute;
+        let blocks = profiled
+            .filter(|p| !p.blocks.is_empty())
+            .map(|p| p.block_ms().map(|(f, b)| (f / 1e3, if recompute { (b + f) / 1e3 } else { b / 1e3 })));
         let head_fwd = m * self.model.head_fwd_flops / t / peak;
         let embed_bytes = m * s * h * 2.0;
         let opt_bytes_per_param = if self.opts.zero1 { 4.0 + 12.0 / k.dp as f64 } else { 16.0 };
@@ -183,11 +190,16 @@ impl<'a> CostModel<'a> {
             // the s^2 term): 10 bytes per token-hidden replicated, 24 split by tp.
             None => s * m * h * (10.0 + 24.0 / t),
         };
+        // Measured extras where the profile has them (forward plus backward).
+        let measured = |f: Option<f64>, b: Option<f64>| Some((f? + b?) / 1e3);
+        let embed_time = profiled.and_then(|p| measured(p.embed_fwd_ms, p.embed_bwd_ms)).unwrap_or(3.0 * embed_bytes / mem_bw);
+        let head_time = profiled.and_then(|p| measured(p.head_fwd_ms, p.head_bwd_ms)).unwrap_or(3.0 * head_fwd);
         LayerCost {
             fwd,
             bwd,
-            embed_time: 3.0 * embed_bytes / mem_bw,
-            head_time: 3.0 * head_fwd,
+            blocks,
+            embed_time,
+            head_time,
             layer_state: layer_params_gpu * opt_bytes_per_param,
             layer_act,
             embed_state: embed_params_gpu * opt_bytes_per_param,
@@ -223,8 +235,10 @@ impl<'a> CostModel<'a> {
 
     /// Seconds of one micro-batch through `n` layers of a stage, forward and backward.
     pub fn stage_time(c: &LayerCost, n: u32, first: bool, last: bool) -> (f64, f64) {
-        let mut f = n as f64 * c.fwd;
-        let mut b = n as f64 * c.bwd;
+        let (mut f, mut b) = match &c.blocks {
+            Some(blocks) => (crate::profile::layers_time(&blocks.map(|x| x.0), n), crate::profile::layers_time(&blocks.map(|x| x.1), n)),
+            None => (n as f64 * c.fwd, n as f64 * c.bwd),
+        };
         if first {
             f += c.embed_time / 3.0;
             b += c.embed_time * 2.0 / 3.0;

@@ -126,14 +126,7 @@ pub fn import_profiles(m: &MetisModel, cluster: &Cluster, class_of_type: &[Optio
                     })
                 };
                 if let Some(ms) = block_ms.filter(|x| *x > 0.0) {
-                    out.push(LayerProfile {
-                        gpu: class.gpu.name.clone(),
-                        tp,
-                        micro_batch: bs,
-                        fwd_ms: ms / 3.0,
-                        bwd_ms: ms * 2.0 / 3.0,
-                        act_mib: None,
-                    });
+                    out.push(LayerProfile::per_layer(&class.gpu.name, tp, bs, ms / 3.0, ms * 2.0 / 3.0, None));
                 }
             }
             tp *= 2;

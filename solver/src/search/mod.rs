@@ -165,6 +165,13 @@ fn search_in(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure], budget_t
             break;
         }
     }
+    // Profiles with measured layer blocks (AutoHet eq. 5) price a stage by its layer count's
+    // binary digits, not affinely: the splits and the fluid bound assume affine stage times, so
+    // the search no longer proves its answer or bounds it (every plan is still priced exactly).
+    if cm.profiles.profiles.iter().any(|p| !p.blocks.is_empty()) {
+        stats.proven_optimal = false;
+        stats.lower_bound = None;
+    }
     match best {
         Some((t, plan)) => Ok(Solution { plan, iteration_time: t, stats }),
         None => Err(SolverError::DoesNotFit(does_not_fit_message(cm))),
