@@ -38,6 +38,9 @@ impl RankCgroups {
         if !root.join("cgroup.kill").exists() {
             return Err(format!("{}: no cgroup.kill (a kernel older than 5.14)", root.display()));
         }
+        // Made to know it can be; it comes back with the first rank (unless adopted ranks
+        // still have theirs there).
+        let _ = std::fs::remove_dir(&root);
         Ok(RankCgroups { root })
     }
 
@@ -49,10 +52,10 @@ impl RankCgroups {
     /// Make the rank's cgroup: the file a child writes itself into (see `enter`).
     pub fn create(&self, job: i64, generation: i64, rank: i64) -> io::Result<CString> {
         let dir = self.path(job, generation, rank);
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e),
+        // The agent's directory goes with its last rank (`clear`): make it again if need be,
+        // twice should a `clear` remove it in between.
+        if std::fs::create_dir_all(&dir).is_err() {
+            std::fs::create_dir_all(&dir)?;
         }
         CString::new(dir.join("cgroup.procs").as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
     }
@@ -103,6 +106,11 @@ pub async fn clear(dir: PathBuf) {
     }
     if let Err(e) = std::fs::remove_dir(&dir) {
         tracing::warn!("{}: {e}", dir.display());
+    }
+    // The agent's own directory too once no rank has one there (it fails while one does), so
+    // agents that come and go leave no cgroups behind.
+    if let Some(root) = dir.parent() {
+        let _ = std::fs::remove_dir(root);
     }
 }
 

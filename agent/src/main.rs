@@ -424,11 +424,9 @@ async fn register(
             // Another agent runs as this node: registering again would only evict it (and
             // then be evicted), so stop (once it lasts, see `Ended::Held`) and say what to do.
             Err(s) if s.code() == tonic::Code::AlreadyExists => {
-                return Err(Ended::Held(anyhow::anyhow!(
-                    "register at {url}: node {} is held by another live agent ({}); stop it or start this one with another --node",
-                    req.node,
-                    s.message()
-                )));
+                // The coordinator says what to do; an older one may not.
+                let hint = if s.message().contains("--node") { "" } else { "; stop it or start this one with another --node" };
+                return Err(Ended::Held(anyhow::anyhow!("register at {url}: {}{hint}", s.message())));
             }
             // A wrong token or a refused entry will not change by trying again.
             Err(s) if matches!(s.code(), tonic::Code::Unauthenticated | tonic::Code::PermissionDenied | tonic::Code::InvalidArgument) => {

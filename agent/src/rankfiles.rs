@@ -237,7 +237,9 @@ pub fn scan(work_dir: &Path) -> (Vec<RankRecord>, Vec<String>) {
             for f in sorted(&generation) {
                 let name = f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
                 // Only `rank-N.json`: temporaries start with '.', and are never a record.
-                if !(name.starts_with("rank-") && name.ends_with(".json")) {
+                // (`rank-N.groups.json` is the rank's groups file, not a record.)
+                let number = name.strip_prefix("rank-").and_then(|n| n.strip_suffix(".json"));
+                if !number.is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())) {
                     continue;
                 }
                 // Only the agent's own records: a rank running as another user may write in its

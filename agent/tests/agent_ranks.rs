@@ -115,7 +115,8 @@ impl Fake {
     }
 
     fn send(&self, kind: instruction::Kind) {
-        let tx = self.until("a heartbeat stream", |s| s.down.clone());
+        // An open one: right after a restart the last agent's (closed) stream is still here.
+        let tx = self.until("an open heartbeat stream", |s| s.down.clone().filter(|d| !d.is_closed()));
         tx.try_send(Ok(Instruction { kind: Some(kind) })).unwrap();
     }
 }
@@ -303,6 +304,7 @@ fn ranks_survive_an_agent_restart_and_stop_escalates() {
     assert_eq!(fake.wait_state(2, (1, 1, 0), "exited"), Some(7), "the adopted rank's own exit code");
     let agent_log = std::fs::read_to_string(&log).unwrap();
     assert!(agent_log.contains("rank-5.json: not a rank record, skipped"), "{agent_log}");
+    assert!(!agent_log.contains("groups.json"), "a rank's groups file is not a record to read: {agent_log}");
     assert!(!fake.0.lock().unwrap().statuses.iter().any(|(_, r)| r.job == 1 && r.rank >= 5), "no half-written record was adopted");
 
     // Stop: a rank that ignores SIGTERM is killed after the grace period (137); one that does
@@ -574,9 +576,23 @@ fn what_a_rank_starts_outside_its_process_group_ends_with_it() {
     fake.wait_state(1, (1, 1, 0), "running");
     let pid = escaped(1);
     assert!(!process_gone(pid));
+    // The rank's own cgroup, named for it, under the agent's.
+    let own = std::fs::read_to_string(format!("/proc/{}/cgroup", pgid_of(&work, 1, 0))).unwrap();
+    let path = own.lines().find_map(|l| l.strip_prefix("0::")).unwrap().to_string();
+    assert!(path.ends_with("/job-1-gen-1-rank-0") && path.contains("/motley-n0-"), "{path}");
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let mount = mountinfo.lines().find(|l| l.contains(" - cgroup2 ")).unwrap().split_whitespace().nth(4).unwrap().to_string();
+    let cgroup = Path::new(&mount).join(path.trim_start_matches('/'));
+    assert!(cgroup.is_dir(), "{}", cgroup.display());
     fake.send(instruction::Kind::Stop(Stop { job: 1, generation: 1, reason: "test".into() }));
     assert_eq!(fake.wait_state(1, (1, 1, 0), "exited"), Some(143));
     wait_gone(pid, "after a stop");
+    // Its cgroup is removed, and the agent's with it once no rank has one there.
+    let start = Instant::now();
+    while cgroup.parent().unwrap().exists() {
+        assert!(start.elapsed() < Duration::from_secs(30), "{} is still there", cgroup.parent().unwrap().display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
 
     // Ended by itself: its leftovers end too.
     fake.send(launch(2, 1, &format!("{leave} while [ ! -e escaped.pid ]; do sleep 0.05; done; exit 3"), &[0], 29511));

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use motley_solver::hardware::NodeSpec;
 use motley_solver::placement::GpuId;
-use motley_solver::{Cluster, ClusterSpec, PlanOptions, PlanReport, PlanRequest, ProfileSet, SearchMode};
+use motley_solver::{Cluster, ClusterSpec, PlanReport, PlanRequest, ProfileSet};
 
 use crate::error::{CoordinatorError, Result};
 use crate::job::JobState;
@@ -48,6 +48,7 @@ pub async fn submit(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> R
 #[tracing::instrument(skip_all)]
 pub async fn dry_run(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> Result<(PlanReport, Vec<RankAssignment>)> {
     let spec = JobSpec::parse(text)?;
+    check_plan_gpus(store, &spec).await?;
     let offer = offer(store, &spec, None).await?;
     solve(&spec, offer, deadline(fleet, &spec)).await
 }
@@ -122,12 +123,16 @@ pub enum Planned {
 pub async fn plan_job(store: &Store, fleet: &crate::fleet::Fleet, id: i64, taken: &Taken) -> Result<Planned> {
     let job = store.job(id).await?;
     let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
+    if let Err(e) = check_plan_gpus(store, &spec).await {
+        return fail_planning(store, &job, e).await;
+    }
     let offer = match offer(store, &spec, Some((fleet, taken))).await {
         Ok(o) => o,
         Err(e) => return fail_planning(store, &job, e).await,
     };
     let holders = || offer.holders.iter().map(|j| j.to_string()).collect::<Vec<_>>().join(", ");
-    if offer.free < offer.wanted {
+    // A carried plan names its GPUs: it waits for those (below), not for a share.
+    if spec.plan.is_none() && offer.free < offer.wanted {
         return Ok(Planned::Waiting(format!(
             "waiting for {} GPUs: {} of the {} it may use are free; job(s) {} hold the rest",
             offer.wanted,
@@ -151,7 +156,8 @@ pub async fn plan_job(store: &Store, fleet: &crate::fleet::Fleet, id: i64, taken
         // its layers, say), but all of them might once those jobs end.
         // A plan out of time fails whatever is free: waiting would spend the deadline again on
         // every pass.
-        Err(e) if partial && !matches!(e, CoordinatorError::DeadlineExceeded(_)) => {
+        // A wrong field will not come right by waiting either.
+        Err(e) if partial && !matches!(e, CoordinatorError::DeadlineExceeded(_) | CoordinatorError::InvalidInput { .. }) => {
             Ok(Planned::Waiting(format!("waiting for more GPUs: the {free} free do not fit it ({e}); job(s) {held_by} hold the rest")))
         }
         Err(e) => fail_planning(store, &job, e).await,
@@ -216,7 +222,8 @@ async fn offer(store: &Store, spec: &JobSpec, live: Option<(&crate::fleet::Fleet
     let no_one = Taken::new();
     let taken = live.map_or(&no_one, |(_, t)| t);
     let capacity: u32 = nodes.iter().map(|n| n.gpus).sum();
-    let wanted = spec.resources.gpus.map_or(capacity, |b| b.min(capacity));
+    // A carried plan is offered every free GPU (it takes the ones it names).
+    let wanted = if spec.plan.is_some() { capacity } else { spec.resources.gpus.map_or(capacity, |b| b.min(capacity)) };
     let (mut free, mut holders, mut real) = (0, BTreeSet::new(), HashMap::new());
     let free_of = |n: &NodeSpec| -> Vec<u32> {
         let held = taken.get(&n.name);
@@ -246,6 +253,44 @@ async fn offer(store: &Store, spec: &JobSpec, live: Option<(&crate::fleet::Fleet
     Ok(Offer { nodes, real, wanted, capacity, free, holders })
 }
 
+/// A carried plan's GPUs against the inventory (any state): each names a registered node and
+/// one of its GPUs, the nodes are within the job's resources, and the plan uses no more GPUs
+/// than `resources.gpus`. Whether they are free and live is the offer's business.
+async fn check_plan_gpus(store: &Store, spec: &JobSpec) -> Result<()> {
+    let Some(plan) = &spec.plan else { return Ok(()) };
+    let nodes: HashMap<String, u32> = store
+        .nodes()
+        .await?
+        .into_iter()
+        .map(|n| {
+            let gpus = serde_json::from_str::<NodeSpec>(&n.inventory).map_or(0, |e| e.gpus);
+            (n.name, gpus)
+        })
+        .collect();
+    let mut used = 0u32;
+    for (ri, r) in plan.replicas.iter().enumerate() {
+        for (si, st) in r.stages.iter().enumerate() {
+            for (gi, g) in st.gpus.iter().enumerate() {
+                let field = format!("plan.replicas[{ri}].stages[{si}].gpus[{gi}]");
+                let Some(&count) = nodes.get(&g.node) else {
+                    return Err(CoordinatorError::invalid(field, format!("node '{}' is not in the inventory (motley node list)", g.node)));
+                };
+                if g.index >= count {
+                    return Err(CoordinatorError::invalid(field, format!("node '{}' has GPUs 0..{count}", g.node)));
+                }
+                if !spec.resources.nodes.is_empty() && !spec.resources.nodes.contains(&g.node) {
+                    return Err(CoordinatorError::invalid(field, format!("node '{}' is not in the job's resources.nodes", g.node)));
+                }
+                used += 1;
+            }
+        }
+    }
+    if let Some(budget) = spec.resources.gpus.filter(|&b| used > b) {
+        return Err(CoordinatorError::invalid("plan", format!("uses {used} GPUs but resources.gpus allows {budget}")));
+    }
+    Ok(())
+}
+
 /// The solver on an offer, within `deadline`; the plan and ranks name the real GPU indices. A
 /// plan that takes longer is refused (the solver's thread runs on to its end, but nothing
 /// waits for it: the job queue and the request move on).
@@ -254,20 +299,38 @@ async fn solve(spec: &JobSpec, offer: Offer, deadline: std::time::Duration) -> R
     let cluster = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: vec![] })
         .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
     let model = spec.model()?;
-    let opts = PlanOptions { global_batch: spec.global_batch, ..PlanOptions::default() };
+    let (opts, mode) = spec.plan_options()?;
+    // A carried plan names real GPU indices; the solver numbers the offer's free GPUs 0..n.
+    let given = match &spec.plan {
+        None => None,
+        Some(plan) => {
+            let mut plan = plan.clone();
+            for (ri, r) in plan.replicas.iter_mut().enumerate() {
+                for (si, st) in r.stages.iter_mut().enumerate() {
+                    for (gi, g) in st.gpus.iter_mut().enumerate() {
+                        let number = real.get(&g.node).and_then(|free| free.iter().position(|&i| i == g.index));
+                        let Some(number) = number else {
+                            return Err(CoordinatorError::Conflict(format!(
+                                "plan.replicas[{ri}].stages[{si}].gpus[{gi}]: GPU {}:{} is held by another job, or its node is draining or has no live agent",
+                                g.node, g.index
+                            )));
+                        };
+                        g.index = number as u32;
+                    }
+                }
+            }
+            Some(plan)
+        }
+    };
     // The solver is pure CPU work: keep it off the async workers.
     let planner = tokio::task::spawn_blocking(move || {
         let profiles = ProfileSet::default();
-        let req = PlanRequest {
-            cluster: &cluster,
-            model: &model,
-            profiles: &profiles,
-            opts: &opts,
-            mode: SearchMode::Auto,
-            exhaustive: false,
-            seeds: vec![],
-        };
-        motley_solver::plan(&req)
+        let req =
+            PlanRequest { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts, mode, exhaustive: false, seeds: vec![] };
+        match &given {
+            Some(plan) => motley_solver::report::given(&req, plan),
+            None => motley_solver::plan(&req),
+        }
     });
     let planned = tokio::time::timeout(deadline, planner).await.map_err(|_| {
         CoordinatorError::DeadlineExceeded(format!(
@@ -275,8 +338,11 @@ async fn solve(spec: &JobSpec, offer: Offer, deadline: std::time::Duration) -> R
             deadline.as_millis()
         ))
     })?;
-    let mut report =
-        planned.map_err(|e| CoordinatorError::Conflict(format!("planner: {e}")))?.map_err(|e| CoordinatorError::Conflict(e.to_string()))?;
+    let mut report = planned.map_err(|e| CoordinatorError::Conflict(format!("planner: {e}")))?.map_err(|e| match e {
+        // A field of the job (its plan, its options) is wrong: the job's fault, named.
+        motley_solver::SolverError::InvalidInput { field, message } => CoordinatorError::invalid(field, message),
+        other => CoordinatorError::Conflict(other.to_string()),
+    })?;
     let renumber = |g: &mut GpuId| {
         if let Some(i) = real.get(&g.node).and_then(|r| r.get(g.index as usize)) {
             g.index = *i;

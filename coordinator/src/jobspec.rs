@@ -12,6 +12,17 @@
 //! max_restarts: 0             # relaunches after a rank fails (0 until recovery lands)
 //! max_preemptions: 0          # relaunches after a node is lost (0 until recovery lands)
 //! user: alice                 # the ranks run as this user where the agent runs as root (optional)
+//! plan_options:               # the `motley plan` flags a job may pin (all optional)
+//!   tp: 2                     # only this tensor-parallel degree
+//!   max_stages: 4             # longest pipeline
+//!   micro_batch: 2            # sequences per micro-batch
+//!   seq_len: 2048             # overrides the model's
+//!   search: exact             # auto | exact | fast
+//!   recompute: true           # full activation recomputation
+//!   zero1: false              # shard optimizer states over a stage's data-parallel GPUs
+//!   reserve_gib: 1.5          # GiB kept free on every GPU
+//!   efficiency: 0.5           # roofline: fraction of peak a layer reaches
+//!   p2p_blocking: false       # pipeline sends block the stage (Megatron-LM's 1F1B)
 //! ```
 //!
 //! Limits (a rank gets `run` as one argument and each env value as one string, and Linux
@@ -24,7 +35,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 use crate::error::{CoordinatorError, Result};
-use motley_solver::{Model, ModelSpec};
+use motley_solver::replan::CurrentPlan;
+use motley_solver::{Model, ModelSpec, PlanOptions, SearchMode};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -40,6 +52,42 @@ pub struct Resources {
     pub gpus: Option<u32>,
     #[serde(default)]
     pub nodes: Vec<String>,
+}
+
+/// How hard the planner searches (`motley plan --search`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Search {
+    Auto,
+    Exact,
+    Fast,
+}
+
+/// The `motley plan` flags that make sense for a job, pinned by its author; what is absent is
+/// the planner's default.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanOptionsSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_stages: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batch: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub search: Option<Search>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero1: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserve_gib: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub efficiency: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p2p_blocking: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -65,6 +113,14 @@ pub struct JobSpec {
     /// another user refuses any other name (it cannot switch users).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// Planner options the job pins (`motley plan`'s flags).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan_options: Option<PlanOptionsSpec>,
+    /// A whole plan to run as given (`motley plan -o json`'s document, or its `global_batch`,
+    /// `micro_batch` and `replicas` with their stages and GPUs): checked against the live
+    /// inventory and the model when the job is planned, never re-planned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<CurrentPlan>,
 }
 
 /// See the module's doc: the limits a job file is held to.
@@ -196,7 +252,71 @@ impl JobSpec {
             }
         }
         self.model()?;
+        self.plan_options()?;
+        if let Some(plan) = &self.plan {
+            if plan.global_batch != self.global_batch {
+                return Err(CoordinatorError::invalid(
+                    "plan.global_batch",
+                    format!("is {} but the job's global_batch is {}; make them agree", plan.global_batch, self.global_batch),
+                ));
+            }
+            let pinned = self.plan_options.clone().unwrap_or_default();
+            for (name, set) in [
+                ("tp", pinned.tp.is_some()),
+                ("max_stages", pinned.max_stages.is_some()),
+                ("micro_batch", pinned.micro_batch.is_some()),
+                ("search", pinned.search.is_some()),
+            ] {
+                if set {
+                    return Err(CoordinatorError::invalid(
+                        format!("plan_options.{name}"),
+                        "a job that carries its plan is not searched; drop one of the two",
+                    ));
+                }
+            }
+            let stages: usize = plan.replicas.iter().map(|r| r.stages.len()).sum();
+            if plan.replicas.is_empty() || stages == 0 {
+                return Err(CoordinatorError::invalid("plan.replicas", "a plan needs at least one replica with stages"));
+            }
+            let gpus: usize = plan.replicas.iter().flat_map(|r| &r.stages).map(|s| s.gpus.len()).sum();
+            if gpus as u64 > motley_solver::limits::MAX_GPUS {
+                return Err(CoordinatorError::invalid("plan", format!("names {gpus} GPUs; at most {}", motley_solver::limits::MAX_GPUS)));
+            }
+        }
         Ok(())
+    }
+
+    /// The planner's options: its defaults, the job's global batch, and what `plan_options`
+    /// pins. Checked as the planner checks them, errors naming `plan_options.FIELD`.
+    pub fn plan_options(&self) -> Result<(PlanOptions, SearchMode)> {
+        let p = self.plan_options.clone().unwrap_or_default();
+        let d = PlanOptions::default();
+        let opts = PlanOptions {
+            global_batch: self.global_batch,
+            micro_batch: p.micro_batch,
+            efficiency: p.efficiency.unwrap_or(d.efficiency),
+            recompute: p.recompute.unwrap_or(d.recompute),
+            zero1: p.zero1.unwrap_or(d.zero1),
+            reserve_gib: p.reserve_gib.unwrap_or(d.reserve_gib),
+            max_stages: p.max_stages.unwrap_or(d.max_stages),
+            tp: p.tp,
+            p2p_blocking: p.p2p_blocking.unwrap_or(d.p2p_blocking),
+        };
+        opts.validate().map_err(|e| {
+            let text = e.to_string();
+            // The planner names its own option (`tp: ...`); the job file's is plan_options.tp.
+            match text.split_once(": ") {
+                Some((field, why)) if field == "global_batch" => CoordinatorError::invalid(field, why),
+                Some((field, why)) if !field.contains(' ') => CoordinatorError::invalid(format!("plan_options.{field}"), why),
+                _ => CoordinatorError::invalid("plan_options", text),
+            }
+        })?;
+        let mode = match p.search.unwrap_or(Search::Auto) {
+            Search::Auto => SearchMode::Auto,
+            Search::Exact => SearchMode::Exact,
+            Search::Fast => SearchMode::Fast,
+        };
+        Ok((opts, mode))
     }
 
     /// The model, from the catalog or the inline entry.
@@ -208,7 +328,14 @@ impl JobSpec {
             })?,
             ModelRef::Spec(s) => s.clone(),
         };
-        Model::new(spec, None).map_err(|e| CoordinatorError::invalid("model", e.to_string()))
+        let seq_len = self.plan_options.as_ref().and_then(|p| p.seq_len);
+        Model::new(spec, seq_len).map_err(|e| {
+            let text = e.to_string();
+            match text.strip_prefix("seq_len: ") {
+                Some(why) if seq_len.is_some() => CoordinatorError::invalid("plan_options.seq_len", why),
+                _ => CoordinatorError::invalid("model", text),
+            }
+        })
     }
 }
 
@@ -259,6 +386,45 @@ mod tests {
         assert!(err(&GOOD.replace("DATA", "1BAD")).starts_with("envs.1BAD: is not a valid"));
         assert!(err(&format!("{GOOD}colour: red\n")).contains("unknown field `colour`"));
         assert!(err(&GOOD.replace("python train.py", "\"  \"")).starts_with("run:"));
+    }
+
+    #[test]
+    fn plan_options_pin_the_planners_flags_and_name_bad_ones() {
+        let j = JobSpec::parse(&format!(
+            "{GOOD}plan_options: {{tp: 2, max_stages: 4, micro_batch: 2, seq_len: 512, search: exact, recompute: true}}\n"
+        ))
+        .unwrap();
+        let (opts, mode) = j.plan_options().unwrap();
+        assert_eq!((opts.tp, opts.max_stages, opts.micro_batch, opts.recompute, mode), (Some(2), 4, Some(2), true, SearchMode::Exact));
+        assert_eq!(
+            (opts.global_batch, opts.reserve_gib),
+            (16, PlanOptions::default().reserve_gib),
+            "the rest: the job's batch, the defaults"
+        );
+        assert_eq!(j.model().unwrap().seq_len, 512, "seq_len overrides the model's");
+        let (opts, mode) = JobSpec::parse(GOOD).unwrap().plan_options().unwrap();
+        assert_eq!((opts.tp, mode), (None, SearchMode::Auto));
+        let err = |t: &str| JobSpec::parse(&format!("{GOOD}plan_options: {t}\n")).unwrap_err().to_string();
+        assert!(err("{tp: 3}").starts_with("plan_options.tp: must be a power of two"), "{}", err("{tp: 3}"));
+        assert!(err("{micro_batch: 0}").starts_with("plan_options.micro_batch:"));
+        assert!(err("{efficiency: 1.5}").starts_with("plan_options.efficiency:"));
+        assert!(err("{reserve_gib: -1}").starts_with("plan_options.reserve_gib:"));
+        assert!(err("{max_stages: 100000}").starts_with("plan_options.max_stages:"));
+        assert!(err("{seq_len: 0}").starts_with("plan_options.seq_len:"), "{}", err("{seq_len: 0}"));
+        assert!(err("{search: thorough}").contains("search"));
+        assert!(err("{tpp: 2}").contains("unknown field `tpp`"));
+    }
+
+    #[test]
+    fn a_carried_plan_agrees_with_its_job() {
+        let plan = "plan: {global_batch: 16, micro_batch: 16, replicas: [{micro_batches: 1, stages: [{layers: [0, 24], gpu: A100-80G, tp: 1, dp: 1, gpus: [{node: a, index: 0}]}]}]}\n";
+        let j = JobSpec::parse(&format!("{GOOD}{plan}")).unwrap();
+        assert_eq!(j.plan.as_ref().unwrap().replicas[0].stages[0].gpus[0].node, "a");
+        let err = |t: &str| JobSpec::parse(t).unwrap_err().to_string();
+        assert!(err(&format!("{GOOD}{}", plan.replace("global_batch: 16", "global_batch: 8"))).starts_with("plan.global_batch: is 8"));
+        assert!(err(&format!("{GOOD}{plan}plan_options: {{tp: 2}}\n")).starts_with("plan_options.tp: a job that carries its plan"));
+        assert!(JobSpec::parse(&format!("{GOOD}{plan}plan_options: {{recompute: true}}\n")).is_ok(), "pricing options go with a plan");
+        assert!(err(&format!("{GOOD}plan: {{global_batch: 16, micro_batch: 16, replicas: []}}\n")).starts_with("plan.replicas"));
     }
 
     #[test]

@@ -35,6 +35,13 @@ fn the_operator_story(data_dir: &Path, extra: &[&str]) {
     assert!(ranks.iter().all(|r| ["a100-0", "a100-1"].contains(&r["node"].as_str().unwrap())));
     assert!(plan["plan"]["comm_groups"].is_array());
     assert_eq!(c.json("GET", "/api/v1/jobs", "", 200).as_array().unwrap().len(), 0);
+    // A job may pin the planner's options: every stage of this plan has TP 4.
+    let pinned = c.json("POST", "/api/v1/plan", &format!("{JOB}plan_options: {{tp: 4, search: fast}}\n"), 200);
+    let stages: Vec<&Value> = pinned["plan"]["replicas"].as_array().unwrap().iter().flat_map(|r| r["stages"].as_array().unwrap()).collect();
+    assert!(!stages.is_empty() && stages.iter().all(|s| s["tp"] == 4), "{}", pinned["plan"]);
+    let e = error_of(&c, "POST", "/api/v1/plan", &format!("{JOB}plan_options: {{tp: 3}}\n"), 400);
+    assert!(e.contains("plan_options.tp"), "{e}");
+    carried_plans_run_as_given(&c, &pinned["plan"]);
 
     let job = c.json("POST", "/api/v1/jobs", JOB, 201);
     let id = job["id"].as_i64().unwrap();
@@ -112,6 +119,61 @@ fn tokens_bad_input_and_unplannable_jobs_get_clear_errors() {
 }
 
 /// The JSON error body's `error`, asserting the status and that the body is the API's shape.
+/// A job may carry a whole plan (`plan:`, the document `motley plan -o json` prints): it runs
+/// on exactly its GPUs in its order, or is refused with the field named.
+fn carried_plans_run_as_given(c: &Coordinator, planned: &Value) {
+    let with_plan = |plan: &Value| format!("{JOB}plan: {plan}\n");
+    // Its own GPUs, reversed inside each TP group's order: the plan is not re-made.
+    let mut plan = planned.clone();
+    for r in plan["replicas"].as_array_mut().unwrap() {
+        for st in r["stages"].as_array_mut().unwrap() {
+            st["gpus"].as_array_mut().unwrap().reverse();
+        }
+    }
+    let ran = c.json("POST", "/api/v1/plan", &with_plan(&plan), 200);
+    assert_eq!(ran["plan"]["search"]["mode"], "given");
+    for (r, want) in ran["plan"]["replicas"].as_array().unwrap().iter().zip(plan["replicas"].as_array().unwrap()) {
+        for (st, w) in r["stages"].as_array().unwrap().iter().zip(want["stages"].as_array().unwrap()) {
+            assert_eq!((&st["gpus"], &st["layers"], &st["tp"]), (&w["gpus"], &w["layers"], &w["tp"]));
+        }
+    }
+    assert_eq!(ran["ranks"][0]["node"], plan["replicas"][0]["stages"][0]["gpus"][0]["node"]);
+    assert_eq!(ran["ranks"][0]["gpu"], plan["replicas"][0]["stages"][0]["gpus"][0]["index"]);
+    // Refused, naming the field: a node that is not there, a GPU it does not have, a TP group
+    // across nodes, samples that do not add up, a stage that does not fit, a batch that differs.
+    let refused = |plan: &Value, field: &str| {
+        let e = error_of(c, "POST", "/api/v1/plan", &with_plan(plan), 400);
+        assert!(e.starts_with(field), "want {field}: {e}");
+    };
+    let mut p = planned.clone();
+    p["replicas"][0]["stages"][0]["gpus"][0]["node"] = "nowhere".into();
+    refused(&p, "plan.replicas[0].stages[0].gpus[0]");
+    let mut p = planned.clone();
+    p["replicas"][0]["stages"][0]["gpus"][0]["index"] = 99.into();
+    refused(&p, "plan.replicas[0].stages[0].gpus[0]");
+    let mut p = planned.clone();
+    p["replicas"][0]["stages"][0]["gpus"][0]["node"] =
+        if p["replicas"][0]["stages"][0]["gpus"][0]["node"] == "a100-0" { "a100-1" } else { "a100-0" }.into();
+    let e = error_of(c, "POST", "/api/v1/plan", &with_plan(&p), 400);
+    assert!(e.starts_with("plan.replicas[0].stages[0].gpus"), "{e}");
+    let mut p = planned.clone();
+    p["replicas"][0]["samples"] = 1.into();
+    refused(&p, "plan.replicas[0].samples");
+    let mut p = planned.clone();
+    p["global_batch"] = 64.into();
+    refused(&p, "plan.global_batch");
+    // Every layer on one GPU of a 70B model: far beyond 80 GB.
+    let big = JOB.replace("gpt3-1.3b", "llama-70b").replace("global_batch: 32", "global_batch: 1");
+    let one_gpu = serde_json::json!({"global_batch": 1, "micro_batch": 1, "replicas": [{"micro_batches": 1, "stages": [
+        {"layers": [0, 80], "gpu": "A100-80G", "tp": 1, "dp": 1, "gpus": [{"node": "a100-0", "index": 0}]}]}]});
+    let e = error_of(c, "POST", "/api/v1/plan", &format!("{big}plan: {one_gpu}\n"), 400);
+    assert!(e.starts_with("plan.replicas[0].stages[0]: needs") && e.contains("GiB"), "{e}");
+    let mut half = one_gpu.clone();
+    half["replicas"][0]["stages"][0]["layers"] = serde_json::json!([0, 40]);
+    let e = error_of(c, "POST", "/api/v1/plan", &format!("{big}plan: {half}\n"), 400);
+    assert!(e.starts_with("plan.replicas") && e.contains("layers"), "{e}");
+}
+
 fn error_of(c: &Coordinator, method: &str, path: &str, body: &str, want: u16) -> String {
     let (status, text) = c.call(method, path, body);
     assert_eq!(status, want, "{method} {}: {text}", &path[..path.len().min(80)]);

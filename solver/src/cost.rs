@@ -59,7 +59,19 @@ impl PlanOptions {
         }
         limits::at_most("global_batch", self.global_batch as u64, MAX_GLOBAL_BATCH as u64, "sequences an iteration may have")?;
         if let Some(b) = self.micro_batch {
+            if b == 0 {
+                return Err(SolverError::invalid("micro_batch", "must be at least 1"));
+            }
             limits::at_most("micro_batch", b as u64, MAX_MICRO_BATCH as u64, "sequences a micro-batch may have")?;
+        }
+        if self.tp.is_some_and(|t| t == 0 || !t.is_power_of_two()) {
+            return Err(SolverError::invalid("tp", "must be a power of two (1, 2, 4, 8)"));
+        }
+        if !(self.efficiency > 0.0 && self.efficiency <= 1.0) {
+            return Err(SolverError::invalid("efficiency", "must be in (0, 1]"));
+        }
+        if !(self.reserve_gib >= 0.0 && self.reserve_gib.is_finite()) {
+            return Err(SolverError::invalid("reserve_gib", "must be a non-negative number of GiB"));
         }
         limits::at_most("max_stages", self.max_stages as u64, MAX_STAGES as u64, "pipeline stages the search may consider")?;
         Ok(())

@@ -17,22 +17,27 @@ use crate::placement::GpuId;
 use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
 use crate::report::{plan, PlanReport, PlanRequest};
 
-/// The parts of a `motley plan -o json` document re-planning reads.
-#[derive(Debug, Clone, Deserialize)]
+/// The parts of a `motley plan -o json` document re-planning reads (and a job's `plan:`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CurrentPlan {
     pub global_batch: u32,
     pub micro_batch: u32,
+    /// What the planner that made the plan priced it at (0 when the document does not say).
+    #[serde(default)]
     pub iteration_time_s: f64,
     pub replicas: Vec<CurrentReplica>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CurrentReplica {
+    /// `micro_batches * micro_batch`, when the document says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples: Option<u32>,
     pub micro_batches: u32,
     pub stages: Vec<CurrentStage>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CurrentStage {
     pub layers: [u32; 2],
     pub gpu: String,

@@ -124,6 +124,61 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
     Ok(build_report(&cm, &structure, t, stats, req.exhaustive, [("megatron", megatron), ("whale", whale)]))
 }
 
+/// A plan given whole (a job's `plan:`: one an operator reviewed, or another planner made),
+/// checked on `req`'s cluster and model and priced as given, on its own GPUs in its own order.
+/// Refused, with the field named, unless every GPU exists once with the stage's GPU type, each
+/// TP group is inside one node, every replica holds every layer once in contiguous stages,
+/// the samples add up to the global batch, and every stage fits in its GPUs' memory.
+pub fn given(req: &PlanRequest, doc: &crate::replan::CurrentPlan) -> Result<PlanReport> {
+    req.opts.validate()?;
+    let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
+    if doc.global_batch != req.opts.global_batch {
+        return Err(crate::SolverError::invalid(
+            "plan.global_batch",
+            format!("is {} but the job's global_batch is {}; make them agree", doc.global_batch, req.opts.global_batch),
+        ));
+    }
+    for (ri, r) in doc.replicas.iter().enumerate() {
+        if let Some(samples) = r.samples.filter(|&x| x != r.micro_batches * doc.micro_batch) {
+            return Err(crate::SolverError::invalid(
+                format!("plan.replicas[{ri}].samples"),
+                format!("is {samples} but micro_batches x micro_batch is {} x {}", r.micro_batches, doc.micro_batch),
+            ));
+        }
+        for (si, st) in r.stages.iter().enumerate() {
+            for (gi, group) in st.gpus.chunks(st.tp.max(1) as usize).enumerate() {
+                if group.iter().any(|g| g.node != group[0].node) {
+                    return Err(crate::SolverError::invalid(
+                        format!("plan.replicas[{ri}].stages[{si}].gpus"),
+                        format!("TP group {gi} spans nodes {} and others; a TP group lives inside one node", group[0].node),
+                    ));
+                }
+            }
+        }
+    }
+    let named = |e: crate::SolverError| match e {
+        crate::SolverError::InvalidInput { field, message } => crate::SolverError::InvalidInput { field: format!("plan.{field}"), message },
+        other => other,
+    };
+    let structure = crate::replan::structure_of(&cm, doc).map_err(named)?;
+    let eval = cm.evaluate(&structure);
+    for (ri, r) in structure.replicas.iter().enumerate() {
+        for si in 0..r.stages.len() {
+            let (need, have) = (eval.memory[ri][si] / GIB, eval.capacity[ri][si] / GIB);
+            if need > have {
+                return Err(crate::SolverError::invalid(
+                    format!("plan.replicas[{ri}].stages[{si}]"),
+                    format!("needs {need:.1} GiB per GPU, its GPUs have {have:.1}; give it fewer layers or more GPUs (dp, tp)"),
+                ));
+            }
+        }
+    }
+    let gpus: Vec<Vec<Vec<GpuId>>> = doc.replicas.iter().map(|r| r.stages.iter().map(|s| s.gpus.clone()).collect()).collect();
+    let placement = crate::placement::Placement { gpus, split_hops: 0 };
+    let stats = SearchStats { mode: "given".into(), ..Default::default() };
+    Ok(report_placed(&cm, &structure, eval.iteration_time, stats, false, [("megatron", None), ("whale", None)], placement))
+}
+
 fn build_report(
     cm: &CostModel,
     plan: &PlanStructure,
@@ -132,9 +187,22 @@ fn build_report(
     exhaustive: bool,
     baselines: [(&str, Option<(f64, PlanStructure)>); 2],
 ) -> PlanReport {
+    let placement = place(cm.cluster, plan).expect("searched plans fit the cluster");
+    report_placed(cm, plan, t, stats, exhaustive, baselines, placement)
+}
+
+/// The report of a plan on `placement`'s GPUs.
+fn report_placed(
+    cm: &CostModel,
+    plan: &PlanStructure,
+    t: f64,
+    stats: SearchStats,
+    exhaustive: bool,
+    baselines: [(&str, Option<(f64, PlanStructure)>); 2],
+    placement: crate::placement::Placement,
+) -> PlanReport {
     let eval = cm.evaluate(plan);
     debug_assert!((eval.iteration_time - t).abs() <= 1e-9 * t.max(1.0), "search price {t} != evaluation {}", eval.iteration_time);
-    let placement = place(cm.cluster, plan).expect("searched plans fit the cluster");
     let replicas = plan
         .replicas
         .iter()
