@@ -121,9 +121,16 @@ impl Fleet {
         self.queue.notified().await
     }
 
-    /// The launch was sent to its agents.
-    pub fn mark_sent(&self, job: i64, generation: i64) {
-        self.sent.lock().expect("sent lock").insert((job, generation));
+    /// Claim the sending of a launch: true for the one caller that is to send it (the queue
+    /// and the lease watcher's recheck may both find it unsent; a launch sent twice costs
+    /// every node a second Launch).
+    pub fn claim_send(&self, job: i64, generation: i64) -> bool {
+        self.sent.lock().expect("sent lock").insert((job, generation))
+    }
+
+    /// The claimed launch was not sent after all: the next look tries again.
+    pub fn unclaim_send(&self, job: i64, generation: i64) {
+        self.sent.lock().expect("sent lock").remove(&(job, generation));
     }
 
     /// Whether the launch was sent by this leader.
@@ -331,6 +338,18 @@ mod tests {
         let (tx, rx) = mpsc::unbounded_channel();
         fleet.renew(node, 1, &tx, None, true).unwrap();
         (fleet, tx, rx)
+    }
+
+    #[test]
+    fn a_launch_is_claimed_for_sending_once() {
+        let fleet = Fleet::new(Duration::from_secs(1), 29500, Duration::from_secs(60));
+        assert!(fleet.claim_send(7, 1), "the first to look sends it");
+        assert!(!fleet.claim_send(7, 1), "the queue and the recheck never both send it");
+        assert!(fleet.claim_send(7, 2), "another generation is another launch");
+        fleet.unclaim_send(7, 1);
+        assert!(fleet.claim_send(7, 1), "a send that failed is tried again");
+        fleet.resend_launches();
+        assert!(fleet.claim_send(7, 1), "a new session sends it again");
     }
 
     #[tokio::test(start_paused = true)]

@@ -107,15 +107,18 @@ async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>) -> Result
     Ok(())
 }
 
-/// Send a launch to its agents if all its nodes are live; remembered (in the fleet) once sent.
+/// Send a launch to its agents if all its nodes are live, once: claimed in the fleet first.
 pub(crate) async fn send_out(store: &Store, fleet: &Fleet, id: i64, generation: i64) -> Result<()> {
     let ranks = store.ranks(id, generation).await?;
     if !ranks.iter().all(|r| fleet.live(&r.assignment.node)) {
         return Ok(()); // the takeover's grace (or the launch timeout) decides if they never come
     }
-    match dispatch(store, fleet, id).await {
-        Ok(()) => fleet.mark_sent(id, generation),
-        Err(e) => tracing::warn!(job = id, "not launched yet: {e}"),
+    if !fleet.claim_send(id, generation) {
+        return Ok(()); // being sent, or sent, by another task
+    }
+    if let Err(e) = dispatch(store, fleet, id).await {
+        fleet.unclaim_send(id, generation);
+        tracing::warn!(job = id, "not launched yet: {e}");
     }
     Ok(())
 }
