@@ -6,6 +6,7 @@ pub mod espresso;
 pub mod inputs;
 pub mod metis;
 pub mod metis_motley;
+pub mod model;
 pub mod plan;
 pub mod provision;
 pub mod remote;

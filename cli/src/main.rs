@@ -31,6 +31,9 @@ enum Command {
     /// Jobs on the coordinator: submit, list, show, watch, logs, cancel.
     #[command(subcommand, after_help = motley::exit::HELP)]
     Job(motley::remote::JobCommand),
+    /// The built-in models, and what a model file resolves to: list, show.
+    #[command(subcommand)]
+    Model(motley::model::ModelCommand),
     /// The whole system on this machine: `motley dev up CLUSTER JOB`.
     #[command(subcommand, after_help = motley::exit::HELP)]
     Dev(motley::dev::DevCommand),
@@ -45,6 +48,7 @@ fn main() -> ExitCode {
         Command::Node(c) => motley::remote::run_node(c).map(Outcome::from),
         Command::Job(c) => motley::remote::run_job(c),
         Command::Dev(c) => motley::dev::run(c),
+        Command::Model(c) => motley::model::run(c).map(Outcome::from),
         Command::Espresso(e) => match e.command {
             motley::espresso::EspressoCommand::Eval(a) => motley::espresso::run_eval(a),
             motley::espresso::EspressoCommand::Search(a) => motley::espresso::run_search(a),

@@ -6,7 +6,6 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use motley_contract::views::{JobView, NodeLoad, NodeView};
 use serde_json::Value;
 
@@ -268,13 +267,7 @@ fn path_segment(name: &str) -> String {
 }
 
 fn table(header: Vec<&str>, rows: Vec<Vec<String>>) -> String {
-    let mut t = Table::new();
-    t.load_preset(UTF8_FULL_CONDENSED);
-    t.set_header(header);
-    for r in rows {
-        t.add_row(crate::table::row(r));
-    }
-    t.to_string()
+    crate::table::simple(header, rows)
 }
 
 /// A JSON value as text for people, its control characters escaped (see `table::escape`):

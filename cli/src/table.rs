@@ -234,6 +234,17 @@ pub fn render_replan(r: &motley_solver::replan::ReplanReport, compare: bool) -> 
     out
 }
 
+/// A plain table: a header and rows of cells (cells escaped by `row`).
+pub fn simple(header: Vec<&str>, rows: Vec<Vec<String>>) -> String {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header(header);
+    for r in rows {
+        t.add_row(row(r));
+    }
+    t.to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

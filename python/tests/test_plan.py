@@ -185,3 +185,14 @@ def test_launcher_writes_groups_files_as_the_agent_does():
     assert group_entries_for_gpu(plan, "a", 0) == groups_for_rank(plan, "a", 0)[0]
     old, _ = groups_for_rank(plan, "a", 0, extended=False)
     assert set(old[0]) == {"kind", "replica", "stage", "nccl_net", "env"}
+
+
+def test_a_catalog_name_resolves_through_motley_model_show():
+    from launcher import motley_bin
+
+    exe = motley_bin()
+    assert exe, "run-tests sets MOTLEY_BIN"
+    spec = load_model("llama-7b", motley_bin=exe)
+    assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.ffn_hidden, spec.gated_mlp) == (32, 4096, 32, 32, 11008, True)
+    with pytest.raises(PlanError, match="gpt-9000"):
+        load_model("gpt-9000", motley_bin=exe)

@@ -1,0 +1,76 @@
+//! `motley model list` and `motley model show NAME|FILE`: the built-in catalog and what a model
+//! file resolves to, with every default filled in (`-o json` is a model file's fields, which
+//! the rank library's trainer and profiler read for a catalog name).
+
+use motley_solver::model::{model_catalog, ModelSpec};
+
+use crate::inputs::{load_model, InputError, Output};
+use crate::table::escape;
+
+#[derive(clap::Subcommand)]
+pub enum ModelCommand {
+    /// The built-in models.
+    List {
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+    /// One model (a catalog name or a model file), its defaults filled in.
+    Show {
+        /// A catalog name (`motley model list`) or a model file (YAML).
+        model: String,
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+}
+
+/// The model's fields with the defaults the planner applies written out.
+fn resolved(spec: &ModelSpec) -> ModelSpec {
+    ModelSpec {
+        ffn_hidden: Some(spec.ffn_hidden.unwrap_or(4 * spec.hidden)),
+        kv_heads: Some(spec.kv_heads.unwrap_or(spec.heads)),
+        ..spec.clone()
+    }
+}
+
+fn table(models: &[(ModelSpec, f64)]) -> String {
+    let header = ["model", "layers", "hidden", "heads", "kv heads", "ffn hidden", "mlp", "seq len", "vocab", "parameters"];
+    let rows = models
+        .iter()
+        .map(|(m, params)| {
+            vec![
+                escape(&m.name).into_owned(),
+                m.layers.to_string(),
+                m.hidden.to_string(),
+                m.heads.to_string(),
+                m.kv_heads.map_or_else(String::new, |k| k.to_string()),
+                m.ffn_hidden.map_or_else(String::new, |f| f.to_string()),
+                if m.gated_mlp { "gated (SwiGLU)" } else { "GELU" }.to_string(),
+                m.seq_len.to_string(),
+                m.vocab.to_string(),
+                format!("{:.2} B", params / 1e9),
+            ]
+        })
+        .collect();
+    crate::table::simple(header.to_vec(), rows)
+}
+
+pub fn run(cmd: ModelCommand) -> Result<String, InputError> {
+    let described = |m: &motley_solver::Model| (resolved(&m.spec), m.total_params());
+    Ok(match cmd {
+        ModelCommand::List { output } => {
+            let all =
+                model_catalog().into_iter().map(|m| load_model(&m.name, None).map(|m| described(&m))).collect::<Result<Vec<_>, _>>()?;
+            match output {
+                Output::Table => table(&all),
+                Output::Json => serde_json::to_string_pretty(&all.iter().map(|(m, _)| m).collect::<Vec<_>>()).expect("models serialise"),
+            }
+        }
+        ModelCommand::Show { model, output } => {
+            let one = described(&load_model(&model, None)?);
+            match output {
+                Output::Table => table(std::slice::from_ref(&one)),
+                Output::Json => serde_json::to_string_pretty(&one.0).expect("a model serialises"),
+            }
+        }
+    })
+}
