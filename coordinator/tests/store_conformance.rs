@@ -299,13 +299,13 @@ conformance!(concurrent_terminal_moves_let_exactly_one_win, |url: String| async 
     // Many movers read `launching` at once (PostgreSQL has several connections); a terminal
     // state can be entered once: without the compare-and-set in SQL, several would "win".
     let moves = (0..16).map(|i| {
-        let s = s.clone();
+        let (s, id) = (s.clone(), job.id);
         async move {
             let to = if i % 2 == 0 { JobState::Failed } else { JobState::Cancelled };
-            s.transition_at(job.id, Some(1), to, Some(&format!("mover {i}"))).await
+            s.transition_at(id, Some(1), to, Some(&format!("mover {i}"))).await
         }
     });
-    let results = futures_join_all(moves.collect()).await;
+    let results = join_all(moves.collect()).await;
     let won: Vec<usize> = results.iter().enumerate().filter(|(_, r)| r.is_ok()).map(|(i, _)| i).collect();
     assert_eq!(won.len(), 1, "exactly one move wins: {won:?}");
     let end = s.job(job.id).await.unwrap();
@@ -317,32 +317,15 @@ conformance!(concurrent_terminal_moves_let_exactly_one_win, |url: String| async 
     s.close().await;
 });
 
-/// Run the futures concurrently on this task and collect their outputs in order.
-async fn futures_join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
-    let local: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
-    let mut outputs: Vec<Option<F::Output>> = local.iter().map(|_| None).collect();
-    let mut local: Vec<Option<std::pin::Pin<Box<F>>>> = local.into_iter().map(Some).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (i, f) in local.iter_mut().enumerate() {
-            if let Some(fut) = f {
-                match fut.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => {
-                        outputs[i] = Some(v);
-                        *f = None;
-                    }
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().map(|o| o.expect("every future finished")).collect()
+/// Run the futures concurrently (tokio tasks) and collect their outputs in the order given.
+async fn join_all<T: Send + 'static>(futures: Vec<impl Future<Output = T> + Send + 'static>) -> Vec<T> {
+    let mut set = tokio::task::JoinSet::new();
+    for (i, f) in futures.into_iter().enumerate() {
+        set.spawn(async move { (i, f.await) });
+    }
+    let mut done: Vec<(usize, T)> = set.join_all().await;
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, v)| v).collect()
 }
 
 conformance!(concurrent_registrations_get_distinct_epochs, |url: String| async move {
@@ -351,7 +334,7 @@ conformance!(concurrent_registrations_get_distinct_epochs, |url: String| async m
         let s = s.clone();
         async move { s.register_node("n0", "{}").await.unwrap() }
     });
-    let mut epochs = futures_join_all(registrations.collect()).await;
+    let mut epochs = join_all(registrations.collect()).await;
     epochs.sort_unstable();
     assert_eq!(epochs, (1..=16).collect::<Vec<i64>>(), "every registration fences the ones before it");
     s.close().await;
