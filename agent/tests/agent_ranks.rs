@@ -555,7 +555,7 @@ fn what_a_rank_starts_outside_its_process_group_ends_with_it() {
     let (_rt, fake, url) = serve_fake();
     let dir = scratch("cgroup");
     let (work, log) = (dir.join("work"), dir.join("agent.log"));
-    let _agent = start_agent(&url, &work, &log);
+    let agent = start_agent(&url, &work, &log);
     fake.until("registration", |s| s.registrations.first().map(|_| ()));
     let escaped = |job: i64| -> i32 {
         let file = work.join(format!("jobs/{job}/1/escaped.pid"));
@@ -600,5 +600,21 @@ fn what_a_rank_starts_outside_its_process_group_ends_with_it() {
     wait_gone(escaped(2), "after the rank's own end");
     let agent_log = std::fs::read_to_string(&log).unwrap();
     assert!(!agent_log.contains("without a cgroup"), "{agent_log}");
+
+    // The agent dies: once its lease lapses (30 intervals of 50 ms), the dead-man switch in the
+    // rank's wrapper stops the rank and then kills its whole cgroup, the escaped process too.
+    fake.0.lock().unwrap().acks = true;
+    fake.send(launch(3, 1, &format!("{leave} echo up; sleep 600"), &[0], 29512));
+    fake.wait_state(1, (3, 1, 0), "running");
+    let pid = escaped(3);
+    fake.until("the lease file", |_| work.join("lease").exists().then_some(()));
+    let own = std::fs::read_to_string(format!("/proc/{}/cgroup", pgid_of(&work, 3, 0))).unwrap();
+    let rank_cgroup = Path::new(&mount).join(own.lines().find_map(|l| l.strip_prefix("0::")).unwrap().trim_start_matches('/'));
+    drop(agent);
+    wait_gone(pid, "after the agent's lease lapsed");
+    assert_eq!(std::fs::read_to_string(work.join("jobs/3/1/rank-0.exit")).unwrap().trim(), "143", "the rank was stopped, then its cgroup");
+    // Nobody is left to remove the cgroups: the test does.
+    let _ = std::fs::remove_dir(&rank_cgroup);
+    let _ = std::fs::remove_dir(rank_cgroup.parent().unwrap());
     let _ = std::fs::remove_dir_all(&dir);
 }
