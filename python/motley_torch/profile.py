@@ -449,9 +449,16 @@ def run_worker(args, spec, seq: int) -> int:
     dist.init_process_group(backend, store=store, rank=args.worker_rank, world_size=args.tp, timeout=timeout)
     try:
         measure(args, spec, seq, args.worker_rank, dist.group.WORLD)
+        dist.barrier()  # every rank is done with its collectives before any tears down
     finally:
         dist.destroy_process_group()
-    return 0
+    # Rank 0 has what it needs. Leave without the interpreter's teardown: c10d's store client
+    # and gloo threads destroyed in arbitrary order at exit can abort the process
+    # ("terminate called without an active exception"), which rank 0 would rightly call a
+    # failed rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_rank0(args, spec, seq: int) -> dict:
@@ -488,11 +495,13 @@ def run_rank0(args, spec, seq: int) -> dict:
         dist.init_process_group(backend, store=store, rank=0, world_size=args.tp, timeout=timeout)
         try:
             entry = measure(args, spec, seq, 0, dist.group.WORLD)
+            dist.barrier()
+            # The other ranks leave first: rank 0 holds the store they tear down against.
+            for r, p in enumerate(procs, start=1):
+                if p.wait(timeout=args.timeout) != 0:
+                    raise ProfileError(f"--tp: TP rank {r} exited with status {p.returncode}")
         finally:
             dist.destroy_process_group()
-        for r, p in enumerate(procs, start=1):
-            if p.wait(timeout=args.timeout) != 0:
-                raise ProfileError(f"--tp: TP rank {r} exited with status {p.returncode}")
         return entry
     finally:
         done.set()
