@@ -16,10 +16,15 @@ Loss scaling: a last-stage rank's loss is the sum of its tokens' cross-entropy o
 gradients of every rank holding a layer segment (SUM all-reduce over the segment's dp ring)
 then gives exactly the gradient of the global mean loss, however unevenly the replicas share
 the batch.
+
+Timing (optional, the trainer's --timings): with `Pipeline.timings` set to a `StepTimings`,
+every forward and backward records the wall and the thread-CPU milliseconds of its receive
+wait, its compute and its send; unset (the default) the step runs no timing code at all.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -40,6 +45,29 @@ def one_f_one_b(num_stages: int, stage: int, num_micro: int) -> List[Tuple[str, 
         out.append(("B", i))
     out.extend(("B", k) for k in range(num_micro - warm, num_micro))
     return out
+
+
+def clock() -> Tuple[float, float]:
+    """(wall seconds, this thread's CPU seconds)."""
+    return time.perf_counter(), time.thread_time()
+
+
+class StepTimings:
+    """Per-micro-batch timing of one rank's pipeline step. `ops` gets one dict per forward
+    ("F") or backward ("B"): micro-batch `mb`, and for each phase (`recv`: blocking receives of
+    activations or gradients, `compute`: the stage's forward (with the loss on the last stage)
+    or backward, `send`: posting the non-blocking sends) its wall ms (`recv_ms`, ...) and the
+    calling thread's CPU ms (`recv_cpu_ms`, ...)."""
+
+    def __init__(self):
+        self.ops: List[dict] = []
+
+    def record(self, what: str, k: int, t0, t1, t2, t3):
+        d = {"op": what, "mb": k}
+        for name, a, b in (("recv", t0, t1), ("compute", t1, t2), ("send", t2, t3)):
+            d[f"{name}_ms"] = (b[0] - a[0]) * 1e3
+            d[f"{name}_cpu_ms"] = (b[1] - a[1]) * 1e3
+        self.ops.append(d)
 
 
 class Pipeline:
@@ -67,6 +95,7 @@ class Pipeline:
                 if ds == d:
                     self.send_to.append((nxt.ranks[e * nxt.tp + j], rows))
         self.pending = []
+        self.timings: Optional[StepTimings] = None  # set to time the micro-batches
 
     def _pg(self, g):
         return g.pg if g is not None else None
@@ -88,7 +117,10 @@ class Pipeline:
         order = one_f_one_b(v.pp_size, v.stage, len(micro))
         saved: Dict[int, tuple] = {}
         total = 0.0
+        tm = self.timings
         for what, k in order:
+            if tm is not None:
+                t0 = clock()
             if what == "F":
                 x_in = None
                 if v.is_first_stage:
@@ -99,30 +131,44 @@ class Pipeline:
                     x_in = torch.cat(parts) if len(parts) > 1 else parts[0]
                     x_in.requires_grad_()
                     x = x_in
+                if tm is not None:
+                    t1 = clock()
                 out = self.model(x)
                 if v.is_last_stage:
                     tgt = micro[k][1].to(v.device)
                     loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), tgt.reshape(-1), reduction="sum")
                     out = loss * loss_scale
                     total += float(out.detach())
+                    if tm is not None:
+                        t2 = clock()
                 else:
+                    if tm is not None:
+                        t2 = clock()
                     for dst, (a, b) in self.send_to:
                         self._send(out[a - self.my_lo : b - self.my_lo], dst, v.pp_next_group)
                 saved[k] = (x_in, out)
             else:
                 x_in, out = saved.pop(k)
                 if v.is_last_stage:
+                    if tm is not None:
+                        t1 = clock()
                     out.backward()
                 else:
                     grad = torch.empty_like(out)
                     for src, (a, b) in self.send_to:
                         grad[a - self.my_lo : b - self.my_lo] = self._recv((b - a, self.seq_len, self.hidden), src,
                                                                            v.pp_next_group)
+                    if tm is not None:
+                        t1 = clock()
                     torch.autograd.backward(out, grad)
+                if tm is not None:
+                    t2 = clock()
                 if x_in is not None:
                     off = self.my_lo
                     for src, (a, b) in self.recv_from:
                         self._send(x_in.grad[a - off : b - off], src, v.pp_prev_group)
+            if tm is not None:
+                tm.record(what, k, t0, t1, t2, clock())
         return total
 
     def finish(self):

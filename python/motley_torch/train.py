@@ -9,6 +9,12 @@ fp32), which is how the distributed paths are checked.
     python -m motley_torch.train --steps 20 --seed 1                      # in a rank
     python -m motley_torch.train --single-process --model m.yaml \\
         --global-batch 8 --seq-len 16 --steps 20 --seed 1
+
+--timings FILE (or $MOTLEY_TIMINGS) makes every rank append one JSON line per step to FILE with
+`{rank}` replaced by its global rank (`.rank{N}` appended when FILE has no `{rank}`): the wall
+and thread-CPU milliseconds of every micro-batch's receive, compute and send (see
+`schedule.StepTimings`), of waiting for the step's sends, the gradient all-reduce, the optimizer
+step and the loss all-reduce, and the step's wall time. Without it no timing code runs.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--global-batch", type=int, help="--single-process: sequences per step")
     p.add_argument("--seq-len", type=int, help="--single-process: tokens per sequence (default: the model's)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
+    p.add_argument("--timings", metavar="FILE", default=os.environ.get("MOTLEY_TIMINGS") or None,
+                   help="append per-step, per-micro-batch timings as JSON lines to FILE ({rank} is replaced by "
+                        "the global rank, else .rank{N} is appended); default $MOTLEY_TIMINGS, off when unset")
     return p.parse_args(argv)
 
 
@@ -106,11 +115,15 @@ def _check_model(plan_model: ModelSpec, given: Optional[ModelSpec], ref: str):
             raise PlanError(f"--model: {ref} has {k} {given.to_dict()[k]}, the plan's model_spec {v}")
 
 
+def timings_path(pattern: str, rank: int) -> str:
+    return pattern.replace("{rank}", str(rank)) if "{rank}" in pattern else f"{pattern}.rank{rank}"
+
+
 def run_rank(args) -> int:
     import torch.distributed as dist
 
     from .dist import init
-    from .schedule import Pipeline, allreduce_gradients
+    from .schedule import Pipeline, StepTimings, allreduce_gradients, clock
 
     given = load_model(args.model) if args.model else None
     view = init(args.plan, model=given, timeout_s=args.timeout)
@@ -129,13 +142,30 @@ def run_rank(args) -> int:
     pipe = Pipeline(view, model, spec.hidden, seq, dtype=dtype)
     scale = 1.0 / (plan.global_batch * seq)
     reports_loss = view.is_last_stage and view.tp_rank == 0
+    tfile = None
+    if args.timings:
+        path = timings_path(args.timings, view.rank)
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        tfile = open(path, "a")
     for step in range(args.steps):
+        if tfile is not None:
+            pipe.timings = StepTimings()
+            c0 = clock()
         tokens = global_batch_tokens(args.seed, step, plan.global_batch, seq, spec.vocab)
         local = pipe.step(rank_micro_batches(plan, view.rank, tokens), scale)
+        if tfile is not None:
+            c1 = clock()
         pipe.finish()
+        if tfile is not None:
+            c2 = clock()
         allreduce_gradients(view, model.named_parameters(), model.segment_of)
+        if tfile is not None:
+            c3 = clock()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if tfile is not None:
+            c4 = clock()
         # The global mean loss: every sample's scaled loss is summed once (TP rank 0 of the
         # last stages), over the whole world, so rank 0 has it whatever stage it holds.
         t = torch.tensor([local if reports_loss else 0.0], dtype=torch.float64 if view.backend == "gloo" else torch.float32,
@@ -143,6 +173,22 @@ def run_rank(args) -> int:
         dist.all_reduce(t)
         if view.rank == 0:
             emit(step, float(t.item()))
+        if tfile is not None:
+            c5 = clock()
+            rec = {"step": step, "rank": view.rank, "replica": view.replica, "stage": view.stage,
+                   "pp_size": view.pp_size, "tp_rank": view.tp_rank, "layers": list(view.layers),
+                   "start_s": c0[0], "end_s": c5[0], "step_ms": (c5[0] - c0[0]) * 1e3,
+                   "step_cpu_ms": (c5[1] - c0[1]) * 1e3, "pipeline_ms": (c1[0] - c0[0]) * 1e3}
+            for name, a, b in (("finish", c1, c2), ("grad_sync", c2, c3), ("optimizer", c3, c4),
+                               ("loss_sync", c4, c5)):
+                rec[f"{name}_ms"] = (b[0] - a[0]) * 1e3
+                rec[f"{name}_cpu_ms"] = (b[1] - a[1]) * 1e3
+            rec["ops"] = pipe.timings.ops
+            tfile.write(json.dumps(rec) + "\n")
+            tfile.flush()
+            pipe.timings = None
+    if tfile is not None:
+        tfile.close()
     if args.save_params:
         save_params_distributed(view, model, args.save_params)
     dist.barrier()
