@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use motley_solver::{model, ClusterSpec, ModelSpec, ProfileSet, SolverError};
+use motley_solver::{model, Calibration, ClusterSpec, ModelSpec, ProfileSet, SolverError};
 
 /// `-o table|json`: tables for people, JSON for scripts (every command).
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -99,4 +99,19 @@ pub fn load_profiles(path: Option<&Path>) -> Result<ProfileSet, InputError> {
     let set: ProfileSet = parse_yaml(&read(path, "profile")?, &origin)?;
     set.validate().map_err(|e| in_file(&origin, e))?;
     Ok(set)
+}
+
+/// `--calibration FILE`: per-GPU-type efficiency, checked against the catalog and the
+/// cluster's own GPU types.
+pub fn load_calibration(path: &Path, cluster: &motley_solver::Cluster) -> Result<Calibration, InputError> {
+    let origin = path.display().to_string();
+    let cal: Calibration = parse_yaml(&read(path, "calibration")?, &origin)?;
+    let mut known: Vec<String> = motley_solver::hardware::gpu_catalog().into_iter().map(|g| g.name).collect();
+    for c in &cluster.classes {
+        if !known.iter().any(|k| k.eq_ignore_ascii_case(&c.gpu.name)) {
+            known.push(c.gpu.name.clone());
+        }
+    }
+    cal.validate(Some(&known)).map_err(|e| in_file(&origin, e))?;
+    Ok(cal)
 }

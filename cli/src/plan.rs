@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use motley_solver::bandwidth::BandwidthSpec;
 use motley_solver::replan::{replan, CurrentPlan, SwitchPolicy};
-use motley_solver::{Cluster, Model, PlanOptions, PlanRequest, ProfileSet, SolverError};
+use motley_solver::{Calibration, Cluster, Model, PlanOptions, PlanRequest, Precision, ProfileSet, SolverError};
 
 use crate::inputs::{self, InputError, Mode, Output};
 use crate::table;
@@ -60,6 +60,14 @@ pub struct PlanArgs {
     /// Pipeline sends block the stage (Megatron-LM's 1F1B) instead of overlapping compute.
     #[arg(long)]
     p2p_blocking: bool,
+    /// The data type the run computes in: which peak of each GPU the roofline uses (V100, T4
+    /// and P100 have no bf16 tensor cores: bf16 runs at their fp32 rate).
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Fp16)]
+    precision: PrecisionArg,
+    /// Measured efficiency per GPU type (YAML or JSON; format in solver/README.md), in place of
+    /// --efficiency for the types it lists.
+    #[arg(long, env = "MOTLEY_CALIBRATION")]
+    calibration: Option<PathBuf>,
     /// Measured bandwidth between nodes (YAML or JSON: pairs or a matrix of GB/s; format in
     /// solver/README.md) overriding the cluster file's nominal rates.
     #[arg(long, env = "MOTLEY_BANDWIDTH")]
@@ -70,6 +78,24 @@ pub struct PlanArgs {
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Table, env = "MOTLEY_OUTPUT")]
     output: Output,
+}
+
+/// `--precision fp16|bf16|fp32`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PrecisionArg {
+    Fp16,
+    Bf16,
+    Fp32,
+}
+
+impl From<PrecisionArg> for Precision {
+    fn from(p: PrecisionArg) -> Self {
+        match p {
+            PrecisionArg::Fp16 => Precision::Fp16,
+            PrecisionArg::Bf16 => Precision::Bf16,
+            PrecisionArg::Fp32 => Precision::Fp32,
+        }
+    }
 }
 
 fn check_options(a: &PlanArgs) -> Result<(), InputError> {
@@ -143,6 +169,11 @@ fn load(a: &PlanArgs) -> Result<Loaded, InputError> {
             return Err(InputError(format!("--tp: {t} does not divide the model's {} attention heads; pick a divisor", model.spec.heads)));
         }
     }
+    let calibration = match &a.calibration {
+        Some(path) => inputs::load_calibration(path, &cluster)?,
+        None => Calibration::default(),
+    };
+    cluster.check_precision(a.precision.into()).map_err(|e| InputError(format!("--precision: {e}")))?;
     let opts = PlanOptions {
         global_batch: a.global_batch,
         micro_batch: a.micro_batch,
@@ -153,6 +184,8 @@ fn load(a: &PlanArgs) -> Result<Loaded, InputError> {
         max_stages: a.max_stages,
         tp: a.tp,
         p2p_blocking: a.p2p_blocking,
+        precision: a.precision.into(),
+        calibration,
     };
     Ok(Loaded { cluster, model, profiles, opts })
 }

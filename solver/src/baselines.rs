@@ -68,7 +68,10 @@ fn grid_plan(cm: &CostModel, which: Baseline, groups: &[usize], tp: u32, pp: u32
     let class_of = |rep: u32, stage: u32| groups[(stage * r + rep) as usize];
     let weights = |f: &dyn Fn(usize) -> f64, rep: u32| -> Vec<f64> { (0..pp).map(|s| f(class_of(rep, s))).collect() };
     let mem = |c: usize| cm.cluster.classes[c].gpu.memory_gib;
-    let flops = |c: usize| cm.cluster.classes[c].gpu.tflops;
+    let flops = |c: usize| {
+        let g = &cm.cluster.classes[c].gpu;
+        g.peak_tflops(cm.opts.precision).unwrap_or(g.tflops)
+    };
     let shares: Vec<u32> = match which {
         Baseline::Megatron => vec![n / r; r as usize],
         Baseline::Whale => {

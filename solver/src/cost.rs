@@ -1,8 +1,9 @@
 //! Motley's cost model: one training iteration of a plan, and the memory of every GPU.
 //! The formulas are stated in `solver/README.md`; this file implements them.
 
+use crate::calibration::Calibration;
 use crate::error::{Result, SolverError};
-use crate::hardware::Cluster;
+use crate::hardware::{Cluster, GpuType, Precision};
 use crate::limits::{self, MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_STAGES};
 use crate::model::Model;
 use crate::profile::ProfileSet;
@@ -32,6 +33,10 @@ pub struct PlanOptions {
     /// Holmes runs on): every micro-batch pays its stage's hops on top of its compute. Off, a
     /// hop overlaps compute and only the slowest stage or hop sets the pace.
     pub p2p_blocking: bool,
+    /// The data type the run computes in: which of a GPU's peaks its layers reach.
+    pub precision: Precision,
+    /// Measured per-GPU-type efficiency, overriding `efficiency` where an entry exists.
+    pub calibration: Calibration,
 }
 
 impl Default for PlanOptions {
@@ -46,6 +51,8 @@ impl Default for PlanOptions {
             max_stages: 0,
             tp: None,
             p2p_blocking: false,
+            precision: Precision::Fp16,
+            calibration: Calibration::default(),
         }
     }
 }
@@ -74,7 +81,18 @@ impl PlanOptions {
             return Err(SolverError::invalid("reserve_gib", "must be a non-negative number of GiB"));
         }
         limits::at_most("max_stages", self.max_stages as u64, MAX_STAGES as u64, "pipeline stages the search may consider")?;
+        self.calibration.validate(None)?;
         Ok(())
+    }
+
+    /// FLOP/s a transformer layer of `gpu` reaches forward and backward: the peak at the
+    /// run's precision times the calibrated efficiency of the type, else `efficiency`.
+    pub fn layer_flops(&self, gpu: &GpuType) -> (f64, f64) {
+        let peak = gpu.peak_tflops(self.precision).unwrap_or(gpu.tflops) * 1e12;
+        match self.calibration.lookup(&gpu.name, self.precision) {
+            Some(c) => (peak * c.efficiency, peak * c.backward_efficiency.unwrap_or(c.efficiency)),
+            None => (peak * self.efficiency, peak * self.efficiency),
+        }
     }
 }
 
@@ -168,7 +186,7 @@ impl<'a> CostModel<'a> {
         let s = self.model.seq_len as f64;
         let h = self.model.hidden();
         let v = self.model.spec.vocab as f64;
-        let peak = gpu.tflops * 1e12 * self.opts.efficiency;
+        let (peak, peak_bwd) = self.opts.layer_flops(gpu);
         let mem_bw = gpu.mem_bw_gbps * 1e9;
         // A TP group inside a node all-reduces over NVLink/PCIe; one spanning nodes (only
         // plans from other planners have them, see metis/motley_view.rs) over the NIC.
@@ -180,9 +198,10 @@ impl<'a> CostModel<'a> {
             Some(p) => (p.fwd_ms / 1e3, p.bwd_ms / 1e3),
             None => {
                 let compute = m * self.model.layer_fwd_flops / t / peak;
+                let compute_bwd = m * self.model.layer_fwd_flops / t / peak_bwd;
                 let bytes = 2.0 * self.model.layer_params / t + 34.0 * m * s * h / t;
                 let fwd = compute.max(bytes / mem_bw) + 2.0 * tp_allreduce;
-                (fwd, 2.0 * (fwd - 2.0 * tp_allreduce) + 2.0 * tp_allreduce)
+                (fwd, 2.0 * compute_bwd.max(bytes / mem_bw) + 2.0 * tp_allreduce)
             }
         };
         let bwd = if self.opts.recompute { bwd + fwd } else { bwd };

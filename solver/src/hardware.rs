@@ -22,33 +22,83 @@ pub struct GpuType {
     /// Aggregate NVLink bandwidth per GPU, GB/s (both directions); 0 when the card has none.
     #[serde(default)]
     pub nvlink_gbps: f64,
+    /// Dense bf16 TFLOPS (`--precision bf16`). GPUs without bf16 tensor cores (Volta, Turing,
+    /// Pascal) run bf16 matrix products on their fp32 pipes, so this is their fp32 rate, a
+    /// fraction of `tflops`. Absent: bf16 runs at `tflops` (bf16 tensor cores, Ampere and later).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bf16_tflops: Option<f64>,
+    /// Dense fp32 (non-tensor) TFLOPS (`--precision fp32`); required for that precision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp32_tflops: Option<f64>,
 }
 
-/// The built-in catalog: vendor datasheet numbers (dense, no sparsity).
+/// The data type a run computes in: which peak of a GPU its matrix products reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// fp16 (mixed precision): `tflops`, the catalog's historical figure (the default).
+    #[default]
+    Fp16,
+    /// bf16 (mixed precision): `bf16_tflops`, else `tflops`.
+    Bf16,
+    /// fp32 without TF32: `fp32_tflops`.
+    Fp32,
+}
+
+impl Precision {
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp16 => "fp16",
+            Precision::Bf16 => "bf16",
+            Precision::Fp32 => "fp32",
+        }
+    }
+}
+
+impl GpuType {
+    /// Dense TFLOPS at `p`; None when the type does not say (fp32 without `fp32_tflops`).
+    pub fn peak_tflops(&self, p: Precision) -> Option<f64> {
+        match p {
+            Precision::Fp16 => Some(self.tflops),
+            Precision::Bf16 => Some(self.bf16_tflops.unwrap_or(self.tflops)),
+            Precision::Fp32 => self.fp32_tflops,
+        }
+    }
+}
+
+/// The built-in catalog: vendor datasheet numbers (dense, no sparsity). Columns: memory GiB,
+/// fp16 tensor TFLOPS, memory GB/s, NVLink GB/s, bf16 TFLOPS, fp32 (non-tensor) TFLOPS.
+/// V100, T4 and P100 have no bf16 tensor cores: their bf16 column is their fp32 rate (bf16
+/// products run on the fp32 pipes; Espresso's DeepSpeed traces measure bf16 layers on V100
+/// and T4 at 5-9% of the fp16 tensor peak, BENCHMARKS.md). A10G is AWS's A10 (NVIDIA's A10
+/// sheet: 125 TFLOPS fp16/bf16 tensor, 31.2 fp32, 600 GB/s).
 pub fn gpu_catalog() -> Vec<GpuType> {
-    let g = |name: &str, memory_gib: f64, tflops: f64, mem_bw_gbps: f64, nvlink_gbps: f64| GpuType {
+    let g = |name: &str, memory_gib: f64, tflops: f64, mem_bw_gbps: f64, nvlink_gbps: f64, bf16: f64, fp32: f64| GpuType {
         name: name.to_string(),
         memory_gib,
         tflops,
         mem_bw_gbps,
         nvlink_gbps,
+        bf16_tflops: Some(bf16),
+        fp32_tflops: Some(fp32),
     };
     vec![
-        g("A100-80G", 80.0, 312.0, 2039.0, 600.0),
-        g("A100-40G", 40.0, 312.0, 1555.0, 600.0),
-        g("H100", 80.0, 989.0, 3350.0, 900.0),
-        g("H800", 80.0, 989.0, 3350.0, 400.0),
-        g("H20", 96.0, 148.0, 4000.0, 900.0),
-        g("V100-32G", 32.0, 125.0, 900.0, 300.0),
-        g("V100-16G", 16.0, 125.0, 900.0, 300.0),
-        g("A6000", 48.0, 154.8, 768.0, 0.0),
-        g("A30", 24.0, 165.0, 933.0, 200.0),
-        g("RTX3090", 24.0, 71.0, 936.0, 0.0),
-        g("A4000", 16.0, 76.7, 448.0, 0.0),
-        g("L20", 48.0, 119.5, 864.0, 0.0),
-        g("RTX4090", 24.0, 165.2, 1008.0, 0.0),
-        g("T4", 16.0, 65.0, 320.0, 0.0),
-        g("P100", 16.0, 18.7, 732.0, 0.0),
+        g("A100-80G", 80.0, 312.0, 2039.0, 600.0, 312.0, 19.5),
+        g("A100-40G", 40.0, 312.0, 1555.0, 600.0, 312.0, 19.5),
+        g("H100", 80.0, 989.0, 3350.0, 900.0, 989.0, 67.0),
+        g("H800", 80.0, 989.0, 3350.0, 400.0, 989.0, 67.0),
+        g("H20", 96.0, 148.0, 4000.0, 900.0, 148.0, 44.0),
+        g("V100-32G", 32.0, 125.0, 900.0, 300.0, 15.7, 15.7),
+        g("V100-16G", 16.0, 125.0, 900.0, 300.0, 15.7, 15.7),
+        g("A6000", 48.0, 154.8, 768.0, 0.0, 154.8, 38.7),
+        g("A30", 24.0, 165.0, 933.0, 200.0, 165.0, 10.3),
+        g("RTX3090", 24.0, 71.0, 936.0, 0.0, 71.0, 35.6),
+        g("A4000", 16.0, 76.7, 448.0, 0.0, 76.7, 19.2),
+        g("L20", 48.0, 119.5, 864.0, 0.0, 119.5, 59.8),
+        g("RTX4090", 24.0, 165.2, 1008.0, 0.0, 165.2, 82.6),
+        g("T4", 16.0, 65.0, 320.0, 0.0, 8.1, 8.1),
+        g("P100", 16.0, 18.7, 732.0, 0.0, 9.3, 9.3),
+        g("A10G", 24.0, 125.0, 600.0, 0.0, 125.0, 31.2),
     ]
 }
 
@@ -204,6 +254,14 @@ impl Cluster {
                     return Err(SolverError::invalid(f(name), format!("must be a positive number, got {v}")));
                 }
             }
+            for (name, v) in [("bf16_tflops", g.bf16_tflops), ("fp32_tflops", g.fp32_tflops)] {
+                if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                    return Err(SolverError::invalid(
+                        f(name),
+                        format!("must be a positive number of TFLOPS, got {v}; remove it to use tflops"),
+                    ));
+                }
+            }
             if !(g.nvlink_gbps.is_finite() && g.nvlink_gbps >= 0.0) {
                 return Err(SolverError::invalid(f("nvlink_gbps"), "must be 0 or a positive number"));
             }
@@ -324,6 +382,21 @@ impl Cluster {
         }
         let measured = vec![vec![None; classes.len()]; classes.len()];
         Ok(Cluster { name: spec.name.clone(), nodes, classes, measured })
+    }
+
+    /// Every GPU type the cluster uses has a peak at `p` (fp32 needs `fp32_tflops`).
+    pub fn check_precision(&self, p: Precision) -> Result<()> {
+        match self.classes.iter().find(|c| c.gpu.peak_tflops(p).is_none()) {
+            Some(c) => Err(SolverError::invalid(
+                "precision",
+                format!(
+                    "GPU type {} has no {} peak; add fp32_tflops (the vendor's dense fp32 TFLOPS) to its gpu_types entry, or plan in fp16/bf16",
+                    c.gpu.name,
+                    p.name()
+                ),
+            )),
+            None => Ok(()),
+        }
     }
 
     pub fn total_gpus(&self) -> u32 {

@@ -6,6 +6,7 @@
 
 pub mod bandwidth;
 pub mod baselines;
+pub mod calibration;
 pub mod cost;
 pub mod error;
 pub mod espresso;
@@ -23,9 +24,10 @@ pub mod replan;
 pub mod report;
 pub mod search;
 
+pub use calibration::Calibration;
 pub use cost::{CostModel, PlanOptions};
 pub use error::{Result, SolverError};
-pub use hardware::{Cluster, ClusterSpec};
+pub use hardware::{Cluster, ClusterSpec, Precision};
 pub use model::{Model, ModelSpec};
 pub use profile::ProfileSet;
 pub use report::{plan, PlanReport, PlanRequest};

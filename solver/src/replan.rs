@@ -82,6 +82,9 @@ pub struct ReplanReport {
     pub payback_iterations: Option<f64>,
     pub moves: Vec<Move>,
     pub new_plan: PlanReport,
+    /// The current plan as priced now, on its own GPUs: per-stage forward/backward seconds,
+    /// hops, memory (search mode "given"; not checked against memory).
+    pub current_plan: PlanReport,
 }
 
 /// Rebuild the structure of a plan file on `cm`'s cluster (which may carry new measurements).
@@ -158,9 +161,11 @@ pub fn structure_of(cm: &CostModel, current: &CurrentPlan) -> Result<PlanStructu
 /// Re-plan on `req`'s cluster (with the new measurements in force) and compare with `current`.
 pub fn replan(req: &PlanRequest, current: &CurrentPlan, policy: SwitchPolicy) -> Result<ReplanReport> {
     req.opts.validate()?;
+    req.cluster.check_precision(req.opts.precision)?;
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
     let structure = structure_of(&cm, current)?;
     let now = cm.evaluate(&structure).iteration_time;
+    let current_plan = crate::report::priced_as_given(&cm, &structure, current);
     let seeded = PlanRequest { seeds: vec![structure.clone()], ..req.clone() };
     let new_plan = plan(&seeded)?;
     let new_t = new_plan.iteration_time_s;
@@ -248,5 +253,6 @@ pub fn replan(req: &PlanRequest, current: &CurrentPlan, policy: SwitchPolicy) ->
         payback_iterations: payback,
         moves,
         new_plan,
+        current_plan,
     })
 }

@@ -29,6 +29,11 @@ pub struct StageReport {
     pub gpus: Vec<GpuId>,
     pub memory_gib_per_gpu: f64,
     pub memory_capacity_gib: f64,
+    /// Seconds of one micro-batch's forward on this stage (its layers, TP all-reduces, the
+    /// embedding on the first stage, the output head on the last).
+    pub fwd_s: f64,
+    /// Seconds of one micro-batch's backward (recomputation included with --recompute).
+    pub bwd_s: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -37,6 +42,8 @@ pub struct ReplicaReport {
     pub micro_batches: u32,
     pub iteration_time_s: f64,
     pub stages: Vec<StageReport>,
+    /// Seconds of each pipeline hop per micro-batch (activations forward, gradients back).
+    pub hops_s: Vec<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -108,6 +115,7 @@ pub struct PlanRequest<'a> {
 /// Plan, compare with the baselines, and lay out the report.
 pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
     req.opts.validate()?;
+    req.cluster.check_precision(req.opts.precision)?;
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
     let megatron = best_baseline(&cm, Baseline::Megatron);
     let whale = best_baseline(&cm, Baseline::Whale);
@@ -162,6 +170,7 @@ pub fn given(req: &PlanRequest, doc: &crate::replan::CurrentPlan) -> Result<Plan
     };
     let structure = crate::replan::structure_of(&cm, doc).map_err(named)?;
     let eval = cm.evaluate(&structure);
+    cm.cluster.check_precision(cm.opts.precision)?;
     for (ri, r) in structure.replicas.iter().enumerate() {
         for si in 0..r.stages.len() {
             let (need, have) = (eval.memory[ri][si] / GIB, eval.capacity[ri][si] / GIB);
@@ -173,10 +182,17 @@ pub fn given(req: &PlanRequest, doc: &crate::replan::CurrentPlan) -> Result<Plan
             }
         }
     }
+    Ok(priced_as_given(&cm, &structure, doc))
+}
+
+/// The report of a plan document's `structure` (from `replan::structure_of`) on the document's
+/// own GPUs in its own order, priced by `cm` without any check (search mode "given").
+pub(crate) fn priced_as_given(cm: &CostModel, structure: &PlanStructure, doc: &crate::replan::CurrentPlan) -> PlanReport {
+    let t = cm.evaluate(structure).iteration_time;
     let gpus: Vec<Vec<Vec<GpuId>>> = doc.replicas.iter().map(|r| r.stages.iter().map(|s| s.gpus.clone()).collect()).collect();
     let placement = crate::placement::Placement { gpus, split_hops: 0 };
     let stats = SearchStats { mode: "given".into(), ..Default::default() };
-    Ok(report_placed(&cm, &structure, eval.iteration_time, stats, false, [("megatron", None), ("whale", None)], placement))
+    report_placed(cm, structure, t, stats, false, [("megatron", None), ("whale", None)], placement)
 }
 
 fn build_report(
@@ -207,29 +223,55 @@ fn report_placed(
         .replicas
         .iter()
         .enumerate()
-        .map(|(ri, r)| ReplicaReport {
-            samples: r.micro_batches * plan.micro_batch,
-            micro_batches: r.micro_batches,
-            iteration_time_s: eval.replica_times[ri],
-            stages: r
+        .map(|(ri, r)| {
+            let kinds: Vec<_> = r.stages.iter().map(|s| s.kind).collect();
+            let p = r.stages.len();
+            let times: Vec<(f64, f64)> = r
                 .stages
                 .iter()
                 .enumerate()
-                .map(|(si, s)| StageReport {
-                    layers: [s.layers.0, s.layers.1],
-                    gpu: cm.cluster.classes[s.kind.class].gpu.name.clone(),
-                    tp: s.kind.tp,
-                    dp: s.kind.dp,
-                    gpus: placement.gpus[ri][si].clone(),
-                    memory_gib_per_gpu: round3(eval.memory[ri][si] / GIB),
-                    memory_capacity_gib: round3(eval.capacity[ri][si] / GIB),
+                .map(|(si, s)| {
+                    let c = cm.layer_cost(s.kind, plan.micro_batch);
+                    CostModel::stage_time(&c, s.layers.1 - s.layers.0, si == 0, si + 1 == p)
                 })
-                .collect(),
+                .collect();
+            ReplicaReport {
+                samples: r.micro_batches * plan.micro_batch,
+                micro_batches: r.micro_batches,
+                iteration_time_s: eval.replica_times[ri],
+                hops_s: cm.hop_times(&kinds, plan.micro_batch),
+                stages: r
+                    .stages
+                    .iter()
+                    .enumerate()
+                    .map(|(si, s)| StageReport {
+                        fwd_s: times[si].0,
+                        bwd_s: times[si].1,
+                        layers: [s.layers.0, s.layers.1],
+                        gpu: cm.cluster.classes[s.kind.class].gpu.name.clone(),
+                        tp: s.kind.tp,
+                        dp: s.kind.dp,
+                        gpus: placement.gpus[ri][si].clone(),
+                        memory_gib_per_gpu: round3(eval.memory[ri][si] / GIB),
+                        memory_capacity_gib: round3(eval.capacity[ri][si] / GIB),
+                    })
+                    .collect(),
+            }
         })
         .collect();
     let b = cm.opts.global_batch as f64;
     let flops = b * 3.0 * (cm.model.layers() as f64 * cm.model.layer_fwd_flops + cm.model.head_fwd_flops);
-    let peak: f64 = cm.cluster.nodes.iter().map(|n| n.gpus as f64 * cm.cluster.classes[n.class].gpu.tflops * 1e12).sum();
+    let peak: f64 = cm
+        .cluster
+        .nodes
+        .iter()
+        .map(|n| {
+            n.gpus as f64 * {
+                let g = &cm.cluster.classes[n.class].gpu;
+                g.peak_tflops(cm.opts.precision).unwrap_or(g.tflops) * 1e12
+            }
+        })
+        .sum();
     let baselines = baselines
         .into_iter()
         .map(|(name, b)| {

@@ -12,6 +12,8 @@ pub fn gpu_types() -> Vec<GpuType> {
         tflops,
         mem_bw_gbps: 900.0,
         nvlink_gbps,
+        bf16_tflops: None,
+        fp32_tflops: None,
     };
     vec![g("Big", 12.0, 300.0, 600.0), g("Mid", 8.0, 150.0, 300.0), g("Small", 4.0, 60.0, 0.0), g("Roomy", 24.0, 40.0, 0.0)]
 }

@@ -43,7 +43,9 @@ impl Bounds {
             .offers
             .iter()
             .map(|o| {
-                let roofline = k * model.layer_fwd_flops / (o.gpu.tflops * 1e12 * opts.efficiency);
+                // The faster of forward and backward rates: a bound for any mix of the two.
+                let (f, b) = opts.layer_flops(&o.gpu);
+                let roofline = k * model.layer_fwd_flops / f.max(b);
                 let measured = profiles
                     .profiles
                     .iter()
