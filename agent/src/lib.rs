@@ -1,8 +1,8 @@
 //! Motley's per-node agent as a library: hardware discovery (`discover`, `nvml`), the agent's
 //! configuration file (`config`), rank supervision that survives an agent restart (`ranks`,
 //! `rankfiles`, each rank in its own cgroup where it can: `cgroup`), the dead-man switch that stops ranks whose agent is gone (`lease`), the rank
-//! logs served over HTTP or HTTPS (`logs`, `tls`), the node's load sent with every heartbeat (`load`) and whom
-//! ranks run as (`users`). The binary `motley-agent` wires them to the coordinator.
+//! logs served over HTTP or HTTPS (`logs`, `tls`), the node's load sent with every heartbeat (`load`), whom
+//! ranks run as (`users`) and layer profiling on request (`profiler`). The binary `motley-agent` wires them to the coordinator.
 
 pub mod cgroup;
 pub mod discover;
@@ -11,6 +11,7 @@ pub mod lease;
 pub mod load;
 pub mod logs;
 pub mod nvml;
+pub mod profiler;
 pub mod rankfiles;
 pub mod ranks;
 pub mod tls;

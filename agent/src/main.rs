@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use motley_agent::discover::{default_sysfs, discover, entry_value};
+use motley_agent::profiler::Profiler;
 use motley_agent::ranks::Supervisor;
 use motley_agent::AgentError;
 use motley_contract::config;
@@ -76,6 +77,12 @@ struct Args {
     /// user. Off by default: a job file alone must not run code as root on every node.
     #[arg(long, env = "MOTLEY_ALLOW_ROOT_RANKS")]
     allow_root_ranks: bool,
+    /// A Python (path, or a command on PATH) with motley_torch and torch installed: the agent
+    /// then measures layer profiles when the coordinator asks (`python -m motley_torch.profile`,
+    /// run as the agent's user on the GPUs the coordinator names). Without it the node is never
+    /// asked to profile.
+    #[arg(long, env = "MOTLEY_PYTHON")]
+    python: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -237,6 +244,13 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
         }
     };
     let supervisor = Supervisor::new(work_dir.clone(), node.clone(), wrapper).allow_root_ranks(args.allow_root_ranks).rank_cgroups(cgroups);
+    let profiler = match args.python.as_deref().filter(|p| !p.is_empty()) {
+        Some(python) => {
+            tracing::info!(node = %node, "layer profiles measured with {python} -m motley_torch.profile when the coordinator asks");
+            Some(motley_agent::profiler::Profiler::new(python, &work_dir, &node)?)
+        }
+        None => None,
+    };
     if motley_agent::users::euid() == 0 {
         match args.allow_root_ranks {
             true => tracing::warn!(node = %node, "allow_root_ranks: jobs that name no user run their ranks as root"),
@@ -275,7 +289,8 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
     // breaks; ranks keep running across sessions and are reported again in the next one.
     loop {
         let began = std::time::Instant::now();
-        let e = match session(&args, &work_dir, &node, &inventory, &logs_url, &supervisor, &load).await {
+        let workers = Workers { supervisor: &supervisor, profiler: profiler.as_ref() };
+        let e = match session(&args, &work_dir, &node, &inventory, &logs_url, workers, &load).await {
             Ended::Fatal(e) => return Err(e),
             Ended::Held(e) => {
                 let since = *held_since.get_or_insert_with(std::time::Instant::now);
@@ -438,6 +453,13 @@ async fn register(
     Err(anyhow::anyhow!("no coordinator took the registration ({})", last.unwrap_or_else(|| "--coordinator is empty".into())).into())
 }
 
+/// What runs work on the node's behalf: its ranks, and layer profiling if it can.
+#[derive(Clone, Copy)]
+struct Workers<'a> {
+    supervisor: &'a Supervisor,
+    profiler: Option<&'a Profiler>,
+}
+
 /// One session: register (a new epoch), then heartbeat until the stream breaks.
 async fn session(
     args: &Args,
@@ -445,10 +467,10 @@ async fn session(
     node: &str,
     inventory: &str,
     logs_url: &str,
-    supervisor: &Supervisor,
+    workers: Workers<'_>,
     load: &motley_agent::load::Latest,
 ) -> Ended {
-    match session_inner(args, work_dir, node, inventory, logs_url, supervisor, load).await {
+    match session_inner(args, work_dir, node, inventory, logs_url, workers, load).await {
         Ok(never) => match never {},
         Err(e) => e,
     }
@@ -460,9 +482,10 @@ async fn session_inner(
     node: &str,
     inventory: &str,
     logs_url: &str,
-    supervisor: &Supervisor,
+    workers: Workers<'_>,
     load: &motley_agent::load::Latest,
 ) -> Result<std::convert::Infallible, Ended> {
+    let Workers { supervisor, profiler } = workers;
     let token = args.token.clone().unwrap_or_default();
     let request = RegisterRequest {
         node: node.to_string(),
@@ -470,6 +493,7 @@ async fn session_inner(
         token: token.clone(),
         address: args.address.clone(),
         logs_url: logs_url.to_string(),
+        can_profile: profiler.is_some(),
     };
     let ca = match &args.ca_cert {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("--ca-cert: cannot read {}", p.display()))?),
@@ -486,11 +510,14 @@ async fn session_inner(
     }
     supervisor.set_interval(interval);
     supervisor.new_session();
+    if let Some(p) = profiler {
+        p.new_session();
+    }
     let (tx, rx) = tokio::sync::mpsc::channel::<AgentStatus>(16);
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
     request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().context("token is not a valid header value")?);
     let beat = {
-        let (supervisor, node, load) = (supervisor.clone(), node.to_string(), load.clone());
+        let (supervisor, node, load, profiler) = (supervisor.clone(), node.to_string(), load.clone(), profiler.cloned());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             // Every message has its number (1, 2, ...); the first lists every rank.
@@ -500,10 +527,12 @@ async fn session_inner(
                 let beat = tokio::select! {
                     _ = tick.tick() => true,
                     _ = supervisor.changed() => false,
+                    _ = async { match &profiler { Some(p) => p.changed().await, None => std::future::pending().await } } => false,
                 };
                 let full = seq == 0;
                 let ranks = supervisor.report(seq + 1, full);
-                if !beat && !full && ranks.is_empty() {
+                let profiles = profiler.as_ref().map(|p| p.report(seq + 1)).unwrap_or_default();
+                if !beat && !full && ranks.is_empty() && profiles.is_empty() {
                     continue;
                 }
                 seq += 1;
@@ -513,13 +542,13 @@ async fn session_inner(
                     true => load.borrow().as_ref().filter(|(_, at)| at.elapsed() <= fresh).map(|(l, _)| l.clone()),
                     false => None,
                 };
-                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, seq, full }).await.is_err() {
+                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, seq, full, profiles }).await.is_err() {
                     return;
                 }
             }
         })
     };
-    let result = heartbeat(&mut client, request, work_dir, node, interval, supervisor).await;
+    let result = heartbeat(&mut client, request, work_dir, node, interval, supervisor, profiler).await;
     beat.abort();
     Err(result)
 }
@@ -532,6 +561,7 @@ async fn heartbeat(
     node: &str,
     interval: Duration,
     supervisor: &Supervisor,
+    profiler: Option<&Profiler>,
 ) -> Ended {
     let mut inbound = match client.heartbeat(request).await {
         Ok(r) => r.into_inner(),
@@ -543,8 +573,15 @@ async fn heartbeat(
                 Some(instruction::Kind::Launch(l)) => supervisor.launch(l),
                 Some(instruction::Kind::Stop(s)) => supervisor.stop(s.job, s.generation),
                 Some(instruction::Kind::Drain(d)) => mark_draining(work_dir, node, d.draining),
+                Some(instruction::Kind::Profile(p)) => match profiler {
+                    Some(profiler) => profiler.start(p),
+                    None => tracing::warn!(node = %node, request = p.request, "asked to profile, but this agent has no --python; ignored"),
+                },
                 Some(instruction::Kind::Ack(a)) => {
                     supervisor.ack(a.seq);
+                    if let Some(p) = profiler {
+                        p.ack(a.seq);
+                    }
                     // The coordinator holds this node's lease: so do its ranks (the switch).
                     if let Err(e) = motley_agent::lease::renew(work_dir, interval) {
                         tracing::warn!(node = %node, "{e}; ranks stop when the lease file's deadline passes");

@@ -8,6 +8,7 @@ pub mod metis;
 pub mod metis_motley;
 pub mod model;
 pub mod plan;
+pub mod profile;
 pub mod provision;
 pub mod remote;
 pub mod table;
@@ -18,7 +19,7 @@ pub mod table;
 pub mod exit {
     /// The command did its work; for `job watch` and `dev up`, the job succeeded.
     pub const SUCCESS: u8 = 0;
-    /// `job watch` / `dev up`: the job ended failed.
+    /// `job watch` / `dev up`: the job ended failed; `profile run --wait`: the run failed.
     pub const JOB_FAILED: u8 = 1;
     /// Bad input or usage, an error answer from the coordinator, no coordinator answering.
     pub const ERROR: u8 = 2;

@@ -1,5 +1,5 @@
 //! `motley`, the operator's CLI: `motley plan`, `motley replan`, `motley provision`, `motley metis` and
-//! `motley espresso`, which work offline, and `motley node|job|dev`, which talk to a coordinator.
+//! `motley espresso`, which work offline, and `motley node|job|profile|dev`, which talk to a coordinator.
 
 use std::process::ExitCode;
 
@@ -31,6 +31,9 @@ enum Command {
     /// Jobs on the coordinator: submit, list, show, watch, logs, cancel.
     #[command(subcommand, after_help = motley::exit::HELP)]
     Job(motley::remote::JobCommand),
+    /// Measured layer profiles on the coordinator: list, show, run, runs.
+    #[command(subcommand)]
+    Profile(motley::profile::ProfileCommand),
     /// The built-in models, and what a model file resolves to: list, show.
     #[command(subcommand)]
     Model(motley::model::ModelCommand),
@@ -49,6 +52,9 @@ fn main() -> ExitCode {
         Command::Job(c) => motley::remote::run_job(c),
         Command::Dev(c) => motley::dev::run(c),
         Command::Model(c) => motley::model::run(c).map(Outcome::from),
+        Command::Profile(c) => {
+            motley::profile::run(c).map(|(text, ok)| Outcome { text, code: if ok { exit::SUCCESS } else { exit::JOB_FAILED } })
+        }
         Command::Espresso(e) => match e.command {
             motley::espresso::EspressoCommand::Eval(a) => motley::espresso::run_eval(a),
             motley::espresso::EspressoCommand::Search(a) => motley::espresso::run_search(a),

@@ -22,7 +22,7 @@ pub struct Remote {
     token: Option<String>,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Table, env = "MOTLEY_OUTPUT")]
-    output: Output,
+    pub(crate) output: Output,
     /// The CA certificate (PEM) an https coordinator's certificate is checked against
     /// (default: the public web roots).
     #[arg(long, env = "MOTLEY_CA_CERT")]
@@ -140,7 +140,7 @@ impl Client {
         Client::new(&Remote { coordinator: url.to_string(), token: None, output: Output::Table, ca_cert: None, timeout: DEFAULT_TIMEOUT_S })
     }
 
-    fn new(r: &Remote) -> Result<Client, InputError> {
+    pub(crate) fn new(r: &Remote) -> Result<Client, InputError> {
         let bases: Vec<String> =
             r.coordinator.split(',').map(|s| s.trim().trim_end_matches('/').to_string()).filter(|s| !s.is_empty()).collect();
         if bases.is_empty() {
@@ -272,7 +272,7 @@ fn table(header: Vec<&str>, rows: Vec<Vec<String>>) -> String {
 
 /// A JSON value as text for people, its control characters escaped (see `table::escape`):
 /// names, reasons and messages come from whoever registered the node or submitted the job.
-fn s(v: &Value) -> String {
+pub(crate) fn s(v: &Value) -> String {
     match v {
         Value::String(x) => crate::table::escape(x).into_owned(),
         Value::Null => String::new(),
@@ -378,7 +378,7 @@ fn jobs_table(jobs: &[JobView]) -> String {
     table(vec!["id", "name", "state", "generation", "reason"], rows)
 }
 
-fn render(out: Output, v: &Value, human: impl Fn(&Value) -> String) -> String {
+pub(crate) fn render(out: Output, v: &Value, human: impl Fn(&Value) -> String) -> String {
     match out {
         Output::Json => serde_json::to_string_pretty(v).expect("JSON serialises"),
         Output::Table => human(v),

@@ -354,7 +354,8 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
                 // Every interval heartbeat carries the node's load, as `motley-agent`'s do.
                 let load = beat.then(node_load);
                 seq += 1;
-                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, seq, full: seq == 1 }).await.is_err() {
+                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, seq, full: seq == 1, ..Default::default() }).await.is_err()
+                {
                     return;
                 }
                 if beat {
@@ -428,7 +429,8 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
                         });
                         changed.notify_one();
                     }
-                    Some(instruction::Kind::Drain(_)) | Some(instruction::Kind::Ack(_)) | None => {}
+                    // Bench agents register without can_profile: never asked to profile.
+                    Some(instruction::Kind::Drain(_) | instruction::Kind::Ack(_) | instruction::Kind::Profile(_)) | None => {}
                 },
                 Ok(None) => bail!("the coordinator closed the heartbeat stream"),
                 Err(s) => bail!("heartbeat stream: {:?} {}", s.code(), s.message()),

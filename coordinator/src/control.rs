@@ -9,7 +9,8 @@ use motley_solver::{Cluster, ClusterSpec, PlanReport, PlanRequest, ProfileSet};
 
 use crate::error::{CoordinatorError, Result};
 use crate::job::JobState;
-use crate::jobspec::JobSpec;
+use crate::jobspec::{JobSpec, ProfilingMode};
+use crate::profiling::Prepared;
 use crate::store::{JobRecord, NodeState, RankAssignment, Store};
 
 /// Declare (or update) a node's inventory: its cluster-file entry, one node (no `count`).
@@ -50,7 +51,8 @@ pub async fn dry_run(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> 
     let spec = JobSpec::parse(text)?;
     check_plan_gpus(store, &spec).await?;
     let offer = offer(store, &spec, None).await?;
-    solve(&spec, offer, deadline(fleet, &spec)).await
+    let profiles = crate::profiling::stored_for(store, &spec).await?;
+    solve(&spec, offer, profiles, deadline(fleet, &spec)).await
 }
 
 /// How long planning the job may take: its `plan_timeout_s`, or the coordinator's.
@@ -142,8 +144,23 @@ pub async fn plan_job(store: &Store, fleet: &crate::fleet::Fleet, id: i64, taken
         )));
     }
     let (partial, free, held_by) = (offer.free < offer.capacity, offer.free, holders());
-    match solve(&spec, offer, deadline(fleet, &spec)).await {
+    // Measured layer profiles: stored ones, and runs sent for what is missing (the job waits).
+    let offered: Vec<(NodeSpec, Vec<u32>)> =
+        offer.nodes.iter().map(|n| (n.clone(), offer.real.get(&n.name).cloned().unwrap_or_default())).collect();
+    let (profiles, without) = match crate::profiling::prepare(store, fleet, id, &spec, &offered).await {
+        Ok(Prepared::Waiting(why)) => return Ok(Planned::Waiting(why)),
+        Ok(Prepared::Ready { profiles, without }) => (profiles, without),
+        Err(e @ CoordinatorError::Database(_)) => return Err(e),
+        Err(e) => return fail_planning(store, &job, e).await,
+    };
+    match solve(&spec, offer, profiles, deadline(fleet, &spec)).await {
         Ok((report, ranks)) => {
+            if !without.is_empty() {
+                let why: Vec<String> = without.iter().map(|(k, r)| format!("{k} ({r})")).collect();
+                store
+                    .record_event(Some(id), None, "profiling", &format!("priced by the roofline, not measured: {}", why.join("; ")))
+                    .await?;
+            }
             // A job found in `planning` was left there by a coordinator that stopped.
             if job.state != JobState::Planning {
                 store.transition(id, JobState::Planning, None).await?;
@@ -294,8 +311,14 @@ async fn check_plan_gpus(store: &Store, spec: &JobSpec) -> Result<()> {
 /// The solver on an offer, within `deadline`; the plan and ranks name the real GPU indices. A
 /// plan that takes longer is refused (the solver's thread runs on to its end, but nothing
 /// waits for it: the job queue and the request move on).
-async fn solve(spec: &JobSpec, offer: Offer, deadline: std::time::Duration) -> Result<(PlanReport, Vec<RankAssignment>)> {
+async fn solve(
+    spec: &JobSpec,
+    offer: Offer,
+    profiles: ProfileSet,
+    deadline: std::time::Duration,
+) -> Result<(PlanReport, Vec<RankAssignment>)> {
     let Offer { nodes, real, .. } = offer;
+    let only_measured = (spec.profiling().mode == ProfilingMode::Only).then(|| (nodes.clone(), profiles.clone()));
     let cluster = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: vec![] })
         .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
     let model = spec.model()?;
@@ -324,7 +347,6 @@ async fn solve(spec: &JobSpec, offer: Offer, deadline: std::time::Duration) -> R
     };
     // The solver is pure CPU work: keep it off the async workers.
     let planner = tokio::task::spawn_blocking(move || {
-        let profiles = ProfileSet::default();
         let req =
             PlanRequest { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts, mode, exhaustive: false, seeds: vec![] };
         match &given {
@@ -343,6 +365,9 @@ async fn solve(spec: &JobSpec, offer: Offer, deadline: std::time::Duration) -> R
         motley_solver::SolverError::InvalidInput { field, message } => CoordinatorError::invalid(field, message),
         other => CoordinatorError::Conflict(other.to_string()),
     })?;
+    if let Some((nodes, profiles)) = &only_measured {
+        crate::profiling::check_measured(&report, nodes, profiles)?;
+    }
     let renumber = |g: &mut GpuId| {
         if let Some(i) = real.get(&g.node).and_then(|r| r.get(g.index as usize)) {
             g.index = *i;

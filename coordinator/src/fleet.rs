@@ -46,6 +46,8 @@ struct Lease {
     outbox: Option<mpsc::UnboundedSender<Outbound>>,
     /// The load of its last interval heartbeat, and when it came.
     load: Option<(NodeLoad, Instant)>,
+    /// Its agent can measure layer profiles (it registered `can_profile`).
+    can_profile: bool,
 }
 
 impl Lease {
@@ -84,6 +86,8 @@ pub struct Fleet {
     sent: Mutex<std::collections::HashSet<(i64, i64)>>,
     /// How long planning one job may take.
     pub plan_deadline: Duration,
+    /// The profile runs this leader sent to agents (see `profiling`).
+    pub profile_runs: crate::profiling::Runs,
 }
 
 impl Fleet {
@@ -100,6 +104,7 @@ impl Fleet {
             launches: AtomicU64::new(0),
             queue: tokio::sync::Notify::new(),
             waiting: Mutex::default(),
+            profile_runs: Default::default(),
         })
     }
 
@@ -183,8 +188,10 @@ impl Fleet {
     /// A registration: the node's new session, not yet heartbeating. It replaces (and closes)
     /// any earlier session of the node.
     pub fn register(&self, node: &str, epoch: i64, address: String, logs_url: String) {
-        let old =
-            self.leases().insert(node.to_string(), Lease { epoch, address, logs_url, last_seen: Instant::now(), outbox: None, load: None });
+        let old = self.leases().insert(
+            node.to_string(),
+            Lease { epoch, address, logs_url, last_seen: Instant::now(), outbox: None, load: None, can_profile: false },
+        );
         if let Some(outbox) = old.and_then(|l| l.outbox) {
             let _ = outbox.send(Outbound::Refuse(CoordinatorError::StaleAgent { node: node.to_string(), given: 0, current: epoch }));
         }
@@ -217,6 +224,18 @@ impl Fleet {
             lease.load = Some((load, lease.last_seen));
         }
         Ok(())
+    }
+
+    /// Whether the node's current session can measure layer profiles (told at registration).
+    pub fn set_can_profile(&self, node: &str, epoch: i64, can: bool) {
+        if let Some(l) = self.leases().get_mut(node).filter(|l| l.epoch == epoch) {
+            l.can_profile = can;
+        }
+    }
+
+    /// The node's agent is live, its stream open, and it can measure layer profiles.
+    pub fn can_profile(&self, node: &str) -> bool {
+        self.leases().get(node).is_some_and(|l| l.can_profile && l.open() && l.last_seen.elapsed() <= self.lease_length())
     }
 
     /// The session's stream ended: the node cannot take instructions until it opens another.

@@ -23,6 +23,11 @@
 //!   reserve_gib: 1.5          # GiB kept free on every GPU
 //!   efficiency: 0.5           # roofline: fraction of peak a layer reaches
 //!   p2p_blocking: false       # pipeline sends block the stage (Megatron-LM's 1F1B)
+//! profiling:                  # measured layer profiles (optional)
+//!   mode: auto                # auto: measure what is missing where agents can, else roofline
+//!                             # only: plan from measured profiles only (wait; fail if one cannot be had)
+//!                             # off: roofline only
+//!   dtype: fp32               # what the profiler measures in: fp32 | bf16 | fp16
 //! ```
 //!
 //! Limits (a rank gets `run` as one argument and each env value as one string, and Linux
@@ -90,6 +95,38 @@ pub struct PlanOptionsSpec {
     pub p2p_blocking: Option<bool>,
 }
 
+/// Whether the job is planned from measured layer profiles (`profiling.mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProfilingMode {
+    /// Stored profiles where they exist; missing ones measured by agents that can; the roofline
+    /// for what no agent can measure (or whose run failed).
+    #[default]
+    Auto,
+    /// Only measured profiles: the job waits for them and fails if one cannot be had.
+    Only,
+    /// The roofline only (no stored profile is used, none measured).
+    Off,
+}
+
+/// The data types the profiler measures in (`python -m motley_torch.profile --dtype`).
+pub const PROFILE_DTYPES: [&str; 3] = ["fp32", "bf16", "fp16"];
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfilingSpec {
+    #[serde(default)]
+    pub mode: ProfilingMode,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
+}
+
+impl ProfilingSpec {
+    pub fn dtype(&self) -> &str {
+        self.dtype.as_deref().unwrap_or("fp32")
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JobSpec {
@@ -121,6 +158,9 @@ pub struct JobSpec {
     /// inventory and the model when the job is planned, never re-planned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<CurrentPlan>,
+    /// Measured layer profiles: whether to use and measure them (default `auto`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profiling: Option<ProfilingSpec>,
 }
 
 /// See the module's doc: the limits a job file is held to.
@@ -253,6 +293,18 @@ impl JobSpec {
         }
         self.model()?;
         self.plan_options()?;
+        if let Some(dtype) = self.profiling.as_ref().and_then(|p| p.dtype.as_deref()) {
+            if !PROFILE_DTYPES.contains(&dtype) {
+                return Err(CoordinatorError::invalid(
+                    "profiling.dtype",
+                    format!(
+                        "'{}' is not a data type the profiler measures; use one of {}",
+                        dtype.escape_default(),
+                        PROFILE_DTYPES.join(", ")
+                    ),
+                ));
+            }
+        }
         if let Some(plan) = &self.plan {
             if plan.global_batch != self.global_batch {
                 return Err(CoordinatorError::invalid(
@@ -291,17 +343,17 @@ impl JobSpec {
     pub fn plan_options(&self) -> Result<(PlanOptions, SearchMode)> {
         let p = self.plan_options.clone().unwrap_or_default();
         let d = PlanOptions::default();
-        let opts = PlanOptions {
-            global_batch: self.global_batch,
-            micro_batch: p.micro_batch,
-            efficiency: p.efficiency.unwrap_or(d.efficiency),
-            recompute: p.recompute.unwrap_or(d.recompute),
-            zero1: p.zero1.unwrap_or(d.zero1),
-            reserve_gib: p.reserve_gib.unwrap_or(d.reserve_gib),
-            max_stages: p.max_stages.unwrap_or(d.max_stages),
-            tp: p.tp,
-            p2p_blocking: p.p2p_blocking.unwrap_or(d.p2p_blocking),
-        };
+        // Field by field over the planner's defaults: options the planner gains keep theirs.
+        let mut opts = d.clone();
+        opts.global_batch = self.global_batch;
+        opts.micro_batch = p.micro_batch;
+        opts.efficiency = p.efficiency.unwrap_or(d.efficiency);
+        opts.recompute = p.recompute.unwrap_or(d.recompute);
+        opts.zero1 = p.zero1.unwrap_or(d.zero1);
+        opts.reserve_gib = p.reserve_gib.unwrap_or(d.reserve_gib);
+        opts.max_stages = p.max_stages.unwrap_or(d.max_stages);
+        opts.tp = p.tp;
+        opts.p2p_blocking = p.p2p_blocking.unwrap_or(d.p2p_blocking);
         opts.validate().map_err(|e| {
             let text = e.to_string();
             // The planner names its own option (`tp: ...`); the job file's is plan_options.tp.
@@ -319,24 +371,33 @@ impl JobSpec {
         Ok((opts, mode))
     }
 
+    /// How the job uses measured profiles (absent: `auto`, fp32).
+    pub fn profiling(&self) -> ProfilingSpec {
+        self.profiling.clone().unwrap_or_default()
+    }
+
     /// The model, from the catalog or the inline entry.
     pub fn model(&self) -> Result<Model> {
-        let spec = match &self.model {
-            ModelRef::Name(n) => motley_solver::model::model_by_name(n).ok_or_else(|| {
-                let known: Vec<String> = motley_solver::model::model_catalog().into_iter().map(|m| m.name).collect();
-                CoordinatorError::invalid("model", format!("unknown model '{n}'; use one of {} or an inline model entry", known.join(", ")))
-            })?,
-            ModelRef::Spec(s) => s.clone(),
-        };
-        let seq_len = self.plan_options.as_ref().and_then(|p| p.seq_len);
-        Model::new(spec, seq_len).map_err(|e| {
-            let text = e.to_string();
-            match text.strip_prefix("seq_len: ") {
-                Some(why) if seq_len.is_some() => CoordinatorError::invalid("plan_options.seq_len", why),
-                _ => CoordinatorError::invalid("model", text),
-            }
-        })
+        resolve_model(&self.model, self.plan_options.as_ref().and_then(|p| p.seq_len), "plan_options.seq_len")
     }
+}
+
+/// A model from the catalog or an inline entry, with a sequence length given as `seq_field`.
+pub fn resolve_model(model: &ModelRef, seq_len: Option<u64>, seq_field: &str) -> Result<Model> {
+    let spec = match model {
+        ModelRef::Name(n) => motley_solver::model::model_by_name(n).ok_or_else(|| {
+            let known: Vec<String> = motley_solver::model::model_catalog().into_iter().map(|m| m.name).collect();
+            CoordinatorError::invalid("model", format!("unknown model '{n}'; use one of {} or an inline model entry", known.join(", ")))
+        })?,
+        ModelRef::Spec(s) => s.clone(),
+    };
+    Model::new(spec, seq_len).map_err(|e| {
+        let text = e.to_string();
+        match text.strip_prefix("seq_len: ") {
+            Some(why) if seq_len.is_some() => CoordinatorError::invalid(seq_field, why),
+            _ => CoordinatorError::invalid("model", text),
+        }
+    })
 }
 
 /// serde_norway with the path of the failing field in the message.

@@ -7,6 +7,7 @@
 //! | `lifecycle` | how launched jobs move: rank reports, dispatch, launch and lease timeouts, stops | store, fleet |
 //! | `scheduler` | the job queue: which queued job gets which free GPUs, and why a job waits | store, solver, fleet |
 //! | `control` | the operations behind both APIs: declare, submit, cancel, plan | store, solver, fleet, lifecycle |
+//! | `profiling` | which layer profiles a job's plan needs; runs sent to agents (in memory); their results stored | store, fleet |
 //! | `store` | every durable read and write, each job move fenced (state, generation, term) in SQL | the database |
 //! | `leader`, `takeover` | who leads; what a new leader resumes | store |
 //! | `service::{rest, control, agent}` | translate requests and streams, errors into status codes | the rooms above |
@@ -23,6 +24,7 @@ pub mod leader;
 pub mod lifecycle;
 pub mod load;
 pub mod metrics;
+pub mod profiling;
 pub mod scheduler;
 pub mod service;
 pub mod store;

@@ -12,6 +12,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use crate::error::{CoordinatorError, Result};
 use crate::job::JobState;
 
+mod profiles;
+pub use profiles::{NewProfile, ProfileRecord};
+
 /// `sqlx::migrate!` embeds `migrations/` in the binary.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 

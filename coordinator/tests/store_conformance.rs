@@ -400,3 +400,44 @@ conformance!(a_node_is_removed_only_without_ranks_and_comes_back_on_registration
     assert_eq!(s.ranks(job.id, 1).await.unwrap()[0].assignment.node, "n0");
     s.close().await;
 });
+
+conformance!(profiles_are_kept_per_key_and_the_newest_of_each_is_planned_with, |url: String| async move {
+    use motley_coordinator::store::NewProfile;
+    let s = Store::open(&url).await.unwrap();
+    let p = |gpu: &str, mb: i64, torch: &str, fwd: f64| NewProfile {
+        gpu: gpu.into(),
+        model: "tiny".into(),
+        model_hash: "abc".into(),
+        tp: 1,
+        micro_batch: mb,
+        seq_len: 32,
+        dtype: "fp32".into(),
+        torch: torch.into(),
+        device: "cpu".into(),
+        node: "n0".into(),
+        entry: format!("{{\"gpu\":\"{gpu}\",\"tp\":1,\"micro_batch\":{mb},\"fwd_ms\":{fwd},\"bwd_ms\":2.0}}"),
+    };
+    let first = s.put_profile(&p("A100-80G", 2, "2.14", 1.0)).await.unwrap();
+    s.put_profile(&p("A100-80G", 1, "2.14", 0.5)).await.unwrap();
+    // The same key measured again (same torch): replaces the row.
+    let again = s.put_profile(&p("A100-80G", 2, "2.14", 1.5)).await.unwrap();
+    assert!(again > first);
+    assert!(matches!(s.profile(first).await, Err(CoordinatorError::NotFound { .. })));
+    assert_eq!(s.profiles(None).await.unwrap().len(), 2);
+    // Another torch version is another row; the planner takes the newest of each
+    // (gpu, tp, micro-batch) whatever measured it.
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let newest = s.put_profile(&p("A100-80G", 2, "2.15", 1.25)).await.unwrap();
+    assert_eq!(s.profiles(None).await.unwrap().len(), 3);
+    let used = s.profiles_for("abc", 32, "fp32").await.unwrap();
+    assert_eq!(used.len(), 2, "{used:?}");
+    let mb2 = used.iter().find(|r| r.micro_batch == 2).unwrap();
+    assert_eq!((mb2.id, mb2.torch.as_str()), (newest, "2.15"));
+    assert!(s.profiles_for("abc", 64, "fp32").await.unwrap().is_empty(), "another sequence length");
+    assert!(s.profiles_for("abc", 32, "bf16").await.unwrap().is_empty(), "another data type");
+    assert!(s.profiles(Some("other")).await.unwrap().is_empty());
+    let r = s.profile(newest).await.unwrap();
+    assert_eq!((r.gpu.as_str(), r.node.as_str(), r.seq_len), ("A100-80G", "n0", 32));
+    assert!(s.events(None, 0, 100).await.unwrap().iter().any(|e| e.kind == "profile_stored"));
+    s.close().await;
+});

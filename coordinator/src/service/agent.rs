@@ -50,6 +50,7 @@ impl Agent for AgentService {
         let epoch = control::declare_node(&self.store, &r.node, &r.inventory_json).await.map_err(status_of)?;
         let address = if r.address.is_empty() { "127.0.0.1".to_string() } else { r.address };
         self.fleet.register(&r.node, epoch, address, r.logs_url);
+        self.fleet.set_can_profile(&r.node, epoch, r.can_profile);
         Ok(Response::new(RegisterReply { epoch, heartbeat_ms: self.fleet.base.as_millis() as u64 }))
     }
 
@@ -118,7 +119,7 @@ async fn read(
             break;
         }
         // Interval heartbeats (they carry the load), not the rank reports an agent sends between them.
-        let interval = status.load.is_some() || status.ranks.is_empty();
+        let interval = status.load.is_some() || (status.ranks.is_empty() && status.profiles.is_empty());
         match fleet.renew(&status.node, status.epoch, &outbox, status.load.clone().map(crate::load::from_proto), interval) {
             Ok(()) => {}
             Err(Refused::Stale { current }) => {
@@ -134,7 +135,7 @@ async fn read(
         }
         let first = session.is_none();
         session.get_or_insert_with(|| (status.node.clone(), status.epoch));
-        if first || status.full || !status.ranks.is_empty() {
+        if first || status.full || !status.ranks.is_empty() || !status.profiles.is_empty() {
             if to_worker.send(status).is_err() {
                 break; // the worker refused the session
             }
@@ -217,6 +218,9 @@ async fn apply(
             stop(job, generation, "the coordinator does not know this rank on this node");
         }
         jobs = done.jobs;
+    }
+    for p in &status.profiles {
+        crate::profiling::receive(store, fleet, &status.node, p.request, &p.profile_json, &p.error).await?;
     }
     if status.full {
         // A launch queued on the session before this one may never have reached the agent:

@@ -67,23 +67,7 @@ impl Coordinator {
     }
 
     pub fn call_as(&self, token: Option<&str>, method: &str, path: &str, body: &str) -> (u16, String) {
-        let mut s = TcpStream::connect(&self.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            self.addr,
-            body.len()
-        )
-        .unwrap();
-        let mut raw = String::new();
-        s.read_to_string(&mut raw).unwrap_or_else(|e| panic!("{method} {path}: {e}"));
-        let status: u16 = raw.split(' ').nth(1).unwrap().parse().unwrap();
-        let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
-        // axum answers small bodies with Content-Length; chunked only if it streams.
-        let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(rest) } else { rest.to_string() };
-        (status, body)
+        call(&self.addr, token, method, path, body)
     }
 
     pub fn json(&self, method: &str, path: &str, body: &str, want: u16) -> Value {
@@ -103,6 +87,22 @@ impl Drop for Coordinator {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// One HTTP/1.1 request to `addr`; returns (status, body).
+pub fn call(addr: &str, token: Option<&str>, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())
+        .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    let status: u16 = raw.split(' ').nth(1).unwrap().parse().unwrap();
+    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
+    // axum answers small bodies with Content-Length; chunked only if it streams.
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(rest) } else { rest.to_string() };
+    (status, body)
 }
 
 pub fn dechunk(s: &str) -> String {

@@ -6,6 +6,7 @@
 mod jobs;
 mod nodes;
 pub mod openapi;
+mod profiles;
 
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
@@ -73,6 +74,10 @@ pub fn router(state: AppState) -> Router {
         .route("/jobs/{id}/plan", get(jobs::plan))
         .route("/jobs/{id}/ranks/{rank}/logs", get(jobs::logs))
         .route("/plan", post(jobs::dry_run))
+        .route("/profiles", get(profiles::list))
+        .route("/profiles/runs", get(profiles::runs).post(profiles::run))
+        .route("/profiles/runs/{request}", get(profiles::run_state))
+        .route("/profiles/{id}", get(profiles::get))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_leader))
         .route("/leader", get(leader))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token))

@@ -6,11 +6,12 @@ use utoipa::{Modify, OpenApi};
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "Motley coordinator", description = "Control API: nodes, jobs, plans. Every call needs `Authorization: Bearer TOKEN` unless the coordinator runs with --insecure; a standby answers 503 with the leader's URL."),
+    info(title = "Motley coordinator", description = "Control API: nodes, jobs, plans, layer profiles. Every call needs `Authorization: Bearer TOKEN` unless the coordinator runs with --insecure; a standby answers 503 with the leader's URL."),
     paths(
         super::nodes::list, super::nodes::get, super::nodes::declare, super::nodes::remove, super::nodes::drain, super::nodes::undrain,
         super::jobs::list, super::jobs::submit, super::jobs::get, super::jobs::cancel, super::jobs::events,
         super::jobs::plan, super::jobs::dry_run, super::jobs::logs, super::leader,
+        super::profiles::list, super::profiles::get, super::profiles::run, super::profiles::runs, super::profiles::run_state,
     ),
     modifiers(&Bearer),
     security(("bearer" = []))

@@ -1,0 +1,613 @@
+//! Layer profiles: which measured profiles a job's plan needs, asking agents to measure the
+//! missing ones, and storing what they report.
+//!
+//! A profile is keyed by (GPU type, model hash, tp, micro-batch, sequence length, data type)
+//! and, in the store, the torch version that measured it. Before a queued job is planned
+//! (`control::plan_job`), `prepare` looks up the stored profiles of its model and, for every
+//! (GPU type, tp, micro-batch) the planner's search would price on the GPUs offered, sends a
+//! `Profile` instruction to a live agent that can profile (it registered `can_profile`) and has
+//! `tp` free GPUs of that type, one run per node at a time. The job waits while runs are out;
+//! a run that fails (or times out, `PROFILE_INTERVALS` base intervals) is remembered for as
+//! long, and the job is planned with the roofline for that key (`profiling.mode: auto`) or
+//! fails with the reason (`only`).
+//!
+//! Durable: the profiles (`layer_profiles`). In memory only (lost with the leader; a new
+//! leader asks again): the requests out and the failures remembered.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use motley_proto::v1::{instruction, Instruction, Profile};
+use motley_solver::hardware::NodeSpec;
+use motley_solver::profile::LayerProfile;
+use motley_solver::{Model, ModelSpec, PlanOptions, ProfileSet};
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
+
+use crate::error::{CoordinatorError, Result};
+use crate::fleet::Fleet;
+use crate::jobspec::{JobSpec, ProfilingMode};
+use crate::store::{NewProfile, ProfileRecord, Store};
+
+/// A profile run may take this many base intervals before it counts as failed (the agent is
+/// told the same, less a margin for the report); a failure is remembered for as long.
+pub const PROFILE_INTERVALS: u32 = 600;
+
+/// The sha256 (hex) of the model's canonical JSON: every field of a model file with the
+/// defaults filled in, keys sorted, no spaces; what `python -m motley_torch.profile` writes as
+/// `model_hash`.
+pub fn model_hash(spec: &ModelSpec) -> String {
+    let text = canonical_json(spec);
+    Sha256::digest(text.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The model file the profiler is given (and hashes): all nine fields, defaults filled in.
+pub fn canonical_json(spec: &ModelSpec) -> String {
+    let mut m: BTreeMap<&str, serde_json::Value> = BTreeMap::new();
+    m.insert("name", spec.name.clone().into());
+    m.insert("layers", spec.layers.into());
+    m.insert("hidden", spec.hidden.into());
+    m.insert("heads", spec.heads.into());
+    m.insert("seq_len", spec.seq_len.into());
+    m.insert("vocab", spec.vocab.into());
+    m.insert("ffn_hidden", spec.ffn_hidden.unwrap_or(4 * spec.hidden).into());
+    m.insert("kv_heads", spec.kv_heads.unwrap_or(spec.heads).into());
+    m.insert("gated_mlp", spec.gated_mlp.into());
+    // Python's json.dumps escapes non-ASCII (ensure_ascii): so must we, or the hashes differ.
+    let text = serde_json::to_string(&m).expect("a map of plain values serialises");
+    text.chars().fold(String::with_capacity(text.len()), |mut out, c| {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{u:04x}"));
+            }
+        }
+        out
+    })
+}
+
+/// What a profile measures: the model (by hash), the sequence length and data type, and the
+/// GPU type, tp and micro-batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProfileKey {
+    pub gpu: String,
+    pub model_hash: String,
+    pub tp: u32,
+    pub micro_batch: u32,
+    pub seq_len: u64,
+    pub dtype: String,
+}
+
+impl ProfileKey {
+    /// The same measurement (GPU type names match in any case).
+    fn same(&self, other: &ProfileKey) -> bool {
+        self.gpu.eq_ignore_ascii_case(&other.gpu)
+            && (&self.model_hash, self.tp, self.micro_batch, self.seq_len, &self.dtype)
+                == (&other.model_hash, other.tp, other.micro_batch, other.seq_len, &other.dtype)
+    }
+}
+
+impl std::fmt::Display for ProfileKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} tp {} micro-batch {} (seq {}, {})", self.gpu, self.tp, self.micro_batch, self.seq_len, self.dtype)
+    }
+}
+
+/// Where a profile run stands.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case", tag = "state")]
+pub enum RunState {
+    Running,
+    Stored { profile: i64 },
+    Failed { reason: String },
+}
+
+/// One profile run sent to an agent.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
+pub struct ProfileRun {
+    pub request: i64,
+    pub gpu: String,
+    pub model: String,
+    pub model_hash: String,
+    pub tp: u32,
+    pub micro_batch: u32,
+    pub seq_len: u64,
+    pub dtype: String,
+    pub node: String,
+    pub gpus: Vec<u32>,
+    #[serde(flatten)]
+    pub state: RunState,
+    /// Seconds since it was sent.
+    pub age_s: f64,
+    #[serde(skip)]
+    #[schema(ignore)]
+    started: Option<Instant>,
+    #[serde(skip)]
+    #[schema(ignore)]
+    ended: Option<Instant>,
+}
+
+impl ProfileRun {
+    fn key(&self) -> ProfileKey {
+        ProfileKey {
+            gpu: self.gpu.clone(),
+            model_hash: self.model_hash.clone(),
+            tp: self.tp,
+            micro_batch: self.micro_batch,
+            seq_len: self.seq_len,
+            dtype: self.dtype.clone(),
+        }
+    }
+}
+
+/// The runs this leader sent, by request number (numbers start at the wall clock's ms, so a
+/// report for an earlier leader's run is never taken for one of this leader's).
+pub struct Runs {
+    next: AtomicI64,
+    runs: Mutex<HashMap<i64, ProfileRun>>,
+}
+
+impl Default for Runs {
+    fn default() -> Self {
+        Runs { next: AtomicI64::new(crate::store::now_ms()), runs: Mutex::default() }
+    }
+}
+
+impl Runs {
+    fn runs(&self) -> std::sync::MutexGuard<'_, HashMap<i64, ProfileRun>> {
+        self.runs.lock().expect("profile runs lock")
+    }
+
+    /// Every run, newest first, with its age.
+    pub fn list(&self) -> Vec<ProfileRun> {
+        let mut out: Vec<ProfileRun> = self.runs().values().cloned().collect();
+        for r in &mut out {
+            r.age_s = r.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
+        }
+        out.sort_by_key(|r| std::cmp::Reverse(r.request));
+        out
+    }
+
+    pub fn get(&self, request: i64) -> Option<ProfileRun> {
+        self.list().into_iter().find(|r| r.request == request)
+    }
+
+    /// The newest run of a key.
+    fn latest(&self, key: &ProfileKey) -> Option<ProfileRun> {
+        self.runs().values().filter(|r| r.key().same(key)).max_by_key(|r| r.request).cloned()
+    }
+
+    fn busy(&self, node: &str) -> bool {
+        self.runs().values().any(|r| r.node == node && r.state == RunState::Running)
+    }
+
+    fn finish(&self, request: i64, state: RunState) -> Option<ProfileRun> {
+        let mut runs = self.runs();
+        let run = runs.get_mut(&request)?;
+        if run.state == RunState::Running {
+            run.state = state;
+            run.ended = Some(Instant::now());
+        }
+        Some(run.clone())
+    }
+
+    /// Runs out longer than `limit` fail; ended runs older than `limit` are forgotten (a failed
+    /// key is tried again after that).
+    pub fn expire(&self, limit: Duration) {
+        let mut runs = self.runs();
+        for r in runs.values_mut() {
+            if r.state == RunState::Running && r.started.is_some_and(|s| s.elapsed() > limit) {
+                r.state = RunState::Failed { reason: format!("no result from node {} within {} s", r.node, limit.as_secs()) };
+                r.ended = Some(Instant::now());
+            }
+        }
+        runs.retain(|_, r| r.ended.is_none_or(|e| e.elapsed() <= limit));
+    }
+}
+
+/// How long a run may take, and a failure is remembered.
+pub fn run_limit(fleet: &Fleet) -> Duration {
+    fleet.base * PROFILE_INTERVALS
+}
+
+/// Ask a node's agent to measure `key` on `gpus`; the run's request number.
+pub fn send_run(fleet: &Fleet, node: &str, gpus: Vec<u32>, model: &ModelSpec, key: &ProfileKey, gpu_name: &str) -> Result<i64> {
+    if !fleet.can_profile(node) {
+        return Err(CoordinatorError::Conflict(format!(
+            "node {node} has no live agent that can profile (start its agent with --python, a Python with motley_torch and torch)"
+        )));
+    }
+    let request = fleet.profile_runs.next.fetch_add(1, Ordering::SeqCst);
+    let limit = run_limit(fleet);
+    let timeout_s = (limit.as_secs().saturating_sub(fleet.base.as_secs() * 10)).clamp(1, u32::MAX as u64) as u32;
+    let profile = Profile {
+        request,
+        gpu: gpu_name.to_string(),
+        model_json: canonical_json(model),
+        tp: key.tp,
+        micro_batch: key.micro_batch,
+        seq_len: key.seq_len,
+        dtype: key.dtype.clone(),
+        gpus: gpus.clone(),
+        timeout_s,
+    };
+    let run = ProfileRun {
+        request,
+        gpu: gpu_name.to_string(),
+        model: model.name.clone(),
+        model_hash: key.model_hash.clone(),
+        tp: key.tp,
+        micro_batch: key.micro_batch,
+        seq_len: key.seq_len,
+        dtype: key.dtype.clone(),
+        node: node.to_string(),
+        gpus,
+        state: RunState::Running,
+        age_s: 0.0,
+        started: Some(Instant::now()),
+        ended: None,
+    };
+    fleet.profile_runs.runs().insert(request, run);
+    if !fleet.send(node, Instruction { kind: Some(instruction::Kind::Profile(profile)) }) {
+        fleet.profile_runs.finish(request, RunState::Failed { reason: format!("node {node}'s agent has no open heartbeat stream") });
+    }
+    Ok(request)
+}
+
+/// What the planner may use for a job, or why it waits.
+#[derive(Debug)]
+pub enum Prepared {
+    /// The stored profiles of the job's model (possibly none), and the keys it is planned
+    /// without (by the roofline) with why.
+    Ready { profiles: ProfileSet, without: Vec<(ProfileKey, String)> },
+    /// Runs are out for these keys.
+    Waiting(String),
+}
+
+/// The (tp, sequences per GPU) pairs the planner's search prices for one GPU type with up to
+/// `gpus_per_node` GPUs a node (`motley_solver`'s search space: tp a power of two dividing the
+/// heads, micro-batches 1 to 8 dividing the global batch, each split over a stage's dp of 1, 2,
+/// 4 or 8 GPUs; a profile's `micro_batch` is sequences per GPU), or what the job pins.
+pub fn wanted_configs(model: &Model, opts: &PlanOptions, gpus_per_node: u32) -> Vec<(u32, u32)> {
+    let tps: Vec<u32> = match opts.tp {
+        Some(t) => vec![t],
+        None => (0..8).map(|i| 1u32 << i).filter(|&t| t <= gpus_per_node && model.spec.heads.is_multiple_of(t)).collect(),
+    };
+    let bs: Vec<u32> = match opts.micro_batch {
+        Some(b) => vec![b],
+        None => (0..4).map(|i| 1u32 << i).filter(|&b| opts.global_batch.is_multiple_of(b)).collect(),
+    };
+    let mut per_gpu: Vec<u32> =
+        bs.iter().flat_map(|&b| [1u32, 2, 4, 8].into_iter().filter(move |&d| b.is_multiple_of(d)).map(move |d| b / d)).collect();
+    per_gpu.sort_unstable();
+    per_gpu.dedup();
+    tps.iter().flat_map(|&t| per_gpu.iter().map(move |&m| (t, m))).collect()
+}
+
+/// The stored profiles of the job's model and, unless the job says `off`, runs sent for what
+/// is missing on the GPUs offered (`offered`: node entry and its free GPU indices).
+pub async fn prepare(store: &Store, fleet: &Fleet, job: i64, spec: &JobSpec, offered: &[(NodeSpec, Vec<u32>)]) -> Result<Prepared> {
+    let profiling = spec.profiling();
+    if profiling.mode == ProfilingMode::Off {
+        return Ok(Prepared::Ready { profiles: ProfileSet::default(), without: vec![] });
+    }
+    let model = spec.model()?;
+    let (opts, _) = spec.plan_options()?;
+    let hash = model_hash(&model.spec);
+    let dtype = profiling.dtype().to_string();
+    let stored = store.profiles_for(&hash, model.seq_len as i64, &dtype).await?;
+    let profiles = profile_set(&stored);
+    // A carried plan is priced with what is stored; nothing is measured for it.
+    if spec.plan.is_some() {
+        return Ok(Prepared::Ready { profiles, without: vec![] });
+    }
+    let mut per_type: BTreeMap<String, (String, u32)> = BTreeMap::new();
+    for (node, _) in offered {
+        let e = per_type.entry(node.gpu.to_ascii_lowercase()).or_insert((node.gpu.clone(), 0));
+        e.1 = e.1.max(node.gpus);
+    }
+    let (mut out, mut without, mut sent) = (vec![], vec![], vec![]);
+    let limit = run_limit(fleet);
+    fleet.profile_runs.expire(limit);
+    for (gpu_name, per_node) in per_type.values() {
+        for (tp, micro_batch) in wanted_configs(&model, &opts, *per_node) {
+            if profiles.lookup(gpu_name, tp, micro_batch).is_some() {
+                continue;
+            }
+            let key = ProfileKey {
+                gpu: gpu_name.clone(),
+                model_hash: hash.clone(),
+                tp,
+                micro_batch,
+                seq_len: model.seq_len,
+                dtype: dtype.clone(),
+            };
+            match fleet.profile_runs.latest(&key).map(|r| (r.state.clone(), r)) {
+                Some((RunState::Running, r)) => out.push(format!("{key} on node {} (request {})", r.node, r.request)),
+                Some((RunState::Failed { reason }, _)) => without.push((key, reason)),
+                // Stored since this pass read the store: the next pass plans with it.
+                Some((RunState::Stored { .. }, _)) => out.push(format!("{key} (just stored)")),
+                None => {
+                    let node = offered.iter().find(|(n, free)| {
+                        n.gpu.eq_ignore_ascii_case(gpu_name)
+                            && free.len() >= tp as usize
+                            && fleet.can_profile(&n.name)
+                            && !fleet.profile_runs.busy(&n.name)
+                    });
+                    match node {
+                        Some((n, free)) => {
+                            let gpus = free[..tp as usize].to_vec();
+                            let request = send_run(fleet, &n.name, gpus, &model.spec, &key, gpu_name)?;
+                            sent.push(format!("{key} on node {} (request {request})", n.name));
+                            out.push(format!("{key} on node {}", n.name));
+                        }
+                        None if offered.iter().any(|(n, free)| {
+                            n.gpu.eq_ignore_ascii_case(gpu_name) && free.len() >= tp as usize && fleet.can_profile(&n.name)
+                        }) =>
+                        {
+                            out.push(format!("{key} (its nodes are busy profiling)"));
+                        }
+                        None => without.push((
+                            key,
+                            format!("no live agent of a {gpu_name} node with {tp} free GPUs can profile (start agents with --python)"),
+                        )),
+                    }
+                }
+            }
+        }
+    }
+    for s in &sent {
+        store.record_event(Some(job), None, "profiling", &format!("measuring {s}")).await?;
+    }
+    if !out.is_empty() {
+        return Ok(Prepared::Waiting(format!("waiting for {} layer profile(s): {}", out.len(), out.join("; "))));
+    }
+    if profiling.mode == ProfilingMode::Only && !without.is_empty() {
+        let why: Vec<String> = without.iter().map(|(k, r)| format!("{k}: {r}")).collect();
+        return Err(CoordinatorError::invalid(
+            "profiling.mode",
+            format!(
+                "is only, but no profile can be had for {}; fix that or use mode auto (the roofline for what is missing)",
+                why.join("; ")
+            ),
+        ));
+    }
+    Ok(Prepared::Ready { profiles, without })
+}
+
+/// The stored profiles a job is planned with, measuring nothing (dry runs).
+pub async fn stored_for(store: &Store, spec: &JobSpec) -> Result<ProfileSet> {
+    let profiling = spec.profiling();
+    if profiling.mode == ProfilingMode::Off {
+        return Ok(ProfileSet::default());
+    }
+    let model = spec.model()?;
+    Ok(profile_set(&store.profiles_for(&model_hash(&model.spec), model.seq_len as i64, profiling.dtype()).await?))
+}
+
+/// The profiles file entries of stored rows (rows whose entry does not read are skipped).
+pub fn profile_set(rows: &[ProfileRecord]) -> ProfileSet {
+    let profiles = rows
+        .iter()
+        .filter_map(|r| match serde_json::from_str::<LayerProfile>(&r.entry) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                tracing::warn!(profile = r.id, "stored profile entry does not read ({e}); planning without it");
+                None
+            }
+        })
+        .collect();
+    ProfileSet { profiles }
+}
+
+/// `profiling.mode: only`: every stage of the plan is priced from a measured profile.
+pub fn check_measured(report: &motley_solver::PlanReport, nodes: &[NodeSpec], profiles: &ProfileSet) -> Result<()> {
+    let gpu_of: HashMap<&str, &str> = nodes.iter().map(|n| (n.name.as_str(), n.gpu.as_str())).collect();
+    let mut missing = BTreeSet::new();
+    for st in report.replicas.iter().flat_map(|r| &r.stages) {
+        // A profile's micro-batch is sequences per GPU: the stage's dp GPUs split one.
+        let per_gpu = report.micro_batch / st.dp.max(1);
+        for g in &st.gpus {
+            let gpu = gpu_of.get(g.node.as_str()).copied().unwrap_or("?");
+            if profiles.lookup(gpu, st.tp, per_gpu).is_none() {
+                missing.insert(format!("{gpu} tp {} micro-batch {per_gpu}", st.tp));
+            }
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(CoordinatorError::invalid(
+        "profiling.mode",
+        format!("is only, but the plan prices {} without a measured profile", missing.into_iter().collect::<Vec<_>>().join(", ")),
+    ))
+}
+
+/// A finished run an agent reported: stored (replacing the same key's row) or recorded as
+/// failed. The node's GPU type must be the entry's; a run this leader sent must come back for
+/// its own model hash.
+pub async fn receive(store: &Store, fleet: &Fleet, node: &str, request: i64, entry_json: &str, error: &str) -> Result<()> {
+    let sent = fleet.profile_runs.get(request);
+    let outcome = match error.is_empty() {
+        false => Err(error.to_string()),
+        true => checked_entry(store, node, entry_json, sent.as_ref()).await,
+    };
+    let state = match outcome {
+        Ok(new) => {
+            let id = store.put_profile(&new).await?;
+            tracing::info!(node, request, profile = id, "profile stored: {} tp {} micro-batch {}", new.gpu, new.tp, new.micro_batch);
+            RunState::Stored { profile: id }
+        }
+        Err(reason) => {
+            tracing::warn!(node, request, "profile run failed: {reason}");
+            store.record_event(None, None, "profile_failed", &format!("profile request {request} on node {node} failed: {reason}")).await?;
+            RunState::Failed { reason }
+        }
+    };
+    fleet.profile_runs.finish(request, state);
+    fleet.kick_queue();
+    Ok(())
+}
+
+async fn checked_entry(store: &Store, node: &str, entry_json: &str, sent: Option<&ProfileRun>) -> std::result::Result<NewProfile, String> {
+    let entry: LayerProfile = serde_json::from_str(entry_json).map_err(|e| format!("the agent's profile entry does not read: {e}"))?;
+    ProfileSet { profiles: vec![entry.clone()] }.validate().map_err(|e| format!("the agent's profile entry: {e}"))?;
+    let node_gpu = store
+        .node(node)
+        .await
+        .ok()
+        .and_then(|n| serde_json::from_str::<NodeSpec>(&n.inventory).ok())
+        .map(|n| n.gpu)
+        .ok_or_else(|| format!("node {node} is not in the inventory"))?;
+    if !entry.gpu.eq_ignore_ascii_case(&node_gpu) {
+        return Err(format!("the entry is for GPU type {} but node {node} has {node_gpu}", entry.gpu));
+    }
+    let need = |v: Option<String>, what: &str| v.filter(|s| !s.is_empty()).ok_or_else(|| format!("the entry has no {what}"));
+    let model_hash = need(entry.model_hash.clone(), "model_hash")?;
+    if let Some(run) = sent {
+        if run.model_hash != model_hash {
+            return Err(format!(
+                "the entry's model_hash {model_hash} is not the model's {} (are the node's motley_torch and this coordinator of one release?)",
+                run.model_hash
+            ));
+        }
+        if run.tp != entry.tp || run.micro_batch != entry.micro_batch {
+            return Err(format!(
+                "the entry measures tp {} micro-batch {}, not the tp {} micro-batch {} asked for",
+                entry.tp, entry.micro_batch, run.tp, run.micro_batch
+            ));
+        }
+    }
+    let seq_len = entry.seq_len.ok_or("the entry has no seq_len")?;
+    Ok(NewProfile {
+        gpu: node_gpu,
+        model: entry.model.clone().unwrap_or_default(),
+        model_hash,
+        tp: entry.tp as i64,
+        micro_batch: entry.micro_batch as i64,
+        seq_len: seq_len as i64,
+        dtype: need(entry.dtype.clone(), "dtype")?,
+        torch: need(entry.torch.clone(), "torch version")?,
+        device: entry.device.clone().unwrap_or_default(),
+        node: node.to_string(),
+        entry: entry_json.to_string(),
+    })
+}
+
+/// `motley profile run`: measure one key on a node of the GPU type (the given one, or any live
+/// agent that can profile), now, whatever is stored.
+pub async fn run_now(store: &Store, fleet: &Fleet, req: &RunRequest) -> Result<ProfileRun> {
+    let model_ref: crate::jobspec::ModelRef = serde_json::from_value(req.model.clone())
+        .map_err(|e| CoordinatorError::invalid("model", format!("{e}; give a catalog name or a model entry")))?;
+    let model = crate::jobspec::resolve_model(&model_ref, req.seq_len, "seq_len")?;
+    let dtype = req.dtype.clone().unwrap_or_else(|| "fp32".into());
+    if !crate::jobspec::PROFILE_DTYPES.contains(&dtype.as_str()) {
+        return Err(CoordinatorError::invalid("dtype", format!("use one of {}", crate::jobspec::PROFILE_DTYPES.join(", "))));
+    }
+    if req.tp == 0 || !req.tp.is_power_of_two() {
+        return Err(CoordinatorError::invalid("tp", "must be a power of two (1, 2, 4, 8)"));
+    }
+    if req.micro_batch == 0 || req.micro_batch > motley_solver::limits::MAX_MICRO_BATCH {
+        return Err(CoordinatorError::invalid("micro_batch", format!("must be between 1 and {}", motley_solver::limits::MAX_MICRO_BATCH)));
+    }
+    let mut candidates = vec![];
+    for n in store.nodes().await? {
+        if req.node.as_ref().is_some_and(|want| *want != n.name) {
+            continue;
+        }
+        let Ok(entry) = serde_json::from_str::<NodeSpec>(&n.inventory) else { continue };
+        if req.gpu.as_ref().is_some_and(|g| !g.eq_ignore_ascii_case(&entry.gpu)) || entry.gpus < req.tp {
+            continue;
+        }
+        candidates.push(entry);
+    }
+    let what = match (&req.node, &req.gpu) {
+        (Some(n), _) => format!("node {n}"),
+        (None, Some(g)) => format!("a {g} node"),
+        (None, None) => "a node".into(),
+    };
+    let Some(entry) = candidates.iter().find(|e| fleet.can_profile(&e.name) && !fleet.profile_runs.busy(&e.name)) else {
+        let why = if candidates.is_empty() {
+            format!("no {what} with {} GPUs is in the inventory (motley node list)", req.tp)
+        } else if candidates.iter().any(|e| fleet.can_profile(&e.name)) {
+            format!("every {what} that can profile is running a profile now; try again when it ends (motley profile runs)")
+        } else {
+            format!("no {what} has a live agent that can profile (start its agent with --python, a Python with motley_torch and torch)")
+        };
+        return Err(CoordinatorError::Conflict(why));
+    };
+    let key = ProfileKey {
+        gpu: entry.gpu.clone(),
+        model_hash: model_hash(&model.spec),
+        tp: req.tp,
+        micro_batch: req.micro_batch,
+        seq_len: model.seq_len,
+        dtype,
+    };
+    let request = send_run(fleet, &entry.name, (0..req.tp).collect(), &model.spec, &key, &entry.gpu)?;
+    fleet.profile_runs.get(request).ok_or_else(|| CoordinatorError::Conflict("the run was forgotten at once".into()))
+}
+
+/// A request to measure one profile now (REST `POST /api/v1/profiles/runs`).
+#[derive(Debug, Clone, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunRequest {
+    /// A catalog model name or a model entry {name, layers, hidden, ...}.
+    #[schema(value_type = Object)]
+    pub model: serde_json::Value,
+    pub tp: u32,
+    pub micro_batch: u32,
+    #[serde(default)]
+    pub seq_len: Option<u64>,
+    #[serde(default)]
+    pub dtype: Option<String>,
+    /// Only a node of this GPU type (default: any).
+    #[serde(default)]
+    pub gpu: Option<String>,
+    /// Only this node (default: any that can profile).
+    #[serde(default)]
+    pub node: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_model_hash_is_motley_torch_s() {
+        // python -c 'import hashlib, json; print(hashlib.sha256(json.dumps({...}, sort_keys=True,
+        // separators=(",", ":")).encode()).hexdigest())' for examples/tiny-gpt.yaml's fields.
+        let spec = ModelSpec {
+            name: "tiny-gpt".into(),
+            layers: 4,
+            hidden: 256,
+            heads: 4,
+            seq_len: 128,
+            vocab: 1024,
+            ffn_hidden: None,
+            kv_heads: None,
+            gated_mlp: false,
+        };
+        assert_eq!(
+            canonical_json(&spec),
+            r#"{"ffn_hidden":1024,"gated_mlp":false,"heads":4,"hidden":256,"kv_heads":4,"layers":4,"name":"tiny-gpt","seq_len":128,"vocab":1024}"#
+        );
+        let mut odd = spec.clone();
+        odd.name = "gpt-é".into();
+        assert!(canonical_json(&odd).contains(r#""name":"gpt-\u00e9""#), "{}", canonical_json(&odd));
+    }
+
+    #[test]
+    fn the_search_space_is_what_gets_measured() {
+        let model = Model::new(motley_solver::model::model_by_name("gpt3-1.3b").unwrap(), None).unwrap();
+        let opts = PlanOptions { global_batch: 4, ..PlanOptions::default() };
+        assert_eq!(wanted_configs(&model, &opts, 2), vec![(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)]);
+        // A pinned micro-batch of 4 is 4, 2 or 1 sequences per GPU (dp 1, 2, 4 in a stage).
+        let pinned = PlanOptions { tp: Some(2), micro_batch: Some(4), ..opts };
+        assert_eq!(wanted_configs(&model, &pinned, 8), vec![(2, 1), (2, 2), (2, 4)]);
+    }
+}

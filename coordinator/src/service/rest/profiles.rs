@@ -1,0 +1,93 @@
+//! `/api/v1/profiles...`: measured layer profiles, and profile runs on agents.
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::{ApiResult, AppState};
+use crate::profiling::{ProfileRun, RunRequest};
+use crate::store::ProfileRecord;
+
+/// A stored profile: its key, where and when it was measured, and its profiles file entry.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ProfileView {
+    pub id: i64,
+    pub gpu: String,
+    pub model: String,
+    pub model_hash: String,
+    pub tp: i64,
+    pub micro_batch: i64,
+    pub seq_len: i64,
+    pub dtype: String,
+    pub torch: String,
+    pub device: String,
+    pub node: String,
+    pub measured_at_ms: i64,
+    /// The entry of a profiles file (`motley plan --profiles`).
+    #[schema(value_type = Object)]
+    pub entry: Value,
+}
+
+fn view(r: ProfileRecord) -> ProfileView {
+    ProfileView {
+        entry: serde_json::from_str(&r.entry).unwrap_or(Value::Null),
+        id: r.id,
+        gpu: r.gpu,
+        model: r.model,
+        model_hash: r.model_hash,
+        tp: r.tp,
+        micro_batch: r.micro_batch,
+        seq_len: r.seq_len,
+        dtype: r.dtype,
+        torch: r.torch,
+        device: r.device,
+        node: r.node,
+        measured_at_ms: r.measured_at_ms,
+    }
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+pub struct ListQuery {
+    /// Only the profiles of this model hash.
+    model_hash: Option<String>,
+}
+
+#[utoipa::path(get, path = "/api/v1/profiles", tag = "profiles", params(ListQuery), responses((status = 200, body = [ProfileView])))]
+pub async fn list(State(s): State<AppState>, Query(q): Query<ListQuery>) -> ApiResult<Vec<ProfileView>> {
+    Ok(Json(s.store.profiles(q.model_hash.as_deref()).await?.into_iter().map(view).collect()))
+}
+
+#[utoipa::path(get, path = "/api/v1/profiles/{id}", tag = "profiles",
+    responses((status = 200, body = ProfileView), (status = 404, body = super::ErrorBody)))]
+pub async fn get(State(s): State<AppState>, Path(id): Path<i64>) -> ApiResult<ProfileView> {
+    Ok(Json(view(s.store.profile(id).await?)))
+}
+
+/// Measure one profile now on a live agent that can profile; answers the run (202), whose
+/// state `GET /api/v1/profiles/runs/{request}` follows.
+/// The body is JSON (or YAML) of any content type, as job files are.
+#[utoipa::path(post, path = "/api/v1/profiles/runs", tag = "profiles", request_body = RunRequest,
+    responses((status = 202, body = ProfileRun), (status = 400, body = super::ErrorBody), (status = 409, body = super::ErrorBody)))]
+pub async fn run(State(s): State<AppState>, body: axum::body::Bytes) -> Result<(StatusCode, Json<ProfileRun>), crate::CoordinatorError> {
+    let text = std::str::from_utf8(&body).map_err(|_| crate::CoordinatorError::invalid("body", "must be UTF-8 JSON or YAML"))?;
+    let req: RunRequest = crate::jobspec::parse_yaml(serde_norway::Deserializer::from_str(text), "profile run")?;
+    Ok((StatusCode::ACCEPTED, Json(crate::profiling::run_now(&s.store, &s.fleet, &req).await?)))
+}
+
+/// The runs this leader sent (in memory: a new leader starts with none), newest first.
+#[utoipa::path(get, path = "/api/v1/profiles/runs", tag = "profiles", responses((status = 200, body = [ProfileRun])))]
+pub async fn runs(State(s): State<AppState>) -> ApiResult<Vec<ProfileRun>> {
+    s.fleet.profile_runs.expire(crate::profiling::run_limit(&s.fleet));
+    Ok(Json(s.fleet.profile_runs.list()))
+}
+
+#[utoipa::path(get, path = "/api/v1/profiles/runs/{request}", tag = "profiles",
+    responses((status = 200, body = ProfileRun), (status = 404, body = super::ErrorBody)))]
+pub async fn run_state(State(s): State<AppState>, Path(request): Path<i64>) -> ApiResult<ProfileRun> {
+    s.fleet.profile_runs.expire(crate::profiling::run_limit(&s.fleet));
+    s.fleet.profile_runs.get(request).map(Json).ok_or_else(|| {
+        crate::CoordinatorError::not_found(format!("profile run {request} (runs are kept in the leader's memory for a while)"))
+    })
+}
