@@ -1,7 +1,10 @@
-"""The real system, once: `motley dev up` starts a coordinator (SQLite) and one motley-agent per
+"""The real system: `motley dev up` starts a coordinator (SQLite) and one motley-agent per
 node of a two-node cluster file, submits examples/jobs/train-tiny.yaml (the reference trainer
 on every rank, this venv's Python), and the job succeeds; the losses global rank 0 printed, in
-dev up's stream and in its rank log, equal the single-process run within 1e-4 (issue 14)."""
+dev up's stream and in its rank log, equal the single-process run within 1e-4 (issue 14).
+Then the same job planned from measured profiles only: the agents (given this Python,
+MOTLEY_PYTHON) run the real `python -m motley_torch.profile` when the coordinator asks, the
+coordinator stores the profiles and plans with them, and the job trains as before."""
 
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def step_losses(text: str) -> list:
     return out
 
 
-def dev_up(cluster: Path, job: Path, work: Path) -> subprocess.CompletedProcess:
+def dev_up(cluster: Path, job: Path, work: Path, extra_env: dict = None) -> subprocess.CompletedProcess:
     """Run `motley dev up`; on a timeout Ctrl-C it (it cancels the job and stops its
     coordinator, agents and ranks, which run in process groups of their own), then kill it."""
     b = motley_bin()
@@ -46,6 +49,7 @@ def dev_up(cluster: Path, job: Path, work: Path) -> subprocess.CompletedProcess:
         assert os.access(Path(b).with_name(sib), os.X_OK), f"{sib} is not next to {b}: `motley dev up` needs it"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOTLEY_", "NCCL_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra_env or {})
     cmd = [b, "dev", "up", str(cluster), str(job), "--dir", str(work)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          stdin=subprocess.DEVNULL, start_new_session=True)
@@ -110,3 +114,46 @@ def test_train_tiny_through_dev_up(tmp_path: Path):
     for i, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= TOL, f"step {i}: through dev up {a}, single process {b}"
     assert want[-1] < want[0], "the loss falls"
+
+
+def test_profiles_measured_by_agents_through_dev_up(tmp_path: Path):
+    import sqlite3
+
+    import torch
+
+    spec = yaml.safe_load(JOB.read_text())
+    spec["run"] = f"{shlex.quote(sys.executable)} -m motley_torch.train --steps {STEPS} --seed {SEED}"
+    spec["envs"] = dict(spec.get("envs") or {}, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "python"))
+    # Micro-batch 2: 2 sequences per GPU, or 1 where a stage's GPUs split it: two profiles.
+    spec["plan_options"] = {"micro_batch": 2}
+    spec["profiling"] = {"mode": "only"}
+    job = tmp_path / "train-tiny-profiled.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    work = tmp_path / "dev"
+    res = dev_up(CLUSTER, job, work, {"MOTLEY_PYTHON": sys.executable, "PYTHONPATH": str(REPO / "python")})
+    logs = sorted(work.glob("agents/*/jobs/*/*/rank-*.log"))
+    report = f"--- stdout\n{res.stdout[-8000:]}\n--- stderr\n{res.stderr[-4000:]}\n" + "".join(
+        f"--- {p.relative_to(work)}\n{p.read_text()[-3000:]}\n" for p in logs)
+    assert res.returncode == 0, f"motley dev up exited {res.returncode}\n{report}"
+    assert re.search(r"measuring P100 tp 1 micro-batch \d", res.stdout), f"no profile run in the events\n{report}"
+
+    # What the coordinator stored: the real profiler's entries (eq. 5 blocks, this torch).
+    dbs = list(work.rglob("coordinator.db"))
+    assert len(dbs) == 1, f"{dbs}"
+    with sqlite3.connect(str(dbs[0])) as db:
+        rows = db.execute("SELECT gpu, tp, micro_batch, seq_len, dtype, torch, entry FROM layer_profiles "
+                          "ORDER BY micro_batch").fetchall()
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [("P100", 1, 1, 16, "fp32"), ("P100", 1, 2, 16, "fp32")], rows
+    for r in rows:
+        assert r[5] == torch.__version__
+        entry = json.loads(r[6])
+        assert [b["layers"] for b in entry["blocks"]] == [1, 2, 4, 8] and entry["fwd_ms"] > 0, entry
+
+    # Planned with them (whatever plan they made), the job trains as the single process does.
+    rank0 = [p for p in logs if p.name == "rank-0.log"]
+    assert len(rank0) == 1, f"{[str(p) for p in logs]}"
+    got = [x for _, x in step_losses(rank0[0].read_text())]
+    want = single_process(str(MODEL), spec["global_batch"], 16, STEPS, SEED)
+    assert len(got) == STEPS, report
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= TOL, f"step {i}: through dev up {a}, single process {b}"
