@@ -105,6 +105,9 @@ pub async fn remove_node(store: &Store, fleet: &crate::fleet::Fleet, name: &str)
 /// GPUs held by launched jobs (launching or running): node -> GPU index -> job.
 pub type Taken = HashMap<String, BTreeMap<u32, i64>>;
 
+/// The "job" in `Taken` of a GPU a profile run measures on.
+pub const PROFILING: i64 = 0;
+
 /// What planning a queued job came to.
 #[derive(Debug)]
 pub enum Planned {
@@ -132,7 +135,10 @@ pub async fn plan_job(store: &Store, fleet: &crate::fleet::Fleet, id: i64, taken
         Ok(o) => o,
         Err(e) => return fail_planning(store, &job, e).await,
     };
-    let holders = || offer.holders.iter().map(|j| j.to_string()).collect::<Vec<_>>().join(", ");
+    let holders = || {
+        let name = |j: &i64| if *j == PROFILING { "a profile run".to_string() } else { j.to_string() };
+        offer.holders.iter().map(name).collect::<Vec<_>>().join(", ")
+    };
     // A carried plan names its GPUs: it waits for those (below), not for a share.
     if spec.plan.is_none() && offer.free < offer.wanted {
         return Ok(Planned::Waiting(format!(

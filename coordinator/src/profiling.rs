@@ -181,6 +181,11 @@ impl Runs {
         self.runs().values().filter(|r| r.key().same(key)).max_by_key(|r| r.request).cloned()
     }
 
+    /// The GPUs of the runs going on now (no job may be placed on them meanwhile).
+    pub fn gpus_in_use(&self) -> Vec<(String, u32)> {
+        self.runs().values().filter(|r| r.state == RunState::Running).flat_map(|r| r.gpus.iter().map(|g| (r.node.clone(), *g))).collect()
+    }
+
     fn busy(&self, node: &str) -> bool {
         self.runs().values().any(|r| r.node == node && r.state == RunState::Running)
     }
@@ -514,6 +519,9 @@ pub async fn run_now(store: &Store, fleet: &Fleet, req: &RunRequest) -> Result<P
     if req.micro_batch == 0 || req.micro_batch > motley_solver::limits::MAX_MICRO_BATCH {
         return Err(CoordinatorError::invalid("micro_batch", format!("must be between 1 and {}", motley_solver::limits::MAX_MICRO_BATCH)));
     }
+    // GPUs ranks hold (launched jobs' and any still running) are not profiled on.
+    let mut held: Vec<(String, u32)> = store.held_gpus().await?.into_iter().map(|h| (h.node, h.gpu as u32)).collect();
+    held.extend(fleet.profile_runs.gpus_in_use());
     let mut candidates = vec![];
     for n in store.nodes().await? {
         if req.node.as_ref().is_some_and(|want| *want != n.name) {
@@ -523,18 +531,24 @@ pub async fn run_now(store: &Store, fleet: &Fleet, req: &RunRequest) -> Result<P
         if req.gpu.as_ref().is_some_and(|g| !g.eq_ignore_ascii_case(&entry.gpu)) || entry.gpus < req.tp {
             continue;
         }
-        candidates.push(entry);
+        let free: Vec<u32> = (0..entry.gpus).filter(|g| !held.iter().any(|(node, h)| *node == entry.name && h == g)).collect();
+        candidates.push((entry, free));
     }
     let what = match (&req.node, &req.gpu) {
         (Some(n), _) => format!("node {n}"),
         (None, Some(g)) => format!("a {g} node"),
         (None, None) => "a node".into(),
     };
-    let Some(entry) = candidates.iter().find(|e| fleet.can_profile(&e.name) && !fleet.profile_runs.busy(&e.name)) else {
+    let ready = |(e, free): &&(NodeSpec, Vec<u32>)| {
+        fleet.can_profile(&e.name) && !fleet.profile_runs.busy(&e.name) && free.len() >= req.tp as usize
+    };
+    let Some((entry, free)) = candidates.iter().find(ready) else {
         let why = if candidates.is_empty() {
             format!("no {what} with {} GPUs is in the inventory (motley node list)", req.tp)
-        } else if candidates.iter().any(|e| fleet.can_profile(&e.name)) {
-            format!("every {what} that can profile is running a profile now; try again when it ends (motley profile runs)")
+        } else if candidates.iter().any(|(e, _)| fleet.can_profile(&e.name)) {
+            format!(
+                "every {what} that can profile is running a profile, or ranks hold its GPUs; try again when they end (motley profile runs)"
+            )
         } else {
             format!("no {what} has a live agent that can profile (start its agent with --python, a Python with motley_torch and torch)")
         };
@@ -548,7 +562,7 @@ pub async fn run_now(store: &Store, fleet: &Fleet, req: &RunRequest) -> Result<P
         seq_len: model.seq_len,
         dtype,
     };
-    let request = send_run(fleet, &entry.name, (0..req.tp).collect(), &model.spec, &key, &entry.gpu)?;
+    let request = send_run(fleet, &entry.name, free[..req.tp as usize].to_vec(), &model.spec, &key, &entry.gpu)?;
     fleet.profile_runs.get(request).ok_or_else(|| CoordinatorError::Conflict("the run was forgotten at once".into()))
 }
 

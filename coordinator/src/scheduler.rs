@@ -133,5 +133,9 @@ async fn taken(store: &Store, fleet: &Fleet, jobs: &[JobRecord]) -> Result<Taken
             taken.entry(h.node).or_default().insert(h.gpu as u32, h.job);
         }
     }
+    // GPUs a profile run measures on now (job 0: no job holds them; see control::PROFILING).
+    for (node, gpu) in fleet.profile_runs.gpus_in_use() {
+        taken.entry(node).or_default().entry(gpu).or_insert(crate::control::PROFILING);
+    }
     Ok(taken)
 }
