@@ -398,7 +398,7 @@ pub async fn stored_for(store: &Store, spec: &JobSpec) -> Result<ProfileSet> {
 pub fn profile_set(rows: &[ProfileRecord]) -> ProfileSet {
     let profiles = rows
         .iter()
-        .filter_map(|r| match serde_json::from_str::<LayerProfile>(&r.entry) {
+        .filter_map(|r| match serde_json::from_str::<LayerProfile>(&r.profile.entry) {
             Ok(p) => Some(p),
             Err(e) => {
                 tracing::warn!(profile = r.id, "stored profile entry does not read ({e}); planning without it");

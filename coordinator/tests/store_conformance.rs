@@ -431,13 +431,13 @@ conformance!(profiles_are_kept_per_key_and_the_newest_of_each_is_planned_with, |
     assert_eq!(s.profiles(None).await.unwrap().len(), 3);
     let used = s.profiles_for("abc", 32, "fp32").await.unwrap();
     assert_eq!(used.len(), 2, "{used:?}");
-    let mb2 = used.iter().find(|r| r.micro_batch == 2).unwrap();
-    assert_eq!((mb2.id, mb2.torch.as_str()), (newest, "2.15"));
+    let mb2 = used.iter().find(|r| r.profile.micro_batch == 2).unwrap();
+    assert_eq!((mb2.id, mb2.profile.torch.as_str()), (newest, "2.15"));
     assert!(s.profiles_for("abc", 64, "fp32").await.unwrap().is_empty(), "another sequence length");
     assert!(s.profiles_for("abc", 32, "bf16").await.unwrap().is_empty(), "another data type");
     assert!(s.profiles(Some("other")).await.unwrap().is_empty());
     let r = s.profile(newest).await.unwrap();
-    assert_eq!((r.gpu.as_str(), r.node.as_str(), r.seq_len), ("A100-80G", "n0", 32));
+    assert_eq!((r.profile.gpu.as_str(), r.profile.node.as_str(), r.profile.seq_len), ("A100-80G", "n0", 32));
     assert!(s.events(None, 0, 100).await.unwrap().iter().any(|e| e.kind == "profile_stored"));
     s.close().await;
 });

@@ -2,33 +2,24 @@
 //! hash, tp, micro-batch, sequence length, data type, torch version); a newer measurement of
 //! the same key replaces the row. Written by the leader when an agent reports a profile run.
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use sqlx::Row;
 
 use super::{now_ms, Store};
 use crate::error::{CoordinatorError, Result};
 
-/// A stored profile: its key, where and when it was measured, and the profiles file entry.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema, sqlx::FromRow)]
+/// A stored profile: the measurement, and its id and time.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema, sqlx::FromRow)]
 pub struct ProfileRecord {
     pub id: i64,
-    pub gpu: String,
-    pub model: String,
-    pub model_hash: String,
-    pub tp: i64,
-    pub micro_batch: i64,
-    pub seq_len: i64,
-    pub dtype: String,
-    pub torch: String,
-    pub device: String,
-    pub node: String,
-    /// The profiles file entry (`motley plan --profiles`), JSON.
-    pub entry: String,
+    #[serde(flatten)]
+    #[sqlx(flatten)]
+    pub profile: NewProfile,
     pub measured_at_ms: i64,
 }
 
-/// What a new profile row holds (the id and time are the store's).
-#[derive(Debug, Clone, PartialEq)]
+/// A measured profile: its key, where it was measured, and the profiles file entry.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema, sqlx::FromRow)]
 pub struct NewProfile {
     pub gpu: String,
     pub model: String,
@@ -40,7 +31,15 @@ pub struct NewProfile {
     pub torch: String,
     pub device: String,
     pub node: String,
+    /// The entry of a profiles file (`motley plan --profiles`): JSON text in the database,
+    /// a JSON object in the API.
+    #[serde(serialize_with = "as_json")]
+    #[schema(value_type = Object)]
     pub entry: String,
+}
+
+fn as_json<S: serde::Serializer>(text: &str, s: S) -> std::result::Result<S::Ok, S::Error> {
+    serde_json::from_str::<serde_json::Value>(text).unwrap_or(serde_json::Value::Null).serialize(s)
 }
 
 /// The columns in `ProfileRecord`'s order (a macro: sqlx takes only static query strings).
@@ -141,7 +140,7 @@ impl Store {
         .fetch_all(&self.pool)
         .await?;
         let mut seen = std::collections::HashSet::new();
-        Ok(rows.into_iter().filter(|r| seen.insert((r.gpu.to_ascii_lowercase(), r.tp, r.micro_batch))).collect())
+        Ok(rows.into_iter().filter(|r| seen.insert((r.profile.gpu.to_ascii_lowercase(), r.profile.tp, r.profile.micro_batch))).collect())
     }
 
     /// How many profiles are stored (metrics).

@@ -3,50 +3,11 @@
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde::Deserialize;
 
 use super::{ApiResult, AppState};
 use crate::profiling::{ProfileRun, RunRequest};
 use crate::store::ProfileRecord;
-
-/// A stored profile: its key, where and when it was measured, and its profiles file entry.
-#[derive(Serialize, utoipa::ToSchema)]
-pub struct ProfileView {
-    pub id: i64,
-    pub gpu: String,
-    pub model: String,
-    pub model_hash: String,
-    pub tp: i64,
-    pub micro_batch: i64,
-    pub seq_len: i64,
-    pub dtype: String,
-    pub torch: String,
-    pub device: String,
-    pub node: String,
-    pub measured_at_ms: i64,
-    /// The entry of a profiles file (`motley plan --profiles`).
-    #[schema(value_type = Object)]
-    pub entry: Value,
-}
-
-fn view(r: ProfileRecord) -> ProfileView {
-    ProfileView {
-        entry: serde_json::from_str(&r.entry).unwrap_or(Value::Null),
-        id: r.id,
-        gpu: r.gpu,
-        model: r.model,
-        model_hash: r.model_hash,
-        tp: r.tp,
-        micro_batch: r.micro_batch,
-        seq_len: r.seq_len,
-        dtype: r.dtype,
-        torch: r.torch,
-        device: r.device,
-        node: r.node,
-        measured_at_ms: r.measured_at_ms,
-    }
-}
 
 #[derive(Deserialize, utoipa::IntoParams)]
 pub struct ListQuery {
@@ -54,15 +15,15 @@ pub struct ListQuery {
     model_hash: Option<String>,
 }
 
-#[utoipa::path(get, path = "/api/v1/profiles", tag = "profiles", params(ListQuery), responses((status = 200, body = [ProfileView])))]
-pub async fn list(State(s): State<AppState>, Query(q): Query<ListQuery>) -> ApiResult<Vec<ProfileView>> {
-    Ok(Json(s.store.profiles(q.model_hash.as_deref()).await?.into_iter().map(view).collect()))
+#[utoipa::path(get, path = "/api/v1/profiles", tag = "profiles", params(ListQuery), responses((status = 200, body = [ProfileRecord])))]
+pub async fn list(State(s): State<AppState>, Query(q): Query<ListQuery>) -> ApiResult<Vec<ProfileRecord>> {
+    Ok(Json(s.store.profiles(q.model_hash.as_deref()).await?))
 }
 
 #[utoipa::path(get, path = "/api/v1/profiles/{id}", tag = "profiles",
-    responses((status = 200, body = ProfileView), (status = 404, body = super::ErrorBody)))]
-pub async fn get(State(s): State<AppState>, Path(id): Path<i64>) -> ApiResult<ProfileView> {
-    Ok(Json(view(s.store.profile(id).await?)))
+    responses((status = 200, body = ProfileRecord), (status = 404, body = super::ErrorBody)))]
+pub async fn get(State(s): State<AppState>, Path(id): Path<i64>) -> ApiResult<ProfileRecord> {
+    Ok(Json(s.store.profile(id).await?))
 }
 
 /// Measure one profile now on a live agent that can profile; answers the run (202), whose
