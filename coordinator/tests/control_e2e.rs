@@ -95,6 +95,32 @@ async fn the_control_service_does_what_rest_does() {
     let leader = g.get_leader(authed(pb::LeaderRequest {}, &token)).await.unwrap().into_inner();
     assert!(leader.is_leader);
     assert_eq!(leader.grpc_url, format!("http://{}", c.grpc));
+
+    // Layer profiles (measured ones: profiles_e2e.rs): none stored yet, over both APIs; a run
+    // needs a live agent that can profile, named; a bad request names its field.
+    let profiles = g.list_profiles(authed(pb::ListProfilesRequest::default(), &token)).await.unwrap().into_inner().profiles;
+    assert!(profiles.is_empty());
+    assert_eq!(c.json("GET", "/api/v1/profiles", "", 200), serde_json::json!([]));
+    let e = g.get_profile(authed(pb::ProfileRef { id: 7 }, &token)).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    assert_eq!(c.call("GET", "/api/v1/profiles/7", "").0, 404);
+    let run = "{model: gpt3-1.3b, tp: 1, micro_batch: 2}";
+    let e = g.run_profile(authed(pb::ProfileRunRequest { text: run.into() }, &token)).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("can profile (start its agent with --python"), "{}", e.message());
+    let (status, body) = c.call("POST", "/api/v1/profiles/runs", run);
+    assert_eq!(status, 409, "{body}");
+    let e = g
+        .run_profile(authed(pb::ProfileRunRequest { text: "{model: gpt3-1.3b, tp: 3, micro_batch: 2}".into() }, &token))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().starts_with("tp:"), "{}", e.message());
+    let (status, body) = c.call("POST", "/api/v1/profiles/runs", "{model: gpt3-1.3b, tp: 1, micro_batch: 2, colour: red}");
+    assert_eq!(status, 400);
+    assert!(body.contains("colour"), "{body}");
+    let e = g.get_profile_run(authed(pb::ProfileRunRef { request: 1 }, &token)).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
 }
 
 #[test]

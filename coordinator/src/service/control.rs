@@ -94,8 +94,83 @@ fn rank_record(r: RankRecord) -> pb::Rank {
     rank(r.assignment, &r.state, r.exit_code)
 }
 
+fn stored_profile(r: crate::store::ProfileRecord) -> pb::StoredProfile {
+    let p = r.profile;
+    pb::StoredProfile {
+        id: r.id,
+        gpu: p.gpu,
+        model: p.model,
+        model_hash: p.model_hash,
+        tp: p.tp,
+        micro_batch: p.micro_batch,
+        seq_len: p.seq_len,
+        dtype: p.dtype,
+        torch: p.torch,
+        device: p.device,
+        node: p.node,
+        entry_json: p.entry,
+        measured_at_ms: r.measured_at_ms,
+    }
+}
+
+fn profile_run(r: crate::profiling::ProfileRun) -> pb::ProfileRun {
+    use crate::profiling::RunState;
+    let (state, profile, reason) = match r.state {
+        RunState::Running => ("running", None, None),
+        RunState::Stored { profile } => ("stored", Some(profile), None),
+        RunState::Failed { reason } => ("failed", None, Some(reason)),
+    };
+    pb::ProfileRun {
+        request: r.request,
+        gpu: r.gpu,
+        model: r.model,
+        model_hash: r.model_hash,
+        tp: r.tp,
+        micro_batch: r.micro_batch,
+        seq_len: r.seq_len,
+        dtype: r.dtype,
+        node: r.node,
+        gpus: r.gpus,
+        state: state.into(),
+        profile,
+        reason,
+    }
+}
+
 #[tonic::async_trait]
 impl Control for ControlService {
+    async fn list_profiles(&self, req: Request<pb::ListProfilesRequest>) -> Reply<pb::ProfileList> {
+        self.admit(&req)?;
+        let hash = req.into_inner().model_hash;
+        let rows = self.store.profiles(Some(hash.as_str()).filter(|h| !h.is_empty())).await.map_err(status_of)?;
+        Ok(Response::new(pb::ProfileList { profiles: rows.into_iter().map(stored_profile).collect() }))
+    }
+
+    async fn get_profile(&self, req: Request<pb::ProfileRef>) -> Reply<pb::StoredProfile> {
+        self.admit(&req)?;
+        Ok(Response::new(stored_profile(self.store.profile(req.into_inner().id).await.map_err(status_of)?)))
+    }
+
+    async fn run_profile(&self, req: Request<pb::ProfileRunRequest>) -> Reply<pb::ProfileRun> {
+        self.admit(&req)?;
+        let text = req.into_inner().text;
+        let run: crate::profiling::RunRequest =
+            crate::jobspec::parse_yaml(serde_norway::Deserializer::from_str(&text), "profile run").map_err(status_of)?;
+        Ok(Response::new(profile_run(crate::profiling::run_now(&self.store, &self.fleet, &run).await.map_err(status_of)?)))
+    }
+
+    async fn get_profile_run(&self, req: Request<pb::ProfileRunRef>) -> Reply<pb::ProfileRun> {
+        self.admit(&req)?;
+        let request = req.into_inner().request;
+        self.fleet.profile_runs.expire(crate::profiling::run_limit(&self.fleet));
+        let run = self.fleet.profile_runs.get(request).ok_or_else(|| {
+            status_of(crate::CoordinatorError::not_found(format!(
+                "profile run {request} (runs are kept in the leader's memory for a while)"
+            )))
+        })?;
+        Ok(Response::new(profile_run(run)))
+    }
+
     async fn list_nodes(&self, req: Request<pb::ListNodesRequest>) -> Reply<pb::NodeList> {
         self.admit(&req)?;
         let nodes = self.store.nodes().await.map_err(status_of)?;
