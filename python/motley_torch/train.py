@@ -15,6 +15,10 @@ fp32), which is how the distributed paths are checked.
 and thread-CPU milliseconds of every micro-batch's receive, compute and send (see
 `schedule.StepTimings`), of waiting for the step's sends, the gradient all-reduce, the optimizer
 step and the loss all-reduce, and the step's wall time. Without it no timing code runs.
+
+--ckpt-dir DIR --ckpt-every N (or $MOTLEY_CKPT_DIR, $MOTLEY_CKPT_EVERY) write a checkpoint after
+every N-th step, and --ckpt-restore LIST (or $MOTLEY_CKPT_RESTORE) resumes from exactly the
+files listed (docs/checkpoint.md; motley_torch.checkpoint).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 
 from .data import global_batch_tokens, rank_micro_batches
 from .model import GPTStage
+from .checkpoint import CheckpointError
 from .plan import ModelSpec, PlanError, load_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,6 +62,13 @@ def parse_args(argv=None):
     p.add_argument("--timings", metavar="FILE", default=os.environ.get("MOTLEY_TIMINGS") or None,
                    help="append per-step, per-micro-batch timings as JSON lines to FILE ({rank} is replaced by "
                         "the global rank, else .rank{N} is appended); default $MOTLEY_TIMINGS, off when unset")
+    p.add_argument("--ckpt-dir", metavar="DIR", default=os.environ.get("MOTLEY_CKPT_DIR") or None,
+                   help="write checkpoints (docs/checkpoint.md) under DIR/step-S; default $MOTLEY_CKPT_DIR")
+    p.add_argument("--ckpt-every", metavar="N", type=int, default=None,
+                   help="checkpoint after every N-th step; default $MOTLEY_CKPT_EVERY, 0 (never) when unset")
+    p.add_argument("--ckpt-restore", metavar="LIST", default=os.environ.get("MOTLEY_CKPT_RESTORE") or None,
+                   help="resume from exactly these files: a JSON list of absolute paths or a file holding one; "
+                        "default $MOTLEY_CKPT_RESTORE")
     return p.parse_args(argv)
 
 
@@ -142,13 +154,19 @@ def run_rank(args) -> int:
     pipe = Pipeline(view, model, spec.hidden, seq, dtype=dtype)
     scale = 1.0 / (plan.global_batch * seq)
     reports_loss = view.is_last_stage and view.tp_rank == 0
+    start = 0
+    if args.ckpt_restore:
+        from . import checkpoint
+
+        start = checkpoint.restore(view, model, opt, checkpoint.restore_list(args.ckpt_restore))
+        print(f"motley-restore step {start}", file=sys.stderr, flush=True)
     tfile = None
     if args.timings:
         path = timings_path(args.timings, view.rank)
         if os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
         tfile = open(path, "a")
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         if tfile is not None:
             pipe.timings = StepTimings()
             c0 = clock()
@@ -187,6 +205,11 @@ def run_rank(args) -> int:
             tfile.write(json.dumps(rec) + "\n")
             tfile.flush()
             pipe.timings = None
+        if args.ckpt_dir and args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0:
+            from . import checkpoint
+
+            checkpoint.save(view, model, opt, step + 1, args.ckpt_dir, seed=args.seed,
+                            global_batch=plan.global_batch, lr=args.lr)
     if tfile is not None:
         tfile.close()
     if args.save_params:
@@ -230,8 +253,19 @@ def main(argv=None) -> int:
     try:
         if args.steps < 0:
             raise PlanError("--steps: must be >= 0")
+        if args.ckpt_every is None:
+            env = os.environ.get("MOTLEY_CKPT_EVERY", "").strip() or "0"
+            if not env.isdigit():
+                raise PlanError(f"MOTLEY_CKPT_EVERY: {env!r} is not a whole number of steps (0: never)")
+            args.ckpt_every = int(env)
+        if args.ckpt_every < 0:
+            raise PlanError("--ckpt-every: must be >= 0 (0: never)")
+        if args.ckpt_every and not args.ckpt_dir:
+            raise PlanError("--ckpt-every: needs --ckpt-dir or MOTLEY_CKPT_DIR (where to write)")
+        if args.single_process and (args.ckpt_every or args.ckpt_restore):
+            raise PlanError("--ckpt-every/--ckpt-restore: checkpoints are written and read by ranks, not --single-process")
         return run_single(args) if args.single_process else run_rank(args)
-    except PlanError as e:
+    except (PlanError, CheckpointError) as e:
         print(f"motley_torch.train: {e}", file=sys.stderr, flush=True)
         return 2
 
