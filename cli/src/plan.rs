@@ -78,6 +78,17 @@ pub struct PlanArgs {
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Table, env = "MOTLEY_OUTPUT")]
     output: Output,
+    /// Also draw the plan as a picture (SVG) into FILE: replicas, stages by GPU type, hops,
+    /// and a 1F1B timeline of one iteration (replan: the new plan).
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
+}
+
+/// `--svg FILE`: the plan's picture, written whole.
+pub fn write_svg(path: &std::path::Path, plan: &serde_json::Value) -> Result<(), InputError> {
+    let svg = motley_contract::svg::plan_svg_value(plan)
+        .map_err(|e| InputError(format!("--svg: the plan does not read as a plan document: {e}")))?;
+    std::fs::write(path, svg).map_err(|e| InputError(format!("--svg: cannot write {}: {e}", path.display())))
 }
 
 /// `--precision fp16|bf16|fp32`.
@@ -215,6 +226,9 @@ fn solver_error(a: &PlanArgs, e: SolverError) -> InputError {
 pub fn run_plan(a: PlanArgs) -> Result<String, InputError> {
     let l = load(&a)?;
     let report = motley_solver::plan(&l.request(&a)).map_err(|e| solver_error(&a, e))?;
+    if let Some(path) = &a.svg {
+        write_svg(path, &serde_json::to_value(&report).expect("report serialises"))?;
+    }
     Ok(match a.output {
         Output::Json => serde_json::to_string_pretty(&report).expect("report serialises"),
         Output::Table if a.explain => format!("{}{}", table::render(&report, a.compare), table::render_network(&report.comm_groups)),
@@ -256,6 +270,9 @@ pub fn run_replan(a: ReplanArgs) -> Result<String, InputError> {
         SolverError::InvalidInput { .. } => inputs::in_file(&origin, e),
         other => solver_error(&a.plan, other),
     })?;
+    if let Some(path) = &a.plan.svg {
+        write_svg(path, &serde_json::to_value(&report.new_plan).expect("report serialises"))?;
+    }
     Ok(match a.plan.output {
         Output::Json => serde_json::to_string_pretty(&report).expect("report serialises"),
         Output::Table => table::render_replan(&report, a.plan.compare),

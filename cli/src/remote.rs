@@ -96,6 +96,15 @@ pub enum JobCommand {
         #[command(flatten)]
         remote: Remote,
     },
+    /// The job's current plan and ranks (`-o json`: the plan document with its ranks).
+    Plan {
+        id: i64,
+        /// Also draw the plan as a picture (SVG) into FILE, as `GET /api/v1/jobs/{id}/plan.svg`.
+        #[arg(long, value_name = "FILE")]
+        svg: Option<std::path::PathBuf>,
+        #[command(flatten)]
+        remote: Remote,
+    },
     /// Print the job's events as they happen until it is over; exit 0 if it succeeded, 1 if it
     /// failed, 3 if it was cancelled.
     #[command(after_help = crate::exit::HELP)]
@@ -472,6 +481,32 @@ pub fn run_job(cmd: JobCommand) -> Result<Outcome, InputError> {
                     out.push_str(&table(vec!["rank", "node", "gpu", "replica", "stage", "layers", "state"], rows));
                 }
                 out
+            })
+        }
+        JobCommand::Plan { id, svg, remote } => {
+            let v = Client::new(&remote)?.call("GET", &format!("/jobs/{id}/plan"), None)?;
+            if let Some(path) = &svg {
+                crate::plan::write_svg(path, &v["plan"])?;
+            }
+            render(remote.output, &v, |v| {
+                let rows = v["ranks"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|r| {
+                        let mut row = assignment_row(&r["assignment"]);
+                        row.extend([s(&r["state"]), s(&r["exit_code"])]);
+                        row
+                    })
+                    .collect();
+                format!(
+                    "job {} generation {}: {} GPUs, {:.3} s per iteration\n{}",
+                    s(&v["job"]),
+                    s(&v["generation"]),
+                    s(&v["plan"]["gpus_used"]),
+                    v["plan"]["iteration_time_s"].as_f64().unwrap_or(f64::NAN),
+                    table(vec!["rank", "node", "gpu", "replica", "stage", "layers", "state", "exit code"], rows)
+                )
             })
         }
         JobCommand::Logs { id, rank, generation, follow, remote } => logs(id, rank, generation, follow, &remote)?,

@@ -271,6 +271,14 @@ fn logs_dry_runs_and_a_standby_that_sends_the_cli_to_the_leader() {
         String::from_utf8_lossy(&one.stdout).lines().filter(|l| l.contains("from")).collect::<Vec<_>>(),
         ["line from 1", "err from 1"]
     );
+    // The plan and its ranks, and the plan drawn (as GET /jobs/1/plan.svg draws it).
+    let svg = dir.join("job-1.svg");
+    let out = motley(&c, &["job", "plan", "1", "--svg", svg.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("exit code") && text.contains("node-0"), "{text}");
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(picture.starts_with("<svg ") && picture.contains(r#"<g class="stage""#), "{picture}");
+    assert_eq!(motley(&c, &["job", "plan", "1", "-o", "json"]).status.code(), Some(0));
     let bad = motley(&c, &["job", "logs", "1", "--rank", "7"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("rank 7"), "{}", String::from_utf8_lossy(&bad.stderr));
 

@@ -3,7 +3,8 @@
 //! at `MOTLEY_PLAN`), a rank's groups file (`MOTLEY_NCCL_GROUPS`), and the node and job views
 //! of the API (`views`, with the job's states in `job`). The coordinator, the agent and the
 //! CLI read them through these types, never by indexing untyped JSON. The config files under
-//! `/etc/motley/` have one loader for every binary (`config`).
+//! `/etc/motley/` have one loader for every binary (`config`). A plan document is drawn as a picture
+//! (SVG) by one pure renderer (`svg`), for the CLI's `--svg` and the coordinator's `plan.svg`.
 //!
 //! The solver writes the plan document (`motley_solver::report::PlanReport`; the solver uses
 //! nothing of ours), and `cli/tests/plan_cli.rs` reads every plan it makes back through
@@ -15,6 +16,7 @@ pub mod config;
 pub mod groups;
 pub mod job;
 pub mod plan;
+pub mod svg;
 pub mod views;
 
 pub use groups::{for_rank, RankGroup};
