@@ -3,7 +3,8 @@
 use axum::body::Bytes;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -119,6 +120,23 @@ pub async fn events(
 pub async fn plan(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<PlanView> {
     let (job, plan, ranks) = control::current_plan(&s.store, parse_id("id", &id)?).await?;
     Ok(Json(PlanView { job: job.id, generation: job.generation, plan: serde_json::from_str(&plan).unwrap_or(Value::Null), ranks }))
+}
+
+/// The current plan drawn (SVG, `motley_contract::svg`): a row per replica with its stages
+/// coloured by GPU type, the hops and their transport, and a 1F1B timeline of one iteration.
+#[utoipa::path(get, path = "/api/v1/jobs/{id}/plan.svg", tag = "jobs",
+    responses((status = 200, body = String, content_type = "image/svg+xml"), (status = 404, body = super::ErrorBody)))]
+pub async fn plan_svg(State(s): State<AppState>, Path(id): Path<String>) -> Result<Response, CoordinatorError> {
+    let (job, plan, _) = control::current_plan(&s.store, parse_id("id", &id)?).await?;
+    let svg = motley_contract::svg::plan_svg_json(&plan)
+        .map_err(|e| CoordinatorError::Conflict(format!("job {}'s stored plan does not read as a plan document: {e}", job.id)))?;
+    let headers = [
+        (header::CONTENT_TYPE, "image/svg+xml; charset=utf-8"),
+        (header::CACHE_CONTROL, "no-store"),
+        // Opened on its own, the picture runs nothing and loads nothing.
+        (header::CONTENT_SECURITY_POLICY, "default-src 'none'; style-src 'unsafe-inline'"),
+    ];
+    Ok((headers, svg).into_response())
 }
 
 /// Plan a job file (the body) on the live inventory; nothing is stored or launched.

@@ -1,12 +1,13 @@
 //! REST (axum) for the control operations under `/api/v1/...`, plus `/live`, `/ready`,
 //! `/metrics` and the OpenAPI document at `/api/v1/openapi.json`. A thin edge: it translates
 //! requests and `CoordinatorError`s (one JSON body, the status from `http_status`) and
-//! delegates to `control` and the store.
+//! delegates to `control` and the store. The dashboard (`ui`) is served at `/` and `/ui/...`.
 
 mod jobs;
 mod nodes;
 pub mod openapi;
 mod profiles;
+mod ui;
 
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
@@ -72,6 +73,7 @@ pub fn router(state: AppState) -> Router {
         .route("/jobs/{id}/cancel", post(jobs::cancel))
         .route("/jobs/{id}/events", get(jobs::events))
         .route("/jobs/{id}/plan", get(jobs::plan))
+        .route("/jobs/{id}/plan.svg", get(jobs::plan_svg))
         .route("/jobs/{id}/ranks/{rank}/logs", get(jobs::logs))
         .route("/plan", post(jobs::dry_run))
         .route("/profiles", get(profiles::list))
@@ -89,6 +91,7 @@ pub fn router(state: AppState) -> Router {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .nest("/api/v1", api)
+        .merge(ui::routes())
         .fallback(no_route)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(middleware::map_response(errors_as_json))
