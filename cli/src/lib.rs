@@ -11,6 +11,7 @@ pub mod plan;
 pub mod profile;
 pub mod provision;
 pub mod remote;
+pub mod restore;
 pub mod table;
 
 /// `motley`'s exit codes. A script running `motley job watch` or `motley dev up` must be able

@@ -25,6 +25,8 @@ enum Command {
     Espresso(motley::espresso::EspressoArgs),
     /// Which GPUs to rent, and how many, to meet an iteration-time SLO for the least money.
     Provision(motley::provision::ProvisionArgs),
+    /// Plan the restore of a checkpoint step onto a new plan: transfers and their lower bound (offline).
+    RestorePlan(motley::restore::RestorePlanArgs),
     /// The coordinator's inventory: list, describe, add, drain, undrain, remove.
     #[command(subcommand)]
     Node(motley::remote::NodeCommand),
@@ -48,6 +50,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => motley::plan::run_plan(args).map(Outcome::from),
         Command::Replan(args) => motley::plan::run_replan(args).map(Outcome::from),
         Command::Provision(a) => motley::provision::run(a).map(Outcome::from),
+        Command::RestorePlan(a) => motley::restore::run(a).map(Outcome::from),
         Command::Node(c) => motley::remote::run_node(c).map(Outcome::from),
         Command::Job(c) => motley::remote::run_job(c),
         Command::Dev(c) => motley::dev::run(c),

@@ -22,6 +22,7 @@ pub mod profile;
 pub mod provision;
 pub mod replan;
 pub mod report;
+pub mod restore;
 pub mod search;
 
 pub use calibration::Calibration;
