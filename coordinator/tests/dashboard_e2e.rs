@@ -351,8 +351,15 @@ fn the_dashboard_shows_and_drives_the_cluster() {
     b.click("#confirm-yes");
     b.wait("job 2 cancelled", "return document.getElementById('job-state')?.textContent === 'cancelled'");
 
-    // Drain from the page reaches the agent (it marks its work directory).
+    // Drain from the page reaches the agent (it marks its work directory). Escape in the
+    // confirmation (keyboard) drains nothing.
     b.click("#nav-nodes");
+    b.click("#nodes tr[data-node=\"node-0\"] button");
+    b.wait("the confirmation", "return document.getElementById('confirm').open");
+    let no = b.find("#confirm-no");
+    b.call("POST", &format!("/element/{no}/value"), Some(&json!({"text": "\u{E00C}"})));
+    b.wait("the confirmation closed", "return !document.getElementById('confirm').open");
+    assert_eq!(c.json("GET", "/api/v1/nodes/node-0", "", 200)["state"], "active", "Escape cancels");
     b.click("#nodes tr[data-node=\"node-1\"] button");
     b.wait("the confirmation", "return document.getElementById('confirm').open");
     b.click("#confirm-yes");
@@ -369,6 +376,15 @@ fn the_dashboard_shows_and_drives_the_cluster() {
     assert_eq!(status, 200);
     assert_eq!(svg.matches("<g class=\"stage\"").count(), stages);
     assert_eq!(c.call_as(Some("wrong"), "GET", "/api/v1/jobs/1/plan.svg", "").0, 401);
+
+    // An --insecure coordinator's page asks for no token, like its API.
+    let open_dir = common::temp_dir();
+    let open = Coordinator::start(&open_dir, &["--insecure"]);
+    b.go(&format!("http://{}/#/nodes", open.addr));
+    b.wait(
+        "the nodes page without a token",
+        "return document.getElementById('login').hidden && document.querySelector('#nodes p, #nodes table') !== null",
+    );
 
     // A standby serves the page and sends it on to the leader.
     let standby = Coordinator::start(&dir, &["--heartbeat-ms", "500"]);
