@@ -412,93 +412,14 @@ pub fn plan_restore(sc: &RestoreScenario) -> Result<RestorePlan> {
         rate[4 * v + R_OUT] = inst.nic_out[v];
     }
     rate[cloud_r] = inst.cloud;
-    let mut load = vec![0.0f64; 4 * n + 1];
-    // `in_memory[v][s]`: the depth at which node v has segment s in memory (0: held, or read
-    // from its disk during this restore; k: received over k hops).
-    let mut in_memory: Vec<Vec<Option<u32>>> =
-        inst.held.iter().map(|h| h.iter().map(|&f| (f & HELD_MEMORY != 0).then_some(0)).collect()).collect();
-    let mut fetched = vec![false; ns];
-    let mut choice: Vec<Vec<Option<Choice>>> = vec![vec![None; ns]; n];
-
-    // Local memory first: nothing is cheaper.
-    for (d, chosen) in choice.iter_mut().enumerate() {
-        for (s, c) in chosen.iter_mut().enumerate() {
-            if inst.needs[d][s] && inst.held[d][s] & HELD_MEMORY != 0 {
-                load[4 * d + R_MEM] += inst.segments[s].bytes();
-                *c = Some(Choice { from: Some(d), tier: SourceTier::Memory, relay: false, depth: 0 });
-            }
-        }
-    }
-    // The rest segment by segment (so a segment's first copy fans out to its other readers),
-    // each reader taking the source that keeps its busiest resource least busy.
-    let holders: Vec<Vec<usize>> = (0..ns).map(|s| (0..n).filter(|&h| inst.held[h][s] != 0).collect()).collect();
-    let mut order: Vec<usize> = (0..ns).collect();
-    // Segments with fewer holders first: they have fewer choices.
-    order.sort_by_key(|&s| (holders[s].len(), s));
-    let mut options: Vec<(Choice, [usize; 3], usize)> = Vec::new();
-    for &s in &order {
-        let b = inst.segments[s].bytes();
-        // Readers holding it on their own disk first (their read also makes it available).
-        let mut readers: Vec<usize> = (0..n).filter(|&d| inst.needs[d][s] && choice[d][s].is_none()).collect();
-        readers.sort_by_key(|&d| (inst.held[d][s] & HELD_DISK == 0, d));
-        for d in readers {
-            options.clear();
-            if inst.held[d][s] & HELD_DISK != 0 {
-                options.push((
-                    Choice { from: Some(d), tier: SourceTier::Disk, relay: false, depth: 0 },
-                    [4 * d + R_DISK, usize::MAX, usize::MAX],
-                    1,
-                ));
-            }
-            for (v, has) in in_memory.iter().enumerate() {
-                if v == d {
-                    continue;
-                }
-                if let Some(depth) = has[s] {
-                    let relay = inst.held[v][s] == 0 || (depth > 0);
-                    options.push((
-                        Choice { from: Some(v), tier: SourceTier::Memory, relay, depth },
-                        [4 * v + R_OUT, 4 * d + R_IN, usize::MAX],
-                        2,
-                    ));
-                } else if inst.held[v][s] & HELD_DISK != 0 {
-                    options.push((
-                        Choice { from: Some(v), tier: SourceTier::Disk, relay: false, depth: 0 },
-                        [4 * v + R_DISK, 4 * v + R_OUT, 4 * d + R_IN],
-                        3,
-                    ));
-                }
-            }
-            if inst.cloud_holds && !fetched[s] {
-                options.push((
-                    Choice { from: None, tier: SourceTier::Cloud, relay: false, depth: 0 },
-                    [cloud_r, 4 * d + R_IN, usize::MAX],
-                    4,
-                ));
-            }
-            let cost = |res: &[usize; 3]| res.iter().filter(|&&r| r != usize::MAX).map(|&r| (load[r] + b) / rate[r]).fold(0.0, f64::max);
-            let best = options
-                .iter()
-                .min_by(|a, b2| cost(&a.1).total_cmp(&cost(&b2.1)).then(a.0.depth.cmp(&b2.0.depth)).then(a.2.cmp(&b2.2)))
-                .copied()
-                .expect("a segment no node holds is in the cloud (checked)");
-            for &r in best.1.iter().filter(|&&r| r != usize::MAX) {
-                load[r] += b;
-            }
-            let got_depth = match best.0.tier {
-                SourceTier::Cloud => {
-                    fetched[s] = true;
-                    1
-                }
-                _ if best.0.from == Some(d) => 0,
-                SourceTier::Memory => best.0.depth + 1,
-                SourceTier::Disk => {
-                    in_memory[best.0.from.expect("a peer")][s] = Some(0);
-                    1
-                }
-            };
-            in_memory[d][s] = Some(in_memory[d][s].map_or(got_depth, |x| x.min(got_depth)));
-            choice[d][s] = Some(best.0);
+    // Pure min-max, then with the bound (and a little above it) as a budget within which the
+    // scarce resources (disks, the cloud) are spared; the plan with the least makespan wins.
+    let (mut choice, mut load) = greedy(&inst, &rate, 0.0);
+    for slack in [1.0, 1.05, 1.15] {
+        let (c, l) = greedy(&inst, &rate, bound.value() * slack);
+        let worst = |l: &[f64]| l.iter().zip(&rate).map(|(l, q)| l / q).fold(0.0, f64::max);
+        if worst(&l) < worst(&load) {
+            (choice, load) = (c, l);
         }
     }
 
@@ -601,4 +522,114 @@ pub fn plan_restore(sc: &RestoreScenario) -> Result<RestorePlan> {
         bytes_by_tier: by_tier,
         transfers,
     })
+}
+
+/// One greedy assignment. Each reader takes the source whose busiest resource would be least
+/// busy after the move, counting any time up to `target` as free; ties (and every option
+/// within `target`) go to the scarcer-resource-sparing source: local memory, a peer's
+/// memory (relays included), local disk, a peer's disk, the cloud; then fewer relay hops.
+fn greedy(inst: &Instance, rate: &[f64], target: f64) -> (Vec<Vec<Option<Choice>>>, Vec<f64>) {
+    let n = inst.nodes();
+    let ns = inst.segments.len();
+    let cloud_r = 4 * n;
+    let mut load = vec![0.0f64; 4 * n + 1];
+    // `in_memory[v][s]`: the depth at which node v has segment s in memory (0: held, or read
+    // from its disk during this restore; k: received over k hops).
+    let mut in_memory: Vec<Vec<Option<u32>>> =
+        inst.held.iter().map(|h| h.iter().map(|&f| (f & HELD_MEMORY != 0).then_some(0)).collect()).collect();
+    let mut fetched = vec![false; ns];
+    let mut choice: Vec<Vec<Option<Choice>>> = vec![vec![None; ns]; n];
+
+    // Local memory first: nothing is cheaper.
+    for (d, chosen) in choice.iter_mut().enumerate() {
+        for (s, c) in chosen.iter_mut().enumerate() {
+            if inst.needs[d][s] && inst.held[d][s] & HELD_MEMORY != 0 {
+                load[4 * d + R_MEM] += inst.segments[s].bytes();
+                *c = Some(Choice { from: Some(d), tier: SourceTier::Memory, relay: false, depth: 0 });
+            }
+        }
+    }
+    // The rest segment by segment (so a segment's first copy fans out to its other readers),
+    // each reader taking the source that keeps its busiest resource least busy.
+    let holders: Vec<Vec<usize>> = (0..ns).map(|s| (0..n).filter(|&h| inst.held[h][s] != 0).collect()).collect();
+    let mut order: Vec<usize> = (0..ns).collect();
+    // Segments with fewer holders first: they have fewer choices.
+    order.sort_by_key(|&s| (holders[s].len(), s));
+    let mut options: Vec<(Choice, [usize; 3], usize)> = Vec::new();
+    for &s in &order {
+        let b = inst.segments[s].bytes();
+        // Readers holding it on their own disk first (their read also makes it available).
+        let mut readers: Vec<usize> = (0..n).filter(|&d| inst.needs[d][s] && choice[d][s].is_none()).collect();
+        readers.sort_by_key(|&d| (inst.held[d][s] & HELD_DISK == 0, d));
+        for d in readers {
+            options.clear();
+            if in_memory[d][s].is_some() {
+                // Read from its disk already, for a peer: copy it from memory.
+                options.push((
+                    Choice { from: Some(d), tier: SourceTier::Memory, relay: false, depth: 0 },
+                    [4 * d + R_MEM, usize::MAX, usize::MAX],
+                    0,
+                ));
+            } else if inst.held[d][s] & HELD_DISK != 0 {
+                options.push((
+                    Choice { from: Some(d), tier: SourceTier::Disk, relay: false, depth: 0 },
+                    [4 * d + R_DISK, usize::MAX, usize::MAX],
+                    2,
+                ));
+            }
+            for (v, has) in in_memory.iter().enumerate() {
+                if v == d {
+                    continue;
+                }
+                if let Some(depth) = has[s] {
+                    let relay = inst.held[v][s] == 0 || (depth > 0);
+                    options.push((
+                        Choice { from: Some(v), tier: SourceTier::Memory, relay, depth },
+                        [4 * v + R_OUT, 4 * d + R_IN, usize::MAX],
+                        1,
+                    ));
+                } else if inst.held[v][s] & HELD_DISK != 0 {
+                    options.push((
+                        Choice { from: Some(v), tier: SourceTier::Disk, relay: false, depth: 0 },
+                        [4 * v + R_DISK, 4 * v + R_OUT, 4 * d + R_IN],
+                        3,
+                    ));
+                }
+            }
+            if inst.cloud_holds && !fetched[s] {
+                options.push((
+                    Choice { from: None, tier: SourceTier::Cloud, relay: false, depth: 0 },
+                    [cloud_r, 4 * d + R_IN, usize::MAX],
+                    4,
+                ));
+            }
+            let cost = |res: &[usize; 3]| res.iter().filter(|&&r| r != usize::MAX).map(|&r| (load[r] + b) / rate[r]).fold(0.0, f64::max);
+            let best = options
+                .iter()
+                .min_by(|a, b2| {
+                    cost(&a.1).max(target).total_cmp(&cost(&b2.1).max(target)).then(a.2.cmp(&b2.2)).then(a.0.depth.cmp(&b2.0.depth))
+                })
+                .copied()
+                .expect("a segment no node holds is in the cloud (checked)");
+            for &r in best.1.iter().filter(|&&r| r != usize::MAX) {
+                load[r] += b;
+            }
+            let got_depth = match best.0.tier {
+                SourceTier::Cloud => {
+                    fetched[s] = true;
+                    1
+                }
+                _ if best.0.from == Some(d) => 0,
+                SourceTier::Memory => best.0.depth + 1,
+                SourceTier::Disk => {
+                    in_memory[best.0.from.expect("a peer")][s] = Some(0);
+                    1
+                }
+            };
+            in_memory[d][s] = Some(in_memory[d][s].map_or(got_depth, |x| x.min(got_depth)));
+            choice[d][s] = Some(best.0);
+        }
+    }
+
+    (choice, load)
 }
