@@ -25,7 +25,9 @@
 //! or fetched once from the cloud). Every schedule satisfies both, whatever its relays, so no
 //! schedule is faster. **The plan** assigns every needed segment a source (local memory, local
 //! disk, a peer or relay, the cloud once per segment) greedily, each choice the one that
-//! keeps the busiest resource least busy; its `makespan_s` is the paced schedule's: every flow
+//! keeps the busiest resource least busy (with the bound as a budget within which memory
+//! sources are preferred, `greedy`; the best of four runs); its `makespan_s` is the paced
+//! schedule's: every flow
 //! runs at `bytes / M`, `M` the busiest resource's load over its rate, plus, per relay hop
 //! before a flow, the time of one chunk at the flow's slowest link (a relay forwards a chunk
 //! once it has it whole and verified).
