@@ -12,6 +12,10 @@ Markdown for BENCHMARKS.md.
 
     OMP_NUM_THREADS=1 python bench/profile_fidelity.py [--micro-batch 2] [--runs 7] [--warmup 2]
         [--model FILE]    # default: a small built-in GPT (8 layers, hidden 256, seq 128)
+        [--wait-idle CORES [--wait-max S]]   # first wait until fewer than CORES cores are busy
+
+Prints the load average and how many cores the rest of the machine kept busy during the run
+(/proc/stat minus this benchmark's own CPU time).
 """
 
 from __future__ import annotations
@@ -43,6 +47,33 @@ def decompose(n: int):
     return out
 
 
+def busy_jiffies() -> int:
+    """CPU time (jiffies) every process of the machine has used (/proc/stat's cpu line)."""
+    f = open("/proc/stat").readline().split()
+    user, nice, system, idle, iowait, irq, softirq, steal = map(int, f[1:9])
+    return user + nice + system + irq + softirq + steal
+
+
+def own_cpu_s() -> float:
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def wait_idle(threshold: float, limit_s: float) -> float:
+    """Wait (at most limit_s) until fewer than `threshold` cores are busy (3 s samples)."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        j0, t0 = busy_jiffies(), time.monotonic()
+        time.sleep(3)
+        b = (busy_jiffies() - j0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0)
+        if b < threshold or time.monotonic() > deadline:
+            return b
+
+
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -60,7 +91,16 @@ def main() -> int:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="CORES",
+                    help="first wait until fewer than CORES cores are busy (at most --wait-max s; default: do not wait)")
+    ap.add_argument("--wait-max", type=float, default=600.0)
     a = ap.parse_args()
+    import time
+
+    if a.wait_idle:
+        wait_idle(a.wait_idle, a.wait_max)
+    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    j0, c0, w0 = busy_jiffies(), own_cpu_s(), time.monotonic()
 
     tmp = tempfile.mkdtemp(prefix="profile-fidelity-")
     model = a.model
@@ -87,15 +127,22 @@ def main() -> int:
     prof._setup_device(SimpleNamespace(tp=1), 0)
     ctx = prof.Ctx(args, spec, seq, 0, None)
     measured = {n: prof.time_blocks(ctx, n) for n in range(1, 9)}
+    wall = time.monotonic() - w0
+    ours = (own_cpu_s() - c0) / wall
+    others = max(0.0, (busy_jiffies() - j0) / os.sysconf("SC_CLK_TCK") / wall - ours)
+    load_end = " ".join(f"{x:.2f}" for x in os.getloadavg())
 
     print(f"Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python bench/profile_fidelity.py "
-          f"--micro-batch {a.micro_batch} --runs {a.runs} --warmup {a.warmup}`"
-          + (f" --model {a.model}" if a.model else ""))
+          f"--micro-batch {a.micro_batch} --runs {a.runs} --warmup {a.warmup}"
+          + (f" --wait-idle {a.wait_idle}" if a.wait_idle else "") + (f" --model {a.model}" if a.model else "") + "`")
     print(f"Profiler: `{' '.join(shlex.quote(c if c != sys.executable else 'python') for c in cmd)}`")
     print(f"Machine: nproc {os.cpu_count()}, {cpu_model()}; torch {entry['torch']}; device {entry['device']}; "
           f"timer: {'CUDA events' if ctx.device.type == 'cuda' else 'time.thread_time (1 intra-op thread)'}")
     print(f"Model: {yaml.safe_dump(prof.canonical_spec(spec), default_flow_style=True, width=200).strip()}, "
           f"micro-batch {a.micro_batch}, seq {seq}, {entry['dtype']}, median of {a.runs} runs after {a.warmup}")
+    print(f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {load_start} at the start, "
+          f"{load_end} at the end; cores busy during the run: this benchmark {ours:.2f}, the rest of the machine "
+          f"{others:.2f} (/proc/stat)")
     print(f"Per-layer times in the profiles file: fwd_ms {entry['fwd_ms']:.3f}, bwd_ms {entry['bwd_ms']:.3f}")
     print()
     for i, what in ((0, "fwd"), (1, "bwd")):
