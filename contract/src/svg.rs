@@ -161,11 +161,12 @@ pub struct Op {
 /// One iteration of a replica under 1F1B (each stage: warm-up forwards, then one forward one
 /// backward, then the remaining backwards), each pass starting when its stage is free and its
 /// input has arrived (the previous stage's forward plus the hop, the next stage's backward
-/// plus the hop). `fwd`/`bwd` per stage, `hops` per stage boundary, seconds.
+/// plus the hop). `fwd`/`bwd` per stage, `hops` per stage boundary (both directions, as the
+/// solver's `hops_s`: half each way), seconds.
 pub fn one_f_one_b(fwd: &[f64], bwd: &[f64], hops: &[f64], micro_batches: u32) -> Vec<Op> {
     let p = fwd.len();
     let m = micro_batches as usize;
-    let hop = |i: usize| hops.get(i).copied().unwrap_or(0.0);
+    let hop = |i: usize| hops.get(i).copied().unwrap_or(0.0) / 2.0;
     // Each stage's order of passes: (micro-batch, backward).
     let orders: Vec<Vec<(usize, bool)>> = (0..p)
         .map(|s| {
@@ -221,6 +222,79 @@ pub fn one_f_one_b(fwd: &[f64], bwd: &[f64], hops: &[f64], micro_batches: u32) -
         }
     }
     ops
+}
+
+/// What the cost model adds to a replica's pipeline: the gradient sync not hidden behind
+/// backward passes and the optimizer step, i.e. the iteration time `it` less the pipeline's
+/// latency (every stage and hop once) and `m - 1` steady-state periods (the slowest stage or
+/// hop with overlapped sends; with blocking ones, `motley plan --p2p-blocking`, the slowest
+/// stage with its hops). The document does not say which the plan was priced with: the
+/// smaller remainder that is not negative is taken (a blocking period is never shorter; where
+/// both readings fit, they differ by little).
+pub fn sync_and_optimizer(fwd: &[f64], bwd: &[f64], hops: &[f64], m: u32, it: f64) -> f64 {
+    let busy: Vec<f64> = fwd.iter().zip(bwd).map(|(f, b)| f + b).collect();
+    let latency = busy.iter().sum::<f64>() + hops.iter().sum::<f64>();
+    let hop = |i: usize| hops.get(i).copied().unwrap_or(0.0);
+    let overlapped = busy.iter().copied().chain(hops.iter().copied()).fold(0.0, f64::max);
+    let blocking = busy.iter().enumerate().map(|(i, t)| t + if i > 0 { hop(i - 1) } else { 0.0 } + hop(i)).fold(0.0, f64::max);
+    let rest = |period: f64| it - latency - m.saturating_sub(1) as f64 * period;
+    let eps = 1e-9 * it.max(1.0);
+    [rest(overlapped), rest(blocking)].into_iter().filter(|r| *r >= -eps).reduce(f64::min).unwrap_or(0.0).max(0.0)
+}
+
+/// Passes narrower than this (pixels) are drawn together with their narrow neighbours.
+const MIN_PX: f64 = 2.0;
+
+/// Narrow passes drawn as one shape: a stage's passes from `start` to `end`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Run {
+    stage: usize,
+    start: f64,
+    end: f64,
+    first: u32,
+    last: u32,
+    forward: usize,
+    backward: usize,
+}
+
+/// The runs of passes shorter than `min` (seconds) on each stage, each joining its neighbours
+/// that start within `gap` of its end: an iteration of thousands of micro-batches draws as a
+/// few hundred shapes, not tens of thousands.
+/// Also the passes drawn one by one (the wide ones and narrow ones with no narrow neighbour).
+fn runs(ops: &[Op], stages: usize, min: f64, gap: f64) -> (Vec<Run>, Vec<Op>) {
+    let mut out = vec![];
+    let mut single: Vec<Op> = ops.iter().filter(|o| o.end - o.start >= min).copied().collect();
+    for s in 0..stages {
+        let mut mine: Vec<&Op> = ops.iter().filter(|o| o.stage == s && o.end - o.start < min).collect();
+        mine.sort_by(|a, b| a.start.total_cmp(&b.start));
+        let mut cur: Option<Run> = None;
+        for o in mine {
+            match &mut cur {
+                Some(r) if o.start - r.end <= gap => {
+                    r.end = o.end;
+                    r.first = r.first.min(o.micro_batch);
+                    r.last = r.last.max(o.micro_batch);
+                    if o.backward {
+                        r.backward += 1;
+                    } else {
+                        r.forward += 1;
+                    }
+                }
+                _ => {
+                    out.extend(cur.take());
+                    single.push(*o);
+                    let (forward, backward) = if o.backward { (0, 1) } else { (1, 0) };
+                    cur = Some(Run { stage: s, start: o.start, end: o.end, first: o.micro_batch, last: o.micro_batch, forward, backward });
+                }
+            }
+        }
+        out.extend(cur);
+    }
+    // A run of one pass is that pass.
+    let (runs, lone): (Vec<Run>, Vec<Run>) = out.into_iter().partition(|r| r.forward + r.backward > 1);
+    let lone: BTreeSet<(usize, u64)> = lone.iter().map(|r| (r.stage, r.start.to_bits())).collect();
+    single.retain(|o| o.end - o.start >= min || lone.contains(&(o.stage, o.start.to_bits())));
+    (runs, single)
 }
 
 /// The transport of the hop after `stage` of `replica` and whether it crosses nodes.
@@ -284,10 +358,11 @@ pub fn plan_svg(plan: &PlanDocument, times: &PlanTimes) -> String {
     for (ri, r) in plan.replicas.iter().enumerate() {
         let _ = writeln!(
             body,
-            r#"<text x="8" y="{:.1}" font-size="12" font-weight="bold">replica {ri}</text><text x="8" y="{:.1}" font-size="11">{} samples, {} micro-batches</text>"#,
-            y + 20.0,
-            y + 35.0,
+            r#"<text x="8" y="{:.1}" font-size="12" font-weight="bold">replica {ri}</text><text x="8" y="{:.1}" font-size="11">{} samples</text><text x="8" y="{:.1}" font-size="11">{} micro-batches</text>"#,
+            y + 14.0,
+            y + 28.0,
             r.samples,
+            y + 41.0,
             r.micro_batches
         );
         for (si, s) in r.stages.iter().enumerate() {
@@ -385,13 +460,30 @@ pub fn plan_svg(plan: &PlanDocument, times: &PlanTimes) -> String {
         );
         y += 24.0;
     } else {
+        // One time scale for every replica: they run side by side.
+        let schedules: Vec<Vec<Op>> = timed.iter().map(|(ri, f, b, h, _)| one_f_one_b(f, b, h, plan.replicas[*ri].micro_batches)).collect();
+        let horizon = timed
+            .iter()
+            .zip(&schedules)
+            .map(|((ri, f, b, h, it), ops)| {
+                let end = ops.iter().map(|o| o.end).fold(0.0, f64::max);
+                let tail = it.map(|t| sync_and_optimizer(f, b, h, plan.replicas[*ri].micro_batches, t)).unwrap_or(0.0);
+                it.unwrap_or(0.0).max(end + tail)
+            })
+            .fold(0.0, f64::max)
+            .max(1e-9);
+        let ts = inner / horizon;
+        let narrow = schedules.iter().take(MAX_TIMELINES).flatten().any(|o| (o.end - o.start) * ts < MIN_PX);
         // Timeline legend.
-        let items = [
+        let mut items = vec![
             (FWD, "", "forward"),
             (BWD, "url(#hatch)", "backward"),
             (IDLE, "", "bubble (idle)"),
             (SYNC, "", "exposed gradient sync + optimizer"),
         ];
+        if narrow {
+            items.push((FWD, "url(#mixed)", "passes too short to draw apart"));
+        }
         let mut x = 8.0;
         y += 4.0;
         for (fill, pattern, label) in items {
@@ -403,31 +495,26 @@ pub fn plan_svg(plan: &PlanDocument, times: &PlanTimes) -> String {
             x += 36.0 + 7.0 * label.len() as f64;
         }
         y += 24.0;
-        // One time scale for every replica: they run side by side.
-        let horizon = timed
-            .iter()
-            .map(|(ri, f, b, h, it)| {
-                let ops = one_f_one_b(f, b, h, plan.replicas[*ri].micro_batches);
-                let end = ops.iter().map(|o| o.end).fold(0.0, f64::max);
-                it.unwrap_or(end).max(end)
-            })
-            .fold(0.0, f64::max)
-            .max(1e-9);
-        let ts = inner / horizon;
-        for (ri, fwd, bwd, hops, it) in timed.iter().take(MAX_TIMELINES) {
+        for ((ri, fwd, bwd, hops, it), ops) in timed.iter().zip(&schedules).take(MAX_TIMELINES) {
             let r = &plan.replicas[*ri];
-            let ops = one_f_one_b(fwd, bwd, hops, r.micro_batches);
             let end = ops.iter().map(|o| o.end).fold(0.0, f64::max);
             let busy: f64 = ops.iter().map(|o| o.end - o.start).sum();
             let bubble = if end > 0.0 { 1.0 - busy / (end * r.stages.len() as f64) } else { 0.0 };
-            let exposed = it.map(|t| (t - end).max(0.0)).unwrap_or(0.0);
+            let exposed = it.map(|t| sync_and_optimizer(fwd, bwd, hops, r.micro_batches, t)).unwrap_or(0.0);
+            // The cost model lets hops overlap compute; drawn in 1F1B order, their latency can
+            // delay passes, and then the drawing is longer than the estimate: say so.
+            let longer = match it {
+                Some(t) if end + exposed > t * 1.01 => format!(" · drawn with hop latency: {}", secs(end + exposed)),
+                _ => String::new(),
+            };
             let _ = writeln!(
                 body,
-                r#"<text x="8" y="{:.1}" font-size="12"><tspan font-weight="bold">replica {ri}: {}</tspan> · bubbles {:.0}% · exposed gradient sync + optimizer {}</text>"#,
+                r#"<text x="8" y="{:.1}" font-size="12"><tspan font-weight="bold">replica {ri}: {}</tspan> · bubbles {:.0}% · exposed gradient sync + optimizer {}{}</text>"#,
                 y + 11.0,
-                secs(end + exposed),
+                secs(it.unwrap_or(end)),
                 bubble * 100.0,
-                secs(exposed)
+                secs(exposed),
+                escape(&longer)
             );
             y += 18.0;
             let _ = writeln!(body, r#"<g class="timeline" data-replica="{ri}">"#);
@@ -469,7 +556,26 @@ pub fn plan_svg(plan: &PlanDocument, times: &PlanTimes) -> String {
                     );
                 }
             }
-            for o in &ops {
+            let (merged, single) = runs(ops, r.stages.len(), MIN_PX / ts, 1.0 / ts);
+            for run in merged {
+                let ly = y + run.stage as f64 * (LANE_H + 10.0);
+                let (ox, ow) = (LEFT + run.start * ts, ((run.end - run.start) * ts).max(0.5));
+                let fill = match (run.forward, run.backward) {
+                    (0, _) => "url(#hatch)",
+                    (_, 0) => FWD,
+                    _ => "url(#mixed)",
+                };
+                let _ = writeln!(
+                    body,
+                    r##"<rect class="run" x="{ox:.2}" y="{ly:.1}" width="{ow:.2}" height="{LANE_H:.1}" fill="{}"/><rect x="{ox:.2}" y="{ly:.1}" width="{ow:.2}" height="{LANE_H:.1}" fill="{fill}"><title>micro-batches {}-{}: {} forward and {} backward passes</title></rect>"##,
+                    if run.forward == 0 { BWD } else { FWD },
+                    run.first,
+                    run.last,
+                    run.forward,
+                    run.backward
+                );
+            }
+            for o in &single {
                 let ly = y + o.stage as f64 * (LANE_H + 10.0);
                 let (ox, ow) = (LEFT + o.start * ts, ((o.end - o.start) * ts).max(0.5));
                 let (class, fill) = if o.backward { ("bwd", BWD) } else { ("fwd", FWD) };
@@ -527,7 +633,11 @@ pub fn plan_svg(plan: &PlanDocument, times: &PlanTimes) -> String {
         r##"<svg xmlns="http://www.w3.org/2000/svg" class="motley-plan" width="{WIDTH:.0}" height="{height:.0}" viewBox="0 0 {WIDTH:.0} {height:.0}" role="img" aria-labelledby="plan-title" font-family="sans-serif">"##
     );
     let _ = writeln!(out, r#"<title id="plan-title">{}</title>"#, escape(&title));
-    out.push_str(r##"<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><line x1="0" y1="0" x2="0" y2="6" stroke="#FFF" stroke-width="1.5" stroke-opacity="0.6"/></pattern></defs>"##);
+    out.push_str(r##"<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><line x1="0" y1="0" x2="0" y2="6" stroke="#FFF" stroke-width="1.5" stroke-opacity="0.6"/></pattern>"##);
+    let _ = write!(
+        out,
+        r##"<pattern id="mixed" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(-45)"><rect width="3" height="6" fill="{BWD}"/></pattern></defs>"##
+    );
     out.push('\n');
     let _ = writeln!(out, r##"<rect width="100%" height="100%" fill="#FFF"/>"##);
     out.push_str(&body);
@@ -604,6 +714,32 @@ mod tests {
     }
 
     #[test]
+    fn thousands_of_micro_batches_draw_as_a_few_shapes() {
+        let mut d = doc();
+        d["replicas"][0]["micro_batches"] = 4096.into();
+        let svg = plan_svg_value(&d).unwrap();
+        assert!(svg.contains(r#"class="run""#) && svg.contains("passes too short to draw apart"));
+        assert!(svg.len() < 200_000, "{} bytes", svg.len());
+        // Every pass is drawn, alone or in a run: the runs' titles count them.
+        let counted: usize =
+            svg.split("forward and ").skip(1).map(|t| t.split(' ').next().unwrap().parse::<usize>().unwrap()).sum::<usize>()
+                + svg.matches(r#"class="bwd""#).count();
+        assert_eq!(counted, 4096 * 2 + 4, "backward passes of replica 0 (2 stages) and replica 1");
+        // Small plans are drawn pass by pass.
+        assert!(!plan_svg_value(&doc()).unwrap().contains(r#"class="run""#));
+    }
+
+    #[test]
+    fn the_tail_is_the_cost_models_sync_and_optimizer() {
+        // Latency 2 x (1 + 2) = 6, period 3, 4 micro-batches: the pipeline is 15.
+        assert!((sync_and_optimizer(&[1.0, 1.0], &[2.0, 2.0], &[], 4, 17.0) - 2.0).abs() < 1e-12);
+        // A 1-second hop: 7 + 3 x 3 overlapped, or 7 + 3 x 4 blocking; 19.5 reads as blocking.
+        assert!((sync_and_optimizer(&[1.0, 1.0], &[2.0, 2.0], &[1.0], 4, 19.5) - 0.5).abs() < 1e-12);
+        assert!((sync_and_optimizer(&[1.0, 1.0], &[2.0, 2.0], &[1.0], 4, 17.0) - 1.0).abs() < 1e-12);
+        assert_eq!(sync_and_optimizer(&[1.0], &[2.0], &[], 4, 1.0), 0.0, "never negative");
+    }
+
+    #[test]
     fn one_f_one_b_keeps_dependencies_and_has_the_textbook_length() {
         // p stages of equal f, b and no hops: (m + p - 1) * (f + b).
         let (p, m) = (4usize, 8u32);
@@ -617,8 +753,8 @@ mod tests {
             mine.sort_by(|a, b| a.start.total_cmp(&b.start));
             assert!(mine.windows(2).all(|w| w[0].end <= w[1].start + 1e-12));
         }
-        // Hops delay the next stage's forward.
-        let ops = one_f_one_b(&[1.0, 1.0], &[1.0, 1.0], &[0.5], 1);
+        // Hops (both directions) delay the next stage's forward by half.
+        let ops = one_f_one_b(&[1.0, 1.0], &[1.0, 1.0], &[1.0], 1);
         let f1 = ops.iter().find(|o| o.stage == 1 && !o.backward).unwrap();
         assert_eq!(f1.start, 1.5);
         // Fewer micro-batches than stages still finishes.
