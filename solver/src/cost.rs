@@ -87,6 +87,15 @@ impl PlanOptions {
 
     /// FLOP/s a transformer layer of `gpu` reaches forward and backward: the peak at the
     /// run's precision times the calibrated efficiency of the type, else `efficiency`.
+    /// Bytes of one activation or gradient element on the wire: 4 in fp32, else 2 (mixed
+    /// precision keeps fp16/bf16 copies for communication).
+    pub fn wire_bytes(&self) -> f64 {
+        match self.precision {
+            Precision::Fp32 => 4.0,
+            Precision::Fp16 | Precision::Bf16 => 2.0,
+        }
+    }
+
     pub fn layer_flops(&self, gpu: &GpuType) -> (f64, f64) {
         let peak = gpu.peak_tflops(self.precision).unwrap_or(gpu.tflops) * 1e12;
         match self.calibration.lookup(&gpu.name, self.precision) {
@@ -126,6 +135,9 @@ pub struct LayerCost {
     pub capacity: f64,
     /// Parameters of one layer per GPU (for the optimizer step).
     pub layer_params_gpu: f64,
+    /// Seconds of the optimizer step of one layer's parameters on one GPU, when a profile
+    /// measured it (`optimizer_ms`, without ZeRO-1).
+    pub optimizer_layer: Option<f64>,
     pub embed_params_gpu: f64,
     pub mem_bw: f64,
 }
@@ -192,7 +204,7 @@ impl<'a> CostModel<'a> {
         // plans from other planners have them, see metis/motley_view.rs) over the NIC.
         let tp_bw = if k.tp > class.gpus_per_node { self.cluster.inter_bw(k.class, k.class) } else { self.cluster.intra_bw(k.class) } * 1e9;
         // Two all-reduces of the layer's activations forward, two backward (Megatron TP).
-        let tp_allreduce = if k.tp > 1 { 2.0 * (t - 1.0) / t * m * s * h * 2.0 / tp_bw } else { 0.0 };
+        let tp_allreduce = if k.tp > 1 { 2.0 * (t - 1.0) / t * m * s * h * self.opts.wire_bytes() / tp_bw } else { 0.0 };
         let profiled = self.profiles.lookup(&gpu.name, k.tp, m.round() as u32).filter(|_| m.fract() == 0.0);
         let (fwd, bwd) = match profiled {
             Some(p) => (p.fwd_ms / 1e3, p.bwd_ms / 1e3),
@@ -240,6 +252,7 @@ impl<'a> CostModel<'a> {
             capacity: (gpu.memory_gib - self.opts.reserve_gib) * GIB,
             layer_params_gpu,
             embed_params_gpu,
+            optimizer_layer: profiled.and_then(|p| p.optimizer_ms).map(|ms| ms / 1e3),
             mem_bw,
         }
     }
@@ -288,7 +301,7 @@ impl<'a> CostModel<'a> {
     /// stays on NVLink/PCIe only between two stages packed into the same node; otherwise it
     /// crosses the best link between the two classes. `placement.rs` lays GPUs out the same way.
     pub fn hop_times(&self, kinds: &[StageKind], micro_batch: u32) -> Vec<f64> {
-        let bytes = micro_batch as f64 * self.model.seq_len as f64 * self.model.hidden() * 2.0;
+        let bytes = micro_batch as f64 * self.model.seq_len as f64 * self.model.hidden() * self.opts.wire_bytes();
         same_node_hops(self.cluster, kinds)
             .iter()
             .enumerate()
@@ -311,7 +324,8 @@ impl<'a> CostModel<'a> {
         if n <= 1.0 {
             return 0.0;
         }
-        let grad_bytes = 2.0 * params; // fp16 gradients, whole layer: tp shard rings run side by side
+        // Gradients in the wire type, whole layer: tp shard rings run side by side.
+        let grad_bytes = self.opts.wire_bytes() * params;
         let (bw, shards_share_link) = self.ring_link(ctx, k);
         let bytes_on_link = if shards_share_link { grad_bytes } else { grad_bytes / k.tp as f64 };
         2.0 * (n - 1.0) / n * bytes_on_link / (bw * 1e9)
@@ -357,20 +371,26 @@ impl<'a> CostModel<'a> {
                 latency += hops[i];
             }
             let mut params = layers[i] as f64 * self.model.layer_params;
-            let mut params_gpu = layers[i] as f64 * costs[i].layer_params_gpu;
+            let mut extra_params_gpu = 0.0;
             if first {
                 params += self.model.embed_params;
-                params_gpu += costs[i].embed_params_gpu;
+                extra_params_gpu += costs[i].embed_params_gpu;
             }
             if last {
                 params += self.model.embed_params;
-                params_gpu += costs[i].embed_params_gpu;
+                extra_params_gpu += costs[i].embed_params_gpu;
             }
             exposed = exposed.max(self.sync_time(ctx, kinds[i], params) - pre_bwd);
             pre_bwd += b;
-            // Adam reads and writes ~28 bytes per parameter (fp32 master, m, v; fp16 w, g).
+            // Adam reads and writes ~28 bytes per parameter (fp32 master, m, v; fp16 w, g);
+            // ZeRO-1 steps 1/dp of the states. A profile's measured step of one layer replaces
+            // the estimate for the layers (scaled the same way under ZeRO-1).
             let per_param = if self.opts.zero1 { 4.0 + 24.0 / kinds[i].dp as f64 } else { 28.0 };
-            optimizer = optimizer.max(params_gpu * per_param / costs[i].mem_bw);
+            let layers_step = match costs[i].optimizer_layer {
+                Some(o) => layers[i] as f64 * o * per_param / 28.0,
+                None => layers[i] as f64 * costs[i].layer_params_gpu * per_param / costs[i].mem_bw,
+            };
+            optimizer = optimizer.max(layers_step + extra_params_gpu * per_param / costs[i].mem_bw);
         }
         ReplicaTime { latency, period: self.period(&busy, &hops), exposed_sync: exposed.max(0.0), optimizer }
     }
@@ -440,4 +460,54 @@ pub fn same_node_hops(cluster: &Cluster, kinds: &[StageKind]) -> Vec<bool> {
             a.class == b.class && node[i] == node[i + 1] && a.dp * a.tp <= gpn && b.dp * b.tp <= gpn
         })
         .collect()
+}
+
+#[cfg(test)]
+mod wire_and_optimizer_tests {
+    use super::*;
+    use crate::hardware::ClusterSpec;
+    use crate::profile::LayerProfile;
+
+    fn cluster() -> Cluster {
+        let text = "name: t\nnodes:\n  - {name: n, count: 2, gpu: A100-80G, gpus: 1, nics: [{name: eth0, kind: ethernet, gbps: 25}]}\n";
+        Cluster::from_spec(&serde_norway::from_str::<ClusterSpec>(text).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn fp32_moves_four_bytes_an_element_and_mixed_precision_two() {
+        let (c, model) = (cluster(), Model::new(crate::model::model_by_name("gpt3-1.3b").unwrap(), None).unwrap());
+        let profiles = ProfileSet::default();
+        let kinds = [StageKind { class: 0, tp: 1, dp: 1 }, StageKind { class: 0, tp: 1, dp: 1 }];
+        let hop = |precision| {
+            let opts = PlanOptions { precision, ..PlanOptions::default() };
+            CostModel { cluster: &c, model: &model, profiles: &profiles, opts: &opts }.hop_times(&kinds, 2)[0]
+        };
+        assert_eq!(hop(Precision::Fp16), hop(Precision::Bf16));
+        assert!((hop(Precision::Fp32) / hop(Precision::Fp16) - 2.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_measured_optimizer_step_replaces_the_estimate() {
+        let (c, model) = (cluster(), Model::new(crate::model::model_by_name("gpt3-1.3b").unwrap(), None).unwrap());
+        let kinds = [StageKind { class: 0, tp: 1, dp: 1 }];
+        let opts = PlanOptions::default();
+        let optimizer = |profiles: &ProfileSet, layers: u32| {
+            let cm = CostModel { cluster: &c, model: &model, profiles, opts: &opts };
+            let cost = cm.layer_cost(kinds[0], 1);
+            let ctx = cm.sync_context(1, &[1], true);
+            cm.replica_time(&ctx, &kinds, &[cost], &[layers], 1).optimizer
+        };
+        let mut p = LayerProfile::per_layer("A100-80G", 1, 1, 1.0, 2.0, None);
+        p.optimizer_ms = Some(40.0);
+        let measured = ProfileSet { profiles: vec![p] };
+        // Embedding and head (first and last stage) stay on the estimate; the layers take 40 ms each.
+        let extras = optimizer(&ProfileSet::default(), 24) - 24.0 * optimizer_per_layer(&c, &model);
+        assert!((optimizer(&measured, 24) - (24.0 * 0.040 + extras)).abs() < 1e-9, "{}", optimizer(&measured, 24));
+        assert!((optimizer(&measured, 12) - optimizer(&measured, 6) - 6.0 * 0.040).abs() < 1e-9);
+    }
+
+    /// The roofline estimate of one layer's optimizer step on the cluster's GPU.
+    fn optimizer_per_layer(c: &Cluster, model: &Model) -> f64 {
+        model.layer_params * 28.0 / (c.classes[0].gpu.mem_bw_gbps * 1e9)
+    }
 }
