@@ -88,6 +88,11 @@ function show() {
   page = p;
   const tick = async () => {
     if (page !== p) return;
+    // A tab in the background asks nothing; it catches up when shown again.
+    if (document.hidden) {
+      p.timer = setTimeout(tick, POLL_MS);
+      return;
+    }
     try {
       await p.refresh();
       status(`updated ${new Date().toLocaleTimeString()}`);
