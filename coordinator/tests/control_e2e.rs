@@ -330,3 +330,36 @@ async fn an_unreadable_job_fails_without_blocking_the_queue() {
     assert!(bad["reason"].as_str().unwrap().starts_with("cannot be planned: stored job spec"), "{bad}");
     assert!(next["reason"].as_str().unwrap().contains("no live node"), "planned, not stuck behind it: {next}");
 }
+
+/// One request with extra headers (an `Origin`, as a browser sends); (status, body).
+fn with_headers(addr: &str, method: &str, path: &str, headers: &str, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())
+        .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let status = raw.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, raw.split_once("\r\n\r\n").unwrap().1.to_string())
+}
+
+#[test]
+fn an_insecure_coordinator_refuses_changes_from_other_sites_pages() {
+    let c = Coordinator::start(&temp_dir(), &["--insecure"]);
+    c.json("PUT", "/api/v1/nodes/a100-0", NODE, 200);
+    // A page on another site posting a job (text/plain: no preflight) or draining a node.
+    let evil = "Origin: http://evil.example\r\nContent-Type: text/plain\r\n";
+    let (status, body) = with_headers(&c.addr, "POST", "/api/v1/jobs", evil, JOB);
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("http://evil.example") && body.contains("(Origin)"), "{body}");
+    assert_eq!(with_headers(&c.addr, "POST", "/api/v1/nodes/a100-0/drain", evil, "").0, 403);
+    assert_eq!(c.json("GET", "/api/v1/jobs", "", 200), serde_json::json!([]), "nothing was submitted");
+    assert_eq!(c.json("GET", "/api/v1/nodes/a100-0", "", 200)["state"], "active");
+    // Reading is not a change; the coordinator's own page (its dashboard) and the CLI (no
+    // Origin) change things as before.
+    assert_eq!(with_headers(&c.addr, "GET", "/api/v1/nodes", evil, "").0, 200);
+    let own = format!("Origin: http://{}\r\n", c.addr);
+    assert_eq!(with_headers(&c.addr, "POST", "/api/v1/nodes/a100-0/drain", &own, "").0, 200);
+    assert_eq!(c.call("POST", "/api/v1/nodes/a100-0/undrain", "").0, 200);
+}

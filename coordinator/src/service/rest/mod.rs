@@ -83,6 +83,7 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), require_leader))
         .route("/leader", get(leader))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token))
+        .route_layer(middleware::from_fn(same_origin))
         // The API's description is public, like the code it is derived from.
         .route("/openapi.json", get(|| async { Json(openapi::document()) }))
         .method_not_allowed_fallback(wrong_method);
@@ -152,6 +153,29 @@ async fn require_leader(State(s): State<AppState>, req: Request, next: Next) -> 
 }
 
 /// `Authorization: Bearer TOKEN` (the operators') on every control call (never logged).
+/// Browsers send any site's form posts (text/plain bodies, bodyless POSTs) cross-origin without
+/// asking, with the session's network reach: on an `--insecure` coordinator a page anyone
+/// visits could submit a job (which runs a shell command on every node) or drain nodes. Such a
+/// request carries its page's `Origin`; a change from another origin than the coordinator's own
+/// is refused. Scripts and the CLI send no `Origin`; the dashboard's is the coordinator's.
+async fn same_origin(req: Request, next: Next) -> Response {
+    let changes = !matches!(*req.method(), axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS);
+    let origin = req.headers().get(header::ORIGIN).map(|v| v.to_str().unwrap_or("?").to_string());
+    if let Some(origin) = origin.filter(|_| changes) {
+        let host = req.headers().get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or("");
+        let origin_host = origin.split_once("://").map_or("", |(_, rest)| rest.trim_end_matches('/'));
+        if host.is_empty() || !origin_host.eq_ignore_ascii_case(host) {
+            return CoordinatorError::PermissionDenied(format!(
+                "a {} from the web page at {} (Origin) to this coordinator ({host}); change things from the dashboard this coordinator serves, the CLI or a script",
+                req.method(),
+                origin.escape_default()
+            ))
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
 async fn require_token(State(s): State<AppState>, req: Request, next: Next) -> Response {
     let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(crate::service::bearer);
     match s.tokens.check_operator(given) {
