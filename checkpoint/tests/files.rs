@@ -123,8 +123,12 @@ fn pieces_merge_into_a_complete_verified_manifest() {
     let u = m.units.iter().find(|u| u.key.block == Block::Layer(1) && u.key.tp_rank == 1).unwrap();
     assert_eq!(u.file.file, "layer.00001.model.tp1-2.safetensors");
     assert_eq!(u.tensors["layers.1.attn.q.weight"].shape, vec![HIDDEN, HIDDEN]);
-    // No temporary file is left behind.
+    // No temporary file is left behind, and every file is the job's own (0600).
     assert!(std::fs::read_dir(&dir).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().contains(".tmp")));
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let mode = std::os::unix::fs::PermissionsExt::mode(&e.as_ref().unwrap().metadata().unwrap().permissions());
+        assert_eq!(mode & 0o777, 0o600, "{:?}", e.unwrap().path());
+    }
     // The JSON is the documented one.
     let text = serde_json::to_value(&m).unwrap();
     let unit = &text["units"][0];

@@ -79,11 +79,13 @@ def file_entry(name: str, data: bytes) -> dict:
 
 
 def write_atomic(path: str, data: bytes):
-    """Written to PATH.tmp.PID, fsynced, renamed, the directory fsynced: never seen half-written."""
+    """Written to PATH.tmp.PID (mode 0600: weights and optimizer state are the job's own),
+    fsynced, renamed, the directory fsynced: never seen half-written."""
     d = os.path.dirname(path) or "."
-    os.makedirs(d, exist_ok=True)
+    os.makedirs(d, mode=0o700, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -64,6 +64,8 @@ def test_steps_are_written_complete_and_verify(run):
     names = sorted(os.listdir(sdir))
     assert "layer.00002.optimizer.tp1-2.safetensors" in names and "embed.model.tp0-1.safetensors" in names
     assert not [n for n in names if ".tmp." in n]
+    # Weights and optimizer state are the job's own: every file 0600.
+    assert {oct(os.stat(sdir / n).st_mode & 0o777) for n in names} == {oct(0o600)}
     q = next(u for u in m["units"] if u["block"] == "layer.1" and u["part"] == "model" and u["tp_rank"] == 1)
     assert q["tensors"]["layers.1.attn.q.weight"] == {
         "shape": [32, 32], "dtype": "F32", "layout": {"kind": "split", "axis": 0, "granule": 8}}
