@@ -2,11 +2,12 @@
 //! configuration file (`config`), rank supervision that survives an agent restart (`ranks`,
 //! `rankfiles`, each rank in its own cgroup where it can: `cgroup`), the dead-man switch that stops ranks whose agent is gone (`lease`), the rank
 //! logs served over HTTP or HTTPS (`logs`, `tls`), the node's load sent with every heartbeat (`load`), whom
-//! ranks run as (`users`) and layer profiling on request (`profiler`). The binary `motley-agent` wires them to the coordinator.
+//! ranks run as (`users`) layer profiling on request (`profiler`) and the checkpoint files it holds (`holdings`). The binary `motley-agent` wires them to the coordinator.
 
 pub mod cgroup;
 pub mod discover;
 pub mod error;
+pub mod holdings;
 pub mod lease;
 pub mod load;
 pub mod logs;

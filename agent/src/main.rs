@@ -281,6 +281,7 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
         let s = supervisor.clone();
         motley_agent::load::sampler(work_dir.clone(), move || s.running())
     };
+    let holdings = std::sync::Arc::new(motley_agent::holdings::Holdings::default());
     let mut backoff = Duration::from_millis(200);
     let mut stale = 0;
     // Since when registrations are refused as held by another agent.
@@ -289,7 +290,7 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
     // breaks; ranks keep running across sessions and are reported again in the next one.
     loop {
         let began = std::time::Instant::now();
-        let workers = Workers { supervisor: &supervisor, profiler: profiler.as_ref() };
+        let workers = Workers { supervisor: &supervisor, profiler: profiler.as_ref(), holdings: &holdings };
         let e = match session(&args, &work_dir, &node, &inventory, &logs_url, workers, &load).await {
             Ended::Fatal(e) => return Err(e),
             Ended::Held(e) => {
@@ -458,6 +459,7 @@ async fn register(
 struct Workers<'a> {
     supervisor: &'a Supervisor,
     profiler: Option<&'a Profiler>,
+    holdings: &'a std::sync::Arc<motley_agent::holdings::Holdings>,
 }
 
 /// One session: register (a new epoch), then heartbeat until the stream breaks.
@@ -485,7 +487,7 @@ async fn session_inner(
     workers: Workers<'_>,
     load: &motley_agent::load::Latest,
 ) -> Result<std::convert::Infallible, Ended> {
-    let Workers { supervisor, profiler } = workers;
+    let Workers { supervisor, profiler, holdings } = workers;
     let token = args.token.clone().unwrap_or_default();
     let request = RegisterRequest {
         node: node.to_string(),
@@ -513,11 +515,13 @@ async fn session_inner(
     if let Some(p) = profiler {
         p.new_session();
     }
+    holdings.new_session();
     let (tx, rx) = tokio::sync::mpsc::channel::<AgentStatus>(16);
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
     request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().context("token is not a valid header value")?);
     let beat = {
         let (supervisor, node, load, profiler) = (supervisor.clone(), node.to_string(), load.clone(), profiler.cloned());
+        let (holdings, work) = (holdings.clone(), work_dir.to_path_buf());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             // Every message has its number (1, 2, ...); the first lists every rank.
@@ -532,9 +536,21 @@ async fn session_inner(
                 let full = seq == 0;
                 let ranks = supervisor.report(seq + 1, full);
                 let profiles = profiler.as_ref().map(|p| p.report(seq + 1)).unwrap_or_default();
+                // Checkpoint files are looked for on the interval (and with every other message).
+                let held = match beat || full || !ranks.is_empty() || !profiles.is_empty() {
+                    true => {
+                        let (h, w, s) = (holdings.clone(), work.clone(), seq + 1);
+                        tokio::task::spawn_blocking(move || h.report(&w, s)).await.unwrap_or(None)
+                    }
+                    false => None,
+                };
                 if !beat && !full && ranks.is_empty() && profiles.is_empty() {
                     continue;
                 }
+                let (holdings_sent, holdings_list) = match held {
+                    Some(list) => (true, list),
+                    None => (false, vec![]),
+                };
                 seq += 1;
                 // A fresh sample only (a stalled sampler's old one would mislead).
                 let fresh = interval.max(motley_agent::load::SAMPLE_EVERY) * 3;
@@ -542,13 +558,15 @@ async fn session_inner(
                     true => load.borrow().as_ref().filter(|(_, at)| at.elapsed() <= fresh).map(|(l, _)| l.clone()),
                     false => None,
                 };
-                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, seq, full, profiles }).await.is_err() {
+                let status =
+                    AgentStatus { node: node.clone(), epoch, ranks, load, seq, full, profiles, holdings: holdings_list, holdings_sent };
+                if tx.send(status).await.is_err() {
                     return;
                 }
             }
         })
     };
-    let result = heartbeat(&mut client, request, work_dir, node, interval, supervisor, profiler).await;
+    let result = heartbeat(&mut client, request, work_dir, node, interval, workers).await;
     beat.abort();
     Err(result)
 }
@@ -560,9 +578,9 @@ async fn heartbeat(
     work_dir: &Path,
     node: &str,
     interval: Duration,
-    supervisor: &Supervisor,
-    profiler: Option<&Profiler>,
+    workers: Workers<'_>,
 ) -> Ended {
+    let Workers { supervisor, profiler, holdings } = workers;
     let mut inbound = match client.heartbeat(request).await {
         Ok(r) => r.into_inner(),
         Err(s) => return heartbeat_refused(&s),
@@ -582,6 +600,7 @@ async fn heartbeat(
                     if let Some(p) = profiler {
                         p.ack(a.seq);
                     }
+                    holdings.ack(a.seq);
                     // The coordinator holds this node's lease: so do its ranks (the switch).
                     if let Err(e) = motley_agent::lease::renew(work_dir, interval) {
                         tracing::warn!(node = %node, "{e}; ranks stop when the lease file's deadline passes");

@@ -450,6 +450,8 @@ impl Supervisor {
             ("MOTLEY_PP_RANK", r.stage.to_string()),
             ("MOTLEY_PP_SIZE", r.pp_size.to_string()),
             ("MOTLEY_NCCL_GROUPS", nccl.display().to_string()),
+            // Checkpoints go into the launch's directory, where the agent reports them from.
+            ("MOTLEY_CKPT_DIR", crate::holdings::ckpt_dir(dir).display().to_string()),
         ] {
             cmd.env(k, v);
         }

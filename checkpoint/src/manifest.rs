@@ -81,6 +81,17 @@ impl fmt::Display for Part {
     }
 }
 
+impl FromStr for Part {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "model" => Ok(Part::Model),
+            "optimizer" => Ok(Part::Optimizer),
+            _ => Err(format!("part {s:?}: expected model or optimizer")),
+        }
+    }
+}
+
 /// Which unit: (block, part, TP rank, TP size) of a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct UnitKey {

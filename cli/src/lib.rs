@@ -1,6 +1,7 @@
 //! The `motley` CLI's library half: reading input files and rendering plans, so tests can
 //! reach them without spawning the binary.
 
+pub mod ckpt;
 pub mod dev;
 pub mod espresso;
 pub mod inputs;

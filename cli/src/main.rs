@@ -33,6 +33,9 @@ enum Command {
     /// Jobs on the coordinator: submit, list, show, watch, logs, cancel.
     #[command(subcommand, after_help = motley::exit::HELP)]
     Job(motley::remote::JobCommand),
+    /// A job's checkpoints: which file of which step each node holds (list, show).
+    #[command(subcommand)]
+    Ckpt(motley::ckpt::CkptCommand),
     /// Measured layer profiles on the coordinator: list, show, run, runs.
     #[command(subcommand)]
     Profile(motley::profile::ProfileCommand),
@@ -55,6 +58,7 @@ fn main() -> ExitCode {
         Command::Job(c) => motley::remote::run_job(c),
         Command::Dev(c) => motley::dev::run(c),
         Command::Model(c) => motley::model::run(c).map(Outcome::from),
+        Command::Ckpt(c) => motley::ckpt::run(c).map(Outcome::from),
         Command::Profile(c) => {
             motley::profile::run(c).map(|(text, ok)| Outcome { text, code: if ok { exit::SUCCESS } else { exit::JOB_FAILED } })
         }

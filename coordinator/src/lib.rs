@@ -7,6 +7,7 @@
 //! | `lifecycle` | how launched jobs move: rank reports, dispatch, launch and lease timeouts, stops | store, fleet |
 //! | `scheduler` | the job queue: which queued job gets which free GPUs, and why a job waits | store, solver, fleet |
 //! | `control` | the operations behind both APIs: declare, submit, cancel, plan | store, solver, fleet, lifecycle |
+//! | `checkpoints` | the checkpoint-location bitmap as people and recovery read it: steps, completeness, grids | store |
 //! | `profiling` | which layer profiles a job's plan needs; runs sent to agents (in memory); their results stored | store, fleet |
 //! | `store` | every durable read and write, each job move fenced (state, generation, term) in SQL | the database |
 //! | `leader`, `takeover` | who leads; what a new leader resumes | store |
@@ -15,6 +16,7 @@
 //! Arrows run from services to domain rooms to the store; a domain room never imports a
 //! service. One error type (`error`) maps to both a gRPC and an HTTP status.
 
+pub mod checkpoints;
 pub mod control;
 pub mod error;
 pub mod fleet;

@@ -12,7 +12,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use crate::error::{CoordinatorError, Result};
 use crate::job::JobState;
 
+mod checkpoints;
 mod profiles;
+pub use checkpoints::Holding;
 pub use profiles::{NewProfile, ProfileRecord};
 
 /// `sqlx::migrate!` embeds `migrations/` in the binary.

@@ -441,3 +441,45 @@ conformance!(profiles_are_kept_per_key_and_the_newest_of_each_is_planned_with, |
     assert!(s.events(None, 0, 100).await.unwrap().iter().any(|e| e.kind == "profile_stored"));
     s.close().await;
 });
+
+conformance!(holdings_replace_a_nodes_list_under_its_current_epoch_only, |url: String| async move {
+    use motley_coordinator::store::Holding;
+    let s = Store::open(&url).await.unwrap();
+    let e0 = s.register_node("n0", "{}").await.unwrap();
+    let e1 = s.register_node("n1", "{}").await.unwrap();
+    let job = s.submit_job("ckpt", "{}").await.unwrap();
+    let h = |file: &str, step: i64| Holding {
+        job_id: job.id,
+        generation: 1,
+        step,
+        file: file.into(),
+        node: String::new(),
+        tier: "disk".into(),
+        bytes: 10,
+        block: "layer.0".into(),
+        part: "model".into(),
+        tp_rank: 0,
+        tp_size: 1,
+        rank: -1,
+        layers: 1,
+        world_size: 1,
+    };
+    s.replace_holdings("n0", e0, &[h("a", 4), h("b", 4)]).await.unwrap();
+    s.replace_holdings("n1", e1, &[h("a", 4)]).await.unwrap();
+    let all = s.holdings(job.id).await.unwrap();
+    assert_eq!(all.iter().map(|x| (x.file.as_str(), x.node.as_str())).collect::<Vec<_>>(), [("a", "n0"), ("a", "n1"), ("b", "n0")]);
+    // The whole list replaces the node's rows.
+    s.replace_holdings("n0", e0, &[h("c", 8)]).await.unwrap();
+    let all = s.holdings(job.id).await.unwrap();
+    assert_eq!(all.iter().map(|x| (x.step, x.file.as_str(), x.node.as_str())).collect::<Vec<_>>(), [(4, "a", "n1"), (8, "c", "n0")]);
+    // A session the node's agent has since replaced: refused, nothing changes.
+    let newer = s.register_node("n0", "{}").await.unwrap();
+    match s.replace_holdings("n0", e0, &[]).await {
+        Err(CoordinatorError::StaleAgent { given, current, .. }) => assert_eq!((given, current), (e0, newer)),
+        other => panic!("a stale session's holdings are refused: {other:?}"),
+    }
+    assert_eq!(s.holdings(job.id).await.unwrap().len(), 2);
+    s.replace_holdings("n0", newer, &[]).await.unwrap();
+    assert_eq!(s.holdings(job.id).await.unwrap().len(), 1);
+    s.close().await;
+});

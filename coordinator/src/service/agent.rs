@@ -23,7 +23,7 @@ use crate::error::CoordinatorError;
 use crate::fleet::{Fleet, Outbound, Refused};
 use crate::lifecycle;
 use crate::service::{status_of, Tokens};
-use crate::store::{NodeState, RankReport, Store};
+use crate::store::{Holding, NodeState, RankReport, Store};
 
 pub struct AgentService {
     pub store: Store,
@@ -135,7 +135,7 @@ async fn read(
         }
         let first = session.is_none();
         session.get_or_insert_with(|| (status.node.clone(), status.epoch));
-        if first || status.full || !status.ranks.is_empty() || !status.profiles.is_empty() {
+        if first || status.full || !status.ranks.is_empty() || !status.profiles.is_empty() || status.holdings_sent {
             if to_worker.send(status).is_err() {
                 break; // the worker refused the session
             }
@@ -218,6 +218,29 @@ async fn apply(
             stop(job, generation, "the coordinator does not know this rank on this node");
         }
         jobs = done.jobs;
+    }
+    if status.holdings_sent {
+        let held: Vec<Holding> = status
+            .holdings
+            .iter()
+            .map(|h| Holding {
+                job_id: h.job,
+                generation: h.generation,
+                step: h.step as i64,
+                file: h.file.clone(),
+                node: status.node.clone(),
+                tier: h.tier.clone(),
+                bytes: h.bytes as i64,
+                block: h.block.clone(),
+                part: h.part.clone(),
+                tp_rank: h.tp_rank.into(),
+                tp_size: h.tp_size.into(),
+                rank: h.rank,
+                layers: h.layers.into(),
+                world_size: h.world_size.into(),
+            })
+            .collect();
+        store.replace_holdings(&status.node, status.epoch, &held).await?;
     }
     for p in &status.profiles {
         crate::profiling::receive(store, fleet, &status.node, p.request, &p.profile_json, &p.error).await?;

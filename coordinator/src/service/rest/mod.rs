@@ -3,6 +3,7 @@
 //! requests and `CoordinatorError`s (one JSON body, the status from `http_status`) and
 //! delegates to `control` and the store. The dashboard (`ui`) is served at `/` and `/ui/...`.
 
+mod checkpoints;
 mod jobs;
 mod nodes;
 pub mod openapi;
@@ -75,6 +76,8 @@ pub fn router(state: AppState) -> Router {
         .route("/jobs/{id}/plan", get(jobs::plan))
         .route("/jobs/{id}/plan.svg", get(jobs::plan_svg))
         .route("/jobs/{id}/ranks/{rank}/logs", get(jobs::logs))
+        .route("/jobs/{id}/checkpoints", get(checkpoints::list))
+        .route("/jobs/{id}/checkpoints/grid", get(checkpoints::grid))
         .route("/plan", post(jobs::dry_run))
         .route("/profiles", get(profiles::list))
         .route("/profiles/runs", get(profiles::runs).post(profiles::run))

@@ -11,6 +11,7 @@ use utoipa::{Modify, OpenApi};
         super::nodes::list, super::nodes::get, super::nodes::declare, super::nodes::remove, super::nodes::drain, super::nodes::undrain,
         super::jobs::list, super::jobs::submit, super::jobs::get, super::jobs::cancel, super::jobs::events,
         super::jobs::plan, super::jobs::plan_svg, super::jobs::dry_run, super::jobs::logs, super::leader,
+        super::checkpoints::list, super::checkpoints::grid,
         super::profiles::list, super::profiles::get, super::profiles::run, super::profiles::runs, super::profiles::run_state,
     ),
     modifiers(&Bearer),

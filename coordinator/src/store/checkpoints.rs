@@ -1,0 +1,93 @@
+//! The checkpoint-location bitmap (`ckpt_locations`, migration 0006): which checkpoint file of
+//! which step each node holds, in which tier. An agent reports its whole list; it replaces the
+//! node's rows in one transaction, fenced by the agent's epoch in SQL.
+
+use serde::Serialize;
+
+use super::{now_ms, Store};
+use crate::error::{CoordinatorError, Result};
+
+/// One file one node holds.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema, sqlx::FromRow)]
+pub struct Holding {
+    pub job_id: i64,
+    pub generation: i64,
+    pub step: i64,
+    pub file: String,
+    pub node: String,
+    pub tier: String,
+    pub bytes: i64,
+    /// embed | layer.N | head; empty for a rank file.
+    pub block: String,
+    /// model | optimizer; empty for a rank file.
+    pub part: String,
+    pub tp_rank: i64,
+    pub tp_size: i64,
+    /// A rank file's rank; -1 for a unit.
+    pub rank: i64,
+    pub layers: i64,
+    pub world_size: i64,
+}
+
+macro_rules! columns {
+    () => {
+        "job_id, generation, step, file, node, tier, bytes, block, part, tp_rank, tp_size, rank, layers, world_size"
+    };
+}
+
+impl Store {
+    /// Replace everything `node` holds with `holdings` (their `node` is ignored), if `epoch` is
+    /// still the node's agent epoch; a stale session's report is refused and changes nothing.
+    pub async fn replace_holdings(&self, node: &str, epoch: i64, holdings: &[Holding]) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        // Locks the node's row (PostgreSQL) so a registration in between waits for this.
+        let current = sqlx::query("UPDATE nodes SET agent_epoch = agent_epoch WHERE name = $1 AND agent_epoch = $2")
+            .bind(node)
+            .bind(epoch)
+            .execute(&mut *tx)
+            .await?;
+        if current.rows_affected() != 1 {
+            let now: Option<i64> =
+                sqlx::query_scalar("SELECT agent_epoch FROM nodes WHERE name = $1").bind(node).fetch_optional(&mut *tx).await?;
+            return Err(CoordinatorError::StaleAgent { node: node.into(), given: epoch, current: now.unwrap_or(0) });
+        }
+        sqlx::query("DELETE FROM ckpt_locations WHERE node = $1").bind(node).execute(&mut *tx).await?;
+        let at = now_ms();
+        for h in holdings {
+            sqlx::query(concat!(
+                "INSERT INTO ckpt_locations (",
+                columns!(),
+                ", agent_epoch, reported_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
+                 ON CONFLICT (job_id, step, file, node, tier) DO NOTHING"
+            ))
+            .bind(h.job_id)
+            .bind(h.generation)
+            .bind(h.step)
+            .bind(&h.file)
+            .bind(node)
+            .bind(&h.tier)
+            .bind(h.bytes)
+            .bind(&h.block)
+            .bind(&h.part)
+            .bind(h.tp_rank)
+            .bind(h.tp_size)
+            .bind(h.rank)
+            .bind(h.layers)
+            .bind(h.world_size)
+            .bind(epoch)
+            .bind(at)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Every file held of a job's checkpoints, by step, file and node.
+    pub async fn holdings(&self, job: i64) -> Result<Vec<Holding>> {
+        Ok(sqlx::query_as(concat!("SELECT ", columns!(), " FROM ckpt_locations WHERE job_id = $1 ORDER BY step, file, node, tier"))
+            .bind(job)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+}
