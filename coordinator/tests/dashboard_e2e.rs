@@ -290,8 +290,26 @@ fn the_dashboard_shows_and_drives_the_cluster() {
     let replica = |a: u32| {
         format!("  - {{samples: 8, micro_batches: 4, stages: [{}, {}]}}\n", stage("[0, 10]", "node-0", a), stage("[10, 24]", "node-1", a))
     };
+    // Rank 0 also leaves a checkpoint step in MOTLEY_CKPT_DIR, as motley_torch would (one unit
+    // and its rank file, listed by its manifest piece), for the checkpoint view.
+    let fake_ckpt = dir.join("fake-ckpt.sh");
+    std::fs::write(
+        &fake_ckpt,
+        r#"[ "$RANK" = 0 ] || exit 0
+d="$MOTLEY_CKPT_DIR/step-00000002"; mkdir -p "$d"
+printf 0123456789 > "$d/layer.00000.model.tp0-1.safetensors"; printf r > "$d/rank.00000.safetensors"
+cat > "$d/manifest.rank.00000.json" <<EOF
+{"format": "motley-checkpoint/1", "step": 2, "layers": 24, "world_size": 8,
+ "units": [{"block": "layer.0", "part": "model", "tp_rank": 0, "tp_size": 1, "file": "layer.00000.model.tp0-1.safetensors",
+            "bytes": 10, "chunk_bytes": 16777216, "crc32c": [0], "tensors": {}}],
+ "ranks": [{"rank": 0, "file": "rank.00000.safetensors", "bytes": 1, "chunk_bytes": 16777216, "crc32c": [0]}]}
+EOF
+"#,
+    )
+    .unwrap();
     let text = format!(
-        "name: dash\nmodel: gpt3-1.3b\nglobal_batch: 16\nrun: 'echo \"hello from rank $RANK\"'\nplan:\n  global_batch: 16\n  micro_batch: 2\n  replicas:\n{}{}",
+        "name: dash\nmodel: gpt3-1.3b\nglobal_batch: 16\nrun: 'echo \"hello from rank $RANK\"; sh {}'\nplan:\n  global_batch: 16\n  micro_batch: 2\n  replicas:\n{}{}",
+        fake_ckpt.display(),
         replica(0),
         replica(2)
     );
@@ -325,6 +343,15 @@ fn the_dashboard_shows_and_drives_the_cluster() {
     // Tall enough for the whole page in the screenshot.
     b.call("POST", "/window/rect", Some(&json!({"width": 1280, "height": 1700})));
     b.wait("rank 0's log", "return document.getElementById('log-0')?.textContent.includes('hello from rank 0')");
+    // The checkpoint-location bitmap: the step node-0 reported, where each file is.
+    let cells = b.wait(
+        "the checkpoint view",
+        "const g = document.getElementById('ckpt-grid'); return g && !document.getElementById('checkpoints').hidden ? [...g.querySelectorAll('tbody tr')].map(r => r.textContent) : null",
+    );
+    assert_eq!(cells.as_array().unwrap().len(), 2, "{cells}");
+    assert!(cells[0].as_str().unwrap().contains("layer.0 model tp 0/1") && cells[0].as_str().unwrap().contains("disk"), "{cells}");
+    let step = b.js("return document.querySelector('#ckpt-steps tr[data-step=\"2\"]').textContent");
+    assert!(step.as_str().unwrap().contains("no: "), "one unit of 24 layers is not restorable: {step}");
     b.screenshot("job");
 
     b.call("POST", "/window/rect", Some(&json!({"width": 1280, "height": 1000})));

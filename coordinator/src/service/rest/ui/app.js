@@ -178,9 +178,9 @@ function jobPage(view, id) {
   const plan = h('div', { id: 'plan', class: 'plan', role: 'group', 'aria-label': 'Plan picture' }, h('p', {}, 'Not planned yet.'));
   const ranks = h('div', { id: 'ranks' });
   const events = h('ol', { id: 'events', class: 'events', 'aria-live': 'polite', 'aria-label': 'Events', tabindex: 0 });
-  // SEAM (recovery issue): the checkpoint view goes here: the checkpoint-location bitmap as a
-  // grid (layers x nodes, the tier in each cell) and the recoveries with their lower bound and
-  // actual time, read from the API the recovery issue adds. Until then the section stays hidden.
+  // The checkpoint-location bitmap: the steps some node holds and where each file of the newest
+  // complete one is. SEAM (recovery issue): the recoveries, with their lower bound and actual
+  // time, join this section when the recovery flow records them.
   const checkpoints = h('section', { id: 'checkpoints', hidden: true, 'aria-labelledby': 'checkpoints-heading' },
     h('h3', { id: 'checkpoints-heading' }, 'Checkpoints'));
   view.append(h('p', {}, h('a', { href: '#/jobs' }, '← all jobs')), head,
@@ -255,6 +255,29 @@ function jobPage(view, id) {
     for (const pre of ranks.querySelectorAll('pre.log')) pre.scrollTop = pre.scrollHeight;
   };
 
+  const drawCheckpoints = async () => {
+    const steps = await api(`/jobs/${id}/checkpoints`);
+    if (steps.length === 0) {
+      checkpoints.hidden = true;
+      return;
+    }
+    const grid = await api(`/jobs/${id}/checkpoints/grid`);
+    const th = (cols) => h('thead', {}, h('tr', {}, cols.map((c) => h('th', { scope: 'col' }, c))));
+    checkpoints.hidden = false;
+    replace(checkpoints, h('h3', { id: 'checkpoints-heading' }, 'Checkpoints'),
+      h('table', { id: 'ckpt-steps', 'aria-label': 'Checkpoint steps' },
+        th(['Step', 'Files', 'Bytes', 'Nodes', 'Restorable']),
+        h('tbody', {}, steps.map((st) => h('tr', { 'data-step': st.step },
+          h('td', { class: 'num' }, st.step), h('td', { class: 'num' }, st.files), h('td', { class: 'num' }, bytes(st.bytes)),
+          h('td', {}, st.nodes.join(', ')), h('td', {}, st.complete ? 'yes' : `no: ${st.missing}`))))),
+      h('p', {}, `Step ${grid.step}: the tier each node holds each file in`),
+      h('table', { id: 'ckpt-grid', 'aria-label': `Checkpoint step ${grid.step}, files by node` },
+        th(['Unit', 'Bytes', ...grid.nodes]),
+        h('tbody', {}, grid.rows.map((r) => h('tr', {},
+          h('th', { scope: 'row' }, r.unit), h('td', { class: 'num' }, bytes(r.bytes)),
+          grid.nodes.map((n) => h('td', {}, r.held[n] ? r.held[n].join('+') : '—')))))));
+  };
+
   const refresh = async () => {
     const job = await api(`/jobs/${id}`);
     const over = OVER.includes(job.state);
@@ -281,6 +304,7 @@ function jobPage(view, id) {
       const p = await api(`/jobs/${id}/plan`);
       for (const [rank, l] of logs) if (l.open) await pollLog(rank, p.generation);
       drawRanks(p.ranks, p.generation);
+      await drawCheckpoints();
     }
   };
   return { refresh };
