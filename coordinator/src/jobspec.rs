@@ -23,6 +23,8 @@
 //!   reserve_gib: 1.5          # GiB kept free on every GPU
 //!   efficiency: 0.5           # roofline: fraction of peak a layer reaches
 //!   p2p_blocking: false       # pipeline sends block the stage (Megatron-LM's 1F1B)
+//! checkpoint:                 # checkpoints (optional; docs/checkpoint.md)
+//!   every: 100                # ranks save every 100 steps (MOTLEY_CKPT_EVERY) into MOTLEY_CKPT_DIR
 //! profiling:                  # measured layer profiles (optional)
 //!   mode: auto                # auto: measure what is missing where agents can, else roofline
 //!                             # only: plan from measured profiles only (wait; fail if one cannot be had)
@@ -95,6 +97,19 @@ pub struct PlanOptionsSpec {
     pub p2p_blocking: Option<bool>,
 }
 
+/// The job's checkpoints (`checkpoint:`). `keep` and `cloud` come with the agents' shard tiers
+/// (the recovery issue) and are refused until then.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSpec {
+    /// Save every this many steps.
+    pub every: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud: Option<String>,
+}
+
 /// Whether the job is planned from measured layer profiles (`profiling.mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -161,6 +176,9 @@ pub struct JobSpec {
     /// Measured layer profiles: whether to use and measure them (default `auto`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profiling: Option<ProfilingSpec>,
+    /// Checkpoints: how often ranks save.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<CheckpointSpec>,
 }
 
 /// See the module's doc: the limits a job file is held to.
@@ -293,6 +311,18 @@ impl JobSpec {
         }
         self.model()?;
         self.plan_options()?;
+        if let Some(c) = &self.checkpoint {
+            if c.every == 0 {
+                return Err(CoordinatorError::invalid("checkpoint.every", "must be at least 1 (steps between checkpoints)"));
+            }
+            if c.keep.is_some() || c.cloud.is_some() {
+                let field = if c.keep.is_some() { "checkpoint.keep" } else { "checkpoint.cloud" };
+                return Err(CoordinatorError::invalid(
+                    field,
+                    "is not supported yet (agents keep every step on local disk until the shard tiers land); remove it",
+                ));
+            }
+        }
         if let Some(dtype) = self.profiling.as_ref().and_then(|p| p.dtype.as_deref()) {
             if !PROFILE_DTYPES.contains(&dtype) {
                 return Err(CoordinatorError::invalid(
@@ -371,6 +401,16 @@ impl JobSpec {
         Ok((opts, mode))
     }
 
+    /// The environment every rank gets from the job: its `envs`, and MOTLEY_CKPT_EVERY when it
+    /// checkpoints (the agent adds MOTLEY_CKPT_DIR).
+    pub fn launch_envs(&self) -> std::collections::HashMap<String, String> {
+        let mut envs: std::collections::HashMap<String, String> = self.envs.clone().into_iter().collect();
+        if let Some(c) = &self.checkpoint {
+            envs.insert("MOTLEY_CKPT_EVERY".into(), c.every.to_string());
+        }
+        envs
+    }
+
     /// How the job uses measured profiles (absent: `auto`, fp32).
     pub fn profiling(&self) -> ProfilingSpec {
         self.profiling.clone().unwrap_or_default()
@@ -447,6 +487,20 @@ mod tests {
         assert!(err(&GOOD.replace("DATA", "1BAD")).starts_with("envs.1BAD: is not a valid"));
         assert!(err(&format!("{GOOD}colour: red\n")).contains("unknown field `colour`"));
         assert!(err(&GOOD.replace("python train.py", "\"  \"")).starts_with("run:"));
+    }
+
+    #[test]
+    fn checkpoint_every_reaches_the_ranks_and_unsupported_fields_are_named() {
+        let err = |t: &str| JobSpec::parse(t).unwrap_err().to_string();
+        let spec = JobSpec::parse(&format!("{GOOD}checkpoint: {{every: 50}}\n")).unwrap();
+        let envs = spec.launch_envs();
+        assert_eq!(envs["MOTLEY_CKPT_EVERY"], "50");
+        assert_eq!(envs["DATA"], "/data");
+        assert!(!JobSpec::parse(GOOD).unwrap().launch_envs().contains_key("MOTLEY_CKPT_EVERY"));
+        assert!(err(&format!("{GOOD}checkpoint: {{every: 0}}\n")).starts_with("checkpoint.every:"));
+        assert!(err(&format!("{GOOD}checkpoint: {{every: 5, keep: 2}}\n")).starts_with("checkpoint.keep: is not supported yet"));
+        assert!(err(&format!("{GOOD}checkpoint: {{every: 5, cloud: 's3://b/p'}}\n")).starts_with("checkpoint.cloud:"));
+        assert!(err(&format!("{GOOD}checkpoint: {{evry: 5}}\n")).contains("evry"));
     }
 
     #[test]

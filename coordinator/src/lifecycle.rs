@@ -140,7 +140,7 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
             job: id,
             generation: job.generation,
             run: spec.run.clone(),
-            envs: spec.envs.clone().into_iter().collect(),
+            envs: spec.launch_envs(),
             plan_json: plan.clone(),
             master_addr: master_addr.clone(),
             master_port,

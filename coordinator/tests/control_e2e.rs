@@ -363,3 +363,104 @@ fn an_insecure_coordinator_refuses_changes_from_other_sites_pages() {
     assert_eq!(with_headers(&c.addr, "POST", "/api/v1/nodes/a100-0/drain", &own, "").0, 200);
     assert_eq!(c.call("POST", "/api/v1/nodes/a100-0/undrain", "").0, 200);
 }
+
+/// Checkpoint files an agent reports reach the bitmap, over REST and gRPC alike: a step with
+/// every unit and rank file is complete, one missing the head names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoint_holdings_reach_the_bitmap_over_both_apis() {
+    use motley_proto::v1::agent_client::AgentClient;
+    use motley_proto::v1::{AgentStatus, CkptHolding, RegisterRequest};
+    let c = Coordinator::start(&temp_dir(), &["--heartbeat-ms", "1000"]);
+    let (token, agent_token) = (c.token.clone().unwrap(), c.agent_token.clone().unwrap());
+    let job = c.json("POST", "/api/v1/jobs", JOB, 201)["id"].as_i64().unwrap();
+    let mut agents = AgentClient::connect(format!("http://{}", c.grpc)).await.unwrap();
+    let reply = agents
+        .register(RegisterRequest {
+            node: "g0".into(),
+            inventory_json: r#"{"gpu": "A100-80G", "gpus": 2}"#.into(),
+            token: agent_token.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let unit = |step: u64, block: &str, part: &str| CkptHolding {
+        job,
+        generation: 1,
+        step,
+        file: format!("{block}.{part}.tp0-1.safetensors"),
+        bytes: 100,
+        tier: "disk".into(),
+        block: block.into(),
+        part: part.into(),
+        tp_rank: 0,
+        tp_size: 1,
+        rank: -1,
+        layers: 1,
+        world_size: 1,
+    };
+    let mut holdings = vec![];
+    for step in [4, 8] {
+        for block in ["embed", "layer.0", "head"] {
+            for part in ["model", "optimizer"] {
+                if !(step == 8 && block == "head") {
+                    holdings.push(unit(step, block, part));
+                }
+            }
+        }
+        holdings.push(CkptHolding {
+            file: "rank.00000.safetensors".into(),
+            rank: 0,
+            block: String::new(),
+            part: String::new(),
+            ..unit(step, "", "")
+        });
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let status =
+        AgentStatus { node: "g0".into(), epoch: reply.epoch, seq: 1, full: true, holdings, holdings_sent: true, ..Default::default() };
+    tx.send(status).await.unwrap();
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    request.metadata_mut().insert("authorization", format!("Bearer {agent_token}").parse().unwrap());
+    let mut inbound = agents.heartbeat(request).await.unwrap().into_inner();
+    // Acknowledged once committed.
+    loop {
+        let i = inbound.message().await.unwrap().expect("the stream stays open");
+        if let Some(motley_proto::v1::instruction::Kind::Ack(a)) = i.kind {
+            assert_eq!(a.seq, 1);
+            break;
+        }
+    }
+    let c = std::sync::Arc::new(c);
+    let rest = {
+        let c = c.clone();
+        tokio::task::spawn_blocking(move || {
+            (
+                c.json("GET", &format!("/api/v1/jobs/{job}/checkpoints"), "", 200),
+                c.json("GET", &format!("/api/v1/jobs/{job}/checkpoints/grid"), "", 200),
+            )
+        })
+        .await
+        .unwrap()
+    };
+    let (steps, grid) = rest;
+    assert_eq!(steps[0]["step"], 8, "newest first: {steps}");
+    assert_eq!(steps[0]["complete"], false);
+    assert!(steps[0]["missing"].as_str().unwrap().contains("unit head model was never reported"), "{steps}");
+    assert_eq!((steps[1]["step"].as_i64(), steps[1]["complete"].as_bool(), steps[1]["files"].as_u64()), (Some(4), Some(true), Some(7)));
+    assert_eq!(grid["step"], 4, "the newest complete step: {grid}");
+    assert_eq!(grid["rows"].as_array().unwrap().len(), 7);
+    assert_eq!(grid["rows"][0]["held"]["g0"], serde_json::json!(["disk"]));
+
+    let mut g = client(&c).await;
+    let listed = g.list_checkpoints(authed(pb::JobRef { id: job }, &token)).await.unwrap().into_inner().steps;
+    assert_eq!(listed.iter().map(|s| (s.step, s.complete, s.files)).collect::<Vec<_>>(), [(8, false, 5), (4, true, 7)]);
+    let grid = g.get_checkpoint_grid(authed(pb::CheckpointGridRequest { job, step: Some(8) }, &token)).await.unwrap().into_inner();
+    assert_eq!((grid.step.unwrap().step, grid.rows.len()), (8, 5));
+    assert_eq!(grid.rows[0].held["g0"], "disk");
+    let e = g.get_checkpoint_grid(authed(pb::CheckpointGridRequest { job, step: Some(5) }, &token)).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    assert!(e.message().contains("held: 8, 4"), "{}", e.message());
+    let e = g.list_checkpoints(authed(pb::JobRef { id: 999 }, &token)).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+}

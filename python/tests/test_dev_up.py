@@ -160,13 +160,15 @@ def test_profiles_measured_by_agents_through_dev_up(tmp_path: Path):
 
 
 def test_checkpoints_reach_the_bitmap_through_dev_up(tmp_path: Path):
-    """The reference trainer checkpoints every 10 steps into the MOTLEY_CKPT_DIR its agent
-    gives it; the agents report the files their ranks' manifest pieces list; the coordinator's
+    """The reference trainer checkpoints every 10 steps (the job file's `checkpoint: {every:
+    10}`) into the MOTLEY_CKPT_DIR its agent gives it; the agents report the files their ranks' manifest pieces list; the coordinator's
     bitmap (read back from its database by a fresh coordinator, `motley ckpt list|show`) holds
     complete steps, every unit and rank file on the node that wrote it."""
     steps = 40
     spec = yaml.safe_load(JOB.read_text())
-    spec["run"] = f"{shlex.quote(sys.executable)} -m motley_torch.train --steps {steps} --seed {SEED} --ckpt-every 10"
+    spec["run"] = f"{shlex.quote(sys.executable)} -m motley_torch.train --steps {steps} --seed {SEED}"
+    # The job file's checkpoint.every reaches the ranks as MOTLEY_CKPT_EVERY.
+    spec["checkpoint"] = {"every": 10}
     spec["envs"] = dict(spec.get("envs") or {}, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "python"))
     job = tmp_path / "train-tiny-ckpt.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))

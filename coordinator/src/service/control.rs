@@ -113,6 +113,18 @@ fn stored_profile(r: crate::store::ProfileRecord) -> pb::StoredProfile {
     }
 }
 
+fn checkpoint_step(v: crate::checkpoints::StepView) -> pb::CheckpointStep {
+    pb::CheckpointStep {
+        step: v.step,
+        generations: v.generations,
+        files: v.files as u64,
+        bytes: v.bytes,
+        nodes: v.nodes,
+        complete: v.complete,
+        missing: v.missing,
+    }
+}
+
 fn profile_run(r: crate::profiling::ProfileRun) -> pb::ProfileRun {
     use crate::profiling::RunState;
     let (state, profile, reason) = match r.state {
@@ -139,6 +151,29 @@ fn profile_run(r: crate::profiling::ProfileRun) -> pb::ProfileRun {
 
 #[tonic::async_trait]
 impl Control for ControlService {
+    async fn list_checkpoints(&self, req: Request<pb::JobRef>) -> Reply<pb::CheckpointSteps> {
+        self.admit(&req)?;
+        let steps = crate::checkpoints::steps(&self.store, req.into_inner().id).await.map_err(status_of)?;
+        Ok(Response::new(pb::CheckpointSteps { steps: steps.into_iter().map(checkpoint_step).collect() }))
+    }
+
+    async fn get_checkpoint_grid(&self, req: Request<pb::CheckpointGridRequest>) -> Reply<pb::CheckpointGrid> {
+        self.admit(&req)?;
+        let r = req.into_inner();
+        let grid = crate::checkpoints::grid(&self.store, r.job, r.step).await.map_err(status_of)?;
+        let rows = grid
+            .rows
+            .into_iter()
+            .map(|row| pb::CheckpointGridRow {
+                file: row.file,
+                unit: row.unit,
+                bytes: row.bytes,
+                held: row.held.into_iter().map(|(node, tiers)| (node, tiers.join("+"))).collect(),
+            })
+            .collect();
+        Ok(Response::new(pb::CheckpointGrid { step: Some(checkpoint_step(grid.step)), rows }))
+    }
+
     async fn list_profiles(&self, req: Request<pb::ListProfilesRequest>) -> Reply<pb::ProfileList> {
         self.admit(&req)?;
         let hash = req.into_inner().model_hash;
