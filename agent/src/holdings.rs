@@ -20,9 +20,19 @@ pub fn ckpt_dir(generation_dir: &Path) -> PathBuf {
     generation_dir.join("ckpt")
 }
 
-/// Every checkpoint file under `WORK_DIR/jobs/*/*/ckpt/step-*`, sorted; `cache` keeps parsed
-/// pieces by (path, length, modification time), so a scan parses only new pieces.
-pub fn scan(work_dir: &Path, cache: &mut BTreeMap<PathBuf, (u64, Option<SystemTime>, Manifest)>) -> Vec<CkptHolding> {
+/// A manifest piece as last read: its length and modification time, the files it lists that
+/// were held then, and whether that was all of them.
+pub struct Piece {
+    stamp: (u64, Option<SystemTime>),
+    held: Vec<CkptHolding>,
+    all_held: bool,
+}
+
+/// Every checkpoint file under `WORK_DIR/jobs/*/*/ckpt/step-*`, sorted. `cache` keeps each
+/// piece by path: one unchanged since it was read, and whose files were all there then, is not
+/// read again nor are its files looked at (a rank writes its files before its piece, and they
+/// go only with their launch directory), so a scan of a quiet node lists directories only.
+pub fn scan(work_dir: &Path, cache: &mut BTreeMap<PathBuf, Piece>) -> Vec<CkptHolding> {
     let mut out = vec![];
     let mut seen = std::collections::BTreeSet::new();
     let list = |d: &Path| -> Vec<PathBuf> { std::fs::read_dir(d).map(|r| r.flatten().map(|e| e.path()).collect()).unwrap_or_default() };
@@ -42,11 +52,10 @@ pub fn scan(work_dir: &Path, cache: &mut BTreeMap<PathBuf, (u64, Option<SystemTi
                     }
                     let Ok(meta) = std::fs::metadata(&piece_path) else { continue };
                     let stamp = (meta.len(), meta.modified().ok());
-                    let fresh = cache.get(&piece_path).is_none_or(|(l, m, _)| (*l, *m) != stamp);
-                    if fresh {
+                    if cache.get(&piece_path).is_none_or(|p| p.stamp != stamp || !p.all_held) {
                         match motley_checkpoint::manifest::read_json::<Manifest>(&piece_path) {
                             Ok(m) => {
-                                cache.insert(piece_path.clone(), (stamp.0, stamp.1, m));
+                                cache.insert(piece_path.clone(), read_piece(&m, &step_dir, job, generation, stamp));
                             }
                             Err(e) => {
                                 tracing::warn!("{}: not a manifest piece ({e}); its files are not reported", piece_path.display());
@@ -55,33 +64,7 @@ pub fn scan(work_dir: &Path, cache: &mut BTreeMap<PathBuf, (u64, Option<SystemTi
                         }
                     }
                     seen.insert(piece_path.clone());
-                    let m = &cache[&piece_path].2;
-                    let held =
-                        |f: &motley_checkpoint::FileEntry| std::fs::metadata(step_dir.join(&f.file)).is_ok_and(|x| x.len() == f.bytes);
-                    let base = CkptHolding {
-                        job,
-                        generation,
-                        step: m.step,
-                        tier: "disk".into(),
-                        rank: -1,
-                        layers: m.layers,
-                        world_size: m.world_size,
-                        ..Default::default()
-                    };
-                    for u in m.units.iter().filter(|u| held(&u.file)) {
-                        out.push(CkptHolding {
-                            file: u.file.file.clone(),
-                            bytes: u.file.bytes,
-                            block: u.key.block.to_string(),
-                            part: u.key.part.to_string(),
-                            tp_rank: u.key.tp_rank,
-                            tp_size: u.key.tp_size,
-                            ..base.clone()
-                        });
-                    }
-                    for r in m.ranks.iter().filter(|r| held(&r.file)) {
-                        out.push(CkptHolding { file: r.file.file.clone(), bytes: r.file.bytes, rank: r.rank as i64, ..base.clone() });
-                    }
+                    out.extend(cache[&piece_path].held.iter().cloned());
                 }
             }
         }
@@ -92,6 +75,38 @@ pub fn scan(work_dir: &Path, cache: &mut BTreeMap<PathBuf, (u64, Option<SystemTi
     out
 }
 
+/// The files a piece lists that are in `step_dir` at the length it says.
+fn read_piece(m: &Manifest, step_dir: &Path, job: i64, generation: i64, stamp: (u64, Option<SystemTime>)) -> Piece {
+    let is_held = |f: &motley_checkpoint::FileEntry| std::fs::metadata(step_dir.join(&f.file)).is_ok_and(|x| x.len() == f.bytes);
+    let base = CkptHolding {
+        job,
+        generation,
+        step: m.step,
+        tier: "disk".into(),
+        rank: -1,
+        layers: m.layers,
+        world_size: m.world_size,
+        ..Default::default()
+    };
+    let mut held = vec![];
+    for u in m.units.iter().filter(|u| is_held(&u.file)) {
+        held.push(CkptHolding {
+            file: u.file.file.clone(),
+            bytes: u.file.bytes,
+            block: u.key.block.to_string(),
+            part: u.key.part.to_string(),
+            tp_rank: u.key.tp_rank,
+            tp_size: u.key.tp_size,
+            ..base.clone()
+        });
+    }
+    for r in m.ranks.iter().filter(|r| is_held(&r.file)) {
+        held.push(CkptHolding { file: r.file.file.clone(), bytes: r.file.bytes, rank: r.rank as i64, ..base.clone() });
+    }
+    let all_held = held.len() == m.units.len() + m.ranks.len();
+    Piece { stamp, held, all_held }
+}
+
 /// What was reported, and what is to be.
 #[derive(Default)]
 pub struct Holdings {
@@ -100,7 +115,7 @@ pub struct Holdings {
 
 #[derive(Default)]
 struct State {
-    cache: BTreeMap<PathBuf, (u64, Option<SystemTime>, Manifest)>,
+    cache: BTreeMap<PathBuf, Piece>,
     /// The list the coordinator acknowledged in this session.
     told: Option<Vec<CkptHolding>>,
     /// The list sent in message `seq`, not yet acknowledged.

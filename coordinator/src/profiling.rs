@@ -22,7 +22,7 @@ use std::time::Duration;
 use motley_proto::v1::{instruction, Instruction, Profile};
 use motley_solver::hardware::NodeSpec;
 use motley_solver::profile::LayerProfile;
-use motley_solver::{Model, ModelSpec, PlanOptions, ProfileSet};
+use motley_solver::{Model, ModelSpec, PlanOptions, ProfileSet, SearchMode};
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
@@ -173,7 +173,9 @@ impl Runs {
     }
 
     pub fn get(&self, request: i64) -> Option<ProfileRun> {
-        self.list().into_iter().find(|r| r.request == request)
+        let mut run = self.runs().get(&request).cloned()?;
+        run.age_s = run.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
+        Some(run)
     }
 
     /// The newest run of a key.
@@ -274,23 +276,18 @@ pub enum Prepared {
 }
 
 /// The (tp, sequences per GPU) pairs the planner's search prices for one GPU type with up to
-/// `gpus_per_node` GPUs a node (`motley_solver`'s search space: tp a power of two dividing the
-/// heads, micro-batches 1 to 8 dividing the global batch, each split over a stage's dp of 1, 2,
-/// 4 or 8 GPUs; a profile's `micro_batch` is sequences per GPU), or what the job pins.
-pub fn wanted_configs(model: &Model, opts: &PlanOptions, gpus_per_node: u32) -> Vec<(u32, u32)> {
-    let tps: Vec<u32> = match opts.tp {
-        Some(t) => vec![t],
-        None => (0..8).map(|i| 1u32 << i).filter(|&t| t <= gpus_per_node && model.spec.heads.is_multiple_of(t)).collect(),
-    };
-    let bs: Vec<u32> = match opts.micro_batch {
-        Some(b) => vec![b],
-        None => (0..4).map(|i| 1u32 << i).filter(|&b| opts.global_batch.is_multiple_of(b)).collect(),
-    };
-    let mut per_gpu: Vec<u32> =
-        bs.iter().flat_map(|&b| [1u32, 2, 4, 8].into_iter().filter(move |&d| b.is_multiple_of(d)).map(move |d| b / d)).collect();
-    per_gpu.sort_unstable();
-    per_gpu.dedup();
-    tps.iter().flat_map(|&t| per_gpu.iter().map(move |&m| (t, m))).collect()
+/// `gpus_per_node` GPUs a node: its (tp, micro-batch) space (`motley_solver`'s own), each
+/// micro-batch split over a stage's dp of 1, 2, 4 or 8 GPUs (a profile's `micro_batch` is
+/// sequences per GPU).
+pub fn wanted_configs(model: &Model, opts: &PlanOptions, mode: SearchMode, gpus_per_node: u32) -> Vec<(u32, u32)> {
+    let space = motley_solver::search::tp_micro_batch_space(model.spec.heads, gpus_per_node, opts, mode);
+    let mut out: Vec<(u32, u32)> = space
+        .iter()
+        .flat_map(|&(t, b)| [1u32, 2, 4, 8].into_iter().filter(move |&d| b.is_multiple_of(d)).map(move |d| (t, b / d)))
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 /// The stored profiles of the job's model and, unless the job says `off`, runs sent for what
@@ -301,7 +298,7 @@ pub async fn prepare(store: &Store, fleet: &Fleet, job: i64, spec: &JobSpec, off
         return Ok(Prepared::Ready { profiles: ProfileSet::default(), without: vec![] });
     }
     let model = spec.model()?;
-    let (opts, _) = spec.plan_options()?;
+    let (opts, mode) = spec.plan_options()?;
     let hash = model_hash(&model.spec);
     let dtype = profiling.dtype().to_string();
     let stored = store.profiles_for(&hash, model.seq_len as i64, &dtype).await?;
@@ -319,7 +316,7 @@ pub async fn prepare(store: &Store, fleet: &Fleet, job: i64, spec: &JobSpec, off
     let limit = run_limit(fleet);
     fleet.profile_runs.expire(limit);
     for (gpu_name, per_node) in per_type.values() {
-        for (tp, micro_batch) in wanted_configs(&model, &opts, *per_node) {
+        for (tp, micro_batch) in wanted_configs(&model, &opts, mode, *per_node) {
             if profiles.lookup(gpu_name, tp, micro_batch).is_some() {
                 continue;
             }
@@ -619,9 +616,9 @@ mod tests {
     fn the_search_space_is_what_gets_measured() {
         let model = Model::new(motley_solver::model::model_by_name("gpt3-1.3b").unwrap(), None).unwrap();
         let opts = PlanOptions { global_batch: 4, ..PlanOptions::default() };
-        assert_eq!(wanted_configs(&model, &opts, 2), vec![(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)]);
+        assert_eq!(wanted_configs(&model, &opts, SearchMode::Exact, 2), vec![(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)]);
         // A pinned micro-batch of 4 is 4, 2 or 1 sequences per GPU (dp 1, 2, 4 in a stage).
         let pinned = PlanOptions { tp: Some(2), micro_batch: Some(4), ..opts };
-        assert_eq!(wanted_configs(&model, &pinned, 8), vec![(2, 1), (2, 2), (2, 4)]);
+        assert_eq!(wanted_configs(&model, &pinned, SearchMode::Exact, 8), vec![(2, 1), (2, 2), (2, 4)]);
     }
 }

@@ -21,25 +21,27 @@ const FAST_MAX_BOTTLENECK_RATIO: f64 = 1.5;
 /// Tensor-parallel degrees and micro-batch sizes the search tries.
 pub(super) fn configurations(cm: &CostModel, mode: SearchMode) -> Vec<Config> {
     let max_gpn = cm.cluster.classes.iter().map(|c| c.gpus_per_node).max().unwrap_or(1);
-    let heads = cm.model.spec.heads;
-    let tps: Vec<u32> = match cm.opts.tp {
+    tp_micro_batch_space(cm.model.spec.heads, max_gpn, cm.opts, mode)
+        .into_iter()
+        .map(|(tp, b)| Config { tp, micro_batch: b, micro_batches: cm.opts.global_batch / b })
+        .collect()
+}
+
+/// The (tp, micro-batch) pairs a search in `mode` tries for a model of `heads` heads on nodes
+/// of at most `max_gpus_per_node` GPUs: tp a power of two dividing the heads and fitting a
+/// node, micro-batches 1 to 8 (4 in fast mode) dividing the global batch, or what `opts` pins.
+/// (The coordinator asks agents to profile exactly these.)
+pub fn tp_micro_batch_space(heads: u32, max_gpus_per_node: u32, opts: &crate::cost::PlanOptions, mode: SearchMode) -> Vec<(u32, u32)> {
+    let tps: Vec<u32> = match opts.tp {
         Some(t) => vec![t],
-        None => (0..8).map(|i| 1u32 << i).filter(|&t| t <= max_gpn && heads.is_multiple_of(t)).collect(),
+        None => (0..8).map(|i| 1u32 << i).filter(|&t| t <= max_gpus_per_node && heads.is_multiple_of(t)).collect(),
     };
     let b_max = if mode == SearchMode::Fast { FAST_MAX_MICRO_BATCH } else { 8 };
-    let bs: Vec<u32> = match cm.opts.micro_batch {
+    let bs: Vec<u32> = match opts.micro_batch {
         Some(b) => vec![b],
-        None => (0..4).map(|i| 1u32 << i).filter(|&b| b <= b_max && cm.opts.global_batch.is_multiple_of(b)).collect(),
+        None => (0..4).map(|i| 1u32 << i).filter(|&b| b <= b_max && opts.global_batch.is_multiple_of(b)).collect(),
     };
-    let mut out = vec![];
-    for &tp in &tps {
-        for &b in &bs {
-            if cm.opts.global_batch.is_multiple_of(b) {
-                out.push(Config { tp, micro_batch: b, micro_batches: cm.opts.global_batch / b });
-            }
-        }
-    }
-    out
+    tps.iter().flat_map(|&tp| bs.iter().filter(|&&b| opts.global_batch.is_multiple_of(b)).map(move |&b| (tp, b))).collect()
 }
 
 /// The (tp, micro-batch) pairs of the exact space, for the oracle.
