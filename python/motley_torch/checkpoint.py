@@ -3,6 +3,7 @@ file per block, part and TP shard), a per-rank file and their piece of the step'
 $MOTLEY_CKPT_DIR; on a restart they read exactly the files $MOTLEY_CKPT_RESTORE lists.
 
     save(view, model, optimizer, step, directory, seed=..., global_batch=..., lr=...)  # collective
+    finish(view)            # collective: after the last save (saves are written in the background)
     step = restore(view, model, optimizer, restore_list(os.environ["MOTLEY_CKPT_RESTORE"]))
     verify_step(step_dir)   # every file's size and chunk crc32c against manifest.json
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 from typing import Dict, List, Tuple
 
 import torch
@@ -164,48 +167,181 @@ def _units(model, optimizer) -> Dict[Tuple[object, str], Dict[str, Tuple[dict, t
 
 
 # ---- save --------------------------------------------------------------------------------------
+#
+# A save stalls the rank only for a memory copy: save() snapshots every tensor of the checkpoint
+# (and the RNG state) into host memory and hands the snapshot to one background writer thread,
+# which serialises, crcs and writes the files (each atomically) and the rank's piece. At most one
+# save is in flight: the next save() (or finish()) first waits for it, so memory is bounded by one
+# copy. The merged manifest.json needs every rank's piece, hence a collective; collectives never
+# run in the writer thread: the next save() / finish() joins the writer, then all ranks agree
+# (one all-reduce, which is also the barrier) whether every rank's write succeeded, and rank 0
+# merges the pieces. A failed write is raised there, on every rank (CheckpointError), so training
+# ends non-zero. MOTLEY_CKPT_ASYNC=0 (or save(..., asynchronous=False)) writes in the caller, as
+# before: no snapshot, the files, the all-reduce, the manifest, then return.
 
 
-def save(view, model, optimizer, step: int, directory: str, seed: int, global_batch: int, lr: float) -> str:
-    """Write step `step` (optimizer steps taken) under `directory`/step-S: this rank's units
-    (replica 0's first TP group of each stage; all-replicated blocks once, by TP rank 0, as tp
-    0-1), its rank file and its manifest piece; then, after a barrier, global rank 0 writes the
-    merged manifest.json when every piece is in its directory. Collective: every rank calls it.
-    Returns the step directory."""
-    import torch.distributed as dist
+class _Pending:
+    """The rank's one save in flight (or written but not yet agreed on)."""
 
-    sdir = os.path.join(directory, step_dir_name(step))
-    os.makedirs(sdir, exist_ok=True)
+    def __init__(self, step: int, sdir: str, world_size: int, rank: int):
+        self.step, self.sdir, self.world_size, self.rank = step, sdir, world_size, rank
+        self.thread = None  # threading.Thread while writing in the background
+        self.error: BaseException = None
+
+
+_pending: _Pending = None
+
+
+def async_default() -> bool:
+    """MOTLEY_CKPT_ASYNC: 0/false/no/off writes checkpoints synchronously; default asynchronous."""
+    v = os.environ.get("MOTLEY_CKPT_ASYNC", "1").strip().lower()
+    if v in ("0", "false", "no", "off"):
+        return False
+    if v in ("", "1", "true", "yes", "on"):
+        return True
+    raise CheckpointError(f"MOTLEY_CKPT_ASYNC: {v!r} is not 0 or 1")
+
+
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_batch: int, lr: float,
+               copy: bool):
+    """Collect what step `step` writes (copied into host memory when `copy`) and return the
+    function that writes it: the rank's units, its rank file, then its piece."""
+    grab = _snapshot if copy else (lambda t: t)
     piece = {"format": FORMAT, "step": step, "layers": model.spec.layers, "world_size": view.world_size,
              "units": [], "ranks": []}
+    todo = []  # (block, part, tp_rank, tp_size, specs, {name: tensor})
     if view.replica == 0 and view.stage_dp_rank == 0:
         for (block, part), tensors in sorted(_units(model, optimizer).items(), key=lambda kv: str(kv[0])):
             replicated = all(s["layout"]["kind"] == "replicated" for s, _ in tensors.values())
             if replicated and view.tp_rank != 0:
                 continue
             tp_rank, tp_size = (0, 1) if replicated else (view.tp_rank, view.tp_size)
-            specs = {n: s for n, (s, _) in tensors.items()}
+            todo.append((block, part, tp_rank, tp_size, {n: s for n, (s, _) in tensors.items()},
+                         {n: grab(t) for n, (_, t) in tensors.items()}))
+    rank_header = {"format": FORMAT, "step": step, "rank": view.rank, "world_size": view.world_size, "seed": seed,
+                   "data": {"next_step": step, "samples": step * global_batch},
+                   "scheduler": {"kind": "constant", "lr": lr}}
+    rng = torch.get_rng_state()  # a new tensor: already a copy
+    rank = view.rank
+
+    def write():
+        os.makedirs(sdir, mode=0o700, exist_ok=True)
+        for block, part, tp_rank, tp_size, specs, tensors in todo:
             header = {"format": FORMAT, "step": step, "block": block_label(block), "part": part,
                       "tp_rank": tp_rank, "tp_size": tp_size, "tensors": specs}
-            data = _safetensors_bytes({n: t for n, (_, t) in tensors.items()}, header)
+            data = _safetensors_bytes(tensors, header)
             name = unit_file_name(block, part, tp_rank, tp_size)
             write_atomic(os.path.join(sdir, name), data)
             entry = {k: header[k] for k in ("block", "part", "tp_rank", "tp_size")}
             entry.update(file_entry(name, data))
             entry["tensors"] = specs
             piece["units"].append(entry)
-    rank_header = {"format": FORMAT, "step": step, "rank": view.rank, "world_size": view.world_size, "seed": seed,
-                   "data": {"next_step": step, "samples": step * global_batch},
-                   "scheduler": {"kind": "constant", "lr": lr}}
-    data = _safetensors_bytes({"rng.torch": torch.get_rng_state()}, rank_header)
-    write_atomic(os.path.join(sdir, rank_file_name(view.rank)), data)
-    piece["ranks"].append(dict(rank=view.rank, **file_entry(rank_file_name(view.rank), data)))
-    write_atomic(os.path.join(sdir, piece_file_name(view.rank)), json.dumps(piece, indent=1).encode())
-    dist.barrier()
-    if view.rank == 0:
-        pieces = [os.path.join(sdir, piece_file_name(r)) for r in range(view.world_size)]
-        if all(os.path.exists(p) for p in pieces):
-            write_atomic(os.path.join(sdir, MANIFEST), json.dumps(merge([_read_json(p) for p in pieces]), indent=1).encode())
+            del data
+        data = _safetensors_bytes({"rng.torch": rng}, rank_header)
+        write_atomic(os.path.join(sdir, rank_file_name(rank)), data)
+        piece["ranks"].append(dict(rank=rank, **file_entry(rank_file_name(rank), data)))
+        write_atomic(os.path.join(sdir, piece_file_name(rank)), json.dumps(piece, indent=1).encode())
+        todo.clear()  # drop the snapshot as soon as it is written
+
+    return write
+
+
+def _run(job, p: _Pending):
+    try:
+        job()
+    except BaseException as e:  # kept for the caller: raised on the next save() / finish()
+        p.error = e
+        print(f"motley_torch.checkpoint: rank {p.rank}: writing {p.sdir} failed: {e!r}", file=sys.stderr, flush=True)
+
+
+def flush():
+    """Wait for this rank's checkpoint write in flight, if any (local; no collective). Raises
+    CheckpointError if it failed (and forgets it)."""
+    global _pending
+    p = _pending
+    if p is None:
+        return
+    if p.thread is not None:
+        p.thread.join()
+        p.thread = None
+    if p.error is not None:
+        _pending = None
+        raise CheckpointError(f"rank {p.rank}: writing checkpoint step {p.step} to {p.sdir} failed: "
+                              f"{type(p.error).__name__}: {p.error}") from p.error
+
+
+def _merge_manifest(sdir: str, world_size: int):
+    pieces = [os.path.join(sdir, piece_file_name(r)) for r in range(world_size)]
+    if all(os.path.exists(x) for x in pieces):
+        write_atomic(os.path.join(sdir, MANIFEST), json.dumps(merge([_read_json(x) for x in pieces]), indent=1).encode())
+
+
+def finish(view, _merge_later: bool = False):
+    """Complete the checkpoint in flight: wait for this rank's writer, agree with every rank that
+    all writes succeeded (an all-reduce: collective, every rank calls it, after its last save),
+    then global rank 0 writes the step's manifest.json when every piece is in its directory.
+    Raises CheckpointError on every rank if any rank's write failed. No-op without a save.
+    (`_merge_later`: return the manifest's writing as a function instead, for save's writer.)"""
+    global _pending
+    p = _pending
+    if p is None:
+        return None
+    import torch.distributed as dist
+
+    local = None
+    try:
+        flush()
+    except CheckpointError as e:
+        local = e
+    failed = torch.tensor([1 if local is not None else 0], dtype=torch.int32, device=getattr(view, "device", "cpu"))
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    _pending = None
+    if local is not None:
+        raise local
+    if int(failed.item()):
+        raise CheckpointError(f"checkpoint step {p.step} ({p.sdir}): another rank's write failed (see its log); "
+                              f"this step is incomplete")
+    if p.rank != 0:
+        return None
+    if _merge_later:
+        return lambda: _merge_manifest(p.sdir, p.world_size)
+    _merge_manifest(p.sdir, p.world_size)
+    return None
+
+
+def save(view, model, optimizer, step: int, directory: str, seed: int, global_batch: int, lr: float,
+         asynchronous: bool = None) -> str:
+    """Checkpoint step `step` (optimizer steps taken) under `directory`/step-S: this rank's units
+    (replica 0's first TP group of each stage; all-replicated blocks once, by TP rank 0, as tp
+    0-1), its rank file and its manifest piece; global rank 0 writes the merged manifest.json
+    when every piece is in its directory. Collective: every rank calls it, at the same steps.
+
+    Asynchronous (default; `asynchronous=False` or MOTLEY_CKPT_ASYNC=0: synchronous): first
+    finish() the previous save (wait, agree, merge its manifest; raises if it failed), then copy
+    this step's tensors and RNG state into host memory and return; a background thread writes
+    them. The values saved are those at the call, whatever the caller does next. Call finish()
+    after the last save. Returns the step directory."""
+    if asynchronous is None:
+        asynchronous = async_default()
+    global _pending
+    # The previous save: written by every rank (else raise); its manifest is merged by rank 0's
+    # writer thread before this step's files (not in the caller's stall).
+    merge_prev = finish(view, _merge_later=asynchronous)
+    sdir = os.path.join(directory, step_dir_name(step))
+    write = _write_job(view, model, optimizer, step, sdir, seed, global_batch, lr, copy=asynchronous)
+    job = write if merge_prev is None else (lambda: (merge_prev(), write()))
+    p = _Pending(step, sdir, view.world_size, view.rank)
+    _pending = p
+    if asynchronous:
+        p.thread = threading.Thread(target=_run, args=(job, p), name=f"motley-ckpt-{step}", daemon=False)
+        p.thread.start()
+    else:
+        _run(job, p)
+        finish(view)
     return sdir
 
 
@@ -333,4 +469,4 @@ def restore(view, model, optimizer, paths: List[str]) -> int:
     return step
 
 
-__all__ = ["CheckpointError", "save", "restore", "restore_list", "verify_step", "merge", "param_specs"]
+__all__ = ["CheckpointError", "save", "flush", "finish", "restore", "restore_list", "verify_step", "merge", "param_specs"]

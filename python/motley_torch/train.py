@@ -18,7 +18,10 @@ step and the loss all-reduce, and the step's wall time. Without it no timing cod
 
 --ckpt-dir DIR --ckpt-every N (or $MOTLEY_CKPT_DIR, $MOTLEY_CKPT_EVERY) write a checkpoint after
 every N-th step, and --ckpt-restore LIST (or $MOTLEY_CKPT_RESTORE) resumes from exactly the
-files listed (docs/checkpoint.md; motley_torch.checkpoint).
+files listed (docs/checkpoint.md; motley_torch.checkpoint). A save stalls the step only for
+copying the state to host memory; a background thread writes the files (--ckpt-sync or
+$MOTLEY_CKPT_ASYNC=0: written in the step, as before). A failed write ends the run with exit 2
+at the next checkpoint or at the end.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-restore", metavar="LIST", default=os.environ.get("MOTLEY_CKPT_RESTORE") or None,
                    help="resume from exactly these files: a JSON list of absolute paths or a file holding one; "
                         "default $MOTLEY_CKPT_RESTORE")
+    p.add_argument("--ckpt-sync", action="store_true",
+                   help="write checkpoints in the training thread (the step waits for the files); default: "
+                        "copy the state to memory and write it in the background, unless $MOTLEY_CKPT_ASYNC=0")
     return p.parse_args(argv)
 
 
@@ -209,7 +215,13 @@ def run_rank(args) -> int:
             from . import checkpoint
 
             checkpoint.save(view, model, opt, step + 1, args.ckpt_dir, seed=args.seed,
-                            global_batch=plan.global_batch, lr=args.lr)
+                            global_batch=plan.global_batch, lr=args.lr, asynchronous=args.ckpt_async)
+    if args.ckpt_dir:
+        from . import checkpoint
+
+        # Wait for the last checkpoint's writer, agree that every rank's writes succeeded (else
+        # CheckpointError: exit 2), write its manifest.json.
+        checkpoint.finish(view)
     if tfile is not None:
         tfile.close()
     if args.save_params:
@@ -262,6 +274,9 @@ def main(argv=None) -> int:
             raise PlanError("--ckpt-every: must be >= 0 (0: never)")
         if args.ckpt_every and not args.ckpt_dir:
             raise PlanError("--ckpt-every: needs --ckpt-dir or MOTLEY_CKPT_DIR (where to write)")
+        from .checkpoint import async_default
+
+        args.ckpt_async = False if args.ckpt_sync else async_default()
         if args.single_process and (args.ckpt_every or args.ckpt_restore):
             raise PlanError("--ckpt-every/--ckpt-restore: checkpoints are written and read by ranks, not --single-process")
         return run_single(args) if args.single_process else run_rank(args)
