@@ -496,6 +496,7 @@ async fn session_inner(
         address: args.address.clone(),
         logs_url: logs_url.to_string(),
         can_profile: profiler.is_some(),
+        ..Default::default()
     };
     let ca = match &args.ca_cert {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("--ca-cert: cannot read {}", p.display()))?),
@@ -558,8 +559,18 @@ async fn session_inner(
                     true => load.borrow().as_ref().filter(|(_, at)| at.elapsed() <= fresh).map(|(l, _)| l.clone()),
                     false => None,
                 };
-                let status =
-                    AgentStatus { node: node.clone(), epoch, ranks, load, seq, full, profiles, holdings: holdings_list, holdings_sent };
+                let status = AgentStatus {
+                    node: node.clone(),
+                    epoch,
+                    ranks,
+                    load,
+                    seq,
+                    full,
+                    profiles,
+                    holdings: holdings_list,
+                    holdings_sent,
+                    restores: vec![],
+                };
                 if tx.send(status).await.is_err() {
                     return;
                 }
@@ -595,6 +606,9 @@ async fn heartbeat(
                     Some(profiler) => profiler.start(p),
                     None => tracing::warn!(node = %node, request = p.request, "asked to profile, but this agent has no --python; ignored"),
                 },
+                Some(instruction::Kind::Restore(r)) => {
+                    tracing::warn!(node = %node, job = r.job, generation = r.generation, "asked to restore a checkpoint; this agent cannot yet")
+                }
                 Some(instruction::Kind::Ack(a)) => {
                     supervisor.ack(a.seq);
                     if let Some(p) = profiler {

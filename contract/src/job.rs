@@ -1,4 +1,6 @@
-//! A job's life: submitted -> planning -> launching -> running -> succeeded | failed | cancelled.
+//! A job's life: submitted -> planning -> launching -> running -> succeeded | failed | cancelled,
+//! and running (or launching) -> recovering -> launching when a node is lost or a rank fails and
+//! the job has budget left (it resumes from a checkpoint under the next generation).
 //! Pure: the coordinator's store applies these rules inside its transactions; clients read the
 //! states in job views (`views`).
 
@@ -14,17 +16,21 @@ pub enum JobState {
     Planning,
     Launching,
     Running,
+    /// A node was lost or drained, or a rank failed: re-planned on the nodes it can use and
+    /// restored from its newest complete checkpoint before the next launch.
+    Recovering,
     Succeeded,
     Failed,
     Cancelled,
 }
 
 impl JobState {
-    pub const ALL: [JobState; 7] = [
+    pub const ALL: [JobState; 8] = [
         JobState::Submitted,
         JobState::Planning,
         JobState::Launching,
         JobState::Running,
+        JobState::Recovering,
         JobState::Succeeded,
         JobState::Failed,
         JobState::Cancelled,
@@ -36,6 +42,7 @@ impl JobState {
             JobState::Planning => "planning",
             JobState::Launching => "launching",
             JobState::Running => "running",
+            JobState::Recovering => "recovering",
             JobState::Succeeded => "succeeded",
             JobState::Failed => "failed",
             JobState::Cancelled => "cancelled",
@@ -48,8 +55,8 @@ impl JobState {
     }
 
     /// Whether `self -> to` is a step of the job's life. Any live state may fail or be
-    /// cancelled; a running job may go back to launching (a relaunch under a new generation,
-    /// after a node is lost, once recovery lands).
+    /// cancelled; a launched job may go back to launching (a relaunch under a new generation)
+    /// directly or through `recovering` (re-planned and restored from a checkpoint first).
     pub fn can_become(self, to: JobState) -> bool {
         use JobState::*;
         if self.is_terminal() {
@@ -63,6 +70,8 @@ impl JobState {
                 | (Running, Succeeded)
                 | (Running, Launching)
                 | (Launching, Launching)
+                | (Running | Launching, Recovering)
+                | (Recovering, Launching)
                 | (_, Failed)
                 | (_, Cancelled)
         )
@@ -94,7 +103,9 @@ mod tests {
         assert!(Launching.can_become(Running));
         assert!(Running.can_become(Succeeded));
         assert!(Running.can_become(Launching), "relaunch under a new generation");
-        for s in [Submitted, Planning, Launching, Running] {
+        assert!(Running.can_become(Recovering) && Launching.can_become(Recovering) && Recovering.can_become(Launching));
+        assert!(!Recovering.can_become(Running) && !Submitted.can_become(Recovering), "a recovery relaunches first");
+        for s in [Submitted, Planning, Launching, Running, Recovering] {
             assert!(s.can_become(Failed) && s.can_become(Cancelled));
         }
         for s in [Succeeded, Failed, Cancelled] {

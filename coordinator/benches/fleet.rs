@@ -430,7 +430,13 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
                         changed.notify_one();
                     }
                     // Bench agents register without can_profile: never asked to profile.
-                    Some(instruction::Kind::Drain(_) | instruction::Kind::Ack(_) | instruction::Kind::Profile(_)) | None => {}
+                    Some(
+                        instruction::Kind::Drain(_)
+                        | instruction::Kind::Ack(_)
+                        | instruction::Kind::Profile(_)
+                        | instruction::Kind::Restore(_),
+                    )
+                    | None => {}
                 },
                 Ok(None) => bail!("the coordinator closed the heartbeat stream"),
                 Err(s) => bail!("heartbeat stream: {:?} {}", s.code(), s.message()),

@@ -147,6 +147,8 @@ mod tests {
             rank,
             layers: 1,
             world_size: 1,
+            chunk_bytes: 0,
+            crc32c: "[]".into(),
         }
     }
 

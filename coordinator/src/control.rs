@@ -77,6 +77,11 @@ pub async fn set_draining(store: &Store, fleet: &crate::fleet::Fleet, name: &str
     let state = if draining { NodeState::Draining } else { NodeState::Active };
     let node = store.set_node_state(name, state).await?;
     fleet.tell_drain(name, draining);
+    if draining {
+        // Jobs with budget move off the node now (its checkpoint copies still serve the
+        // restore); the others keep running there until they end.
+        crate::recovery::node_leaving(store, fleet, name, &format!("node {name} is draining"), false).await;
+    }
     Ok(node)
 }
 
@@ -185,6 +190,30 @@ pub async fn plan_job(store: &Store, fleet: &crate::fleet::Fleet, id: i64, taken
         }
         Err(e) => fail_planning(store, &job, e).await,
     }
+}
+
+/// Plan a recovering job again on what it can use now: live, active nodes within its
+/// resources, every GPU no other job holds (its own old launch's included: its ranks were
+/// stopped). Nothing is stored; the recovery launches it once the restore is in place.
+#[tracing::instrument(skip(store, fleet, taken))]
+pub async fn plan_for_recovery(
+    store: &Store,
+    fleet: &crate::fleet::Fleet,
+    job: &JobRecord,
+    taken: &Taken,
+) -> Result<(String, Vec<RankAssignment>)> {
+    let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
+    let mut others = taken.clone();
+    for gpus in others.values_mut() {
+        gpus.retain(|_, j| *j != job.id);
+    }
+    let offer = offer(store, &spec, Some((fleet, &others))).await?;
+    if offer.free == 0 {
+        return Err(CoordinatorError::Conflict("no free GPU on a live node: nothing to recover onto".into()));
+    }
+    let profiles = crate::profiling::stored_for(store, &spec).await?;
+    let (report, ranks) = solve(&spec, offer, profiles, deadline(fleet, &spec)).await?;
+    Ok((serde_json::to_string(&report).expect("a plan serialises"), ranks))
 }
 
 /// `planning` (as a record that it was tried), then `failed` with the reason.

@@ -88,6 +88,9 @@ pub struct Fleet {
     pub plan_deadline: Duration,
     /// The profile runs this leader sent to agents (see `profiling`).
     pub profile_runs: crate::profiling::Runs,
+    /// Each node's data plane and checkpoint rates (told at registration), and the restores
+    /// agents reported (see `recovery`).
+    pub restores: crate::recovery::Restores,
 }
 
 impl Fleet {
@@ -105,6 +108,7 @@ impl Fleet {
             queue: tokio::sync::Notify::new(),
             waiting: Mutex::default(),
             profile_runs: Default::default(),
+            restores: Default::default(),
         })
     }
 

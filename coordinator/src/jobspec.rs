@@ -9,8 +9,8 @@
 //!   nodes: [a100-0, a100-1]   # only these nodes (optional)
 //! run: python train.py        # started once per rank
 //! envs: {DATA: /data/c4}
-//! max_restarts: 0             # relaunches after a rank fails (0 until recovery lands)
-//! max_preemptions: 0          # relaunches after a node is lost (0 until recovery lands)
+//! max_restarts: 0             # relaunches after a rank fails (from the newest checkpoint)
+//! max_preemptions: 0          # recoveries after a node is lost or drained (needs `checkpoint`)
 //! user: alice                 # the ranks run as this user where the agent runs as root (optional)
 //! plan_options:               # the `motley plan` flags a job may pin (all optional)
 //!   tp: 2                     # only this tensor-parallel degree
@@ -25,6 +25,8 @@
 //!   p2p_blocking: false       # pipeline sends block the stage (Megatron-LM's 1F1B)
 //! checkpoint:                 # checkpoints (optional; docs/checkpoint.md)
 //!   every: 100                # ranks save every 100 steps (MOTLEY_CKPT_EVERY) into MOTLEY_CKPT_DIR
+//!   keep: 2                   # complete steps each agent keeps on local disk (MOTLEY_CKPT_KEEP)
+//!   cloud: file:///ckpt       # object store the agents upload to (MOTLEY_CKPT_CLOUD; s3:// gs:// az://)
 //! profiling:                  # measured layer profiles (optional)
 //!   mode: auto                # auto: measure what is missing where agents can, else roofline
 //!                             # only: plan from measured profiles only (wait; fail if one cannot be had)
@@ -97,8 +99,8 @@ pub struct PlanOptionsSpec {
     pub p2p_blocking: Option<bool>,
 }
 
-/// The job's checkpoints (`checkpoint:`). `keep` and `cloud` come with the agents' shard tiers
-/// (the recovery issue) and are refused until then.
+/// The job's checkpoints (`checkpoint:`): how often ranks save, how many complete steps agents
+/// keep on disk (default 2), and the object store they upload every step to (optional).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointSpec {
@@ -179,6 +181,24 @@ pub struct JobSpec {
     /// Checkpoints: how often ranks save.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<CheckpointSpec>,
+}
+
+/// Complete checkpoint steps each agent keeps on disk when the job file does not say.
+pub const DEFAULT_KEEP: u32 = 2;
+
+/// An object store URL the agents can upload to: `file:///ABSOLUTE/PATH`, `s3://BUCKET[/PREFIX]`,
+/// `gs://BUCKET[/PREFIX]` or `az://CONTAINER[/PREFIX]` (the cloud ones need the agent built with
+/// the provider's feature; the agent says which when it is not).
+fn cloud_url(url: &str) -> std::result::Result<(), String> {
+    let fix = "give file:///ABSOLUTE/PATH, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or az://CONTAINER/PREFIX";
+    let Some((scheme, rest)) = url.split_once("://") else { return Err(format!("'{url}' is not a URL; {fix}")) };
+    match scheme {
+        "file" if rest.starts_with('/') && !rest.split('/').any(|c| c == "..") => Ok(()),
+        "file" => Err(format!("'{url}': a file URL needs an absolute path without '..'; {fix}")),
+        "s3" | "gs" | "az" if !rest.is_empty() && !rest.starts_with('/') => Ok(()),
+        "s3" | "gs" | "az" => Err(format!("'{url}' names no bucket; {fix}")),
+        other => Err(format!("scheme '{other}' is not an object store Motley uploads to; {fix}")),
+    }
 }
 
 /// See the module's doc: the limits a job file is held to.
@@ -270,18 +290,16 @@ impl JobSpec {
         for (i, n) in self.resources.nodes.iter().enumerate() {
             crate::validate::node_name(n).map_err(|e| CoordinatorError::invalid(format!("resources.nodes[{i}]"), e))?;
         }
-        // Parsed so old job files still read; recovery (relaunches) is a later issue's.
-        if self.max_restarts != 0 {
-            return Err(CoordinatorError::invalid(
-                "max_restarts",
-                "relaunching a failed job is not supported yet; remove it or set 0 (a failed rank fails the job)",
-            ));
-        }
-        if self.max_preemptions != 0 {
-            return Err(CoordinatorError::invalid(
-                "max_preemptions",
-                "relaunching after a lost node is not supported yet; remove it or set 0 (a lost node fails the job)",
-            ));
+        // A relaunch resumes from a checkpoint: without one it would start over.
+        if self.checkpoint.is_none() {
+            for (field, n) in [("max_restarts", self.max_restarts), ("max_preemptions", self.max_preemptions)] {
+                if n != 0 {
+                    return Err(CoordinatorError::invalid(
+                        field,
+                        "a relaunch resumes from the newest complete checkpoint; add checkpoint: {every: STEPS} or set 0",
+                    ));
+                }
+            }
         }
         if self.global_batch == 0 {
             return Err(CoordinatorError::invalid("global_batch", "must be at least 1"));
@@ -315,12 +333,11 @@ impl JobSpec {
             if c.every == 0 {
                 return Err(CoordinatorError::invalid("checkpoint.every", "must be at least 1 (steps between checkpoints)"));
             }
-            if c.keep.is_some() || c.cloud.is_some() {
-                let field = if c.keep.is_some() { "checkpoint.keep" } else { "checkpoint.cloud" };
-                return Err(CoordinatorError::invalid(
-                    field,
-                    "is not supported yet (agents keep every step on local disk until the shard tiers land); remove it",
-                ));
+            if c.keep == Some(0) {
+                return Err(CoordinatorError::invalid("checkpoint.keep", "must be at least 1 (complete steps kept on each node's disk)"));
+            }
+            if let Some(url) = &c.cloud {
+                cloud_url(url).map_err(|e| CoordinatorError::invalid("checkpoint.cloud", e))?;
             }
         }
         if let Some(dtype) = self.profiling.as_ref().and_then(|p| p.dtype.as_deref()) {
@@ -407,6 +424,10 @@ impl JobSpec {
         let mut envs: std::collections::HashMap<String, String> = self.envs.clone().into_iter().collect();
         if let Some(c) = &self.checkpoint {
             envs.insert("MOTLEY_CKPT_EVERY".into(), c.every.to_string());
+            envs.insert("MOTLEY_CKPT_KEEP".into(), c.keep.unwrap_or(DEFAULT_KEEP).to_string());
+            if let Some(url) = &c.cloud {
+                envs.insert("MOTLEY_CKPT_CLOUD".into(), url.clone());
+            }
         }
         envs
     }
@@ -490,17 +511,33 @@ mod tests {
     }
 
     #[test]
-    fn checkpoint_every_reaches_the_ranks_and_unsupported_fields_are_named() {
+    fn checkpoint_fields_reach_the_ranks_and_bad_ones_are_named() {
         let err = |t: &str| JobSpec::parse(t).unwrap_err().to_string();
         let spec = JobSpec::parse(&format!("{GOOD}checkpoint: {{every: 50}}\n")).unwrap();
         let envs = spec.launch_envs();
-        assert_eq!(envs["MOTLEY_CKPT_EVERY"], "50");
+        assert_eq!((envs["MOTLEY_CKPT_EVERY"].as_str(), envs["MOTLEY_CKPT_KEEP"].as_str()), ("50", "2"));
         assert_eq!(envs["DATA"], "/data");
+        assert!(!envs.contains_key("MOTLEY_CKPT_CLOUD"));
         assert!(!JobSpec::parse(GOOD).unwrap().launch_envs().contains_key("MOTLEY_CKPT_EVERY"));
+        let spec = JobSpec::parse(&format!("{GOOD}checkpoint: {{every: 5, keep: 3, cloud: 'file:///srv/ckpt'}}\n")).unwrap();
+        let envs = spec.launch_envs();
+        assert_eq!((envs["MOTLEY_CKPT_KEEP"].as_str(), envs["MOTLEY_CKPT_CLOUD"].as_str()), ("3", "file:///srv/ckpt"));
+        JobSpec::parse(&format!("{GOOD}checkpoint: {{every: 5, cloud: 's3://bucket/prefix'}}\n")).unwrap();
         assert!(err(&format!("{GOOD}checkpoint: {{every: 0}}\n")).starts_with("checkpoint.every:"));
-        assert!(err(&format!("{GOOD}checkpoint: {{every: 5, keep: 2}}\n")).starts_with("checkpoint.keep: is not supported yet"));
-        assert!(err(&format!("{GOOD}checkpoint: {{every: 5, cloud: 's3://b/p'}}\n")).starts_with("checkpoint.cloud:"));
+        assert!(err(&format!("{GOOD}checkpoint: {{every: 5, keep: 0}}\n")).starts_with("checkpoint.keep: must be at least 1"));
+        assert!(err(&format!("{GOOD}checkpoint: {{every: 5, cloud: 'ftp://x/y'}}\n")).starts_with("checkpoint.cloud: scheme 'ftp'"));
+        assert!(err(&format!("{GOOD}checkpoint: {{every: 5, cloud: 'file://rel/dir'}}\n")).contains("absolute path"));
+        assert!(err(&format!("{GOOD}checkpoint: {{every: 5, cloud: 's3://'}}\n")).contains("names no bucket"));
         assert!(err(&format!("{GOOD}checkpoint: {{evry: 5}}\n")).contains("evry"));
+    }
+
+    #[test]
+    fn relaunch_budgets_need_a_checkpoint() {
+        let err = |t: &str| JobSpec::parse(t).unwrap_err().to_string();
+        assert!(err(&format!("{GOOD}max_preemptions: 2\n")).starts_with("max_preemptions: a relaunch resumes"));
+        assert!(err(&format!("{GOOD}max_restarts: 1\n")).starts_with("max_restarts: a relaunch resumes"));
+        let j = JobSpec::parse(&format!("{GOOD}max_restarts: 1\nmax_preemptions: 3\ncheckpoint: {{every: 10}}\n")).unwrap();
+        assert_eq!((j.max_restarts, j.max_preemptions), (1, 3));
     }
 
     #[test]

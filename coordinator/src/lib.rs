@@ -27,6 +27,8 @@ pub mod lifecycle;
 pub mod load;
 pub mod metrics;
 pub mod profiling;
+pub mod recovery;
+pub mod restore_plan;
 pub mod scheduler;
 pub mod service;
 pub mod store;

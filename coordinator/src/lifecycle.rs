@@ -74,7 +74,9 @@ pub async fn progress(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
         } else {
             format!("rank {} on node {} exited with code {}", bad.rank, bad.node, bad.exit_code.unwrap_or(-1))
         };
-        fail(store, fleet, id, job.generation, &reason).await;
+        if !crate::recovery::try_recover(store, fleet, &job, crate::store::RecoveryCause::Restart, &reason).await {
+            fail(store, fleet, id, job.generation, &reason).await;
+        }
         return Ok(());
     }
     let started = ranks.started == ranks.total;
@@ -97,6 +99,11 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
     let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
     let plan = store.plan(id, job.generation).await?;
     let ranks = store.ranks(id, job.generation).await?;
+    let mut envs = spec.launch_envs();
+    // A recovery's launch: the agents restored this step for it (their MOTLEY_CKPT_RESTORE).
+    if let Some(step) = store.restore_step(id, job.generation).await? {
+        envs.insert(crate::recovery::RESTORE_STEP_ENV.into(), step.to_string());
+    }
     let world = ranks.len() as i64;
     let Some(first) = ranks.first() else { return Ok(()) };
     let master_addr = fleet.address(&first.assignment.node).unwrap_or_else(|| "127.0.0.1".into());
@@ -140,7 +147,7 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
             job: id,
             generation: job.generation,
             run: spec.run.clone(),
-            envs: spec.launch_envs(),
+            envs: envs.clone(),
             plan_json: plan.clone(),
             master_addr: master_addr.clone(),
             master_port,
@@ -250,23 +257,14 @@ async fn recheck(store: &Store, fleet: &Fleet) -> Result<(), CoordinatorError> {
     Ok(())
 }
 
-/// A node's lease ended: fail the launched jobs with ranks there.
+/// A node's lease ended: its launched jobs recover where they have budget, and fail otherwise.
 async fn node_lost(store: &Store, fleet: &Fleet, node: &str) {
     let reason = format!("node {node} lost: no heartbeat for {} ms ({LEASE_INTERVALS} intervals)", lease(fleet).as_millis());
     tracing::warn!("{reason}");
     if let Err(e) = store.record_event(None, None, "node_lost", &reason).await {
         tracing::warn!("{e}");
     }
-    let jobs = match store.unfinished_jobs().await {
-        Ok(j) => j,
-        Err(e) => return tracing::warn!(node, "cannot read the jobs of a lost node: {e}"),
-    };
-    for j in jobs.into_iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)) {
-        let on_node = store.ranks(j.id, j.generation).await.is_ok_and(|r| r.iter().any(|r| r.assignment.node == node));
-        if on_node {
-            fail(store, fleet, j.id, j.generation, &reason).await;
-        }
-    }
+    crate::recovery::node_leaving(store, fleet, node, &reason, true).await;
 }
 
 fn lease(fleet: &Fleet) -> Duration {

@@ -25,6 +25,12 @@ use motley_coordinator::{takeover, Store};
 use motley_proto::v1::agent_server::AgentServer;
 use motley_proto::v1::control_server::ControlServer;
 
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum RestoreMode {
+    Planned,
+    CloudOnly,
+}
+
 #[derive(Parser)]
 #[command(name = "motley-coordinator", version, about = "Motley's coordinator: inventory, jobs, plans and launches")]
 struct Args {
@@ -63,6 +69,15 @@ struct Args {
     /// ports from BASE are used (open them between the nodes).
     #[arg(long, env = "MOTLEY_MASTER_PORT_BASE", default_value_t = 29500)]
     master_port_base: u16,
+    /// The object store's egress shared by all nodes (MB/s): what the restore planner assumes
+    /// for checkpoint bytes only the cloud holds.
+    #[arg(long, env = "MOTLEY_CLOUD_EGRESS_MB_S", default_value_t = 1200.0)]
+    cloud_egress_mb_s: f64,
+    /// How recoveries restore: `planned` (local reads, peers, each missing byte from the cloud
+    /// once) or `cloud-only` (every rank fetches its own shards from the cloud, Varuna's way: the
+    /// benchmark's baseline).
+    #[arg(long, env = "MOTLEY_RESTORE_MODE", value_enum, default_value = "planned")]
+    restore_mode: RestoreMode,
     /// The host name or address published for the CLI and agents when this coordinator leads
     /// (default: the listen address, or the host name when listening on a wildcard).
     #[arg(long, env = "MOTLEY_ADVERTISE_HOST")]
@@ -183,7 +198,18 @@ async fn main() -> anyhow::Result<()> {
         u32::from(args.master_port_base) >= 1024 && u32::from(args.master_port_base) + 1024 <= 65536,
         "--master-port-base: must be between 1024 and 64512 (1,024 ports from it are used)"
     );
+    anyhow::ensure!(
+        args.cloud_egress_mb_s.is_finite() && args.cloud_egress_mb_s > 0.0,
+        "--cloud-egress-mb-s: must be a rate above 0 MB/s (e.g. 1200)"
+    );
     let fleet = Fleet::new(base, args.master_port_base, std::time::Duration::from_millis(args.plan_timeout_ms));
+    fleet.restores.configure(motley_coordinator::recovery::Settings {
+        cloud_egress_mb_s: args.cloud_egress_mb_s,
+        mode: match args.restore_mode {
+            RestoreMode::Planned => motley_coordinator::restore_plan::Mode::Planned,
+            RestoreMode::CloudOnly => motley_coordinator::restore_plan::Mode::CloudOnly,
+        },
+    });
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("--listen: cannot bind {}", args.listen))?;
     let addr = listener.local_addr()?;
     let grpc = tokio::net::TcpListener::bind(args.grpc_listen)
@@ -214,6 +240,7 @@ async fn main() -> anyhow::Result<()> {
                     ("lease clock", tokio::spawn(motley_coordinator::lifecycle::lease_clock(fleet.clone(), lost))),
                     ("lease watcher", tokio::spawn(motley_coordinator::lifecycle::watch(store.clone(), fleet.clone(), lost_nodes))),
                     ("job queue", tokio::spawn(motley_coordinator::scheduler::run(store.clone(), fleet.clone()))),
+                    ("recovery", tokio::spawn(motley_coordinator::recovery::run(store.clone(), fleet.clone()))),
                     ("takeover", tokio::spawn(takeover::resume(store, fleet))),
                 ]);
             }),

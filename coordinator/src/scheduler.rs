@@ -125,8 +125,9 @@ pub(crate) async fn send_out(store: &Store, fleet: &Fleet, id: i64, generation: 
 
 /// GPUs no new launch may use: those of every launched job's current launch, and those of
 /// ranks still reported running on a live node.
-async fn taken(store: &Store, fleet: &Fleet, jobs: &[JobRecord]) -> Result<Taken> {
-    let launched: HashSet<i64> = jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)).map(|j| j.id).collect();
+pub(crate) async fn taken(store: &Store, fleet: &Fleet, jobs: &[JobRecord]) -> Result<Taken> {
+    let launched: HashSet<i64> =
+        jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running | JobState::Recovering)).map(|j| j.id).collect();
     let mut taken = Taken::new();
     for h in store.held_gpus().await? {
         if launched.contains(&h.job) || (h.running && fleet.live(&h.node)) {

@@ -14,8 +14,10 @@ use crate::job::JobState;
 
 mod checkpoints;
 mod profiles;
+mod recovery;
 pub use checkpoints::Holding;
 pub use profiles::{NewProfile, ProfileRecord};
+pub use recovery::{RecoveryCause, Spent};
 
 /// `sqlx::migrate!` embeds `migrations/` in the binary.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
@@ -256,7 +258,7 @@ impl Store {
         let mut tx = self.pool.begin().await?;
         let busy = sqlx::query(
             "SELECT r.job_id FROM ranks r JOIN jobs j ON j.id = r.job_id WHERE r.node = $1 AND \
-             (r.state = 'running' OR (j.state IN ('submitted', 'planning', 'launching', 'running') AND r.generation = j.generation)) \
+             (r.state = 'running' OR (j.state IN ('submitted', 'planning', 'launching', 'running', 'recovering') AND r.generation = j.generation)) \
              ORDER BY r.job_id LIMIT 1",
         )
         .bind(name)
@@ -374,7 +376,7 @@ impl Store {
     pub async fn unfinished_jobs(&self) -> Result<Vec<JobRecord>> {
         let rows = sqlx::query(
             "SELECT id, name, spec, state, generation, reason, created_at_ms, updated_at_ms FROM jobs \
-             WHERE state IN ('submitted', 'planning', 'launching', 'running') ORDER BY id",
+             WHERE state IN ('submitted', 'planning', 'launching', 'running', 'recovering') ORDER BY id",
         )
         .fetch_all(&self.pool)
         .await?;
@@ -432,6 +434,12 @@ impl Store {
     /// A (re)launch: the next generation with its plan and rank assignments, the job moved
     /// to `launching`, all in one transaction. Returns the new generation.
     pub async fn start_generation(&self, id: i64, plan: &str, ranks: &[RankAssignment]) -> Result<i64> {
+        self.start_generation_from(id, plan, ranks, None).await
+    }
+
+    /// `start_generation` of a launch whose ranks resume from checkpoint step `restore_step`
+    /// (a recovery's: the agents restored it for this generation).
+    pub async fn start_generation_from(&self, id: i64, plan: &str, ranks: &[RankAssignment], restore_step: Option<i64>) -> Result<i64> {
         let mut tx = self.pool.begin().await?;
         self.check_term(&mut tx).await?;
         let job = job_in(&mut tx, id).await?;
@@ -440,11 +448,12 @@ impl Store {
         }
         let generation = job.generation + 1;
         let now = now_ms();
-        sqlx::query("INSERT INTO plans (job_id, generation, plan, created_at_ms) VALUES ($1, $2, $3, $4)")
+        sqlx::query("INSERT INTO plans (job_id, generation, plan, created_at_ms, restore_step) VALUES ($1, $2, $3, $4, $5)")
             .bind(id)
             .bind(generation)
             .bind(plan)
             .bind(now)
+            .bind(restore_step.unwrap_or(-1))
             .execute(&mut *tx)
             .await?;
         // Multi-row INSERTs (one round trip per chunk, not per rank): 8 parameters a row plus the
@@ -500,7 +509,10 @@ impl Store {
         if done.rows_affected() != 1 {
             return Err(CoordinatorError::Conflict(format!("job {id} changed state concurrently; not launched")));
         }
-        let message = format!("job {id}: generation {generation} launching {} ranks", ranks.len());
+        let message = match restore_step {
+            Some(step) => format!("job {id}: generation {generation} launching {} ranks from checkpoint step {step}", ranks.len()),
+            None => format!("job {id}: generation {generation} launching {} ranks", ranks.len()),
+        };
         Self::event(&mut tx, Some(id), Some(generation), "launching", &message).await?;
         tx.commit().await?;
         Ok(generation)
@@ -513,6 +525,16 @@ impl Store {
             return Err(CoordinatorError::StaleGeneration { job: id, given: generation, current: job.generation });
         }
         Ok(())
+    }
+
+    /// The checkpoint step launch `generation` resumes from, if any.
+    pub async fn restore_step(&self, id: i64, generation: i64) -> Result<Option<i64>> {
+        let step: Option<i64> = sqlx::query_scalar("SELECT restore_step FROM plans WHERE job_id = $1 AND generation = $2")
+            .bind(id)
+            .bind(generation)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(step.filter(|s| *s >= 0))
     }
 
     pub async fn plan(&self, id: i64, generation: i64) -> Result<String> {
@@ -542,10 +564,10 @@ impl Store {
     pub async fn held_gpus(&self) -> Result<Vec<HeldGpu>> {
         let rows = sqlx::query(
             "SELECT r.node, r.gpu, r.job_id, r.state FROM ranks r JOIN jobs j ON j.id = r.job_id \
-             WHERE (j.state IN ('launching', 'running') AND r.generation = j.generation) \
+             WHERE (j.state IN ('launching', 'running', 'recovering') AND r.generation = j.generation) \
              UNION ALL \
              SELECT r.node, r.gpu, r.job_id, r.state FROM ranks r JOIN jobs j ON j.id = r.job_id \
-             WHERE r.state = 'running' AND NOT (j.state IN ('launching', 'running') AND r.generation = j.generation) \
+             WHERE r.state = 'running' AND NOT (j.state IN ('launching', 'running', 'recovering') AND r.generation = j.generation) \
              ORDER BY 1, 2",
         )
         .fetch_all(&self.pool)

@@ -398,6 +398,7 @@ async fn checkpoint_holdings_reach_the_bitmap_over_both_apis() {
         rank: -1,
         layers: 1,
         world_size: 1,
+        ..Default::default()
     };
     let mut holdings = vec![];
     for step in [4, 8] {

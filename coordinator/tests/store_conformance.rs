@@ -463,11 +463,15 @@ conformance!(holdings_replace_a_nodes_list_under_its_current_epoch_only, |url: S
         rank: -1,
         layers: 1,
         world_size: 1,
+        chunk_bytes: 16 << 20,
+        crc32c: "[7]".into(),
     };
     s.replace_holdings("n0", e0, &[h("a", 4), h("b", 4)]).await.unwrap();
     s.replace_holdings("n1", e1, &[h("a", 4)]).await.unwrap();
     let all = s.holdings(job.id).await.unwrap();
     assert_eq!(all.iter().map(|x| (x.file.as_str(), x.node.as_str())).collect::<Vec<_>>(), [("a", "n0"), ("a", "n1"), ("b", "n0")]);
+    assert_eq!(all[0].file_entry().crc32c, [7], "the crcs a restore verifies against are kept");
+    assert_eq!(all[0].file_entry().chunk_bytes, 16 << 20);
     // The whole list replaces the node's rows.
     s.replace_holdings("n0", e0, &[h("c", 8)]).await.unwrap();
     let all = s.holdings(job.id).await.unwrap();

@@ -51,6 +51,16 @@ impl Agent for AgentService {
         let address = if r.address.is_empty() { "127.0.0.1".to_string() } else { r.address };
         self.fleet.register(&r.node, epoch, address, r.logs_url);
         self.fleet.set_can_profile(&r.node, epoch, r.can_profile);
+        let rates = r.ckpt_rates.unwrap_or_default();
+        self.fleet.restores.set_node(
+            &r.node,
+            crate::restore_plan::NodeInfo {
+                data_url: r.data_url,
+                disk_read_mb_s: rates.disk_read_mb_s,
+                nic_mb_s: rates.nic_mb_s,
+                mem_copy_mb_s: rates.mem_copy_mb_s,
+            },
+        );
         Ok(Response::new(RegisterReply { epoch, heartbeat_ms: self.fleet.base.as_millis() as u64 }))
     }
 
@@ -135,7 +145,13 @@ async fn read(
         }
         let first = session.is_none();
         session.get_or_insert_with(|| (status.node.clone(), status.epoch));
-        if first || status.full || !status.ranks.is_empty() || !status.profiles.is_empty() || status.holdings_sent {
+        if first
+            || status.full
+            || !status.ranks.is_empty()
+            || !status.profiles.is_empty()
+            || status.holdings_sent
+            || !status.restores.is_empty()
+        {
             if to_worker.send(status).is_err() {
                 break; // the worker refused the session
             }
@@ -238,12 +254,17 @@ async fn apply(
                 rank: h.rank,
                 layers: h.layers.into(),
                 world_size: h.world_size.into(),
+                chunk_bytes: h.chunk_bytes as i64,
+                crc32c: serde_json::to_string(&h.crc32c).expect("a list of integers serialises"),
             })
             .collect();
         store.replace_holdings(&status.node, status.epoch, &held).await?;
     }
     for p in &status.profiles {
         crate::profiling::receive(store, fleet, &status.node, p.request, &p.profile_json, &p.error).await?;
+    }
+    for r in &status.restores {
+        fleet.restores.reported(&status.node, r.clone());
     }
     if status.full {
         // A launch queued on the session before this one may never have reached the agent:

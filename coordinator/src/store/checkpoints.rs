@@ -27,11 +27,27 @@ pub struct Holding {
     pub rank: i64,
     pub layers: i64,
     pub world_size: i64,
+    /// The chunk size and the CRC-32C of each chunk (a JSON list), as the writer's manifest
+    /// piece lists them: what a restore verifies a copy against (0 and `[]`: not reported).
+    pub chunk_bytes: i64,
+    pub crc32c: String,
+}
+
+impl Holding {
+    /// The file as the checkpoint format's manifest lists it (its crcs, when reported).
+    pub fn file_entry(&self) -> motley_checkpoint::FileEntry {
+        motley_checkpoint::FileEntry {
+            file: self.file.clone(),
+            bytes: self.bytes as u64,
+            chunk_bytes: self.chunk_bytes as u64,
+            crc32c: serde_json::from_str(&self.crc32c).unwrap_or_default(),
+        }
+    }
 }
 
 macro_rules! columns {
     () => {
-        "job_id, generation, step, file, node, tier, bytes, block, part, tp_rank, tp_size, rank, layers, world_size"
+        "job_id, generation, step, file, node, tier, bytes, block, part, tp_rank, tp_size, rank, layers, world_size, chunk_bytes, crc32c"
     };
 }
 
@@ -57,7 +73,7 @@ impl Store {
             sqlx::query(concat!(
                 "INSERT INTO ckpt_locations (",
                 columns!(),
-                ", agent_epoch, reported_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
+                ", agent_epoch, reported_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) \
                  ON CONFLICT (job_id, step, file, node, tier) DO NOTHING"
             ))
             .bind(h.job_id)
@@ -74,6 +90,8 @@ impl Store {
             .bind(h.rank)
             .bind(h.layers)
             .bind(h.world_size)
+            .bind(h.chunk_bytes)
+            .bind(&h.crc32c)
             .bind(epoch)
             .bind(at)
             .execute(&mut *tx)
