@@ -27,6 +27,11 @@ pub enum AgentError {
         path.display()
     )]
     WorkDirBusy { path: PathBuf },
+    /// A checkpoint file could not be fetched from a peer (refused, unreachable, stalled,
+    /// corrupt in flight, or not the manifest's copy). `message` says why and what to do; in
+    /// every case the bytes from this peer are not to be used: fetch from another holder.
+    #[error("checkpoint data plane: peer {peer}, file {file}: {message}")]
+    DataPlane { peer: String, file: String, message: String },
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;

@@ -5,6 +5,7 @@
 //! ranks run as (`users`) layer profiling on request (`profiler`) and the checkpoint files it holds (`holdings`). The binary `motley-agent` wires them to the coordinator.
 
 pub mod cgroup;
+pub mod dataplane;
 pub mod discover;
 pub mod error;
 pub mod holdings;
