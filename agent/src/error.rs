@@ -32,6 +32,33 @@ pub enum AgentError {
     /// every case the bytes from this peer are not to be used: fetch from another holder.
     #[error("checkpoint data plane: peer {peer}, file {file}: {message}")]
     DataPlane { peer: String, file: String, message: String },
+    /// A launch's `MOTLEY_CKPT_KEEP` that is not a count of steps.
+    #[error("job {job}: MOTLEY_CKPT_KEEP={value}: not a number of checkpoint steps of at least 1; set checkpoint: {{keep: N}} with N >= 1 (default 2)")]
+    CkptKeep { job: i64, value: String },
+    /// A launch's `MOTLEY_CKPT_CLOUD` that is not an object store URL this agent can use.
+    #[error(
+        "MOTLEY_CKPT_CLOUD={url}: {message}; give file:///ABSOLUTE/PATH, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or az://CONTAINER/PREFIX"
+    )]
+    CloudUrl { url: String, message: String },
+    /// A cloud scheme whose object store this agent was built without.
+    #[error("MOTLEY_CKPT_CLOUD={url}: this motley-agent was built without the {feature} feature; build it with `cargo build -p motley-agent --features {feature}`, or use a file:// URL")]
+    CloudFeature { url: String, feature: &'static str },
+    /// An object store operation that failed (network, credentials, a missing object).
+    #[error("cloud {op} {key}: {err}")]
+    Cloud { op: &'static str, key: String, err: object_store::Error },
+    /// A copy whose length or chunk crc is not what the manifest piece says: not kept.
+    #[error("{what}: {err}")]
+    Corrupt { what: String, err: motley_checkpoint::CkptError },
+    /// Not enough free space on the disk tier for a step.
+    #[error(
+        "{}: step {step} of job {job} needs {need} bytes plus a margin of {margin}, the file system has {free} free; \
+         the step stays in memory and the previous step on disk stays the restore point: free space or lower checkpoint: {{keep}}",
+        path.display()
+    )]
+    NoSpace { path: PathBuf, job: i64, step: u64, need: u64, margin: u64, free: u64 },
+    /// A manifest piece naming a file outside its step directory.
+    #[error("{}: lists file {file:?}, which is not a plain name in the step directory; the piece is ignored", path.display())]
+    BadFileName { path: PathBuf, file: String },
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;

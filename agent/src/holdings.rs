@@ -1,18 +1,22 @@
 //! The checkpoint files this node holds, reported to the coordinator's checkpoint-location
 //! bitmap (issue 15). Ranks write their checkpoint into `MOTLEY_CKPT_DIR`, which the agent sets
-//! to `WORK_DIR/jobs/JOB/GENERATION/ckpt` (docs/checkpoint.md). A file counts once the rank's
+//! to `MEMORY_ROOT/jobs/JOB/GENERATION/ckpt` (the memory tier, `--shm-dir`) or, without one,
+//! `WORK_DIR/jobs/JOB/GENERATION/ckpt` (docs/checkpoint.md); `tiers` copies steps from memory
+//! to the same place on disk and uploads them to the cloud. A file counts once the rank's
 //! manifest piece (`manifest.rank.R.json`, written after its files, each through a temporary
-//! name) lists it and the file has the length the piece says: never a half-written one.
+//! name) lists it and the file has the length the piece says: never a half-written one. Each
+//! is reported with its tier: `memory`, `disk`, and `cloud` for a file the disk step's
+//! `.cloud.json` marker records as uploaded (kept after the disk copy is pruned).
 //!
 //! The whole list is sent in a session's first message and whenever it changed
 //! (`AgentStatus.holdings`, `holdings_sent`), and counts as told once acknowledged.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::SystemTime;
 
-use motley_checkpoint::Manifest;
+use motley_checkpoint::{FileEntry, Manifest};
 use motley_proto::v1::CkptHolding;
 
 /// Where a launch's ranks write their checkpoints.
@@ -20,102 +24,226 @@ pub fn ckpt_dir(generation_dir: &Path) -> PathBuf {
     generation_dir.join("ckpt")
 }
 
-/// A manifest piece as last read: its length and modification time, the files it lists that
-/// were held then, and whether that was all of them.
-pub struct Piece {
-    stamp: (u64, Option<SystemTime>),
-    held: Vec<CkptHolding>,
-    all_held: bool,
+/// A step directory under a tier's root: `ROOT/jobs/JOB/GENERATION/ckpt/step-SSSSSSSS`.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct StepDir {
+    pub job: i64,
+    pub generation: i64,
+    pub step: u64,
+    pub dir: PathBuf,
 }
 
-/// Every checkpoint file under `WORK_DIR/jobs/*/*/ckpt/step-*`, sorted. `cache` keeps each
-/// piece by path: one unchanged since it was read, and whose files were all there then, is not
-/// read again nor are its files looked at (a rank writes its files before its piece, and they
-/// go only with their launch directory), so a scan of a quiet node lists directories only.
-pub fn scan(work_dir: &Path, cache: &mut BTreeMap<PathBuf, Piece>) -> Vec<CkptHolding> {
+/// The entries of `dir` that are directories (not through a symbolic link: a rank running as
+/// another user owns its checkpoint directory and could plant one pointing anywhere).
+fn sub_dirs(dir: &Path) -> Vec<PathBuf> {
+    let entries = std::fs::read_dir(dir).map(|r| r.flatten().collect::<Vec<_>>()).unwrap_or_default();
+    entries.into_iter().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())).map(|e| e.path()).collect()
+}
+
+fn number<T: std::str::FromStr>(p: &Path) -> Option<T> {
+    p.file_name()?.to_str()?.parse().ok()
+}
+
+/// The generation directories under `root/jobs`: (job, generation, dir), sorted.
+pub fn generation_dirs(root: &Path) -> Vec<(i64, i64, PathBuf)> {
     let mut out = vec![];
-    let mut seen = std::collections::BTreeSet::new();
-    let list = |d: &Path| -> Vec<PathBuf> { std::fs::read_dir(d).map(|r| r.flatten().map(|e| e.path()).collect()).unwrap_or_default() };
-    for job_dir in list(&work_dir.join("jobs")) {
-        let Some(job) = job_dir.file_name().and_then(|n| n.to_str()).and_then(|n| n.parse::<i64>().ok()) else { continue };
-        for gen_dir in list(&job_dir) {
-            let Some(generation) = gen_dir.file_name().and_then(|n| n.to_str()).and_then(|n| n.parse::<i64>().ok()) else { continue };
-            for step_dir in list(&ckpt_dir(&gen_dir)) {
-                let name = step_dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-                if !name.starts_with("step-") {
-                    continue;
-                }
-                for piece_path in list(&step_dir) {
-                    let file = piece_path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-                    if !(file.starts_with("manifest.rank.") && file.ends_with(".json")) {
-                        continue;
-                    }
-                    let Ok(meta) = std::fs::metadata(&piece_path) else { continue };
-                    let stamp = (meta.len(), meta.modified().ok());
-                    if cache.get(&piece_path).is_none_or(|p| p.stamp != stamp || !p.all_held) {
-                        match motley_checkpoint::manifest::read_json::<Manifest>(&piece_path) {
-                            Ok(m) => {
-                                cache.insert(piece_path.clone(), read_piece(&m, &step_dir, job, generation, stamp));
-                            }
-                            Err(e) => {
-                                tracing::warn!("{}: not a manifest piece ({e}); its files are not reported", piece_path.display());
-                                continue;
-                            }
-                        }
-                    }
-                    seen.insert(piece_path.clone());
-                    out.extend(cache[&piece_path].held.iter().cloned());
-                }
+    for job_dir in sub_dirs(&root.join("jobs")) {
+        let Some(job) = number::<i64>(&job_dir) else { continue };
+        for gen_dir in sub_dirs(&job_dir) {
+            if let Some(generation) = number::<i64>(&gen_dir) {
+                out.push((job, generation, gen_dir));
             }
         }
     }
-    cache.retain(|p, _| seen.contains(p));
-    out.sort_by(|a, b| (a.job, a.generation, a.step, &a.file).cmp(&(b.job, b.generation, b.step, &b.file)));
-    out.dedup_by(|a, b| (a.job, a.generation, a.step, &a.file) == (b.job, b.generation, b.step, &b.file));
+    out.sort();
     out
 }
 
-/// The files a piece lists that are in `step_dir` at the length it says.
-fn read_piece(m: &Manifest, step_dir: &Path, job: i64, generation: i64, stamp: (u64, Option<SystemTime>)) -> Piece {
-    let is_held = |f: &motley_checkpoint::FileEntry| std::fs::metadata(step_dir.join(&f.file)).is_ok_and(|x| x.len() == f.bytes);
+/// The step directories of one generation directory, oldest first.
+pub fn step_dirs_of(job: i64, generation: i64, gen_dir: &Path) -> Vec<StepDir> {
+    let mut out: Vec<StepDir> = sub_dirs(&ckpt_dir(gen_dir))
+        .into_iter()
+        .filter_map(|dir| {
+            let step = dir.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok()?;
+            Some(StepDir { job, generation, step, dir })
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Every step directory under `root`, sorted by (job, generation, step).
+pub fn step_dirs(root: &Path) -> Vec<StepDir> {
+    generation_dirs(root).into_iter().flat_map(|(j, g, d)| step_dirs_of(j, g, &d)).collect()
+}
+
+/// The manifest pieces in `step_dir` (paths, sorted).
+pub fn piece_paths(step_dir: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(step_dir)
+        .map(|r| r.flatten().map(|e| e.path()).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|f| f.starts_with("manifest.rank.") && f.ends_with(".json")))
+        .collect();
+    out.sort();
+    out
+}
+
+/// Every file a piece lists (units, then rank files).
+pub fn piece_files(m: &Manifest) -> impl Iterator<Item = &FileEntry> {
+    m.units.iter().map(|u| &u.file).chain(m.ranks.iter().map(|r| &r.file))
+}
+
+/// A name a manifest piece may list: a plain file in the step directory (a piece is written by
+/// the job's ranks, possibly as another user, and the agent copies what it lists).
+pub fn plain_name(file: &str) -> bool {
+    !file.is_empty() && !file.starts_with('.') && !file.contains('/') && !file.contains('\0')
+}
+
+/// The tiers' roots: the work directory (disk) and the memory root, if ranks write there.
+#[derive(Clone, Debug)]
+pub struct Roots<'a> {
+    pub disk: &'a Path,
+    pub memory: Option<&'a Path>,
+}
+
+type Stamp = (u64, Option<SystemTime>);
+
+fn stamp_of(path: &Path) -> Option<Stamp> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.len(), meta.modified().ok()))
+}
+
+/// A manifest piece as last read: its length and modification time, every file it lists (as a
+/// holding of the piece's tier), which of them were held then, and whether that was all.
+pub struct Piece {
+    /// The piece's stamp and its step directory's modification time (files pruned from the
+    /// step change the directory, not the piece).
+    stamp: (Stamp, Option<SystemTime>),
+    listed: Vec<CkptHolding>,
+    held: Vec<bool>,
+    all_held: bool,
+}
+
+/// What one scan remembers for the next: the pieces, and the cloud markers (by path).
+#[derive(Default)]
+pub struct ScanCache {
+    pieces: BTreeMap<PathBuf, Piece>,
+    markers: BTreeMap<PathBuf, (Stamp, BTreeSet<String>)>,
+}
+
+/// Every checkpoint file under `ROOT/jobs/*/*/ckpt/step-*` of both roots, sorted. `cache`
+/// keeps each piece by path: one unchanged since it was read, and whose files were all there
+/// then, is not read again nor are its files looked at (a rank writes its files before its
+/// piece, and the tierer copies files before pieces; a pruned file changes the step
+/// directory's time), so a scan of a quiet node lists directories only.
+pub fn scan(roots: &Roots<'_>, cache: &mut ScanCache) -> Vec<CkptHolding> {
+    let mut out = vec![];
+    let mut seen = BTreeSet::new();
+    let mut markers_seen = BTreeSet::new();
+    let tiers = [(Some(roots.disk), "disk"), (roots.memory, "memory")];
+    for (root, tier) in tiers.into_iter().filter_map(|(r, t)| Some((r?, t))) {
+        for s in step_dirs(root) {
+            // The cloud copies this disk step's marker records (memory steps are not uploaded).
+            let uploaded = if tier == "disk" {
+                let marker = s.dir.join(crate::cloud::MARKER);
+                match stamp_of(&marker) {
+                    Some(stamp) => {
+                        if cache.markers.get(&marker).is_none_or(|(st, _)| *st != stamp) {
+                            let files = crate::cloud::read_marker(&s.dir).map(|m| m.uploaded.into_iter().collect()).unwrap_or_default();
+                            cache.markers.insert(marker.clone(), (stamp, files));
+                        }
+                        markers_seen.insert(marker.clone());
+                        cache.markers[&marker].1.clone()
+                    }
+                    None => BTreeSet::new(),
+                }
+            } else {
+                BTreeSet::new()
+            };
+            let dir_time = std::fs::metadata(&s.dir).and_then(|m| m.modified()).ok();
+            for piece_path in piece_paths(&s.dir) {
+                let Some(stamp) = stamp_of(&piece_path).map(|st| (st, dir_time)) else { continue };
+                if cache.pieces.get(&piece_path).is_none_or(|p| p.stamp != stamp || !p.all_held) {
+                    match motley_checkpoint::manifest::read_json::<Manifest>(&piece_path) {
+                        Ok(m) => {
+                            cache.pieces.insert(piece_path.clone(), read_piece(&m, &s, tier, stamp));
+                        }
+                        Err(e) => {
+                            tracing::warn!("{}: not a manifest piece ({e}); its files are not reported", piece_path.display());
+                            continue;
+                        }
+                    }
+                }
+                seen.insert(piece_path.clone());
+                let p = &cache.pieces[&piece_path];
+                out.extend(p.listed.iter().zip(&p.held).filter(|(_, &h)| h).map(|(x, _)| x.clone()));
+                out.extend(
+                    p.listed.iter().filter(|x| uploaded.contains(&x.file)).map(|x| CkptHolding { tier: "cloud".into(), ..x.clone() }),
+                );
+            }
+        }
+    }
+    cache.pieces.retain(|p, _| seen.contains(p));
+    cache.markers.retain(|p, _| markers_seen.contains(p));
+    let key = |a: &CkptHolding| (a.job, a.generation, a.step, a.file.clone(), a.tier.clone());
+    out.sort_by_key(key);
+    out.dedup_by(|a, b| key(a) == key(b));
+    out
+}
+
+/// Every file a piece lists, as a holding of `tier`, and which are in the step directory at
+/// the length the piece says.
+fn read_piece(m: &Manifest, s: &StepDir, tier: &str, stamp: (Stamp, Option<SystemTime>)) -> Piece {
+    let is_held = |f: &FileEntry| plain_name(&f.file) && std::fs::metadata(s.dir.join(&f.file)).is_ok_and(|x| x.len() == f.bytes);
     let base = CkptHolding {
-        job,
-        generation,
+        job: s.job,
+        generation: s.generation,
         step: m.step,
-        tier: "disk".into(),
+        tier: tier.into(),
         rank: -1,
         layers: m.layers,
         world_size: m.world_size,
         ..Default::default()
     };
+    let of = |f: &FileEntry| CkptHolding {
+        file: f.file.clone(),
+        bytes: f.bytes,
+        chunk_bytes: f.chunk_bytes,
+        crc32c: f.crc32c.clone(),
+        ..base.clone()
+    };
+    let mut listed = vec![];
     let mut held = vec![];
-    for u in m.units.iter().filter(|u| is_held(&u.file)) {
-        held.push(CkptHolding {
-            file: u.file.file.clone(),
-            bytes: u.file.bytes,
+    for u in &m.units {
+        listed.push(CkptHolding {
             block: u.key.block.to_string(),
             part: u.key.part.to_string(),
             tp_rank: u.key.tp_rank,
             tp_size: u.key.tp_size,
-            ..base.clone()
+            ..of(&u.file)
         });
+        held.push(is_held(&u.file));
     }
-    for r in m.ranks.iter().filter(|r| is_held(&r.file)) {
-        held.push(CkptHolding { file: r.file.file.clone(), bytes: r.file.bytes, rank: r.rank as i64, ..base.clone() });
+    for r in &m.ranks {
+        listed.push(CkptHolding { rank: r.rank as i64, ..of(&r.file) });
+        held.push(is_held(&r.file));
     }
-    let all_held = held.len() == m.units.len() + m.ranks.len();
-    Piece { stamp, held, all_held }
+    let all_held = held.iter().all(|&h| h);
+    Piece { stamp, listed, held, all_held }
 }
 
 /// What was reported, and what is to be.
 #[derive(Default)]
 pub struct Holdings {
+    /// The memory tier's root, scanned with the work directory.
+    memory: Option<PathBuf>,
     state: Mutex<State>,
 }
 
 #[derive(Default)]
 struct State {
-    cache: BTreeMap<PathBuf, Piece>,
+    cache: ScanCache,
     /// The list the coordinator acknowledged in this session.
     told: Option<Vec<CkptHolding>>,
     /// The list sent in message `seq`, not yet acknowledged.
@@ -123,6 +251,12 @@ struct State {
 }
 
 impl Holdings {
+    /// Holdings of the work directory and of the memory root ranks write to
+    /// (`Supervisor::memory_root`).
+    pub fn with_memory_root(memory: Option<PathBuf>) -> Holdings {
+        Holdings { memory, ..Default::default() }
+    }
+
     /// A new session: the whole list goes out again.
     pub fn new_session(&self) {
         let mut s = self.state.lock().expect("holdings");
@@ -134,7 +268,8 @@ impl Holdings {
     /// yet acknowledged).
     pub fn report(&self, work_dir: &Path, seq: u64) -> Option<Vec<CkptHolding>> {
         let mut s = self.state.lock().expect("holdings");
-        let now = scan(work_dir, &mut s.cache);
+        let roots = Roots { disk: work_dir, memory: self.memory.as_deref() };
+        let now = scan(&roots, &mut s.cache);
         let pending = s.sent.as_ref().map(|(_, l)| l).or(s.told.as_ref());
         if pending == Some(&now) {
             return None;

@@ -2,9 +2,10 @@
 //! configuration file (`config`), rank supervision that survives an agent restart (`ranks`,
 //! `rankfiles`, each rank in its own cgroup where it can: `cgroup`), the dead-man switch that stops ranks whose agent is gone (`lease`), the rank
 //! logs served over HTTP or HTTPS (`logs`, `tls`), the node's load sent with every heartbeat (`load`), whom
-//! ranks run as (`users`) layer profiling on request (`profiler`) and the checkpoint files it holds (`holdings`). The binary `motley-agent` wires them to the coordinator.
+//! ranks run as (`users`) layer profiling on request (`profiler`) the checkpoint files it holds (`holdings`) and moves between memory, disk and the cloud (`tiers`, `cloud`). The binary `motley-agent` wires them to the coordinator.
 
 pub mod cgroup;
+pub mod cloud;
 pub mod dataplane;
 pub mod discover;
 pub mod error;
@@ -16,6 +17,7 @@ pub mod nvml;
 pub mod profiler;
 pub mod rankfiles;
 pub mod ranks;
+pub mod tiers;
 pub mod tls;
 pub mod users;
 

@@ -122,6 +122,8 @@ pub struct Supervisor {
     changed: Arc<tokio::sync::Notify>,
     /// Each rank's own cgroup, where the host lets the agent make them (`cgroup`).
     cgroups: Option<crate::cgroup::RankCgroups>,
+    /// The checkpoint memory tier's root (`tiers`): ranks write checkpoints under it.
+    shm_root: Option<PathBuf>,
 }
 
 impl Supervisor {
@@ -139,6 +141,47 @@ impl Supervisor {
             pruned: Arc::default(),
             allow_root_ranks: false,
             cgroups: None,
+            shm_root: None,
+        }
+    }
+
+    /// Ranks write checkpoints under `root` (the memory tier: `root/jobs/JOB/GENERATION/ckpt`)
+    /// rather than in their launch directory; the tierer moves them to disk. A root that
+    /// cannot be made is logged and ranks write on disk. Directories made here are 0711: ranks
+    /// of other users pass through them to their own, which they alone can list.
+    pub fn shm_root(mut self, root: Option<PathBuf>) -> Supervisor {
+        self.shm_root = root.filter(|r| {
+            let made = std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), rankfiles::PASS_MODE).create(r);
+            if let Err(e) = &made {
+                tracing::warn!(node = %self.node, "checkpoint memory tier {}: {e}; ranks write checkpoints on disk", r.display());
+            }
+            made.is_ok()
+        });
+        self
+    }
+
+    /// The memory tier's root ranks write to, if any (for `Tierer::new` and
+    /// `Holdings::with_memory_root`).
+    pub fn memory_root(&self) -> Option<PathBuf> {
+        self.shm_root.clone()
+    }
+
+    /// Where a rank of the launch in `dir` writes its checkpoints: the memory tier if there is
+    /// one and its directory can be made (0700, the job's user's), else the launch directory.
+    fn rank_ckpt_dir(&self, l: &Launch, dir: &Path, user: Option<&users::Account>) -> PathBuf {
+        let on_disk = crate::holdings::ckpt_dir(dir);
+        let Some(root) = &self.shm_root else { return on_disk };
+        let ckpt = crate::holdings::ckpt_dir(&generation_dir(root, l.job, l.generation));
+        let made = rankfiles::create_dirs(&ckpt).and_then(|_| match user {
+            Some(a) => rankfiles::open_passage(root, &ckpt).and_then(|_| rankfiles::hand_over(&ckpt, a.uid, a.gid)),
+            None => Ok(()),
+        });
+        match made {
+            Ok(()) => ckpt,
+            Err(e) => {
+                tracing::warn!(node = %self.node, job = l.job, "checkpoint memory tier: {e}; this rank writes its checkpoints on disk");
+                on_disk
+            }
         }
     }
 
@@ -450,8 +493,9 @@ impl Supervisor {
             ("MOTLEY_PP_RANK", r.stage.to_string()),
             ("MOTLEY_PP_SIZE", r.pp_size.to_string()),
             ("MOTLEY_NCCL_GROUPS", nccl.display().to_string()),
-            // Checkpoints go into the launch's directory, where the agent reports them from.
-            ("MOTLEY_CKPT_DIR", crate::holdings::ckpt_dir(dir).display().to_string()),
+            // Checkpoints go into the memory tier (or the launch's directory), where the agent
+            // reports them from and tiers them.
+            ("MOTLEY_CKPT_DIR", self.rank_ckpt_dir(l, dir, user).display().to_string()),
         ] {
             cmd.env(k, v);
         }
