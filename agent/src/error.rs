@@ -27,6 +27,10 @@ pub enum AgentError {
         path.display()
     )]
     WorkDirBusy { path: PathBuf },
+    /// The checkpoint data plane's RDMA path (feature `rdma`): the device (or that there is
+    /// none), the file, what failed and the fix.
+    #[error("RDMA ({device}): {message}")]
+    Rdma { device: String, message: String },
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;

@@ -15,6 +15,8 @@ pub mod nvml;
 pub mod profiler;
 pub mod rankfiles;
 pub mod ranks;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod tls;
 pub mod users;
 
