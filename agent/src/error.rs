@@ -59,6 +59,10 @@ pub enum AgentError {
     /// A manifest piece naming a file outside its step directory.
     #[error("{}: lists file {file:?}, which is not a plain name in the step directory; the piece is ignored", path.display())]
     BadFileName { path: PathBuf, file: String },
+    /// The checkpoint data plane's RDMA path (feature `rdma`): the device (or that there is
+    /// none), the file, what failed and the fix.
+    #[error("RDMA ({device}): {message}")]
+    Rdma { device: String, message: String },
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;

@@ -17,6 +17,8 @@ pub mod nvml;
 pub mod profiler;
 pub mod rankfiles;
 pub mod ranks;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod tiers;
 pub mod tls;
 pub mod users;
