@@ -19,6 +19,7 @@ pub mod rankfiles;
 pub mod ranks;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+pub mod restorer;
 pub mod tiers;
 pub mod tls;
 pub mod users;

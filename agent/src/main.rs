@@ -83,6 +83,22 @@ struct Args {
     /// asked to profile.
     #[arg(long, env = "MOTLEY_PYTHON")]
     python: Option<String>,
+    /// The memory tier ranks write checkpoints into (a tmpfs; default /dev/shm/motley-agent/NODE;
+    /// empty: ranks write on the work directory's disk). The agent keeps each job's newest
+    /// complete step there and copies every complete step to disk.
+    #[arg(long, env = "MOTLEY_SHM_DIR")]
+    shm_dir: Option<PathBuf>,
+    /// Where this agent serves checkpoint files to peers (the data plane; port 0: any free port).
+    /// When the default port is taken (several agents on one machine) a free one is used.
+    #[arg(long, env = "MOTLEY_DATA_LISTEN", default_value = "0.0.0.0:7073")]
+    data_listen: String,
+    /// The rate checkpoint bytes leave and enter this node's NIC (MB/s; 0: unpaced). The agent
+    /// holds its data plane to it and the restore planner plans with it.
+    #[arg(long, env = "MOTLEY_CKPT_NIC_MB_S", default_value_t = 0.0)]
+    ckpt_nic_mb_s: f64,
+    /// The rate checkpoint files are read from this node's disk (MB/s; 0: unpaced).
+    #[arg(long, env = "MOTLEY_CKPT_DISK_MB_S", default_value_t = 0.0)]
+    ckpt_disk_mb_s: f64,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -112,6 +128,9 @@ fn settings() -> anyhow::Result<Args> {
         args.keep_finished_hours.is_finite() && args.keep_finished_hours >= 0.0,
         "keep_finished_hours: must be a number of hours, 0 or more (e.g. 72)"
     );
+    for (flag, v) in [("ckpt_nic_mb_s", args.ckpt_nic_mb_s), ("ckpt_disk_mb_s", args.ckpt_disk_mb_s)] {
+        anyhow::ensure!(v.is_finite() && v >= 0.0, "{flag}: must be a rate in MB/s, 0 (unpaced) or more");
+    }
     Ok(args)
 }
 
@@ -243,7 +262,15 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
             None
         }
     };
-    let supervisor = Supervisor::new(work_dir.clone(), node.clone(), wrapper).allow_root_ranks(args.allow_root_ranks).rank_cgroups(cgroups);
+    let shm = match &args.shm_dir {
+        Some(p) if p.as_os_str().is_empty() => None,
+        Some(p) => Some(p.clone()),
+        None => Some(Path::new("/dev/shm/motley-agent").join(&node)),
+    };
+    let supervisor = Supervisor::new(work_dir.clone(), node.clone(), wrapper)
+        .allow_root_ranks(args.allow_root_ranks)
+        .rank_cgroups(cgroups)
+        .shm_root(shm);
     let profiler = match args.python.as_deref().filter(|p| !p.is_empty()) {
         Some(python) => {
             tracing::info!(node = %node, "layer profiles measured with {python} -m motley_torch.profile when the coordinator asks");
@@ -281,7 +308,52 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
         let s = supervisor.clone();
         motley_agent::load::sampler(work_dir.clone(), move || s.running())
     };
-    let holdings = std::sync::Arc::new(motley_agent::holdings::Holdings::default());
+    let holdings = std::sync::Arc::new(motley_agent::holdings::Holdings::with_memory_root(supervisor.memory_root()));
+    // Checkpoint tiers: memory -> disk (keep K) -> the cloud, every base interval.
+    let tierer = std::sync::Arc::new(motley_agent::tiers::Tierer::new(work_dir.clone(), supervisor.memory_root()));
+    {
+        let (t, n, s) = (tierer.clone(), node.clone(), supervisor.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(s.interval()).await;
+                let pass = t.clone();
+                for note in tokio::task::spawn_blocking(move || pass.tier_pass()).await.unwrap_or_default() {
+                    tracing::info!(node = %n, "{note}");
+                }
+            }
+        });
+        let (t, n, s) = (tierer.clone(), node.clone(), supervisor.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(s.interval()).await;
+                for note in t.cloud_pass().await {
+                    tracing::info!(node = %n, "{note}");
+                }
+            }
+        });
+    }
+    // The data plane: this node's checkpoint files to peers, paced to the node's NIC and disk.
+    let rate = |mb_s: f64| std::sync::Arc::new(motley_agent::dataplane::Pacer::new(mb_s * 1e6));
+    let (nic_out, nic_in, disk) = (rate(args.ckpt_nic_mb_s), rate(args.ckpt_nic_mb_s), rate(args.ckpt_disk_mb_s));
+    let arriving = motley_agent::dataplane::Arriving::new(Duration::from_secs(600));
+    let mut roots: Vec<motley_agent::dataplane::Root> =
+        supervisor.memory_root().into_iter().map(|dir| motley_agent::dataplane::Root { dir, read_pacer: None }).collect();
+    roots.push(motley_agent::dataplane::Root { dir: work_dir.clone(), read_pacer: Some(disk.clone()) });
+    let resolver: std::sync::Arc<dyn motley_agent::dataplane::Resolve> =
+        std::sync::Arc::new(motley_agent::dataplane::DirResolver::new(roots).with_arriving(arriving.clone()));
+    let data = match tokio::net::TcpListener::bind(&args.data_listen).await {
+        Ok(l) => l,
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && args.data_listen == "0.0.0.0:7073" => {
+            tracing::warn!(node = %node, "--data-listen 0.0.0.0:7073 is taken; serving checkpoint files on a free port instead");
+            tokio::net::TcpListener::bind("0.0.0.0:0").await?
+        }
+        Err(e) => return Err(e).with_context(|| format!("--data-listen {}: cannot listen", args.data_listen)),
+    };
+    let data_url = format!("{}:{}", args.address, data.local_addr()?.port());
+    tracing::info!(node = %node, "checkpoint data plane at {data_url}");
+    tokio::spawn(motley_agent::dataplane::serve(data, resolver.clone(), args.token.clone(), nic_out));
+    let restorer = motley_agent::restorer::Restorer::new(&work_dir, &node, args.token.clone(), resolver, arriving, nic_in, disk)
+        .with_tierer(tierer.clone());
     let mut backoff = Duration::from_millis(200);
     let mut stale = 0;
     // Since when registrations are refused as held by another agent.
@@ -290,8 +362,9 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
     // breaks; ranks keep running across sessions and are reported again in the next one.
     loop {
         let began = std::time::Instant::now();
-        let workers = Workers { supervisor: &supervisor, profiler: profiler.as_ref(), holdings: &holdings };
-        let e = match session(&args, &work_dir, &node, &inventory, &logs_url, workers, &load).await {
+        let workers =
+            Workers { supervisor: &supervisor, profiler: profiler.as_ref(), holdings: &holdings, tierer: &tierer, restorer: &restorer };
+        let e = match session(&args, &work_dir, &node, &inventory, (&logs_url, &data_url), workers, &load).await {
             Ended::Fatal(e) => return Err(e),
             Ended::Held(e) => {
                 let since = *held_since.get_or_insert_with(std::time::Instant::now);
@@ -460,6 +533,8 @@ struct Workers<'a> {
     supervisor: &'a Supervisor,
     profiler: Option<&'a Profiler>,
     holdings: &'a std::sync::Arc<motley_agent::holdings::Holdings>,
+    tierer: &'a std::sync::Arc<motley_agent::tiers::Tierer>,
+    restorer: &'a motley_agent::restorer::Restorer,
 }
 
 /// One session: register (a new epoch), then heartbeat until the stream breaks.
@@ -468,11 +543,11 @@ async fn session(
     work_dir: &Path,
     node: &str,
     inventory: &str,
-    logs_url: &str,
+    urls: (&str, &str),
     workers: Workers<'_>,
     load: &motley_agent::load::Latest,
 ) -> Ended {
-    match session_inner(args, work_dir, node, inventory, logs_url, workers, load).await {
+    match session_inner(args, work_dir, node, inventory, urls, workers, load).await {
         Ok(never) => match never {},
         Err(e) => e,
     }
@@ -483,11 +558,11 @@ async fn session_inner(
     work_dir: &Path,
     node: &str,
     inventory: &str,
-    logs_url: &str,
+    (logs_url, data_url): (&str, &str),
     workers: Workers<'_>,
     load: &motley_agent::load::Latest,
 ) -> Result<std::convert::Infallible, Ended> {
-    let Workers { supervisor, profiler, holdings } = workers;
+    let Workers { supervisor, profiler, holdings, restorer, .. } = workers;
     let token = args.token.clone().unwrap_or_default();
     let request = RegisterRequest {
         node: node.to_string(),
@@ -496,7 +571,12 @@ async fn session_inner(
         address: args.address.clone(),
         logs_url: logs_url.to_string(),
         can_profile: profiler.is_some(),
-        ..Default::default()
+        data_url: data_url.to_string(),
+        ckpt_rates: Some(motley_proto::v1::CkptRates {
+            disk_read_mb_s: args.ckpt_disk_mb_s,
+            nic_mb_s: args.ckpt_nic_mb_s,
+            mem_copy_mb_s: 0.0,
+        }),
     };
     let ca = match &args.ca_cert {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("--ca-cert: cannot read {}", p.display()))?),
@@ -517,12 +597,13 @@ async fn session_inner(
         p.new_session();
     }
     holdings.new_session();
+    restorer.new_session();
     let (tx, rx) = tokio::sync::mpsc::channel::<AgentStatus>(16);
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
     request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().context("token is not a valid header value")?);
     let beat = {
         let (supervisor, node, load, profiler) = (supervisor.clone(), node.to_string(), load.clone(), profiler.cloned());
-        let (holdings, work) = (holdings.clone(), work_dir.to_path_buf());
+        let (holdings, work, restorer) = (holdings.clone(), work_dir.to_path_buf(), restorer.clone());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             // Every message has its number (1, 2, ...); the first lists every rank.
@@ -533,19 +614,21 @@ async fn session_inner(
                     _ = tick.tick() => true,
                     _ = supervisor.changed() => false,
                     _ = async { match &profiler { Some(p) => p.changed().await, None => std::future::pending().await } } => false,
+                    _ = restorer.changed() => false,
                 };
                 let full = seq == 0;
                 let ranks = supervisor.report(seq + 1, full);
                 let profiles = profiler.as_ref().map(|p| p.report(seq + 1)).unwrap_or_default();
+                let restores = restorer.report(seq + 1);
                 // Checkpoint files are looked for on the interval (and with every other message).
-                let held = match beat || full || !ranks.is_empty() || !profiles.is_empty() {
+                let held = match beat || full || !ranks.is_empty() || !profiles.is_empty() || !restores.is_empty() {
                     true => {
                         let (h, w, s) = (holdings.clone(), work.clone(), seq + 1);
                         tokio::task::spawn_blocking(move || h.report(&w, s)).await.unwrap_or(None)
                     }
                     false => None,
                 };
-                if !beat && !full && ranks.is_empty() && profiles.is_empty() {
+                if !beat && !full && ranks.is_empty() && profiles.is_empty() && restores.is_empty() {
                     continue;
                 }
                 let (holdings_sent, holdings_list) = match held {
@@ -591,7 +674,7 @@ async fn heartbeat(
     interval: Duration,
     workers: Workers<'_>,
 ) -> Ended {
-    let Workers { supervisor, profiler, holdings } = workers;
+    let Workers { supervisor, profiler, holdings, tierer, restorer } = workers;
     let mut inbound = match client.heartbeat(request).await {
         Ok(r) => r.into_inner(),
         Err(s) => return heartbeat_refused(&s),
@@ -599,22 +682,27 @@ async fn heartbeat(
     loop {
         match inbound.message().await {
             Ok(Some(i)) => match i.kind {
-                Some(instruction::Kind::Launch(l)) => supervisor.launch(l),
+                Some(instruction::Kind::Launch(l)) => {
+                    // Its checkpoint policy (keep, cloud) first: the tiers apply it to the steps its ranks write.
+                    if let Err(e) = tierer.launched(&l) {
+                        tracing::warn!(node = %node, job = l.job, "{e}; the launch's checkpoints are kept as by default");
+                    }
+                    supervisor.launch(l)
+                }
                 Some(instruction::Kind::Stop(s)) => supervisor.stop(s.job, s.generation),
                 Some(instruction::Kind::Drain(d)) => mark_draining(work_dir, node, d.draining),
                 Some(instruction::Kind::Profile(p)) => match profiler {
                     Some(profiler) => profiler.start(p),
                     None => tracing::warn!(node = %node, request = p.request, "asked to profile, but this agent has no --python; ignored"),
                 },
-                Some(instruction::Kind::Restore(r)) => {
-                    tracing::warn!(node = %node, job = r.job, generation = r.generation, "asked to restore a checkpoint; this agent cannot yet")
-                }
+                Some(instruction::Kind::Restore(r)) => restorer.start(r),
                 Some(instruction::Kind::Ack(a)) => {
                     supervisor.ack(a.seq);
                     if let Some(p) = profiler {
                         p.ack(a.seq);
                     }
                     holdings.ack(a.seq);
+                    restorer.ack(a.seq);
                     // The coordinator holds this node's lease: so do its ranks (the switch).
                     if let Err(e) = motley_agent::lease::renew(work_dir, interval) {
                         tracing::warn!(node = %node, "{e}; ranks stop when the lease file's deadline passes");

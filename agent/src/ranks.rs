@@ -499,6 +499,22 @@ impl Supervisor {
         ] {
             cmd.env(k, v);
         }
+        // A recovery's launch: the files this node restored for it (the restorer's list).
+        if let Some(step) = l.envs.get(crate::restorer::RESTORE_STEP_ENV) {
+            let list = crate::restorer::launch_list(&self.work_dir, l.job, l.generation);
+            if !list.is_file() {
+                return Err(format!(
+                    "the launch resumes from checkpoint step {step} but this node has no restore for generation {} ({} is missing)",
+                    l.generation,
+                    list.display()
+                ));
+            }
+            if let Some(a) = user {
+                crate::restorer::hand_over(&self.work_dir, &list, a.uid, a.gid)
+                    .map_err(|e| format!("handing the restored files to the rank's user: {e}"))?;
+            }
+            cmd.env("MOTLEY_CKPT_RESTORE", list.display().to_string());
+        }
         // NCCL settings every one of the rank's groups agrees on are set at start; the rest are
         // per group (MOTLEY_NCCL_GROUPS, applied before each communicator is made).
         for (k, v) in &common {
