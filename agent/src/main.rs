@@ -652,7 +652,7 @@ async fn session_inner(
                     profiles,
                     holdings: holdings_list,
                     holdings_sent,
-                    restores: vec![],
+                    restores,
                 };
                 if tx.send(status).await.is_err() {
                     return;
