@@ -120,4 +120,22 @@ mod tests {
         }
         assert!("nope".parse::<JobState>().is_err());
     }
+
+    #[test]
+    fn into_and_out_of_recovering_exactly() {
+        // Every move into recovering, and every move out of it, as a table.
+        for s in JobState::ALL {
+            let into = matches!(s, Running | Launching);
+            assert_eq!(s.can_become(Recovering), into, "{s} -> recovering");
+        }
+        for t in JobState::ALL {
+            let out = matches!(t, Launching | Failed | Cancelled);
+            assert_eq!(Recovering.can_become(t), out, "recovering -> {t}");
+        }
+        assert!(!Recovering.is_terminal());
+        assert_eq!(Recovering.to_string(), "recovering");
+        assert_eq!(serde_json::to_string(&Recovering).unwrap(), "\"recovering\"");
+        assert_eq!(serde_json::from_str::<JobState>("\"recovering\"").unwrap(), Recovering);
+        assert_eq!(JobState::ALL.iter().filter(|s| **s == Recovering).count(), 1);
+    }
 }

@@ -487,3 +487,117 @@ conformance!(holdings_replace_a_nodes_list_under_its_current_epoch_only, |url: S
     assert_eq!(s.holdings(job.id).await.unwrap().len(), 1);
     s.close().await;
 });
+
+/// The job's last event: (kind, generation, message).
+async fn last_event(s: &Store, job: i64) -> (String, Option<i64>, String) {
+    let e = s.events(Some(job), 0, 1000).await.unwrap().pop().unwrap();
+    (e.kind, e.generation, e.message)
+}
+
+conformance!(a_recovery_spends_its_causes_budget_in_the_move_to_recovering, |url: String| async move {
+    use motley_coordinator::store::{RecoveryCause, Spent};
+    let s = Store::open(&url).await.unwrap();
+    s.register_node("n0", "{}").await.unwrap();
+    let job = s.submit_job("elastic", "{}").await.unwrap();
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    s.start_generation(job.id, "{\"plan\": 1}", &ranks(&["n0"])).await.unwrap();
+    s.transition(job.id, JobState::Running, None).await.unwrap();
+    assert_eq!(s.spent(job.id).await.unwrap(), Spent::default());
+    assert_eq!(s.restore_step(job.id, 1).await.unwrap(), None, "a plain launch resumes from no step");
+
+    // running -> recovering: one preemption spent, with an event naming the budget.
+    let spent = s.begin_recovery(job.id, 1, RecoveryCause::Preemption, 2, "node n0 lost").await.unwrap();
+    assert_eq!(spent, Spent { preemptions: 1, restarts: 0 });
+    assert_eq!(s.spent(job.id).await.unwrap(), spent);
+    let j = s.job(job.id).await.unwrap();
+    assert_eq!((j.state, j.generation, j.reason.as_deref()), (JobState::Recovering, 1, Some("node n0 lost")));
+    let id = job.id;
+    assert_eq!(
+        last_event(&s, id).await,
+        ("recovering".into(), Some(1), format!("job {id}: running -> recovering (preemptions 1 of 2): node n0 lost"))
+    );
+    // Recovering already: a second move is refused and spends nothing.
+    match s.begin_recovery(id, 1, RecoveryCause::Preemption, 2, "again").await {
+        Err(CoordinatorError::Conflict(m)) => assert_eq!(m, format!("job {id} is recovering; it cannot recover")),
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+    assert_eq!(s.spent(id).await.unwrap(), spent);
+
+    // recovering -> launching from step 40: the next generation, which resumes from it.
+    assert_eq!(s.start_generation_from(id, "{\"plan\": 2}", &ranks(&["n0"]), Some(40)).await.unwrap(), 2);
+    let j = s.job(id).await.unwrap();
+    assert_eq!((j.state, j.generation), (JobState::Launching, 2));
+    assert_eq!(s.restore_step(id, 2).await.unwrap(), Some(40));
+    assert_eq!(s.restore_step(id, 1).await.unwrap(), None);
+    assert_eq!(s.plan(id, 2).await.unwrap(), "{\"plan\": 2}");
+    s.transition(id, JobState::Running, None).await.unwrap();
+
+    // A failed rank spends a restart, not a preemption.
+    let spent = s.begin_recovery(id, 2, RecoveryCause::Restart, 1, "rank 0 exited 1").await.unwrap();
+    assert_eq!(spent, Spent { preemptions: 1, restarts: 1 });
+    assert_eq!(
+        last_event(&s, id).await,
+        ("recovering".into(), Some(2), format!("job {id}: running -> recovering (restarts 1 of 1): rank 0 exited 1"))
+    );
+    // A plain relaunch (step 0) leaves restore_step unset.
+    assert_eq!(s.start_generation(id, "{\"plan\": 3}", &ranks(&["n0"])).await.unwrap(), 3);
+    assert_eq!(s.restore_step(id, 3).await.unwrap(), None);
+    assert_eq!(s.restore_step(id, 2).await.unwrap(), Some(40), "each launch keeps its own");
+
+    // Launching, restarts spent: refused, nothing changes (state, counters, events).
+    let events = s.events(Some(id), 0, 1000).await.unwrap().len();
+    match s.begin_recovery(id, 3, RecoveryCause::Restart, 1, "rank 0 exited 1").await {
+        Err(CoordinatorError::Conflict(m)) => {
+            assert_eq!(m, format!("job {id}: no restarts left (1 allowed) or the job changed concurrently"))
+        }
+        other => panic!("expected a spent budget, got {other:?}"),
+    }
+    // A budget of 0 allows none.
+    assert!(matches!(s.begin_recovery(id, 3, RecoveryCause::Preemption, 0, "n0 drained").await, Err(CoordinatorError::Conflict(_))));
+    // A generation the job has left: refused.
+    match s.begin_recovery(id, 2, RecoveryCause::Preemption, 5, "late").await {
+        Err(CoordinatorError::StaleGeneration { given, current, .. }) => assert_eq!((given, current), (2, 3)),
+        other => panic!("expected a stale generation, got {other:?}"),
+    }
+    let j = s.job(id).await.unwrap();
+    assert_eq!((j.state, j.generation), (JobState::Launching, 3));
+    assert_eq!(s.spent(id).await.unwrap(), Spent { preemptions: 1, restarts: 1 });
+    assert_eq!(s.events(Some(id), 0, 1000).await.unwrap().len(), events, "a refused recovery writes no event");
+
+    // launching -> recovering with budget left.
+    let spent = s.begin_recovery(id, 3, RecoveryCause::Preemption, 2, "n0 drained").await.unwrap();
+    assert_eq!(spent, Spent { preemptions: 2, restarts: 1 });
+    assert_eq!(
+        last_event(&s, id).await,
+        ("recovering".into(), Some(3), format!("job {id}: launching -> recovering (preemptions 2 of 2): n0 drained"))
+    );
+    // Over: cancelled jobs do not recover.
+    s.transition(id, JobState::Cancelled, Some("user")).await.unwrap();
+    assert!(matches!(s.begin_recovery(id, 3, RecoveryCause::Restart, 9, "late").await, Err(CoordinatorError::Conflict(_))));
+    assert_eq!(s.spent(id).await.unwrap(), spent);
+    assert!(matches!(s.spent(9999).await, Err(CoordinatorError::NotFound { .. })));
+    s.close().await;
+});
+
+conformance!(concurrent_recoveries_of_one_launch_spend_one_budget, |url: String| async move {
+    use motley_coordinator::store::{RecoveryCause, Spent};
+    let s = Store::open(&url).await.unwrap();
+    s.register_node("n0", "{}").await.unwrap();
+    let job = s.submit_job("race", "{}").await.unwrap();
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    s.start_generation(job.id, "{}", &ranks(&["n0"])).await.unwrap();
+    s.transition(job.id, JobState::Running, None).await.unwrap();
+    let moves = (0..8).map(|i| {
+        let (s, id) = (s.clone(), job.id);
+        let cause = if i % 2 == 0 { RecoveryCause::Preemption } else { RecoveryCause::Restart };
+        async move { s.begin_recovery(id, 1, cause, 5, &format!("mover {i}")).await }
+    });
+    let results = join_all(moves.collect()).await;
+    let won: Vec<usize> = results.iter().enumerate().filter(|(_, r)| r.is_ok()).map(|(i, _)| i).collect();
+    assert_eq!(won.len(), 1, "exactly one recovery begins: {won:?}");
+    let want = if won[0].is_multiple_of(2) { Spent { preemptions: 1, restarts: 0 } } else { Spent { preemptions: 0, restarts: 1 } };
+    assert_eq!(s.spent(job.id).await.unwrap(), want);
+    let recovering = s.events(Some(job.id), 0, 100).await.unwrap().into_iter().filter(|e| e.kind == "recovering").count();
+    assert_eq!(recovering, 1);
+    s.close().await;
+});
