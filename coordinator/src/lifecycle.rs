@@ -74,9 +74,7 @@ pub async fn progress(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
         } else {
             format!("rank {} on node {} exited with code {}", bad.rank, bad.node, bad.exit_code.unwrap_or(-1))
         };
-        if !crate::recovery::try_recover(store, fleet, &job, crate::store::RecoveryCause::Restart, &reason).await {
-            fail(store, fleet, id, job.generation, &reason).await;
-        }
+        crate::recovery::rank_failed(store, fleet, &job, &reason).await;
         return Ok(());
     }
     let started = ranks.started == ranks.total;

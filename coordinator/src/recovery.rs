@@ -48,6 +48,8 @@ pub struct Restores {
     kick: tokio::sync::Notify,
     active: Mutex<HashSet<i64>>,
     settings: Mutex<Settings>,
+    /// Launches with a failed rank, and when it was first seen: classified after one lease.
+    failed_ranks: Mutex<HashMap<(i64, i64), Instant>>,
 }
 
 /// The coordinator's recovery settings (flags).
@@ -73,6 +75,7 @@ impl Default for Restores {
             kick: tokio::sync::Notify::new(),
             active: Mutex::default(),
             settings: Mutex::new(Settings::default()),
+            failed_ranks: Mutex::default(),
         }
     }
 }
@@ -132,6 +135,24 @@ pub async fn try_recover(store: &Store, fleet: &Fleet, job: &JobRecord, cause: R
             tracing::info!(job = job.id, "no recovery: {e}");
             store.job(job.id).await.is_ok_and(|j| j.state == JobState::Recovering)
         }
+    }
+}
+
+/// A rank of launched `job` failed. A node that vanishes makes its peers' collectives fail
+/// before its lease ends, so a job that could recover from a lost node waits one lease (the
+/// lease watcher's `node_leaving` moves it first if a node of the launch is lost meanwhile);
+/// then the failure spends a restart, or fails the job. Called on every look at the job.
+pub async fn rank_failed(store: &Store, fleet: &Fleet, job: &JobRecord, reason: &str) {
+    let preemptible = serde_json::from_str::<JobSpec>(&job.spec).is_ok_and(|s| s.checkpoint.is_some() && s.max_preemptions > 0);
+    if preemptible {
+        let first = *fleet.restores.failed_ranks.lock().expect("failed ranks").entry((job.id, job.generation)).or_insert_with(Instant::now);
+        if first.elapsed() <= fleet.base * (crate::fleet::LEASE_INTERVALS + 1) {
+            return; // the job queue looks again next interval
+        }
+    }
+    fleet.restores.failed_ranks.lock().expect("failed ranks").remove(&(job.id, job.generation));
+    if !try_recover(store, fleet, job, RecoveryCause::Restart, reason).await {
+        crate::lifecycle::fail(store, fleet, job.id, job.generation, reason).await;
     }
 }
 

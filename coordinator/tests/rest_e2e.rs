@@ -202,7 +202,7 @@ fn bad_names_sizes_and_the_agents_token_are_refused_in_json() {
     }
     assert!(c.json("GET", "/api/v1/nodes", "", 200).as_array().unwrap().is_empty());
 
-    // Job files: a long name, a huge env value, a huge command, relaunch counts not yet supported.
+    // Job files: a long name, a huge env value, a huge command, relaunch budgets without a checkpoint to resume from.
     let job = "name: j\nmodel: gpt3-1.3b\nglobal_batch: 8\nrun: 'true'\n";
     let e = error_of(&c, "POST", "/api/v1/jobs", &job.replace("name: j", &format!("name: {}", "n".repeat(254))), 400);
     assert!(e.starts_with("name: is 254 characters; at most 253"), "{e}");
@@ -211,7 +211,7 @@ fn bad_names_sizes_and_the_agents_token_are_refused_in_json() {
     let e = error_of(&c, "POST", "/api/v1/jobs", &job.replace("run: 'true'", &format!("run: 'echo {}'", "y".repeat(70_000))), 400);
     assert!(e.starts_with("run: is 70005 bytes; at most 65536"), "{e}");
     let e = error_of(&c, "POST", "/api/v1/jobs", &format!("{job}max_restarts: 2\n"), 400);
-    assert!(e.starts_with("max_restarts: relaunching a failed job is not supported yet"), "{e}");
+    assert!(e.starts_with("max_restarts: a relaunch resumes from the newest complete checkpoint"), "{e}");
     let e = error_of(&c, "POST", "/api/v1/jobs", &format!("{job}max_preemptions: 1\n"), 400);
     assert!(e.starts_with("max_preemptions:"), "{e}");
     assert!(c.json("GET", "/api/v1/jobs", "", 200).as_array().unwrap().is_empty(), "nothing was stored");
