@@ -572,6 +572,7 @@ async fn session_inner(
         logs_url: logs_url.to_string(),
         can_profile: profiler.is_some(),
         data_url: data_url.to_string(),
+        rdma_device: motley_agent::restorer::rdma_device().unwrap_or_default(),
         ckpt_rates: Some(motley_proto::v1::CkptRates {
             disk_read_mb_s: args.ckpt_disk_mb_s,
             nic_mb_s: args.ckpt_nic_mb_s,

@@ -68,6 +68,8 @@ struct Inner {
     changed: tokio::sync::Notify,
     /// The tiers: a step being restored from is pinned (never pruned meanwhile).
     tierer: Option<Arc<crate::tiers::Tierer>>,
+    /// This node can READ over RDMA (built with the feature, a device present).
+    rdma: bool,
 }
 
 /// A finished restore as kept on disk until acknowledged.
@@ -116,6 +118,19 @@ impl From<Stored> for RestoreResult {
             repaired: s.repaired,
             skipped: s.skipped,
         }
+    }
+}
+
+/// The RDMA device this agent READs through, if it was built with the `rdma` feature and the
+/// host has one.
+pub fn rdma_device() -> Option<String> {
+    #[cfg(feature = "rdma")]
+    {
+        crate::rdma::available().ok()
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        None
     }
 }
 
@@ -200,6 +215,7 @@ impl Restorer {
                 newest: Mutex::new(newest),
                 changed: tokio::sync::Notify::new(),
                 tierer: None,
+                rdma: rdma_device().is_some(),
             }),
         }
     }
@@ -588,7 +604,7 @@ impl Restorer {
             }
             "peer" => {
                 let pacers = [self.inner.nic_in.clone()];
-                let peer = Peer {
+                let mut peer = Peer {
                     addr: &src.data_url,
                     token: self.inner.token.as_deref(),
                     transport: Transport::Tcp,
@@ -596,6 +612,19 @@ impl Restorer {
                     rate_bytes_s: rate,
                     timeout: Duration::from_secs(30),
                 };
+                // One-sided READs when the coordinator found both nodes in one RDMA domain; TCP
+                // when that fails (a device gone, a port down) or this build has no RDMA.
+                if src.transport == "rdma" && self.inner.rdma {
+                    peer.transport = Transport::Rdma;
+                    match peer.fetch(key, &[(offset, len)], dest).await {
+                        Ok(_) => {
+                            tally.peer += len;
+                            return Ok(());
+                        }
+                        Err(e) => tracing::warn!(node = %self.inner.node, "RDMA from {} failed ({e}); over TCP instead", src.node),
+                    }
+                    peer.transport = Transport::Tcp;
+                }
                 peer.fetch(key, &[(offset, len)], dest).await.map_err(|e| e.to_string())?;
                 tally.peer += len;
                 Ok(())

@@ -37,6 +37,9 @@ pub const DEFAULT_MEM_MB_S: f64 = 10_000.0;
 #[derive(Debug, Clone, PartialEq)]
 pub struct NodeInfo {
     pub data_url: String,
+    /// The node's RDMA domain when its agent reported an RDMA device (peers in the same domain
+    /// fetch from it over RDMA).
+    pub rdma_domain: Option<String>,
     pub disk_read_mb_s: f64,
     pub nic_mb_s: f64,
     pub mem_copy_mb_s: f64,
@@ -346,9 +349,22 @@ pub fn build(
     let mut names: BTreeSet<String> = needs.keys().cloned().collect();
     names.extend(held.keys().map(|(n, _)| n.clone()));
     let rates = |n: &str| {
-        nodes.get(n).cloned().unwrap_or(NodeInfo { data_url: String::new(), disk_read_mb_s: 0.0, nic_mb_s: 0.0, mem_copy_mb_s: 0.0 })
+        nodes.get(n).cloned().unwrap_or(NodeInfo {
+            data_url: String::new(),
+            rdma_domain: None,
+            disk_read_mb_s: 0.0,
+            nic_mb_s: 0.0,
+            mem_copy_mb_s: 0.0,
+        })
     };
     let or = |v: f64, d: f64| if v > 0.0 { v } else { d };
+    // RDMA between two nodes of one RDMA domain whose agents both have a device; TCP otherwise.
+    let transport = |from: &str, to: &str| -> String {
+        match (rates(from).rdma_domain, rates(to).rdma_domain) {
+            (Some(a), Some(b)) if a == b => "rdma".into(),
+            _ => String::new(),
+        }
+    };
     let scenario = RestoreScenario {
         name: format!("job {job} step {step}"),
         cloud: CloudSpec { egress_mb_s: cloud_egress_mb_s, holds_step: idx.values().any(|f| f.in_cloud) },
@@ -410,6 +426,7 @@ pub fn build(
                     node: t.from.clone(),
                     data_url: rates(&t.from).data_url,
                     tier: if t.relay { "relay".into() } else { format!("{:?}", t.tier).to_lowercase() },
+                    transport: transport(&t.from, &t.to),
                 },
             };
             // A flow from the cloud or a relay may span several shard files (the planner merges
@@ -454,7 +471,13 @@ pub fn build(
                     if n == node {
                         FetchSource { kind: "local".into(), tier: tier.clone(), ..Default::default() }
                     } else {
-                        FetchSource { kind: "peer".into(), node: n.clone(), data_url: rates(n).data_url, tier: tier.clone() }
+                        FetchSource {
+                            kind: "peer".into(),
+                            node: n.clone(),
+                            data_url: rates(n).data_url,
+                            tier: tier.clone(),
+                            transport: transport(n, node),
+                        }
                     }
                 })
                 .chain(f.in_cloud.then(|| FetchSource { kind: "cloud".into(), tier: "cloud".into(), ..Default::default() }))
@@ -807,7 +830,8 @@ mod tests {
         names
             .iter()
             .map(|n| {
-                let info = NodeInfo { data_url: format!("{n}:7000"), disk_read_mb_s: 0.0, nic_mb_s: 0.0, mem_copy_mb_s: 0.0 };
+                let info =
+                    NodeInfo { data_url: format!("{n}:7000"), rdma_domain: None, disk_read_mb_s: 0.0, nic_mb_s: 0.0, mem_copy_mb_s: 0.0 };
                 (n.to_string(), info)
             })
             .collect()
@@ -827,7 +851,7 @@ mod tests {
     }
 
     fn peer(node: &str, tier: &str) -> FetchSource {
-        FetchSource { kind: "peer".into(), node: node.into(), data_url: format!("{node}:7000"), tier: tier.into() }
+        FetchSource { kind: "peer".into(), node: node.into(), data_url: format!("{node}:7000"), tier: tier.into(), ..Default::default() }
     }
 
     /// Every file's ranges, sorted, cover [0, bytes) with no gap and no overlap.
@@ -923,6 +947,30 @@ mod tests {
             assert_eq!(only_source(&b, "n2", &f.file), peer("n1", "disk"));
             assert_eq!(f.fallbacks, [peer("n1", "disk")]);
         }
+    }
+
+    #[test]
+    fn peers_of_one_rdma_domain_with_devices_are_read_over_rdma() {
+        let files = step(7, 2, 1, 1, &[("n1", "memory"), ("n0", "disk")]);
+        let plan = [place(0, "n2", 0, 0, 1, (0, 1), [0, 2])];
+        let n = needs(&files, &plan).unwrap();
+        let mut live = nodes(&["n0", "n1", "n2"]);
+        for (name, domain) in [("n1", "ib0"), ("n2", "ib0"), ("n0", "roce1")] {
+            live.get_mut(name).unwrap().rdma_domain = Some(domain.into());
+        }
+        let b = build(1, GEN + 1, 7, &files, &n, &live, 1200.0, "", Mode::Planned, 600).unwrap();
+        for f in &b.restores["n2"].files {
+            for r in &f.ranges {
+                let s = r.source.as_ref().unwrap();
+                assert_eq!(s.transport, if s.node == "n1" { "rdma" } else { "" }, "{}: {s:?}", f.file);
+            }
+            let by_node: BTreeMap<&str, &str> = f.fallbacks.iter().map(|s| (s.node.as_str(), s.transport.as_str())).collect();
+            assert_eq!((by_node["n1"], by_node["n0"]), ("rdma", ""), "another domain is read over TCP");
+        }
+        // No device on the destination: TCP.
+        live.get_mut("n2").unwrap().rdma_domain = None;
+        let b = build(1, GEN + 1, 7, &files, &n, &live, 1200.0, "", Mode::Planned, 600).unwrap();
+        assert!(b.restores["n2"].files.iter().flat_map(|f| &f.fallbacks).all(|s| s.transport.is_empty()));
     }
 
     #[test]

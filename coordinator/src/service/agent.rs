@@ -52,10 +52,16 @@ impl Agent for AgentService {
         self.fleet.register(&r.node, epoch, address, r.logs_url);
         self.fleet.set_can_profile(&r.node, epoch, r.can_profile);
         let rates = r.ckpt_rates.unwrap_or_default();
+        // The node's RDMA domain (its inventory's), when its agent has a device to READ with.
+        let domain = (!r.rdma_device.is_empty())
+            .then(|| serde_json::from_str::<motley_solver::hardware::NodeSpec>(&r.inventory_json).ok())
+            .flatten()
+            .map(|n| n.rdma_domain.unwrap_or_else(|| "default".into()));
         self.fleet.restores.set_node(
             &r.node,
             crate::restore_plan::NodeInfo {
                 data_url: r.data_url,
+                rdma_domain: domain,
                 disk_read_mb_s: rates.disk_read_mb_s,
                 nic_mb_s: rates.nic_mb_s,
                 mem_copy_mb_s: rates.mem_copy_mb_s,
