@@ -83,8 +83,9 @@ struct Args {
     /// asked to profile.
     #[arg(long, env = "MOTLEY_PYTHON")]
     python: Option<String>,
-    /// The memory tier ranks write checkpoints into (a tmpfs; default /dev/shm/motley-agent/NODE;
-    /// empty: ranks write on the work directory's disk). The agent keeps each job's newest
+    /// The memory tier ranks write checkpoints into (a tmpfs; default
+    /// /dev/shm/motley-agent-NODE-HASH, HASH naming the work directory; empty: ranks write on the
+    /// work directory's disk). The agent keeps each job's newest
     /// complete step there and copies every complete step to disk.
     #[arg(long, env = "MOTLEY_SHM_DIR")]
     shm_dir: Option<PathBuf>,
@@ -116,6 +117,11 @@ enum Command {
 enum Output {
     Yaml,
     Json,
+}
+
+/// FNV-1a (64 bits): a stable short name for a path (not a security boundary).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// The agent's config file when `--config` names none (it may be absent).
@@ -265,7 +271,9 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
     let shm = match &args.shm_dir {
         Some(p) if p.as_os_str().is_empty() => None,
         Some(p) => Some(p.clone()),
-        None => Some(Path::new("/dev/shm/motley-agent").join(&node)),
+        // One per work directory (agents of several nodes, or of several test runs, on one
+        // machine must not read each other's checkpoints): the node and a hash of the directory.
+        None => Some(Path::new("/dev/shm").join(format!("motley-agent-{node}-{:016x}", fnv1a(work_dir.as_os_str().as_encoded_bytes())))),
     };
     let supervisor = Supervisor::new(work_dir.clone(), node.clone(), wrapper)
         .allow_root_ranks(args.allow_root_ranks)

@@ -621,6 +621,11 @@ impl Supervisor {
                     tracing::warn!(node = %self.node, "{}: {e}", dir.display());
                     continue;
                 }
+                // Its checkpoints in the memory tier go with it (the disk and cloud keep theirs).
+                if let Some(mem) = &self.shm_root {
+                    let _ = std::fs::remove_dir_all(mem.join("jobs").join(job.to_string()).join(generation.to_string()));
+                    let _ = std::fs::remove_dir(mem.join("jobs").join(job.to_string()));
+                }
                 ranks.retain(|k, _| !(k.0 == job && k.1 == generation));
                 self.pruned.lock().expect("pruned lock").insert((job, generation));
                 removed.push(format!("job {job} generation {generation}: ended, files removed ({})", dir.display()));

@@ -125,6 +125,11 @@ pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
                 .arg(&file)
                 .arg("--work-dir")
                 .arg(dir.join("agents").join(&name))
+                // Checkpoints' memory tier inside the dev directory: gone with it. Several agents
+                // on one machine: every data plane on a port of its own.
+                .arg("--shm-dir")
+                .arg(dir.join("shm").join(&name))
+                .args(["--data-listen", "127.0.0.1:0"])
                 .stderr(Stdio::null())
                 .spawn()
                 .map_err(|e| InputError(format!("starting motley-agent for {name}: {e}")))?;

@@ -179,12 +179,14 @@ function jobPage(view, id) {
   const ranks = h('div', { id: 'ranks' });
   const events = h('ol', { id: 'events', class: 'events', 'aria-live': 'polite', 'aria-label': 'Events', tabindex: 0 });
   // The checkpoint-location bitmap: the steps some node holds and where each file of the newest
-  // complete one is. SEAM (recovery issue): the recoveries, with their lower bound and actual
-  // time, join this section when the recovery flow records them.
+  // complete one is; and the job's recoveries (from its events), each with the planner's lower
+  // bound next to the time the restore took.
   const checkpoints = h('section', { id: 'checkpoints', hidden: true, 'aria-labelledby': 'checkpoints-heading' },
     h('h3', { id: 'checkpoints-heading' }, 'Checkpoints'));
+  const recoveries = h('section', { id: 'recoveries', hidden: true, 'aria-labelledby': 'recoveries-heading' });
+  const recovered = []; // { why, planned, done, retries }
   view.append(h('p', {}, h('a', { href: '#/jobs' }, '← all jobs')), head,
-    h('h3', {}, 'Plan'), plan, h('h3', {}, 'Ranks'), ranks, checkpoints, h('h3', {}, 'Events'), events);
+    h('h3', {}, 'Plan'), plan, h('h3', {}, 'Ranks'), ranks, checkpoints, recoveries, h('h3', {}, 'Events'), events);
   let lastSeq = 0;
   let planGeneration = 0;
   const logs = new Map(); // rank -> { open, text, offset, generation }
@@ -278,6 +280,38 @@ function jobPage(view, id) {
           grid.nodes.map((n) => h('td', {}, r.held[n] ? r.held[n].join('+') : '—')))))));
   };
 
+  // A recovery's events: `recovering` (why), `recovery_planned` and `recovery_done` (JSON).
+  const noteRecovery = (e) => {
+    const json = () => { try { return JSON.parse(e.message); } catch { return null; } };
+    if (e.kind === 'recovering') recovered.push({ why: e.message, planned: null, done: null, retries: 0 });
+    const last = recovered[recovered.length - 1];
+    if (!last) return false;
+    if (e.kind === 'recovery_planned') last.planned = json();
+    else if (e.kind === 'recovery_done') last.done = json();
+    else if (e.kind === 'recovery_retry') last.retries += 1;
+    else if (e.kind === 'failed' && !last.done) last.failed = e.message;
+    return e.kind.startsWith('recover') || e.kind === 'failed';
+  };
+
+  const drawRecoveries = () => {
+    if (recovered.length === 0) return;
+    const secs = (x) => (typeof x === 'number' ? `${x.toFixed(2)} s` : '—');
+    const mb = (b) => (b ? bytes(b.local) + ' / ' + bytes(b.peer) + ' / ' + bytes(b.cloud) : '—');
+    recoveries.hidden = false;
+    replace(recoveries, h('h3', { id: 'recoveries-heading' }, 'Recoveries'),
+      h('table', { id: 'recoveries-table', 'aria-label': 'Recoveries' },
+        h('thead', {}, h('tr', {}, ['#', 'Why', 'Step', 'Lower bound', 'Restore took', 'Total', 'Bytes local / peer / cloud', 'Outcome']
+          .map((c) => h('th', { scope: 'col' }, c)))),
+        h('tbody', {}, recovered.map((r, i) => h('tr', { 'data-recovery': i + 1 },
+          h('td', { class: 'num' }, i + 1), h('td', {}, r.why),
+          h('td', { class: 'num' }, r.planned ? r.planned.step : (r.done ? r.done.step ?? 'none' : '…')),
+          h('td', { class: 'num' }, secs(r.planned && r.planned.lower_bound_s)),
+          h('td', { class: 'num' }, secs(r.done && r.done.transfer_s)),
+          h('td', { class: 'num' }, secs(r.done && r.done.total_s)),
+          h('td', { class: 'num' }, mb((r.done && r.done.bytes) || (r.planned && r.planned.bytes))),
+          h('td', {}, r.done ? `relaunched${r.retries ? ` after ${r.retries} retries` : ''}` : (r.failed ? `failed: ${r.failed}` : 'in progress')))))));
+  };
+
   const refresh = async () => {
     const job = await api(`/jobs/${id}`);
     const over = OVER.includes(job.state);
@@ -296,9 +330,11 @@ function jobPage(view, id) {
           h('time', { datetime: new Date(e.at_ms).toISOString() }, new Date(e.at_ms).toLocaleTimeString()), ' ',
           h('span', { class: 'kind' }, e.kind), e.message));
         lastSeq = e.seq;
+        noteRecovery(e);
       }
       if (batch.length < 1000) break;
     }
+    drawRecoveries();
     if (job.generation > 0) {
       if (planGeneration !== job.generation) await drawPlan(job.generation);
       const p = await api(`/jobs/${id}/plan`);
