@@ -88,7 +88,7 @@ struct Args {
     /// work directory's disk). The agent keeps each job's newest
     /// complete step there and copies every complete step to disk.
     #[arg(long, env = "MOTLEY_SHM_DIR")]
-    shm_dir: Option<PathBuf>,
+    shm_dir: Option<String>,
     /// Where this agent serves checkpoint files to peers (the data plane; port 0: any free port).
     /// When the default port is taken (several agents on one machine) a free one is used.
     #[arg(long, env = "MOTLEY_DATA_LISTEN", default_value = "0.0.0.0:7073")]
@@ -269,8 +269,8 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
         }
     };
     let shm = match &args.shm_dir {
-        Some(p) if p.as_os_str().is_empty() => None,
-        Some(p) => Some(p.clone()),
+        Some(p) if p.is_empty() => None,
+        Some(p) => Some(PathBuf::from(p)),
         // One per work directory (agents of several nodes, or of several test runs, on one
         // machine must not read each other's checkpoints): the node and a hash of the directory.
         None => Some(Path::new("/dev/shm").join(format!("motley-agent-{node}-{:016x}", fnv1a(work_dir.as_os_str().as_encoded_bytes())))),

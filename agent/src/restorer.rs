@@ -33,8 +33,9 @@ use crate::dataplane::{self, Arriving, FileKey, Pacer, Peer, Resolve, Transport}
 /// ranks resume from (the agent then points MOTLEY_CKPT_RESTORE at `launch_list`).
 pub const RESTORE_STEP_ENV: &str = "MOTLEY_CKPT_RESTORE_STEP";
 
-/// Files fetched at once.
-const PARALLEL_FILES: usize = 8;
+/// Files fetched at once: all of them, as the plan's rates assume (each flow is paced to its
+/// share), up to this bound on open connections and files.
+const PARALLEL_FILES: usize = 256;
 /// Bytes of one ranged read from the cloud.
 const CLOUD_PIECE: u64 = 8 << 20;
 /// Bytes kept free beyond what a restore writes.
@@ -454,7 +455,17 @@ impl Restorer {
             .open(&tmp)
             .map_err(|e| format!("{}: {e}", tmp.display()))?;
         file.set_len(f.bytes).map_err(|e| format!("{}: {e}", tmp.display()))?;
-        let result = self.fill(&key, f, &file, cloud, tally).await;
+        // The cloud-only baseline: every further rank of this node fetches its own copy, at the
+        // same time as the first (each paced to its share of the cloud), into a scratch file.
+        let extra = async {
+            let copies: Vec<_> = (1..f.copies.max(1)).map(|k| self.scratch_copy(&key, f, &tmp, k, cloud)).collect();
+            futures_util::future::join_all(copies).await
+        };
+        let (result, extra) = futures_util::future::join(self.fill(&key, f, &file, cloud, tally), extra).await;
+        for copy in extra {
+            let t = copy?;
+            merge(tally, t);
+        }
         let result = match result {
             Ok(()) => self.repair(&key, f, &file, &entry, &tmp, cloud, tally).await,
             Err(e) => Err(e),
@@ -469,23 +480,31 @@ impl Restorer {
             let _ = d.sync_all();
         }
         arrival.complete();
-        // The cloud-only baseline: every further rank of this node fetches its own copy.
-        for _ in 1..f.copies.max(1) {
-            let scratch = std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(true)
-                .read(true)
-                .write(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(|e| format!("{}: {e}", tmp.display()))?;
-            for r in &f.ranges {
-                let src = r.source.clone().unwrap_or_default();
-                self.fetch_range(&key, &src, r.offset, r.bytes, rate(r.rate_mb_s), &scratch, cloud, tally).await?;
-            }
-            let _ = std::fs::remove_file(&tmp);
-        }
         Ok(path.display().to_string())
+    }
+
+    /// Copy `k` of a file fetched again for another rank (the cloud-only baseline), discarded.
+    async fn scratch_copy(&self, key: &FileKey, f: &RestoreFile, tmp: &Path, k: u32, cloud: &str) -> Result<Tally, String> {
+        let path = PathBuf::from(format!("{}.copy{k}", tmp.display()));
+        let scratch = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut t = Tally::default();
+        let mut result = Ok(());
+        for r in &f.ranges {
+            let src = r.source.clone().unwrap_or_default();
+            result = self.fetch_range(key, &src, r.offset, r.bytes, rate(r.rate_mb_s), &scratch, cloud, &mut t).await;
+            if result.is_err() {
+                break;
+            }
+        }
+        let _ = std::fs::remove_file(&path);
+        result.map(|()| t)
     }
 
     /// Every range from its planned source, or the first fallback that serves it.
@@ -634,7 +653,7 @@ impl Restorer {
                     return Err(format!("{}: the job has no checkpoint.cloud to fetch from", key.file));
                 }
                 // Ranged reads of a few MiB, each paced through this node's NIC and the flow.
-                let flow = rate.map(Pacer::new);
+                let flow = rate.map(Pacer::flow);
                 let mut at = offset;
                 while at < offset + len {
                     let n = (offset + len - at).min(CLOUD_PIECE);
@@ -707,7 +726,7 @@ fn bad_chunk(path: &Path, entry: &FileEntry) -> Result<Option<(usize, u64, u64)>
 async fn copy_range(src: &Path, offset: u64, len: u64, dest: &File, pacer: Option<Arc<Pacer>>, rate: Option<f64>) -> Result<(), String> {
     let from =
         std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(src).map_err(|e| format!("{}: {e}", src.display()))?;
-    let flow = rate.map(|r| Arc::new(Pacer::new(r)));
+    let flow = rate.map(|r| Arc::new(Pacer::flow(r)));
     let mut at = offset;
     let end = offset + len;
     let mut buf = vec![0u8; (1 << 20).min(len.max(1) as usize)];

@@ -180,6 +180,7 @@ pub async fn node_leaving(store: &Store, fleet: &Fleet, node: &str, reason: &str
 /// (a new leader's included), every base interval and whenever a recovery begins.
 pub async fn run(store: Store, fleet: Arc<Fleet>) {
     let mut tick = tokio::time::interval(fleet.base);
+    let began = Instant::now();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -192,7 +193,14 @@ pub async fn run(store: Store, fleet: Arc<Fleet>) {
                 continue;
             }
         };
+        // Early in a term (a failover, a restart) agents are still finding this leader: a
+        // recovery planned now would see no live node. Wait, up to the takeover's grace, for the
+        // job's nodes to come back.
+        let settling = began.elapsed() < fleet.base * crate::takeover::GRACE_INTERVALS;
         for j in jobs.into_iter().filter(|j| j.state == JobState::Recovering) {
+            if settling && crate::control::missing_nodes(&store, &fleet, &j).await.is_ok_and(|m| !m.is_empty()) {
+                continue;
+            }
             if !fleet.restores.active.lock().expect("active").insert(j.id) {
                 continue;
             }
@@ -248,13 +256,22 @@ async fn recover(store: &Store, fleet: &Fleet, job: JobRecord) -> Result<()> {
             let nodes: BTreeMap<String, NodeInfo> = fleet_nodes(fleet, &files, &needs);
             let s = fleet.restores.settings();
             let cloud = spec.checkpoint.as_ref().and_then(|c| c.cloud.clone()).unwrap_or_default();
-            let timeout = (fleet.base * 600).as_secs().clamp(60, 3600) as u32;
-            restore_plan::build(id, next, step, &files, &needs, &nodes, s.cloud_egress_mb_s, &cloud, s.mode, timeout)
+            restore_plan::build(id, next, step, &files, &needs, &nodes, s.cloud_egress_mb_s, &cloud, s.mode, 0)
         });
-        let built = match built {
+        let mut built = match built {
             Ok(b) => b,
             Err(e) => return fail(store, fleet, id, old, &format!("recovery cannot restore step {step}: {e}")).await,
         };
+        // The restore may take what its schedule says, several times over (fetches retried from
+        // other holders, slow disks), and at least a minute.
+        let expected = match fleet.restores.settings().mode {
+            Mode::Planned => built.plan.makespan_s,
+            Mode::CloudOnly => built.plan.cloud_only_s,
+        };
+        let timeout = restore_timeout(fleet, expected);
+        for r in built.restores.values_mut() {
+            r.timeout_s = timeout.as_secs() as u32;
+        }
         let p = &built.plan;
         let planned = json!({
             "step": step,
@@ -267,11 +284,14 @@ async fn recover(store: &Store, fleet: &Fleet, job: JobRecord) -> Result<()> {
             "attempt": attempt,
         });
         store.record_event(Some(id), Some(old), "recovery_planned", &planned.to_string()).await?;
+        // A retry asks again under the same generation: the last attempt's results are not this one's.
+        fleet.restores.forget(id);
         let mut sent = true;
         for (node, r) in &built.restores {
             sent &= fleet.send(node, Instruction { kind: Some(instruction::Kind::Restore(r.clone())) });
         }
-        let outcome = if sent { wait_restored(fleet, id, next, built.restores.keys().cloned().collect()).await } else { Waited::NodeGone };
+        let outcome =
+            if sent { wait_restored(fleet, id, next, built.restores.keys().cloned().collect(), timeout).await } else { Waited::NodeGone };
         match outcome {
             Waited::Done(results) => {
                 let transfer_s = results.iter().map(|r| r.transfer_s).fold(0.0, f64::max);
@@ -298,6 +318,13 @@ fn fleet_nodes(
     names.into_iter().filter(|n| fleet.live(n)).filter_map(|n| fleet.restores.info(n).map(|i| (n.clone(), i))).collect()
 }
 
+/// How long a restore whose schedule takes `expected_s` may take: 4 times that plus 10 base
+/// intervals, at least a minute, at most a day.
+fn restore_timeout(fleet: &Fleet, expected_s: f64) -> Duration {
+    let s = if expected_s.is_finite() { expected_s.max(0.0) } else { 86_400.0 };
+    (Duration::from_secs_f64(4.0 * s) + fleet.base * 10).clamp(Duration::from_secs(60), Duration::from_secs(86_400))
+}
+
 /// Wait until no rank of the old launch is reported running on a live node, or
 /// `STOP_INTERVALS` passed (a rank on a node that stopped answering cannot hold us).
 async fn wait_stopped(store: &Store, fleet: &Fleet, id: i64, generation: i64) -> Result<()> {
@@ -320,8 +347,9 @@ enum Waited {
 }
 
 /// Wait for every node's result of restore `generation`.
-async fn wait_restored(fleet: &Fleet, id: i64, generation: i64, nodes: Vec<String>) -> Waited {
-    let until = Instant::now() + (fleet.base * 600).clamp(Duration::from_secs(60), Duration::from_secs(3600));
+async fn wait_restored(fleet: &Fleet, id: i64, generation: i64, nodes: Vec<String>, timeout: Duration) -> Waited {
+    // The agents' own deadline first, then a few intervals for their report.
+    let until = Instant::now() + timeout + fleet.base * 10;
     loop {
         let changed = fleet.restores.changed.notified();
         let mut done = vec![];
@@ -357,10 +385,11 @@ async fn launch(
     transfer_s: f64,
 ) -> Result<()> {
     let generation = store.start_generation_from(id, plan, ranks, restored.map(|(s, _)| s)).await?;
-    let (mut local, mut peer, mut cloud, mut repaired) = (0, 0, 0, vec![]);
+    let (mut local, mut peer, mut cloud, mut repaired, mut skipped) = (0, 0, 0, vec![], 0);
     for r in restored.map(|(_, r)| r).unwrap_or_default() {
         (local, peer, cloud) = (local + r.local_bytes, peer + r.peer_bytes, cloud + r.cloud_bytes);
         repaired.extend(r.repaired.iter().cloned());
+        skipped += r.skipped;
     }
     let done = json!({
         "step": restored.map(|(s, _)| s),
@@ -368,6 +397,8 @@ async fn launch(
         "total_s": began.elapsed().as_secs_f64(),
         "bytes": {"local": local, "peer": peer, "cloud": cloud},
         "repaired": repaired,
+        // Files already in place that verified (a restore resumed after a failover).
+        "skipped": skipped,
     });
     store.record_event(Some(id), Some(generation), "recovery_done", &done.to_string()).await?;
     fleet.restores.forget(id);

@@ -349,7 +349,8 @@ EOF
         "const g = document.getElementById('ckpt-grid'); return g && !document.getElementById('checkpoints').hidden ? [...g.querySelectorAll('tbody tr')].map(r => r.textContent) : null",
     );
     assert_eq!(cells.as_array().unwrap().len(), 2, "{cells}");
-    assert!(cells[0].as_str().unwrap().contains("layer.0 model tp 0/1") && cells[0].as_str().unwrap().contains("disk"), "{cells}");
+    // Ranks write into the agent's memory tier, where the newest step stays (a copy goes to disk).
+    assert!(cells[0].as_str().unwrap().contains("layer.0 model tp 0/1") && cells[0].as_str().unwrap().contains("memory"), "{cells}");
     let step = b.js("return document.querySelector('#ckpt-steps tr[data-step=\"2\"]').textContent");
     assert!(step.as_str().unwrap().contains("no: "), "one unit of 24 layers is not restorable: {step}");
     b.screenshot("job");

@@ -17,13 +17,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from launcher import DATA, REPO, motley_bin, single_process
+from launcher import DATA, REPO, free_port, motley_bin, single_process
 
 MODEL = DATA / "tiny-dev.yaml"
 STEPS = 300
@@ -54,20 +55,29 @@ def clean_env(**extra: str) -> dict:
 class Cluster:
     """A coordinator and one agent per node, each in its own process group."""
 
-    def __init__(self, tmp: Path, nodes: list, heartbeat_ms: int = 250):
+    def __init__(self, tmp: Path, nodes: list, heartbeat_ms: int = 250, nic_mb_s: float = 0.0):
         self.tmp, self.b, self.procs, self.agents = tmp, bins(), [], {}
-        self.heartbeat_ms = heartbeat_ms
-        log = open(tmp / "coordinator.log", "w")
+        self.heartbeat_ms, self.nic_mb_s = heartbeat_ms, nic_mb_s
+        # Fixed ports: a restarted coordinator is where the agents look for it.
+        self.ports = (free_port(), free_port())
+        self.start_coordinator()
+        for name, entry in nodes:
+            self.start_agent(name, entry)
+
+    def start_coordinator(self):
+        log = open(self.tmp / "coordinator.log", "a")
         self.coord = subprocess.Popen(
-            [self.b["motley-coordinator"], "--data-dir", str(tmp / "coordinator"), "--insecure", "--listen", "127.0.0.1:0",
-             "--grpc-listen", "127.0.0.1:0", "--heartbeat-ms", str(heartbeat_ms)],
+            [self.b["motley-coordinator"], "--data-dir", str(self.tmp / "coordinator"), "--insecure", "--listen",
+             f"127.0.0.1:{self.ports[0]}", "--grpc-listen", f"127.0.0.1:{self.ports[1]}", "--heartbeat-ms", str(self.heartbeat_ms)],
             stdout=subprocess.PIPE, stderr=log, text=True, env=clean_env(), start_new_session=True)
         self.procs.append(self.coord)
         # "motley-coordinator listening on URL", then "motley-coordinator agents on URL".
         self.rest = self.coord.stdout.readline().strip().rsplit(" ", 1)[-1]
         self.grpc = self.coord.stdout.readline().strip().rsplit(" ", 1)[-1]
-        for name, entry in nodes:
-            self.start_agent(name, entry)
+
+    def kill_coordinator(self):
+        self.coord.kill()
+        self.coord.wait()
 
     def start_agent(self, name: str, entry: dict):
         inv = self.tmp / f"{name}.yaml"
@@ -76,14 +86,20 @@ class Cluster:
         p = subprocess.Popen(
             [self.b["motley-agent"], "--coordinator", self.grpc, "--node", name, "--inventory", str(inv), "--work-dir",
              str(self.tmp / "agents" / name), "--shm-dir", str(self.tmp / "shm" / name), "--allow-root-ranks",
-             "--logs-listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0"],
+             "--logs-listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--ckpt-nic-mb-s", str(self.nic_mb_s)],
             stdout=log, stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
         self.procs.append(p)
         self.agents[name] = p
 
     def get(self, path: str):
-        with urllib.request.urlopen(self.rest + path, timeout=10) as r:
-            return json.loads(r.read())
+        for attempt in range(50):
+            try:
+                with urllib.request.urlopen(self.rest + path, timeout=10) as r:
+                    return json.loads(r.read())
+            except urllib.error.URLError:
+                if attempt == 49:
+                    raise
+                time.sleep(0.2)  # a coordinator restarting
 
     def submit(self, spec: dict) -> int:
         req = urllib.request.Request(self.rest + "/api/v1/jobs", data=yaml.safe_dump(spec).encode(), method="POST",
@@ -164,35 +180,42 @@ def rank0_losses(work: Path, job: int, generation: int) -> list:
     return []
 
 
+def tiny_job(tmp: Path, steps: int = STEPS) -> dict:
+    return {
+        "name": "recover-tiny",
+        "model": yaml.safe_load(MODEL.read_text()),
+        "global_batch": GLOBAL_BATCH,
+        "run": f"{shlex.quote(sys.executable)} -m motley_torch.train --steps {steps} --seed {SEED}",
+        "envs": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "python")},
+        "checkpoint": {"every": EVERY, "keep": 2, "cloud": f"file://{tmp / 'cloud'}"},
+        "max_preemptions": 1,
+    }
+
+
+def run_until_a_step_is_in_the_cloud(c: Cluster, job: dict) -> tuple:
+    """Submit `job`, wait until some complete step is whole in the cloud, and name the node of
+    the plan's last stage (its layers and head exist nowhere else but the cloud)."""
+    c.wait(lambda: len(c.get("/api/v1/nodes")) == len(c.agents), 30)
+    jid = c.submit(job)
+    c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
+    plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+
+    def cloud_step():
+        steps = c.get(f"/api/v1/jobs/{jid}/checkpoints")
+        grid = [c.get(f"/api/v1/jobs/{jid}/checkpoints/grid?step={s['step']}") for s in steps if s["complete"]]
+        return any(all("cloud" in sum(r["held"].values(), []) for r in g["rows"]) for g in grid)
+    c.wait(cloud_step, 120)
+    state = c.get(f"/api/v1/jobs/{jid}")["state"]
+    assert state == "running", f"the job ended ({state}) before a node could be lost; raise STEPS"
+    last = plan["replicas"][0]["stages"][-1]["gpus"][0]["node"]
+    return jid, last
+
+
 def test_a_lost_node_recovers_from_peers_and_the_cloud_with_the_same_losses(tmp_path: Path):
     c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(3)])
     try:
-        cloud = tmp_path / "cloud"
         spec = yaml.safe_load(MODEL.read_text())
-        job = {
-            "name": "recover-tiny",
-            "model": spec,
-            "global_batch": GLOBAL_BATCH,
-            "run": f"{shlex.quote(sys.executable)} -m motley_torch.train --steps {STEPS} --seed {SEED}",
-            "envs": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "python")},
-            "checkpoint": {"every": EVERY, "keep": 2, "cloud": f"file://{cloud}"},
-            "max_preemptions": 1,
-        }
-        c.wait(lambda: len(c.get("/api/v1/nodes")) == 3, 30)
-        jid = c.submit(job)
-        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
-        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
-        # A step complete in the cloud (the dead node's layers come from there).
-        def cloud_step():
-            steps = c.get(f"/api/v1/jobs/{jid}/checkpoints")
-            grid = [c.get(f"/api/v1/jobs/{jid}/checkpoints/grid?step={s['step']}") for s in steps if s["complete"]]
-            return any(all("cloud" in sum(r["held"].values(), []) for r in g["rows"]) for g in grid)
-        c.wait(cloud_step, 120)
-        state = c.get(f"/api/v1/jobs/{jid}")["state"]
-        assert state == "running", f"the job ended ({state}) before a node could be lost; raise STEPS"
-        # The node holding the last stage: its head and layers exist nowhere else but the cloud.
-        nodes = sorted({g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]})
-        victim = nodes[-1]
+        jid, victim = run_until_a_step_is_in_the_cloud(c, tiny_job(tmp_path))
         c.kill_node(victim)
         c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
         final = c.get(f"/api/v1/jobs/{jid}")
@@ -218,5 +241,30 @@ def test_a_lost_node_recovers_from_peers_and_the_cloud_with_the_same_losses(tmp_
         for s, loss in after:
             assert abs(loss - reference[s]) <= TOL * max(1.0, abs(reference[s])), (s, loss, reference[s])
         assert after[-1][0] == STEPS - 1
+    finally:
+        c.close()
+
+
+def test_a_coordinator_failover_mid_restore_resumes_and_skips_what_verifies(tmp_path: Path):
+    """The restore is slowed (1 MB/s per node) so the coordinator can be killed while the agents
+    fetch; a new coordinator on the same database finds the job recovering, plans it again, and
+    the agents keep the files they had already placed (recovery_done counts them as skipped)."""
+    c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(3)], nic_mb_s=1.0)
+    try:
+        jid, victim = run_until_a_step_is_in_the_cloud(c, tiny_job(tmp_path))
+        c.kill_node(victim)
+        c.wait(lambda: any(e["kind"] == "recovery_planned" for e in c.events(jid)), 60)
+        c.kill_coordinator()
+        time.sleep(0.5)
+        c.start_coordinator()
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
+        final, events = c.get(f"/api/v1/jobs/{jid}"), c.events(jid)
+        kinds = [e["kind"] for e in events]
+        assert final["state"] == "succeeded", f"{final}\n{kinds}\n{c.logs()}"
+        assert final["generation"] == 2, final
+        assert kinds.count("recovering") == 1, kinds
+        assert kinds.count("recovery_planned") >= 2, f"the new leader planned the restore again: {kinds}"
+        done = json.loads(next(e["message"] for e in events if e["kind"] == "recovery_done"))
+        assert done["skipped"] > 0, f"files restored before the failover are kept: {done}"
     finally:
         c.close()

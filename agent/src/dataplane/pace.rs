@@ -37,6 +37,15 @@ impl Pacer {
         Pacer { rate, burst, bucket: Mutex::new(Bucket { tokens: burst, last: Instant::now() }) }
     }
 
+    /// The pacer of one flow at its planned rate: it starts empty and bursts at most 1/20 s worth,
+    /// so a flow of B bytes takes B / rate however small it is (a node's shared bucket starts
+    /// full instead: an idle NIC may send at once).
+    pub fn flow(bytes_per_s: f64) -> Pacer {
+        let rate = (bytes_per_s.is_finite() && bytes_per_s > 0.0).then_some(bytes_per_s);
+        let burst = rate.map_or(0.0, |r| r / 20.0);
+        Pacer { rate, burst, bucket: Mutex::new(Bucket { tokens: 0.0, last: Instant::now() }) }
+    }
+
     /// A pacer that never waits.
     pub fn unlimited() -> Pacer {
         Pacer::new(0.0)
@@ -94,6 +103,17 @@ mod tests {
         let start = Instant::now();
         f.await;
         start.elapsed().as_secs_f64()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_flows_own_pacer_starts_empty_so_small_flows_take_their_time() {
+        // 100 KB at 1 MB/s: 0.1 s, not free (a node's bucket would let it through at once).
+        let p = Pacer::flow(1e6);
+        let t = timed(p.take(100_000)).await;
+        assert!((t - 0.1).abs() < 0.01, "{t}");
+        let t = timed(async { Pacer::new(1e6).take(100_000).await }).await;
+        assert!(t < 0.01, "{t}");
+        assert!(Pacer::flow(0.0).rate().is_none());
     }
 
     #[tokio::test(start_paused = true)]

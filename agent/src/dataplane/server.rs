@@ -92,7 +92,7 @@ async fn handle(stream: TcpStream, resolver: &dyn Resolve, token: Option<&str>, 
         crate::rdma::serve(&mut stream, &located.path, &request.ranges).await.map_err(|e| format!("file {key} over RDMA: {e}"))?;
         return Ok(());
     }
-    let rate = Pacer::new(request.rate_bytes_s.unwrap_or(0.0));
+    let rate = Pacer::flow(request.rate_bytes_s.unwrap_or(0.0));
     let mut pacers: Vec<&Pacer> = vec![egress, &rate];
     pacers.extend(located.read_pacer.as_deref());
     for &(offset, len) in &request.ranges {
