@@ -71,6 +71,9 @@ struct Inner {
     tierer: Option<Arc<crate::tiers::Tierer>>,
     /// This node can READ over RDMA (built with the feature, a device present).
     rdma: bool,
+    /// The free bytes of a directory's file system (`crate::load::free_bytes`; tests inject a
+    /// full disk).
+    free_bytes: fn(&Path) -> Option<u64>,
 }
 
 /// A finished restore as kept on disk until acknowledged.
@@ -217,6 +220,7 @@ impl Restorer {
                 changed: tokio::sync::Notify::new(),
                 tierer: None,
                 rdma: rdma_device().is_some(),
+                free_bytes: crate::load::free_bytes,
             }),
         }
     }
@@ -224,6 +228,12 @@ impl Restorer {
     /// Pin the steps restores read from in these tiers while they run.
     pub fn with_tierer(mut self, tierer: Arc<crate::tiers::Tierer>) -> Restorer {
         Arc::get_mut(&mut self.inner).expect("configured before it is shared").tierer = Some(tierer);
+        self
+    }
+
+    /// Measure free space with `free_bytes` instead of `crate::load::free_bytes` (tests: a full disk).
+    pub fn with_free_bytes(mut self, free_bytes: fn(&Path) -> Option<u64>) -> Restorer {
+        Arc::get_mut(&mut self.inner).expect("configured before it is shared").free_bytes = free_bytes;
         self
     }
 
@@ -319,6 +329,10 @@ impl Restorer {
             } else {
                 tracing::warn!(node = %this.inner.node, job = r.job, generation = r.generation, "restore failed: {error}");
             }
+            // No longer running before the result is out: an ask arriving once the result is
+            // acknowledged (or, failed, forgotten) must run, not find this one still running
+            // and be dropped without a result.
+            this.inner.running.lock().expect("running").remove(&(r.job, r.generation));
             this.finish(RestoreResult {
                 job: r.job,
                 generation: r.generation,
@@ -331,7 +345,6 @@ impl Restorer {
                 repaired: tally.repaired,
                 skipped: tally.skipped,
             });
-            this.inner.running.lock().expect("running").remove(&(r.job, r.generation));
         });
     }
 
@@ -361,7 +374,7 @@ impl Restorer {
         }
         let made: u64 = r.make.iter().map(|m| r.files.iter().filter(|f| m.sources.contains(&f.file)).map(|f| f.bytes).sum::<u64>()).sum();
         let need = missing + made / u64::from(r.make.first().map_or(1, |m| m.tp_size.max(1))) + FREE_MARGIN;
-        if let Some(free) = crate::load::free_bytes(work) {
+        if let Some(free) = (self.inner.free_bytes)(work) {
             if free < need {
                 return Err(format!(
                     "disk full: the restore needs {need} bytes in {} and {free} are free; free space or give the agent another --work-dir",
@@ -410,11 +423,14 @@ impl Restorer {
             let (tp_size, tp_rank) = (m.tp_size, m.tp_rank);
             let written = tokio::task::spawn_blocking(move || -> Result<Option<PathBuf>, String> {
                 let cut = motley_checkpoint::reslice_unit(&sources, tp_size).map_err(|e| e.to_string())?;
-                // A unit of replicated tensors stays TP 0 of 1: its source serves every rank.
-                let Some(mine) = cut.into_iter().find(|u| u.key.tp_size == 1 || u.key.tp_rank == tp_rank) else { return Ok(None) };
-                if mine.key.tp_size == 1 {
+                // A unit of replicated tensors stays TP 0 of 1: its source serves every rank. (Only
+                // that one: a unit cut for TP 1 from split shards is made like any other.)
+                if sources.first().is_some_and(|u| u.key.tp_size == 1 && u.replicated()) {
                     return Ok(None);
                 }
+                let Some(mine) = cut.into_iter().find(|u| u.key.tp_rank == tp_rank) else {
+                    return Err(format!("there is no tp rank {tp_rank} of {tp_size}"));
+                };
                 let e = mine.write(&out_dir2).map_err(|e| e.to_string())?;
                 Ok(Some(out_dir2.join(e.file.file)))
             })
@@ -467,7 +483,7 @@ impl Restorer {
             merge(tally, t);
         }
         let result = match result {
-            Ok(()) => self.repair(&key, f, &file, &entry, &tmp, cloud, tally).await,
+            Ok(sent) => self.repair(&key, f, &file, &entry, &tmp, sent, cloud, tally).await,
             Err(e) => Err(e),
         };
         if let Err(e) = result {
@@ -507,8 +523,9 @@ impl Restorer {
         result.map(|()| t)
     }
 
-    /// Every range from its planned source, or the first fallback that serves it.
-    async fn fill(&self, key: &FileKey, f: &RestoreFile, file: &File, cloud: &str, tally: &mut Tally) -> Result<(), String> {
+    /// Every range from its planned source, or the first fallback that serves it. Returns who
+    /// sent each range: (offset, bytes, source).
+    async fn fill(&self, key: &FileKey, f: &RestoreFile, file: &File, cloud: &str, tally: &mut Tally) -> Result<Vec<Sent>, String> {
         let mut flows = vec![];
         for r in &f.ranges {
             let planned = r.source.clone().unwrap_or_default();
@@ -523,14 +540,19 @@ impl Restorer {
             }
         }))
         .await;
+        let mut sent = vec![];
         for (res, t, src, off, len) in results {
             merge(tally, t);
+            if res.is_ok() {
+                sent.push((off, len, src.clone()));
+            }
             if let Err(first) = res {
                 let mut last = first.clone();
                 let mut done = false;
                 for fb in f.fallbacks.iter().filter(|fb| **fb != src) {
                     match self.fetch_range(key, fb, off, len, None, file, cloud, tally).await {
                         Ok(()) => {
+                            sent.push((off, len, fb.clone()));
                             tally.repaired.push(format!(
                                 "{} bytes {off}..{}: {} failed ({first}); fetched from {}",
                                 f.file,
@@ -549,7 +571,7 @@ impl Restorer {
                 }
             }
         }
-        Ok(())
+        Ok(sent)
     }
 
     /// Verify the assembled copy; a corrupt chunk is fetched again from the next source.
@@ -561,6 +583,7 @@ impl Restorer {
         file: &File,
         entry: &FileEntry,
         tmp: &Path,
+        mut sent: Vec<Sent>,
         cloud: &str,
         tally: &mut Tally,
     ) -> Result<(), String> {
@@ -568,31 +591,38 @@ impl Restorer {
             return Ok(()); // no crcs reported: the length is all there is to check (done by set_len)
         }
         let mut tries: Vec<&FetchSource> = f.fallbacks.iter().collect();
+        let mut failed: Option<String> = None;
         loop {
             file.sync_data().map_err(|e| format!("{}: {e}", tmp.display()))?;
             let bad = bad_chunk(tmp, entry)?;
             let Some((chunk, start, end)) = bad else { return Ok(()) };
-            // Whoever sent that chunk: the planned source of the range that covers its start.
-            let culprit = f
-                .ranges
-                .iter()
-                .find(|r| r.offset <= start && start < r.offset + r.bytes)
-                .and_then(|r| r.source.clone())
-                .unwrap_or_default();
-            tries.retain(|s| **s != culprit);
-            let Some(next) = (!tries.is_empty()).then(|| tries.remove(0)) else {
-                return Err(format!(
-                    "{}: chunk {chunk} (bytes {start}..{end}) does not verify against the manifest and no other holder is left",
-                    f.file
-                ));
+            // Whoever sent that chunk's bytes (a fallback, if the planned source failed; more
+            // than one, if a range boundary cuts it). A sole sender is not asked again; of
+            // several, which one is corrupt is unknown: the next whole chunk tells.
+            let culprits = senders(&sent, start, end);
+            if let [culprit] = culprits.as_slice() {
+                tries.retain(|s| *s != culprit);
+            }
+            // A holder that cannot send it (gone meanwhile, or the one whose range failed) is
+            // passed over for the next.
+            let next = loop {
+                let Some(next) = (!tries.is_empty()).then(|| tries.remove(0)) else {
+                    return Err(format!(
+                        "{}: chunk {chunk} (bytes {start}..{end}) does not verify against the manifest and no other holder is left{}",
+                        f.file,
+                        failed.map(|e| format!(" (last refetch: {e})")).unwrap_or_default()
+                    ));
+                };
+                match self.fetch_range(key, next, start, end - start, None, file, cloud, tally).await {
+                    Ok(()) => break next,
+                    Err(e) => failed = Some(format!("{}: {e}", describe(next))),
+                }
             };
-            self.fetch_range(key, next, start, end - start, None, file, cloud, tally)
-                .await
-                .map_err(|e| format!("{}: refetching chunk {chunk}: {e}", f.file))?;
+            sent.push((start, end - start, next.clone()));
             tally.repaired.push(format!(
                 "{} chunk {chunk} (bytes {start}..{end}) from {} was corrupt; fetched again from {}",
                 f.file,
-                describe(&culprit),
+                culprits.iter().map(describe).collect::<Vec<_>>().join(" and "),
                 describe(next)
             ));
         }
@@ -674,6 +704,24 @@ impl Restorer {
             other => Err(format!("unknown source kind '{other}'")),
         }
     }
+}
+
+/// Bytes `offset..offset + bytes` of a file were written by this source (later ones over earlier).
+type Sent = (u64, u64, FetchSource);
+
+/// The sources whose bytes are in `start..end` now: the latest writes first, down to one that
+/// covered it all.
+fn senders(sent: &[Sent], start: u64, end: u64) -> Vec<FetchSource> {
+    let mut out: Vec<FetchSource> = vec![];
+    for (off, len, src) in sent.iter().rev() {
+        if *off < end && start < off + len && !out.contains(src) {
+            out.push(src.clone());
+        }
+        if *off <= start && end <= off + len {
+            break;
+        }
+    }
+    out
 }
 
 fn merge(into: &mut Tally, t: Tally) {
