@@ -50,7 +50,13 @@ pub struct Restores {
     settings: Mutex<Settings>,
     /// Launches with a failed rank, and when it was first seen: classified after one lease.
     failed_ranks: Mutex<HashMap<(i64, i64), Instant>>,
+    /// Per running launch: the live nodes it could use when first seen, and, once more are
+    /// live, the newest complete checkpoint step then (it scales up at the next one).
+    scale: Mutex<HashMap<(i64, i64), ScaleSeen>>,
 }
+
+/// A running launch's live nodes when first seen, and the newest complete step when more were.
+type ScaleSeen = (usize, Option<i64>);
 
 /// The coordinator's recovery settings (flags).
 #[derive(Debug, Clone, Copy)]
@@ -76,6 +82,7 @@ impl Default for Restores {
             active: Mutex::default(),
             settings: Mutex::new(Settings::default()),
             failed_ranks: Mutex::default(),
+            scale: Mutex::default(),
         }
     }
 }
@@ -120,6 +127,7 @@ pub async fn try_recover(store: &Store, fleet: &Fleet, job: &JobRecord, cause: R
     let budget = match cause {
         RecoveryCause::Preemption => spec.max_preemptions,
         RecoveryCause::Restart => spec.max_restarts,
+        RecoveryCause::ScaleUp => 1, // spends nothing (see `scale_up`)
     };
     if spec.checkpoint.is_none() || budget == 0 {
         return false;
@@ -193,6 +201,9 @@ pub async fn run(store: Store, fleet: Arc<Fleet>) {
                 continue;
             }
         };
+        if let Err(e) = scale_up(&store, &fleet, &jobs).await {
+            tracing::warn!("scale-up: {e}");
+        }
         // Early in a term (a failover, a restart) agents are still finding this leader: a
         // recovery planned now would see no live node. Wait, up to the takeover's grace, for the
         // job's nodes to come back.
@@ -215,6 +226,85 @@ pub async fn run(store: Store, fleet: Arc<Fleet>) {
             });
         }
     }
+}
+
+/// Nodes that come back (or are added) take a running job up at its next checkpoint: once more
+/// live nodes are within its resources than when its launch was first seen, and at the next
+/// complete checkpoint step the planner would give it more GPUs than it has, it moves to
+/// `recovering` (spending no budget), and the recovery plans it onto what it can use then and
+/// restores that step.
+async fn scale_up(store: &Store, fleet: &Fleet, jobs: &[JobRecord]) -> Result<()> {
+    let running: Vec<&JobRecord> = jobs.iter().filter(|j| j.state == JobState::Running).collect();
+    {
+        let keep: HashSet<(i64, i64)> = running.iter().map(|j| (j.id, j.generation)).collect();
+        fleet.restores.scale.lock().expect("scale").retain(|k, _| keep.contains(k));
+    }
+    if running.is_empty() {
+        return Ok(());
+    }
+    let nodes = store.nodes().await?;
+    for j in running {
+        let Ok(spec) = serde_json::from_str::<JobSpec>(&j.spec) else { continue };
+        if spec.checkpoint.is_none() || spec.plan.is_some() {
+            continue; // nothing to resume from, or a plan the job carries (never re-planned)
+        }
+        let mine = |n: &str| spec.resources.nodes.is_empty() || spec.resources.nodes.iter().any(|m| m == n);
+        let live = nodes.iter().filter(|n| n.state == crate::store::NodeState::Active && mine(&n.name) && fleet.live(&n.name)).count();
+        let key = (j.id, j.generation);
+        let seen = *fleet.restores.scale.lock().expect("scale").entry(key).or_insert((live, None));
+        if live < seen.0 {
+            fleet.restores.scale.lock().expect("scale").insert(key, (live, None));
+            continue;
+        }
+        if live == seen.0 {
+            continue;
+        }
+        let ranks = store.ranks(j.id, j.generation).await?;
+        if spec.resources.gpus.is_some_and(|g| ranks.len() as u32 >= g) {
+            continue; // already at its GPU budget
+        }
+        let newest = crate::checkpoints::steps(store, j.id).await?.iter().filter(|s| s.complete).map(|s| s.step).max().unwrap_or(-1);
+        match seen.1 {
+            None => {
+                fleet.restores.scale.lock().expect("scale").insert(key, (seen.0, Some(newest)));
+            }
+            Some(then) if newest > then => {
+                // Only if the planner would use more GPUs now: otherwise the restart buys nothing,
+                // and the launch's node count is what it is compared with from here on.
+                let taken = crate::scheduler::taken(store, fleet, jobs).await?;
+                let more = match crate::control::plan_for_recovery(store, fleet, j, &taken).await {
+                    Ok((_, new_ranks)) => {
+                        if new_ranks.len() <= ranks.len() {
+                            tracing::info!(
+                                job = j.id,
+                                "no scale-up: with {live} live nodes the planner gives it {} GPUs, it has {}",
+                                new_ranks.len(),
+                                ranks.len()
+                            );
+                        }
+                        new_ranks.len() > ranks.len()
+                    }
+                    Err(e) => {
+                        tracing::info!(job = j.id, "no scale-up: {e}");
+                        false
+                    }
+                };
+                if !more {
+                    fleet.restores.scale.lock().expect("scale").insert(key, (live, None));
+                    continue;
+                }
+                let reason =
+                    format!("{} live nodes can take it (it was launched when {} were); scaling up from step {newest}", live, seen.0);
+                if store.begin_recovery(j.id, j.generation, RecoveryCause::ScaleUp, 0, &reason).await.is_ok() {
+                    tracing::info!(job = j.id, "{reason}");
+                    crate::lifecycle::stop_job(store, fleet, j.id, j.generation, "scaling up").await;
+                    fleet.restores.kick.notify_one();
+                }
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// One recovery, from the old launch's stop to the next launch (or the job's failure).

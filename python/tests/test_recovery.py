@@ -268,3 +268,29 @@ def test_a_coordinator_failover_mid_restore_resumes_and_skips_what_verifies(tmp_
         assert done["skipped"] > 0, f"files restored before the failover are kept: {done}"
     finally:
         c.close()
+
+
+def test_a_node_that_joins_restarts_nothing_when_the_plan_would_not_use_it(tmp_path: Path):
+    """Two nodes run the job; a third registers. At the next checkpoint the coordinator asks the
+    planner whether the job would get more GPUs now; for this tiny model on slow Ethernet it
+    would not (two pipeline stages are best), so the job is not restarted: it runs on and
+    succeeds in its first generation."""
+    c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(2)])
+    try:
+        job = tiny_job(tmp_path)
+        job["max_preemptions"] = 0
+        c.wait(lambda: len(c.get("/api/v1/nodes")) == 2, 30)
+        jid = c.submit(job)
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
+        first = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        c.start_agent("n2", node_entry())
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
+        final, kinds = c.get(f"/api/v1/jobs/{jid}"), [e["kind"] for e in c.events(jid)]
+        assert final["state"] == "succeeded" and final["generation"] == 1, f"{final}\n{kinds}\n{c.logs()}"
+        assert "recovering" not in kinds, kinds
+        used = {g["node"] for r in first["replicas"] for s in r["stages"] for g in s["gpus"]}
+        assert used == {"n0", "n1"}, used
+        log = (tmp_path / "coordinator.log").read_text()
+        assert "no scale-up: with 3 live nodes the planner gives it 2 GPUs, it has 2" in log, "the planner was asked at the next checkpoint"
+    finally:
+        c.close()

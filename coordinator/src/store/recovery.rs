@@ -15,6 +15,9 @@ pub enum RecoveryCause {
     Preemption,
     /// A rank failed (`max_restarts`).
     Restart,
+    /// Nodes came back or were added: the job is planned again onto more GPUs at its next
+    /// checkpoint. Spends no budget.
+    ScaleUp,
 }
 
 impl RecoveryCause {
@@ -22,6 +25,7 @@ impl RecoveryCause {
         match self {
             RecoveryCause::Preemption => "preemptions",
             RecoveryCause::Restart => "restarts",
+            RecoveryCause::ScaleUp => "scale-ups",
         }
     }
 }
@@ -70,6 +74,11 @@ impl Store {
                  WHERE id = $4 AND state = $5 AND generation = $6 AND restarts < $7 \
                  AND ($8 = 0 OR EXISTS (SELECT 1 FROM leader WHERE id = 1 AND term = $8))"
             }
+            RecoveryCause::ScaleUp => {
+                "UPDATE jobs SET state = $1, reason = $2, updated_at_ms = $3 \
+                 WHERE id = $4 AND state = $5 AND generation = $6 AND $7 >= 0 \
+                 AND ($8 = 0 OR EXISTS (SELECT 1 FROM leader WHERE id = 1 AND term = $8))"
+            }
         };
         let done = sqlx::query(update)
             .bind(JobState::Recovering.as_str())
@@ -90,8 +99,13 @@ impl Store {
         }
         let row = sqlx::query("SELECT preemptions, restarts FROM jobs WHERE id = $1").bind(id).fetch_one(&mut *tx).await?;
         let spent = Spent { preemptions: row.try_get("preemptions")?, restarts: row.try_get("restarts")? };
-        let used = if cause == RecoveryCause::Preemption { spent.preemptions } else { spent.restarts };
-        let message = format!("job {id}: {} -> recovering ({} {used} of {budget}): {reason}", job.state, cause.column());
+        let message = match cause {
+            RecoveryCause::Preemption => {
+                format!("job {id}: {} -> recovering (preemptions {} of {budget}): {reason}", job.state, spent.preemptions)
+            }
+            RecoveryCause::Restart => format!("job {id}: {} -> recovering (restarts {} of {budget}): {reason}", job.state, spent.restarts),
+            RecoveryCause::ScaleUp => format!("job {id}: {} -> recovering (scale-up): {reason}", job.state),
+        };
         Self::event(&mut tx, Some(id), Some(generation), "recovering", &message).await?;
         tx.commit().await?;
         Ok(spent)
