@@ -167,8 +167,9 @@ def test_checkpoints_reach_the_bitmap_through_dev_up(tmp_path: Path):
     steps = 40
     spec = yaml.safe_load(JOB.read_text())
     spec["run"] = f"{shlex.quote(sys.executable)} -m motley_torch.train --steps {steps} --seed {SEED}"
-    # The job file's checkpoint.every reaches the ranks as MOTLEY_CKPT_EVERY.
-    spec["checkpoint"] = {"every": 10}
+    # The job file's checkpoint.every reaches the ranks as MOTLEY_CKPT_EVERY; the agents keep the
+    # newest `keep` complete steps on disk (all four here).
+    spec["checkpoint"] = {"every": 10, "keep": 4}
     spec["envs"] = dict(spec.get("envs") or {}, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "python"))
     job = tmp_path / "train-tiny-ckpt.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))

@@ -195,7 +195,7 @@ def tiny_job(tmp: Path, steps: int = STEPS) -> dict:
 def run_until_a_step_is_in_the_cloud(c: Cluster, job: dict) -> tuple:
     """Submit `job`, wait until some complete step is whole in the cloud, and name the node of
     the plan's last stage (its layers and head exist nowhere else but the cloud)."""
-    c.wait(lambda: len(c.get("/api/v1/nodes")) == len(c.agents), 30)
+    c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == len(c.agents), 30)
     jid = c.submit(job)
     c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
     plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
@@ -273,24 +273,26 @@ def test_a_coordinator_failover_mid_restore_resumes_and_skips_what_verifies(tmp_
 def test_a_node_that_joins_restarts_nothing_when_the_plan_would_not_use_it(tmp_path: Path):
     """Two nodes run the job; a third registers. At the next checkpoint the coordinator asks the
     planner whether the job would get more GPUs now; for this tiny model on slow Ethernet it
-    would not (two pipeline stages are best), so the job is not restarted: it runs on and
-    succeeds in its first generation."""
+    would not (two pipeline stages are best), so the job is not restarted: it runs on in its
+    first generation."""
     c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(2)])
     try:
-        job = tiny_job(tmp_path)
+        job = tiny_job(tmp_path, steps=100_000)
         job["max_preemptions"] = 0
-        c.wait(lambda: len(c.get("/api/v1/nodes")) == 2, 30)
+        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 2, 30)
         jid = c.submit(job)
         c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
         first = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        assert {g["node"] for r in first["replicas"] for s in r["stages"] for g in s["gpus"]} == {"n0", "n1"}
         c.start_agent("n2", node_entry())
-        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
-        final, kinds = c.get(f"/api/v1/jobs/{jid}"), [e["kind"] for e in c.events(jid)]
-        assert final["state"] == "succeeded" and final["generation"] == 1, f"{final}\n{kinds}\n{c.logs()}"
+        said = "no scale-up: with 3 live nodes the planner gives it 2 GPUs, it has 2"
+        c.wait(lambda: said in (tmp_path / "coordinator.log").read_text(), 120, every=0.5)
+        # Two more checkpoints: the answer stands, nothing restarts.
+        seen = max(s["step"] for s in c.get(f"/api/v1/jobs/{jid}/checkpoints") if s["complete"])
+        c.wait(lambda: max(s["step"] for s in c.get(f"/api/v1/jobs/{jid}/checkpoints") if s["complete"]) >= seen + 2 * EVERY, 120)
+        job_now, kinds = c.get(f"/api/v1/jobs/{jid}"), [e["kind"] for e in c.events(jid)]
+        assert job_now["state"] == "running" and job_now["generation"] == 1, f"{job_now}\n{kinds}\n{c.logs()}"
         assert "recovering" not in kinds, kinds
-        used = {g["node"] for r in first["replicas"] for s in r["stages"] for g in s["gpus"]}
-        assert used == {"n0", "n1"}, used
-        log = (tmp_path / "coordinator.log").read_text()
-        assert "no scale-up: with 3 live nodes the planner gives it 2 GPUs, it has 2" in log, "the planner was asked at the next checkpoint"
+        assert (tmp_path / "coordinator.log").read_text().count(said) == 1, "asked once per node that joined"
     finally:
         c.close()
