@@ -64,6 +64,8 @@ struct Inner {
     /// carried each in this session.
     results: Mutex<Results>,
     running: Mutex<BTreeSet<(i64, i64)>>,
+    /// An ask that came while a restore of its launch ran: it runs next.
+    queued: Mutex<HashMap<(i64, i64), Restore>>,
     /// The newest generation each job was restored for: older ones are refused.
     newest: Mutex<HashMap<i64, i64>>,
     changed: tokio::sync::Notify,
@@ -89,6 +91,8 @@ struct Stored {
     transfer_s: f64,
     repaired: Vec<String>,
     skipped: u32,
+    #[serde(default)]
+    request: i64,
 }
 
 impl From<&RestoreResult> for Stored {
@@ -104,6 +108,7 @@ impl From<&RestoreResult> for Stored {
             transfer_s: r.transfer_s,
             repaired: r.repaired.clone(),
             skipped: r.skipped,
+            request: r.request,
         }
     }
 }
@@ -121,6 +126,7 @@ impl From<Stored> for RestoreResult {
             transfer_s: s.transfer_s,
             repaired: s.repaired,
             skipped: s.skipped,
+            request: s.request,
         }
     }
 }
@@ -216,6 +222,7 @@ impl Restorer {
                 disk_read,
                 results: Mutex::new(results),
                 running: Mutex::default(),
+                queued: Mutex::default(),
                 newest: Mutex::new(newest),
                 changed: tokio::sync::Notify::new(),
                 tierer: None,
@@ -282,17 +289,25 @@ impl Restorer {
                     r.generation, r.job
                 );
                 drop(newest);
-                self.finish(RestoreResult { job: r.job, generation: r.generation, step: r.step, error: why, ..Default::default() });
+                self.finish(RestoreResult {
+                    job: r.job,
+                    generation: r.generation,
+                    step: r.step,
+                    error: why,
+                    request: r.request,
+                    ..Default::default()
+                });
                 return;
             }
             newest.insert(r.job, r.generation);
         }
-        // A result not yet acknowledged stands (the coordinator asks again after a failover:
-        // a failed one is forgotten so the new ask runs).
+        // The answer to this very ask, not yet acknowledged, stands (sent again). Any other
+        // result of the launch is an earlier ask's: forgotten, and this one runs (files in place
+        // that verify are kept, so asking again costs little).
         {
             let mut results = self.inner.results.lock().expect("restore results");
             match results.get(&key) {
-                Some((done, _)) if done.error.is_empty() => {
+                Some((done, _)) if done.request == r.request && done.error.is_empty() => {
                     results.get_mut(&key).expect("present").1 = None;
                     drop(results);
                     self.inner.changed.notify_one();
@@ -300,11 +315,15 @@ impl Restorer {
                 }
                 Some(_) => {
                     results.remove(&key);
+                    let _ = std::fs::remove_file(result_path(&self.inner.work_dir, r.job, r.generation));
                 }
                 None => {}
             }
         }
+        // One restore of a launch at a time (they write the same files): a newer ask waits for
+        // the running one and then runs.
         if !self.inner.running.lock().expect("running").insert(key) {
+            self.inner.queued.lock().expect("queued").insert(key, r);
             return;
         }
         let this = self.clone();
@@ -333,7 +352,14 @@ impl Restorer {
             // acknowledged (or, failed, forgotten) must run, not find this one still running
             // and be dropped without a result.
             this.inner.running.lock().expect("running").remove(&(r.job, r.generation));
+            let next = this.inner.queued.lock().expect("queued").remove(&(r.job, r.generation));
+            if let Some(next) = next {
+                // A newer ask came meanwhile: this result answers nobody.
+                this.start(next);
+                return;
+            }
             this.finish(RestoreResult {
+                request: r.request,
                 job: r.job,
                 generation: r.generation,
                 step: r.step,

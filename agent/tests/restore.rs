@@ -107,7 +107,10 @@ fn file(name: &str, bytes: &[u8], ranges: Vec<FetchRange>, fallbacks: Vec<FetchS
 }
 
 fn restore(generation: i64, files: Vec<RestoreFile>, make: Vec<MakeUnit>, cloud_url: &str) -> Restore {
-    Restore { job: JOB, generation, step: STEP, files, make, cloud_url: cloud_url.into(), timeout_s: 60 }
+    // Every ask is a new one (a coordinator numbers each attempt).
+    static ASKS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(1);
+    let request = ASKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    Restore { job: JOB, generation, step: STEP, files, make, cloud_url: cloud_url.into(), timeout_s: 60, request }
 }
 
 /// A file:// cloud under `dir` holding `files` as the checkpoint of the source launch.

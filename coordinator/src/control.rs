@@ -177,7 +177,8 @@ pub async fn plan_job(store: &Store, fleet: &crate::fleet::Fleet, id: i64, taken
                 store.transition(id, JobState::Planning, None).await?;
             }
             let plan = serde_json::to_string(&report).expect("a plan serialises");
-            store.start_generation(id, &plan, &ranks).await?;
+            let generation = store.start_generation(id, &plan, &ranks).await?;
+            crate::recovery::note_launch(store, fleet, id, generation).await;
             Ok(Planned::Launched(store.job(id).await?))
         }
         // Other jobs hold some of its GPUs: what is free may not fit it (too few per node for

@@ -50,6 +50,8 @@ pub struct Restores {
     settings: Mutex<Settings>,
     /// Launches with a failed rank, and when it was first seen: classified after one lease.
     failed_ranks: Mutex<HashMap<(i64, i64), Instant>>,
+    /// The last restore request number handed out (see `Restore.request`).
+    requests: std::sync::atomic::AtomicI64,
     /// Per running launch: the live nodes it could use when first seen, and, once more are
     /// live, the newest complete checkpoint step then (it scales up at the next one).
     scale: Mutex<HashMap<(i64, i64), ScaleSeen>>,
@@ -83,6 +85,8 @@ impl Default for Restores {
             settings: Mutex::new(Settings::default()),
             failed_ranks: Mutex::default(),
             scale: Mutex::default(),
+            // Unique across leaders: a new leader's numbers start past the old one's.
+            requests: std::sync::atomic::AtomicI64::new(crate::store::now_ms() * 1000),
         }
     }
 }
@@ -236,7 +240,8 @@ pub async fn run(store: Store, fleet: Arc<Fleet>) {
 async fn scale_up(store: &Store, fleet: &Fleet, jobs: &[JobRecord]) -> Result<()> {
     let running: Vec<&JobRecord> = jobs.iter().filter(|j| j.state == JobState::Running).collect();
     {
-        let keep: HashSet<(i64, i64)> = running.iter().map(|j| (j.id, j.generation)).collect();
+        let launched = jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running));
+        let keep: HashSet<(i64, i64)> = launched.map(|j| (j.id, j.generation)).collect();
         fleet.restores.scale.lock().expect("scale").retain(|k, _| keep.contains(k));
     }
     if running.is_empty() {
@@ -248,8 +253,7 @@ async fn scale_up(store: &Store, fleet: &Fleet, jobs: &[JobRecord]) -> Result<()
         if spec.checkpoint.is_none() || spec.plan.is_some() {
             continue; // nothing to resume from, or a plan the job carries (never re-planned)
         }
-        let mine = |n: &str| spec.resources.nodes.is_empty() || spec.resources.nodes.iter().any(|m| m == n);
-        let live = nodes.iter().filter(|n| n.state == crate::store::NodeState::Active && mine(&n.name) && fleet.live(&n.name)).count();
+        let live = usable_nodes(&nodes, fleet, &spec);
         let key = (j.id, j.generation);
         let seen = *fleet.restores.scale.lock().expect("scale").entry(key).or_insert((live, None));
         if live < seen.0 {
@@ -305,6 +309,20 @@ async fn scale_up(store: &Store, fleet: &Fleet, jobs: &[JobRecord]) -> Result<()
         }
     }
     Ok(())
+}
+
+/// Live, active nodes within the job's resources.
+fn usable_nodes(nodes: &[crate::store::NodeRecord], fleet: &Fleet, spec: &JobSpec) -> usize {
+    let mine = |n: &str| spec.resources.nodes.is_empty() || spec.resources.nodes.iter().any(|m| m == n);
+    nodes.iter().filter(|n| n.state == crate::store::NodeState::Active && mine(&n.name) && fleet.live(&n.name)).count()
+}
+
+/// A launch was planned: remember how many nodes it could use then (`scale_up` compares).
+pub async fn note_launch(store: &Store, fleet: &Fleet, id: i64, generation: i64) {
+    let (Ok(job), Ok(nodes)) = (store.job(id).await, store.nodes().await) else { return };
+    let Ok(spec) = serde_json::from_str::<JobSpec>(&job.spec) else { return };
+    let live = usable_nodes(&nodes, fleet, &spec);
+    fleet.restores.scale.lock().expect("scale").insert((id, generation), (live, None));
 }
 
 /// One recovery, from the old launch's stop to the next launch (or the job's failure).
@@ -376,12 +394,19 @@ async fn recover(store: &Store, fleet: &Fleet, job: JobRecord) -> Result<()> {
         store.record_event(Some(id), Some(old), "recovery_planned", &planned.to_string()).await?;
         // A retry asks again under the same generation: the last attempt's results are not this one's.
         fleet.restores.forget(id);
+        let request = fleet.restores.requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        for r in built.restores.values_mut() {
+            r.request = request;
+        }
         let mut sent = true;
         for (node, r) in &built.restores {
             sent &= fleet.send(node, Instruction { kind: Some(instruction::Kind::Restore(r.clone())) });
         }
-        let outcome =
-            if sent { wait_restored(fleet, id, next, built.restores.keys().cloned().collect(), timeout).await } else { Waited::NodeGone };
+        let outcome = if sent {
+            wait_restored(fleet, id, next, request, built.restores.keys().cloned().collect(), timeout).await
+        } else {
+            Waited::NodeGone
+        };
         match outcome {
             Waited::Done(results) => {
                 let transfer_s = results.iter().map(|r| r.transfer_s).fold(0.0, f64::max);
@@ -437,7 +462,7 @@ enum Waited {
 }
 
 /// Wait for every node's result of restore `generation`.
-async fn wait_restored(fleet: &Fleet, id: i64, generation: i64, nodes: Vec<String>, timeout: Duration) -> Waited {
+async fn wait_restored(fleet: &Fleet, id: i64, generation: i64, request: i64, nodes: Vec<String>, timeout: Duration) -> Waited {
     // The agents' own deadline first, then a few intervals for their report.
     let until = Instant::now() + timeout + fleet.base * 10;
     loop {
@@ -445,7 +470,8 @@ async fn wait_restored(fleet: &Fleet, id: i64, generation: i64, nodes: Vec<Strin
         let mut done = vec![];
         let mut missing = vec![];
         for n in &nodes {
-            match fleet.restores.result(id, generation, n) {
+            // An earlier attempt's answer is not this one's.
+            match fleet.restores.result(id, generation, n).filter(|r| r.request == request) {
                 Some(r) if !r.error.is_empty() => return Waited::Failed(n.clone(), r.error),
                 Some(r) => done.push(r),
                 None if !fleet.live(n) => return Waited::NodeGone,
@@ -475,6 +501,7 @@ async fn launch(
     transfer_s: f64,
 ) -> Result<()> {
     let generation = store.start_generation_from(id, plan, ranks, restored.map(|(s, _)| s)).await?;
+    note_launch(store, fleet, id, generation).await;
     let (mut local, mut peer, mut cloud, mut repaired, mut skipped) = (0, 0, 0, vec![], 0);
     for r in restored.map(|(_, r)| r).unwrap_or_default() {
         (local, peer, cloud) = (local + r.local_bytes, peer + r.peer_bytes, cloud + r.cloud_bytes);

@@ -519,6 +519,7 @@ pub fn build(
                 make: need.make.clone(),
                 cloud_url: cloud_url.to_string(),
                 timeout_s,
+                request: 0, // numbered by the recovery when it sends them
             },
         );
     }

@@ -296,3 +296,26 @@ def test_a_node_that_joins_restarts_nothing_when_the_plan_would_not_use_it(tmp_p
         assert (tmp_path / "coordinator.log").read_text().count(said) == 1, "asked once per node that joined"
     finally:
         c.close()
+
+
+def test_a_second_node_lost_during_the_restore_is_planned_around(tmp_path: Path):
+    """Four nodes; the job runs on some of them. One is killed; while the agents restore (paced
+    at 1 MB/s) a node of the new plan is killed too: the recovery plans again without it
+    (`recovery_retry`), spends no second budget, and the job succeeds on what is left."""
+    c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(4)], nic_mb_s=1.0)
+    try:
+        jid, victim = run_until_a_step_is_in_the_cloud(c, tiny_job(tmp_path))
+        c.kill_node(victim)
+        planned = c.wait(lambda: [json.loads(e["message"]) for e in c.events(jid) if e["kind"] == "recovery_planned"], 60)
+        second = next(n for n in planned[0]["nodes"] if n != victim)
+        c.kill_node(second)
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
+        final, events = c.get(f"/api/v1/jobs/{jid}"), c.events(jid)
+        kinds = [e["kind"] for e in events]
+        assert final["state"] == "succeeded", f"{final}\n{kinds}\n{c.logs()}"
+        assert kinds.count("recovering") == 1 and "recovery_retry" in kinds, kinds
+        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        used = {g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]}
+        assert not used & {victim, second}, (used, victim, second)
+    finally:
+        c.close()
