@@ -206,11 +206,20 @@ impl Restorer {
                 }
             }
         }
-        let newest = results.keys().fold(HashMap::new(), |mut m: HashMap<i64, i64>, (j, g)| {
+        let mut newest = results.keys().fold(HashMap::new(), |mut m: HashMap<i64, i64>, (j, g)| {
             let e = m.entry(*j).or_insert(*g);
             *e = (*e).max(*g);
             m
         });
+        // The fence survives a restart: each job's newest generation asked for, on disk.
+        for job_dir in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            let Some(job) = job_dir.file_name().to_str().and_then(|n| n.parse::<i64>().ok()) else { continue };
+            let Some(g) = std::fs::read_to_string(job_dir.path().join("newest")).ok().and_then(|t| t.trim().parse::<i64>().ok()) else {
+                continue;
+            };
+            let e = newest.entry(job).or_insert(g);
+            *e = (*e).max(g);
+        }
         Restorer {
             inner: Arc::new(Inner {
                 work_dir: work_dir.to_path_buf(),
@@ -300,6 +309,15 @@ impl Restorer {
                 return;
             }
             newest.insert(r.job, r.generation);
+            // Kept on disk (`new` reads it back), so a restarted agent still refuses older asks.
+            let path = self.inner.work_dir.join("restore").join(r.job.to_string()).join("newest");
+            let kept = path
+                .parent()
+                .map_or(Ok(()), |d| crate::rankfiles::create_dirs(d).map_err(|e| e.to_string()))
+                .and_then(|()| crate::rankfiles::replace(&path, format!("{}\n", r.generation).as_bytes()).map_err(|e| e.to_string()));
+            if let Err(e) = kept {
+                tracing::warn!(node = %self.inner.node, "{}: {e}; an agent restart would forget this restore's generation", path.display());
+            }
         }
         // The answer to this very ask, not yet acknowledged, stands (sent again). Any other
         // result of the launch is an earlier ask's: forgotten, and this one runs (files in place

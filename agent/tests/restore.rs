@@ -436,6 +436,15 @@ async fn restore_for_a_stale_generation_is_refused() {
     assert_eq!((old.peer_bytes, old.skipped), (0, 0), "nothing fetched for it");
     assert!(!launch_list(&dest, JOB, 2).exists());
     assert_eq!(std::fs::read(placed(&dest, UNIT)).unwrap(), unit);
+    // An agent restarted (every result acknowledged) still refuses the older generation.
+    r.new_session();
+    assert_eq!(r.report(7).len(), 2, "both results, sent in message 7");
+    r.ack(7);
+    let again = restorer(&dest);
+    assert!(again.report(1).is_empty(), "nothing left unacknowledged on disk");
+    again.start(restore(1, vec![file(UNIT, &unit, vec![range(0, LEN as u64, peer("a", &pa))], vec![])], vec![], ""));
+    let older = finished(&again, 1).await;
+    assert!(older.error.contains("stale") && older.error.contains("generation 3"), "{}", older.error);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
