@@ -107,6 +107,11 @@ impl Cloud {
         k.join(file)
     }
 
+    /// Bytes `range` of the object at `key`.
+    pub async fn get_range(&self, key: &Key, range: Range<u64>) -> Result<Bytes> {
+        self.store.get_range(key, range).await.map_err(|err| AgentError::Cloud { op: "get_range", key: key.to_string(), err })
+    }
+
     /// Uploads `path` to `key`, checked against `entry` (if given) while it is read.
     pub async fn put_file(&self, path: &Path, key: &Key, entry: Option<&FileEntry>) -> Result<u64> {
         let io = |err| AgentError::Io { what: "reading", path: path.to_path_buf(), err };
@@ -332,8 +337,7 @@ pub async fn upload_step(
 /// Bytes `range` of a checkpoint file in the cloud `url` names (the restore path's ranged read).
 pub async fn cloud_get_range(url: &str, job: i64, generation: i64, step: u64, file: &str, range: Range<u64>) -> Result<Bytes> {
     let cloud = Cloud::open(url)?;
-    let key = cloud.key(job, generation, step, file);
-    cloud.store.get_range(&key, range).await.map_err(|err| AgentError::Cloud { op: "get_range", key: key.to_string(), err })
+    cloud.get_range(&cloud.key(job, generation, step, file), range).await
 }
 
 /// Fetches `entry.file` of the step from the cloud to `dest`: through `dest.tmp.PID`, checked

@@ -50,14 +50,7 @@ pub fn sample(work_dir: &Path, ranks_running: u32) -> NodeLoad {
 
 /// Bytes an unprivileged writer may still use on the file system holding `dir`.
 pub fn free_bytes(dir: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `path` is a valid NUL-terminated string and `st` a writable statvfs.
-    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    Some(st.f_bavail as u64 * st.f_frsize as u64)
+    crate::tiers::space(dir).ok().map(|s| s.free)
 }
 
 /// The first field of /proc/loadavg.

@@ -726,16 +726,17 @@ impl Restorer {
                 if cloud.is_empty() {
                     return Err(format!("{}: the job has no checkpoint.cloud to fetch from", key.file));
                 }
-                // Ranged reads of a few MiB, each paced through this node's NIC and the flow.
+                // Ranged reads of a few MiB, each paced through this node's NIC and the flow; the
+                // store (an S3 client, say) opened once per flow.
+                let store = crate::cloud::Cloud::open(cloud).map_err(|e| e.to_string())?;
+                let object = store.key(key.job, key.generation, key.step, &key.file);
                 let flow = rate.map(Pacer::flow);
                 let mut at = offset;
                 while at < offset + len {
                     let n = (offset + len - at).min(CLOUD_PIECE);
                     let pacers: Vec<&Pacer> = std::iter::once(self.inner.nic_in.as_ref()).chain(flow.as_ref()).collect();
                     dataplane::take_all(&pacers, n).await;
-                    let bytes = crate::cloud::cloud_get_range(cloud, key.job, key.generation, key.step, &key.file, at..at + n)
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    let bytes = store.get_range(&object, at..at + n).await.map_err(|e| e.to_string())?;
                     if bytes.len() as u64 != n {
                         return Err(format!("cloud {}: bytes {at}..{} came back {} long", key.file, at + n, bytes.len()));
                     }

@@ -59,12 +59,6 @@ pub fn space(path: &Path) -> std::io::Result<Space> {
     Ok(Space { free: s.f_bavail as u64 * frsize, total: s.f_blocks as u64 * frsize })
 }
 
-/// Bytes free for writing on the file system holding `path` (a restore checks it before
-/// fetching a step).
-pub fn free_bytes(path: &Path) -> std::io::Result<u64> {
-    space(path).map(|s| s.free)
-}
-
 /// What a launch asks of the tiers (its `MOTLEY_CKPT_KEEP` and `MOTLEY_CKPT_CLOUD`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Policy {

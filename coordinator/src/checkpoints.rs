@@ -46,8 +46,8 @@ pub struct GridRow {
     pub held: BTreeMap<String, Vec<String>>,
 }
 
-/// Whether a step's held files make it complete; the first file missing if not.
-fn completeness(files: &[&Holding]) -> Option<String> {
+/// Whether a step's held files (each file once) make it complete; the first file missing if not.
+pub(crate) fn completeness(files: &[&Holding]) -> Option<String> {
     let Some(first) = files.first() else { return Some("no file of the step is held".into()) };
     let mut m = Manifest {
         format: FORMAT.into(),

@@ -20,7 +20,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use motley_checkpoint::{FileEntry, Manifest, RankEntry, UnitEntry, FORMAT};
+use motley_checkpoint::FileEntry;
 use motley_contract::{GpuRef, RankPlacement};
 use motley_proto::v1::{FetchRange, FetchSource, MakeUnit, Restore, RestoreFile};
 use motley_solver::restore::{self as rp, CloudSpec, Demand, NodeRates, Part, PartBytes, RestoreScenario, ShardSet, Tier, UnitSizes};
@@ -73,41 +73,18 @@ pub fn choose_step(all: &[Holding], live: &dyn Fn(&str) -> bool) -> StepChoice {
     let mut why = vec![];
     for (step, held) in steps.iter().rev() {
         let usable_files: Vec<&Holding> = held.iter().copied().filter(|h| usable(h, live)).collect();
-        match complete(&usable_files) {
-            Ok(()) => return StepChoice::Restore { step: *step, files: usable_files.into_iter().cloned().collect() },
-            Err(e) => why.push(format!("step {step}: {e}")),
+        if usable_files.is_empty() {
+            why.push(format!("step {step}: no file of it is held"));
+            continue;
+        }
+        // The format's rule (`checkpoints::completeness`) over each file once.
+        let distinct: BTreeMap<&str, &Holding> = usable_files.iter().map(|h| (h.file.as_str(), *h)).collect();
+        match crate::checkpoints::completeness(&distinct.into_values().collect::<Vec<_>>()) {
+            None => return StepChoice::Restore { step: *step, files: usable_files.into_iter().cloned().collect() },
+            Some(e) => why.push(format!("step {step}: {e}")),
         }
     }
     StepChoice::Lost(format!("no checkpoint step has every file on a live node or in the cloud ({})", why.join("; ")))
-}
-
-/// The format's completeness rule over the distinct files held.
-fn complete(files: &[&Holding]) -> std::result::Result<(), String> {
-    let Some(first) = files.first() else { return Err("no file of it is held".into()) };
-    let mut m = Manifest {
-        format: FORMAT.into(),
-        step: first.step as u64,
-        layers: first.layers as u32,
-        world_size: first.world_size as u32,
-        units: vec![],
-        ranks: vec![],
-    };
-    let mut seen = BTreeSet::new();
-    for h in files.iter().filter(|h| seen.insert(h.file.clone())) {
-        let file = FileEntry { file: h.file.clone(), bytes: h.bytes as u64, chunk_bytes: 0, crc32c: vec![] };
-        if h.rank >= 0 {
-            m.ranks.push(RankEntry { rank: h.rank as u32, file });
-        } else {
-            let key = motley_checkpoint::UnitKey {
-                block: h.block.parse().map_err(|e| format!("{}: {e}", h.file))?,
-                part: h.part.parse().map_err(|e| format!("{}: {e}", h.file))?,
-                tp_rank: h.tp_rank as u32,
-                tp_size: h.tp_size as u32,
-            };
-            m.units.push(UnitEntry { key, file, tensors: Default::default() });
-        }
-    }
-    m.check_complete().map_err(|e| e.to_string())
 }
 
 /// One file of the step: its manifest entry, who wrote it, and where it is.

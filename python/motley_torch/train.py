@@ -282,7 +282,18 @@ def main(argv=None) -> int:
         return run_single(args) if args.single_process else run_rank(args)
     except (PlanError, CheckpointError) as e:
         print(f"motley_torch.train: {e}", file=sys.stderr, flush=True)
+        _release_process_group()
         return 2
+
+
+def _release_process_group():
+    """Tear the process group down before exiting on an error: left to the interpreter's exit,
+    gloo's worker threads can be destroyed while still joinable, and the rank aborts (SIGABRT)
+    instead of exiting with its code."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
