@@ -63,6 +63,9 @@ pub enum AgentError {
     /// none), the file, what failed and the fix.
     #[error("RDMA ({device}): {message}")]
     Rdma { device: String, message: String },
+    /// A preemption notice older than the one the launch already has (instructions crossing).
+    #[error("preemption notice {given} of job {job} generation {generation}: notice {newer} is newer; ignored")]
+    StaleNotice { job: i64, generation: i64, given: i64, newer: i64 },
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;

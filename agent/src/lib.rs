@@ -13,6 +13,7 @@ pub mod holdings;
 pub mod lease;
 pub mod load;
 pub mod logs;
+pub mod notice;
 pub mod nvml;
 pub mod profiler;
 pub mod rankfiles;

@@ -705,6 +705,10 @@ async fn heartbeat(
                     None => tracing::warn!(node = %node, request = p.request, "asked to profile, but this agent has no --python; ignored"),
                 },
                 Some(instruction::Kind::Restore(r)) => restorer.start(r),
+                Some(instruction::Kind::SaveNow(s)) => match motley_agent::notice::write(work_dir, &s) {
+                    Ok(file) => tracing::info!(node = %node, job = s.job, "preemption notice: the ranks save now ({})", file.display()),
+                    Err(e) => tracing::warn!(node = %node, job = s.job, "{e}"),
+                },
                 Some(instruction::Kind::Ack(a)) => {
                     supervisor.ack(a.seq);
                     if let Some(p) = profiler {

@@ -493,6 +493,8 @@ impl Supervisor {
             ("MOTLEY_PP_RANK", r.stage.to_string()),
             ("MOTLEY_PP_SIZE", r.pp_size.to_string()),
             ("MOTLEY_NCCL_GROUPS", nccl.display().to_string()),
+            // Where a preemption notice will be (`notice`): the ranks look once per step.
+            (crate::notice::ENV, crate::notice::path(dir).display().to_string()),
             // Checkpoints go into the memory tier (or the launch's directory), where the agent
             // reports them from and tiers them.
             ("MOTLEY_CKPT_DIR", self.rank_ckpt_dir(l, dir, user).display().to_string()),

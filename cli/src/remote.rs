@@ -56,9 +56,14 @@ pub enum NodeCommand {
         #[command(flatten)]
         remote: Remote,
     },
-    /// Give the node no new ranks (what runs there keeps running).
+    /// Give the node no new ranks. Jobs that checkpoint and have max_preemptions left move off
+    /// it; the others keep running there.
     Drain {
         name: String,
+        /// The node goes away after this long (a preemption notice: `90s`, `2m`): the jobs there
+        /// save a checkpoint at their next step first and move off from it.
+        #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
+        deadline: Option<std::time::Duration>,
         #[command(flatten)]
         remote: Remote,
     },
@@ -411,8 +416,10 @@ pub fn run_node(cmd: NodeCommand) -> Result<String, InputError> {
             let v = Client::new(&remote)?.call("PUT", &format!("/nodes/{}", path_segment(&name)), Some(&text))?;
             Ok(render(remote.output, &v, |v| format!("node {} registered (agent epoch {})", s(&v["name"]), s(&v["agent_epoch"]))))
         }
-        NodeCommand::Drain { name, remote } => {
-            let v = Client::new(&remote)?.call("POST", &format!("/nodes/{}/drain", path_segment(&name)), None)?;
+        NodeCommand::Drain { name, deadline, remote } => {
+            // Whole seconds, at least one: a deadline is never sent as "none".
+            let query = deadline.map_or(String::new(), |d| format!("?deadline_s={}", d.as_secs_f64().ceil().max(1.0) as u64));
+            let v = Client::new(&remote)?.call("POST", &format!("/nodes/{}/drain{query}", path_segment(&name)), None)?;
             Ok(render(remote.output, &v, |v| format!("node {} is {}", s(&v["name"]), s(&v["state"]))))
         }
         NodeCommand::Undrain { name, remote } => {

@@ -434,7 +434,8 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
                         instruction::Kind::Drain(_)
                         | instruction::Kind::Ack(_)
                         | instruction::Kind::Profile(_)
-                        | instruction::Kind::Restore(_),
+                        | instruction::Kind::Restore(_)
+                        | instruction::Kind::SaveNow(_),
                     )
                     | None => {}
                 },

@@ -71,16 +71,38 @@ pub async fn current_plan(store: &Store, id: i64) -> Result<(JobRecord, String, 
     Ok((job, plan, ranks))
 }
 
-/// Drain (or undrain) a node: it gets no new ranks; its agent is told.
+/// The longest preemption notice taken: a week.
+pub const MAX_DRAIN_DEADLINE_S: u32 = 7 * 86_400;
+
+/// A drain's `deadline_s` (0: none) as a deadline, refused past `MAX_DRAIN_DEADLINE_S`.
+pub fn drain_deadline(deadline_s: u32) -> Result<Option<std::time::Duration>> {
+    if deadline_s > MAX_DRAIN_DEADLINE_S {
+        return Err(CoordinatorError::invalid(
+            "deadline_s",
+            format!("{deadline_s} s is more than a week; give the seconds until the node goes away (at most {MAX_DRAIN_DEADLINE_S}), or 0 for none"),
+        ));
+    }
+    Ok((deadline_s > 0).then(|| std::time::Duration::from_secs(u64::from(deadline_s))))
+}
+
+/// Drain (or undrain) a node: it gets no new ranks; its agent is told. `deadline`: the node
+/// goes away then (a preemption notice, see `notice`).
 #[tracing::instrument(skip(store, fleet))]
-pub async fn set_draining(store: &Store, fleet: &crate::fleet::Fleet, name: &str, draining: bool) -> Result<crate::store::NodeRecord> {
+pub async fn set_draining(
+    store: &Store,
+    fleet: &crate::fleet::Fleet,
+    name: &str,
+    draining: bool,
+    deadline: Option<std::time::Duration>,
+) -> Result<crate::store::NodeRecord> {
     let state = if draining { NodeState::Draining } else { NodeState::Active };
     let node = store.set_node_state(name, state).await?;
     fleet.tell_drain(name, draining);
     if draining {
         // Jobs with budget move off the node now (its checkpoint copies still serve the
-        // restore); the others keep running there until they end.
-        crate::recovery::node_leaving(store, fleet, name, &format!("node {name} is draining"), false).await;
+        // restore), or, given a deadline, once they saved a step; the others keep running
+        // there until they end.
+        crate::recovery::node_leaving(store, fleet, name, &format!("node {name} is draining"), false, deadline).await;
     }
     Ok(node)
 }

@@ -91,6 +91,8 @@ pub struct Fleet {
     /// Each node's data plane and checkpoint rates (told at registration), and the restores
     /// agents reported (see `recovery`).
     pub restores: crate::recovery::Restores,
+    /// Preemption notices in flight (see `notice`).
+    pub notices: crate::notice::Notices,
 }
 
 impl Fleet {
@@ -108,6 +110,7 @@ impl Fleet {
             queue: tokio::sync::Notify::new(),
             waiting: Mutex::default(),
             profile_runs: Default::default(),
+            notices: Default::default(),
             restores: Default::default(),
         })
     }

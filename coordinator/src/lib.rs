@@ -26,6 +26,7 @@ pub mod leader;
 pub mod lifecycle;
 pub mod load;
 pub mod metrics;
+pub mod notice;
 pub mod profiling;
 pub mod recovery;
 pub mod restore_plan;

@@ -262,7 +262,7 @@ async fn node_lost(store: &Store, fleet: &Fleet, node: &str) {
     if let Err(e) = store.record_event(None, None, "node_lost", &reason).await {
         tracing::warn!("{e}");
     }
-    crate::recovery::node_leaving(store, fleet, node, &reason, true).await;
+    crate::recovery::node_leaving(store, fleet, node, &reason, true, None).await;
 }
 
 fn lease(fleet: &Fleet) -> Duration {

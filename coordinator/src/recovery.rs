@@ -170,7 +170,8 @@ pub async fn rank_failed(store: &Store, fleet: &Fleet, job: &JobRecord, reason: 
 
 /// A node is leaving (its lease ended, `lost`; or it is draining): every launched job with
 /// ranks there recovers if it can; a lost node's others fail, a draining node's keep running.
-pub async fn node_leaving(store: &Store, fleet: &Fleet, node: &str, reason: &str, lost: bool) {
+/// A drain with a `deadline` asks each job to save first (`notice::give`) where it can.
+pub async fn node_leaving(store: &Store, fleet: &Fleet, node: &str, reason: &str, lost: bool, deadline: Option<Duration>) {
     let jobs = match store.unfinished_jobs().await {
         Ok(j) => j,
         Err(e) => return tracing::warn!(node, "cannot read the jobs of a leaving node: {e}"),
@@ -179,6 +180,11 @@ pub async fn node_leaving(store: &Store, fleet: &Fleet, node: &str, reason: &str
         let on_node = store.ranks(j.id, j.generation).await.is_ok_and(|r| r.iter().any(|r| r.assignment.node == node));
         if !on_node {
             continue;
+        }
+        if let Some(d) = deadline.filter(|_| !lost) {
+            if crate::notice::give(store, fleet, &j, node, d).await {
+                continue; // recovers once its ranks saved, or at the deadline (`notice::check`)
+            }
         }
         if !try_recover(store, fleet, &j, RecoveryCause::Preemption, reason).await && lost {
             crate::lifecycle::fail(store, fleet, j.id, j.generation, reason).await;
@@ -205,6 +211,7 @@ pub async fn run(store: Store, fleet: Arc<Fleet>) {
                 continue;
             }
         };
+        crate::notice::check(&store, &fleet).await;
         if let Err(e) = scale_up(&store, &fleet, &jobs).await {
             tracing::warn!("scale-up: {e}");
         }

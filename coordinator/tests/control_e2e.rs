@@ -41,7 +41,7 @@ async fn the_control_service_does_what_rest_does() {
     assert!(!nodes[0].live, "no agent runs");
     let inv: Value = serde_json::from_str(&nodes[0].inventory_json).unwrap();
     assert_eq!(inv["gpus"], 8);
-    let drained = g.drain_node(authed(pb::NodeRef { name: "a100-1".into() }, &token)).await.unwrap().into_inner();
+    let drained = g.drain_node(authed(pb::DrainNodeRequest { name: "a100-1".into(), deadline_s: 0 }, &token)).await.unwrap().into_inner();
     assert_eq!(drained.state, "draining");
     assert_eq!(g.describe_node(authed(pb::NodeRef { name: "a100-1".into() }, &token)).await.unwrap().into_inner().state, "draining");
     // A dry run plans on active nodes only: everything lands on a100-0.
@@ -50,6 +50,19 @@ async fn the_control_service_does_what_rest_does() {
     assert!(dry.ranks.iter().all(|r| r.node == "a100-0" && r.state == "assigned"), "{:?}", dry.ranks);
     let plan: Value = serde_json::from_str(&dry.plan_json).unwrap();
     assert_eq!(plan["gpus_used"], 8);
+    g.undrain_node(authed(pb::NodeRef { name: "a100-1".into() }, &token)).await.unwrap();
+    // A preemption notice longer than a week is refused naming the field; the node stays active.
+    let week = g.drain_node(authed(pb::DrainNodeRequest { name: "a100-1".into(), deadline_s: 8 * 86_400 }, &token)).await.unwrap_err();
+    assert_eq!(week.code(), tonic::Code::InvalidArgument);
+    assert!(week.message().starts_with("deadline_s: 691200 s is more than a week"), "{}", week.message());
+    assert_eq!(g.describe_node(authed(pb::NodeRef { name: "a100-1".into() }, &token)).await.unwrap().into_inner().state, "active");
+    // The same over REST, and a deadline that is not a number of seconds.
+    let bad = c.json("POST", "/api/v1/nodes/a100-1/drain?deadline_s=2m", "", 400);
+    assert!(bad["error"].as_str().unwrap().contains("deadline_s"), "{bad}");
+    let week = c.json("POST", "/api/v1/nodes/a100-1/drain?deadline_s=691200", "", 400);
+    assert!(week["error"].as_str().unwrap().starts_with("deadline_s:"), "{week}");
+    let noticed = c.json("POST", "/api/v1/nodes/a100-1/drain?deadline_s=120", "", 200);
+    assert_eq!(noticed["state"], "draining");
     g.undrain_node(authed(pb::NodeRef { name: "a100-1".into() }, &token)).await.unwrap();
     let jobs_before = g.list_jobs(authed(pb::ListJobsRequest {}, &token)).await.unwrap().into_inner().jobs;
     assert!(jobs_before.is_empty(), "a dry run stores nothing");

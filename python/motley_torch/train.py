@@ -17,7 +17,8 @@ and thread-CPU milliseconds of every micro-batch's receive, compute and send (se
 step and the loss all-reduce, and the step's wall time. Without it no timing code runs.
 
 --ckpt-dir DIR --ckpt-every N (or $MOTLEY_CKPT_DIR, $MOTLEY_CKPT_EVERY) write a checkpoint after
-every N-th step, and --ckpt-restore LIST (or $MOTLEY_CKPT_RESTORE) resumes from exactly the
+every N-th step, and at the end of the step at which a preemption notice ($MOTLEY_CKPT_NOTICE,
+written by the agent) is seen; --ckpt-restore LIST (or $MOTLEY_CKPT_RESTORE) resumes from exactly the
 files listed (docs/checkpoint.md; motley_torch.checkpoint). A save stalls the step only for
 copying the state to host memory; a background thread writes the files (--ckpt-sync or
 $MOTLEY_CKPT_ASYNC=0: written in the step, as before). A failed write ends the run with exit 2
@@ -166,6 +167,13 @@ def run_rank(args) -> int:
 
         start = checkpoint.restore(view, model, opt, checkpoint.restore_list(args.ckpt_restore))
         print(f"motley-restore step {start}", file=sys.stderr, flush=True)
+    # A preemption notice (the agent's MOTLEY_CKPT_NOTICE) makes every rank save at the end of
+    # the step at which any of them saw it (one integer all-reduced per step).
+    notice = None
+    if args.ckpt_dir:
+        from . import checkpoint
+
+        notice = checkpoint.SaveNotice.from_env()
     tfile = None
     if args.timings:
         path = timings_path(args.timings, view.rank)
@@ -211,7 +219,10 @@ def run_rank(args) -> int:
             tfile.write(json.dumps(rec) + "\n")
             tfile.flush()
             pipe.timings = None
-        if args.ckpt_dir and args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0:
+        noticed = notice is not None and notice.due(view)
+        if noticed:
+            print(f"motley-notice {notice.handled}: saving step {step + 1}", file=sys.stderr, flush=True)
+        if noticed or (args.ckpt_dir and args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0):
             from . import checkpoint
 
             checkpoint.save(view, model, opt, step + 1, args.ckpt_dir, seed=args.seed,

@@ -108,8 +108,10 @@ class RankResult:
 
 
 def launch(plan: dict, args: List[str], workdir: Path, timeout: float = 240.0, extended: bool = True,
-           module: str = "motley_torch.train", extra_env: Optional[Dict[str, str]] = None) -> List[RankResult]:
-    """Start every rank of `plan` on localhost (gloo on the CPU), wait, collect outputs."""
+           module: str = "motley_torch.train", extra_env: Optional[Dict[str, str]] = None,
+           rank_env: Optional[Dict[int, Dict[str, str]]] = None) -> List[RankResult]:
+    """Start every rank of `plan` on localhost (gloo on the CPU), wait, collect outputs.
+    `extra_env` goes to every rank, then `rank_env[RANK]` to that rank."""
     workdir.mkdir(parents=True, exist_ok=True)
     plan_path = workdir / "plan.json"
     plan_path.write_text(json.dumps(plan))
@@ -139,6 +141,7 @@ def launch(plan: dict, args: List[str], workdir: Path, timeout: float = 240.0, e
         for k, v in common.items():
             env.setdefault(k, v)
         env.update(extra_env or {})
+        env.update((rank_env or {}).get(r["rank"], {}))
         out = open(workdir / f"rank{r['rank']}.out", "w")
         err = open(workdir / f"rank{r['rank']}.log", "w")
         p = subprocess.Popen([PYTHON, "-m", module, *args], env=env, stdout=out, stderr=err, cwd=workdir,

@@ -6,7 +6,9 @@ the parameters, the optimizer state and the RNG change right after (the writer i
 until they have); a failing write is raised by the next save() and by finish(). Through the
 trainer (2 stages x TP 2, 4 ranks): the default (asynchronous) and --ckpt-sync / MOTLEY_CKPT_ASYNC=0
 runs write byte-identical units and print the same losses; a write failing on one rank ends
-every rank with exit 2, the failing one naming the file."""
+every rank with exit 2, the failing one naming the file; a preemption notice seen by one rank
+makes every rank save that step, once, and a notice file that is not one ends the run with exit 2
+naming MOTLEY_CKPT_NOTICE."""
 
 from __future__ import annotations
 
@@ -207,3 +209,28 @@ def test_a_write_failing_on_one_rank_ends_every_rank_with_exit_2(tmp_path):
     assert "checkpoint step 2" in res[0].log and "another rank's write failed" in res[0].log
     assert not (ckpt / "step-00000004").exists()  # the failure stopped training at the next save
     assert not (ckpt / "step-00000002" / "manifest.json").exists()
+
+
+def test_a_notice_seen_by_one_rank_makes_every_rank_save_that_step_once(tmp_path):
+    """Only rank 3's MOTLEY_CKPT_NOTICE exists (as when one node's agent got the notice first):
+    the ranks agree on it after step 0 and all save step 1 (not a multiple of --ckpt-every),
+    complete and verifying; the notice stays in place and no step is saved for it again."""
+    ckpt, notice = tmp_path / "ckpt", tmp_path / "notice-3.json"
+    notice.write_text(json.dumps({"notice": 5, "deadline_unix_ms": 0}))
+    per_rank = {r: {"MOTLEY_CKPT_NOTICE": str(tmp_path / f"notice-{r}.json")} for r in range(4)}
+    res = launch(plan(), ARGS, tmp_path / "run", extra_env={"MOTLEY_CKPT_DIR": str(ckpt)}, rank_env=per_rank)
+    check_ok(res)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000001", "step-00000002", "step-00000004"]
+    for step in ("step-00000001", "step-00000002", "step-00000004"):
+        checkpoint.verify_step(str(ckpt / step))
+    for r in res:
+        assert r.log.count("motley-notice 5: saving step 1") == 1, r.log[-2000:]
+
+
+def test_a_notice_file_that_is_not_one_ends_the_run_with_exit_2(tmp_path):
+    notice = tmp_path / "notice.json"
+    notice.write_text("{half")
+    res = launch(plan(), ARGS, tmp_path / "run", extra_env={"MOTLEY_CKPT_DIR": str(tmp_path / "ckpt"),
+                                                           "MOTLEY_CKPT_NOTICE": str(notice)})
+    assert [r.returncode for r in res] == [2, 2, 2, 2], [r.log[-1500:] for r in res]
+    assert f"MOTLEY_CKPT_NOTICE ({notice}): not a preemption notice" in res[0].log

@@ -319,3 +319,125 @@ def test_a_second_node_lost_during_the_restore_is_planned_around(tmp_path: Path)
         assert not used & {victim, second}, (used, victim, second)
     finally:
         c.close()
+
+
+def test_a_preemption_notice_saves_now_and_recovers_from_that_step(tmp_path: Path):
+    """The job checkpoints only every 100000 steps, so no regular step exists. Its last stage's
+    node is drained with a 60 s deadline (a spot node's preemption notice): the agents tell the
+    ranks, the ranks agree on a step and save it, and once it is complete the job recovers off
+    the node from that step (the draining node's copies serve the restore) with the
+    uninterrupted run's losses."""
+    c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(3)])
+    try:
+        spec = yaml.safe_load(MODEL.read_text())
+        job = tiny_job(tmp_path)
+        job["checkpoint"]["every"] = 100_000
+        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
+        jid = c.submit(job)
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
+        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        victim = plan["replicas"][0]["stages"][-1]["gpus"][0]["node"]
+        c.wait(lambda: len(rank0_losses(tmp_path, jid, 1)) >= 5, 120)
+        out = subprocess.run([c.b["motley"], "node", "drain", victim, "--deadline", "60s", "--coordinator", c.rest, "-o", "json"],
+                             capture_output=True, text=True, env=clean_env(), timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["state"] == "draining"
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
+        final, events = c.get(f"/api/v1/jobs/{jid}"), c.events(jid)
+        kinds = [e["kind"] for e in events]
+        assert final["state"] == "succeeded", f"{final}\n{kinds}\n{c.logs()}"
+        assert final["generation"] == 2, final
+        notice = json.loads(next(e["message"] for e in events if e["kind"] == "preemption_notice"))
+        assert notice["node"] == victim and notice["newest_step"] == -1 and notice["deadline_s"] == 60, notice
+        recovering = next(e["message"] for e in events if e["kind"] == "recovering")
+        assert "saved on notice" in recovering, recovering
+        planned = json.loads(next(e["message"] for e in events if e["kind"] == "recovery_planned"))
+        step = planned["step"]
+        assert step >= 5, f"the step saved on notice, not a fresh start: {planned}"
+        new_plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        assert victim not in {g["node"] for r in new_plan["replicas"] for s in r["stages"] for g in s["gpus"]}
+        after = rank0_losses(tmp_path, jid, 2)
+        assert after and after[0][0] == step, (step, after[:3])
+        reference = single_process(str(MODEL), GLOBAL_BATCH, spec["seq_len"], STEPS, SEED)
+        for s, loss in after:
+            assert abs(loss - reference[s]) <= TOL * max(1.0, abs(reference[s])), (s, loss, reference[s])
+    finally:
+        c.close()
+
+
+def test_a_node_that_joins_takes_the_job_up_at_its_next_checkpoint(tmp_path: Path):
+    """One node runs the job (the planner has nothing else); a second registers. The planner
+    would give the job two GPUs now, so at its next complete checkpoint the job moves to
+    `recovering` (a scale-up, spending no budget), is restored onto both nodes from that step
+    and succeeds with the uninterrupted run's losses."""
+    c = Cluster(tmp_path, [("n0", node_entry())])
+    try:
+        spec = yaml.safe_load(MODEL.read_text())
+        job = tiny_job(tmp_path)
+        job["max_preemptions"] = 0
+        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 1, 30)
+        jid = c.submit(job)
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
+        first = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        assert {g["node"] for r in first["replicas"] for s in r["stages"] for g in s["gpus"]} == {"n0"}
+        c.start_agent("n1", node_entry())
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
+        final, events = c.get(f"/api/v1/jobs/{jid}"), c.events(jid)
+        kinds = [e["kind"] for e in events]
+        assert final["state"] == "succeeded" and final["generation"] == 2, f"{final}\n{kinds}\n{c.logs()}"
+        recovering = next(e["message"] for e in events if e["kind"] == "recovering")
+        assert "scaling up from step" in recovering, recovering
+        planned = json.loads(next(e["message"] for e in events if e["kind"] == "recovery_planned"))
+        step = planned["step"]
+        assert step >= EVERY and step % EVERY == 0, planned
+        assert planned["bytes"]["peer"] + planned["bytes"]["local"] > 0, planned
+        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        assert {g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]} == {"n0", "n1"}, plan
+        after = rank0_losses(tmp_path, jid, 2)
+        assert after and after[0][0] == step, (step, after[:3])
+        reference = single_process(str(MODEL), GLOBAL_BATCH, spec["seq_len"], STEPS, SEED)
+        for s, loss in after:
+            assert abs(loss - reference[s]) <= TOL * max(1.0, abs(reference[s])), (s, loss, reference[s])
+    finally:
+        c.close()
+
+
+def test_a_notice_the_ranks_ignore_recovers_at_the_deadline_and_an_undrain_withdraws_it(tmp_path: Path):
+    """Ranks that never look at MOTLEY_CKPT_NOTICE (a plain `sleep`): a notice withdrawn by an
+    undrain leaves the job running where it is; a second notice with a 3 s deadline moves the
+    job off the node at the deadline, from what it has (here nothing: it starts over)."""
+    c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(3)])
+    try:
+        job = tiny_job(tmp_path)
+        job["run"] = "sleep 600"
+        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
+        jid = c.submit(job)
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
+        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        victim = plan["replicas"][0]["stages"][-1]["gpus"][0]["node"]
+        drain = lambda deadline: subprocess.run(  # noqa: E731
+            [c.b["motley"], "node", "drain", victim, "--deadline", deadline, "--coordinator", c.rest],
+            capture_output=True, text=True, env=clean_env(), timeout=30, check=True)
+        drain("30s")
+        notice = c.wait(lambda: [e for e in c.events(jid) if e["kind"] == "preemption_notice"], 10)
+        # The agent put the notice where the ranks look.
+        noticed = tmp_path / "agents" / victim / "jobs" / str(jid) / "1" / "notice.json"
+        c.wait(noticed.exists, 10)
+        assert json.loads(noticed.read_text())["deadline_unix_ms"] >= notice[0]["at_ms"] + 29_000
+        subprocess.run([c.b["motley"], "node", "undrain", victim, "--coordinator", c.rest], env=clean_env(), check=True,
+                       capture_output=True, timeout=30)
+        c.wait(lambda: "the drain was withdrawn" in (tmp_path / "coordinator.log").read_text(), 10)
+        job_now = c.get(f"/api/v1/jobs/{jid}")
+        assert job_now["state"] == "running" and job_now["generation"] == 1, job_now
+        drain("3s")
+        c.wait(lambda: any(e["kind"] == "recovering" for e in c.events(jid)), 30)
+        events = c.events(jid)
+        second = [e for e in events if e["kind"] == "preemption_notice"][1]
+        recovering = next(e for e in events if e["kind"] == "recovering")
+        assert "no step saved by the deadline" in recovering["message"], recovering
+        assert recovering["at_ms"] - second["at_ms"] >= 3000, (second, recovering)
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["generation"] == 2, 60)
+        planned = next(e["message"] for e in c.events(jid) if e["kind"] == "recovery_planned")
+        assert "starts over from step 0" in planned, planned
+    finally:
+        c.close()

@@ -217,15 +217,17 @@ impl Control for ControlService {
         Ok(Response::new(self.node(self.store.node(&req.into_inner().name).await.map_err(status_of)?)))
     }
 
-    async fn drain_node(&self, req: Request<pb::NodeRef>) -> Reply<pb::Node> {
+    async fn drain_node(&self, req: Request<pb::DrainNodeRequest>) -> Reply<pb::Node> {
         self.admit(&req)?;
-        let n = control::set_draining(&self.store, &self.fleet, &req.into_inner().name, true).await.map_err(status_of)?;
+        let req = req.into_inner();
+        let deadline = control::drain_deadline(req.deadline_s).map_err(status_of)?;
+        let n = control::set_draining(&self.store, &self.fleet, &req.name, true, deadline).await.map_err(status_of)?;
         Ok(Response::new(self.node(n)))
     }
 
     async fn undrain_node(&self, req: Request<pb::NodeRef>) -> Reply<pb::Node> {
         self.admit(&req)?;
-        let n = control::set_draining(&self.store, &self.fleet, &req.into_inner().name, false).await.map_err(status_of)?;
+        let n = control::set_draining(&self.store, &self.fleet, &req.into_inner().name, false, None).await.map_err(status_of)?;
         Ok(Response::new(self.node(n)))
     }
 

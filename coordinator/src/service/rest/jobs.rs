@@ -68,7 +68,7 @@ pub struct LogsQuery {
 }
 
 /// A query string that does not read names the parameter (serde's message does).
-fn bad_query(r: QueryRejection) -> CoordinatorError {
+pub(super) fn bad_query(r: QueryRejection) -> CoordinatorError {
     let text = r.body_text();
     CoordinatorError::invalid("query", text.trim_start_matches("Failed to deserialize query string: "))
 }

@@ -1,8 +1,9 @@
 //! `/api/v1/nodes...`: the inventory.
 
-use axum::extract::{Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
 use axum::Json;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{ApiResult, AppState};
@@ -58,14 +59,30 @@ pub async fn remove(State(s): State<AppState>, Path(name): Path<String>) -> ApiR
     Ok(Json(view(control::remove_node(&s.store, &s.fleet, &name).await?, &s)))
 }
 
+/// `?deadline_s=SECONDS`
+#[derive(Deserialize)]
+pub struct DrainQuery {
+    #[serde(default)]
+    deadline_s: u32,
+}
+
+/// Drain a node. With `?deadline_s=S` it is a preemption notice: the node goes away in S
+/// seconds, so the jobs there save a checkpoint first and recover off the node from it
+/// (docs/recovery.md).
 #[utoipa::path(post, path = "/api/v1/nodes/{name}/drain", tag = "nodes",
-    responses((status = 200, body = NodeView), (status = 404, body = super::ErrorBody)))]
-pub async fn drain(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<NodeView> {
-    Ok(Json(view(control::set_draining(&s.store, &s.fleet, &name, true).await?, &s)))
+    params(("deadline_s" = Option<u32>, Query, description = "seconds until the node goes away (a preemption notice); 0 or absent: none")),
+    responses((status = 200, body = NodeView), (status = 400, body = super::ErrorBody), (status = 404, body = super::ErrorBody)))]
+pub async fn drain(
+    State(s): State<AppState>,
+    Path(name): Path<String>,
+    query: Result<Query<DrainQuery>, QueryRejection>,
+) -> ApiResult<NodeView> {
+    let deadline = control::drain_deadline(query.map_err(super::jobs::bad_query)?.deadline_s)?;
+    Ok(Json(view(control::set_draining(&s.store, &s.fleet, &name, true, deadline).await?, &s)))
 }
 
 #[utoipa::path(post, path = "/api/v1/nodes/{name}/undrain", tag = "nodes",
     responses((status = 200, body = NodeView), (status = 404, body = super::ErrorBody)))]
 pub async fn undrain(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<NodeView> {
-    Ok(Json(view(control::set_draining(&s.store, &s.fleet, &name, false).await?, &s)))
+    Ok(Json(view(control::set_draining(&s.store, &s.fleet, &name, false, None).await?, &s)))
 }
