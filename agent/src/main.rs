@@ -270,7 +270,8 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
     };
     let shm = match &args.shm_dir {
         Some(p) if p.is_empty() => None,
-        Some(p) => Some(PathBuf::from(p)),
+        // Ranks are handed paths under it (MOTLEY_CKPT_DIR): absolute, whatever was given.
+        Some(p) => Some(std::path::absolute(p).with_context(|| format!("--shm-dir {p}: cannot make it an absolute path"))?),
         // One per work directory (agents of several nodes, or of several test runs, on one
         // machine must not read each other's checkpoints): the node and a hash of the directory.
         None => Some(Path::new("/dev/shm").join(format!("motley-agent-{node}-{:016x}", fnv1a(work_dir.as_os_str().as_encoded_bytes())))),

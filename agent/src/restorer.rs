@@ -180,6 +180,25 @@ struct Tally {
     skipped: u32,
 }
 
+/// Remove what restores of an earlier agent process left half-written
+/// (`restore/JOB/GEN/step-S/NAME.tmp.PID` and its `.copyK` scratch copies): nothing runs yet, and
+/// a temporary name is never taken for a whole file, so they only hold disk space.
+fn sweep_temporaries(root: &Path) {
+    let dirs = |d: &Path| -> Vec<PathBuf> {
+        std::fs::read_dir(d).into_iter().flatten().flatten().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())).map(|e| e.path()).collect()
+    };
+    for step_dir in dirs(root).iter().flat_map(|j| dirs(j)).flat_map(|g| dirs(&g)) {
+        for f in std::fs::read_dir(&step_dir).into_iter().flatten().flatten() {
+            if f.file_name().to_string_lossy().contains(".tmp.") {
+                match std::fs::remove_file(f.path()) {
+                    Ok(()) => tracing::info!("removed {}, left half-written by an earlier agent's restore", f.path().display()),
+                    Err(e) => tracing::warn!("removing {}: {e}", f.path().display()),
+                }
+            }
+        }
+    }
+}
+
 impl Restorer {
     /// `resolver` finds this node's own copies; `arriving` is the data plane's registry of
     /// files being fetched (served to relaying peers once complete). Unacknowledged results
@@ -195,6 +214,7 @@ impl Restorer {
     ) -> Restorer {
         let mut results = BTreeMap::new();
         let root = work_dir.join("restore");
+        sweep_temporaries(&root);
         for job_dir in std::fs::read_dir(&root).into_iter().flatten().flatten() {
             for f in std::fs::read_dir(job_dir.path()).into_iter().flatten().flatten() {
                 let name = f.file_name().to_string_lossy().to_string();

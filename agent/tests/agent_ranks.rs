@@ -183,7 +183,8 @@ fn agent_command(url: &str, node: &str, work: Option<&Path>, log: &Path) -> Comm
         .stdout(Stdio::null())
         .stderr(err);
     if let Some(w) = work {
-        cmd.arg("--work-dir").arg(w);
+        // The memory tier beside the work directory (inside it would break its modes), not /dev/shm.
+        cmd.arg("--work-dir").arg(w).arg("--shm-dir").arg(w.with_extension("shm"));
     }
     cmd
 }
@@ -358,7 +359,8 @@ fn ranks_survive_an_agent_restart_and_stop_escalates() {
 }
 
 /// Issue 13 items 1, 2, 8 and 11: a relative --work-dir is made absolute (the rank, in its
-/// launch's directory, finds MOTLEY_PLAN and MOTLEY_NCCL_GROUPS, and its exit file is written);
+/// launch's directory, finds MOTLEY_PLAN, MOTLEY_NCCL_GROUPS and, under a relative --shm-dir,
+/// MOTLEY_CKPT_DIR, and its exit file is written);
 /// the default work directory is per node; a second agent on a work directory in use stops at
 /// once naming --work-dir; every directory is 0700 and every file 0600; the first message of a
 /// session lists every rank, and an end is marked reported once acknowledged.
@@ -369,8 +371,10 @@ fn a_relative_work_dir_is_absolute_private_and_one_agents() {
     let log = dir.join("agent.log");
     fake.0.lock().unwrap().acks = true;
     let _agent = AgentProc(agent_command(&url, "n0", Some(Path::new("work")), &log).spawn().unwrap());
+    // The memory tier is a relative --shm-dir here too (work.shm): its paths are absolute as well.
     let run = r#"case "$MOTLEY_PLAN" in /*) ;; *) exit 3 ;; esac; case "$MOTLEY_NCCL_GROUPS" in /*) ;; *) exit 4 ;; esac
-        test -f "$MOTLEY_PLAN" && test -f "$MOTLEY_NCCL_GROUPS""#;
+        case "$MOTLEY_CKPT_DIR" in /*) ;; *) exit 5 ;; esac; case "$MOTLEY_CKPT_NOTICE" in /*) ;; *) exit 6 ;; esac
+        test -f "$MOTLEY_PLAN" && test -f "$MOTLEY_NCCL_GROUPS" && test -d "$MOTLEY_CKPT_DIR""#;
     fake.send(launch(1, 1, run, &[0], 29500));
     let gen_dir = dir.join("work/jobs/1/1");
     assert_eq!(

@@ -611,3 +611,16 @@ async fn restore_result_is_reported_until_acknowledged_and_survives_a_restart() 
     assert!(restorer(&dest).report(1).is_empty());
     drop(r);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_files_left_half_written_by_an_earlier_agent_are_swept_at_start() {
+    let work = scratch("sweep");
+    let dir = restore_dir(&work, JOB, SOURCE_GEN, STEP);
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in ["layer.00001.model.tp0-1.safetensors.tmp.4242", "layer.00001.model.tp0-1.safetensors.tmp.4242.copy1"] {
+        std::fs::write(dir.join(name), b"half").unwrap();
+    }
+    std::fs::write(dir.join("rank.00000.safetensors"), b"whole").unwrap();
+    let _r = restorer(&work);
+    assert_eq!(listing(&work), ["rank.00000.safetensors"], "temporaries swept, whole files kept");
+}

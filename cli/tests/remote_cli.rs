@@ -118,6 +118,7 @@ fn agent(c: &Coordinator, name: &str) -> Agent {
                 "--work-dir",
                 work.to_str().unwrap(),
             ])
+            .args(["--shm-dir", work.join("shm").to_str().unwrap()])
             .env("MOTLEY_TOKEN", &c.agent_token)
             .current_dir(repo())
             .stderr(Stdio::null())
@@ -236,6 +237,7 @@ fn logs_dry_runs_and_a_standby_that_sends_the_cli_to_the_leader() {
         Command::new(agent_bin)
             .arg("--allow-root-ranks")
             .args(["--coordinator", &c.grpc, "--node", "node-0", "--inventory", "examples/nodes/a100.yaml", "--logs-listen", "127.0.0.1:0"])
+            .args(["--shm-dir", dir.join("agent").join("shm").to_str().unwrap()])
             .args(["--work-dir", dir.join("agent").to_str().unwrap(), "--token", &c.agent_token])
             .current_dir(repo())
             .stderr(Stdio::null())
@@ -360,6 +362,7 @@ fn tls_for_the_cli_and_the_agents() {
             .arg("--allow-root-ranks")
             .args(["--coordinator", &c.grpc, "--ca-cert", ca_pem.to_str().unwrap(), "--token", &c.agent_token])
             .args(["--node", "node-0", "--inventory", "examples/nodes/a100.yaml", "--logs-listen", "127.0.0.1:0"])
+            .args(["--shm-dir", dir.join("agent").join("shm").to_str().unwrap()])
             .args(["--work-dir", dir.join("agent").to_str().unwrap()])
             .current_dir(repo())
             .stderr(Stdio::null())

@@ -104,6 +104,7 @@ fn start(dir: &Path, extra: &[&str], cert: &Path, key: &Path) -> (Proc, Proc, St
     std::fs::write(dir.join("no-agent.toml"), "").unwrap();
     let agent = Command::new(Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-agent"))
         .args(["--coordinator", &grpc, "--token", AGENT_TOKEN, "--node", "node-0", "--inventory", "examples/nodes/a100.yaml"])
+        .args(["--shm-dir", dir.join("agent").join("shm").to_str().unwrap()])
         .args(["--logs-listen", "127.0.0.1:0", "--work-dir", dir.join("agent").to_str().unwrap()])
         .arg("--tls-cert")
         .arg(cert)

@@ -245,6 +245,7 @@ fn the_dashboard_shows_and_drives_the_cluster() {
                     .arg("--allow-root-ranks")
                     .args(["--coordinator", &format!("http://{}", c.grpc), "--node", &format!("node-{i}")])
                     .args(["--inventory", "examples/nodes/a100.yaml", "--token", &agent_token, "--logs-listen", "127.0.0.1:0"])
+                    .args(["--shm-dir", dir.join(format!("agent-{i}")).join("shm").to_str().unwrap()])
                     .args(["--work-dir", dir.join(format!("agent-{i}")).to_str().unwrap()])
                     .current_dir(repo())
                     .stderr(Stdio::null())

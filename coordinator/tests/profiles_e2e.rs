@@ -94,6 +94,7 @@ fn start(database_url: Option<&str>) -> System {
         agent
             .arg("--allow-root-ranks")
             .args(["--coordinator", &grpc, "--node", &format!("node-{i}"), "--inventory", "examples/nodes/a100.yaml"])
+            .args(["--shm-dir", dir.join(format!("agent-{i}")).join("shm").to_str().unwrap()])
             .args(["--work-dir", dir.join(format!("agent-{i}")).to_str().unwrap(), "--logs-listen", "127.0.0.1:0"])
             .env_remove("MOTLEY_PYTHON")
             .current_dir(repo())
