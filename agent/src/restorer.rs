@@ -446,6 +446,8 @@ impl Restorer {
                 ));
             }
         }
+        // The cloud, and this node's share of its egress for the reads no plan paced.
+        let cloud = Arc::new(CloudSide { url: r.cloud_url.clone(), share: rate(r.cloud_share_mb_s).map(|b| Arc::new(Pacer::new(b))) });
         // Files, a few at a time.
         let mut paths: Vec<String> = vec![];
         let mut pending = r.files.iter();
@@ -453,7 +455,7 @@ impl Restorer {
         loop {
             while running.len() < PARALLEL_FILES {
                 let Some(f) = pending.next() else { break };
-                let (this, f, job, step, cloud) = (self.clone(), f.clone(), r.job, r.step, r.cloud_url.clone());
+                let (this, f, job, step, cloud) = (self.clone(), f.clone(), r.job, r.step, cloud.clone());
                 running.spawn(async move {
                     let mut t = Tally::default();
                     let res = this.restore_file(job, step, &f, &cloud, &mut t).await;
@@ -514,7 +516,7 @@ impl Restorer {
     /// One file: kept if it verifies; else fetched range by range from the planned sources,
     /// each failing range from the fallbacks in turn, verified, a corrupt chunk fetched again
     /// from the next source. Returns its absolute path.
-    async fn restore_file(&self, job: i64, step: u64, f: &RestoreFile, cloud: &str, tally: &mut Tally) -> Result<String, String> {
+    async fn restore_file(&self, job: i64, step: u64, f: &RestoreFile, cloud: &CloudSide, tally: &mut Tally) -> Result<String, String> {
         let entry = entry_of(f);
         let dir = restore_dir(&self.inner.work_dir, job, f.source_generation, step);
         let path = dir.join(&f.file);
@@ -564,7 +566,7 @@ impl Restorer {
     }
 
     /// Copy `k` of a file fetched again for another rank (the cloud-only baseline), discarded.
-    async fn scratch_copy(&self, key: &FileKey, f: &RestoreFile, tmp: &Path, k: u32, cloud: &str) -> Result<Tally, String> {
+    async fn scratch_copy(&self, key: &FileKey, f: &RestoreFile, tmp: &Path, k: u32, cloud: &CloudSide) -> Result<Tally, String> {
         let path = PathBuf::from(format!("{}.copy{k}", tmp.display()));
         let scratch = std::fs::OpenOptions::new()
             .create(true)
@@ -589,7 +591,7 @@ impl Restorer {
 
     /// Every range from its planned source, or the first fallback that serves it. Returns who
     /// sent each range: (offset, bytes, source).
-    async fn fill(&self, key: &FileKey, f: &RestoreFile, file: &File, cloud: &str, tally: &mut Tally) -> Result<Vec<Sent>, String> {
+    async fn fill(&self, key: &FileKey, f: &RestoreFile, file: &File, cloud: &CloudSide, tally: &mut Tally) -> Result<Vec<Sent>, String> {
         let mut flows = vec![];
         for r in &f.ranges {
             let planned = r.source.clone().unwrap_or_default();
@@ -648,7 +650,7 @@ impl Restorer {
         entry: &FileEntry,
         tmp: &Path,
         mut sent: Vec<Sent>,
-        cloud: &str,
+        cloud: &CloudSide,
         tally: &mut Tally,
     ) -> Result<(), String> {
         if entry.crc32c.is_empty() {
@@ -702,7 +704,7 @@ impl Restorer {
         len: u64,
         rate: Option<f64>,
         dest: &File,
-        cloud: &str,
+        cloud: &CloudSide,
         tally: &mut Tally,
     ) -> Result<(), String> {
         match src.kind.as_str() {
@@ -743,18 +745,20 @@ impl Restorer {
                 Ok(())
             }
             "cloud" => {
-                if cloud.is_empty() {
+                if cloud.url.is_empty() {
                     return Err(format!("{}: the job has no checkpoint.cloud to fetch from", key.file));
                 }
                 // Ranged reads of a few MiB, each paced through this node's NIC and the flow; the
                 // store (an S3 client, say) opened once per flow.
-                let store = crate::cloud::Cloud::open(cloud).map_err(|e| e.to_string())?;
+                let store = crate::cloud::Cloud::open(&cloud.url).map_err(|e| e.to_string())?;
                 let object = store.key(key.job, key.generation, key.step, &key.file);
+                // A planned flow at its rate; anything else within the node's share.
                 let flow = rate.map(Pacer::flow);
+                let share = if flow.is_none() { cloud.share.as_deref() } else { None };
                 let mut at = offset;
                 while at < offset + len {
                     let n = (offset + len - at).min(CLOUD_PIECE);
-                    let pacers: Vec<&Pacer> = std::iter::once(self.inner.nic_in.as_ref()).chain(flow.as_ref()).collect();
+                    let pacers: Vec<&Pacer> = std::iter::once(self.inner.nic_in.as_ref()).chain(flow.as_ref()).chain(share).collect();
                     dataplane::take_all(&pacers, n).await;
                     let bytes = store.get_range(&object, at..at + n).await.map_err(|e| e.to_string())?;
                     if bytes.len() as u64 != n {
@@ -769,6 +773,13 @@ impl Restorer {
             other => Err(format!("unknown source kind '{other}'")),
         }
     }
+}
+
+/// The job's object store for one restore, and the node's share of its egress (see
+/// `Restore.cloud_share_mb_s`) that unplanned reads are held to together.
+struct CloudSide {
+    url: String,
+    share: Option<Arc<Pacer>>,
 }
 
 /// Bytes `offset..offset + bytes` of a file were written by this source (later ones over earlier).

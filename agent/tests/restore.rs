@@ -110,7 +110,7 @@ fn restore(generation: i64, files: Vec<RestoreFile>, make: Vec<MakeUnit>, cloud_
     // Every ask is a new one (a coordinator numbers each attempt).
     static ASKS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(1);
     let request = ASKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    Restore { job: JOB, generation, step: STEP, files, make, cloud_url: cloud_url.into(), timeout_s: 60, request }
+    Restore { job: JOB, generation, step: STEP, files, make, cloud_url: cloud_url.into(), timeout_s: 60, request, cloud_share_mb_s: 0.0 }
 }
 
 /// A file:// cloud under `dir` holding `files` as the checkpoint of the source launch.
@@ -623,4 +623,28 @@ async fn restore_files_left_half_written_by_an_earlier_agent_are_swept_at_start(
     std::fs::write(dir.join("rank.00000.safetensors"), b"whole").unwrap();
     let _r = restorer(&work);
     assert_eq!(listing(&work), ["rank.00000.safetensors"], "temporaries swept, whole files kept");
+}
+
+/// A fallback to the cloud (the planned peer is dead) is held to the node's share of the
+/// cloud's egress: 3 MiB at a share of 1 MB/s cannot arrive in less than about 2 s (the share's
+/// bucket starts with one 1 MiB frame), where the unpaced restore would take milliseconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_cloud_fallbacks_are_held_to_the_nodes_share_of_the_egress() {
+    let dir = scratch("cloud-share");
+    let unit = contents(3 << 20, 9);
+    let url = cloud_with(&dir, &[(UNIT, &unit)]).await;
+    let dest = dir.join("dest");
+    let r = restorer(&dest);
+    let dead = dead_addr().await;
+    let f = file(UNIT, &unit, vec![range(0, unit.len() as u64, peer("gone", &dead))], vec![cloud()]);
+    let mut ask = restore(NEXT_GEN, vec![f], vec![], &url);
+    ask.cloud_share_mb_s = 1.0;
+    let began = std::time::Instant::now();
+    r.start(ask);
+    let res = finished(&r, NEXT_GEN).await;
+    assert_ok(&res);
+    assert_eq!(res.cloud_bytes, unit.len() as u64);
+    let took = began.elapsed();
+    assert!(took >= Duration::from_millis(1900), "3 MiB from the cloud at a 1 MB/s share took only {took:?}");
+    assert_eq!(std::fs::read(placed(&dest, UNIT)).unwrap(), unit);
 }

@@ -497,8 +497,14 @@ pub fn build(
                 cloud_url: cloud_url.to_string(),
                 timeout_s,
                 request: 0, // numbered by the recovery when it sends them
+                cloud_share_mb_s: 0.0,
             },
         );
+    }
+    // Unscheduled cloud reads (a failed source's fallbacks) share the egress equally.
+    let share = if cloud_egress_mb_s > 0.0 { cloud_egress_mb_s / restores.len().max(1) as f64 } else { 0.0 };
+    for r in restores.values_mut() {
+        r.cloud_share_mb_s = share;
     }
     Ok(Built { plan, restores })
 }
@@ -1056,6 +1062,12 @@ mod tests {
         }
         assert_eq!(from_cloud.len(), 16);
         assert!(from_cloud.values().all(|b| *b == 4096), "{from_cloud:?}");
+        // Reads no plan paced (fallbacks) share the 1200 MB/s egress between the two nodes.
+        assert!(
+            b.restores.values().all(|r| r.cloud_share_mb_s == 600.0),
+            "{:?}",
+            b.restores.values().map(|r| r.cloud_share_mb_s).collect::<Vec<_>>()
+        );
     }
 
     #[test]
