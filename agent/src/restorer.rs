@@ -486,7 +486,7 @@ impl Restorer {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| format!("re-slicing {}: {e}", m.file))?;
             let (out_dir2, sources) = (out_dir.clone(), units);
-            let (tp_size, tp_rank) = (m.tp_size, m.tp_rank);
+            let (tp_size, tp_rank, named) = (m.tp_size, m.tp_rank, m.file.clone());
             let written = tokio::task::spawn_blocking(move || -> Result<Option<PathBuf>, String> {
                 let cut = motley_checkpoint::reslice_unit(&sources, tp_size).map_err(|e| e.to_string())?;
                 // A unit of replicated tensors stays TP 0 of 1: its source serves every rank. (Only
@@ -497,6 +497,11 @@ impl Restorer {
                 let Some(mine) = cut.into_iter().find(|u| u.key.tp_rank == tp_rank) else {
                     return Err(format!("there is no tp rank {tp_rank} of {tp_size}"));
                 };
+                // The ranks load the unit under the name the coordinator planned for: the two agree.
+                let name = motley_checkpoint::manifest::unit_file_name(&mine.key);
+                if name != named {
+                    return Err(format!("the restore names the cut unit {named}, but it is {name} (sources of another unit?)"));
+                }
                 let e = mine.write(&out_dir2).map_err(|e| e.to_string())?;
                 Ok(Some(out_dir2.join(e.file.file)))
             })

@@ -529,7 +529,9 @@ fn layer_unit(tp: u32, rank: u32) -> Unit {
     }
 }
 
-async fn reslice_case(name: &str, tp_out: u32, rank_out: u32) {
+/// Re-slice TP 2 to `tp_out` and check the unit for `rank_out`; `misnamed`: the instruction
+/// names another unit than the one cut, which is refused with nothing under either name.
+async fn reslice_case(name: &str, tp_out: u32, rank_out: u32, misnamed: bool) {
     let dir = scratch(name);
     let (a, b, dest) = (dir.join("a"), dir.join("b"), dir.join("dest"));
     // The two TP-2 units, each written by its rank on its own holder.
@@ -546,11 +548,17 @@ async fn reslice_case(name: &str, tp_out: u32, rank_out: u32) {
     ];
     let want = layer_unit(tp_out, rank_out);
     let made_name = motley_checkpoint::manifest::unit_file_name(&want.key);
-    let make =
-        MakeUnit { file: made_name.clone(), sources: sources.iter().map(|s| s.0.clone()).collect(), tp_size: tp_out, tp_rank: rank_out };
+    let named =
+        if misnamed { motley_checkpoint::manifest::unit_file_name(&layer_unit(tp_out, rank_out + 1).key) } else { made_name.clone() };
+    let make = MakeUnit { file: named.clone(), sources: sources.iter().map(|s| s.0.clone()).collect(), tp_size: tp_out, tp_rank: rank_out };
     let r = restorer(&dest);
     r.start(restore(NEXT_GEN, files, vec![make], ""));
     let res = finished(&r, NEXT_GEN).await;
+    if misnamed {
+        assert!(res.error.contains(&format!("the restore names the cut unit {named}, but it is {made_name}")), "{}", res.error);
+        assert!(!placed(&dest, &made_name).exists() && !placed(&dest, &named).exists());
+        return;
+    }
     assert_ok(&res);
     for (n, bytes) in &sources {
         assert_eq!(&std::fs::read(placed(&dest, n)).unwrap(), bytes, "{n}");
@@ -568,12 +576,17 @@ async fn reslice_case(name: &str, tp_out: u32, rank_out: u32) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restore_reslices_tp2_units_to_tp1_rank0() {
-    reslice_case("reslice-tp1", 1, 0).await;
+    reslice_case("reslice-tp1", 1, 0, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restore_reslices_tp2_units_to_tp4_rank1() {
-    reslice_case("reslice-tp4", 4, 1).await;
+    reslice_case("reslice-tp4", 4, 1, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_refuses_a_cut_unit_named_other_than_it_is() {
+    reslice_case("reslice-misnamed", 4, 1, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
