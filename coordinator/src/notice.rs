@@ -14,8 +14,8 @@
 //!    without a deadline does at once.
 //!
 //! A withdrawn drain (undrain) ends the notice; the job runs on. Pending notices live in the
-//! leader's memory: a new leader does not know them, and the job recovers when the node's
-//! lease ends instead (from its newest complete step).
+//! leader's memory, rebuilt by a new leader from the durable `preemption_notice` events
+//! (`resume`): the notice's deadline and the step it waits to be passed are in the event.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -96,6 +96,49 @@ pub async fn give(store: &Store, fleet: &Fleet, job: &JobRecord, node: &str, dea
         .expect("notices")
         .insert(job.id, Pending { generation: job.generation, node: node.to_string(), deadline: now + deadline, before, given: now });
     true
+}
+
+/// A new leader takes over the notices in flight: the last `preemption_notice` of each launched
+/// job's current generation whose node is still draining is pending again, with the deadline
+/// and the step it was given (the agents keep the notice; ranks that saw it saved already).
+pub async fn resume(store: &Store, fleet: &Fleet) -> crate::error::Result<usize> {
+    let mut resumed = 0;
+    for job in store.unfinished_jobs().await? {
+        if !matches!(job.state, JobState::Launching | JobState::Running) {
+            continue;
+        }
+        let (mut after, mut last) = (0, None);
+        loop {
+            let page = store.events(Some(job.id), after, 1000).await?;
+            let Some(end) = page.last() else { break };
+            after = end.seq;
+            last = page.into_iter().rev().find(|e| e.kind == "preemption_notice" && e.generation == Some(job.generation)).or(last);
+        }
+        let Some(event) = last else { continue };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&event.message) else { continue };
+        let (Some(node), Some(deadline_s), Some(before)) = (v["node"].as_str(), v["deadline_s"].as_f64(), v["newest_step"].as_i64()) else {
+            continue;
+        };
+        if !store.node(node).await.is_ok_and(|n| n.state == NodeState::Draining) {
+            continue; // withdrawn meanwhile
+        }
+        let now_ms = crate::store::now_ms();
+        let left_ms = (event.at_ms + (deadline_s * 1000.0) as i64 - now_ms).max(0);
+        let now = Instant::now();
+        let given = now.checked_sub(Duration::from_millis((now_ms - event.at_ms).max(0) as u64)).unwrap_or(now);
+        let pending = Pending {
+            generation: job.generation,
+            node: node.to_string(),
+            deadline: now + Duration::from_millis(left_ms as u64),
+            before,
+            given,
+        };
+        if fleet.notices.pending.lock().expect("notices").insert(job.id, pending).is_none() {
+            tracing::info!(job = job.id, node, "preemption notice taken over: the node leaves in {} ms", left_ms);
+            resumed += 1;
+        }
+    }
+    Ok(resumed)
 }
 
 /// Every base interval (the recovery loop): recover each noticed job whose save is complete or

@@ -199,6 +199,10 @@ pub async fn node_leaving(store: &Store, fleet: &Fleet, node: &str, reason: &str
 pub async fn run(store: Store, fleet: Arc<Fleet>) {
     let mut tick = tokio::time::interval(fleet.base);
     let began = Instant::now();
+    // The notices an earlier leader gave (durable events) are this one's to finish.
+    if let Err(e) = crate::notice::resume(&store, &fleet).await {
+        tracing::warn!("taking over preemption notices: {e}");
+    }
     loop {
         tokio::select! {
             _ = tick.tick() => {}

@@ -441,3 +441,33 @@ def test_a_notice_the_ranks_ignore_recovers_at_the_deadline_and_an_undrain_withd
         assert "starts over from step 0" in planned, planned
     finally:
         c.close()
+
+
+def test_a_new_leader_finishes_a_notice_an_old_one_gave(tmp_path: Path):
+    """The coordinator that gave a notice (8 s deadline; ranks that ignore it) is killed and
+    started again on the same database: the new leader takes the notice over from its durable
+    event and moves the job off the draining node at the original deadline. (Without that the
+    job would run on there: the node is draining, not lost.)"""
+    c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(3)])
+    try:
+        job = tiny_job(tmp_path)
+        job["run"] = "sleep 600"
+        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
+        jid = c.submit(job)
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
+        victim = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]["replicas"][0]["stages"][-1]["gpus"][0]["node"]
+        subprocess.run([c.b["motley"], "node", "drain", victim, "--deadline", "8s", "--coordinator", c.rest],
+                       env=clean_env(), check=True, capture_output=True, timeout=30)
+        notice = c.wait(lambda: [e for e in c.events(jid) if e["kind"] == "preemption_notice"], 10)[0]
+        c.kill_coordinator()
+        c.start_coordinator()
+        c.wait(lambda: any(e["kind"] == "recovering" for e in c.events(jid)), 60, every=0.5)
+        recovering = next(e for e in c.events(jid) if e["kind"] == "recovering")
+        assert "no step saved by the deadline" in recovering["message"], recovering
+        assert recovering["at_ms"] >= notice["at_ms"] + 8000, (notice, recovering)
+        assert "preemption notice taken over" in (tmp_path / "coordinator.log").read_text()
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["generation"] == 2, 60)
+        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        assert victim not in {g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]}
+    finally:
+        c.close()
