@@ -38,11 +38,9 @@ pub fn write(work_dir: &Path, s: &SaveNow) -> Result<PathBuf> {
         return Err(AgentError::StaleNotice { job: s.job, generation: s.generation, given: s.notice, newer });
     }
     let body = serde_json::json!({"notice": s.notice, "deadline_unix_ms": s.deadline_unix_ms}).to_string();
-    rankfiles::write_atomic(&file, body.as_bytes())?;
-    // The rank runs as the launch directory's owner: it must read the notice.
-    if meta.uid() != crate::users::euid() {
-        rankfiles::hand_over(&file, meta.uid(), meta.gid())?;
-    }
+    // The rank runs as the launch directory's owner: the notice is theirs before it has its name.
+    let owner = (meta.uid() != crate::users::euid()).then(|| (meta.uid(), meta.gid()));
+    rankfiles::write_atomic_owned(&file, body.as_bytes(), owner)?;
     Ok(file)
 }
 
@@ -81,6 +79,16 @@ mod tests {
         assert_eq!(read(&file), Some(9));
         let names: Vec<_> = std::fs::read_dir(file.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "no temporary file left: {names:?}");
+        // A launch directory handed to the rank's user: the notice is theirs (as root, as agents
+        // and CI run; an agent of another user owns its ranks' directories itself).
+        if crate::users::euid() == 0 {
+            let dir = rankfiles::generation_dir(work, 4, 1);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+            let file = write(work, &SaveNow { job: 4, generation: 1, notice: 3, deadline_unix_ms: 9 }).unwrap();
+            let meta = std::fs::metadata(&file).unwrap();
+            assert_eq!((meta.uid(), meta.gid()), (65534, 65534));
+        }
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -121,7 +121,19 @@ fn sync_dir(path: &Path) -> Result<()> {
 /// Write `bytes` to `path` atomically and durably (file and directory fsync'd: records, exit
 /// codes and `reported` markers must survive a power loss), replacing what is there.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_owned(path, bytes, None)
+}
+
+/// `write_atomic`, the file given to `owner` (uid, gid) before it takes its name: whoever reads
+/// it by name never finds it still the agent's.
+pub fn write_atomic_owned(path: &Path, bytes: &[u8], owner: Option<(u32, u32)>) -> Result<()> {
     let tmp = write_temp(path, bytes, true)?;
+    if let Some((uid, gid)) = owner {
+        if let Err(e) = hand_over(&tmp, uid, gid) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+    }
     std::fs::rename(&tmp, path).map_err(|err| AgentError::Io { what: "writing", path: path.to_path_buf(), err })?;
     sync_dir(path)
 }

@@ -6,7 +6,7 @@
 //! 1. every node of the launch gets `SaveNow {notice, deadline}`; its agent writes the notice
 //!    where the ranks look (MOTLEY_CKPT_NOTICE); the ranks agree, at the end of each step, on
 //!    the newest notice any of them saw and save that step once (`motley_torch`);
-//! 2. once a step newer than the newest complete one at the notice is complete (the bitmap),
+//! 2. once a step newer than any begun when the notice was given is complete (the bitmap),
 //!    the job recovers off the node from it (`recovery::try_recover`, spending a preemption):
 //!    the draining node is still live, so its copies serve the restore;
 //! 3. if no newer step is complete by the deadline (ranks that do not save on notice, a step
@@ -35,7 +35,8 @@ struct Pending {
     generation: i64,
     node: String,
     deadline: Instant,
-    /// The newest complete step when the notice was given (-1: none): a newer one is the save.
+    /// The newest step any file of which was reported when the notice was given (-1: none): a
+    /// complete step newer than it is the notice's save.
     before: i64,
     given: Instant,
 }
@@ -51,10 +52,18 @@ async fn newest_complete(store: &Store, id: i64) -> crate::error::Result<i64> {
     Ok(crate::checkpoints::steps(store, id).await?.iter().filter(|s| s.complete).map(|s| s.step).max().unwrap_or(-1))
 }
 
+/// The newest step of job `id` any file of which was reported, complete or not (-1: none): a
+/// save in flight when a notice is given is not the notice's save, however it ends.
+async fn newest_started(store: &Store, id: i64) -> crate::error::Result<i64> {
+    Ok(crate::checkpoints::steps(store, id).await?.iter().map(|s| s.step).max().unwrap_or(-1))
+}
+
 /// Node `node` leaves in `deadline`: if launched job `job` (with ranks there) checkpoints and
 /// may recover from a preemption, ask its ranks to save now and recover it once they have
 /// (`check`). False when it cannot be asked (no checkpoint or budget, a deadline too close for
-/// a step to end): the caller recovers it at once.
+/// a step to end): the caller recovers it at once. A second notice for a launch already
+/// saving (another of its nodes drained, or this one again) asks nothing more: it can only
+/// bring the deadline forward.
 pub async fn give(store: &Store, fleet: &Fleet, job: &JobRecord, node: &str, deadline: Duration) -> bool {
     let Ok(spec) = serde_json::from_str::<JobSpec>(&job.spec) else { return false };
     if spec.checkpoint.is_none() || spec.max_preemptions == 0 {
@@ -67,74 +76,99 @@ pub async fn give(store: &Store, fleet: &Fleet, job: &JobRecord, node: &str, dea
     if store.spent(job.id).await.is_ok_and(|s| s.preemptions >= i64::from(spec.max_preemptions)) {
         return false;
     }
-    let (Ok(ranks), Ok(before)) = (store.ranks(job.id, job.generation).await, newest_complete(store, job.id).await) else {
-        return false;
+    let now = Instant::now();
+    let earlier = {
+        let mut pending = fleet.notices.pending.lock().expect("notices");
+        pending.get_mut(&job.id).filter(|p| p.generation == job.generation).map(|p| {
+            if now + deadline < p.deadline {
+                (p.deadline, p.node) = (now + deadline, node.to_string());
+            }
+            p.before
+        })
     };
-    let now_ms = crate::store::now_ms();
-    let notice =
-        SaveNow { job: job.id, generation: job.generation, notice: now_ms, deadline_unix_ms: now_ms + deadline.as_millis() as i64 };
-    let mut nodes: Vec<&str> = ranks.iter().map(|r| r.assignment.node.as_str()).collect();
-    nodes.sort_unstable();
-    nodes.dedup();
-    let mut told = 0;
-    for n in &nodes {
-        told += usize::from(fleet.send(n, Instruction { kind: Some(instruction::Kind::SaveNow(notice)) }));
-    }
-    if told == 0 {
-        return false;
-    }
+    let (before, nodes) = match earlier {
+        Some(before) => (before, vec![]),
+        None => {
+            let (Ok(ranks), Ok(before)) = (store.ranks(job.id, job.generation).await, newest_started(store, job.id).await) else {
+                return false;
+            };
+            let now_ms = crate::store::now_ms();
+            let notice =
+                SaveNow { job: job.id, generation: job.generation, notice: now_ms, deadline_unix_ms: now_ms + deadline.as_millis() as i64 };
+            let mut nodes: Vec<String> = ranks.into_iter().map(|r| r.assignment.node).collect();
+            nodes.sort_unstable();
+            nodes.dedup();
+            let mut told = 0;
+            for n in &nodes {
+                told += usize::from(fleet.send(n, Instruction { kind: Some(instruction::Kind::SaveNow(notice)) }));
+            }
+            if told == 0 {
+                return false;
+            }
+            fleet.notices.pending.lock().expect("notices").insert(
+                job.id,
+                Pending { generation: job.generation, node: node.to_string(), deadline: now + deadline, before, given: now },
+            );
+            tracing::info!(job = job.id, node, "preemption notice: the ranks save now, the node leaves in {deadline:?}");
+            (before, nodes)
+        }
+    };
+    // Durable: a new leader takes the notice over from it (`resume`).
     let message = json!({"node": node, "deadline_s": deadline.as_secs_f64(), "newest_step": before, "nodes": nodes});
     if let Err(e) = store.record_event(Some(job.id), Some(job.generation), "preemption_notice", &message.to_string()).await {
         tracing::warn!(job = job.id, "recording the preemption notice: {e}");
     }
-    tracing::info!(job = job.id, node, "preemption notice: the ranks save now, the node leaves in {deadline:?}");
-    let now = Instant::now();
-    fleet
-        .notices
-        .pending
-        .lock()
-        .expect("notices")
-        .insert(job.id, Pending { generation: job.generation, node: node.to_string(), deadline: now + deadline, before, given: now });
     true
 }
 
-/// A new leader takes over the notices in flight: the last `preemption_notice` of each launched
-/// job's current generation whose node is still draining is pending again, with the deadline
-/// and the step it was given (the agents keep the notice; ranks that saw it saved already).
+/// A new leader takes over the notices in flight from the `preemption_notice` events of each
+/// launched job's current generation whose nodes still drain: the earliest deadline among them
+/// and the step the first was given (the agents keep the notice; ranks that saw it saved).
 pub async fn resume(store: &Store, fleet: &Fleet) -> crate::error::Result<usize> {
     let mut resumed = 0;
+    let now_ms = crate::store::now_ms();
     for job in store.unfinished_jobs().await? {
         if !matches!(job.state, JobState::Launching | JobState::Running) {
             continue;
         }
-        let (mut after, mut last) = (0, None);
+        let mut after = 0;
+        // (deadline in wall ms, node, step, when given in wall ms)
+        let mut found: Option<(i64, String, i64, i64)> = None;
         loop {
             let page = store.events(Some(job.id), after, 1000).await?;
             let Some(end) = page.last() else { break };
             after = end.seq;
-            last = page.into_iter().rev().find(|e| e.kind == "preemption_notice" && e.generation == Some(job.generation)).or(last);
+            for e in page.iter().filter(|e| e.kind == "preemption_notice" && e.generation == Some(job.generation)) {
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(&e.message) else { continue };
+                let (Some(node), Some(deadline_s), Some(before)) =
+                    (v["node"].as_str(), v["deadline_s"].as_f64(), v["newest_step"].as_i64())
+                else {
+                    continue;
+                };
+                if !store.node(node).await.is_ok_and(|n| n.state == NodeState::Draining) {
+                    continue; // withdrawn meanwhile
+                }
+                let due = e.at_ms + (deadline_s * 1000.0) as i64;
+                found = Some(match found {
+                    None => (due, node.to_string(), before, e.at_ms),
+                    Some((d, n, b, g)) if d <= due => (d, n, b.min(before), g.min(e.at_ms)),
+                    Some((_, _, b, g)) => (due, node.to_string(), b.min(before), g.min(e.at_ms)),
+                });
+            }
         }
-        let Some(event) = last else { continue };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&event.message) else { continue };
-        let (Some(node), Some(deadline_s), Some(before)) = (v["node"].as_str(), v["deadline_s"].as_f64(), v["newest_step"].as_i64()) else {
-            continue;
-        };
-        if !store.node(node).await.is_ok_and(|n| n.state == NodeState::Draining) {
-            continue; // withdrawn meanwhile
-        }
-        let now_ms = crate::store::now_ms();
-        let left_ms = (event.at_ms + (deadline_s * 1000.0) as i64 - now_ms).max(0);
+        let Some((due, node, before, given_ms)) = found else { continue };
+        let left_ms = (due - now_ms).max(0);
         let now = Instant::now();
-        let given = now.checked_sub(Duration::from_millis((now_ms - event.at_ms).max(0) as u64)).unwrap_or(now);
+        let given = now.checked_sub(Duration::from_millis((now_ms - given_ms).max(0) as u64)).unwrap_or(now);
         let pending = Pending {
             generation: job.generation,
-            node: node.to_string(),
+            node: node.clone(),
             deadline: now + Duration::from_millis(left_ms as u64),
             before,
             given,
         };
         if fleet.notices.pending.lock().expect("notices").insert(job.id, pending).is_none() {
-            tracing::info!(job = job.id, node, "preemption notice taken over: the node leaves in {} ms", left_ms);
+            tracing::info!(job = job.id, node, "preemption notice taken over: the node leaves in {left_ms} ms");
             resumed += 1;
         }
     }
@@ -146,7 +180,13 @@ pub async fn resume(store: &Store, fleet: &Fleet) -> crate::error::Result<usize>
 pub async fn check(store: &Store, fleet: &Fleet) {
     let pending: Vec<(i64, Pending)> = fleet.notices.pending.lock().expect("notices").iter().map(|(k, v)| (*k, v.clone())).collect();
     for (id, p) in pending {
-        let forget = || fleet.notices.pending.lock().expect("notices").remove(&id);
+        // Only the notice looked at: one given meanwhile (a newer launch's) stays.
+        let forget = || {
+            let mut all = fleet.notices.pending.lock().expect("notices");
+            if all.get(&id).is_some_and(|q| q.given == p.given && q.generation == p.generation) {
+                all.remove(&id);
+            }
+        };
         let Ok(job) = store.job(id).await else { continue };
         if job.generation != p.generation || !matches!(job.state, JobState::Launching | JobState::Running) {
             forget(); // recovered already (the node's lease ended, a rank failed), or over

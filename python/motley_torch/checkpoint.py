@@ -282,6 +282,15 @@ def _merge_manifest(sdir: str, world_size: int):
         write_atomic(os.path.join(sdir, MANIFEST), json.dumps(merge([_read_json(x) for x in pieces]), indent=1).encode())
 
 
+def _agree_max(view, values: List[int]) -> List[int]:
+    """Collective: each value's maximum over every rank (one int64 all-reduce)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.int64, device=getattr(view, "device", "cpu"))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(x) for x in t.tolist()]
+
+
 def finish(view, _merge_later: bool = False):
     """Complete the checkpoint in flight: wait for this rank's writer, agree with every rank that
     all writes succeeded (an all-reduce: collective, every rank calls it, after its last save),
@@ -292,19 +301,16 @@ def finish(view, _merge_later: bool = False):
     p = _pending
     if p is None:
         return None
-    import torch.distributed as dist
-
     local = None
     try:
         flush()
     except CheckpointError as e:
         local = e
-    failed = torch.tensor([1 if local is not None else 0], dtype=torch.int32, device=getattr(view, "device", "cpu"))
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    (failed,) = _agree_max(view, [1 if local is not None else 0])
     _pending = None
     if local is not None:
         raise local
-    if int(failed.item()):
+    if failed:
         raise CheckpointError(f"checkpoint step {p.step} ({p.sdir}): another rank's write failed (see its log); "
                               f"this step is incomplete")
     if p.rank != 0:
@@ -349,6 +355,9 @@ class SaveNotice:
                 text = f.read()
         except FileNotFoundError:
             return 0
+        except OSError as e:
+            raise CheckpointError(f"{NOTICE_ENV} ({self.path}): cannot be read ({e}); the agent writes it as the "
+                                  f"rank's user: check the launch directory's owner") from e
         try:
             n = json.loads(text)["notice"]
         except (ValueError, KeyError, TypeError) as e:
@@ -361,11 +370,18 @@ class SaveNotice:
     def due(self, view) -> bool:
         """Collective (every rank, once per step, at the same point): True on every rank when
         some rank has seen a notice newer than the last one acted on, which it now is."""
-        import torch.distributed as dist
-
-        t = torch.tensor([self.seen()], dtype=torch.int64, device=getattr(view, "device", "cpu"))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        n = int(t.item())
+        local, seen = None, 0
+        try:
+            seen = self.seen()
+        except CheckpointError as e:
+            local = e
+        # A rank that cannot read its notice still takes part (others would wait in the
+        # all-reduce until the timeout), then every rank raises.
+        n, failed = _agree_max(view, [seen, 1 if local is not None else 0])
+        if local is not None:
+            raise local
+        if failed:
+            raise CheckpointError("another rank could not read its preemption notice (see its log)")
         if n > self.handled:
             self.handled = n
             return True

@@ -228,9 +228,13 @@ def test_a_notice_seen_by_one_rank_makes_every_rank_save_that_step_once(tmp_path
 
 
 def test_a_notice_file_that_is_not_one_ends_the_run_with_exit_2(tmp_path):
-    notice = tmp_path / "notice.json"
+    """Only rank 2's notice file is bad (each node has its own): it names the file, and the
+    other ranks, which agreed with it in the same all-reduce, end too instead of waiting."""
+    notice = tmp_path / "notice-2.json"
     notice.write_text("{half")
-    res = launch(plan(), ARGS, tmp_path / "run", extra_env={"MOTLEY_CKPT_DIR": str(tmp_path / "ckpt"),
-                                                           "MOTLEY_CKPT_NOTICE": str(notice)})
+    per_rank = {r: {"MOTLEY_CKPT_NOTICE": str(tmp_path / f"notice-{r}.json")} for r in range(4)}
+    res = launch(plan(), ARGS, tmp_path / "run", extra_env={"MOTLEY_CKPT_DIR": str(tmp_path / "ckpt")},
+                 rank_env=per_rank, timeout=120)
     assert [r.returncode for r in res] == [2, 2, 2, 2], [r.log[-1500:] for r in res]
-    assert f"MOTLEY_CKPT_NOTICE ({notice}): not a preemption notice" in res[0].log
+    assert f"MOTLEY_CKPT_NOTICE ({notice}): not a preemption notice" in res[2].log
+    assert "another rank could not read its preemption notice" in res[0].log

@@ -471,3 +471,37 @@ def test_a_new_leader_finishes_a_notice_an_old_one_gave(tmp_path: Path):
         assert victim not in {g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]}
     finally:
         c.close()
+
+
+def test_a_second_notice_only_brings_the_deadline_forward(tmp_path: Path):
+    """Two nodes of one launch get notices (60 s, then 3 s; ranks that ignore them): the
+    ranks are asked once (every node holds the first notice's number), and the job moves off
+    both nodes at the earlier deadline."""
+    c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(3)])
+    try:
+        job = tiny_job(tmp_path)
+        job["run"] = "sleep 600"
+        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
+        jid = c.submit(job)
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
+        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        used = sorted({g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]})
+        assert len(used) >= 2, plan
+        first, second = used[0], used[1]
+        for node, deadline in ((first, "60s"), (second, "3s")):
+            subprocess.run([c.b["motley"], "node", "drain", node, "--deadline", deadline, "--coordinator", c.rest],
+                           env=clean_env(), check=True, capture_output=True, timeout=30)
+        c.wait(lambda: any(e["kind"] == "recovering" for e in c.events(jid)), 30)
+        events = c.events(jid)
+        notices = [e for e in events if e["kind"] == "preemption_notice"]
+        recovering = next(e for e in events if e["kind"] == "recovering")
+        assert len(notices) == 2 and json.loads(notices[1]["message"])["nodes"] == [], notices
+        assert "no step saved by the deadline" in recovering["message"], recovering
+        assert recovering["at_ms"] - notices[1]["at_ms"] < 30_000, "the earlier deadline, not the first notice's"
+        numbers = {json.loads(p.read_text())["notice"] for p in tmp_path.glob(f"agents/*/jobs/{jid}/1/notice.json")}
+        assert len(numbers) == 1, numbers
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["generation"] == 2, 60)
+        after = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        assert not {first, second} & {g["node"] for r in after["replicas"] for s in r["stages"] for g in s["gpus"]}
+    finally:
+        c.close()
