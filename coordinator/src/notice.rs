@@ -126,53 +126,53 @@ pub async fn give(store: &Store, fleet: &Fleet, job: &JobRecord, node: &str, dea
 /// and the step the first was given (the agents keep the notice; ranks that saw it saved).
 pub async fn resume(store: &Store, fleet: &Fleet) -> crate::error::Result<usize> {
     let mut resumed = 0;
-    let now_ms = crate::store::now_ms();
     for job in store.unfinished_jobs().await? {
         if !matches!(job.state, JobState::Launching | JobState::Running) {
             continue;
         }
-        let mut after = 0;
-        // (deadline in wall ms, node, step, when given in wall ms)
-        let mut found: Option<(i64, String, i64, i64)> = None;
-        loop {
-            let page = store.events(Some(job.id), after, 1000).await?;
-            let Some(end) = page.last() else { break };
-            after = end.seq;
-            for e in page.iter().filter(|e| e.kind == "preemption_notice" && e.generation == Some(job.generation)) {
-                let Ok(v) = serde_json::from_str::<serde_json::Value>(&e.message) else { continue };
-                let (Some(node), Some(deadline_s), Some(before)) =
-                    (v["node"].as_str(), v["deadline_s"].as_f64(), v["newest_step"].as_i64())
-                else {
-                    continue;
-                };
-                if !store.node(node).await.is_ok_and(|n| n.state == NodeState::Draining) {
-                    continue; // withdrawn meanwhile
-                }
-                let due = e.at_ms + (deadline_s * 1000.0) as i64;
-                found = Some(match found {
-                    None => (due, node.to_string(), before, e.at_ms),
-                    Some((d, n, b, g)) if d <= due => (d, n, b.min(before), g.min(e.at_ms)),
-                    Some((_, _, b, g)) => (due, node.to_string(), b.min(before), g.min(e.at_ms)),
-                });
-            }
-        }
-        let Some((due, node, before, given_ms)) = found else { continue };
-        let left_ms = (due - now_ms).max(0);
-        let now = Instant::now();
-        let given = now.checked_sub(Duration::from_millis((now_ms - given_ms).max(0) as u64)).unwrap_or(now);
-        let pending = Pending {
-            generation: job.generation,
-            node: node.clone(),
-            deadline: now + Duration::from_millis(left_ms as u64),
-            before,
-            given,
-        };
-        if fleet.notices.pending.lock().expect("notices").insert(job.id, pending).is_none() {
-            tracing::info!(job = job.id, node, "preemption notice taken over: the node leaves in {left_ms} ms");
+        let Some(p) = from_events(store, &job).await? else { continue };
+        let (node, left) = (p.node.clone(), p.deadline.saturating_duration_since(Instant::now()));
+        if fleet.notices.pending.lock().expect("notices").insert(job.id, p).is_none() {
+            tracing::info!(job = job.id, node, "preemption notice taken over: the node leaves in {left:?}");
             resumed += 1;
         }
     }
     Ok(resumed)
+}
+
+/// The notice in flight for `job`'s current launch, from its `preemption_notice` events whose
+/// nodes still drain (none: no notice, or every one withdrawn).
+async fn from_events(store: &Store, job: &JobRecord) -> crate::error::Result<Option<Pending>> {
+    let now_ms = crate::store::now_ms();
+    let mut after = 0;
+    // (deadline in wall ms, node, step, when given in wall ms)
+    let mut found: Option<(i64, String, i64, i64)> = None;
+    loop {
+        let page = store.events(Some(job.id), after, 1000).await?;
+        let Some(end) = page.last() else { break };
+        after = end.seq;
+        for e in page.iter().filter(|e| e.kind == "preemption_notice" && e.generation == Some(job.generation)) {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(&e.message) else { continue };
+            let (Some(node), Some(deadline_s), Some(before)) = (v["node"].as_str(), v["deadline_s"].as_f64(), v["newest_step"].as_i64())
+            else {
+                continue;
+            };
+            if !store.node(node).await.is_ok_and(|n| n.state == NodeState::Draining) {
+                continue; // withdrawn
+            }
+            let due = e.at_ms + (deadline_s * 1000.0) as i64;
+            found = Some(match found {
+                None => (due, node.to_string(), before, e.at_ms),
+                Some((d, n, b, g)) if d <= due => (d, n, b.min(before), g.min(e.at_ms)),
+                Some((_, _, b, g)) => (due, node.to_string(), b.min(before), g.min(e.at_ms)),
+            });
+        }
+    }
+    let Some((due, node, before, given_ms)) = found else { return Ok(None) };
+    let now = Instant::now();
+    let given = now.checked_sub(Duration::from_millis((now_ms - given_ms).max(0) as u64)).unwrap_or(now);
+    let deadline = now + Duration::from_millis((due - now_ms).max(0) as u64);
+    Ok(Some(Pending { generation: job.generation, node, deadline, before, given }))
 }
 
 /// Every base interval (the recovery loop): recover each noticed job whose save is complete or
@@ -193,8 +193,18 @@ pub async fn check(store: &Store, fleet: &Fleet) {
             continue;
         }
         if store.node(&p.node).await.is_ok_and(|n| n.state != NodeState::Draining) {
-            tracing::info!(job = id, node = %p.node, "the drain was withdrawn: the preemption notice ends, the job runs on");
             forget();
+            // Another of the launch's nodes may still drain under its own notice.
+            match from_events(store, &job).await {
+                Ok(Some(other)) => {
+                    tracing::info!(job = id, node = %p.node, "the drain was withdrawn; node {}'s notice still stands", other.node);
+                    fleet.notices.pending.lock().expect("notices").insert(id, other);
+                }
+                Ok(None) => {
+                    tracing::info!(job = id, node = %p.node, "the drain was withdrawn: the preemption notice ends, the job runs on")
+                }
+                Err(e) => tracing::warn!(job = id, "preemption notice: {e}"),
+            }
             continue;
         }
         let newest = match newest_complete(store, id).await {

@@ -505,3 +505,37 @@ def test_a_second_notice_only_brings_the_deadline_forward(tmp_path: Path):
         assert not {first, second} & {g["node"] for r in after["replicas"] for s in r["stages"] for g in s["gpus"]}
     finally:
         c.close()
+
+
+def test_withdrawing_one_of_two_notices_keeps_the_other(tmp_path: Path):
+    """Notices for two nodes of one launch (8 s, then 4 s; ranks that ignore them); the second
+    node is undrained at once: the first notice still stands, and the job moves off its node at
+    its deadline, not at the withdrawn one's."""
+    c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(3)])
+    try:
+        job = tiny_job(tmp_path)
+        job["run"] = "sleep 600"
+        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
+        jid = c.submit(job)
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
+        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        used = sorted({g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]})
+        assert len(used) >= 2, plan
+        first, second = used[0], used[1]
+        motley = lambda *a: subprocess.run([c.b["motley"], "node", *a, "--coordinator", c.rest],  # noqa: E731
+                                           env=clean_env(), check=True, capture_output=True, timeout=30)
+        motley("drain", first, "--deadline", "8s")
+        motley("drain", second, "--deadline", "4s")
+        motley("undrain", second)
+        c.wait(lambda: any(e["kind"] == "recovering" for e in c.events(jid)), 30)
+        events = c.events(jid)
+        given = next(e for e in events if e["kind"] == "preemption_notice")
+        recovering = next(e for e in events if e["kind"] == "recovering")
+        assert f"node {first} is draining" in recovering["message"], recovering
+        assert recovering["at_ms"] - given["at_ms"] >= 8000, (given, recovering)
+        assert f"node {first}'s notice still stands" in (tmp_path / "coordinator.log").read_text()
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["generation"] == 2, 60)
+        after = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        assert first not in {g["node"] for r in after["replicas"] for s in r["stages"] for g in s["gpus"]}
+    finally:
+        c.close()
