@@ -87,6 +87,11 @@ fn step_view(step: i64, files: &[&Holding]) -> StepView {
     }
 }
 
+/// The newest complete step of `job` (-1: none).
+pub async fn newest_complete(store: &Store, job: i64) -> Result<i64> {
+    Ok(steps(store, job).await?.iter().filter(|s| s.complete).map(|s| s.step).max().unwrap_or(-1))
+}
+
 /// A job's steps, newest first.
 pub async fn steps(store: &Store, job: i64) -> Result<Vec<StepView>> {
     store.job(job).await?;

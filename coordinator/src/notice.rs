@@ -47,11 +47,6 @@ pub struct Notices {
     pending: Mutex<HashMap<i64, Pending>>,
 }
 
-/// The newest complete checkpoint step of job `id` (-1: none).
-async fn newest_complete(store: &Store, id: i64) -> crate::error::Result<i64> {
-    Ok(crate::checkpoints::steps(store, id).await?.iter().filter(|s| s.complete).map(|s| s.step).max().unwrap_or(-1))
-}
-
 /// The newest step of job `id` any file of which was reported, complete or not (-1: none): a
 /// save in flight when a notice is given is not the notice's save, however it ends.
 async fn newest_started(store: &Store, id: i64) -> crate::error::Result<i64> {
@@ -207,7 +202,7 @@ pub async fn check(store: &Store, fleet: &Fleet) {
             }
             continue;
         }
-        let newest = match newest_complete(store, id).await {
+        let newest = match crate::checkpoints::newest_complete(store, id).await {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(job = id, "preemption notice: {e}");

@@ -278,7 +278,7 @@ async fn scale_up(store: &Store, fleet: &Fleet, jobs: &[JobRecord]) -> Result<()
         if spec.resources.gpus.is_some_and(|g| ranks.len() as u32 >= g) {
             continue; // already at its GPU budget
         }
-        let newest = crate::checkpoints::steps(store, j.id).await?.iter().filter(|s| s.complete).map(|s| s.step).max().unwrap_or(-1);
+        let newest = crate::checkpoints::newest_complete(store, j.id).await?;
         match seen.1 {
             None => {
                 fleet.restores.scale.lock().expect("scale").insert(key, (seen.0, Some(newest)));

@@ -119,6 +119,11 @@ class Cluster:
             time.sleep(every)
         raise AssertionError(f"timed out after {timeout} s\n{self.logs()}")
 
+    def node(self, *args: str) -> subprocess.CompletedProcess:
+        """`motley node ARGS` against this coordinator; a non-zero exit fails the test."""
+        return subprocess.run([self.b["motley"], "node", *args, "--coordinator", self.rest], capture_output=True, text=True,
+                              env=clean_env(), timeout=30, check=True)
+
     def kill_node(self, name: str):
         """SIGKILL the node's agent and every rank it started (as a vanished spot node)."""
         self.agents[name].kill()
@@ -192,13 +197,30 @@ def tiny_job(tmp: Path, steps: int = STEPS) -> dict:
     }
 
 
-def run_until_a_step_is_in_the_cloud(c: Cluster, job: dict) -> tuple:
-    """Submit `job`, wait until some complete step is whole in the cloud, and name the node of
-    the plan's last stage (its layers and head exist nowhere else but the cloud)."""
+def plan_nodes(plan: dict) -> set:
+    """The nodes a plan document places ranks on."""
+    return {g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]}
+
+
+def run_job(c: Cluster, job: dict) -> tuple:
+    """Once every agent is live, submit `job`, wait until it runs: its id and plan."""
     c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == len(c.agents), 30)
     jid = c.submit(job)
     c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
-    plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+    return jid, c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+
+
+def sleeping_job(tmp: Path) -> dict:
+    """tiny_job whose ranks never look at a notice (nor train): `sleep`."""
+    job = tiny_job(tmp)
+    job["run"] = "sleep 600"
+    return job
+
+
+def run_until_a_step_is_in_the_cloud(c: Cluster, job: dict) -> tuple:
+    """Submit `job`, wait until some complete step is whole in the cloud, and name the node of
+    the plan's last stage (its layers and head exist nowhere else but the cloud)."""
+    jid, plan = run_job(c, job)
 
     def cloud_step():
         steps = c.get(f"/api/v1/jobs/{jid}/checkpoints")
@@ -233,7 +255,7 @@ def test_a_lost_node_recovers_from_peers_and_the_cloud_with_the_same_losses(tmp_
         assert done["bytes"]["cloud"] > 0, f"the dead node's units came from the cloud: {done}"
         assert done["bytes"]["local"] + done["bytes"]["peer"] > 0, f"the survivors' units came from them: {done}"
         new_plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
-        assert victim not in {g["node"] for r in new_plan["replicas"] for s in r["stages"] for g in s["gpus"]}
+        assert victim not in plan_nodes(new_plan)
         # The losses after the restore are the uninterrupted run's.
         after = rank0_losses(tmp_path, jid, 2)
         assert after and after[0][0] == step, (step, after[:3])
@@ -279,11 +301,8 @@ def test_a_node_that_joins_restarts_nothing_when_the_plan_would_not_use_it(tmp_p
     try:
         job = tiny_job(tmp_path, steps=100_000)
         job["max_preemptions"] = 0
-        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 2, 30)
-        jid = c.submit(job)
-        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
-        first = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
-        assert {g["node"] for r in first["replicas"] for s in r["stages"] for g in s["gpus"]} == {"n0", "n1"}
+        jid, first = run_job(c, job)
+        assert plan_nodes(first) == {"n0", "n1"}
         c.start_agent("n2", node_entry())
         said = "no scale-up: with 3 live nodes the planner gives it 2 GPUs, it has 2"
         c.wait(lambda: said in (tmp_path / "coordinator.log").read_text(), 120, every=0.5)
@@ -315,7 +334,7 @@ def test_a_second_node_lost_during_the_restore_is_planned_around(tmp_path: Path)
         assert final["state"] == "succeeded", f"{final}\n{kinds}\n{c.logs()}"
         assert kinds.count("recovering") == 1 and "recovery_retry" in kinds, kinds
         plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
-        used = {g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]}
+        used = plan_nodes(plan)
         assert not used & {victim, second}, (used, victim, second)
     finally:
         c.close()
@@ -332,15 +351,10 @@ def test_a_preemption_notice_saves_now_and_recovers_from_that_step(tmp_path: Pat
         spec = yaml.safe_load(MODEL.read_text())
         job = tiny_job(tmp_path)
         job["checkpoint"]["every"] = 100_000
-        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
-        jid = c.submit(job)
-        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
-        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        jid, plan = run_job(c, job)
         victim = plan["replicas"][0]["stages"][-1]["gpus"][0]["node"]
         c.wait(lambda: len(rank0_losses(tmp_path, jid, 1)) >= 5, 120)
-        out = subprocess.run([c.b["motley"], "node", "drain", victim, "--deadline", "60s", "--coordinator", c.rest, "-o", "json"],
-                             capture_output=True, text=True, env=clean_env(), timeout=30)
-        assert out.returncode == 0, out.stderr
+        out = c.node("drain", victim, "--deadline", "60s", "-o", "json")
         assert json.loads(out.stdout)["state"] == "draining"
         c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
         final, events = c.get(f"/api/v1/jobs/{jid}"), c.events(jid)
@@ -355,7 +369,7 @@ def test_a_preemption_notice_saves_now_and_recovers_from_that_step(tmp_path: Pat
         step = planned["step"]
         assert step >= 5, f"the step saved on notice, not a fresh start: {planned}"
         new_plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
-        assert victim not in {g["node"] for r in new_plan["replicas"] for s in r["stages"] for g in s["gpus"]}
+        assert victim not in plan_nodes(new_plan)
         after = rank0_losses(tmp_path, jid, 2)
         assert after and after[0][0] == step, (step, after[:3])
         reference = single_process(str(MODEL), GLOBAL_BATCH, spec["seq_len"], STEPS, SEED)
@@ -375,11 +389,8 @@ def test_a_node_that_joins_takes_the_job_up_at_its_next_checkpoint(tmp_path: Pat
         spec = yaml.safe_load(MODEL.read_text())
         job = tiny_job(tmp_path)
         job["max_preemptions"] = 0
-        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 1, 30)
-        jid = c.submit(job)
-        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
-        first = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
-        assert {g["node"] for r in first["replicas"] for s in r["stages"] for g in s["gpus"]} == {"n0"}
+        jid, first = run_job(c, job)
+        assert plan_nodes(first) == {"n0"}
         c.start_agent("n1", node_entry())
         c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
         final, events = c.get(f"/api/v1/jobs/{jid}"), c.events(jid)
@@ -392,7 +403,7 @@ def test_a_node_that_joins_takes_the_job_up_at_its_next_checkpoint(tmp_path: Pat
         assert step >= EVERY and step % EVERY == 0, planned
         assert planned["bytes"]["peer"] + planned["bytes"]["local"] > 0, planned
         plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
-        assert {g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]} == {"n0", "n1"}, plan
+        assert plan_nodes(plan) == {"n0", "n1"}, plan
         after = rank0_losses(tmp_path, jid, 2)
         assert after and after[0][0] == step, (step, after[:3])
         reference = single_process(str(MODEL), GLOBAL_BATCH, spec["seq_len"], STEPS, SEED)
@@ -408,28 +419,19 @@ def test_a_notice_the_ranks_ignore_recovers_at_the_deadline_and_an_undrain_withd
     job off the node at the deadline, from what it has (here nothing: it starts over)."""
     c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(3)])
     try:
-        job = tiny_job(tmp_path)
-        job["run"] = "sleep 600"
-        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
-        jid = c.submit(job)
-        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
-        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        jid, plan = run_job(c, sleeping_job(tmp_path))
         victim = plan["replicas"][0]["stages"][-1]["gpus"][0]["node"]
-        drain = lambda deadline: subprocess.run(  # noqa: E731
-            [c.b["motley"], "node", "drain", victim, "--deadline", deadline, "--coordinator", c.rest],
-            capture_output=True, text=True, env=clean_env(), timeout=30, check=True)
-        drain("30s")
+        c.node("drain", victim, "--deadline", "30s")
         notice = c.wait(lambda: [e for e in c.events(jid) if e["kind"] == "preemption_notice"], 10)
         # The agent put the notice where the ranks look.
         noticed = tmp_path / "agents" / victim / "jobs" / str(jid) / "1" / "notice.json"
         c.wait(noticed.exists, 10)
         assert json.loads(noticed.read_text())["deadline_unix_ms"] >= notice[0]["at_ms"] + 29_000
-        subprocess.run([c.b["motley"], "node", "undrain", victim, "--coordinator", c.rest], env=clean_env(), check=True,
-                       capture_output=True, timeout=30)
+        c.node("undrain", victim)
         c.wait(lambda: "the drain was withdrawn" in (tmp_path / "coordinator.log").read_text(), 10)
         job_now = c.get(f"/api/v1/jobs/{jid}")
         assert job_now["state"] == "running" and job_now["generation"] == 1, job_now
-        drain("3s")
+        c.node("drain", victim, "--deadline", "3s")
         c.wait(lambda: any(e["kind"] == "recovering" for e in c.events(jid)), 30)
         events = c.events(jid)
         second = [e for e in events if e["kind"] == "preemption_notice"][1]
@@ -450,14 +452,9 @@ def test_a_new_leader_finishes_a_notice_an_old_one_gave(tmp_path: Path):
     job would run on there: the node is draining, not lost.)"""
     c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(3)])
     try:
-        job = tiny_job(tmp_path)
-        job["run"] = "sleep 600"
-        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
-        jid = c.submit(job)
-        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
-        victim = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]["replicas"][0]["stages"][-1]["gpus"][0]["node"]
-        subprocess.run([c.b["motley"], "node", "drain", victim, "--deadline", "8s", "--coordinator", c.rest],
-                       env=clean_env(), check=True, capture_output=True, timeout=30)
+        jid, plan = run_job(c, sleeping_job(tmp_path))
+        victim = plan["replicas"][0]["stages"][-1]["gpus"][0]["node"]
+        c.node("drain", victim, "--deadline", "8s")
         notice = c.wait(lambda: [e for e in c.events(jid) if e["kind"] == "preemption_notice"], 10)[0]
         c.kill_coordinator()
         c.start_coordinator()
@@ -468,7 +465,7 @@ def test_a_new_leader_finishes_a_notice_an_old_one_gave(tmp_path: Path):
         assert "preemption notice taken over" in (tmp_path / "coordinator.log").read_text()
         c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["generation"] == 2, 60)
         plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
-        assert victim not in {g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]}
+        assert victim not in plan_nodes(plan)
     finally:
         c.close()
 
@@ -479,18 +476,12 @@ def test_a_second_notice_only_brings_the_deadline_forward(tmp_path: Path):
     both nodes at the earlier deadline."""
     c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(3)])
     try:
-        job = tiny_job(tmp_path)
-        job["run"] = "sleep 600"
-        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
-        jid = c.submit(job)
-        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
-        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
-        used = sorted({g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]})
+        jid, plan = run_job(c, sleeping_job(tmp_path))
+        used = sorted(plan_nodes(plan))
         assert len(used) >= 2, plan
         first, second = used[0], used[1]
-        for node, deadline in ((first, "60s"), (second, "3s")):
-            subprocess.run([c.b["motley"], "node", "drain", node, "--deadline", deadline, "--coordinator", c.rest],
-                           env=clean_env(), check=True, capture_output=True, timeout=30)
+        c.node("drain", first, "--deadline", "60s")
+        c.node("drain", second, "--deadline", "3s")
         c.wait(lambda: any(e["kind"] == "recovering" for e in c.events(jid)), 30)
         events = c.events(jid)
         notices = [e for e in events if e["kind"] == "preemption_notice"]
@@ -502,7 +493,7 @@ def test_a_second_notice_only_brings_the_deadline_forward(tmp_path: Path):
         assert len(numbers) == 1, numbers
         c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["generation"] == 2, 60)
         after = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
-        assert not {first, second} & {g["node"] for r in after["replicas"] for s in r["stages"] for g in s["gpus"]}
+        assert not {first, second} & plan_nodes(after)
     finally:
         c.close()
 
@@ -513,20 +504,13 @@ def test_withdrawing_one_of_two_notices_keeps_the_other(tmp_path: Path):
     its deadline, not at the withdrawn one's."""
     c = Cluster(tmp_path, [(f"n{i}", node_entry()) for i in range(3)])
     try:
-        job = tiny_job(tmp_path)
-        job["run"] = "sleep 600"
-        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
-        jid = c.submit(job)
-        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "running", 60)
-        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
-        used = sorted({g["node"] for r in plan["replicas"] for s in r["stages"] for g in s["gpus"]})
+        jid, plan = run_job(c, sleeping_job(tmp_path))
+        used = sorted(plan_nodes(plan))
         assert len(used) >= 2, plan
         first, second = used[0], used[1]
-        motley = lambda *a: subprocess.run([c.b["motley"], "node", *a, "--coordinator", c.rest],  # noqa: E731
-                                           env=clean_env(), check=True, capture_output=True, timeout=30)
-        motley("drain", first, "--deadline", "8s")
-        motley("drain", second, "--deadline", "4s")
-        motley("undrain", second)
+        c.node("drain", first, "--deadline", "8s")
+        c.node("drain", second, "--deadline", "4s")
+        c.node("undrain", second)
         c.wait(lambda: any(e["kind"] == "recovering" for e in c.events(jid)), 30)
         events = c.events(jid)
         given = next(e for e in events if e["kind"] == "preemption_notice")
@@ -536,6 +520,6 @@ def test_withdrawing_one_of_two_notices_keeps_the_other(tmp_path: Path):
         assert f"node {first}'s notice still stands" in (tmp_path / "coordinator.log").read_text()
         c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["generation"] == 2, 60)
         after = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
-        assert first not in {g["node"] for r in after["replicas"] for s in r["stages"] for g in s["gpus"]}
+        assert first not in plan_nodes(after)
     finally:
         c.close()
