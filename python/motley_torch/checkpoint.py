@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -226,6 +226,7 @@ def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_b
                          {n: grab(t) for n, (_, t) in tensors.items()}))
     rank_header = {"format": FORMAT, "step": step, "rank": view.rank, "world_size": view.world_size, "seed": seed,
                    "data": {"next_step": step, "samples": step * global_batch},
+                   "model": model.spec.to_dict(),
                    "scheduler": {"kind": "constant", "lr": lr}}
     rng = torch.get_rng_state()  # a new tensor: already a copy
     rank = view.rank
@@ -479,7 +480,7 @@ def restore_list(value: str) -> List[str]:
     return paths
 
 
-def restore(view, model, optimizer, paths: List[str]) -> int:
+def restore(view, model, optimizer, paths: List[str], position: Optional[dict] = None) -> int:
     """Load this rank's model and optimizer state, and its rank file, from exactly `paths`
     (docs/checkpoint.md, "Environment"); returns the step to resume at."""
     from safetensors.torch import load_file
@@ -541,6 +542,11 @@ def restore(view, model, optimizer, paths: List[str]) -> int:
     nxt = headers[rf]["data"]["next_step"]
     if nxt != step:
         raise CheckpointError(f"{rf}: data.next_step {nxt} is not the step {step} of the units")
+    if position is not None:
+        samples = headers[rf]["data"].get("samples")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise CheckpointError(f"{rf}: data.samples {samples!r} is not a sample count")
+        position["samples"] = samples
     return step
 
 

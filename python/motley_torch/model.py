@@ -1,10 +1,16 @@
-"""The reference GPT, built for one pipeline stage (layers [l0, l1)) and one TP rank.
+"""The reference models, built for one pipeline stage (layers [l0, l1)) and one TP rank.
 
-Token embedding + learned position embedding, pre-LN blocks (causal attention with `heads`
-query and `kv_heads` key/value heads; MLP with GELU, or SwiGLU when `gated_mlp`), final LN and
-an untied output head. Attention and MLP matrices are Megatron-split over the TP group
+Family `gpt`: token embedding + learned position embedding, pre-LN blocks (causal attention
+with `heads` query and `kv_heads` key/value heads; MLP with GELU, or SwiGLU when `gated_mlp`),
+final LN and an output head. Family `llama` (Llama, Mistral, Qwen2 as transformers computes
+them): token embedding, pre-RMSNorm blocks with rotary embeddings (HF's rotate-half form,
+`rope_theta`, `rope_scaling` linear or llama3), grouped-query attention and a SwiGLU MLP, no
+biases but q/k/v's when `qkv_bias`, final RMSNorm and the head. `tie_embeddings`: the head is
+the embedding's matrix (one parameter when one stage holds both; with pipeline stages the last
+stage holds a copy whose gradient the trainer sums with the embedding's, as Megatron does).
+Attention and MLP matrices are Megatron-split over the TP group
 (q/k/v and the MLP's first matrices by columns, the attention output and the MLP's last matrix
-by rows); embeddings, layer norms and the head are replicated on every TP rank.
+by rows); embeddings, norms and the head are replicated on every TP rank.
 
 Every parameter is initialised from (seed, full parameter name) on the FULL tensor and then
 sliced for the TP rank, so any plan (and the single-process run) starts from identical weights.
@@ -40,6 +46,65 @@ def full_init(seed: int, name: str, shape: Tuple[int, ...], kind: str, std: floa
     return torch.randn(shape, generator=param_generator(seed, name)) * std
 
 
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm: normalised in fp32, scaled in the input's type."""
+
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(m: ModelSpec) -> torch.Tensor:
+    """transformers' inverse frequencies for rope types default, linear and llama3."""
+    dim = m.hidden // m.heads
+    inv = 1.0 / (m.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = m.rope_scaling
+    if rs is None:
+        return inv
+    if rs["type"] == "linear":
+        return inv / rs["factor"]
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    low_wl, high_wl = old / lo, old / hi
+    wl = 2 * math.pi / inv
+    out = torch.where(wl > low_wl, inv / factor, inv)
+    smooth = (old / wl - lo) / (hi - lo)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wl < high_wl) * ~(wl > low_wl)
+    return torch.where(medium, smoothed, out)
+
+
+class Rotary(nn.Module):
+    """cos/sin of every position (computed in fp32, cast to the activations' type, as
+    transformers does), cached per (length, device, dtype)."""
+
+    def __init__(self, m: ModelSpec):
+        super().__init__()
+        self.inv = rope_inv_freq(m)
+        self.cache: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, s: int, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = (s, str(device), dtype)
+        if key not in self.cache:
+            pos = torch.arange(s, dtype=torch.float32, device=device)
+            freqs = torch.outer(pos, self.inv.to(device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cache = {key: (emb.cos().to(dtype), emb.sin().to(dtype))}
+        return self.cache[key]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
 class Block(nn.Module):
     def __init__(self, m: ModelSpec, group, tp_rank: int, tp_size: int):
         super().__init__()
@@ -52,13 +117,18 @@ class Block(nn.Module):
         self.local_kv = m.kv_heads // tp_size
         self.tp_size, self.group = tp_size, group
         kw = dict(group=group, tp_rank=tp_rank, tp_size=tp_size)
-        self.ln1 = nn.LayerNorm(h)
+        self.llama = m.family == "llama"
+        norm = (lambda: RMSNorm(h, m.norm_eps)) if self.llama else (lambda: nn.LayerNorm(h))
+        qkv_bias = m.qkv_bias if self.llama else True
+        self.ln1 = norm()
         self.attn = nn.Module()
-        self.attn.q = ColumnParallelLinear(h, m.heads * hd, **kw)
-        self.attn.k = ColumnParallelLinear(h, m.kv_heads * hd, **kw)
-        self.attn.v = ColumnParallelLinear(h, m.kv_heads * hd, **kw)
-        self.attn.o = RowParallelLinear(m.heads * hd, h, **kw)
-        self.ln2 = nn.LayerNorm(h)
+        self.attn.q = ColumnParallelLinear(h, m.heads * hd, bias=qkv_bias, **kw)
+        self.attn.k = ColumnParallelLinear(h, m.kv_heads * hd, bias=qkv_bias, **kw)
+        self.attn.v = ColumnParallelLinear(h, m.kv_heads * hd, bias=qkv_bias, **kw)
+        self.attn.o = RowParallelLinear(m.heads * hd, h, bias=not self.llama, **kw)
+        if self.llama:
+            self.rotary = Rotary(m)
+        self.ln2 = norm()
         self.mlp = nn.Module()
         self.gated = m.gated_mlp
         if m.gated_mlp:
@@ -79,10 +149,17 @@ class Block(nn.Module):
             rep = self.local_heads // self.local_kv
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        a = (att @ v).transpose(1, 2).reshape(b, s, self.local_heads * self.hd)
+        if self.llama:
+            cos, sin = self.rotary(s, x.device, q.dtype)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            a = att @ v
+        a = a.transpose(1, 2).reshape(b, s, self.local_heads * self.hd)
         x = x + self.attn.o(a)
         y = self.ln2(x)
         if self.gated:
@@ -102,25 +179,47 @@ class GPTStage(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.first = self.l0 == 0
         self.last = self.l1 == m.layers
+        self.llama = m.family == "llama"
+        if self.llama:
+            m.check_seq_len(seq_len)
         if self.first:
             self.embed = nn.Embedding(m.vocab, m.hidden)
-            self.pos = nn.Embedding(seq_len, m.hidden)
+            if not self.llama:
+                self.pos = nn.Embedding(seq_len, m.hidden)
         self.layers = nn.ModuleDict({str(i): Block(m, group, tp_rank, tp_size) for i in range(self.l0, self.l1)})
+        # A tied head on the embedding's stage is the embedding; on another stage, a copy.
+        self.tied_here = m.tie_embeddings and self.first and self.last
         if self.last:
-            self.ln_f = nn.LayerNorm(m.hidden)
-            self.head = nn.Linear(m.hidden, m.vocab, bias=False)
+            self.ln_f = RMSNorm(m.hidden, m.norm_eps) if self.llama else nn.LayerNorm(m.hidden)
+            if not self.tied_here:
+                self.head = nn.Linear(m.hidden, m.vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens [b, s] on the first stage, hidden states [b, s, hidden] after; logits
         [b, s, vocab] out of the last stage, hidden states out of the others."""
         if self.first:
             s = x.shape[1]
-            x = self.embed(x) + self.pos(torch.arange(s, device=x.device))[None]
+            x = self.embed(x)
+            if not self.llama:
+                x = x + self.pos(torch.arange(s, device=x.device))[None]
         for blk in self.layers.values():
             x = blk(x)
         if self.last:
-            x = self.head(self.ln_f(x))
+            x = self.ln_f(x)
+            x = F.linear(x, self.embed.weight) if self.tied_here else self.head(x)
         return x
+
+    def tied_weights(self) -> list:
+        """The parameters that are the tied embedding/head matrix on this stage (empty when the
+        model is untied or the stage holds neither)."""
+        if not self.spec.tie_embeddings:
+            return []
+        out = []
+        if self.first:
+            out.append(self.embed.weight)
+        if self.last and not self.tied_here:
+            out.append(self.head.weight)
+        return out
 
     # -- parameters by their full-model names ----------------------------------------------
 
@@ -143,11 +242,11 @@ class GPTStage(nn.Module):
         """Layer norms start at (1, 0), biases at 0; matrices and embeddings N(0, 0.02), the
         matrices writing into the residual stream N(0, 0.02 / sqrt(2 * layers)) (GPT-2)."""
         mod = self.get_submodule(name.rpartition(".")[0])
-        if isinstance(mod, nn.LayerNorm):
+        if isinstance(mod, (nn.LayerNorm, RMSNorm)):
             return ("ones", 0.0) if attr == "weight" else ("zeros", 0.0)
         if attr == "bias":
             return "zeros", 0.0
-        if isinstance(mod, RowParallelLinear):
+        if isinstance(mod, RowParallelLinear) and not self.llama:
             return "normal", 0.02 / math.sqrt(2 * self.spec.layers)
         return "normal", 0.02
 
@@ -155,7 +254,9 @@ class GPTStage(nn.Module):
         with torch.no_grad():
             for name, p, tp_mod, attr in self.full_params():
                 kind, std = self.init_kind(name, attr)
-                full = full_init(seed, name, self.full_shape(name, p, tp_mod), kind, std)
+                # A tied head's copy starts as the embedding it is.
+                key = "embed.weight" if name == "head.weight" and self.spec.tie_embeddings else name
+                full = full_init(seed, key, self.full_shape(name, p, tp_mod), kind, std)
                 part = tp_mod.shard(full, attr) if tp_mod is not None else full
                 p.copy_(part.to(dtype=p.dtype, device=p.device))
 
@@ -166,14 +267,42 @@ class GPTStage(nn.Module):
                 part = tp_mod.shard(full, attr) if tp_mod is not None else full
                 p.copy_(part.to(dtype=p.dtype, device=p.device))
 
-    def gather_full(self, tp_group) -> Dict[str, torch.Tensor]:
-        """Full (unsharded) fp32 CPU tensors of this stage's parameters: TP shards are
-        all-gathered over `tp_group` (every TP rank of the stage must call this)."""
+    def load_hf(self, directory: str):
+        """This stage's parameters, at this TP rank, from a Hugging Face safetensors checkpoint
+        (`model.safetensors` or the index and its shards): each tensor is read through a lazy
+        slice, only this rank's rows or columns of it, so no process holds the whole model."""
+        from .hf import read_rank_tensors
+
+        params = {}
+        wanted = []
+        for name, p, tp_mod, attr in self.full_params():
+            full = self.full_shape(name, p, tp_mod)
+            if isinstance(tp_mod, ColumnParallelLinear):
+                n = tp_mod.out_features // self.tp_size
+                a, b = self.tp_rank * n, (self.tp_rank + 1) * n
+                cut = (lambda a, b: lambda sl: sl[a:b])(a, b)
+            elif isinstance(tp_mod, RowParallelLinear) and attr == "weight":
+                n = tp_mod.in_features // self.tp_size
+                a, b = self.tp_rank * n, (self.tp_rank + 1) * n
+                cut = (lambda a, b: lambda sl: sl[:, a:b])(a, b)
+            else:
+                cut = lambda sl: sl[:]  # noqa: E731
+            params[name] = p
+            wanted.append((name, full, cut))
+        with torch.no_grad():
+            for name, t in read_rank_tensors(directory, self.spec, wanted):
+                p = params[name]
+                p.copy_(t.to(dtype=p.dtype, device=p.device))
+                del t
+
+    def gather_full(self, tp_group, grads: bool = False) -> Dict[str, torch.Tensor]:
+        """Full (unsharded) fp32 CPU tensors of this stage's parameters (or their gradients):
+        TP shards are all-gathered over `tp_group` (every TP rank of the stage must call this)."""
         import torch.distributed as dist
 
         out = {}
         for name, p, tp_mod, attr in self.full_params():
-            t = p.detach()
+            t = p.detach() if not grads else (p.grad.detach() if p.grad is not None else torch.zeros_like(p))
             if tp_mod is not None and self.tp_size > 1 and not (isinstance(tp_mod, RowParallelLinear) and attr == "bias"):
                 parts = [torch.empty_like(t) for _ in range(self.tp_size)]
                 dist.all_gather(parts, t.contiguous(), group=tp_group)

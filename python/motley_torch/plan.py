@@ -38,8 +38,48 @@ def _int(doc: dict, key: str, where: str, minimum: int = 0) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+FAMILIES = ("gpt", "llama")
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+def _float(d: dict, key: str, where: str, default: float) -> float:
+    v = d.get(key, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise PlanError(f"{where}.{key}: expected a positive number, got {v!r}")
+    return float(v)
+
+
+def _rope_scaling(v, where: str) -> Optional[dict]:
+    """None, {type: linear, factor} or {type: llama3, factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings} (Llama 3.1)."""
+    if v is None:
+        return None
+    w = f"{where}.rope_scaling"
+    if not isinstance(v, dict):
+        raise PlanError(f"{w}: expected a mapping with a type ({', '.join(ROPE_SCALINGS)}), got {v!r}")
+    kind = v.get("type")
+    if kind not in ROPE_SCALINGS:
+        raise PlanError(f"{w}.type: {kind!r} is not supported; use one of {', '.join(ROPE_SCALINGS)}")
+    out = {"type": kind, "factor": _float(v, "factor", w, None)}
+    if kind == "llama3":
+        out["low_freq_factor"] = _float(v, "low_freq_factor", w, None)
+        out["high_freq_factor"] = _float(v, "high_freq_factor", w, None)
+        out["original_max_position_embeddings"] = _int(v, "original_max_position_embeddings", w, 1)
+        if out["low_freq_factor"] >= out["high_freq_factor"]:
+            raise PlanError(f"{w}.low_freq_factor: {out['low_freq_factor']} must be below high_freq_factor "
+                            f"{out['high_freq_factor']}")
+    return out
+
+
 @dataclass(frozen=True)
 class ModelSpec:
+    """The model spec (`motley model show -o json`). family `gpt`: learned positions, LayerNorm,
+    GELU (or SwiGLU when gated_mlp) with biases; family `llama`: RMSNorm (norm_eps), rotary
+    embeddings (rope_theta, rope_scaling), grouped-query attention, SwiGLU, no biases but
+    q/k/v's when qkv_bias (Qwen2). tie_embeddings: the head is the token embedding's matrix."""
+
     name: str
     layers: int
     hidden: int
@@ -49,6 +89,13 @@ class ModelSpec:
     ffn_hidden: int
     kv_heads: int
     gated_mlp: bool
+    family: str = "gpt"
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    sliding_window: Optional[int] = None
 
     @staticmethod
     def from_dict(d: dict, where: str = "model") -> "ModelSpec":
@@ -58,6 +105,10 @@ class ModelSpec:
         heads = _int(d, "heads", where, 1)
         ffn = d.get("ffn_hidden")
         kv = d.get("kv_heads")
+        family = d.get("family") or "gpt"
+        if family not in FAMILIES:
+            raise PlanError(f"{where}.family: {family!r} is not a model family; use one of {', '.join(FAMILIES)}")
+        sw = d.get("sliding_window")
         spec = ModelSpec(
             name=str(d.get("name", "model")),
             layers=_int(d, "layers", where, 1),
@@ -68,19 +119,50 @@ class ModelSpec:
             ffn_hidden=4 * hidden if ffn is None else _int(d, "ffn_hidden", where, 1),
             kv_heads=heads if kv is None else _int(d, "kv_heads", where, 1),
             gated_mlp=bool(d.get("gated_mlp", False)),
+            family=family,
+            norm_eps=_float(d, "norm_eps", where, 1e-5),
+            rope_theta=_float(d, "rope_theta", where, 10000.0),
+            rope_scaling=_rope_scaling(d.get("rope_scaling"), where),
+            qkv_bias=bool(d.get("qkv_bias", False)),
+            tie_embeddings=bool(d.get("tie_embeddings", False)),
+            sliding_window=None if sw is None else _int(d, "sliding_window", where, 1),
         )
         if spec.hidden % spec.heads:
             raise PlanError(f"{where}.heads: {spec.heads} does not divide hidden {spec.hidden}")
         if spec.heads % spec.kv_heads:
             raise PlanError(f"{where}.kv_heads: {spec.kv_heads} does not divide heads {spec.heads}")
+        if family == "llama":
+            if not spec.gated_mlp:
+                raise PlanError(f"{where}.gated_mlp: family llama has a SwiGLU MLP; set gated_mlp: true")
+            if (spec.hidden // spec.heads) % 2:
+                raise PlanError(f"{where}.heads: head size {spec.hidden // spec.heads} is odd; rotary embeddings "
+                                f"need an even head size")
+        else:
+            if spec.rope_scaling is not None:
+                raise PlanError(f"{where}.rope_scaling: only family llama has rotary embeddings; remove it")
+            if spec.qkv_bias:
+                raise PlanError(f"{where}.qkv_bias: family gpt has biases everywhere already; remove it")
         return spec
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
+    def check_seq_len(self, seq_len: int, where: str = "--seq-len"):
+        """Motley's attention is full causal attention: a sliding window under the sequence
+        length would compute another model."""
+        if self.sliding_window is not None and seq_len > self.sliding_window:
+            raise PlanError(f"model.sliding_window: {self.sliding_window} is under the sequence length {seq_len} "
+                            f"({where}); Motley has full attention only: train with a sequence length of at most "
+                            f"{self.sliding_window}")
+
 
 def load_model(ref: str, motley_bin: Optional[str] = None) -> ModelSpec:
-    """A model file (YAML or JSON) or a catalog name (resolved by `motley model show NAME -o json`)."""
+    """A model file (YAML or JSON), a Hugging Face model directory or its config.json, or a
+    catalog name (resolved by `motley model show NAME -o json`)."""
+    from .hf import is_hf_model, spec_from_hf
+
+    if is_hf_model(ref):
+        return spec_from_hf(ref)
     if os.path.exists(ref):
         with open(ref) as f:
             text = f.read()

@@ -88,8 +88,8 @@ def load_spec(ref: str):
     from .plan import PlanError, load_model
 
     looks_like_path = os.sep in ref or ref.endswith((".yaml", ".yml", ".json"))
-    if looks_like_path and not os.path.isfile(ref):
-        raise ProfileError(f"--model: no such model file: {ref}")
+    if looks_like_path and not os.path.isfile(ref) and not os.path.isdir(ref):
+        raise ProfileError(f"--model: no such model file or Hugging Face directory: {ref}")
     try:
         return load_model(ref)
     except PlanError as e:
@@ -100,10 +100,17 @@ def load_spec(ref: str):
 
 
 def canonical_spec(spec) -> dict:
-    """All nine fields, defaults filled in (ffn_hidden 4*hidden, kv_heads heads, gated_mlp false)."""
+    """What the hash covers: the nine shape fields, defaults filled in (ffn_hidden 4*hidden,
+    kv_heads heads, gated_mlp false), plus `family` and `qkv_bias` for family llama (so a gpt
+    model's hash is what it always was). No floats: Python and Rust print them differently, and
+    norm_eps or the rotary settings change no time or memory."""
     d = spec.to_dict()
-    return {k: d[k] for k in ("name", "layers", "hidden", "heads", "seq_len", "vocab", "ffn_hidden",
-                              "kv_heads", "gated_mlp")}
+    out = {k: d[k] for k in ("name", "layers", "hidden", "heads", "seq_len", "vocab", "ffn_hidden",
+                             "kv_heads", "gated_mlp")}
+    if d.get("family", "gpt") != "gpt":
+        out["family"] = d["family"]
+        out["qkv_bias"] = d["qkv_bias"]
+    return out
 
 
 def model_hash(spec) -> str:

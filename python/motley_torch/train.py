@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .data import global_batch_tokens, rank_micro_batches
+from .data import rank_micro_batches
 from .model import GPTStage
 from .checkpoint import CheckpointError
 from .plan import ModelSpec, PlanError, load_model
@@ -59,6 +59,26 @@ def parse_args(argv=None):
                    help="parameter and activation type; bf16/fp16 on CUDA only (fp16 without a loss scaler)")
     p.add_argument("--save-params", metavar="DIR",
                    help="write the final parameters, full (unsharded) tensors, to DIR/params.safetensors")
+    p.add_argument("--init-from-hf", metavar="DIR",
+                   help="start from a Hugging Face model directory's weights (each rank reads only its layers "
+                        "and TP slices); its config.json is the model when neither --model nor a plan says one")
+    p.add_argument("--save-hf", metavar="DIR",
+                   help="after the last step, write the model as a Hugging Face directory (config.json, "
+                        "safetensors shards of at most 5 GB, the index)")
+    p.add_argument("--data", metavar="PATH",
+                   help="train on a tokenized dataset: a Megatron PREFIX (.bin + .idx) or a flat FILE.bin; "
+                        "default: synthetic sequences")
+    p.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
+                   help="token type of a flat FILE.bin (default uint16; uint32 for vocabularies over 65,536)")
+    p.add_argument("--eval-data", metavar="PATH", help="evaluate on this dataset (same formats as --data)")
+    p.add_argument("--eval-samples", metavar="N", type=int, default=64,
+                   help="evaluate on the first N samples of --eval-data (default 64)")
+    p.add_argument("--eval-every", metavar="K", type=int, default=0,
+                   help="print the eval loss at step 0, every K steps and after the last (default 0: "
+                        "at the start and the end only)")
+    p.add_argument("--save-grads", metavar="DIR",
+                   help="write the first step's gradients (after their synchronisation), full tensors, to "
+                        "DIR/grads.safetensors: how the tests compare gradients with transformers'")
     p.add_argument("--single-process", action="store_true", help="train the whole model in this process")
     p.add_argument("--global-batch", type=int, help="--single-process: sequences per step")
     p.add_argument("--seq-len", type=int, help="--single-process: tokens per sequence (default: the model's)")
@@ -83,8 +103,35 @@ def make_optimizer(params, args):
     return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
 
 
-def emit(step: int, loss: float):
-    print(json.dumps({"step": step, "loss": loss}), flush=True)
+def emit(step: int, loss: float, tokens: int = 0, step_s: float = 0.0):
+    """One progress line: the global mean loss, tokens per second and the step's wall seconds."""
+    print(json.dumps({"step": step, "loss": loss, "tokens_per_s": round(tokens / step_s, 3) if step_s > 0 else 0.0,
+                      "step_s": round(step_s, 6)}), flush=True)
+
+
+def emit_eval(step: int, loss: float):
+    print(json.dumps({"step": step, "eval_loss": loss}), flush=True)
+
+
+def resolve_spec(args) -> ModelSpec:
+    """--model, else --init-from-hf's config.json."""
+    if args.model:
+        return load_model(args.model)
+    if args.init_from_hf:
+        return load_model(args.init_from_hf)
+    raise PlanError("--model: required with --single-process (or --init-from-hf DIR, whose config.json is the model)")
+
+
+def init_weights(model: GPTStage, args):
+    if args.init_from_hf:
+        from .hf import is_hf_model
+
+        if not is_hf_model(args.init_from_hf) or not os.path.isdir(args.init_from_hf):
+            raise PlanError(f"--init-from-hf: {args.init_from_hf} is not a Hugging Face model directory "
+                            f"(config.json and safetensors weights)")
+        model.load_hf(args.init_from_hf)
+    else:
+        model.init_from_seed(args.seed)
 
 
 def save_file(tensors, path: str):
@@ -96,34 +143,78 @@ def save_file(tensors, path: str):
 
 
 def run_single(args) -> int:
-    if not args.model:
-        raise PlanError("--model: required with --single-process")
+    import time
+
+    from .feed import StepSource, due_evals, eval_chunks, eval_set, split_inputs_targets
+
     if not args.global_batch or args.global_batch < 1:
         raise PlanError("--global-batch: required with --single-process (a positive integer)")
-    spec = load_model(args.model)
+    spec = resolve_spec(args)
     seq = args.seq_len or spec.seq_len
     dtype = DTYPES[args.dtype]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype != torch.float32 and device.type != "cuda":
         raise PlanError(f"--dtype: {args.dtype} needs CUDA; use fp32 on the CPU")
     model = GPTStage(spec, seq, (0, spec.layers))
-    model.init_from_seed(args.seed)
+    init_weights(model, args)
     model.to(device=device, dtype=dtype)
     opt = make_optimizer(model.parameters(), args)
-    for step in range(args.steps):
-        tokens = global_batch_tokens(args.seed, step, args.global_batch, seq, spec.vocab).to(device)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, spec.vocab), tokens[:, 1:].reshape(-1), reduction="sum")
-        loss = loss / (args.global_batch * seq)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        emit(step, float(loss.detach()))
+    source = StepSource(args, spec.vocab, seq, args.global_batch)
+    evals = eval_set(args, spec.vocab, seq)
+    due = set(due_evals(0, args.steps, args.eval_every)) if evals is not None else set()
+
+    def evaluate(step):
+        total = 0.0
+        with torch.no_grad():
+            for chunk in eval_chunks(evals, args.global_batch):
+                inputs, targets = split_inputs_targets(chunk)
+                logits = model(inputs.to(device))
+                total += float(F.cross_entropy(logits.float().reshape(-1, spec.vocab), targets.to(device).reshape(-1),
+                                               reduction="sum", ignore_index=-100))
+        emit_eval(step, total / (evals.shape[0] * seq))
+
+    if 0 in due:
+        evaluate(0)
+    try:
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            tokens = source.tokens(step).to(device)
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, spec.vocab), tokens[:, 1:].reshape(-1), reduction="sum")
+            loss = loss / (args.global_batch * seq)
+            loss.backward()
+            if args.save_grads and step == 0:
+                os.makedirs(args.save_grads, exist_ok=True)
+                save_file({n: p.grad.detach().float().cpu() for n, p in model.named_parameters()},
+                          os.path.join(args.save_grads, "grads.safetensors"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            value = float(loss.detach())
+            emit(step, value, args.global_batch * seq, time.perf_counter() - t0)
+            if step + 1 in due:
+                evaluate(step + 1)
+    finally:
+        source.close()
     if args.save_params:
         os.makedirs(args.save_params, exist_ok=True)
         save_file({k: v.detach().float().cpu() for k, v in model.state_dict().items()},
                   os.path.join(args.save_params, "params.safetensors"))
+    if args.save_hf:
+        from .hf import write_hf
+
+        state = model.state_dict()
+        write_hf(args.save_hf, spec, ((n, state[n].detach().float().cpu()) for n in _hf_names(spec, state)))
     return 0
+
+
+def _hf_names(spec: ModelSpec, state) -> list:
+    from .hf import motley_order
+
+    names = motley_order(spec)
+    missing = [n for n in names if n not in state]
+    if missing:
+        raise PlanError(f"--save-hf: the model has no {missing[0]}")
+    return names
 
 
 def _check_model(plan_model: ModelSpec, given: Optional[ModelSpec], ref: str):
@@ -144,29 +235,55 @@ def run_rank(args) -> int:
     from .dist import init
     from .schedule import Pipeline, StepTimings, allreduce_gradients, clock
 
+    import time
+
+    from .feed import StepSource, due_evals, eval_chunks, eval_set, split_inputs_targets
+
     given = load_model(args.model) if args.model else None
-    view = init(args.plan, model=given, timeout_s=args.timeout)
+    hf_spec = load_model(args.init_from_hf) if args.init_from_hf else None
+    view = init(args.plan, model=given or hf_spec, timeout_s=args.timeout)
     plan = view.plan
     print("motley-view " + json.dumps(view.summary(), sort_keys=True), file=sys.stderr, flush=True)
     _check_model(plan.model, given, args.model)
+    _check_model(plan.model, hf_spec, f"--init-from-hf {args.init_from_hf}")
     spec, seq = plan.model, plan.seq_len
     dtype = DTYPES[args.dtype]
     if dtype != torch.float32 and view.device.type != "cuda":
         raise PlanError(f"--dtype: {args.dtype} needs CUDA; use fp32 on the CPU")
     tp_pg = view.tp_group.pg if view.tp_group is not None else None
     model = GPTStage(spec, seq, view.layers, group=tp_pg, tp_rank=view.tp_rank, tp_size=view.tp_size)
-    model.init_from_seed(args.seed)
+    init_weights(model, args)
     model.to(device=view.device, dtype=dtype)
+    tied = tied_group(view, model)
     opt = make_optimizer(model.parameters(), args)
     pipe = Pipeline(view, model, spec.hidden, seq, dtype=dtype)
     scale = 1.0 / (plan.global_batch * seq)
     reports_loss = view.is_last_stage and view.tp_rank == 0
     start = 0
+    position = {"samples": 0}
     if args.ckpt_restore:
         from . import checkpoint
 
-        start = checkpoint.restore(view, model, opt, checkpoint.restore_list(args.ckpt_restore))
-        print(f"motley-restore step {start}", file=sys.stderr, flush=True)
+        start = checkpoint.restore(view, model, opt, checkpoint.restore_list(args.ckpt_restore), position=position)
+        print(f"motley-restore step {start} samples {position['samples']}", file=sys.stderr, flush=True)
+    source = StepSource(args, spec.vocab, seq, plan.global_batch, samples_consumed=position["samples"])
+    evals = eval_set(args, spec.vocab, seq)
+    due = set(due_evals(start, args.steps, args.eval_every)) if evals is not None else set()
+
+    def evaluate(at: int):
+        total = 0.0
+        for chunk in eval_chunks(evals, plan.global_batch):
+            micro = rank_micro_batches(plan, view.rank, chunk)
+            micro = [(x.clamp(min=0), y) for x, y in micro]
+            total += pipe.evaluate(micro)
+        t = torch.tensor([total if reports_loss else 0.0],
+                         dtype=torch.float64 if view.backend == "gloo" else torch.float32, device=view.device)
+        dist.all_reduce(t)
+        if view.rank == 0:
+            emit_eval(at, float(t.item()) / (evals.shape[0] * seq))
+
+    if start in due:
+        evaluate(start)
     # A preemption notice (the agent's MOTLEY_CKPT_NOTICE) makes every rank save at the end of
     # the step at which any of them saw it (one integer all-reduced per step).
     notice = None
@@ -181,17 +298,23 @@ def run_rank(args) -> int:
             os.makedirs(os.path.dirname(path), exist_ok=True)
         tfile = open(path, "a")
     for step in range(start, args.steps):
+        t_step = time.perf_counter()
         if tfile is not None:
             pipe.timings = StepTimings()
             c0 = clock()
-        tokens = global_batch_tokens(args.seed, step, plan.global_batch, seq, spec.vocab)
+        tokens = source.tokens(step)
         local = pipe.step(rank_micro_batches(plan, view.rank, tokens), scale)
         if tfile is not None:
             c1 = clock()
         pipe.finish()
         if tfile is not None:
             c2 = clock()
-        allreduce_gradients(view, model.named_parameters(), model.segment_of)
+        if tied is not None:
+            tied.sync()
+        allreduce_gradients(view, [(n, p) for n, p in model.named_parameters() if tied is None or n not in tied.names],
+                            model.segment_of)
+        if args.save_grads and step == start:
+            save_params_distributed(view, model, args.save_grads, grads=True)
         if tfile is not None:
             c3 = clock()
         opt.step()
@@ -204,7 +327,7 @@ def run_rank(args) -> int:
                          device=view.device)
         dist.all_reduce(t)
         if view.rank == 0:
-            emit(step, float(t.item()))
+            emit(step, float(t.item()), plan.global_batch * seq, time.perf_counter() - t_step)
         if tfile is not None:
             c5 = clock()
             rec = {"step": step, "rank": view.rank, "replica": view.replica, "stage": view.stage,
@@ -216,17 +339,21 @@ def run_rank(args) -> int:
                 rec[f"{name}_ms"] = (b[0] - a[0]) * 1e3
                 rec[f"{name}_cpu_ms"] = (b[1] - a[1]) * 1e3
             rec["ops"] = pipe.timings.ops
+            rec["data_wait_ms"] = source.wait_s * 1e3
             tfile.write(json.dumps(rec) + "\n")
             tfile.flush()
             pipe.timings = None
         noticed = notice is not None and notice.due(view)
         if noticed:
             print(f"motley-notice {notice.handled}: saving step {step + 1}", file=sys.stderr, flush=True)
+        if step + 1 in due:
+            evaluate(step + 1)
         if noticed or (args.ckpt_dir and args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0):
             from . import checkpoint
 
             checkpoint.save(view, model, opt, step + 1, args.ckpt_dir, seed=args.seed,
                             global_batch=plan.global_batch, lr=args.lr, asynchronous=args.ckpt_async)
+    source.close()
     if args.ckpt_dir:
         from . import checkpoint
 
@@ -237,33 +364,113 @@ def run_rank(args) -> int:
         tfile.close()
     if args.save_params:
         save_params_distributed(view, model, args.save_params)
+    if args.save_hf:
+        save_hf_distributed(view, model, args.save_hf)
     dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
-def save_params_distributed(view, model: GPTStage, out_dir: str):
+class TiedSync:
+    """Sums the gradient of a tied embedding/head matrix over every rank that holds a copy (the
+    first and last stages of every replica), with each TP group counted once (its TP ranks hold
+    identical, replicated gradients), replacing the per-layer rings for those tensors. Used
+    when a replica has more than one stage; with one stage the head is the embedding."""
+
+    def __init__(self, group, params, names, contributes: bool):
+        self.group, self.params, self.names, self.contributes = group, params, set(names), contributes
+
+    def sync(self):
+        import torch.distributed as dist
+
+        for p in self.params:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            flat = g.clone() if self.contributes else torch.zeros_like(g)
+            dist.all_reduce(flat, group=self.group)
+            p.grad = flat
+
+
+def tied_group(view, model: GPTStage) -> Optional[TiedSync]:
+    """The tied-matrix group (every rank creates it, in the same order), or None."""
+    import torch.distributed as dist
+
+    plan = view.plan
+    if not plan.model.tie_embeddings or all(len(r.stages) == 1 for r in plan.replicas):
+        return None
+    holders = sorted({rk for r in plan.replicas for st in (r.stages[0], r.stages[-1]) for rk in st.ranks})
+    group = dist.new_group(holders)
+    if view.rank not in holders:
+        return None
+    params = model.tied_weights()
+    names = [n for n, p in model.named_parameters() if any(p is q for q in params)]
+    return TiedSync(group, params, names, contributes=view.tp_rank == 0)
+
+
+def save_hf_distributed(view, model: GPTStage, out_dir: str):
+    """Replica 0's first TP group of every stage gathers its stage's full tensors into a staging
+    file in DIR; rank 0 then streams them into the Hugging Face directory (shards of at most
+    5 GB) and removes the staging files. DIR must be one directory for all stages (one host or a
+    shared file system); otherwise this fails naming the missing stage file."""
+    import torch.distributed as dist
+
+    os.makedirs(out_dir, exist_ok=True)
+    staging = [os.path.join(out_dir, f".motley-stage{s}.safetensors") for s in range(view.pp_size)]
+    if view.replica == 0 and view.stage_dp_rank == 0:
+        tp_pg = view.tp_group.pg if view.tp_group is not None else None
+        full = model.gather_full(tp_pg)
+        if view.tp_rank == 0:
+            save_file(full, staging[view.stage])
+        del full
+    dist.barrier()
+    if view.rank == 0:
+        from safetensors import safe_open
+
+        from .hf import motley_order, write_hf
+
+        missing = [p for p in staging if not os.path.exists(p)]
+        if missing:
+            raise PlanError(f"--save-hf: {missing[0]} was written on another node; give a directory all nodes share")
+        where = {}
+        for p in staging:
+            with safe_open(p, framework="pt") as f:
+                for k in f.keys():
+                    where[k] = p
+
+        def tensors():
+            for name in motley_order(view.plan.model):
+                if name not in where:
+                    raise PlanError(f"--save-hf: no stage holds {name}")
+                with safe_open(where[name], framework="pt") as f:
+                    yield name, f.get_tensor(name)
+
+        write_hf(out_dir, view.plan.model, tensors())
+        for p in staging:
+            os.remove(p)
+
+
+def save_params_distributed(view, model: GPTStage, out_dir: str, grads: bool = False):
     """Replica 0's first TP group of every stage gathers its stage's full tensors; TP rank 0
     writes DIR/params-stage{s}.safetensors; rank 0 then merges them into DIR/params.safetensors
     (when DIR is shared, as on one host; otherwise the stage files stay where they were written)."""
     import torch.distributed as dist
 
+    stem = "grads" if grads else "params"
     os.makedirs(out_dir, exist_ok=True)
     if view.replica == 0 and view.stage_dp_rank == 0:
         tp_pg = view.tp_group.pg if view.tp_group is not None else None
-        full = model.gather_full(tp_pg)
+        full = model.gather_full(tp_pg, grads=grads)
         if view.tp_rank == 0:
-            save_file(full, os.path.join(out_dir, f"params-stage{view.stage}.safetensors"))
+            save_file(full, os.path.join(out_dir, f"{stem}-stage{view.stage}.safetensors"))
     dist.barrier()
     if view.rank == 0:
         from safetensors.torch import load_file
 
-        parts = [os.path.join(out_dir, f"params-stage{s}.safetensors") for s in range(view.pp_size)]
+        parts = [os.path.join(out_dir, f"{stem}-stage{s}.safetensors") for s in range(view.pp_size)]
         if all(os.path.exists(p) for p in parts):
             merged = {}
             for p in parts:
                 merged.update(load_file(p))
-            save_file(merged, os.path.join(out_dir, "params.safetensors"))
+            save_file(merged, os.path.join(out_dir, f"{stem}.safetensors"))
             for p in parts:
                 os.remove(p)
         else:

@@ -1,0 +1,120 @@
+"""`python -m motley_torch.export --ckpt DIR --step S --out DIR`: a Hugging Face directory
+(config.json, safetensors shards of at most 5 GB, the index) from any checkpoint step, whatever
+TP/PP layout wrote it.
+
+The step's manifest.json (docs/checkpoint.md) lists every unit with its TP rank and size and
+every tensor's global shape and layout; each full tensor is put back together from its TP
+shards along that layout (sub-blocks and granules respected), one tensor at a time, and
+streamed into the shards. The model is the one the rank files recorded (`--model` overrides,
+for steps written before they did). Every file's crc32c is checked first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Dict, List, Optional, Tuple
+
+from .checkpoint import CheckpointError, block_label, block_of, read_header, step_dir_name, verify_step
+from .plan import ModelSpec, PlanError, load_model
+
+
+def _units_by_block(manifest: dict, sdir: str) -> Dict[str, Tuple[int, List[str]]]:
+    """block label -> (tp size, [file of TP rank 0, 1, ...]) of its `model` part; the lowest TP
+    size with every rank present."""
+    by: Dict[str, Dict[int, Dict[int, str]]] = {}
+    for u in manifest["units"]:
+        if u["part"] == "model":
+            by.setdefault(u["block"], {}).setdefault(u["tp_size"], {})[u["tp_rank"]] = os.path.join(sdir, u["file"])
+    out = {}
+    for block, sizes in by.items():
+        whole = [t for t, ranks in sorted(sizes.items()) if sorted(ranks) == list(range(t))]
+        if not whole:
+            raise CheckpointError(f"{sdir}: block {block}: no TP size with all its shards; "
+                                  f"`motley-ckpt verify {sdir}` names what is missing")
+        t = whole[0]
+        out[block] = (t, [sizes[t][r] for r in range(t)])
+    return out
+
+
+def join_shards(shards: list, layout: dict):
+    """The full tensor from its TP shards (docs/checkpoint.md, layouts)."""
+    import torch
+
+    if layout["kind"] == "replicated" or len(shards) == 1:
+        return shards[0]
+    if layout["kind"] != "split":
+        raise CheckpointError(f"layout {layout['kind']!r}: this exporter joins split and replicated tensors only")
+    axis, t = layout["axis"], len(shards)
+    blocks = layout.get("blocks")
+    if not blocks:
+        return torch.cat(shards, dim=axis)
+    parts = [torch.split(s, [b // t for b in blocks], dim=axis) for s in shards]
+    return torch.cat([torch.cat([p[i] for p in parts], dim=axis) for i in range(len(blocks))], dim=axis)
+
+
+def step_spec(manifest: dict, sdir: str, model: Optional[str]) -> ModelSpec:
+    if model:
+        return load_model(model)
+    for r in manifest["ranks"]:
+        h = read_header(os.path.join(sdir, r["file"]))
+        if "model" in h:
+            return ModelSpec.from_dict(h["model"], where=f"{r['file']}: model")
+    raise PlanError(f"{sdir}: the rank files do not record the model (written before they did); pass --model")
+
+
+def export(ckpt: str, step: int, out: str, model: Optional[str] = None, max_shard_bytes: Optional[int] = None):
+    from safetensors import safe_open
+
+    from .hf import MAX_SHARD_BYTES, motley_order, write_hf
+
+    sdir = os.path.join(ckpt, step_dir_name(step))
+    if not os.path.isdir(sdir):
+        raise PlanError(f"--step: {sdir} does not exist; `ls {ckpt}` shows the steps written")
+    manifest = verify_step(sdir)
+    spec = step_spec(manifest, sdir, model)
+    units = _units_by_block(manifest, sdir)
+
+    def tensors():
+        for name in motley_order(spec):
+            label = block_label(block_of(name))
+            if label not in units:
+                raise CheckpointError(f"{sdir}: no unit of block {label} (for {name})")
+            _, files = units[label]
+            shards, layout = [], None
+            for f in files:
+                with safe_open(f, framework="pt") as h:
+                    if name not in h.keys():
+                        raise CheckpointError(f"{f}: no tensor {name}")
+                    shards.append(h.get_tensor(name))
+                layout = read_header(f)["tensors"][name]["layout"]
+            full = join_shards(shards, layout)
+            del shards
+            yield name, full.float()
+
+    return write_hf(out, spec, tensors(), max_shard_bytes or MAX_SHARD_BYTES)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m motley_torch.export",
+                                description="Write a checkpoint step as a Hugging Face model directory.")
+    p.add_argument("--ckpt", required=True, help="the checkpoint directory (holding step-SSSSSSSS/)")
+    p.add_argument("--step", required=True, type=int, help="the step to export")
+    p.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    p.add_argument("--model", help="the model (file, catalog name or HF directory) when the rank files lack it")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard, GB (default 5)")
+    a = p.parse_args(argv)
+    try:
+        if a.max_shard_gb <= 0:
+            raise PlanError("--max-shard-gb: must be positive")
+        names = export(a.ckpt, a.step, a.out, a.model, int(a.max_shard_gb * 1e9))
+    except (PlanError, CheckpointError, OSError) as e:
+        print(f"motley_torch.export: {e}", file=sys.stderr)
+        return 2
+    print(f"motley_torch.export: wrote {a.out} ({len(names)} shard{'s' if len(names) != 1 else ''})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The llama family equals transformers (fp32, 1e-5): logits, loss and gradients, for Llama
+(rope_theta and llama3 / linear scaling, GQA, tied and untied heads), Qwen2 (q/k/v biases) and
+Mistral; Hugging Face configs in both spellings; weights in (lazy per-rank slices, sharded
+indexes) and out (--save-hf, loaded back by transformers); bad input named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from hf_models import load_hf, make_hf  # noqa: E402
+from launcher import PYTHON, python_env  # noqa: E402
+
+from motley_torch.hf import HFError, spec_from_config, write_hf  # noqa: E402
+from motley_torch.model import GPTStage  # noqa: E402
+from motley_torch.plan import ModelSpec, PlanError, load_model  # noqa: E402
+
+TOL = 1e-5
+SEQ = 24
+
+VARIANTS = {
+    "llama-gqa": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3-scaling": ("llama", {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}}),
+    "linear-scaling": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "qwen2-bias": ("qwen2", {}),
+    "mistral": ("mistral", {"sliding_window": None}),
+}
+
+
+def compare(hf_dir, spec=None, tp_parts=1):
+    """Max |logits| difference, loss difference and max gradient difference (by HF name)."""
+    from motley_torch.hf import hf_name
+
+    ref = load_hf(hf_dir)
+    spec = spec or load_model(str(hf_dir))
+    ours = GPTStage(spec, SEQ, (0, spec.layers))
+    ours.load_hf(str(hf_dir))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, spec.vocab, (3, SEQ + 1), generator=g)
+    a = ref(x[:, :-1]).logits
+    b = ours(x[:, :-1])
+    la = F.cross_entropy(a.reshape(-1, spec.vocab), x[:, 1:].reshape(-1))
+    lb = F.cross_entropy(b.reshape(-1, spec.vocab), x[:, 1:].reshape(-1))
+    la.backward()
+    lb.backward()
+    theirs = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in ours.named_parameters():
+        worst = max(worst, (p.grad - theirs[hf_name(name, spec)].grad).abs().max().item())
+    return (a - b).abs().max().item(), abs(la.item() - lb.item()), worst, a.abs().max().item()
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_loss_and_gradients_equal_transformers(tmp_path, variant):
+    kind, over = VARIANTS[variant]
+    d = make_hf(tmp_path / variant, kind, **over)
+    dl, dloss, dg, scale = compare(d)
+    assert scale > 1.0, "the logits are not trivially small"
+    assert dl <= TOL and dloss <= TOL and dg <= TOL, (variant, dl, dloss, dg)
+
+
+def test_a_wrong_rotary_setting_is_caught(tmp_path):
+    """The comparison can fail: the same weights under another rope_theta differ clearly."""
+    d = make_hf(tmp_path / "m", "llama")
+    spec = load_model(str(d))
+    other = ModelSpec.from_dict(dict(spec.to_dict(), rope_theta=500.0))
+    dl, _, _, _ = compare(d, other)
+    assert dl > 1e-2
+
+
+def test_tp_slices_read_per_rank_equal_the_full_tensors(tmp_path):
+    """Each TP rank reads only its rows (column-split) or columns (row-split) of a sharded
+    checkpoint (index + 3 shard files); concatenated they are the full tensors."""
+    d = make_hf(tmp_path / "m", "qwen2", max_shard_size="40KB")
+    assert (d / "model.safetensors.index.json").exists()
+    spec = load_model(str(d))
+    full = GPTStage(spec, SEQ, (0, spec.layers))
+    full.load_hf(str(d))
+    want = dict(full.named_parameters())
+    for tp in (2, 4):
+        parts = []
+        for r in range(tp):
+            m = GPTStage(spec, SEQ, (1, 3), tp_rank=r, tp_size=tp)
+            m.load_hf(str(d))
+            parts.append(dict(m.named_parameters()))
+        for name in parts[0]:
+            if ".attn.o." in name or ".mlp.down." in name:
+                got = torch.cat([p[name] for p in parts], dim=1)
+            elif ".attn." in name or ".mlp." in name:
+                got = torch.cat([p[name] for p in parts], dim=0)
+            else:
+                got = parts[0][name]
+            assert torch.equal(got, want[name]), (tp, name)
+
+
+def base_config(**over):
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 8,
+           "num_key_value_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 96,
+           "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu"}
+    cfg.update(over)
+    return cfg
+
+
+def test_both_config_spellings_give_one_spec():
+    old = spec_from_config(base_config(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0}), "m", "c")
+    new = spec_from_config(base_config(rope_theta=None, rope_parameters={
+        "rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}), "m", "c")
+    assert old == new
+    assert old.rope_theta == 5e5 and old.rope_scaling == {"type": "linear", "factor": 2.0}
+    assert old.family == "llama" and old.gated_mlp and old.kv_heads == 4 and old.norm_eps == 1e-6
+    q = spec_from_config(base_config(architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
+                                     sliding_window=16), "q", "c")
+    assert q.qkv_bias and q.sliding_window is None
+
+
+@pytest.mark.parametrize("over,needle", [
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures: ['GPT2LMHeadModel'] is not supported; Motley trains "
+                                             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
+    ({"architectures": None}, "architectures: None is not supported"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"head_dim": 16}, "head_dim"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type: 'yarn' is not supported"),
+    ({"num_key_value_heads": 3}, "kv_heads: 3 does not divide heads 8"),
+])
+def test_unsupported_configs_are_named(over, needle):
+    with pytest.raises(PlanError) as e:
+        spec_from_config(base_config(**over), "m", "/x/config.json")
+    assert needle in str(e.value) and str(e.value).startswith("/x/config.json"), str(e.value)
+
+
+def test_a_sliding_window_under_the_sequence_length_is_refused():
+    spec = spec_from_config(base_config(architectures=["MistralForCausalLM"], sliding_window=32), "m", "c")
+    assert spec.seq_len == 32, "the default sequence length fits the window"
+    GPTStage(spec, 32, (0, 1))
+    with pytest.raises(PlanError, match="model.sliding_window: 32 is under the sequence length 64"):
+        GPTStage(spec, 64, (0, 1))
+
+
+def test_a_tp_degree_that_does_not_divide_kv_heads_is_refused():
+    spec = spec_from_config(base_config(num_key_value_heads=2), "m", "c")
+    with pytest.raises(ValueError, match="model.kv_heads: 2 is not divisible by the plan's tp 4"):
+        GPTStage(spec, 8, (0, 1), tp_rank=0, tp_size=4)
+
+
+def test_weights_missing_or_misshapen_are_named(tmp_path):
+    d = make_hf(tmp_path / "m", "llama", max_shard_size="40KB")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    (d / shard).unlink()
+    spec = load_model(str(d))
+    with pytest.raises(HFError, match=f"shard {shard} is missing"):
+        GPTStage(spec, 8, (0, spec.layers)).load_hf(str(d))
+    wrong = ModelSpec.from_dict(dict(spec.to_dict(), vocab=100))
+    e = make_hf(tmp_path / "n", "llama")
+    with pytest.raises(HFError, match=r"model.embed_tokens.weight has shape \[96, 64\], the model spec needs \[100, 64\]"):
+        GPTStage(wrong, 8, (0, 1)).load_hf(str(e))
+
+
+def test_trainer_init_from_hf_then_save_hf_loads_in_transformers(tmp_path):
+    """--init-from-hf starts from the weights (step 0's loss is transformers' on that batch),
+    --save-hf writes what transformers loads, with the trained model's logits."""
+    from motley_torch.data import global_batch_tokens
+
+    d = make_hf(tmp_path / "m", "llama", tie_word_embeddings=True)
+    out = tmp_path / "out"
+    cmd = [PYTHON, "-m", "motley_torch.train", "--single-process", "--init-from-hf", str(d), "--global-batch", "4",
+           "--seq-len", "16", "--steps", "3", "--seed", "5", "--save-hf", str(out), "--save-params", str(tmp_path / "p")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=python_env(OMP_NUM_THREADS="1"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2]
+    assert all(x["tokens_per_s"] > 0 and x["step_s"] > 0 for x in lines)
+    ref = load_hf(d)
+    tokens = global_batch_tokens(5, 0, 4, 16, 96)
+    want = F.cross_entropy(ref(tokens[:, :-1]).logits.reshape(-1, 96), tokens[:, 1:].reshape(-1)).item()
+    assert abs(lines[0]["loss"] - want) <= TOL
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True and cfg["architectures"] == ["LlamaForCausalLM"]
+    trained = load_hf(out)
+    from safetensors.torch import load_file
+
+    ours = GPTStage(load_model(str(d)), 16, (0, 4))
+    ours.load_full_state(load_file(str(tmp_path / "p" / "params.safetensors")))
+    assert (trained(tokens[:, :-1]).logits - ours(tokens[:, :-1])).abs().max().item() <= TOL
+    assert (trained(tokens[:, :-1]).logits - ref(tokens[:, :-1]).logits).abs().max().item() > 1e-3, "it trained"
+
+
+def test_write_hf_cuts_shards_and_writes_the_index(tmp_path):
+    d = make_hf(tmp_path / "m", "qwen2")
+    spec = load_model(str(d))
+    m = GPTStage(spec, 8, (0, spec.layers))
+    m.load_hf(str(d))
+    state = m.state_dict()
+    from motley_torch.hf import motley_order
+
+    names = write_hf(str(tmp_path / "o"), spec, ((n, state[n]) for n in motley_order(spec)), max_shard_bytes=60_000)
+    assert len(names) > 2 and names[0] == f"model-00001-of-{len(names):05d}.safetensors"
+    index = json.loads((tmp_path / "o" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(names)
+    for n in names:
+        assert (tmp_path / "o" / n).stat().st_size <= 60_000 + 10_000
+    back = load_hf(tmp_path / "o")
+    x = torch.randint(0, 96, (2, 8))
+    assert (back(x).logits - load_hf(d)(x).logits).abs().max().item() <= TOL
+
+
+def test_the_trainer_refuses_bad_hf_input_with_exit_2(tmp_path):
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    cmd = [PYTHON, "-m", "motley_torch.train", "--single-process", "--init-from-hf", str(d), "--global-batch", "2",
+           "--steps", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=python_env(), timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith(f"motley_torch.train: {d}/config.json: architectures"), r.stderr
