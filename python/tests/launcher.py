@@ -180,7 +180,13 @@ def check_ok(results: List[RankResult]):
 
 
 def losses(stdout: str) -> List[float]:
-    return [json.loads(line)["loss"] for line in stdout.splitlines() if line.startswith("{")]
+    docs = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return [d["loss"] for d in docs if "loss" in d]
+
+
+def eval_losses(stdout: str) -> List[tuple]:
+    docs = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return [(d["step"], d["eval_loss"]) for d in docs if "eval_loss" in d]
 
 
 def single_process(model: str, global_batch: int, seq_len: int, steps: int, seed: int, save: Optional[Path] = None,

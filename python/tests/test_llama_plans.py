@@ -1,0 +1,161 @@
+"""Llama-family models started from Hugging Face weights under Motley plans (CPU ranks, gloo):
+pipeline stages, TP 1, 2 and 4, replicas of different depths and batch shares, dp changing
+across a hop, tied heads across stages. On every plan the first step's loss and every
+gradient (after their synchronisation) equal transformers' on the same global batch (fp32,
+1e-5), and the next step's loss equals the single process's."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from hf_models import load_hf, make_hf  # noqa: E402
+from launcher import PYTHON, check_ok, hand_plan, launch, losses, python_env  # noqa: E402
+
+from motley_torch.data import global_batch_tokens  # noqa: E402
+from motley_torch.hf import hf_name  # noqa: E402
+from motley_torch.plan import load_model  # noqa: E402
+
+SEED, SEQ, TOL, STEPS = 11, 16, 1e-5, 2
+MODELS = {
+    "llama-gqa": ("llama", {}),
+    "qwen2-bias": ("qwen2", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3-tied": ("llama", {"tie_word_embeddings": True, "rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8}}),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def hf_dir(base: str, name: str) -> Path:
+    kind, over = MODELS[name]
+    return make_hf(Path(base) / name, kind, **over)
+
+
+def reference(d: Path, global_batch: int):
+    """transformers' mean token loss and gradients on step 0's global batch."""
+    model = load_hf(d)
+    spec = load_model(str(d))
+    tokens = global_batch_tokens(SEED, 0, global_batch, SEQ, spec.vocab)
+    logits = model(tokens[:, :-1]).logits
+    loss = F.cross_entropy(logits.reshape(-1, spec.vocab), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def single(d: Path, global_batch: int, out: Path):
+    cmd = [PYTHON, "-m", "motley_torch.train", "--single-process", "--init-from-hf", str(d), "--global-batch",
+           str(global_batch), "--seq-len", str(SEQ), "--steps", str(STEPS), "--seed", str(SEED),
+           "--save-grads", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=python_env(OMP_NUM_THREADS="1"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    return losses(r.stdout)
+
+
+def plan_for(spec: dict, global_batch: int, micro_batch: int, replicas):
+    plan = hand_plan(spec, global_batch, micro_batch, replicas, node_kind={n: "ib" for n in "abcdef"})
+    plan["seq_len"] = SEQ
+    return plan
+
+
+def run_plan(name: str, replicas, global_batch: int, micro_batch: int, tmp_path: Path, base: Path, extra=()):
+    from safetensors.torch import load_file
+
+    d = hf_dir(str(base), name)
+    spec = load_model(str(d))
+    plan = plan_for(spec.to_dict(), global_batch, micro_batch, replicas)
+    args = ["--steps", str(STEPS), "--seed", str(SEED), "--init-from-hf", str(d), "--save-grads", str(tmp_path / "g"),
+            "--save-params", str(tmp_path / "p"), *extra]
+    results = launch(plan, args, tmp_path / "run")
+    check_ok(results)
+    got = losses(results[0].stdout)
+    want_loss, want_grads = reference(d, global_batch)
+    assert len(got) == STEPS
+    assert abs(got[0] - want_loss) <= TOL, (got[0], want_loss)
+    grads = load_file(str(tmp_path / "g" / "grads.safetensors"))
+    expected = {n for n in want_grads}
+    seen = set()
+    for n, g in grads.items():
+        h = hf_name(n, spec)
+        seen.add(h)
+        diff = (g - want_grads[h]).abs().max().item()
+        assert diff <= TOL, f"{n}: gradient differs from transformers' by {diff}"
+    assert seen == expected, expected ^ seen
+    one = single(d, global_batch, tmp_path / "single")
+    assert all(abs(a - b) <= TOL for a, b in zip(got, one)), (got, one)
+    return d, spec
+
+
+def trained_logits(spec, params: Path, tokens):
+    from safetensors.torch import load_file
+
+    from motley_torch.model import GPTStage
+
+    m = GPTStage(spec, SEQ, (0, spec.layers))
+    m.load_full_state(load_file(str(params)))
+    with torch.no_grad():
+        return m(tokens)
+
+
+def check_hf_dir(out: Path, spec, params: Path):
+    """transformers loads `out` and computes the trained Motley model's logits."""
+    tokens = global_batch_tokens(SEED, 9, 2, SEQ, spec.vocab)[:, :-1]
+    with torch.no_grad():
+        theirs = load_hf(out)(tokens).logits
+    assert (theirs - trained_logits(spec, params, tokens)).abs().max().item() <= TOL
+
+
+def test_two_stages_tp2_checkpoint_exported_to_hf(tmp_path, tmp_path_factory):
+    """... and the step the plan checkpointed (2 stages x TP 2 units) exports to a Hugging Face
+    directory (shards of at most 60 kB, the index) that transformers loads."""
+    ckpt = tmp_path / "ckpt"
+    d, spec = run_plan("llama-gqa", [dict(micro_batches=2, stages=[
+        dict(layers=[0, 2], tp=2, dp=1, gpus=[("a", 0), ("a", 1)]),
+        dict(layers=[2, 4], tp=2, dp=1, gpus=[("b", 0), ("b", 1)])])], 4, 2, tmp_path, tmp_path_factory.getbasetemp(),
+        extra=["--ckpt-dir", str(ckpt), "--ckpt-every", str(STEPS)])
+    out = tmp_path / "hf"
+    r = subprocess.run([PYTHON, "-m", "motley_torch.export", "--ckpt", str(ckpt), "--step", str(STEPS), "--out",
+                        str(out), "--max-shard-gb", "0.00006"], capture_output=True, text=True, env=python_env(),
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("model-*.safetensors"))) > 2
+    check_hf_dir(out, spec, tmp_path / "p" / "params.safetensors")
+    bad = subprocess.run([PYTHON, "-m", "motley_torch.export", "--ckpt", str(ckpt), "--step", "7", "--out",
+                          str(tmp_path / "x")], capture_output=True, text=True, env=python_env(), timeout=120)
+    assert bad.returncode == 2 and "--step: " in bad.stderr and "step-00000007 does not exist" in bad.stderr
+
+
+def test_one_stage_tp4_with_qkv_biases(tmp_path, tmp_path_factory):
+    run_plan("qwen2-bias", [dict(micro_batches=2, stages=[
+        dict(layers=[0, 4], tp=4, dp=1, gpus=[("a", i) for i in range(4)])])], 4, 2, tmp_path,
+        tmp_path_factory.getbasetemp())
+
+
+def test_asymmetric_replicas_dp_changing_across_a_hop_tied_head(tmp_path, tmp_path_factory):
+    """A one-stage replica with 2 of 8 samples beside a two-stage one with 6, whose first stage
+    has dp 2 feeding dp 1; TP 2; the tied head lives on one stage in one replica and on two in
+    the other. --save-hf writes what transformers loads."""
+    _, spec = run_plan("llama-tied", [
+        dict(micro_batches=1, stages=[dict(layers=[0, 4], tp=2, dp=1, gpus=[("a", 0), ("a", 1)])]),
+        dict(micro_batches=3, stages=[
+            dict(layers=[0, 1], tp=2, dp=2, gpus=[("b", 0), ("b", 1), ("b", 2), ("b", 3)]),
+            dict(layers=[1, 4], tp=2, dp=1, gpus=[("c", 0), ("c", 1)])])], 8, 2, tmp_path,
+        tmp_path_factory.getbasetemp(), extra=["--save-hf", str(tmp_path / "hf")])
+    check_hf_dir(tmp_path / "hf", spec, tmp_path / "p" / "params.safetensors")
+
+
+def test_tp1_replicas_of_one_and_three_stages_llama3_scaling(tmp_path, tmp_path_factory):
+    run_plan("llama3-tied", [
+        dict(micro_batches=1, stages=[dict(layers=[0, 4], tp=1, dp=1, gpus=[("a", 0)])]),
+        dict(micro_batches=3, stages=[dict(layers=[0, 1], tp=1, dp=1, gpus=[("b", 0)]),
+                                      dict(layers=[1, 3], tp=1, dp=1, gpus=[("c", 0)]),
+                                      dict(layers=[3, 4], tp=1, dp=1, gpus=[("d", 0)])])], 8, 2, tmp_path,
+        tmp_path_factory.getbasetemp())
