@@ -192,7 +192,7 @@ def eval_tokens(ds: TokenData, seq_len: int, n: int) -> torch.Tensor:
     if n > have:
         raise DataError(f"--eval-samples: {n} asked, but {ds.bin_path} has {have} samples of seq_len "
                         f"{seq_len} ({ds.num_tokens} tokens); fix: --eval-samples {have} or fewer")
-    flat = ds.tokens(0, n * seq_len + 1)
+    flat = ds.tokens(0, n * seq_len + 1, seq_len)
     rows = np.lib.stride_tricks.sliding_window_view(flat, seq_len + 1)[::seq_len][:n]
     import torch
 
@@ -232,8 +232,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     pp.add_argument("--workers", type=int, metavar="N", help="tokenizer threads (default: all cores)")
     pp.add_argument("--no-special-tokens", action="store_true",
                     help="encode without the tokenizer's post-processor tokens (e.g. a BOS)")
-    pp.add_argument("--chunk-mb", type=float, default=4.0, metavar="MB",
-                    help="text encoded per batch (default 4 MB; memory stays near this plus the largest document)")
+    pp.add_argument("--chunk-mb", type=float, default=1.0, metavar="MB",
+                    help="text encoded per batch (default 1 MB; memory grows by about 100 times this, "
+                    "or the largest document, whichever is more)")
     pi = sub.add_parser("inspect", help="count the documents and tokens of a dataset")
     pi.add_argument("path", metavar="PATH", help="PREFIX, PREFIX.bin/.idx, or a flat FILE.bin")
     pi.add_argument("--data-dtype", choices=["uint16", "uint32"], help="a flat file's dtype (default uint16)")

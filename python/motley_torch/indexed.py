@@ -277,10 +277,12 @@ class TokenData:
             k += 1
         return out
 
-    def tokens(self, start: int, count: int) -> np.ndarray:
-        """The stream's tokens [start, start+count) as int64, checked against the vocab."""
+    def tokens(self, start: int, count: int, seq_len: Optional[int] = None) -> np.ndarray:
+        """The stream's tokens [start, start+count) as int64, checked against the vocab (a bad id's
+        sample is named when `seq_len` is given: the first sample holding its position)."""
         a = self.read(start, count).astype(np.int64)
-        self.check_ids(a, lambda j: (start + j, None))
+        last = max(self.num_samples(seq_len) - 1, 0) if seq_len else 0
+        self.check_ids(a, lambda j: (start + j, min((start + j) // seq_len, last) if seq_len else None))
         return a
 
     def document(self, k: int) -> np.ndarray:

@@ -153,12 +153,12 @@ class _Progress:
 
 def prepare(tokenizer: str, inputs: Sequence[str], output: str, eos_token: Optional[str] = None,
             text_field: str = "text", workers: Optional[int] = None, add_special_tokens: bool = True,
-            chunk_bytes: int = 4 << 20, progress: Optional[IO] = sys.stderr, summary: Optional[IO] = sys.stdout) -> dict:
+            chunk_bytes: int = 1 << 20, progress: Optional[IO] = sys.stderr, summary: Optional[IO] = sys.stdout) -> dict:
     """Tokenize `inputs` into `output`.bin/.idx; returns the summary (documents, tokens, dtype, ...)."""
     if not inputs:
         raise DataError("--input: no files given; fix: --input FILE...")
     if chunk_bytes < 1:
-        raise DataError(f"--chunk-mb: must be > 0")
+        raise DataError("--chunk-mb: must be > 0")
     total = 0
     for path in inputs:
         if not os.path.isfile(path):
@@ -181,6 +181,8 @@ def prepare(tokenizer: str, inputs: Sequence[str], output: str, eos_token: Optio
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     dtype = megatron_dtype(vocab_size).newbyteorder("<")
 
+    # the same ids without offsets (tokenizers >= 0.20): less memory a token, and faster
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     tmp_bin, tmp_idx = f"{bin_path}.tmp{os.getpid()}", f"{idx_path}.tmp{os.getpid()}"
     lengths = array("q")
     n_tokens = 0
@@ -190,20 +192,22 @@ def prepare(tokenizer: str, inputs: Sequence[str], output: str, eos_token: Optio
     try:
         with open(tmp_bin, "wb") as fb:
             batch: List[str] = []
+            where: List[str] = []  # each document's file (and line)
             batch_bytes = 0
 
             def flush():
-                nonlocal n_tokens, batch, batch_bytes
+                nonlocal n_tokens, batch, where, batch_bytes
                 if not batch:
                     return
-                encs = tok.encode_batch(batch, add_special_tokens=add_special_tokens)
-                batch, batch_bytes = [], 0
+                encs = encode(batch, add_special_tokens=add_special_tokens)
+                names = where
+                batch, where, batch_bytes = [], [], 0
                 parts = []
-                for e in encs:
+                for e, name in zip(encs, names):
                     ids = e.ids
                     if len(ids) + 1 > max_len:
-                        raise DataError(f"--input: a document of {len(ids)} tokens does not fit a Megatron "
-                                        f"sequence (int32 length); fix: split it")
+                        raise DataError(f"--input {name}: a document of {len(ids)} tokens, more than a Megatron "
+                                        f"sequence holds (int32 length); fix: split it into smaller documents")
                     a = np.empty(len(ids) + 1, dtype=dtype)
                     a[:-1] = ids
                     a[-1] = eos
@@ -215,10 +219,12 @@ def prepare(tokenizer: str, inputs: Sequence[str], output: str, eos_token: Optio
                 n_tokens += int(buf.size)
 
             for path in inputs:
-                for text, nbytes in documents(path, text_field):
+                per_line = path.lower().endswith(JSON_SUFFIXES)
+                for lineno, (text, nbytes) in enumerate(documents(path, text_field), 1):
                     done_bytes += nbytes
                     if text is not None:
                         batch.append(text)
+                        where.append(f"{path}:{lineno}" if per_line else path)
                         batch_bytes += len(text)
                         if batch_bytes >= chunk_bytes:
                             flush()

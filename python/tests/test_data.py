@@ -316,9 +316,11 @@ def test_refusals(tmp_path):
     refused(lambda: open_tokens(str(tmp_path / "one.bin")), "one.bin", "1 token")
     # a token id >= vocab: names the file, the position, the id and the vocab
     ds = open_tokens(good, vocab=5)
-    refused(lambda: ds.sample(1, 2), "good.bin", "token 4", "sample 2" if False else "(sample 1)", "id 5", "vocab is 5")
+    refused(lambda: ds.sample(1, 2), "good.bin", "token 4", "(sample 1)", "id 5", "vocab is 5")
     assert list(ds.sample(0, 2)) == [1, 2, 3]
-    refused(lambda: eval_tokens(ds, 2, 2), "good.bin", "token 4", "id 5")
+    refused(lambda: eval_tokens(ds, 2, 2), "good.bin", "token 4 (sample 1)", "id 5")
+    neg = megatron_write(str(tmp_path / "neg"), [[[1, 2, -3, 4]]], dtype="int32")
+    refused(lambda: open_tokens(neg).sample(0, 3), "neg.bin", "token 2 (sample 0)", "negative token id -3")
     # too many evaluation samples
     ds = open_tokens(good)
     refused(lambda: eval_tokens(ds, 2, 3), "--eval-samples", "3", "2 samples", "good.bin")
