@@ -154,7 +154,13 @@ def _units(model, optimizer) -> Dict[Tuple[object, str], Dict[str, Tuple[dict, t
     """(block, part) -> {tensor name: (spec, local tensor)}."""
     specs = param_specs(model)
     units: Dict[Tuple[object, str], Dict[str, Tuple[dict, torch.Tensor]]] = {}
-    for name, p in model.named_parameters():
+    named = list(model.named_parameters())
+    if getattr(model, "tied_here", False):
+        # A tied head held by the embedding's stage is the embedding: written under head.weight
+        # too, so that every checkpoint has the head's unit whatever stages restore it.
+        specs["head.weight"] = specs["embed.weight"]
+        named.append(("head.weight", model.embed.weight))
+    for name, p in named:
         b = block_of(name)
         units.setdefault((b, "model"), {})[name] = (specs[name], p)
         st = optimizer.state.get(p, {})

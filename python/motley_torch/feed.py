@@ -24,6 +24,7 @@ class StepSource:
         self.seed, self.vocab, self.seq_len, self.global_batch = args.seed, vocab, seq_len, global_batch
         self.batches = None
         self.wait_s = 0.0
+        self.ids: List[int] = []  # the global sample ids of the last batch (--data only)
         if args.data:
             from .data import TrainBatches, open_tokens
 
@@ -33,7 +34,7 @@ class StepSource:
     def tokens(self, step: int) -> torch.Tensor:
         if self.batches is None:
             return global_batch_tokens(self.seed, step, self.global_batch, self.seq_len, self.vocab)
-        tokens, _ids = self.batches.next()
+        tokens, self.ids = self.batches.next()
         self.wait_s = self.batches.last_wait_s
         return tokens
 

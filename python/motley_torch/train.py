@@ -79,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--save-grads", metavar="DIR",
                    help="write the first step's gradients (after their synchronisation), full tensors, to "
                         "DIR/grads.safetensors: how the tests compare gradients with transformers'")
+    p.add_argument("--sample-log", metavar="FILE", default=os.environ.get("MOTLEY_SAMPLE_LOG") or None,
+                   help="with --data, rank 0 appends {\"step\", \"samples\": [ids]} per step to FILE, the global "
+                        "sample ids of the step's batch (default $MOTLEY_SAMPLE_LOG)")
     p.add_argument("--single-process", action="store_true", help="train the whole model in this process")
     p.add_argument("--global-batch", type=int, help="--single-process: sequences per step")
     p.add_argument("--seq-len", type=int, help="--single-process: tokens per sequence (default: the model's)")
@@ -111,6 +114,12 @@ def emit(step: int, loss: float, tokens: int = 0, step_s: float = 0.0):
 
 def emit_eval(step: int, loss: float):
     print(json.dumps({"step": step, "eval_loss": loss}), flush=True)
+
+
+def log_samples(path: Optional[str], step: int, ids):
+    if path and ids:
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "samples": list(ids)}) + "\n")
 
 
 def resolve_spec(args) -> ModelSpec:
@@ -179,6 +188,7 @@ def run_single(args) -> int:
         for step in range(args.steps):
             t0 = time.perf_counter()
             tokens = source.tokens(step).to(device)
+            log_samples(args.sample_log, step, source.ids)
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, spec.vocab), tokens[:, 1:].reshape(-1), reduction="sum")
             loss = loss / (args.global_batch * seq)
@@ -303,6 +313,8 @@ def run_rank(args) -> int:
             pipe.timings = StepTimings()
             c0 = clock()
         tokens = source.tokens(step)
+        if view.rank == 0:
+            log_samples(args.sample_log, step, source.ids)
         local = pipe.step(rank_micro_batches(plan, view.rank, tokens), scale)
         if tfile is not None:
             c1 = clock()
