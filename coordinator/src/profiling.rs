@@ -592,17 +592,7 @@ mod tests {
     fn the_model_hash_is_motley_torch_s() {
         // python -c 'import hashlib, json; print(hashlib.sha256(json.dumps({...}, sort_keys=True,
         // separators=(",", ":")).encode()).hexdigest())' for examples/tiny-gpt.yaml's fields.
-        let spec = ModelSpec {
-            name: "tiny-gpt".into(),
-            layers: 4,
-            hidden: 256,
-            heads: 4,
-            seq_len: 128,
-            vocab: 1024,
-            ffn_hidden: None,
-            kv_heads: None,
-            gated_mlp: false,
-        };
+        let spec = ModelSpec::gpt("tiny-gpt", 4, 256, 4, 128, 1024);
         assert_eq!(
             canonical_json(&spec),
             r#"{"ffn_hidden":1024,"gated_mlp":false,"heads":4,"hidden":256,"kv_heads":4,"layers":4,"name":"tiny-gpt","seq_len":128,"vocab":1024}"#

@@ -138,8 +138,31 @@ pub struct LayerCost {
     /// Seconds of the optimizer step of one layer's parameters on one GPU, when a profile
     /// measured it (`optimizer_ms`, without ZeRO-1).
     pub optimizer_layer: Option<f64>,
+    /// Parameters per GPU of the first stage's embedding, the last stage's norm and head, and
+    /// the matrix they share when tied (held once by a stage that is both).
     pub embed_params_gpu: f64,
+    pub head_params_gpu: f64,
+    pub tied_params_gpu: f64,
+    /// Bytes per GPU of the tied matrix's state (0 when untied).
+    pub tied_state: f64,
     pub mem_bw: f64,
+}
+
+impl LayerCost {
+    /// Parameters per GPU a stage holds besides its layers (`Model::ends_params` split by tp).
+    pub fn ends_params_gpu(&self, first: bool, last: bool) -> f64 {
+        let mut p = 0.0;
+        if first {
+            p += self.embed_params_gpu;
+        }
+        if last {
+            p += self.head_params_gpu;
+        }
+        if first && last {
+            p -= self.tied_params_gpu;
+        }
+        p
+    }
 }
 
 /// What the iteration time of a replica depends on outside the replica itself: how many
@@ -226,6 +249,8 @@ impl<'a> CostModel<'a> {
         let opt_bytes_per_param = if self.opts.zero1 { 4.0 + 12.0 / k.dp as f64 } else { 16.0 };
         let layer_params_gpu = self.model.layer_params / t;
         let embed_params_gpu = self.model.embed_params / t;
+        let head_params_gpu = self.model.head_params / t;
+        let tied_params_gpu = self.model.tied_params / t;
         let layer_act = match profiled.and_then(|p| p.act_mib) {
             Some(mib) => mib * 1024.0 * 1024.0,
             None if self.opts.recompute => 2.0 * s * m * h,
@@ -246,12 +271,15 @@ impl<'a> CostModel<'a> {
             layer_state: layer_params_gpu * opt_bytes_per_param,
             layer_act,
             embed_state: embed_params_gpu * opt_bytes_per_param,
-            head_state: embed_params_gpu * opt_bytes_per_param,
+            head_state: head_params_gpu * opt_bytes_per_param,
+            tied_state: tied_params_gpu * opt_bytes_per_param,
             // fp16 logits plus fp32 softmax of the micro-batch, split by tp.
             head_act: 6.0 * s * m * v / t,
             capacity: (gpu.memory_gib - self.opts.reserve_gib) * GIB,
             layer_params_gpu,
             embed_params_gpu,
+            head_params_gpu,
+            tied_params_gpu,
             optimizer_layer: profiled.and_then(|p| p.optimizer_ms).map(|ms| ms / 1e3),
             mem_bw,
         }
@@ -273,6 +301,9 @@ impl<'a> CostModel<'a> {
         }
         if last {
             bytes += c.head_state + c.head_act;
+        }
+        if first && last {
+            bytes -= c.tied_state;
         }
         bytes
     }
@@ -370,16 +401,8 @@ impl<'a> CostModel<'a> {
             if i + 1 < p {
                 latency += hops[i];
             }
-            let mut params = layers[i] as f64 * self.model.layer_params;
-            let mut extra_params_gpu = 0.0;
-            if first {
-                params += self.model.embed_params;
-                extra_params_gpu += costs[i].embed_params_gpu;
-            }
-            if last {
-                params += self.model.embed_params;
-                extra_params_gpu += costs[i].embed_params_gpu;
-            }
+            let params = layers[i] as f64 * self.model.layer_params + self.model.ends_params(first, last);
+            let extra_params_gpu = costs[i].ends_params_gpu(first, last);
             exposed = exposed.max(self.sync_time(ctx, kinds[i], params) - pre_bwd);
             pre_bwd += b;
             // Adam reads and writes ~28 bytes per parameter (fp32 master, m, v; fp16 w, g);

@@ -116,13 +116,7 @@ pub fn comm_groups(cm: &CostModel, plan: &PlanStructure, placement: &Placement) 
     let Some(tp) = plan.replicas.first().and_then(|r| r.stages.first()).map(|s| s.kind.tp) else { return out };
     for w in cuts.windows(2) {
         let (l0, l1) = (w[0], w[1]);
-        let mut params = (l1 - l0) as f64 * cm.model.layer_params;
-        if l0 == 0 {
-            params += cm.model.embed_params;
-        }
-        if l1 == layers {
-            params += cm.model.embed_params;
-        }
+        let params = (l1 - l0) as f64 * cm.model.layer_params + cm.model.ends_params(l0 == 0, l1 == layers);
         for j in 0..tp as usize {
             let mut gpus = vec![];
             for (ri, r) in plan.replicas.iter().enumerate() {

@@ -194,10 +194,13 @@ pub fn replan(req: &PlanRequest, current: &CurrentPlan, policy: SwitchPolicy) ->
                     Some(&(f, ftp)) if ftp == tp => (f[1].min(l[1]).saturating_sub(f[0].max(l[0])), Some(f)),
                     _ => (0, None),
                 };
-                // The embedding comes with layer 0, the output head with the last layer.
-                let ends =
-                    [0, layers - 1].iter().filter(|&&e| l[0] <= e && e < l[1] && !had.is_some_and(|f| f[0] <= e && e < f[1])).count();
-                (((l[1] - l[0]) - kept) as f64 * cm.model.layer_params + ends as f64 * cm.model.embed_params) / tp as f64 * 14.0
+                // The embedding comes with layer 0, the output head with the last layer (a tied
+                // matrix once when the GPU holds both); what the GPU held of them stays.
+                let holds = |r: [u32; 2], e: u32| r[0] <= e && e < r[1];
+                let (first, last) = (holds(l, 0), holds(l, layers - 1));
+                let kept_ends = had.map_or(0.0, |f| cm.model.ends_params(first && holds(f, 0), last && holds(f, layers - 1)));
+                let ends = cm.model.ends_params(first, last) - kept_ends;
+                (((l[1] - l[0]) - kept) as f64 * cm.model.layer_params + ends) / tp as f64 * 14.0
             }
             None => 0.0,
         };

@@ -58,19 +58,8 @@ pub fn cluster_strategy(max_gpus: u32) -> impl Strategy<Value = ClusterSpec> {
 }
 
 pub fn model_strategy(max_layers: u32) -> impl Strategy<Value = ModelSpec> {
-    (2u32..=max_layers, prop_oneof![Just(512u64), Just(1024), Just(2048)], prop_oneof![Just(512u64), Just(1024)]).prop_map(
-        |(layers, hidden, seq_len)| ModelSpec {
-            name: "tiny".into(),
-            layers,
-            hidden,
-            heads: 8,
-            seq_len,
-            vocab: 8192,
-            ffn_hidden: None,
-            kv_heads: None,
-            gated_mlp: false,
-        },
-    )
+    (2u32..=max_layers, prop_oneof![Just(512u64), Just(1024), Just(2048)], prop_oneof![Just(512u64), Just(1024)])
+        .prop_map(|(layers, hidden, seq_len)| ModelSpec::gpt("tiny", layers, hidden, 8, seq_len, 8192))
 }
 
 pub fn build(spec: &ClusterSpec, model: &ModelSpec) -> (Cluster, Model) {

@@ -68,17 +68,7 @@ fn mixed_cluster_with(ib: u32, roce: u32, plain: u32, odd: u32, gpu: &str, gpus:
 }
 
 fn small_model(layers: u32) -> Model {
-    let spec = ModelSpec {
-        name: "t".into(),
-        layers,
-        hidden: 1024,
-        heads: 16,
-        seq_len: 1024,
-        vocab: 32000,
-        ffn_hidden: None,
-        kv_heads: None,
-        gated_mlp: false,
-    };
+    let spec = ModelSpec::gpt("t", layers, 1024, 16, 1024, 32000);
     Model::new(spec, None).unwrap()
 }
 

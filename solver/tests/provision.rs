@@ -8,17 +8,7 @@ use motley_solver::{Model, PlanOptions, ProfileSet, SearchMode};
 use proptest::prelude::*;
 
 fn tiny() -> Model {
-    let spec = motley_solver::ModelSpec {
-        name: "tiny".into(),
-        layers: 6,
-        hidden: 1024,
-        heads: 16,
-        seq_len: 1024,
-        vocab: 32000,
-        ffn_hidden: None,
-        kv_heads: None,
-        gated_mlp: false,
-    };
+    let spec = motley_solver::ModelSpec::gpt("tiny", 6, 1024, 16, 1024, 32000);
     Model::new(spec, None).unwrap()
 }
 

@@ -75,17 +75,14 @@ pub fn motley_view(m: &MetisModel) -> Result<MotleyView> {
     }
     let s = &m.settings;
     let hidden = s.hidden as u64;
-    let spec = ModelSpec {
-        name: format!("metis-gpt-{}", s.layers),
-        layers: (s.layers - 2) as u32,
+    let spec = ModelSpec::gpt(
+        &format!("metis-gpt-{}", s.layers),
+        (s.layers - 2) as u32,
         hidden,
-        heads: (hidden / 128).max(1) as u32,
-        seq_len: s.seq as u64,
-        vocab: s.vocab as u64,
-        ffn_hidden: None,
-        kv_heads: None,
-        gated_mlp: false,
-    };
+        (hidden / 128).max(1) as u32,
+        s.seq as u64,
+        s.vocab as u64,
+    );
     let model = Model::new(spec, None)?;
     let profiles = import_profiles(m, &cluster, &class_of_type);
     profiles.validate()?;

@@ -306,9 +306,8 @@ impl Shape {
             if i + 1 < p {
                 latency += hops[i];
             }
-            let extra = (first as u32 + last as u32) as f64;
-            sync_params.push(layers[i] as f64 * cm.model.layer_params + extra * cm.model.embed_params);
-            let params_gpu = layers[i] as f64 * c.layer_params_gpu + extra * c.embed_params_gpu;
+            sync_params.push(layers[i] as f64 * cm.model.layer_params + cm.model.ends_params(first, last));
+            let params_gpu = layers[i] as f64 * c.layer_params_gpu + c.ends_params_gpu(first, last);
             let per_param = if cm.opts.zero1 { 4.0 + 24.0 / self.kinds[i].dp as f64 } else { 28.0 };
             optimizer = optimizer.max(params_gpu * per_param / c.mem_bw);
             pre_bwd.push(pre);
