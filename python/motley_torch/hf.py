@@ -1,7 +1,7 @@
 """Hugging Face models in and out: config.json -> ModelSpec, HF tensor names <-> Motley's, and
 reading one rank's slices of a safetensors checkpoint lazily.
 
-Pure Python but for `read_rank_tensors` (torch + safetensors). transformers is never imported:
+Pure Python but for `read_rank_into` (torch) and `write_hf` (safetensors). transformers is never imported:
 it is a test-only dependency (the tests build random-init models with it and compare).
 
 The mapping (transformers' modeling_llama / modeling_qwen2 / modeling_mistral):
@@ -242,29 +242,109 @@ def weight_files(directory: str) -> Dict[str, str]:
                   f"(safetensors)")
 
 
-def read_rank_tensors(directory: str, spec: ModelSpec, wanted: Iterable[Tuple[str, Tuple[int, ...], object]]):
-    """Yield (motley name, tensor) for every (name, full shape, cut) wanted, where cut(slice_obj)
-    returns this rank's part of a safetensors lazy slice: only those bytes are read."""
-    files = weight_files(directory)
-    from safetensors import safe_open
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
-    handles = {}
-    try:
-        for name, full_shape, cut in wanted:
-            hf = hf_name(name, spec)
-            path = files.get(hf)
-            if path is None:
-                raise HFError(f"{directory}: tensor {hf} (Motley {name}) is missing from the weights")
-            if path not in handles:
-                handles[path] = safe_open(path, framework="pt")
-            sl = handles[path].get_slice(hf)
-            shape = tuple(sl.get_shape())
-            if shape != tuple(full_shape):
-                raise HFError(f"{path}: {hf} has shape {list(shape)}, the model spec needs {list(full_shape)}; "
-                              f"is config.json the weights' config?")
-            yield name, cut(sl)
-    finally:
-        handles.clear()
+
+def _header(path: str) -> Tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data
+    starts: an 8-byte little-endian length, then that much JSON (the format's whole spec)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise HFError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        n = int.from_bytes(raw, "little")
+        if n > 100 * 2**20:
+            raise HFError(f"{path}: header of {n} bytes: not a safetensors file")
+        try:
+            head = json.loads(f.read(n))
+        except ValueError as e:
+            raise HFError(f"{path}: header is not JSON ({e}): not a safetensors file")
+    head.pop("__metadata__", None)
+    return head, 8 + n
+
+
+def _read_rows(f, base: int, row_bytes: int, r0: int, r1: int, col0: int, col1: int, elem: int, dest, src_dtype):
+    """Rows [r0, r1) of a 2-D (or 1-D: one row) tensor, bytes [col0, col1) of each row, into
+    `dest` (a tensor of shape [r1 - r0, (col1 - col0) / elem] or its 1-D equivalent), reading
+    through a buffer of at most 16 MiB and converting to dest's dtype as it goes."""
+    import torch
+
+    want = col1 - col0
+    step = max(1, (16 << 20) // max(row_bytes, 1))
+    flat = dest.view(r1 - r0, want // elem) if dest.dim() != 1 or r1 - r0 != 1 else dest.view(1, -1)
+    direct = src_dtype == dest.dtype and want == row_bytes
+    r = r0
+    while r < r1:
+        k = min(step, r1 - r)
+        if direct:
+            # Contiguous rows of the right type: straight into the parameter's memory.
+            view = flat[r - r0 : r - r0 + k]
+            mv = memoryview(view.view(torch.uint8).numpy()).cast("B")
+            f.seek(base + r * row_bytes)
+            if f.readinto(mv) != len(mv):
+                raise HFError(f"{f.name}: shorter than its header says")
+        else:
+            buf = bytearray(k * row_bytes)
+            f.seek(base + r * row_bytes)
+            if f.readinto(buf) != len(buf):
+                raise HFError(f"{f.name}: shorter than its header says")
+            rows = torch.frombuffer(buf, dtype=torch.uint8).view(k, row_bytes)[:, col0:col1]
+            flat[r - r0 : r - r0 + k].copy_(rows.contiguous().view(src_dtype).view(k, want // elem))
+        r += k
+
+
+def read_rank_into(directory: str, spec: ModelSpec, wanted: Iterable[Tuple[str, Tuple[int, ...], tuple, object]]):
+    """Fill each wanted parameter with its part of the Hugging Face weights: `wanted` is
+    (motley name, full shape, (axis, start, end) of this rank's part or None for all of it,
+    destination tensor on the CPU). Only those bytes are read, with plain reads into the
+    destination (through a 16 MiB buffer when rows must be cut or the type converted): no
+    file is memory-mapped, so the rank's RSS holds its parameters and one buffer, never a
+    tensor twice. (safetensors' own reader maps the file, and every page it touches counts in
+    the RSS beside the copy it returns.)"""
+    import torch
+
+    files = weight_files(directory)
+    headers: Dict[str, Tuple[dict, int]] = {}
+    for name, full_shape, part, dest in wanted:
+        hf = hf_name(name, spec)
+        path = files.get(hf)
+        if path is None:
+            raise HFError(f"{directory}: tensor {hf} (Motley {name}) is missing from the weights")
+        if path not in headers:
+            headers[path] = _header(path)
+        head, base = headers[path]
+        info = head.get(hf)
+        if info is None:
+            raise HFError(f"{path}: no tensor {hf}, which the index says it holds")
+        shape = tuple(info.get("shape", ()))
+        if shape != tuple(full_shape):
+            raise HFError(f"{path}: {hf} has shape {list(shape)}, the model spec needs {list(full_shape)}; "
+                          f"is config.json the weights' config?")
+        dt = _ST_DTYPES.get(info.get("dtype"))
+        if dt is None:
+            raise HFError(f"{path}: {hf} has dtype {info.get('dtype')}; Motley reads {', '.join(_ST_DTYPES)}")
+        src = getattr(torch, dt)
+        elem = torch.empty((), dtype=src).element_size()
+        begin, end = info["data_offsets"]
+        numel = 1
+        for x in shape:
+            numel *= x
+        if end - begin != numel * elem:
+            raise HFError(f"{path}: {hf}: data_offsets span {end - begin} bytes, its shape and dtype {numel * elem}")
+        rows = shape[0] if len(shape) == 2 else 1
+        row_bytes = (end - begin) // rows
+        r0, r1, c0, c1 = 0, rows, 0, row_bytes
+        if part is not None:
+            axis, a, b = part
+            if len(shape) == 1:
+                c0, c1 = a * elem, b * elem
+            elif axis == 0:
+                r0, r1 = a, b
+            else:
+                c0, c1 = a * elem, b * elem
+        with open(path, "rb") as f:
+            with torch.no_grad():
+                _read_rows(f, base + begin, row_bytes, r0, r1, c0, c1, elem, dest, src)
 
 
 # ---- writing ----------------------------------------------------------------------------------

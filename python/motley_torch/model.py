@@ -64,7 +64,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(m: ModelSpec) -> torch.Tensor:
     """transformers' inverse frequencies for rope types default, linear and llama3."""
     dim = m.hidden // m.heads
-    inv = 1.0 / (m.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU whatever device the model is being built on (meta, for --init-from-hf).
+    inv = 1.0 / (m.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     rs = m.rope_scaling
     if rs is None:
         return inv
@@ -269,31 +270,33 @@ class GPTStage(nn.Module):
 
     def load_hf(self, directory: str):
         """This stage's parameters, at this TP rank, from a Hugging Face safetensors checkpoint
-        (`model.safetensors` or the index and its shards): each tensor is read through a lazy
-        slice, only this rank's rows or columns of it, so no process holds the whole model."""
-        from .hf import read_rank_tensors
+        (`model.safetensors` or the index and its shards): each rank reads only its layers'
+        tensors and, of those, only its rows (column-split) or columns (row-split), so no
+        process holds the whole model (hf.read_rank_into)."""
+        from .hf import read_rank_into
 
-        params = {}
-        wanted = []
+        wanted, staged = [], []
         for name, p, tp_mod, attr in self.full_params():
             full = self.full_shape(name, p, tp_mod)
+            part = None
             if isinstance(tp_mod, ColumnParallelLinear):
                 n = tp_mod.out_features // self.tp_size
-                a, b = self.tp_rank * n, (self.tp_rank + 1) * n
-                cut = (lambda a, b: lambda sl: sl[a:b])(a, b)
+                part = (0, self.tp_rank * n, (self.tp_rank + 1) * n)
             elif isinstance(tp_mod, RowParallelLinear) and attr == "weight":
                 n = tp_mod.in_features // self.tp_size
-                a, b = self.tp_rank * n, (self.tp_rank + 1) * n
-                cut = (lambda a, b: lambda sl: sl[:, a:b])(a, b)
+                part = (1, self.tp_rank * n, (self.tp_rank + 1) * n)
+            if p.device.type == "cpu":
+                wanted.append((name, full, part, p.data))
             else:
-                cut = lambda sl: sl[:]  # noqa: E731
-            params[name] = p
-            wanted.append((name, full, cut))
-        with torch.no_grad():
-            for name, t in read_rank_tensors(directory, self.spec, wanted):
-                p = params[name]
-                p.copy_(t.to(dtype=p.dtype, device=p.device))
-                del t
+                staged.append((name, full, part, p))
+        read_rank_into(directory, self.spec, wanted)
+        # Parameters on a GPU: one tensor at a time through host memory.
+        for name, full, part, p in staged:
+            host = torch.empty(p.shape, dtype=p.dtype)
+            read_rank_into(directory, self.spec, [(name, full, part, host)])
+            with torch.no_grad():
+                p.copy_(host)
+            del host
 
     def gather_full(self, tp_group, grads: bool = False) -> Dict[str, torch.Tensor]:
         """Full (unsharded) fp32 CPU tensors of this stage's parameters (or their gradients):

@@ -131,6 +131,16 @@ def resolve_spec(args) -> ModelSpec:
     raise PlanError("--model: required with --single-process (or --init-from-hf DIR, whose config.json is the model)")
 
 
+def build_stage(args, *a, **kw) -> GPTStage:
+    """The stage, its parameters allocated but not initialised when --init-from-hf will write
+    every byte (random init of a large model costs more than loading it)."""
+    if args.init_from_hf:
+        with torch.device("meta"):
+            model = GPTStage(*a, **kw)
+        return model.to_empty(device="cpu")
+    return GPTStage(*a, **kw)
+
+
 def init_weights(model: GPTStage, args):
     if args.init_from_hf:
         from .hf import is_hf_model
@@ -164,7 +174,7 @@ def run_single(args) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype != torch.float32 and device.type != "cuda":
         raise PlanError(f"--dtype: {args.dtype} needs CUDA; use fp32 on the CPU")
-    model = GPTStage(spec, seq, (0, spec.layers))
+    model = build_stage(args, spec, seq, (0, spec.layers))
     init_weights(model, args)
     model.to(device=device, dtype=dtype)
     opt = make_optimizer(model.parameters(), args)
@@ -261,7 +271,7 @@ def run_rank(args) -> int:
     if dtype != torch.float32 and view.device.type != "cuda":
         raise PlanError(f"--dtype: {args.dtype} needs CUDA; use fp32 on the CPU")
     tp_pg = view.tp_group.pg if view.tp_group is not None else None
-    model = GPTStage(spec, seq, view.layers, group=tp_pg, tp_rank=view.tp_rank, tp_size=view.tp_size)
+    model = build_stage(args, spec, seq, view.layers, group=tp_pg, tp_rank=view.tp_rank, tp_size=view.tp_size)
     init_weights(model, args)
     model.to(device=view.device, dtype=dtype)
     tied = tied_group(view, model)
