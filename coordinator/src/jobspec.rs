@@ -236,7 +236,15 @@ const RESERVED: [&str; 7] = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SI
 impl JobSpec {
     /// Parse and validate a job file; errors name the field and the fix.
     pub fn parse(text: &str) -> Result<JobSpec> {
-        let spec: JobSpec = parse_yaml(serde_norway::Deserializer::from_str(text), "job file")?;
+        let mut spec: JobSpec = parse_yaml(serde_norway::Deserializer::from_str(text), "job file")?;
+        // A Hugging Face model directory is read once, here: the job keeps its spec inline.
+        if let ModelRef::Name(n) = &spec.model {
+            if motley_solver::model::model_by_name(n).is_none() {
+                if let Some(hf) = hf_model(n) {
+                    spec.model = ModelRef::Spec(hf?);
+                }
+            }
+        }
         spec.validate()?;
         Ok(spec)
     }
@@ -446,10 +454,19 @@ impl JobSpec {
 /// A model from the catalog or an inline entry, with a sequence length given as `seq_field`.
 pub fn resolve_model(model: &ModelRef, seq_len: Option<u64>, seq_field: &str) -> Result<Model> {
     let spec = match model {
-        ModelRef::Name(n) => motley_solver::model::model_by_name(n).ok_or_else(|| {
-            let known: Vec<String> = motley_solver::model::model_catalog().into_iter().map(|m| m.name).collect();
-            CoordinatorError::invalid("model", format!("unknown model '{n}'; use one of {} or an inline model entry", known.join(", ")))
-        })?,
+        ModelRef::Name(n) => match motley_solver::model::model_by_name(n) {
+            Some(m) => m,
+            None => hf_model(n).unwrap_or_else(|| {
+                let known: Vec<String> = motley_solver::model::model_catalog().into_iter().map(|m| m.name).collect();
+                Err(CoordinatorError::invalid(
+                    "model",
+                    format!(
+                        "unknown model '{n}'; use one of {}, an inline model entry or a Hugging Face model directory on the coordinator",
+                        known.join(", ")
+                    ),
+                ))
+            })?,
+        },
         ModelRef::Spec(s) => s.clone(),
     };
     Model::new(spec, seq_len).map_err(|e| {
@@ -459,6 +476,32 @@ pub fn resolve_model(model: &ModelRef, seq_len: Option<u64>, seq_field: &str) ->
             _ => CoordinatorError::invalid("model", text),
         }
     })
+}
+
+/// A Hugging Face model on this machine: a directory holding `config.json`, or the path of a
+/// `config.json`; its spec is named after the directory. None when `path` is neither.
+pub fn hf_model(path: &str) -> Option<Result<ModelSpec>> {
+    let p = std::path::Path::new(path);
+    let (dir, file) = if p.is_dir() {
+        (p.to_path_buf(), p.join("config.json"))
+    } else if p.is_file() && p.file_name().is_some_and(|f| f == "config.json") {
+        (p.parent().map_or_else(|| ".".into(), |d| if d.as_os_str().is_empty() { ".".into() } else { d.to_path_buf() }), p.to_path_buf())
+    } else {
+        return None;
+    };
+    let origin = file.display().to_string();
+    let fail = |why: String| CoordinatorError::invalid("model", format!("{origin}: {why}"));
+    let read = || -> Result<ModelSpec> {
+        if !file.is_file() {
+            return Err(fail("no such file; a Hugging Face model directory holds config.json".into()));
+        }
+        let text = std::fs::read_to_string(&file).map_err(|e| fail(format!("cannot read it: {e}")))?;
+        let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| fail(format!("is not JSON: {e}")))?;
+        let name = dir.canonicalize().ok().and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()));
+        let name = name.or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "model".into());
+        motley_solver::model::hf::spec_from_config(&config, &name).map_err(|e| fail(e.to_string()))
+    };
+    Some(read())
 }
 
 /// serde_norway with the path of the failing field in the message.
@@ -495,6 +538,33 @@ mod tests {
         let j = JobSpec::parse(GOOD).unwrap();
         assert_eq!((j.name.as_str(), j.global_batch, j.max_restarts), ("hello", 16, 0));
         assert_eq!(j.model().unwrap().spec.name, "gpt3-1.3b");
+    }
+
+    #[test]
+    fn a_hugging_face_directory_is_a_model_read_once() {
+        let dir = std::env::temp_dir().join(format!("motley-hf-{}", std::process::id())).join("Tiny-Llama");
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 688,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 1000,
+            "max_position_embeddings": 512, "rope_theta": 500000.0, "tie_word_embeddings": true}"#;
+        std::fs::write(dir.join("config.json"), config).unwrap();
+        for given in [dir.clone(), dir.join("config.json")] {
+            let j = JobSpec::parse(&GOOD.replace("gpt3-1.3b", given.to_str().unwrap())).unwrap();
+            let ModelRef::Spec(s) = &j.model else { panic!("the job keeps the spec inline: {:?}", j.model) };
+            assert_eq!(
+                (s.name.as_str(), s.family, s.layers, s.kv_heads, s.tie_embeddings),
+                ("Tiny-Llama", motley_solver::model::Family::Llama, 2, Some(2), true)
+            );
+            let m = resolve_model(&ModelRef::Name(given.to_str().unwrap().into()), Some(256), "seq_len").unwrap();
+            assert_eq!((m.spec.rope_theta, m.seq_len), (5e5, 256));
+        }
+        std::fs::write(dir.join("config.json"), config.replace("LlamaForCausalLM", "GPT2LMHeadModel")).unwrap();
+        let e = JobSpec::parse(&GOOD.replace("gpt3-1.3b", dir.to_str().unwrap())).unwrap_err().to_string();
+        assert!(e.starts_with("model: ") && e.contains("config.json: architectures: 'GPT2LMHeadModel'"), "{e}");
+        std::fs::remove_file(dir.join("config.json")).unwrap();
+        let e = JobSpec::parse(&GOOD.replace("gpt3-1.3b", dir.to_str().unwrap())).unwrap_err().to_string();
+        assert!(e.contains("config.json: no such file"), "{e}");
+        std::fs::remove_dir_all(dir.parent().unwrap()).unwrap();
     }
 
     #[test]

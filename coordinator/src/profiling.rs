@@ -35,15 +35,22 @@ use crate::store::{NewProfile, ProfileRecord, Store};
 /// told the same, less a margin for the report); a failure is remembered for as long.
 pub const PROFILE_INTERVALS: u32 = 600;
 
-/// The sha256 (hex) of the model's canonical JSON: every field of a model file with the
-/// defaults filled in, keys sorted, no spaces; what `python -m motley_torch.profile` writes as
-/// `model_hash`.
+/// The sha256 (hex) of the model's canonical JSON (`canonical_json`); what `python -m
+/// motley_torch.profile` writes as `model_hash`.
 pub fn model_hash(spec: &ModelSpec) -> String {
     let text = canonical_json(spec);
     Sha256::digest(text.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The model file the profiler is given (and hashes): all nine fields, defaults filled in.
+/// The model file the profiler is given: the whole spec, defaults filled in (the profiler
+/// builds the family's layer from it).
+pub fn profiler_model_json(spec: &ModelSpec) -> String {
+    ascii(serde_json::to_string(&spec.resolved()).expect("a model spec serialises"))
+}
+
+/// What the hash covers, keys sorted, no spaces, non-ASCII escaped: the nine fields a gpt model
+/// has always had (defaults filled in), so existing gpt profiles keep their hash, plus for the
+/// llama family `family` and `qkv_bias`. No floats (Python and Rust print them differently).
 pub fn canonical_json(spec: &ModelSpec) -> String {
     let mut m: BTreeMap<&str, serde_json::Value> = BTreeMap::new();
     m.insert("name", spec.name.clone().into());
@@ -55,8 +62,15 @@ pub fn canonical_json(spec: &ModelSpec) -> String {
     m.insert("ffn_hidden", spec.ffn_hidden.unwrap_or(4 * spec.hidden).into());
     m.insert("kv_heads", spec.kv_heads.unwrap_or(spec.heads).into());
     m.insert("gated_mlp", spec.gated_mlp.into());
-    // Python's json.dumps escapes non-ASCII (ensure_ascii): so must we, or the hashes differ.
-    let text = serde_json::to_string(&m).expect("a map of plain values serialises");
+    if spec.family == motley_solver::model::Family::Llama {
+        m.insert("family", "llama".into());
+        m.insert("qkv_bias", spec.qkv_bias.into());
+    }
+    ascii(serde_json::to_string(&m).expect("a map of plain values serialises"))
+}
+
+/// Python's json.dumps escapes non-ASCII (ensure_ascii): so must we, or the hashes differ.
+fn ascii(text: String) -> String {
     text.chars().fold(String::with_capacity(text.len()), |mut out, c| {
         if c.is_ascii() {
             out.push(c);
@@ -234,7 +248,7 @@ pub fn send_run(fleet: &Fleet, node: &str, gpus: Vec<u32>, model: &ModelSpec, ke
     let profile = Profile {
         request,
         gpu: gpu_name.to_string(),
-        model_json: canonical_json(model),
+        model_json: profiler_model_json(model),
         tp: key.tp,
         micro_batch: key.micro_batch,
         seq_len: key.seq_len,
@@ -600,6 +614,34 @@ mod tests {
         let mut odd = spec.clone();
         odd.name = "gpt-é".into();
         assert!(canonical_json(&odd).contains(r#""name":"gpt-\u00e9""#), "{}", canonical_json(&odd));
+        // Pinned before the spec had a family: existing gpt profiles keep their hash, whatever
+        // the new fields (none of them is hashed for gpt).
+        let pinned = "f9e16a5dc36c80a68646f56726f51e41a4d2b21875fd9ea1f5b324cb4ce0006c";
+        assert_eq!(model_hash(&spec), pinned);
+        assert_eq!(model_hash(&ModelSpec { norm_eps: 1e-6, tie_embeddings: true, ..spec.clone() }), pinned);
+    }
+
+    #[test]
+    fn a_llama_hash_covers_family_and_qkv_bias_and_the_profiler_gets_the_whole_spec() {
+        let llama = motley_solver::model::model_by_name("llama3-8b").unwrap();
+        assert_eq!(
+            canonical_json(&llama),
+            r#"{"family":"llama","ffn_hidden":14336,"gated_mlp":true,"heads":32,"hidden":4096,"kv_heads":8,"layers":32,"name":"llama3-8b","qkv_bias":false,"seq_len":8192,"vocab":128256}"#
+        );
+        // python: sha256 of json.dumps of the dict above, sort_keys, separators (",", ":").
+        assert_eq!(model_hash(&llama), "8b396086592d24194f0cf4acb2e7892e4af268fc0e90389b534c47d428284bce");
+        assert_ne!(model_hash(&llama), model_hash(&ModelSpec { qkv_bias: true, ..llama.clone() }));
+        let file: serde_json::Value = serde_json::from_str(&profiler_model_json(&llama)).unwrap();
+        assert_eq!(
+            (file["family"].as_str(), file["rope_theta"].as_f64(), file["norm_eps"].as_f64()),
+            (Some("llama"), Some(5e5), Some(1e-5))
+        );
+        assert_eq!((file["kv_heads"].as_u64(), file["tie_embeddings"].as_bool()), (Some(8), Some(false)));
+        assert!(file["rope_scaling"].is_null() && file["sliding_window"].is_null(), "{file}");
+        let back: ModelSpec = serde_json::from_value(file).unwrap();
+        assert_eq!(back, llama.resolved(), "the file is a model file the planner reads back");
+        let gpt: serde_json::Value = serde_json::from_str(&profiler_model_json(&ModelSpec::gpt("g", 4, 256, 4, 128, 1024))).unwrap();
+        assert_eq!((gpt["family"].as_str(), gpt["ffn_hidden"].as_u64()), (Some("gpt"), Some(1024)));
     }
 
     #[test]
