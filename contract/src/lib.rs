@@ -4,7 +4,8 @@
 //! of the API (`views`, with the job's states in `job`). The coordinator, the agent and the
 //! CLI read them through these types, never by indexing untyped JSON. The config files under
 //! `/etc/motley/` have one loader for every binary (`config`). A plan document is drawn as a picture
-//! (SVG) by one pure renderer (`svg`), for the CLI's `--svg` and the coordinator's `plan.svg`.
+//! (SVG) by one pure renderer (`svg`), for the CLI's `--svg` and the coordinator's `plan.svg`;
+//! rank 0's training lines (step, loss, tokens/s, eval loss) are read and drawn by `curves`.
 //!
 //! The solver writes the plan document (`motley_solver::report::PlanReport`; the solver uses
 //! nothing of ours), and `cli/tests/plan_cli.rs` reads every plan it makes back through
@@ -13,6 +14,7 @@
 //! writer never breaks an older reader.
 
 pub mod config;
+pub mod curves;
 pub mod groups;
 pub mod job;
 pub mod plan;

@@ -112,7 +112,7 @@ pub fn escape(s: &str) -> String {
 }
 
 /// At most `n` characters, with an ellipsis when cut.
-fn clip(s: &str, n: usize) -> String {
+pub(crate) fn clip(s: &str, n: usize) -> String {
     if s.chars().count() <= n {
         s.to_string()
     } else {
