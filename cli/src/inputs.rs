@@ -75,22 +75,58 @@ pub fn parse_cluster(text: &str, origin: &str) -> Result<motley_solver::Cluster,
     motley_solver::Cluster::from_spec(&spec).map_err(|e| in_file(origin, e))
 }
 
-/// `--model` is a catalog name or a YAML file.
+/// `--model` is a catalog name, a Hugging Face model directory (or its config.json) or a
+/// YAML file.
 pub fn load_model(name_or_file: &str, seq_len: Option<u64>) -> Result<motley_solver::Model, InputError> {
+    let (spec, origin) = load_model_spec(name_or_file)?;
+    motley_solver::Model::new(spec, seq_len).map_err(|e| in_file(&origin, e))
+}
+
+/// The spec `--model` names, unvalidated, and how errors name where it came from.
+pub fn load_model_spec(name_or_file: &str) -> Result<(ModelSpec, String), InputError> {
     let path = Path::new(name_or_file);
-    let (spec, origin) = if let Some(m) = model::model_by_name(name_or_file) {
-        (m, format!("model {name_or_file}"))
+    if let Some(m) = model::model_by_name(name_or_file) {
+        Ok((m, format!("model {name_or_file}")))
+    } else if let Some(hf) = hf_model(path) {
+        hf
     } else if path.exists() {
         let origin = path.display().to_string();
-        (parse_yaml::<ModelSpec>(&read(path, "model")?, &origin)?, origin)
+        Ok((parse_yaml::<ModelSpec>(&read(path, "model")?, &origin)?, origin))
     } else {
         let known: Vec<String> = model::model_catalog().into_iter().map(|m| m.name).collect();
-        return Err(InputError(format!(
-            "--model: '{name_or_file}' is neither a built-in model ({}) nor a readable file; pass one of those names or a path to a model YAML",
+        Err(InputError(format!(
+            "--model: '{name_or_file}' is neither a built-in model ({}) nor a readable file; pass one of those names, a Hugging Face model directory or a path to a model YAML",
             known.join(", ")
-        )));
+        )))
+    }
+}
+
+/// A Hugging Face model: a directory holding `config.json`, or the path of a `config.json`;
+/// the spec is named after the directory. None when `path` is neither.
+pub fn hf_model(path: &Path) -> Option<Result<(ModelSpec, String), InputError>> {
+    let (dir, file) = if path.is_dir() {
+        (path.to_path_buf(), path.join("config.json"))
+    } else if path.is_file() && path.file_name().is_some_and(|f| f == "config.json") {
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        (dir.to_path_buf(), path.to_path_buf())
+    } else {
+        return None;
     };
-    motley_solver::Model::new(spec, seq_len).map_err(|e| in_file(&origin, e))
+    let origin = file.display().to_string();
+    let load = || {
+        if !file.is_file() {
+            return Err(InputError(format!(
+                "{origin}: no such file; a Hugging Face model directory holds config.json (or pass a model YAML)"
+            )));
+        }
+        let config: serde_json::Value = serde_json::from_str(&read(&file, "model config")?)
+            .map_err(|e| InputError(format!("{origin}: is not JSON ({e}); give a Hugging Face model's config.json")))?;
+        let name = dir.canonicalize().ok().and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()));
+        let name = name.or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "model".into());
+        let spec = model::hf::spec_from_config(&config, &name).map_err(|e| in_file(&origin, e))?;
+        Ok((spec, origin.clone()))
+    };
+    Some(load())
 }
 
 pub fn load_profiles(path: Option<&Path>) -> Result<ProfileSet, InputError> {

@@ -14,31 +14,24 @@ pub enum ModelCommand {
         #[arg(short, long, value_enum, default_value_t = Output::Table)]
         output: Output,
     },
-    /// One model (a catalog name or a model file), its defaults filled in.
+    /// One model (a catalog name, a model file or a Hugging Face directory), its defaults filled in.
     Show {
-        /// A catalog name (`motley model list`) or a model file (YAML).
+        /// A catalog name (`motley model list`), a model file (YAML) or a Hugging Face model
+        /// directory (or its config.json).
         model: String,
         #[arg(short, long, value_enum, default_value_t = Output::Table)]
         output: Output,
     },
 }
 
-/// The model's fields with the defaults the planner applies written out.
-fn resolved(spec: &ModelSpec) -> ModelSpec {
-    ModelSpec {
-        ffn_hidden: Some(spec.ffn_hidden.unwrap_or(4 * spec.hidden)),
-        kv_heads: Some(spec.kv_heads.unwrap_or(spec.heads)),
-        ..spec.clone()
-    }
-}
-
 fn table(models: &[(ModelSpec, f64)]) -> String {
-    let header = ["model", "layers", "hidden", "heads", "kv heads", "ffn hidden", "mlp", "seq len", "vocab", "parameters"];
+    let header = ["model", "family", "layers", "hidden", "heads", "kv heads", "ffn hidden", "mlp", "seq len", "vocab", "parameters"];
     let rows = models
         .iter()
         .map(|(m, params)| {
             vec![
                 escape(&m.name).into_owned(),
+                m.family.as_str().to_string(),
                 m.layers.to_string(),
                 m.hidden.to_string(),
                 m.heads.to_string(),
@@ -55,7 +48,7 @@ fn table(models: &[(ModelSpec, f64)]) -> String {
 }
 
 pub fn run(cmd: ModelCommand) -> Result<String, InputError> {
-    let described = |m: &motley_solver::Model| (resolved(&m.spec), m.total_params());
+    let described = |m: &motley_solver::Model| (m.spec.resolved(), m.total_params());
     Ok(match cmd {
         ModelCommand::List { output } => {
             let all =

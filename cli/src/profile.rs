@@ -64,6 +64,10 @@ fn model_value(name_or_file: &str) -> Result<Value, InputError> {
     if motley_solver::model::model_by_name(name_or_file).is_some() || !Path::new(name_or_file).exists() {
         return Ok(Value::String(name_or_file.to_string()));
     }
+    // A Hugging Face directory here: its spec inline (the coordinator may be elsewhere).
+    if let Some(hf) = crate::inputs::hf_model(Path::new(name_or_file)) {
+        return Ok(serde_json::to_value(hf?.0).expect("a model serialises"));
+    }
     let text = std::fs::read_to_string(name_or_file).map_err(|e| InputError(format!("--model: cannot read {name_or_file}: {e}")))?;
     let spec: motley_solver::ModelSpec = crate::inputs::parse_yaml(&text, name_or_file)?;
     Ok(serde_json::to_value(spec).expect("a model serialises"))

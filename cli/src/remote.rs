@@ -433,12 +433,32 @@ pub fn run_node(cmd: NodeCommand) -> Result<String, InputError> {
     }
 }
 
+/// A job file whose `model:` names a Hugging Face model directory (or config.json) on this
+/// machine (as given, else beside the job file) is sent with the model's spec inline, so a
+/// coordinator on another machine plans it; any other file is sent as it is.
+pub fn inline_hf_model(text: &str, file: &std::path::Path) -> Result<String, InputError> {
+    let Ok(mut job) = serde_norway::from_str::<Value>(text) else { return Ok(text.to_string()) };
+    let Some(name) = job.get("model").and_then(Value::as_str) else { return Ok(text.to_string()) };
+    if motley_solver::model::model_by_name(name).is_some() {
+        return Ok(text.to_string());
+    }
+    let given = std::path::Path::new(name);
+    let beside = file.parent().filter(|_| given.is_relative()).map(|d| d.join(given));
+    let Some(hf) = std::iter::once(given.to_path_buf()).chain(beside).find_map(|p| crate::inputs::hf_model(&p)) else {
+        return Ok(text.to_string());
+    };
+    let (spec, _) = hf.map_err(|e| InputError(format!("{}: model: {}", file.display(), e.0)))?;
+    job["model"] = serde_json::to_value(spec).expect("a model serialises");
+    Ok(serde_json::to_string_pretty(&job).expect("a job serialises"))
+}
+
 pub fn run_job(cmd: JobCommand) -> Result<Outcome, InputError> {
     let text = match cmd {
         // The one command whose exit code is the job's outcome.
         JobCommand::Watch { id, remote } => return watch(id, &remote),
         JobCommand::Submit { file, dry_run, remote } => {
             let text = std::fs::read_to_string(&file).map_err(|e| InputError(format!("{}: cannot read job file: {e}", file.display())))?;
+            let text = inline_hf_model(&text, &file)?;
             if dry_run {
                 let v = Client::new(&remote)?
                     .call("POST", "/plan", Some(&text))
@@ -631,6 +651,46 @@ fn watch(id: i64, remote: &Remote) -> Result<Outcome, InputError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_job_naming_a_local_hugging_face_directory_is_sent_with_the_spec_inline() {
+        let root = std::env::temp_dir().join(format!("motley-submit-{}", std::process::id()));
+        let dir = root.join("Tiny-Qwen");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            r#"{"architectures": ["Qwen2ForCausalLM"], "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 4,
+                "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 512}"#,
+        )
+        .unwrap();
+        let job_file = root.join("job.yaml");
+        // Relative to the job file's folder.
+        let text = "name: q\nmodel: Tiny-Qwen\nglobal_batch: 8\nrun: python train.py  # the trainer\n";
+        let sent: Value = serde_json::from_str(&inline_hf_model(text, &job_file).unwrap()).unwrap();
+        assert_eq!((sent["model"]["name"].as_str(), sent["model"]["family"].as_str()), (Some("Tiny-Qwen"), Some("llama")));
+        assert_eq!(
+            (sent["model"]["qkv_bias"].as_bool(), sent["run"].as_str(), sent["global_batch"].as_u64()),
+            (Some(true), Some("python train.py"), Some(8))
+        );
+        let spec: motley_solver::ModelSpec = serde_json::from_value(sent["model"].clone()).unwrap();
+        assert_eq!(spec.layers, 2, "the coordinator reads it as an inline model entry");
+        // As given (an absolute path).
+        let abs = text.replace("Tiny-Qwen", dir.to_str().unwrap());
+        assert!(inline_hf_model(&abs, std::path::Path::new("/elsewhere/job.yaml")).unwrap().contains("\"qkv_bias\": true"));
+        // Catalog names, inline entries and names that are no directory go as they are.
+        for same in [
+            text.replace("Tiny-Qwen", "gpt3-1.3b"),
+            text.replace("Tiny-Qwen", "nowhere"),
+            "model: {name: x}\n".into(),
+            ": bad yaml [".into(),
+        ] {
+            assert_eq!(inline_hf_model(&same, &job_file).unwrap(), same);
+        }
+        std::fs::write(dir.join("config.json"), r#"{"architectures": ["BertModel"]}"#).unwrap();
+        let e = inline_hf_model(text, &job_file).unwrap_err().0;
+        assert!(e.contains("job.yaml: model: ") && e.contains("architectures: 'BertModel'"), "{e}");
+        std::fs::remove_dir_all(root).unwrap();
+    }
 
     #[test]
     fn node_names_stay_one_path_segment() {
