@@ -1,0 +1,95 @@
+"""Real text, end to end: a byte-level BPE tokenizer trained with `tokenizers` on Debian's
+license texts and a small random-init Llama saved by transformers
+(examples/finetune/small_llama.py), a Megatron dataset prepared from those texts (GPL-3 held
+out for evaluation), then `motley dev up` (a coordinator and three agents) runs a job file
+whose `model:` is the Hugging Face directory and whose ranks start from its weights
+(--init-from-hf) under the planner's asymmetric plan (a one-stage replica beside a two-stage
+one, uneven shares). The job exits 0, the eval loss falls clearly, the losses and eval losses
+equal the single process's, and --save-hf writes what transformers loads."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from launcher import DATA, PYTHON, REPO, eval_losses, losses, python_env  # noqa: E402
+from test_dev_up import dev_up  # noqa: E402
+
+CLUSTER = DATA / "dev-asym.yaml"
+STEPS, SEED, TOL = 30, 1, 1e-4
+LICENSES = Path("/usr/share/common-licenses")
+
+
+def run(cmd, **kw):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=python_env(OMP_NUM_THREADS="1"), timeout=600, **kw)
+    assert r.returncode == 0, f"{cmd}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def test_finetune_a_hf_llama_on_real_text_through_dev_up(tmp_path: Path):
+    model = tmp_path / "llama"
+    run([PYTHON, str(REPO / "examples" / "finetune" / "small_llama.py"), str(model)])
+    texts = sorted(str(p) for p in LICENSES.iterdir() if p.is_file() and p.name != "GPL-3")
+    data, held = tmp_path / "data" / "licenses", tmp_path / "data" / "gpl3"
+    data.parent.mkdir()
+    prep = [PYTHON, "-m", "motley_torch.data", "prepare", "--tokenizer", str(model / "tokenizer.json")]
+    run(prep + ["--input", *texts, "--output", str(data)])
+    run(prep + ["--input", str(LICENSES / "GPL-3"), "--output", str(held)])
+    info = json.loads(run([PYTHON, "-m", "motley_torch.data", "inspect", str(data), "-o", "json"]).stdout)
+    assert info["documents"] == len(texts) and info["tokens"] > 50_000, info
+
+    train = (f"--init-from-hf {model} --data {data} --eval-data {held} --eval-samples 12 --eval-every 10 "
+             f"--steps {STEPS} --seed {SEED} --lr 3e-3")
+    job = {
+        "name": "finetune", "model": str(model), "global_batch": 32, "resources": {"gpus": 3},
+        "run": f"{shlex.quote(sys.executable)} -m motley_torch.train {train} --save-hf {tmp_path / 'out'}",
+        "envs": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "python")},
+    }
+    jf = tmp_path / "finetune.yaml"
+    jf.write_text(yaml.safe_dump(job, sort_keys=False))
+    work = tmp_path / "dev"
+    res = dev_up(CLUSTER, jf, work)
+    logs = sorted(work.glob("agents/*/jobs/*/*/rank-*.log"))
+    report = f"--- stdout\n{res.stdout[-6000:]}\n--- stderr\n{res.stderr[-3000:]}\n" + "".join(
+        f"--- {p.relative_to(work)}\n{p.read_text()[-3000:]}\n" for p in logs)
+    assert res.returncode == 0, f"motley dev up exited {res.returncode}\n{report}"
+
+    rank0 = [p for p in logs if p.name == "rank-0.log"]
+    assert len(rank0) == 1, report
+    plan = json.loads((rank0[0].parent / "plan.json").read_text())
+    depths = sorted(len(r["stages"]) for r in plan["replicas"])
+    shares = sorted(r["samples"] for r in plan["replicas"])
+    assert depths == [1, 2] and shares[0] != shares[1], (
+        f"the planner's plan changed ({depths}, {shares}): adjust {CLUSTER.name} so that it stays asymmetric")
+    assert plan["model_spec"]["family"] == "llama"
+
+    text = rank0[0].read_text()
+    got, got_eval = losses(text), eval_losses(text)
+    assert len(got) == STEPS and [s for s, _ in got_eval] == [0, 10, 20, 30], report
+    assert got_eval[-1][1] < got_eval[0][1] - 1.0, f"the eval loss falls clearly: {got_eval}"
+    assert all(json.loads(x).get("tokens_per_s", 0) > 0 for x in text.splitlines()
+               if x.startswith('{"step"') and '"loss"' in x)
+
+    one = run([PYTHON, "-m", "motley_torch.train", "--single-process", *train.split(), "--global-batch", "32"])
+    want, want_eval = losses(one.stdout), eval_losses(one.stdout)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= TOL, f"step {i}: through dev up {a}, single process {b}"
+    for (s, a), (t, b) in zip(got_eval, want_eval):
+        assert s == t and abs(a - b) <= TOL, (got_eval, want_eval)
+
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    from hf_models import load_hf
+
+    load_hf(tmp_path / "out")
+    assert re.search(r"^motley dev: \[.*\]", res.stdout, re.M)
