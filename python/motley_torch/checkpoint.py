@@ -449,7 +449,28 @@ def merge(pieces: List[dict]) -> dict:
 
 def verify_step(step_dir: str) -> dict:
     """Every file of manifest.json: size and each chunk's crc32c; returns the manifest."""
-    m = _read_json(os.path.join(step_dir, MANIFEST))
+    return verify_manifest(step_dir, _read_json(os.path.join(step_dir, MANIFEST)))
+
+
+def step_manifest(step_dir: str) -> dict:
+    """The step's manifest: manifest.json, or, where no node had every piece (a step written
+    across nodes, as uploaded to the cloud), the merge of its pieces, which must be one per
+    rank of the plan that wrote it; every file checked as verify_step does."""
+    if os.path.exists(os.path.join(step_dir, MANIFEST)):
+        return verify_step(step_dir)
+    names = sorted(n for n in os.listdir(step_dir) if n.startswith("manifest.rank.") and n.endswith(".json"))
+    if not names:
+        raise CheckpointError(f"{step_dir}: neither {MANIFEST} nor manifest pieces: not a checkpoint step")
+    m = merge([_read_json(os.path.join(step_dir, n)) for n in names])
+    have = {r["rank"] for r in m["ranks"]}
+    missing = sorted(set(range(m["world_size"])) - have)
+    if missing:
+        raise CheckpointError(f"{step_dir}: no manifest piece of rank {missing[0]} ({len(missing)} of "
+                              f"{m['world_size']} missing): the step is incomplete; use a complete step")
+    return verify_manifest(step_dir, m)
+
+
+def verify_manifest(step_dir: str, m: dict) -> dict:
     for e in [*m["units"], *m["ranks"]]:
         with open(os.path.join(step_dir, e["file"]), "rb") as f:
             data = f.read()

@@ -6,7 +6,9 @@ The step's manifest.json (docs/checkpoint.md) lists every unit with its TP rank 
 every tensor's global shape and layout; each full tensor is put back together from its TP
 shards along that layout (sub-blocks and granules respected), one tensor at a time, and
 streamed into the shards. The model is the one the rank files recorded (`--model` overrides,
-for steps written before they did). Every file's crc32c is checked first.
+for steps written before they did). Every file's crc32c is checked first. A step written across
+nodes (as the agents upload it to the object store) may have its manifest pieces and no
+merged manifest.json: their merge is used, one piece per rank required.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from .checkpoint import CheckpointError, block_label, block_of, read_header, step_dir_name, verify_step
+from .checkpoint import CheckpointError, block_label, block_of, read_header, step_dir_name, step_manifest
 from .plan import ModelSpec, PlanError, load_model
 
 
@@ -72,7 +74,7 @@ def export(ckpt: str, step: int, out: str, model: Optional[str] = None, max_shar
     sdir = os.path.join(ckpt, step_dir_name(step))
     if not os.path.isdir(sdir):
         raise PlanError(f"--step: {sdir} does not exist; `ls {ckpt}` shows the steps written")
-    manifest = verify_step(sdir)
+    manifest = step_manifest(sdir)
     spec = step_spec(manifest, sdir, model)
     units = _units_by_block(manifest, sdir)
 

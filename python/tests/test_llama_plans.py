@@ -128,6 +128,22 @@ def test_two_stages_tp2_checkpoint_exported_to_hf(tmp_path, tmp_path_factory):
     assert r.returncode == 0, r.stderr
     assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("model-*.safetensors"))) > 2
     check_hf_dir(out, spec, tmp_path / "p" / "params.safetensors")
+    # A step written across nodes has its manifest pieces and no manifest.json (as uploaded to
+    # the object store): their merge is used; a missing piece is an incomplete step.
+    import shutil
+
+    pieces = tmp_path / "pieces"
+    shutil.copytree(ckpt, pieces)
+    sdir = pieces / f"step-{STEPS:08d}"
+    (sdir / "manifest.json").unlink()
+    r = subprocess.run([PYTHON, "-m", "motley_torch.export", "--ckpt", str(pieces), "--step", str(STEPS), "--out",
+                        str(tmp_path / "hf2")], capture_output=True, text=True, env=python_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    check_hf_dir(tmp_path / "hf2", spec, tmp_path / "p" / "params.safetensors")
+    (sdir / "manifest.rank.00003.json").unlink()
+    r = subprocess.run([PYTHON, "-m", "motley_torch.export", "--ckpt", str(pieces), "--step", str(STEPS), "--out",
+                        str(tmp_path / "hf3")], capture_output=True, text=True, env=python_env(), timeout=300)
+    assert r.returncode == 2 and "no manifest piece of rank 3" in r.stderr, r.stderr
     bad = subprocess.run([PYTHON, "-m", "motley_torch.export", "--ckpt", str(ckpt), "--step", "7", "--out",
                           str(tmp_path / "x")], capture_output=True, text=True, env=python_env(), timeout=120)
     assert bad.returncode == 2 and "--step: " in bad.stderr and "step-00000007 does not exist" in bad.stderr
