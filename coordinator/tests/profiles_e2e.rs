@@ -44,8 +44,9 @@ fn sibling(name: &str) -> PathBuf {
 }
 
 /// What the stand-in profiler writes: 40 ms forward and 90 ms backward per layer, the model
-/// hash of the model file it was given (sha256 of its bytes: the agent writes the canonical
-/// JSON), and its flags and CUDA_VISIBLE_DEVICES appended to `calls.log`. Micro-batch 4 fails.
+/// hash of `MODEL` (`@HASH@`, what the real profiler computes from the model file it is given,
+/// which must be the whole spec: it fails on a file without `family`), and its flags and
+/// CUDA_VISIBLE_DEVICES appended to `calls.log`. Micro-batch 4 fails.
 const FAKE_PROFILER: &str = r#"#!/bin/sh
 here="$(dirname "$0")"
 echo "$* CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES" >> "$here/calls.log"
@@ -58,7 +59,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 if [ "$mb" = 4 ]; then echo "RuntimeError: CUDA out of memory (stand-in)" >&2; exit 1; fi
-hash=$(sha256sum "$model" | cut -d' ' -f1)
+grep -q '"family":"gpt"' "$model" || { echo "the model file is not the whole spec" >&2; exit 1; }
+hash=@HASH@
 cat > "$out" <<EOF
 profiles:
   - {gpu: $gpu, tp: $tp, micro_batch: $mb, fwd_ms: 40.0, bwd_ms: 90.0, act_mib: 1.0, model: tiny, model_hash: $hash, seq_len: $seq, dtype: $dtype, torch: 2.15.0-standin, device: cpu}
@@ -69,7 +71,8 @@ fn start(database_url: Option<&str>) -> System {
     let dir = std::env::temp_dir().join(common::unique("motley_profiles_e2e"));
     std::fs::create_dir_all(&dir).unwrap();
     let python = dir.join("python");
-    std::fs::write(&python, FAKE_PROFILER).unwrap();
+    let spec: motley_solver::ModelSpec = serde_norway::from_str(MODEL).unwrap();
+    std::fs::write(&python, FAKE_PROFILER.replace("@HASH@", &motley_coordinator::profiling::model_hash(&spec))).unwrap();
     std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_motley-coordinator"));
     cmd.args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--insecure", "--heartbeat-ms", &HEARTBEAT_MS.to_string()])
