@@ -30,7 +30,8 @@ def test_timings_file_has_every_micro_batch_of_every_step(tmp_path):
     check_ok(timed)
     # The stdout contract is unchanged, and timing changes nothing in the training.
     lines = timed[0].stdout.splitlines()
-    assert len(lines) == steps and all(set(json.loads(x)) == {"step", "loss"} for x in lines), timed[0].stdout
+    assert len(lines) == steps and all(set(json.loads(x)) == {"step", "loss", "tokens_per_s", "step_s"}
+                                       for x in lines), timed[0].stdout
     assert losses(timed[0].stdout) == losses(plain[0].stdout)
     for r in range(2):
         recs = [json.loads(x) for x in (tmp_path / "t" / f"rank{r}.jsonl").read_text().splitlines()]
@@ -46,6 +47,7 @@ def test_timings_file_has_every_micro_batch_of_every_step(tmp_path):
             for ph in STEP_PHASES:
                 assert rec[f"{ph}_ms"] >= 0 and rec[f"{ph}_cpu_ms"] >= 0, rec
             assert rec["end_s"] > rec["start_s"]
+            assert rec["data_wait_ms"] == 0.0, "synthetic batches are made in the step, nothing waited for"
             assert abs(rec["step_ms"] - 1e3 * (rec["end_s"] - rec["start_s"])) < 1e-6
             parts = rec["pipeline_ms"] + sum(rec[f"{ph}_ms"] for ph in STEP_PHASES)
             assert parts <= rec["step_ms"] + 1e-6
