@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .plan import ModelSpec
+from .plan import ModelSpec, PlanError
 from .tp import ColumnParallelLinear, RowParallelLinear
 
 
@@ -111,7 +111,7 @@ class Block(nn.Module):
         super().__init__()
         for what, n in (("heads", m.heads), ("kv_heads", m.kv_heads), ("ffn_hidden", m.ffn_hidden)):
             if n % tp_size:
-                raise ValueError(f"model.{what}: {n} is not divisible by the plan's tp {tp_size}")
+                raise PlanError(f"model.{what}: {n} is not divisible by the plan's tp {tp_size}; use a tp that divides it")
         h, hd = m.hidden, m.hidden // m.heads
         self.hd = hd
         self.local_heads = m.heads // tp_size

@@ -148,7 +148,7 @@ def test_a_sliding_window_under_the_sequence_length_is_refused():
 
 def test_a_tp_degree_that_does_not_divide_kv_heads_is_refused():
     spec = spec_from_config(base_config(num_key_value_heads=2), "m", "c")
-    with pytest.raises(ValueError, match="model.kv_heads: 2 is not divisible by the plan's tp 4"):
+    with pytest.raises(PlanError, match="model.kv_heads: 2 is not divisible by the plan's tp 4; use a tp that divides it"):
         GPTStage(spec, 8, (0, 1), tp_rank=0, tp_size=4)
 
 
