@@ -8,6 +8,7 @@
 //! | `scheduler` | the job queue: which queued job gets which free GPUs, and why a job waits | store, solver, fleet |
 //! | `control` | the operations behind both APIs: declare, submit, cancel, plan | store, solver, fleet, lifecycle |
 //! | `checkpoints` | the checkpoint-location bitmap as people and recovery read it: steps, completeness, grids | store |
+//! | `rank_logs` | ranks' logs from their agents (a chunk, a tail); a job's training curves from rank 0's log per generation | store, fleet, agents' log services |
 //! | `profiling` | which layer profiles a job's plan needs; runs sent to agents (in memory); their results stored | store, fleet |
 //! | `store` | every durable read and write, each job move fenced (state, generation, term) in SQL | the database |
 //! | `leader`, `takeover` | who leads; what a new leader resumes | store |
@@ -28,6 +29,7 @@ pub mod load;
 pub mod metrics;
 pub mod notice;
 pub mod profiling;
+pub mod rank_logs;
 pub mod recovery;
 pub mod restore_plan;
 pub mod scheduler;

@@ -1,4 +1,4 @@
-//! `/api/v1/jobs...` and `/api/v1/plan`: jobs, their events, plans and rank logs.
+//! `/api/v1/jobs...` and `/api/v1/plan`: jobs, their events, plans, rank logs and training curves.
 
 use axum::body::Bytes;
 use axum::extract::rejection::QueryRejection;
@@ -12,8 +12,10 @@ use serde_json::Value;
 use super::{ApiResult, AppState};
 use crate::control;
 use crate::error::CoordinatorError;
+use crate::rank_logs;
 use crate::store::{Event, JobRecord, RankAssignment, RankRecord};
 
+pub use motley_contract::curves::Curves;
 pub use motley_contract::views::JobView;
 
 /// The plan and ranks of a job's current launch.
@@ -130,13 +132,7 @@ pub async fn plan_svg(State(s): State<AppState>, Path(id): Path<String>) -> Resu
     let (job, plan, _) = control::current_plan(&s.store, parse_id("id", &id)?).await?;
     let svg = motley_contract::svg::plan_svg_json(&plan)
         .map_err(|e| CoordinatorError::Conflict(format!("job {}'s stored plan does not read as a plan document: {e}", job.id)))?;
-    let headers = [
-        (header::CONTENT_TYPE, "image/svg+xml; charset=utf-8"),
-        (header::CACHE_CONTROL, "no-store"),
-        // Opened on its own, the picture runs nothing and loads nothing.
-        (header::CONTENT_SECURITY_POLICY, "default-src 'none'; style-src 'unsafe-inline'"),
-    ];
-    Ok((headers, svg).into_response())
+    Ok(svg_response(svg))
 }
 
 /// Plan a job file (the body) on the live inventory; nothing is stored or launched.
@@ -162,56 +158,44 @@ pub async fn logs(
     let Query(q) = query.map_err(bad_query)?;
     let job = s.store.job(id).await?;
     let (generation, offset) = (q.generation.unwrap_or(job.generation), q.offset);
-    let ranks = s.store.ranks(id, generation).await?;
-    let Some(r) = ranks.into_iter().find(|r| r.assignment.rank == rank) else {
-        return Err(CoordinatorError::not_found(format!("rank {rank} of job {id} generation {generation}")));
-    };
-    let node = r.assignment.node;
-    let base =
-        s.fleet.logs_url(&node).ok_or_else(|| CoordinatorError::Unavailable(format!("node {node} has no live agent serving logs")))?;
-    let url = format!("{}/logs/{id}/{generation}/{rank}?offset={offset}", base.trim_end_matches('/'));
-    // The agents' token: the agent's log service must never see the operators'.
-    let (token, roots) = (s.tokens.agent.clone(), s.agent_roots.clone());
-    tokio::task::spawn_blocking(move || fetch(&url, token.as_deref(), &node, roots))
+    let log = rank_logs::locate(&s.store, &s.fleet, &access(&s), id, generation, rank).await?;
+    tokio::task::spawn_blocking(move || log.chunk(offset).map(|(bytes, _)| bytes))
         .await
         .map_err(|e| CoordinatorError::Unavailable(format!("log fetch: {e}")))?
 }
 
-/// At most this much log per answer; the reader asks again from the new offset.
-const LOG_CHUNK: u64 = 4 << 20;
+/// How the coordinator fetches from agents: the agents' token (the agent's log service must
+/// never see the operators') and the roots their certificates are checked against.
+fn access(s: &AppState) -> rank_logs::AgentAccess {
+    rank_logs::AgentAccess { token: s.tokens.agent.clone(), roots: s.agent_roots.clone() }
+}
 
-/// One chunk of a rank's log from its agent, with the agents' token; an https logs URL is
-/// checked against `roots` (`--agent-ca-cert`).
-fn fetch(url: &str, token: Option<&str>, node: &str, roots: ureq::tls::RootCerts) -> Result<Vec<u8>, CoordinatorError> {
-    use std::io::Read;
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(std::time::Duration::from_secs(10)))
-        .tls_config(ureq::tls::TlsConfig::builder().root_certs(roots).build())
-        .build()
-        .into();
-    let mut req = agent.get(url);
-    if let Some(t) = token {
-        req = req.header("Authorization", &format!("Bearer {t}"));
-    }
-    let mut resp = req.call().map_err(|e| {
-        // A certificate the coordinator cannot check: say which setting decides.
-        let tls = matches!(e, ureq::Error::Tls(_) | ureq::Error::Rustls(_)) || e.to_string().contains("certificate");
-        let hint = if tls { " (the agent's log-service certificate is checked against --agent-ca-cert)" } else { "" };
-        CoordinatorError::Unavailable(format!("node {node}'s agent: {e}{hint}"))
-    })?;
-    let status = resp.status().as_u16();
-    let mut bytes = vec![];
-    resp.body_mut()
-        .as_reader()
-        .take(LOG_CHUNK)
-        .read_to_end(&mut bytes)
-        .map_err(|e| CoordinatorError::Unavailable(format!("node {node}'s agent: {e}")))?;
-    match status {
-        200 => Ok(bytes),
-        404 => Err(CoordinatorError::not_found(format!("log on node {node} ({})", String::from_utf8_lossy(&bytes).trim()))),
-        other => {
-            Err(CoordinatorError::Unavailable(format!("node {node}'s agent answered {other}: {}", String::from_utf8_lossy(&bytes).trim())))
-        }
-    }
+/// The job's training curves as points: rank 0's JSON lines (`{"step", "loss", "tokens_per_s",
+/// "step_s"}`, `{"step", "eval_loss"}`) of each generation, from the last 8 MiB of its log
+/// (`skipped_bytes` counts what came before), the newest 32 generations.
+#[utoipa::path(get, path = "/api/v1/jobs/{id}/curves", tag = "jobs",
+    responses((status = 200, body = Curves), (status = 404, body = super::ErrorBody)))]
+pub async fn curves(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<Curves> {
+    let (_, curves) = rank_logs::curves(&s.store, &s.fleet, &access(&s), parse_id("id", &id)?).await?;
+    Ok(Json(curves))
+}
+
+/// The job's training curves drawn (SVG, `motley_contract::curves`): loss with eval-loss
+/// markers and tokens/s on one step axis, every generation, each later one's start marked.
+/// The same points as `/curves`; "no steps yet" before rank 0 prints any.
+#[utoipa::path(get, path = "/api/v1/jobs/{id}/curves.svg", tag = "jobs",
+    responses((status = 200, body = String, content_type = "image/svg+xml"), (status = 404, body = super::ErrorBody)))]
+pub async fn curves_svg(State(s): State<AppState>, Path(id): Path<String>) -> Result<Response, CoordinatorError> {
+    let (job, curves) = rank_logs::curves(&s.store, &s.fleet, &access(&s), parse_id("id", &id)?).await?;
+    Ok(svg_response(motley_contract::curves::curves_svg(&curves, &format!("job {}: {}", job.id, job.name))))
+}
+
+/// A picture answer: not cached; opened on its own, it runs nothing and loads nothing.
+fn svg_response(svg: String) -> Response {
+    let headers = [
+        (header::CONTENT_TYPE, "image/svg+xml; charset=utf-8"),
+        (header::CACHE_CONTROL, "no-store"),
+        (header::CONTENT_SECURITY_POLICY, "default-src 'none'; style-src 'unsafe-inline'"),
+    ];
+    (headers, svg).into_response()
 }

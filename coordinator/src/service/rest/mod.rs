@@ -76,6 +76,8 @@ pub fn router(state: AppState) -> Router {
         .route("/jobs/{id}/plan", get(jobs::plan))
         .route("/jobs/{id}/plan.svg", get(jobs::plan_svg))
         .route("/jobs/{id}/ranks/{rank}/logs", get(jobs::logs))
+        .route("/jobs/{id}/curves", get(jobs::curves))
+        .route("/jobs/{id}/curves.svg", get(jobs::curves_svg))
         .route("/jobs/{id}/checkpoints", get(checkpoints::list))
         .route("/jobs/{id}/checkpoints/grid", get(checkpoints::grid))
         .route("/plan", post(jobs::dry_run))

@@ -10,7 +10,7 @@ use utoipa::{Modify, OpenApi};
     paths(
         super::nodes::list, super::nodes::get, super::nodes::declare, super::nodes::remove, super::nodes::drain, super::nodes::undrain,
         super::jobs::list, super::jobs::submit, super::jobs::get, super::jobs::cancel, super::jobs::events,
-        super::jobs::plan, super::jobs::plan_svg, super::jobs::dry_run, super::jobs::logs, super::leader,
+        super::jobs::plan, super::jobs::plan_svg, super::jobs::dry_run, super::jobs::logs, super::jobs::curves, super::jobs::curves_svg, super::leader,
         super::checkpoints::list, super::checkpoints::grid,
         super::profiles::list, super::profiles::get, super::profiles::run, super::profiles::runs, super::profiles::run_state,
     ),

@@ -1,0 +1,121 @@
+//! Training curves through the REST API: a coordinator (with tokens) and an agent as real
+//! processes; a job whose rank 0 prints the training lines (`{"step", "loss", "tokens_per_s",
+//! "step_s"}`, `{"step", "eval_loss"}`, with a NaN loss and other output among them) runs,
+//! and `GET /api/v1/jobs/{id}/curves` answers its points, `/curves.svg` draws them; a job not
+//! launched has none; a generation whose agent is gone says why.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{wait_for_state, Coordinator};
+use serde_json::{json, Value};
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn until(what: &str, mut ok: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ok() {
+        assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+const LINES: &str = r#"[ "$RANK" = 0 ] || exit 0
+echo "loading the model"
+printf '%s\n' '{"step": 1, "loss": 4.5, "tokens_per_s": 1000.5, "step_s": 0.25}' \
+  '{"step": 2, "loss": 4.0, "tokens_per_s": 1100, "step_s": 0.2}' \
+  '{"step": 2, "eval_loss": 4.25}' \
+  '{"step": 3, "loss": NaN, "tokens_per_s": 900}' \
+  '{"step": 3, "loss": 3.5, "tokens_per_s": 1200, "step_s": 0.3}' \
+  '{"note": "not a step"}' 'step 4 loss 3.0'
+"#;
+
+#[test]
+fn a_jobs_training_lines_come_back_as_points_and_a_picture() {
+    let dir = common::temp_dir();
+    let port_base = (10000 + (std::process::id() % 20) * 1024).to_string();
+    let c = Coordinator::start(&dir, &["--heartbeat-ms", "500", "--master-port-base", &port_base]);
+    let agent_token = c.agent_token.clone().or_else(|| c.token.clone()).unwrap();
+    let agent_bin = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-agent");
+    let agent = Proc(
+        Command::new(&agent_bin)
+            .arg("--allow-root-ranks")
+            .args(["--coordinator", &format!("http://{}", c.grpc), "--node", "node-0"])
+            .args(["--inventory", "examples/nodes/a100.yaml", "--token", &agent_token, "--logs-listen", "127.0.0.1:0"])
+            .args(["--shm-dir", dir.join("agent/shm").to_str().unwrap(), "--work-dir", dir.join("agent").to_str().unwrap()])
+            .current_dir(repo())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("motley-agent is built by `cargo nextest run --workspace`"),
+    );
+    until("the agent registered", || c.json("GET", "/api/v1/nodes", "", 200)[0]["live"] == true);
+
+    let script = dir.join("train.sh");
+    std::fs::write(&script, LINES).unwrap();
+    let job = format!("name: curvy\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {{gpus: 2}}\nrun: 'sh {}'\n", script.display());
+    let id = c.json("POST", "/api/v1/jobs", &job, 201)["id"].as_i64().unwrap();
+    let done = wait_for_state(&c, id, &["succeeded", "failed"]);
+    assert_eq!(done["state"], "succeeded", "{done}");
+
+    let curves = c.json("GET", &format!("/api/v1/jobs/{id}/curves"), "", 200);
+    let want = json!({"generations": [{
+        "generation": 1,
+        "points": [
+            {"step": 1, "loss": 4.5, "tokens_per_s": 1000.5, "step_s": 0.25},
+            {"step": 2, "loss": 4.0, "tokens_per_s": 1100.0, "step_s": 0.2},
+            {"step": 3, "loss": 3.5, "tokens_per_s": 1200.0, "step_s": 0.3}],
+        "evals": [{"step": 2, "eval_loss": 4.25}],
+        "non_finite": 1,
+        "skipped_bytes": 0}]});
+    assert_eq!(curves, want);
+
+    let (status, svg) = c.call("GET", &format!("/api/v1/jobs/{id}/curves.svg"), "");
+    assert_eq!(status, 200, "{svg}");
+    assert!(svg.starts_with("<svg ") && svg.ends_with("</svg>\n"), "{svg}");
+    assert!(svg.contains(r#"<polyline class="loss" data-generation="1" data-points="3""#), "{svg}");
+    assert!(svg.contains(r#"<polyline class="tokens" data-generation="1" data-points="3""#), "{svg}");
+    assert_eq!(svg.matches(r#"class="eval""#).count(), 1);
+    assert!(svg.contains("job 1: curvy · steps 1–3 · loss 3.500"), "{svg}");
+    assert!(svg.contains("gen 1: 1 losses skipped (not finite: NaN or inf)"), "{svg}");
+    assert_eq!(c.call_as(Some("wrong"), "GET", &format!("/api/v1/jobs/{id}/curves.svg"), "").0, 401);
+
+    // A job not launched yet (it waits for 64 GPUs) has no generation: an empty chart.
+    let wide = c.json("POST", "/api/v1/jobs", "name: wide\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {gpus: 64}\nrun: 'true'\n", 201);
+    let wide = wide["id"].as_i64().unwrap();
+    assert_eq!(c.json("GET", &format!("/api/v1/jobs/{wide}/curves"), "", 200), json!({"generations": []}));
+    assert!(c.call("GET", &format!("/api/v1/jobs/{wide}/curves.svg"), "").1.contains(">no steps yet</text>"));
+    assert_eq!(c.call("GET", "/api/v1/jobs/999/curves", "").0, 404);
+    assert_eq!(c.call("GET", "/api/v1/jobs/x/curves.svg", "").0, 400);
+
+    // Both are in the OpenAPI document.
+    let doc: Value = serde_json::from_str(&c.call_as(None, "GET", "/api/v1/openapi.json", "").1).unwrap();
+    for path in ["/api/v1/jobs/{id}/curves", "/api/v1/jobs/{id}/curves.svg"] {
+        assert!(doc["paths"][path]["get"].is_object(), "{path} missing from the OpenAPI document");
+    }
+
+    // The agent that held rank 0 is gone: the generation is there, saying why (its node has no
+    // live agent, or the agent's address refuses the connection, by when the lease lapses).
+    drop(agent);
+    until("the agent's lease lapsed", || c.json("GET", "/api/v1/nodes", "", 200)[0]["live"] == false);
+    let curves = c.json("GET", &format!("/api/v1/jobs/{id}/curves"), "", 200);
+    let gen = &curves["generations"][0];
+    assert_eq!(gen["points"], json!([]));
+    assert!(gen["error"].as_str().unwrap().starts_with("node node-0"), "{curves}");
+    let (status, svg) = c.call("GET", &format!("/api/v1/jobs/{id}/curves.svg"), "");
+    assert_eq!(status, 200);
+    assert!(svg.contains("gen 1: log not read: node node-0") && svg.contains("no steps yet"), "{svg}");
+}
