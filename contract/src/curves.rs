@@ -378,9 +378,10 @@ pub fn curves_svg(c: &Curves, title: &str) -> String {
                 }
                 let _ = writeln!(
                     body,
-                    r#"<text x="14" y="{:.1}" font-size="11" text-anchor="middle" transform="rotate(-90 14 {:.1})">{name}</text>"#,
+                    r#"<text x="14" y="{:.1}" font-size="11" text-anchor="middle" transform="rotate(-90 14 {:.1})">{}</text>"#,
                     y + PANEL_H / 2.0,
-                    y + PANEL_H / 2.0
+                    y + PANEL_H / 2.0,
+                    if class == "loss" { "loss" } else { name }
                 );
                 for (i, g) in &drawn {
                     let (colour, dash) = style(*i);

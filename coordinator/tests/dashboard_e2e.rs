@@ -2,10 +2,10 @@
 //! `chromedriver`'s W3C WebDriver HTTP API (a small client below), against a real coordinator
 //! (with a token) and two agents: a wrong token is refused; the nodes appear with their load; a
 //! job submitted from the CLI shows up and moves to succeeded with its events; the plan picture
-//! has one block per stage; a rank's log tail shows its output; drain from the page reaches the
-//! agent; cancel from the page cancels; a standby sends the page to the leader. Screenshots of
-//! each page land in `CARGO_TARGET_TMPDIR/dashboard-screenshots/` (docs/screenshots/ holds a
-//! copy of each).
+//! has one block per stage; the training curves draw rank 0's loss lines; a rank's log tail
+//! shows its output; drain from the page reaches the agent; cancel from the page cancels; a
+//! standby sends the page to the leader. Screenshots of each page land in
+//! `CARGO_TARGET_TMPDIR/dashboard-screenshots/` (docs/screenshots/ holds a copy of each).
 //!
 //! Needs `chromium` and `chromium-driver` (`apt-get install -y chromium chromium-driver`;
 //! `.ci/run` installs them): without them this test fails saying so.
@@ -292,7 +292,8 @@ fn the_dashboard_shows_and_drives_the_cluster() {
         format!("  - {{samples: 8, micro_batches: 4, stages: [{}, {}]}}\n", stage("[0, 10]", "node-0", a), stage("[10, 24]", "node-1", a))
     };
     // Rank 0 also leaves a checkpoint step in MOTLEY_CKPT_DIR, as motley_torch would (one unit
-    // and its rank file, listed by its manifest piece), for the checkpoint view.
+    // and its rank file, listed by its manifest piece), for the checkpoint view, and prints
+    // training lines, for the curves.
     let fake_ckpt = dir.join("fake-ckpt.sh");
     std::fs::write(
         &fake_ckpt,
@@ -305,6 +306,8 @@ cat > "$d/manifest.rank.00000.json" <<EOF
             "bytes": 10, "chunk_bytes": 16777216, "crc32c": [0], "tensors": {}}],
  "ranks": [{"rank": 0, "file": "rank.00000.safetensors", "bytes": 1, "chunk_bytes": 16777216, "crc32c": [0]}]}
 EOF
+printf '%s\n' '{"step": 1, "loss": 2.5, "tokens_per_s": 900, "step_s": 0.5}' '{"step": 2, "eval_loss": 2.4}' \
+  '{"step": 2, "loss": 2.25, "tokens_per_s": 950, "step_s": 0.45}' '{"step": 3, "loss": 2.0, "tokens_per_s": 1000, "step_s": 0.4}'
 "#,
     )
     .unwrap();
@@ -342,7 +345,12 @@ EOF
     // A rank's log tail, fetched through the coordinator from its agent.
     b.click("#log-toggle-0");
     // Tall enough for the whole page in the screenshot.
-    b.call("POST", "/window/rect", Some(&json!({"width": 1280, "height": 1700})));
+    b.call("POST", "/window/rect", Some(&json!({"width": 1280, "height": 2700})));
+    // The training curves: rank 0's loss line (3 steps) and its eval marker, drawn once the job ended.
+    let points = b.wait("the training curves", "return document.querySelector('#curves svg polyline.loss')?.dataset.points || null");
+    assert_eq!(points, "3");
+    assert_eq!(b.js("return document.querySelectorAll('#curves svg circle.eval').length"), 1);
+    assert_eq!(b.js("return document.querySelector('#curves svg polyline.tokens')?.dataset.points"), "3");
     b.wait("rank 0's log", "return document.getElementById('log-0')?.textContent.includes('hello from rank 0')");
     // The checkpoint-location bitmap: the step node-0 reported, where each file is.
     let cells = b.wait(

@@ -1,13 +1,17 @@
 // Motley's dashboard: nodes, jobs and a job's page, read from the REST API every POLL_MS.
 // Plain JavaScript modules, no build step: what this file says is what the browser runs.
 // Every text from the API goes into the page as text (textContent), never as markup; the
-// plan picture comes from the coordinator's own renderer (its text escaped there) and is
-// parsed as SVG, where no script runs (and the page's Content-Security-Policy allows none).
+// plan and training-curve pictures come from the coordinator's own renderers (their text
+// escaped there) and are parsed as SVG, where no script runs (and the page's
+// Content-Security-Policy allows none).
 
 import { api, AuthError, setToken, token } from './api.js';
 
 const POLL_MS = 1500;
 const LOG_KEEP = 64 * 1024;
+// The training curves are redrawn this often while the job runs (each read fetches rank 0's
+// log tails through the coordinator), and once more when it ends.
+const CURVES_MS = 5000;
 const OVER = ['succeeded', 'failed', 'cancelled'];
 
 const $ = (id) => document.getElementById(id);
@@ -176,6 +180,9 @@ function jobsPage(view) {
 function jobPage(view, id) {
   const head = h('div', { id: 'job-head' });
   const plan = h('div', { id: 'plan', class: 'plan', role: 'group', 'aria-label': 'Plan picture' }, h('p', {}, 'Not planned yet.'));
+  // Rank 0's training lines (loss, eval loss, tokens/s) of every generation, drawn by the
+  // coordinator (GET /jobs/{id}/curves.svg).
+  const curves = h('div', { id: 'curves', class: 'plan curves', role: 'group', 'aria-label': 'Training curves' }, h('p', {}, 'No steps yet.'));
   const ranks = h('div', { id: 'ranks' });
   const events = h('ol', { id: 'events', class: 'events', 'aria-live': 'polite', 'aria-label': 'Events', tabindex: 0 });
   // The checkpoint-location bitmap: the steps some node holds and where each file of the newest
@@ -186,9 +193,11 @@ function jobPage(view, id) {
   const recoveries = h('section', { id: 'recoveries', hidden: true, 'aria-labelledby': 'recoveries-heading' });
   const recovered = []; // { why, planned, done, retries }
   view.append(h('p', {}, h('a', { href: '#/jobs' }, '← all jobs')), head,
-    h('h3', {}, 'Plan'), plan, h('h3', {}, 'Ranks'), ranks, checkpoints, recoveries, h('h3', {}, 'Events'), events);
+    h('h3', {}, 'Plan'), plan, h('h3', {}, 'Training curves'), curves, h('h3', {}, 'Ranks'), ranks, checkpoints, recoveries, h('h3', {}, 'Events'), events);
   let lastSeq = 0;
   let planGeneration = 0;
+  let curvesAt = 0; // when the curves were last fetched (ms)
+  let curvesFinal = false; // drawn after the job ended: not fetched again
   const logs = new Map(); // rank -> { open, text, offset, generation }
 
   const cancel = async () => {
@@ -208,6 +217,22 @@ function jobPage(view, id) {
     if (svg.nodeName !== 'svg') throw new Error('the plan picture does not parse');
     replace(plan, document.importNode(svg, true));
     planGeneration = generation;
+  };
+
+  // Every CURVES_MS while the job runs; once more when it is over, then never again.
+  const drawCurves = async (over) => {
+    if (curvesFinal || (!over && Date.now() - curvesAt < CURVES_MS)) return;
+    curvesAt = Date.now();
+    try {
+      const text = await api(`/jobs/${id}/curves.svg`, { text: true });
+      const svg = new DOMParser().parseFromString(text, 'image/svg+xml').documentElement;
+      if (svg.nodeName !== 'svg') throw new Error('the curves picture does not parse');
+      replace(curves, document.importNode(svg, true));
+      curvesFinal = over;
+    } catch (e) {
+      if (e instanceof AuthError) throw e;
+      replace(curves, h('p', { class: 'error' }, `Training curves: ${e.message}`));
+    }
   };
 
   const pollLog = async (rank, generation) => {
@@ -337,6 +362,7 @@ function jobPage(view, id) {
     drawRecoveries();
     if (job.generation > 0) {
       if (planGeneration !== job.generation) await drawPlan(job.generation);
+      await drawCurves(over);
       const p = await api(`/jobs/${id}/plan`);
       for (const [rank, l] of logs) if (l.open) await pollLog(rank, p.generation);
       drawRanks(p.ranks, p.generation);
