@@ -99,4 +99,7 @@ fn the_catalog_has_families() {
     let out = motley(&["model", "list"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("family") && text.contains("llama3-70b"), "{text}");
+    // The plan carries the same fields, defaults filled in.
+    let plan = json(&["plan", "--cluster", "examples/a100-h800.yaml", "--model", "gpt3-1.3b", "--global-batch", "16"]);
+    assert_eq!(plan["model_spec"], g, "the plan's model_spec is `motley model show`'s");
 }

@@ -74,7 +74,7 @@ pub struct SearchReport {
 pub struct PlanReport {
     pub cluster: String,
     pub model: String,
-    /// The whole model (its file's fields), so ranks can build it from the plan alone.
+    /// The whole model (its file's fields, defaults filled in), so ranks can build it from the plan alone.
     pub model_spec: ModelSpec,
     pub global_batch: u32,
     pub micro_batch: u32,
@@ -299,7 +299,7 @@ fn report_placed(
     PlanReport {
         cluster: cm.cluster.name.clone(),
         model: cm.model.spec.name.clone(),
-        model_spec: cm.model.spec.clone(),
+        model_spec: cm.model.spec.resolved(),
         global_batch: cm.opts.global_batch,
         micro_batch: plan.micro_batch,
         seq_len: cm.model.seq_len,
