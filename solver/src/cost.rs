@@ -510,6 +510,26 @@ mod wire_and_optimizer_tests {
     }
 
     #[test]
+    fn a_tied_head_is_held_once_by_a_stage_with_both_ends_and_on_each_end_of_a_pipeline() {
+        let c = cluster();
+        let spec = crate::model::model_by_name("llama3-8b").unwrap();
+        let untied = Model::new(spec.clone(), None).unwrap();
+        let tied = Model::new(crate::ModelSpec { tie_embeddings: true, ..spec }, None).unwrap();
+        let (profiles, opts) = (ProfileSet::default(), PlanOptions::default());
+        let cost = |model: &Model| {
+            CostModel { cluster: &c, model, profiles: &profiles, opts: &opts }.layer_cost(StageKind { class: 0, tp: 1, dp: 1 }, 1)
+        };
+        let (u, t) = (cost(&untied), cost(&tied));
+        let matrix = 128256.0 * 4096.0;
+        assert_eq!(u.ends_params_gpu(true, true) - t.ends_params_gpu(true, true), matrix);
+        let mem = |lc: &LayerCost, first, last| CostModel::stage_memory(lc, 2, first, last, 1, false);
+        assert_eq!(mem(&u, true, true) - mem(&t, true, true), matrix * 16.0, "one stage: the matrix once");
+        assert_eq!(mem(&u, true, false), mem(&t, true, false), "first of a pipeline: a copy");
+        assert_eq!(mem(&u, false, true), mem(&t, false, true), "last of a pipeline: a copy");
+        assert_eq!(u.head_params_gpu, 4096.0 + matrix, "the final RMSNorm and the head");
+    }
+
+    #[test]
     fn a_measured_optimizer_step_replaces_the_estimate() {
         let (c, model) = (cluster(), Model::new(crate::model::model_by_name("gpt3-1.3b").unwrap(), None).unwrap());
         let kinds = [StageKind { class: 0, tp: 1, dp: 1 }];
