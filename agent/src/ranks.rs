@@ -440,7 +440,7 @@ impl Supervisor {
         }
         let doc = motley_contract::PlanDocument::from_json(&l.plan_json).map_err(|e| format!("the launch's plan document: {e}"))?;
         let gpu = u32::try_from(r.gpu).map_err(|_| format!("the launch's GPU index {} is not a GPU index", r.gpu))?;
-        let (groups, common) = motley_contract::for_rank(&doc, &self.node, gpu);
+        let (groups, common) = rank_nccl(&doc, &self.node, gpu)?;
         let nccl = rank_file(dir, r.rank, "groups.json");
         let text = serde_json::to_string(&groups).map_err(|e| e.to_string())?;
         rankfiles::replace(&nccl, text.as_bytes()).map_err(|e| e.to_string())?;
@@ -517,8 +517,9 @@ impl Supervisor {
             }
             cmd.env("MOTLEY_CKPT_RESTORE", list.display().to_string());
         }
-        // NCCL settings every one of the rank's groups agrees on are set at start; the rest are
-        // per group (MOTLEY_NCCL_GROUPS, applied before each communicator is made).
+        // Set at start: the union of the rank's groups' device lists (NCCL reads them once per
+        // process) and the other settings all its groups agree on; the rest are per group
+        // (MOTLEY_NCCL_GROUPS, applied before each communicator is made).
         for (k, v) in &common {
             if !l.envs.contains_key(k) {
                 cmd.env(k, v);
@@ -677,8 +678,74 @@ impl Supervisor {
     }
 }
 
+/// The groups of `node`'s GPU `gpu` and the rank's process-wide NCCL settings
+/// (`motley_solver::network::process_env`); refused, naming both groups and the key, where two
+/// of its groups need device lists no one value satisfies (a plan the planner did not make).
+pub(crate) fn rank_nccl(
+    doc: &motley_contract::PlanDocument,
+    node: &str,
+    gpu: u32,
+) -> Result<(Vec<motley_contract::RankGroup>, std::collections::BTreeMap<String, String>), String> {
+    let groups = motley_contract::for_rank(doc, node, gpu);
+    let envs: Vec<_> = groups.iter().map(|g| &g.env).collect();
+    let common = motley_solver::network::process_env(&envs).map_err(|c| {
+        let (a, b) = (&groups[c.first], &groups[c.second]);
+        let kind = |g: &motley_contract::RankGroup| format!("{:?}", g.kind).to_lowercase();
+        format!(
+            "the plan's comm_groups {} ({}, {}={}) and {} ({}, {}={}) of GPU {node}:{gpu} need {} lists that cannot be united (exact vs prefix matching, or inclusion vs exclusion); NCCL reads it once per process",
+            a.index,
+            kind(a),
+            c.key,
+            a.env[&c.key],
+            b.index,
+            kind(b),
+            c.key,
+            b.env[&c.key],
+            c.key
+        )
+    })?;
+    Ok((groups, common))
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_rank_gets_its_groups_the_union_of_their_device_lists_and_the_settings_they_agree_on() {
+        use motley_contract::GroupKind;
+        let plan = serde_json::json!({"global_batch": 1, "micro_batch": 1, "seq_len": 8, "model": "m", "replicas": [], "comm_groups": [
+            {"kind": "tp", "gpus": [{"node": "a", "index": 0}, {"node": "a", "index": 1}], "transport": "nvlink",
+             "env": {"NCCL_P2P_LEVEL": "NVL"}, "nccl_net": null, "replica": 0, "stage": 0, "layers": [0, 2]},
+            {"kind": "pp", "gpus": [{"node": "a", "index": 0}, {"node": "c", "index": 0}], "transport": "ib",
+             "env": {"NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_1:1", "NCCL_P2P_LEVEL": "NVL"}, "nccl_net": "IB", "replica": 0, "stage": 0, "layers": [1, 1]},
+            {"kind": "dp", "gpus": [{"node": "a", "index": 0}, {"node": "b", "index": 0}], "transport": "ib",
+             "env": {"NCCL_NET": "IB", "NCCL_IB_HCA": "=mlx5_0:1,mlx5_1:1", "NCCL_P2P_LEVEL": "NVL"},
+             "node_env": {"a": {"NCCL_IB_GID_INDEX": "3"}}, "nccl_net": "IB", "replica": null, "stage": null, "layers": [0, 2]},
+            {"kind": "dp", "gpus": [{"node": "a", "index": 1}, {"node": "b", "index": 1}], "transport": "socket",
+             "env": {"NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "=eth0"}, "nccl_net": "Socket", "replica": null, "stage": null, "layers": [0, 2]}
+        ]});
+        let plan: motley_contract::PlanDocument = serde_json::from_value(plan).unwrap();
+        let (groups, common) = super::rank_nccl(&plan, "a", 0).unwrap();
+        let kinds: Vec<(usize, GroupKind)> = groups.iter().map(|g| (g.index, g.kind)).collect();
+        assert_eq!(kinds, [(0, GroupKind::Tp), (1, GroupKind::Pp), (2, GroupKind::Dp)]);
+        assert_eq!(groups[2].env["NCCL_IB_GID_INDEX"], "3", "node a's override applies");
+        let map =
+            |kv: &[(&str, &str)]| kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<std::collections::BTreeMap<_, _>>();
+        // The TP group (first, no device list) does not hide the later groups' HCAs.
+        assert_eq!(common, map(&[("NCCL_IB_HCA", "=mlx5_1:1,mlx5_0:1"), ("NCCL_P2P_LEVEL", "NVL")]));
+        let (_, common) = super::rank_nccl(&plan, "a", 1).unwrap();
+        assert_eq!(common, map(&[("NCCL_SOCKET_IFNAME", "=eth0")]));
+        let (groups, common) = super::rank_nccl(&plan, "b", 0).unwrap();
+        assert_eq!(groups.len(), 1);
+        assert!(!groups[0].env.contains_key("NCCL_IB_GID_INDEX"), "node a's override is not b's");
+        assert_eq!(common["NCCL_NET"], "IB");
+        assert_eq!(super::rank_nccl(&plan, "d", 0).unwrap().1.len(), 0);
+        // A hand-made plan whose lists contradict on one rank is refused, naming both groups.
+        let mut bad = plan.clone();
+        bad.comm_groups[2].env.insert("NCCL_IB_HCA".into(), "^mlx5_2:1".into());
+        let e = super::rank_nccl(&bad, "a", 0).unwrap_err();
+        assert!(e.contains("comm_groups 1 (pp") && e.contains("2 (dp") && e.contains("NCCL_IB_HCA"), "{e}");
+    }
+
     use super::*;
     use std::os::unix::process::CommandExt;
 

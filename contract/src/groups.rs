@@ -1,8 +1,9 @@
 //! A rank's groups file (`MOTLEY_NCCL_GROUPS`): the plan's `comm_groups` that include the
 //! rank's GPU, in the order ranks create them, each with its NCCL settings (the group's `env`
-//! with the node's `node_env` on top). Settings that are the same in every one of the rank's
-//! groups are safe to set once at process start; the rest must be applied per group, just
-//! before its communicator is made (solver/src/network.rs says why).
+//! with the node's `node_env` on top), each applied just before its communicator is made. The
+//! rank's process environment (the union of its groups' device lists, and the other settings
+//! all its groups agree on) is `motley_solver::network::process_env` of these groups' `env`
+//! (solver/src/network.rs says why); the agent sets it at start.
 
 use std::collections::BTreeMap;
 
@@ -27,8 +28,8 @@ pub struct RankGroup {
     pub env: BTreeMap<String, String>,
 }
 
-/// The groups of `node`'s GPU `gpu`, and the settings common to all of them.
-pub fn for_rank(plan: &PlanDocument, node: &str, gpu: u32) -> (Vec<RankGroup>, BTreeMap<String, String>) {
+/// The groups of `node`'s GPU `gpu`, in creation order.
+pub fn for_rank(plan: &PlanDocument, node: &str, gpu: u32) -> Vec<RankGroup> {
     let mut groups = vec![];
     for (index, g) in plan.comm_groups.iter().enumerate() {
         if !g.gpus.iter().any(|m| m.node == node && m.index == gpu) {
@@ -49,14 +50,7 @@ pub fn for_rank(plan: &PlanDocument, node: &str, gpu: u32) -> (Vec<RankGroup>, B
             env,
         });
     }
-    let common = common_env(&groups);
-    (groups, common)
-}
-
-/// Keys every group sets, to the same value.
-fn common_env(groups: &[RankGroup]) -> BTreeMap<String, String> {
-    let Some((first, rest)) = groups.split_first() else { return BTreeMap::new() };
-    first.env.iter().filter(|(k, v)| rest.iter().all(|g| g.env.get(*k) == Some(v))).map(|(k, v)| (k.clone(), v.clone())).collect()
+    groups
 }
 
 #[cfg(test)]
@@ -64,7 +58,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_rank_gets_its_groups_and_only_the_settings_they_agree_on() {
+    fn a_rank_gets_its_groups_with_its_nodes_overrides() {
         let plan = serde_json::json!({"global_batch": 1, "micro_batch": 1, "seq_len": 8, "model": "m", "replicas": [], "comm_groups": [
             {"kind": "tp", "gpus": [{"node": "a", "index": 0}, {"node": "a", "index": 1}], "transport": "nvlink",
              "env": {"NCCL_P2P_LEVEL": "NVL"}, "nccl_net": null, "replica": 0, "stage": 0, "layers": [0, 2]},
@@ -75,17 +69,15 @@ mod tests {
              "env": {"NCCL_NET": "Socket"}, "nccl_net": "Socket", "replica": null, "stage": null, "layers": [0, 2]}
         ]});
         let plan: PlanDocument = serde_json::from_value(plan).unwrap();
-        let (groups, common) = for_rank(&plan, "a", 0);
+        let groups = for_rank(&plan, "a", 0);
         let kinds: Vec<(usize, GroupKind)> = groups.iter().map(|g| (g.index, g.kind)).collect();
         assert_eq!(kinds, [(0, GroupKind::Tp), (1, GroupKind::Dp)], "GPU a:0 is in the first two groups only");
         assert_eq!(groups[1].env["NCCL_IB_GID_INDEX"], "3", "node a's override applies");
         assert_eq!(groups[1].gpus.len(), 2);
-        assert_eq!(common, BTreeMap::from([("NCCL_P2P_LEVEL".to_string(), "NVL".to_string())]));
-        let (groups, common) = for_rank(&plan, "b", 0);
+        let groups = for_rank(&plan, "b", 0);
         assert_eq!(groups.len(), 1);
         assert!(!groups[0].env.contains_key("NCCL_IB_GID_INDEX"), "node a's override is not b's");
-        assert_eq!(common["NCCL_NET"], "IB");
-        let (groups, common) = for_rank(&plan, "c", 0);
-        assert_eq!((groups.len(), common.len()), (0, 0));
+        assert_eq!(groups[0].env["NCCL_NET"], "IB");
+        assert!(for_rank(&plan, "c", 0).is_empty());
     }
 }

@@ -34,12 +34,22 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
-fn start(agents: usize) -> Cluster {
-    let dir = std::env::temp_dir().join(format!(
+fn temp_dir() -> PathBuf {
+    std::env::temp_dir().join(format!(
         "motley-agents-e2e-{}-{}",
         std::process::id(),
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
-    ));
+    ))
+}
+
+fn start(agents: usize) -> Cluster {
+    start_with(vec![PathBuf::from("examples/nodes/a100.yaml"); agents], None)
+}
+
+/// Agents `node-0`, `node-1`, ... with these inventory files (relative to the repository or
+/// absolute), in `dir` when given.
+fn start_with(inventories: Vec<PathBuf>, dir: Option<PathBuf>) -> Cluster {
+    let dir = dir.unwrap_or_else(temp_dir);
     std::fs::create_dir_all(&dir).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_motley-coordinator"))
         .args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--insecure", "--heartbeat-ms", &HEARTBEAT_MS.to_string()])
@@ -59,13 +69,15 @@ fn start(agents: usize) -> Cluster {
     let grpc = grpc.trim().rsplit(' ').next().unwrap().to_string();
     // Built beside the coordinator by the workspace build.
     let agent_bin = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-agent");
-    let count = agents;
-    let agents = (0..count)
-        .map(|i| {
+    let count = inventories.len();
+    let agents = inventories
+        .iter()
+        .enumerate()
+        .map(|(i, inventory)| {
             Some(Proc(
                 Command::new(&agent_bin)
                     .arg("--allow-root-ranks")
-                    .args(["--coordinator", &grpc, "--node", &format!("node-{i}"), "--inventory", "examples/nodes/a100.yaml"])
+                    .args(["--coordinator", &grpc, "--node", &format!("node-{i}"), "--inventory", inventory.to_str().unwrap()])
                     .args(["--shm-dir", dir.join(format!("agent-{i}")).join("shm").to_str().unwrap()])
                     .args(["--work-dir", dir.join(format!("agent-{i}")).to_str().unwrap(), "--logs-listen", "127.0.0.1:0"])
                     .current_dir(repo())
@@ -339,4 +351,76 @@ fn a_second_agent_for_a_held_node_is_refused_and_a_node_is_removed_once_free() {
     c.until(|c| c.get("/api/v1/nodes")[0]["live"] == false, "node-0's lease ends");
     assert_eq!(c.http("DELETE", "/api/v1/nodes/node-0", "")["name"], "node-0");
     assert!(c.get("/api/v1/nodes").as_array().unwrap().is_empty());
+}
+
+/// A Holmes-style cluster (an InfiniBand island and a RoCE island, Ethernet everywhere) and a
+/// TP 2 job: every rank starts with the union of its groups' device lists (NCCL reads
+/// NCCL_IB_HCA and NCCL_SOCKET_IFNAME once per process) and the other settings all its groups
+/// agree on, as the plan's comm_groups say; even a rank whose first group is NVLink-only.
+#[test]
+fn every_rank_of_a_hybrid_tp2_plan_starts_with_the_union_of_its_groups_device_lists() {
+    let dir = temp_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let inventory = |kind: &str, domain: &str| {
+        let path = dir.join(format!("{kind}.yaml"));
+        let text = format!("gpu: A100-80G\ngpus: 4\nintra: nvlink\nnics:\n  - {{name: mlx5_0, kind: {kind}, gbps: 200}}\n  - {{name: eth0, kind: ethernet, gbps: 25}}\nrdma_domain: {domain}\n");
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let (ib, roce) = (inventory("ib", "ib-island"), inventory("roce", "roce-island"));
+    let c = start_with(vec![ib.clone(), ib, roce.clone(), roce], Some(dir));
+    let job = "name: hybrid\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {gpus: 16}\nplan_options: {tp: 2}\nrun: '(env | grep ^NCCL_ || true) > nccl-$MOTLEY_NODE-$CUDA_VISIBLE_DEVICES.txt && echo \"rank $RANK ok\"'\n";
+    let id = c.http("POST", "/api/v1/jobs", job)["id"].as_i64().unwrap();
+    c.until(|c| ["succeeded", "failed"].contains(&c.job_state(id).as_str()), "the job ends");
+    let j = c.get(&format!("/api/v1/jobs/{id}"));
+    assert_eq!(j["state"], "succeeded", "{j}");
+    let plan = c.get(&format!("/api/v1/jobs/{id}/plan"));
+    let groups = plan["plan"]["comm_groups"].as_array().unwrap().clone();
+    assert!(groups.iter().any(|g| g["kind"] == "tp"), "TP 2 makes TP groups: {plan}");
+    let transports: Vec<&str> = groups.iter().map(|g| g["transport"].as_str().unwrap()).collect();
+    assert!(transports.iter().any(|t| ["ib", "roce"].contains(t)), "RDMA inside an island: {transports:?}");
+    let mut with_hca = 0;
+    for (node, gpu) in gpus_of(&c, id) {
+        let agent = node.trim_start_matches("node-");
+        let file = c.dir.join(format!("agent-{agent}/jobs/{id}/1/nccl-{node}-{gpu}.txt"));
+        let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let got: std::collections::BTreeMap<String, String> =
+            text.lines().filter_map(|l| l.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        // The rank's groups, in plan order, each with its node's overrides.
+        let mine: Vec<serde_json::Map<String, Value>> = groups
+            .iter()
+            .filter(|g| g["gpus"].as_array().unwrap().iter().any(|m| m["node"] == node.as_str() && m["index"] == gpu))
+            .map(|g| {
+                let mut env = g["env"].as_object().unwrap().clone();
+                if let Some(over) = g.get("node_env").and_then(|n| n.get(&node)) {
+                    env.extend(over.as_object().unwrap().clone());
+                }
+                env
+            })
+            .collect();
+        assert!(!mine.is_empty(), "{node}:{gpu} is in some group");
+        let mut want = std::collections::BTreeMap::new();
+        for (k, v) in &mine[0] {
+            if !k.ends_with("_HCA") && !k.ends_with("_IFNAME") && mine.iter().all(|e| e.get(k) == Some(v)) {
+                want.insert(k.clone(), v.as_str().unwrap().to_string());
+            }
+        }
+        for key in ["NCCL_IB_HCA", "NCCL_SOCKET_IFNAME"] {
+            let mut names: Vec<&str> = vec![];
+            for list in mine.iter().filter_map(|e| e.get(key)) {
+                let list = list.as_str().unwrap().strip_prefix('=').expect("the planner's lists match exactly");
+                for n in list.split(',') {
+                    if !names.contains(&n) {
+                        names.push(n);
+                    }
+                }
+            }
+            if !names.is_empty() {
+                want.insert(key.to_string(), format!("={}", names.join(",")));
+            }
+        }
+        assert_eq!(got, want, "{node}:{gpu}, groups {mine:?}");
+        with_hca += usize::from(got.contains_key("NCCL_IB_HCA"));
+    }
+    assert!(with_hca > 0, "ranks in RDMA groups start with their HCAs although their first group is NVLink");
 }

@@ -129,7 +129,9 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
         let s = search(&cm, req.mode, &seeds)?;
         (s.plan, s.iteration_time, s.stats)
     };
-    Ok(build_report(&cm, &structure, t, stats, req.exhaustive, [("megatron", megatron), ("whale", whale)]))
+    let report = build_report(&cm, &structure, t, stats, req.exhaustive, [("megatron", megatron), ("whale", whale)]);
+    crate::network::check_process_env(&report.comm_groups)?;
+    Ok(report)
 }
 
 /// A plan given whole (a job's `plan:`: one an operator reviewed, or another planner made),
@@ -182,7 +184,9 @@ pub fn given(req: &PlanRequest, doc: &crate::replan::CurrentPlan) -> Result<Plan
             }
         }
     }
-    Ok(priced_as_given(&cm, &structure, doc))
+    let report = priced_as_given(&cm, &structure, doc);
+    crate::network::check_process_env(&report.comm_groups)?;
+    Ok(report)
 }
 
 /// The report of a plan document's `structure` (from `replan::structure_of`) on the document's
