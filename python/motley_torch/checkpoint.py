@@ -215,7 +215,7 @@ def _snapshot(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_batch: int, lr: float,
-               copy: bool):
+               copy: bool, scaler: Optional[dict] = None):
     """Collect what step `step` writes (copied into host memory when `copy`) and return the
     function that writes it: the rank's units, its rank file, then its piece."""
     grab = _snapshot if copy else (lambda t: t)
@@ -233,6 +233,7 @@ def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_b
     rank_header = {"format": FORMAT, "step": step, "rank": view.rank, "world_size": view.world_size, "seed": seed,
                    "data": {"next_step": step, "samples": step * global_batch},
                    "model": model.spec.to_dict(),
+                   **({"scaler": scaler} if scaler is not None else {}),
                    "scheduler": {"kind": "constant", "lr": lr}}
     rng = torch.get_rng_state()  # a new tensor: already a copy
     rank = view.rank
@@ -396,7 +397,7 @@ class SaveNotice:
 
 
 def save(view, model, optimizer, step: int, directory: str, seed: int, global_batch: int, lr: float,
-         asynchronous: bool = None) -> str:
+         asynchronous: bool = None, scaler: Optional[dict] = None) -> str:
     """Checkpoint step `step` (optimizer steps taken) under `directory`/step-S: this rank's units
     (replica 0's first TP group of each stage; all-replicated blocks once, by TP rank 0, as tp
     0-1), its rank file and its manifest piece; global rank 0 writes the merged manifest.json
@@ -414,7 +415,7 @@ def save(view, model, optimizer, step: int, directory: str, seed: int, global_ba
     # writer thread before this step's files (not in the caller's stall).
     merge_prev = finish(view, _merge_later=asynchronous)
     sdir = os.path.join(directory, step_dir_name(step))
-    write = _write_job(view, model, optimizer, step, sdir, seed, global_batch, lr, copy=asynchronous)
+    write = _write_job(view, model, optimizer, step, sdir, seed, global_batch, lr, copy=asynchronous, scaler=scaler)
     job = write if merge_prev is None else (lambda: (merge_prev(), write()))
     p = _Pending(step, sdir, view.world_size, view.rank)
     _pending = p
@@ -574,6 +575,7 @@ def restore(view, model, optimizer, paths: List[str], position: Optional[dict] =
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise CheckpointError(f"{rf}: data.samples {samples!r} is not a sample count")
         position["samples"] = samples
+        position["scaler"] = headers[rf].get("scaler")
     return step
 
 

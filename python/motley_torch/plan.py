@@ -269,6 +269,11 @@ class Plan:
         self.global_batch = _int(doc, "global_batch", w, 1)
         self.micro_batch = _int(doc, "micro_batch", w, 1)
         self.seq_len = _int(doc, "seq_len", w, 1)
+        # The planner's choice of compute type (`motley plan --precision auto`); None in plans
+        # from before it was recorded.
+        self.precision = doc.get("precision")
+        if self.precision not in (None, "bf16", "fp16", "fp32"):
+            raise PlanError(f"{w}.precision: {self.precision!r} is not bf16, fp16 or fp32")
         if doc.get("model_spec") is not None:
             self.model = ModelSpec.from_dict(doc["model_spec"], where=f"{w}.model_spec")
         elif model is not None:

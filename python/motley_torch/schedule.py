@@ -24,6 +24,7 @@ wait, its compute and its send; unset (the default) the step runs no timing code
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -96,12 +97,14 @@ class Pipeline:
                     self.send_to.append((nxt.ranks[e * nxt.tp + j], rows))
         self.pending = []
         self.timings: Optional[StepTimings] = None  # set to time the micro-batches
+        # The forward passes run under it (precision.autocast: torch.autocast for bf16/fp16).
+        self.autocast = contextlib.nullcontext
 
     def _pg(self, g):
         return g.pg if g is not None else None
 
     def _send(self, t: torch.Tensor, dst: int, group):
-        t = t.detach().contiguous()
+        t = t.detach().to(self.dtype).contiguous()
         self.pending.append((dist.isend(t, dst=dst, group=self._pg(group)), t))
 
     def _recv(self, shape, src: int, group) -> torch.Tensor:
@@ -133,7 +136,8 @@ class Pipeline:
                     x = x_in
                 if tm is not None:
                     t1 = clock()
-                out = self.model(x)
+                with self.autocast():
+                    out = self.model(x)
                 if v.is_last_stage:
                     tgt = micro[k][1].to(v.device)
                     loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), tgt.reshape(-1), reduction="sum")
@@ -185,7 +189,8 @@ class Pipeline:
                     parts = [self._recv((b - a, self.seq_len, self.hidden), src, v.pp_prev_group)
                              for src, (a, b) in self.recv_from]
                     x = torch.cat(parts) if len(parts) > 1 else parts[0]
-                out = self.model(x)
+                with self.autocast():
+                    out = self.model(x)
                 if v.is_last_stage:
                     tgt = targets.to(v.device)
                     total += float(F.cross_entropy(out.float().reshape(-1, out.shape[-1]), tgt.reshape(-1),

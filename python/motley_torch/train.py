@@ -41,7 +41,6 @@ from .model import GPTStage
 from .checkpoint import CheckpointError
 from .plan import ModelSpec, PlanError, load_model
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv=None):
@@ -55,8 +54,18 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seeds the initial parameters and the synthetic data")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                   help="parameter and activation type; bf16/fp16 on CUDA only (fp16 without a loss scaler)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="compute type: fp32 master weights and AdamW state, forward under autocast in bf16/fp16 "
+                        "(fp16 with one dynamic loss scale for the job); auto (default): the plan's precision on "
+                        "CUDA, fp32 on the CPU")
+    p.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16: the first loss scale (2^16)")
+    p.add_argument("--loss-scale-window", type=int, default=2000,
+                   help="fp16: clean steps in a row after which the scale doubles (2000)")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="gradients are reduced over their rings in buckets of at most this many MiB, each launched "
+                        "during the backward pass once its gradients are final (default 25)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="reduce the gradients after the step's pipeline instead, one buffer per layer segment")
     p.add_argument("--save-params", metavar="DIR",
                    help="write the final parameters, full (unsharded) tensors, to DIR/params.safetensors")
     p.add_argument("--init-from-hf", metavar="DIR",
@@ -106,10 +115,28 @@ def make_optimizer(params, args):
     return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
 
 
-def emit(step: int, loss: float, tokens: int = 0, step_s: float = 0.0):
-    """One progress line: the global mean loss, tokens per second and the step's wall seconds."""
+def emit(step: int, loss: float, tokens: int = 0, step_s: float = 0.0, loss_scale: float = 1.0,
+         skipped: bool = False):
+    """One progress line: the global mean loss, tokens per second, the step's wall seconds, the
+    loss scale the step ran with and whether an overflow skipped its update."""
     print(json.dumps({"step": step, "loss": loss, "tokens_per_s": round(tokens / step_s, 3) if step_s > 0 else 0.0,
-                      "step_s": round(step_s, 6)}), flush=True)
+                      "step_s": round(step_s, 6), "loss_scale": loss_scale, "skipped": skipped}), flush=True)
+
+
+def memory_line(model, opt, device) -> str:
+    """{"memory": {...}}, MB: what the rank's parameters, gradients and optimizer state hold
+    and its peak (CUDA: max_memory_allocated; CPU: the process's peak RSS)."""
+    import resource
+
+    def mb(ts):
+        return round(sum(t.numel() * t.element_size() for t in ts) / 2**20, 3)
+
+    params = list(model.parameters())
+    state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    peak = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return json.dumps({"memory": {"params_mb": mb(params), "grads_mb": mb([p.grad for p in params if p.grad is not None]),
+                                  "optimizer_mb": mb(state), "peak_mb": round(peak, 3), "device": device.type}})
 
 
 def emit_eval(step: int, loss: float):
@@ -170,13 +197,15 @@ def run_single(args) -> int:
         raise PlanError("--global-batch: required with --single-process (a positive integer)")
     spec = resolve_spec(args)
     seq = args.seq_len or spec.seq_len
-    dtype = DTYPES[args.dtype]
+    from .precision import LossScaler, autocast, resolve
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype != torch.float32 and device.type != "cuda":
-        raise PlanError(f"--dtype: {args.dtype} needs CUDA; use fp32 on the CPU")
+    precision = resolve(args.dtype, None, device)
+    amp = autocast(precision, device)
+    scaler = LossScaler(precision == "fp16", args.initial_loss_scale, args.loss_scale_window)
     model = build_stage(args, spec, seq, (0, spec.layers))
     init_weights(model, args)
-    model.to(device=device, dtype=dtype)
+    model.to(device=device)
     opt = make_optimizer(model.parameters(), args)
     source = StepSource(args, spec.vocab, seq, args.global_batch)
     evals = eval_set(args, spec.vocab, seq)
@@ -187,7 +216,8 @@ def run_single(args) -> int:
         with torch.no_grad():
             for chunk in eval_chunks(evals, args.global_batch):
                 inputs, targets = split_inputs_targets(chunk)
-                logits = model(inputs.to(device))
+                with amp():
+                    logits = model(inputs.to(device))
                 total += float(F.cross_entropy(logits.float().reshape(-1, spec.vocab), targets.to(device).reshape(-1),
                                                reduction="sum", ignore_index=-100))
         emit_eval(step, total / (evals.shape[0] * seq))
@@ -199,18 +229,24 @@ def run_single(args) -> int:
             t0 = time.perf_counter()
             tokens = source.tokens(step).to(device)
             log_samples(args.sample_log, step, source.ids)
-            logits = model(tokens[:, :-1])
+            with amp():
+                logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, spec.vocab), tokens[:, 1:].reshape(-1), reduction="sum")
             loss = loss / (args.global_batch * seq)
-            loss.backward()
+            used = scaler.factor()
+            (loss * used).backward()
+            skipped = scaler.step(model.parameters())
             if args.save_grads and step == 0:
                 os.makedirs(args.save_grads, exist_ok=True)
                 save_file({n: p.grad.detach().float().cpu() for n, p in model.named_parameters()},
                           os.path.join(args.save_grads, "grads.safetensors"))
-            opt.step()
+            if not skipped:
+                opt.step()
+            if step == 0:
+                print(memory_line(model, opt, device), flush=True)
             opt.zero_grad(set_to_none=True)
             value = float(loss.detach())
-            emit(step, value, args.global_batch * seq, time.perf_counter() - t0)
+            emit(step, value, args.global_batch * seq, time.perf_counter() - t0, used, skipped)
             if step + 1 in due:
                 evaluate(step + 1)
     finally:
@@ -267,16 +303,23 @@ def run_rank(args) -> int:
     _check_model(plan.model, given, args.model)
     _check_model(plan.model, hf_spec, f"--init-from-hf {args.init_from_hf}")
     spec, seq = plan.model, plan.seq_len
-    dtype = DTYPES[args.dtype]
-    if dtype != torch.float32 and view.device.type != "cuda":
-        raise PlanError(f"--dtype: {args.dtype} needs CUDA; use fp32 on the CPU")
+    from .grad_sync import OverlappedReducer
+    from .precision import LossScaler, autocast, resolve
+
+    precision = resolve(args.dtype, plan.precision, view.device)
+    print(f"motley-precision {precision} (asked {args.dtype}, plan {plan.precision})", file=sys.stderr, flush=True)
+    scaler = LossScaler(precision == "fp16", args.initial_loss_scale, args.loss_scale_window)
     tp_pg = view.tp_group.pg if view.tp_group is not None else None
     model = build_stage(args, spec, seq, view.layers, group=tp_pg, tp_rank=view.tp_rank, tp_size=view.tp_size)
     init_weights(model, args)
-    model.to(device=view.device, dtype=dtype)
+    model.to(device=view.device)
     tied = tied_group(view, model)
     opt = make_optimizer(model.parameters(), args)
-    pipe = Pipeline(view, model, spec.hidden, seq, dtype=dtype)
+    # Activations cross stages in fp32 (the residual stream's type under autocast).
+    pipe = Pipeline(view, model, spec.hidden, seq, dtype=torch.float32)
+    pipe.autocast = autocast(precision, view.device)
+    synced = [(n, p) for n, p in model.named_parameters() if tied is None or n not in tied.names]
+    reducer = None if args.no_overlap else OverlappedReducer(view, synced, model.segment_of, args.bucket_mb)
     scale = 1.0 / (plan.global_batch * seq)
     reports_loss = view.is_last_stage and view.tp_rank == 0
     start = 0
@@ -285,6 +328,7 @@ def run_rank(args) -> int:
         from . import checkpoint
 
         start = checkpoint.restore(view, model, opt, checkpoint.restore_list(args.ckpt_restore), position=position)
+        scaler.load(position.get("scaler"), "MOTLEY_CKPT_RESTORE")
         print(f"motley-restore step {start} samples {position['samples']}", file=sys.stderr, flush=True)
     source = StepSource(args, spec.vocab, seq, plan.global_batch, samples_consumed=position["samples"])
     evals = eval_set(args, spec.vocab, seq)
@@ -325,21 +369,31 @@ def run_rank(args) -> int:
         tokens = source.tokens(step)
         if view.rank == 0:
             log_samples(args.sample_log, step, source.ids)
-        local = pipe.step(rank_micro_batches(plan, view.rank, tokens), scale)
+        micro = rank_micro_batches(plan, view.rank, tokens)
+        used = scaler.factor()
+        if reducer is not None:
+            reducer.start_step(len(micro))
+        local = pipe.step(micro, scale * used) / used
         if tfile is not None:
             c1 = clock()
         pipe.finish()
         if tfile is not None:
             c2 = clock()
+        if reducer is not None:
+            reducer.finish()
+        else:
+            allreduce_gradients(view, synced, model.segment_of)
         if tied is not None:
             tied.sync()
-        allreduce_gradients(view, [(n, p) for n, p in model.named_parameters() if tied is None or n not in tied.names],
-                            model.segment_of)
+        skipped = scaler.step(model.parameters(), agree=lambda flag: agree_any(flag, view))
         if args.save_grads and step == start:
             save_params_distributed(view, model, args.save_grads, grads=True)
         if tfile is not None:
             c3 = clock()
-        opt.step()
+        if not skipped:
+            opt.step()
+        if step == start:
+            print(memory_line(model, opt, view.device), flush=True)
         opt.zero_grad(set_to_none=True)
         if tfile is not None:
             c4 = clock()
@@ -349,7 +403,7 @@ def run_rank(args) -> int:
                          device=view.device)
         dist.all_reduce(t)
         if view.rank == 0:
-            emit(step, float(t.item()), plan.global_batch * seq, time.perf_counter() - t_step)
+            emit(step, float(t.item()), plan.global_batch * seq, time.perf_counter() - t_step, used, skipped)
         if tfile is not None:
             c5 = clock()
             rec = {"step": step, "rank": view.rank, "replica": view.replica, "stage": view.stage,
@@ -374,7 +428,8 @@ def run_rank(args) -> int:
             from . import checkpoint
 
             checkpoint.save(view, model, opt, step + 1, args.ckpt_dir, seed=args.seed,
-                            global_batch=plan.global_batch, lr=args.lr, asynchronous=args.ckpt_async)
+                            global_batch=plan.global_batch, lr=args.lr, asynchronous=args.ckpt_async,
+                            scaler=scaler.state() if scaler.enabled else None)
     source.close()
     if args.ckpt_dir:
         from . import checkpoint
@@ -391,6 +446,15 @@ def run_rank(args) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def agree_any(flag: bool, view) -> bool:
+    """True on every rank when it is True on any (one all-reduce MAX over the world)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0], device=view.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
 
 
 class TiedSync:

@@ -1,11 +1,9 @@
 import sys
 from pathlib import Path
 
-# tests import the launcher helpers by module name; the package itself comes from the install
-# (`pip install -e python`) or, failing that, from the source tree.
+# tests import the launcher helpers by module name, and the package from this source tree,
+# whatever checkout a reused venv's editable install points at (the ranks the tests start get
+# the same tree on PYTHONPATH: launcher.python_env).
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-try:
-    import motley_torch  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent))

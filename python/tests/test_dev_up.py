@@ -36,7 +36,8 @@ def step_losses(text: str) -> list:
     for line in text.splitlines():
         if line.startswith("{"):
             d = json.loads(line)
-            out.append((d["step"], d["loss"]))
+            if "loss" in d:
+                out.append((d["step"], d["loss"]))
     return out
 
 

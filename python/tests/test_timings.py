@@ -29,9 +29,12 @@ def test_timings_file_has_every_micro_batch_of_every_step(tmp_path):
     timed = launch(plan, args + ["--timings", str(tmp_path / "t" / "rank{rank}.jsonl")], tmp_path / "timed")
     check_ok(timed)
     # The stdout contract is unchanged, and timing changes nothing in the training.
-    lines = timed[0].stdout.splitlines()
-    assert len(lines) == steps and all(set(json.loads(x)) == {"step", "loss", "tokens_per_s", "step_s"}
-                                       for x in lines), timed[0].stdout
+    docs = [json.loads(x) for x in timed[0].stdout.splitlines()]
+    lines = [d for d in docs if "step" in d]
+    assert len(lines) == steps and all(set(d) == {"step", "loss", "tokens_per_s", "step_s", "loss_scale", "skipped"}
+                                       for d in lines), timed[0].stdout
+    assert [set(d["memory"]) for d in docs if "memory" in d] == [
+        {"params_mb", "grads_mb", "optimizer_mb", "peak_mb", "device"}], timed[0].stdout
     assert losses(timed[0].stdout) == losses(plain[0].stdout)
     for r in range(2):
         recs = [json.loads(x) for x in (tmp_path / "t" / f"rank{r}.jsonl").read_text().splitlines()]

@@ -1,0 +1,120 @@
+"""Mixed precision and overlapped gradient sync on CPU ranks (gloo): fp32 master weights with
+bf16/fp16 autocast, one dynamic loss scale for the job (an overflow skips the step on every
+rank and halves the scale, clean steps double it, the scale survives a checkpoint), gradient
+buckets launched during the backward pass giving the losses of the unbucketed sync, and the
+memory line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+import yaml
+
+from launcher import DATA, PYTHON, check_ok, hand_plan, launch, python_env
+
+from motley_torch.plan import PlanError
+from motley_torch.precision import LossScaler, resolve
+
+MODEL = DATA / "tiny-llama.yaml"
+SPEC = yaml.safe_load(MODEL.read_text())
+
+
+def steps(stdout: str):
+    return [d for d in map(json.loads, stdout.splitlines()) if "loss" in d]
+
+
+def two_replicas():
+    """Two replicas of two stages each (4 ranks): every layer's ring has two members."""
+    return hand_plan(SPEC, 8, 2, [dict(micro_batches=2, stages=[
+        dict(layers=[0, 2], tp=1, dp=1, gpus=[(n, 0)]), dict(layers=[2, 4], tp=1, dp=1, gpus=[(n, 1)])])
+        for n in ("a", "b")])
+
+
+def single(*extra):
+    r = subprocess.run([PYTHON, "-m", "motley_torch.train", "--single-process", "--model", str(MODEL),
+                        "--global-batch", "8", "--seq-len", "16", "--seed", "4", *extra], capture_output=True,
+                       text=True, env=python_env(OMP_NUM_THREADS="1"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_resolve_follows_the_plan_on_cuda_and_is_fp32_on_the_cpu():
+    cpu = torch.device("cpu")
+    assert resolve("auto", "fp16", cpu) == "fp32"
+    assert resolve("bf16", "fp16", cpu) == "bf16"
+    with pytest.raises(PlanError, match="--dtype: 'fp8'"):
+        resolve("fp8", None, cpu)
+
+
+def test_the_loss_scaler_skips_on_any_ranks_overflow_and_grows_after_a_window():
+    p = torch.nn.Parameter(torch.ones(3))
+    s = LossScaler(True, initial=8.0, window=2)
+    p.grad = torch.full((3,), 16.0)
+    assert s.step([p], agree=lambda local: True) is True, "another rank overflowed: skip"
+    assert s.scale == 4.0 and p.grad is None
+    p.grad = torch.full((3,), 8.0)
+    assert s.step([p], agree=lambda local: local) is False and torch.equal(p.grad, torch.full((3,), 2.0))
+    p.grad = torch.full((3,), 8.0)
+    assert s.step([p]) is False and s.scale == 8.0, "two clean steps double it"
+    p.grad = torch.tensor([1.0, float("inf"), 0.0])
+    assert s.step([p]) is True and s.scale == 4.0 and s.clean == 0
+    off = LossScaler(False)
+    p.grad = torch.tensor([float("nan"), 0.0, 0.0])
+    assert off.step([p]) is False and off.factor() == 1.0
+    with pytest.raises(PlanError, match="--loss-scale-window"):
+        LossScaler(True, window=0)
+
+
+def test_fp16_loss_scale_is_one_for_the_job_and_survives_a_checkpoint(tmp_path):
+    """A scale far too large overflows: every step is skipped on every rank (rank 0's lines say
+    so) and the scale halves until steps go through; then it doubles every 2 clean steps. The
+    distributed run takes the single process's decisions, and a restore from step 6 goes on
+    with the scale it had."""
+    args = ["--dtype", "fp16", "--initial-loss-scale", str(2.0 ** 24), "--loss-scale-window", "2", "--seed", "4"]
+    ckpt = tmp_path / "ckpt"
+    res = launch(two_replicas(), ["--steps", "10", *args, "--ckpt-dir", str(ckpt), "--ckpt-every", "6",
+                                  "--ckpt-sync"], tmp_path / "run")
+    check_ok(res)
+    got = steps(res[0].stdout)
+    want = steps(single("--steps", "10", "--dtype", "fp16", "--initial-loss-scale", str(2.0 ** 24),
+                        "--loss-scale-window", "2"))
+    decisions = [(d["loss_scale"], d["skipped"]) for d in got]
+    assert decisions == [(d["loss_scale"], d["skipped"]) for d in want], (got, want)
+    assert decisions[0] == (2.0 ** 24, True) and any(not s for _, s in decisions), decisions
+    first = next(i for i, (_, s) in enumerate(decisions) if not s)
+    assert all(decisions[i][0] == decisions[i - 1][0] / 2 for i in range(1, first + 1))
+    for a, b in zip(got, want):
+        assert abs(a["loss"] - b["loss"]) <= 2e-2, (a, b)
+    files = sorted(str(p) for p in (ckpt / "step-00000006").iterdir() if p.name.endswith(".safetensors"))
+    again = launch(two_replicas(), ["--steps", "10", *args, "--ckpt-restore", json.dumps(files)], tmp_path / "again")
+    check_ok(again)
+    resumed = steps(again[0].stdout)
+    assert [(d["step"], d["loss_scale"], d["skipped"]) for d in resumed] == [
+        (d["step"], d["loss_scale"], d["skipped"]) for d in got[6:]]
+
+
+def test_bf16_trains_close_to_fp32_and_overlap_equals_the_unbucketed_sync(tmp_path):
+    plan = two_replicas()
+    base = ["--steps", "4", "--seed", "4"]
+    over = launch(plan, base + ["--bucket-mb", "0.01"], tmp_path / "over")
+    plain = launch(plan, base + ["--no-overlap"], tmp_path / "plain")
+    check_ok(over)
+    check_ok(plain)
+    a, b = steps(over[0].stdout), steps(plain[0].stdout)
+    assert len(a) == 4 and all(abs(x["loss"] - y["loss"]) <= 1e-6 for x, y in zip(a, b)), (a, b)
+    want = steps(single("--steps", "4"))
+    assert all(abs(x["loss"] - y["loss"]) <= 1e-4 for x, y in zip(a, want))
+    half = launch(plan, base + ["--dtype", "bf16"], tmp_path / "bf16")
+    check_ok(half)
+    h = steps(half[0].stdout)
+    assert all(abs(x["loss"] - y["loss"]) <= 5e-2 for x, y in zip(h, want)), (h, want)
+    assert any(abs(x["loss"] - y["loss"]) > 1e-6 for x, y in zip(h, want)), "bf16 really ran"
+    assert all("motley-precision bf16" in r.log for r in half)
+    mem = [json.loads(x)["memory"] for r in over for x in r.stdout.splitlines() if x.startswith('{"memory"')]
+    assert len(mem) == 4, "every rank prints one memory line after its first step"
+    for m in mem:
+        assert m["optimizer_mb"] == pytest.approx(2 * m["params_mb"], rel=0.01), m
+        assert m["grads_mb"] == pytest.approx(m["params_mb"], rel=0.01) and m["peak_mb"] > 0
