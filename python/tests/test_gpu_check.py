@@ -1,0 +1,56 @@
+"""python/gpu-check's pure parts (the peak table, MFU arithmetic, the rendering) and its
+behaviour without CUDA: it says so and exits 0, claiming nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from motley_torch.gpu_check import MODEL, mfu, peak_tflops, render, train_flops_per_token
+
+SCRIPT = Path(__file__).resolve().parent.parent / "gpu-check"
+
+
+def test_peaks_by_device_name():
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5
+    assert peak_tflops("Tesla V100-SXM2-32GB", "bf16") is None, "V100 has no bf16"
+    assert peak_tflops("Some New GPU", "bf16") is None
+
+
+def test_flops_per_token_and_mfu():
+    spec = {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn_hidden": 14336, "vocab": 128256}
+    f = train_flops_per_token(spec, 8192)
+    params = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 128256 * 4096
+    assert f == 6 * params + 12 * 32 * 4096 * 8192
+    # Llama 3 8B at 8192 tokens: about 6 x 7.5e9 + attention.
+    assert 4.5e10 < f < 6e10
+    assert mfu(1000.0, 1e12, 989.0) == pytest.approx(1000 * 1e12 / 989e12)
+    assert mfu(1000.0, 1e12, None) is None and mfu(0.0, 1e12, 989.0) is None
+    assert train_flops_per_token(MODEL, 512) > 0
+
+
+def test_render_lists_every_check():
+    out = render([{"check": "train llama", "ok": True, "precision": "bf16", "tokens_per_s": 1234.4, "mfu": 0.4567,
+                   "detail": "loss 10.4 -> 7.1"},
+                  {"check": "nccl netName config", "ok": False, "detail": "no NCCL"}])
+    lines = out.splitlines()
+    assert lines[0].split() == ["check", "ok", "precision", "tokens/s", "MFU", "detail"]
+    assert "1234" in lines[2] and "45.7%" in lines[2] and "yes" in lines[2]
+    assert "NO" in lines[3] and "no NCCL" in lines[3]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA path")
+def test_without_cuda_it_says_so_and_exits_0():
+    import sys
+
+    r = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=120, env={"PYTHON": sys.executable,
+                                                                                     "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and "no CUDA device here" in r.stdout and "nothing checked" in r.stdout, r.stderr
+    r = subprocess.run([str(SCRIPT), "-o", "json"], capture_output=True, text=True, timeout=120,
+                       env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and json.loads(r.stdout) == {"cuda": False, "checks": []}
