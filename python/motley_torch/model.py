@@ -25,6 +25,7 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .plan import ModelSpec, PlanError
@@ -178,6 +179,7 @@ class GPTStage(nn.Module):
         super().__init__()
         self.spec, self.seq_len, self.l0, self.l1 = m, seq_len, layers[0], layers[1]
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.recompute = False
         self.first = self.l0 == 0
         self.last = self.l1 == m.layers
         self.llama = m.family == "llama"
@@ -204,7 +206,12 @@ class GPTStage(nn.Module):
             if not self.llama:
                 x = x + self.pos(torch.arange(s, device=x.device))[None]
         for blk in self.layers.values():
-            x = blk(x)
+            if self.recompute and torch.is_grad_enabled():
+                # Full activation recomputation (the plan's `recompute`): only the block's input
+                # is kept; its forward runs again in the backward pass.
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
         if self.last:
             x = self.ln_f(x)
             x = F.linear(x, self.embed.weight) if self.tied_here else self.head(x)

@@ -272,6 +272,8 @@ class Plan:
         # The planner's choice of compute type (`motley plan --precision auto`); None in plans
         # from before it was recorded.
         self.precision = doc.get("precision")
+        # Full activation recomputation as the plan was priced with (`--recompute`).
+        self.recompute = bool(doc.get("recompute", False))
         if self.precision not in (None, "bf16", "fp16", "fp32"):
             raise PlanError(f"{w}.precision: {self.precision!r} is not bf16, fp16 or fp32")
         if doc.get("model_spec") is not None:

@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="gradients are reduced over their rings in buckets of at most this many MiB, each launched "
                         "during the backward pass once its gradients are final (default 25)")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute every block's activations in the backward pass (also when the plan says so)")
     p.add_argument("--no-overlap", action="store_true",
                    help="reduce the gradients after the step's pipeline instead, one buffer per layer segment")
     p.add_argument("--save-params", metavar="DIR",
@@ -206,6 +208,7 @@ def run_single(args) -> int:
     model = build_stage(args, spec, seq, (0, spec.layers))
     init_weights(model, args)
     model.to(device=device)
+    model.recompute = args.recompute
     opt = make_optimizer(model.parameters(), args)
     source = StepSource(args, spec.vocab, seq, args.global_batch)
     evals = eval_set(args, spec.vocab, seq)
@@ -313,6 +316,9 @@ def run_rank(args) -> int:
     model = build_stage(args, spec, seq, view.layers, group=tp_pg, tp_rank=view.tp_rank, tp_size=view.tp_size)
     init_weights(model, args)
     model.to(device=view.device)
+    model.recompute = args.recompute or plan.recompute
+    if model.recompute:
+        print("motley-recompute on", file=sys.stderr, flush=True)
     tied = tied_group(view, model)
     opt = make_optimizer(model.parameters(), args)
     # Activations cross stages in fp32 (the residual stream's type under autocast).
