@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use motley_solver::bandwidth::BandwidthSpec;
 use motley_solver::replan::{replan, CurrentPlan, SwitchPolicy};
-use motley_solver::{Calibration, Cluster, Model, PlanOptions, PlanRequest, Precision, ProfileSet, SolverError};
+use motley_solver::{Calibration, Cluster, Model, PlanOptions, PlanRequest, PrecisionChoice, ProfileSet, SolverError};
 
 use crate::inputs::{self, InputError, Mode, Output};
 use crate::table;
@@ -61,8 +61,10 @@ pub struct PlanArgs {
     #[arg(long)]
     p2p_blocking: bool,
     /// The data type the run computes in: which peak of each GPU the roofline uses (V100, T4
-    /// and P100 have no bf16 tensor cores: bf16 runs at their fp32 rate).
-    #[arg(long, value_enum, default_value_t = PrecisionArg::Fp16)]
+    /// and P100 have no bf16 tensor cores: bf16 runs at their fp32 rate). auto: bf16 when
+    /// every GPU type of the cluster has bf16 tensor cores, fp16 otherwise; the plan's
+    /// `precision` says which.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Auto)]
     precision: PrecisionArg,
     /// Measured efficiency per GPU type (YAML or JSON; format in solver/README.md), in place of
     /// --efficiency for the types it lists.
@@ -91,20 +93,22 @@ pub fn write_svg(path: &std::path::Path, plan: &serde_json::Value) -> Result<(),
     std::fs::write(path, svg).map_err(|e| InputError(format!("--svg: cannot write {}: {e}", path.display())))
 }
 
-/// `--precision fp16|bf16|fp32`.
+/// `--precision auto|fp16|bf16|fp32`.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PrecisionArg {
+    Auto,
     Fp16,
     Bf16,
     Fp32,
 }
 
-impl From<PrecisionArg> for Precision {
+impl From<PrecisionArg> for PrecisionChoice {
     fn from(p: PrecisionArg) -> Self {
         match p {
-            PrecisionArg::Fp16 => Precision::Fp16,
-            PrecisionArg::Bf16 => Precision::Bf16,
-            PrecisionArg::Fp32 => Precision::Fp32,
+            PrecisionArg::Auto => PrecisionChoice::Auto,
+            PrecisionArg::Fp16 => PrecisionChoice::Fp16,
+            PrecisionArg::Bf16 => PrecisionChoice::Bf16,
+            PrecisionArg::Fp32 => PrecisionChoice::Fp32,
         }
     }
 }
@@ -184,7 +188,8 @@ fn load(a: &PlanArgs) -> Result<Loaded, InputError> {
         Some(path) => inputs::load_calibration(path, &cluster)?,
         None => Calibration::default(),
     };
-    cluster.check_precision(a.precision.into()).map_err(|e| InputError(format!("--precision: {e}")))?;
+    let precision = PrecisionChoice::from(a.precision).resolve(&cluster);
+    cluster.check_precision(precision).map_err(|e| InputError(format!("--precision: {e}")))?;
     let opts = PlanOptions {
         global_batch: a.global_batch,
         micro_batch: a.micro_batch,
@@ -195,7 +200,7 @@ fn load(a: &PlanArgs) -> Result<Loaded, InputError> {
         max_stages: a.max_stages,
         tp: a.tp,
         p2p_blocking: a.p2p_blocking,
-        precision: a.precision.into(),
+        precision,
         calibration,
     };
     Ok(Loaded { cluster, model, profiles, opts })

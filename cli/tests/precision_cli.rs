@@ -28,8 +28,25 @@ fn bf16_is_slow_only_where_there_are_no_bf16_tensor_cores() {
     assert_eq!(time(&a16), time(&abf), "A100 has bf16 tensor cores at the fp16 rate");
     let a32 = plan(&a100, &["--precision", "fp32"]);
     assert!(time(&a32) > 5.0 * time(&a16));
-    // The default is fp16: the flag spelled out changes nothing.
+    // The default (auto) is fp16 on V100s: the flag spelled out changes nothing.
     assert_eq!(time(&plan(&v100, &["--precision", "fp16"])), time(&v16));
+}
+
+#[test]
+fn auto_precision_is_bf16_only_where_every_gpu_has_bf16_tensor_cores_and_the_plan_says_which() {
+    let a100 = write_temp("a100auto.yaml", A100);
+    let mixed =
+        write_temp("mixedauto.yaml", "name: m\nnodes:\n  - {name: a, gpu: A100-80G, gpus: 4}\n  - {name: v, gpu: V100-32G, gpus: 4}\n");
+    let v100 = write_temp("v100auto.yaml", V100);
+    assert_eq!(plan(&a100, &[])["precision"], "bf16", "A100s have bf16 tensor cores");
+    assert_eq!(plan(&a100, &["--precision", "auto"])["precision"], "bf16");
+    assert_eq!(plan(&mixed, &[])["precision"], "fp16", "a V100 among them: fp16");
+    assert_eq!(plan(&v100, &[])["precision"], "fp16");
+    // Explicit values are kept, whatever the GPUs.
+    for p in ["fp16", "bf16", "fp32"] {
+        assert_eq!(plan(&a100, &["--precision", p])["precision"], p);
+        assert_eq!(plan(&mixed, &["--precision", p])["precision"], p);
+    }
 }
 
 #[test]
@@ -38,15 +55,24 @@ fn a_calibration_sets_the_efficiency_of_the_types_it_lists() {
     let slow = write_temp("slow.yaml", "gpus:\n  - {gpu: a100-80g, efficiency: 0.25, source: a test}\n");
     let other = write_temp("other.yaml", "gpus:\n  - {gpu: T4, efficiency: 0.25}\n");
     let at_bf16 = write_temp("bf16only.yaml", "gpus:\n  - {gpu: A100-80G, precision: bf16, efficiency: 0.25}\n");
-    let base = plan(&a100, &[]);
-    let cal = plan(&a100, &["--calibration", slow.to_str().unwrap()]);
+    // At fp16 (auto would be bf16 on A100s), where the bf16-only entry does not apply.
+    let base = plan(&a100, &["--precision", "fp16"]);
+    let cal = plan(&a100, &["--precision", "fp16", "--calibration", slow.to_str().unwrap()]);
     let st = &cal["replicas"][0]["stages"][0];
     let st0 = &base["replicas"][0]["stages"][0];
     // Half the default efficiency: the compute-bound layers take twice as long.
     let (f, f0) = (st["fwd_s"].as_f64().unwrap(), st0["fwd_s"].as_f64().unwrap());
     assert!(f > 1.5 * f0 && st["bwd_s"].as_f64().unwrap() > 1.5 * st0["bwd_s"].as_f64().unwrap(), "{f} vs {f0}");
-    assert_eq!(time(&plan(&a100, &["--calibration", other.to_str().unwrap()])), time(&base), "T4's entry does not apply to A100s");
-    assert_eq!(time(&plan(&a100, &["--calibration", at_bf16.to_str().unwrap()])), time(&base), "a bf16 entry does not apply at fp16");
+    assert_eq!(
+        time(&plan(&a100, &["--precision", "fp16", "--calibration", other.to_str().unwrap()])),
+        time(&base),
+        "T4's entry does not apply to A100s"
+    );
+    assert_eq!(
+        time(&plan(&a100, &["--precision", "fp16", "--calibration", at_bf16.to_str().unwrap()])),
+        time(&base),
+        "a bf16 entry does not apply at fp16"
+    );
     assert!(time(&plan(&a100, &["--calibration", at_bf16.to_str().unwrap(), "--precision", "bf16"])) > 1.5 * time(&base));
     // Per-stage and per-hop times are in the JSON for every plan.
     for r in base["replicas"].as_array().unwrap() {
@@ -100,7 +126,7 @@ fn bad_calibrations_and_precisions_are_refused_naming_the_field() {
     // clap's own refusal (several lines, with the possible values), exit code 2 as well.
     let out = motley(&["plan", "--cluster", c, "--model", "gpt3-1.3b", "--precision", "fp8"]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("fp16, bf16, fp32"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("auto, fp16, bf16, fp32"));
     let mine = write_temp(
         "mine.yaml",
         "name: m\nnodes:\n  - {name: a, gpu: Mine, gpus: 2}\ngpu_types:\n  - {name: Mine, memory_gib: 80, tflops: 100, mem_bw_gbps: 1000}\n",

@@ -93,6 +93,10 @@ pub struct PlanDocument {
     pub replicas: Vec<ReplicaDoc>,
     #[serde(default)]
     pub comm_groups: Vec<CommGroupDoc>,
+    /// What the plan was priced in and ranks should compute in: "bf16", "fp16" or "fp32"
+    /// (`--precision`, `auto` resolved; absent in documents from before it was added).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<String>,
 }
 
 /// Where one GPU sits in a plan's parallelism.
@@ -179,6 +183,7 @@ mod tests {
                 ReplicaDoc { samples: 4, micro_batches: 2, stages: vec![stage([0, 4], 1, 1, vec![gpu("c", 5)])] },
             ],
             comm_groups: vec![],
+            precision: None,
         };
         let all = plan.placements();
         assert_eq!(all.len(), 6);

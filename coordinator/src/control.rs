@@ -380,7 +380,8 @@ async fn solve(
     let cluster = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: vec![] })
         .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
     let model = spec.model()?;
-    let (opts, mode) = spec.plan_options()?;
+    let (mut opts, mode) = spec.plan_options()?;
+    opts.precision = spec.precision(&cluster);
     // A carried plan names real GPU indices; the solver numbers the offer's free GPUs 0..n.
     let given = match &spec.plan {
         None => None,

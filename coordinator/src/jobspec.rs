@@ -23,6 +23,7 @@
 //!   reserve_gib: 1.5          # GiB kept free on every GPU
 //!   efficiency: 0.5           # roofline: fraction of peak a layer reaches
 //!   p2p_blocking: false       # pipeline sends block the stage (Megatron-LM's 1F1B)
+//!   precision: auto           # auto | bf16 | fp16 | fp32 (auto: bf16 where every GPU has bf16 tensor cores)
 //! checkpoint:                 # checkpoints (optional; docs/checkpoint.md)
 //!   every: 100                # ranks save every 100 steps (MOTLEY_CKPT_EVERY) into MOTLEY_CKPT_DIR
 //!   keep: 2                   # complete steps each agent keeps on local disk (MOTLEY_CKPT_KEEP)
@@ -45,7 +46,7 @@ use std::collections::BTreeMap;
 
 use crate::error::{CoordinatorError, Result};
 use motley_solver::replan::CurrentPlan;
-use motley_solver::{Model, ModelSpec, PlanOptions, SearchMode};
+use motley_solver::{Model, ModelSpec, PlanOptions, PrecisionChoice, SearchMode};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -97,6 +98,9 @@ pub struct PlanOptionsSpec {
     pub efficiency: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub p2p_blocking: Option<bool>,
+    /// auto (the default), fp16, bf16 or fp32, as `motley plan --precision`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<PrecisionChoice>,
 }
 
 /// The job's checkpoints (`checkpoint:`): how often ranks save, how many complete steps agents
@@ -440,6 +444,11 @@ impl JobSpec {
         envs
     }
 
+    /// `plan_options.precision` (absent: auto), resolved on the cluster the job is planned on.
+    pub fn precision(&self, cluster: &motley_solver::Cluster) -> motley_solver::Precision {
+        self.plan_options.as_ref().and_then(|p| p.precision).unwrap_or_default().resolve(cluster)
+    }
+
     /// How the job uses measured profiles (absent: `auto`, fp32).
     pub fn profiling(&self) -> ProfilingSpec {
         self.profiling.clone().unwrap_or_default()
@@ -635,6 +644,28 @@ mod tests {
         assert!(err("{seq_len: 0}").starts_with("plan_options.seq_len:"), "{}", err("{seq_len: 0}"));
         assert!(err("{search: thorough}").contains("search"));
         assert!(err("{tpp: 2}").contains("unknown field `tpp`"));
+        let e = err("{precision: fp8}");
+        assert!(e.contains("plan_options.precision: unknown variant `fp8`") && e.contains("auto"), "{e}");
+    }
+
+    #[test]
+    fn precision_is_auto_unless_pinned_and_auto_is_bf16_only_where_every_gpu_has_bf16_tensor_cores() {
+        use motley_solver::{Cluster, ClusterSpec, Precision};
+        let cluster = |gpus: &[&str]| {
+            let nodes: Vec<String> =
+                gpus.iter().enumerate().map(|(i, g)| format!("  - {{name: n{i}, gpu: {g}, gpus: 2, intra: nvlink}}\n")).collect();
+            let spec: ClusterSpec = serde_norway::from_str(&format!("name: c\nnodes:\n{}", nodes.concat())).unwrap();
+            Cluster::from_spec(&spec).unwrap()
+        };
+        let (a100, mixed) = (cluster(&["A100-80G", "A100-80G"]), cluster(&["A100-80G", "V100-32G"]));
+        let j = JobSpec::parse(GOOD).unwrap();
+        assert_eq!((j.precision(&a100), j.precision(&mixed)), (Precision::Bf16, Precision::Fp16));
+        let j = JobSpec::parse(&format!("{GOOD}plan_options: {{precision: auto}}\n")).unwrap();
+        assert_eq!(j.precision(&a100), Precision::Bf16);
+        for (v, p) in [("fp16", Precision::Fp16), ("bf16", Precision::Bf16), ("fp32", Precision::Fp32)] {
+            let j = JobSpec::parse(&format!("{GOOD}plan_options: {{precision: {v}}}\n")).unwrap();
+            assert_eq!((j.precision(&a100), j.precision(&mixed)), (p, p), "{v} is kept");
+        }
     }
 
     #[test]

@@ -375,6 +375,7 @@ fn every_rank_of_a_hybrid_tp2_plan_starts_with_the_union_of_its_groups_device_li
     let j = c.get(&format!("/api/v1/jobs/{id}"));
     assert_eq!(j["state"], "succeeded", "{j}");
     let plan = c.get(&format!("/api/v1/jobs/{id}/plan"));
+    assert_eq!(plan["plan"]["precision"], "bf16", "plan_options.precision defaults to auto: bf16 on A100s");
     let groups = plan["plan"]["comm_groups"].as_array().unwrap().clone();
     assert!(groups.iter().any(|g| g["kind"] == "tp"), "TP 2 makes TP groups: {plan}");
     let transports: Vec<&str> = groups.iter().map(|g| g["transport"].as_str().unwrap()).collect();

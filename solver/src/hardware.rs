@@ -55,7 +55,47 @@ impl Precision {
     }
 }
 
+/// `--precision` / a job's `plan_options.precision`: a precision, or `auto` (the default):
+/// bf16 when every GPU type of the cluster given to the planner has bf16 tensor cores
+/// ([`GpuType::has_bf16_tensor_cores`]), fp16 otherwise. It is decided on the cluster's GPU
+/// types (every type the search may use), not on the chosen plan's, because the precision
+/// prices the search itself: a plan that leaves a V100 idle is still planned in fp16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrecisionChoice {
+    #[default]
+    Auto,
+    Fp16,
+    Bf16,
+    Fp32,
+}
+
+impl PrecisionChoice {
+    /// The precision to plan in on `cluster`.
+    pub fn resolve(self, cluster: &Cluster) -> Precision {
+        match self {
+            PrecisionChoice::Auto => cluster.auto_precision(),
+            PrecisionChoice::Fp16 => Precision::Fp16,
+            PrecisionChoice::Bf16 => Precision::Bf16,
+            PrecisionChoice::Fp32 => Precision::Fp32,
+        }
+    }
+}
+
 impl GpuType {
+    /// Whether the type has bf16 tensor cores (Ampere and later), as its peaks say: no
+    /// `bf16_tflops` means bf16 runs at `tflops` (yes); a `bf16_tflops` above `fp32_tflops`
+    /// means tensor cores (yes); one at or below it means bf16 runs on the fp32 pipes (no:
+    /// V100, T4, P100 in the catalog, whose bf16 column equals their fp32 one). Without
+    /// `fp32_tflops`, a bf16 peak of at least half of `tflops` counts as tensor cores.
+    pub fn has_bf16_tensor_cores(&self) -> bool {
+        match (self.bf16_tflops, self.fp32_tflops) {
+            (None, _) => true,
+            (Some(b), Some(f)) => b > f,
+            (Some(b), None) => b >= self.tflops / 2.0,
+        }
+    }
+
     /// Dense TFLOPS at `p`; None when the type does not say (fp32 without `fp32_tflops`).
     pub fn peak_tflops(&self, p: Precision) -> Option<f64> {
         match p {
@@ -68,8 +108,9 @@ impl GpuType {
 
 /// The built-in catalog: vendor datasheet numbers (dense, no sparsity). Columns: memory GiB,
 /// fp16 tensor TFLOPS, memory GB/s, NVLink GB/s, bf16 TFLOPS, fp32 (non-tensor) TFLOPS.
-/// V100, T4 and P100 have no bf16 tensor cores: their bf16 column is their fp32 rate (bf16
-/// products run on the fp32 pipes; Espresso's DeepSpeed traces measure bf16 layers on V100
+/// V100, T4 and P100 have no bf16 tensor cores: their bf16 column is their fp32 rate, equal to
+/// the fp32 column, which is how `GpuType::has_bf16_tensor_cores` tells (bf16 products run
+/// on the fp32 pipes; Espresso's DeepSpeed traces measure bf16 layers on V100
 /// and T4 at 5-9% of the fp16 tensor peak, BENCHMARKS.md). A10G is AWS's A10 (NVIDIA's A10
 /// sheet: 125 TFLOPS fp16/bf16 tensor, 31.2 fp32, 600 GB/s).
 pub fn gpu_catalog() -> Vec<GpuType> {
@@ -384,6 +425,16 @@ impl Cluster {
         Ok(Cluster { name: spec.name.clone(), nodes, classes, measured })
     }
 
+    /// `--precision auto`: bf16 when every GPU type of the cluster has bf16 tensor cores,
+    /// fp16 otherwise.
+    pub fn auto_precision(&self) -> Precision {
+        if self.classes.iter().all(|c| c.gpu.has_bf16_tensor_cores()) {
+            Precision::Bf16
+        } else {
+            Precision::Fp16
+        }
+    }
+
     /// Every GPU type the cluster uses has a peak at `p` (fp32 needs `fp32_tflops`).
     pub fn check_precision(&self, p: Precision) -> Result<()> {
         match self.classes.iter().find(|c| c.gpu.peak_tflops(p).is_none()) {
@@ -509,4 +560,48 @@ pub fn multi_edge_gbit(nics: &[NicSpec], switch_gbit: f64) -> BTreeMap<NicKind, 
         *out.entry(kind).or_insert(0.0) += gbit.min(switch_gbit);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_catalog_says_which_gpus_have_bf16_tensor_cores() {
+        for g in gpu_catalog() {
+            let none = ["V100-32G", "V100-16G", "T4", "P100"].contains(&g.name.as_str());
+            assert_eq!(g.has_bf16_tensor_cores(), !none, "{}", g.name);
+        }
+        let mine = |bf16, fp32| GpuType {
+            name: "Mine".into(),
+            memory_gib: 80.0,
+            tflops: 100.0,
+            mem_bw_gbps: 1000.0,
+            nvlink_gbps: 0.0,
+            bf16_tflops: bf16,
+            fp32_tflops: fp32,
+        };
+        assert!(mine(None, None).has_bf16_tensor_cores(), "no bf16 peak: bf16 runs at tflops");
+        assert!(!mine(Some(10.0), Some(10.0)).has_bf16_tensor_cores(), "bf16 at the fp32 rate");
+        assert!(mine(Some(80.0), None).has_bf16_tensor_cores());
+        assert!(!mine(Some(10.0), None).has_bf16_tensor_cores());
+    }
+
+    #[test]
+    fn auto_is_bf16_only_where_every_gpu_type_has_bf16_tensor_cores() {
+        let cluster = |gpus: &[&str]| {
+            let nodes: Vec<String> = gpus.iter().enumerate().map(|(i, g)| format!("  - {{name: n{i}, gpu: {g}, gpus: 2}}\n")).collect();
+            let spec: ClusterSpec = serde_norway::from_str(&format!("name: c\nnodes:\n{}", nodes.concat())).unwrap();
+            Cluster::from_spec(&spec).unwrap()
+        };
+        let (a100, mixed) = (cluster(&["A100-80G", "H100"]), cluster(&["A100-80G", "V100-32G"]));
+        assert_eq!(PrecisionChoice::Auto.resolve(&a100), Precision::Bf16);
+        assert_eq!(PrecisionChoice::Auto.resolve(&mixed), Precision::Fp16);
+        assert_eq!(PrecisionChoice::default(), PrecisionChoice::Auto);
+        for (c, p) in
+            [(PrecisionChoice::Fp16, Precision::Fp16), (PrecisionChoice::Bf16, Precision::Bf16), (PrecisionChoice::Fp32, Precision::Fp32)]
+        {
+            assert_eq!((c.resolve(&a100), c.resolve(&mixed)), (p, p));
+        }
+    }
 }

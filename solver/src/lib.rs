@@ -28,7 +28,7 @@ pub mod search;
 pub use calibration::Calibration;
 pub use cost::{CostModel, PlanOptions};
 pub use error::{Result, SolverError};
-pub use hardware::{Cluster, ClusterSpec, Precision};
+pub use hardware::{Cluster, ClusterSpec, Precision, PrecisionChoice};
 pub use model::{Model, ModelSpec};
 pub use profile::ProfileSet;
 pub use report::{plan, PlanReport, PlanRequest};

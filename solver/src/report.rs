@@ -79,6 +79,8 @@ pub struct PlanReport {
     pub global_batch: u32,
     pub micro_batch: u32,
     pub seq_len: u64,
+    /// The precision the plan was priced in (`--precision`, `auto` resolved): fp16, bf16, fp32.
+    pub precision: crate::Precision,
     pub iteration_time_s: f64,
     pub tokens_per_s: f64,
     /// Model FLOPs per second over the peak of every GPU in the cluster.
@@ -307,6 +309,7 @@ fn report_placed(
         global_batch: cm.opts.global_batch,
         micro_batch: plan.micro_batch,
         seq_len: cm.model.seq_len,
+        precision: cm.opts.precision,
         iteration_time_s: eval.iteration_time,
         tokens_per_s: b * cm.model.seq_len as f64 / eval.iteration_time,
         peak_utilization: flops / eval.iteration_time / peak,
