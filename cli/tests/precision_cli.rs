@@ -141,3 +141,10 @@ fn bad_calibrations_and_precisions_are_refused_naming_the_field() {
     );
     refused(&["plan", "--cluster", bad_type.to_str().unwrap(), "--model", "gpt3-1.3b"], &["gpu_types[0].bf16_tflops", "positive"]);
 }
+
+#[test]
+fn the_plan_says_whether_it_was_priced_with_recomputation() {
+    let a100 = write_temp("a100recompute.yaml", A100);
+    assert_eq!(plan(&a100, &[])["recompute"], false);
+    assert_eq!(plan(&a100, &["--recompute"])["recompute"], true, "the ranks recompute as the plan assumes");
+}

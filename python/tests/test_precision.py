@@ -152,3 +152,18 @@ def test_recompute_runs_every_block_forward_again_in_backward(monkeypatch):
         m.recompute = recompute
         m(torch.randint(0, 64, (2, 8))).sum().backward()
         assert len(seen) == 4 * calls, (recompute, len(seen))
+
+
+def test_ranks_follow_the_planners_precision_and_recompute(tmp_path):
+    """A plan from `motley plan --recompute`: it records its precision (auto resolved) and
+    recompute; CPU ranks compute in fp32 under auto (the plan's GPUs are only stood in for) and
+    recompute as the plan assumes."""
+    from launcher import motley_plan
+
+    plan = motley_plan("uniform-4x2.yaml", "tiny-llama.yaml", 8, "--tp", "2", "--micro-batch", "2", "--reserve-gib",
+                       "0", "--max-stages", "2", "--recompute")
+    assert plan["recompute"] is True and plan["precision"] in ("bf16", "fp16"), plan.get("precision")
+    res = launch(plan, ["--steps", "2", "--seed", "4"], tmp_path)
+    check_ok(res)
+    assert all(f"motley-precision fp32 (asked auto, plan {plan['precision']})" in r.log for r in res)
+    assert all("motley-recompute on" in r.log for r in res)

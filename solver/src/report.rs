@@ -81,6 +81,9 @@ pub struct PlanReport {
     pub seq_len: u64,
     /// The precision the plan was priced in (`--precision`, `auto` resolved): fp16, bf16, fp32.
     pub precision: crate::Precision,
+    /// Whether the plan was priced with full activation recomputation (`--recompute`): the
+    /// ranks recompute as it assumes.
+    pub recompute: bool,
     pub iteration_time_s: f64,
     pub tokens_per_s: f64,
     /// Model FLOPs per second over the peak of every GPU in the cluster.
@@ -310,6 +313,7 @@ fn report_placed(
         micro_batch: plan.micro_batch,
         seq_len: cm.model.seq_len,
         precision: cm.opts.precision,
+        recompute: cm.opts.recompute,
         iteration_time_s: eval.iteration_time,
         tokens_per_s: b * cm.model.seq_len as f64 / eval.iteration_time,
         peak_utilization: flops / eval.iteration_time / peak,
