@@ -6,25 +6,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{wait_for_state, Coordinator};
+use common::{repo, wait_for_state, Coordinator, Proc};
 use serde_json::{json, Value};
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
 
 fn until(what: &str, mut ok: impl FnMut() -> bool) {
     let start = Instant::now();

@@ -27,7 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 # Dense tensor-core peak TFLOPS per precision (vendor datasheets; fp32 without TF32).
 PEAKS = {

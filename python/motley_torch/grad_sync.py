@@ -20,6 +20,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from .schedule import segment_params
+
 
 class _Bucket:
     def __init__(self, group, params: List[torch.nn.Parameter]):
@@ -34,15 +36,7 @@ class OverlappedReducer:
         if bucket_mb <= 0:
             raise ValueError("bucket_mb must be positive")
         limit = int(bucket_mb * 2**20)
-        by_seg: Dict[int, list] = {}
-        for name, p in named_params:
-            layer = segment_of(name)
-            for i, s in enumerate(view.segments):
-                if s.layers[0] <= layer < s.layers[1]:
-                    by_seg.setdefault(i, []).append(p)
-                    break
-            else:
-                raise RuntimeError(f"parameter {name} (layer {layer}) is in none of the rank's segments")
+        by_seg = segment_params(view, named_params, segment_of)
         self.buckets: List[_Bucket] = []
         self.bucket_of: Dict[torch.nn.Parameter, _Bucket] = {}
         for i, params in sorted(by_seg.items()):
@@ -62,7 +56,8 @@ class OverlappedReducer:
         self.counts: Dict[torch.nn.Parameter, int] = {}
         self.expected = 0
         self.launched: List[_Bucket] = []
-        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.bucket_of]
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._hook)
 
     def _add(self, pg, params):
         b = _Bucket(pg, params)
@@ -111,7 +106,3 @@ class OverlappedReducer:
                     p.grad.copy_(g)
                 off += n
             b.work, b.flat = None, None
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()

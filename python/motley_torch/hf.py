@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 from .plan import ModelSpec, PlanError
 
@@ -176,7 +176,6 @@ _LAYER_MAP = {
     "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
     "mlp.down.weight": "mlp.down_proj.weight",
 }
-_HF_LAYER = {v: k for k, v in _LAYER_MAP.items()}
 
 
 def hf_name(name: str, spec: ModelSpec) -> str:
@@ -192,21 +191,6 @@ def hf_name(name: str, spec: ModelSpec) -> str:
     if m and m.group(2) in _LAYER_MAP:
         return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
     raise HFError(f"parameter {name}: has no Hugging Face name (family {spec.family})")
-
-
-def motley_name(hf: str) -> Optional[str]:
-    """The Motley name of a transformers tensor, None for what Motley does not keep
-    (e.g. rotary_emb.inv_freq buffers of old checkpoints)."""
-    if hf == "model.embed_tokens.weight":
-        return "embed.weight"
-    if hf == "model.norm.weight":
-        return "ln_f.weight"
-    if hf == "lm_head.weight":
-        return "head.weight"
-    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf)
-    if m and m.group(2) in _HF_LAYER:
-        return f"layers.{m.group(1)}.{_HF_LAYER[m.group(2)]}"
-    return None
 
 
 # ---- reading one rank's slices --------------------------------------------------------------
@@ -358,7 +342,6 @@ def write_hf(out_dir: str, spec: ModelSpec, tensors: Iterable[Tuple[str, "object
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    shards: List[Tuple[str, Dict[str, object]]] = []
     cur: Dict[str, object] = {}
     size = 0
     tmp_names: List[str] = []

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import os
 import struct
-from array import array
-from typing import BinaryIO, List, Optional, Sequence, Tuple
+from typing import BinaryIO, Optional, Sequence, Tuple
 
 import numpy as np
 

@@ -207,8 +207,9 @@ class Pipeline:
         self.pending = []
 
 
-def allreduce_gradients(view: RankView, named_params, segment_of: Callable[[str], int]):
-    """SUM each layer segment's gradients over its dp ring (one flat buffer per segment)."""
+def segment_params(view: RankView, named_params, segment_of: Callable[[str], int]) -> Dict[int, List[torch.nn.Parameter]]:
+    """The parameters of each of the rank's layer segments (index into view.segments), in the
+    order given."""
     by_seg: Dict[int, List[torch.nn.Parameter]] = {}
     for name, p in named_params:
         layer = segment_of(name)
@@ -218,7 +219,12 @@ def allreduce_gradients(view: RankView, named_params, segment_of: Callable[[str]
                 break
         else:
             raise RuntimeError(f"parameter {name} (layer {layer}) is in none of the rank's segments")
-    for i, params in sorted(by_seg.items()):
+    return by_seg
+
+
+def allreduce_gradients(view: RankView, named_params, segment_of: Callable[[str], int]):
+    """SUM each layer segment's gradients over its dp ring (one flat buffer per segment)."""
+    for i, params in sorted(segment_params(view, named_params, segment_of).items()):
         seg = view.segments[i]
         if seg.group is None:
             continue

@@ -296,7 +296,7 @@ def run_rank(args) -> int:
 
     import time
 
-    from .feed import StepSource, due_evals, eval_chunks, eval_set, split_inputs_targets
+    from .feed import StepSource, due_evals, eval_chunks, eval_set
 
     given = load_model(args.model) if args.model else None
     hf_spec = load_model(args.init_from_hf) if args.init_from_hf else None
@@ -499,21 +499,11 @@ def tied_group(view, model: GPTStage) -> Optional[TiedSync]:
 
 
 def save_hf_distributed(view, model: GPTStage, out_dir: str):
-    """Replica 0's first TP group of every stage gathers its stage's full tensors into a staging
-    file in DIR; rank 0 then streams them into the Hugging Face directory (shards of at most
-    5 GB) and removes the staging files. DIR must be one directory for all stages (one host or a
-    shared file system); otherwise this fails naming the missing stage file."""
-    import torch.distributed as dist
-
-    os.makedirs(out_dir, exist_ok=True)
-    staging = [os.path.join(out_dir, f".motley-stage{s}.safetensors") for s in range(view.pp_size)]
-    if view.replica == 0 and view.stage_dp_rank == 0:
-        tp_pg = view.tp_group.pg if view.tp_group is not None else None
-        full = model.gather_full(tp_pg)
-        if view.tp_rank == 0:
-            save_file(full, staging[view.stage])
-        del full
-    dist.barrier()
+    """The stages' full tensors go to staging files in DIR (write_stage_files); rank 0 then
+    streams them into the Hugging Face directory (shards of at most 5 GB) and removes the
+    staging files. DIR must be one directory for all stages (one host or a shared file system);
+    otherwise this fails naming the missing stage file."""
+    staging = write_stage_files(view, model, out_dir, ".motley-stage{s}.safetensors")
     if view.rank == 0:
         from safetensors import safe_open
 
@@ -540,24 +530,34 @@ def save_hf_distributed(view, model: GPTStage, out_dir: str):
             os.remove(p)
 
 
-def save_params_distributed(view, model: GPTStage, out_dir: str, grads: bool = False):
-    """Replica 0's first TP group of every stage gathers its stage's full tensors; TP rank 0
-    writes DIR/params-stage{s}.safetensors; rank 0 then merges them into DIR/params.safetensors
-    (when DIR is shared, as on one host; otherwise the stage files stay where they were written)."""
+def write_stage_files(view, model: GPTStage, out_dir: str, pattern: str, grads: bool = False) -> list:
+    """Every rank calls this: replica 0's first TP group of every stage gathers its stage's full
+    tensors (or gradients) and its TP rank 0 writes them to DIR/pattern ({s}: the stage); after
+    a barrier, returns the paths of all stages' files (on this node only when DIR is not
+    shared)."""
     import torch.distributed as dist
 
-    stem = "grads" if grads else "params"
     os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, pattern.format(s=s)) for s in range(view.pp_size)]
     if view.replica == 0 and view.stage_dp_rank == 0:
         tp_pg = view.tp_group.pg if view.tp_group is not None else None
         full = model.gather_full(tp_pg, grads=grads)
         if view.tp_rank == 0:
-            save_file(full, os.path.join(out_dir, f"{stem}-stage{view.stage}.safetensors"))
+            save_file(full, paths[view.stage])
+        del full
     dist.barrier()
+    return paths
+
+
+def save_params_distributed(view, model: GPTStage, out_dir: str, grads: bool = False):
+    """The stages' full tensors (write_stage_files: DIR/params-stage{s}.safetensors); rank 0
+    then merges them into DIR/params.safetensors (when DIR is shared, as on one host;
+    otherwise the stage files stay where they were written)."""
+    stem = "grads" if grads else "params"
+    parts = write_stage_files(view, model, out_dir, stem + "-stage{s}.safetensors", grads=grads)
     if view.rank == 0:
         from safetensors.torch import load_file
 
-        parts = [os.path.join(out_dir, f"{stem}-stage{s}.safetensors") for s in range(view.pp_size)]
         if all(os.path.exists(p) for p in parts):
             merged = {}
             for p in parts:

@@ -4,7 +4,6 @@ prefetching, `python -m motley_torch.data prepare|inspect`, and every refusal.""
 import glob
 import json
 import os
-import random
 import struct
 import subprocess
 import sys
@@ -412,7 +411,7 @@ def test_errors_in_the_prefetch_thread_surface_in_next(tmp_path):
         bad_batch = order.index(7) // gb
         for _ in range(bad_batch):
             b.next()
-        msg = refused(b.next, "poison.bin", "sample 7", f"token {7 * S + 1}", "999", "vocab is 100", "--data-dtype")
+        refused(b.next, "poison.bin", "sample 7", f"token {7 * S + 1}", "999", "vocab is 100", "--data-dtype")
         assert b.samples_consumed == bad_batch * gb  # the failed batch was not handed out
         refused(b.next, "sample 7")  # asked again, refused again
         b.close()

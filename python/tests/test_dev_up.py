@@ -68,6 +68,15 @@ def dev_up(cluster: Path, job: Path, work: Path, extra_env: dict = None) -> subp
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
+def rank_logs(res: subprocess.CompletedProcess, work: Path):
+    """Every rank log under dev up's work directory, and a report of dev up's output and those
+    logs for an assertion's message."""
+    logs = sorted(work.glob("agents/*/jobs/*/*/rank-*.log"))
+    report = f"--- stdout\n{res.stdout[-8000:]}\n--- stderr\n{res.stderr[-4000:]}\n" + "".join(
+        f"--- {p.relative_to(work)}\n{p.read_text()[-3000:]}\n" for p in logs)
+    return logs, report
+
+
 def test_train_tiny_through_dev_up(tmp_path: Path):
     spec = yaml.safe_load(JOB.read_text())
     # The example stays runnable as documented: the trainer on every rank, the test's model.
@@ -83,9 +92,7 @@ def test_train_tiny_through_dev_up(tmp_path: Path):
     work = tmp_path / "dev"
 
     res = dev_up(CLUSTER, job, work)
-    logs = sorted(work.glob("agents/*/jobs/*/*/rank-*.log"))
-    report = f"--- stdout\n{res.stdout[-8000:]}\n--- stderr\n{res.stderr[-4000:]}\n" + "".join(
-        f"--- {p.relative_to(work)}\n{p.read_text()[-3000:]}\n" for p in logs)
+    logs, report = rank_logs(res, work)
     assert res.returncode == 0, f"motley dev up exited {res.returncode}\n{report}"
     assert re.search(r"^motley dev: \[.*\]", res.stdout, re.M), f"no job events streamed\n{report}"
 
@@ -132,9 +139,7 @@ def test_profiles_measured_by_agents_through_dev_up(tmp_path: Path):
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     work = tmp_path / "dev"
     res = dev_up(CLUSTER, job, work, {"MOTLEY_PYTHON": sys.executable, "PYTHONPATH": str(REPO / "python")})
-    logs = sorted(work.glob("agents/*/jobs/*/*/rank-*.log"))
-    report = f"--- stdout\n{res.stdout[-8000:]}\n--- stderr\n{res.stderr[-4000:]}\n" + "".join(
-        f"--- {p.relative_to(work)}\n{p.read_text()[-3000:]}\n" for p in logs)
+    logs, report = rank_logs(res, work)
     assert res.returncode == 0, f"motley dev up exited {res.returncode}\n{report}"
     assert re.search(r"measuring P100 tp 1 micro-batch \d", res.stdout), f"no profile run in the events\n{report}"
 

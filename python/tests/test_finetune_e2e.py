@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from launcher import DATA, PYTHON, REPO, eval_losses, losses, python_env  # noqa: E402
-from test_dev_up import dev_up  # noqa: E402
+from test_dev_up import dev_up, rank_logs  # noqa: E402
 
 CLUSTER = DATA / "dev-asym.yaml"
 STEPS, SEED, TOL = 30, 1, 1e-4
@@ -59,9 +59,7 @@ def test_finetune_a_hf_llama_on_real_text_through_dev_up(tmp_path: Path):
     jf.write_text(yaml.safe_dump(job, sort_keys=False))
     work = tmp_path / "dev"
     res = dev_up(CLUSTER, jf, work)
-    logs = sorted(work.glob("agents/*/jobs/*/*/rank-*.log"))
-    report = f"--- stdout\n{res.stdout[-6000:]}\n--- stderr\n{res.stderr[-3000:]}\n" + "".join(
-        f"--- {p.relative_to(work)}\n{p.read_text()[-3000:]}\n" for p in logs)
+    logs, report = rank_logs(res, work)
     assert res.returncode == 0, f"motley dev up exited {res.returncode}\n{report}"
 
     rank0 = [p for p in logs if p.name == "rank-0.log"]

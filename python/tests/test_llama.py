@@ -223,3 +223,18 @@ def test_the_trainer_refuses_bad_hf_input_with_exit_2(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=python_env(), timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith(f"motley_torch.train: {d}/config.json: architectures"), r.stderr
+
+
+@pytest.mark.parametrize("variant", ["llama3-scaling", "qwen2-bias", "llama-tied"])
+def test_the_rank_library_and_motley_read_a_config_alike(tmp_path, variant):
+    """config.json is mapped twice (the rank library reads it without the motley binary, which
+    ranks may not have; the planner in Rust): both give the same spec."""
+    from launcher import motley_bin
+
+    b = motley_bin()
+    assert b is not None, "no motley binary: python/run-tests sets MOTLEY_BIN"
+    kind, over = VARIANTS[variant]
+    d = make_hf(tmp_path / variant, kind, **over)
+    r = subprocess.run([b, "model", "show", str(d), "-o", "json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == load_model(str(d)).to_dict()

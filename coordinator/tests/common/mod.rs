@@ -14,6 +14,21 @@ use sqlx::Connection;
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
+/// A child process (an agent, a rank) killed and reaped when the test lets go of it.
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The workspace root (the binaries are under its `target/`).
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
 pub fn unique(prefix: &str) -> String {
     format!(
         "{prefix}_{}_{}_{}",
