@@ -150,8 +150,9 @@ def param_specs(model) -> Dict[str, dict]:
     return out
 
 
-def _units(model, optimizer) -> Dict[Tuple[object, str], Dict[str, Tuple[dict, torch.Tensor]]]:
-    """(block, part) -> {tensor name: (spec, local tensor)}."""
+def _units(model, optimizer, zero=None) -> Dict[Tuple[object, str], Dict[str, Tuple[dict, torch.Tensor]]]:
+    """(block, part) -> {tensor name: (spec, local tensor)}. Under ZeRO-1 (`zero`: a
+    zero.ZeroOne), only the blocks this rank owns, from their fp32 masters."""
     specs = param_specs(model)
     units: Dict[Tuple[object, str], Dict[str, Tuple[dict, torch.Tensor]]] = {}
     named = list(model.named_parameters())
@@ -162,11 +163,17 @@ def _units(model, optimizer) -> Dict[Tuple[object, str], Dict[str, Tuple[dict, t
         named.append(("head.weight", model.embed.weight))
     for name, p in named:
         b = block_of(name)
-        units.setdefault((b, "model"), {})[name] = (specs[name], p)
+        spec = specs[name]
+        if zero is not None:
+            if not zero.owns(b):
+                continue
+            p = zero.master[p]
+            spec = dict(spec, dtype=_DTYPES[p.dtype])
+        units.setdefault((b, "model"), {})[name] = (spec, p)
         st = optimizer.state.get(p, {})
         for k in ("exp_avg", "exp_avg_sq"):
             if k in st:
-                units.setdefault((b, "optimizer"), {})[f"{name}.{k}"] = (specs[name], st[k])
+                units.setdefault((b, "optimizer"), {})[f"{name}.{k}"] = (spec, st[k])
         if "step" in st:
             step = st["step"] if torch.is_tensor(st["step"]) else torch.tensor(float(st["step"]))
             units.setdefault((b, "optimizer"), {})[f"{name}.step"] = (
@@ -215,21 +222,24 @@ def _snapshot(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_batch: int, lr: float,
-               copy: bool, scaler: Optional[dict] = None):
+               copy: bool, scaler: Optional[dict] = None, zero=None):
     """Collect what step `step` writes (copied into host memory when `copy`) and return the
     function that writes it: the rank's units, its rank file, then its piece."""
     grab = _snapshot if copy else (lambda t: t)
     piece = {"format": FORMAT, "step": step, "layers": model.spec.layers, "world_size": view.world_size,
              "units": [], "ranks": []}
-    todo = []  # (block, part, tp_rank, tp_size, specs, {name: tensor})
-    if view.replica == 0 and view.stage_dp_rank == 0:
-        for (block, part), tensors in sorted(_units(model, optimizer).items(), key=lambda kv: str(kv[0])):
+    todo = []  # (block, part, tp_rank, tp_size, specs, {name: tensor}, sharding or None)
+    # Without ZeRO-1 replica 0's first TP group writes every unit of its stage; with it, each
+    # block's owner in its ring (the ring holds every copy of the block at this TP rank).
+    if zero is not None or (view.replica == 0 and view.stage_dp_rank == 0):
+        for (block, part), tensors in sorted(_units(model, optimizer, zero).items(), key=lambda kv: str(kv[0])):
             replicated = all(s["layout"]["kind"] == "replicated" for s, _ in tensors.values())
             if replicated and view.tp_rank != 0:
                 continue
             tp_rank, tp_size = (0, 1) if replicated else (view.tp_rank, view.tp_size)
             todo.append((block, part, tp_rank, tp_size, {n: s for n, (s, _) in tensors.items()},
-                         {n: grab(t) for n, (_, t) in tensors.items()}))
+                         {n: grab(t) for n, (_, t) in tensors.items()},
+                         zero.sharding(block) if zero is not None else None))
     rank_header = {"format": FORMAT, "step": step, "rank": view.rank, "world_size": view.world_size, "seed": seed,
                    "data": {"next_step": step, "samples": step * global_batch},
                    "model": model.spec.to_dict(),
@@ -240,9 +250,12 @@ def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_b
 
     def write():
         os.makedirs(sdir, mode=0o700, exist_ok=True)
-        for block, part, tp_rank, tp_size, specs, tensors in todo:
+        for block, part, tp_rank, tp_size, specs, tensors, sharding in todo:
             header = {"format": FORMAT, "step": step, "block": block_label(block), "part": part,
                       "tp_rank": tp_rank, "tp_size": tp_size, "tensors": specs}
+            if sharding is not None:
+                # Who wrote it: the ring's size and the owner's place in it when saved.
+                header["sharding"] = sharding
             data = _safetensors_bytes(tensors, header)
             name = unit_file_name(block, part, tp_rank, tp_size)
             write_atomic(os.path.join(sdir, name), data)
@@ -397,7 +410,7 @@ class SaveNotice:
 
 
 def save(view, model, optimizer, step: int, directory: str, seed: int, global_batch: int, lr: float,
-         asynchronous: bool = None, scaler: Optional[dict] = None) -> str:
+         asynchronous: bool = None, scaler: Optional[dict] = None, zero=None) -> str:
     """Checkpoint step `step` (optimizer steps taken) under `directory`/step-S: this rank's units
     (replica 0's first TP group of each stage; all-replicated blocks once, by TP rank 0, as tp
     0-1), its rank file and its manifest piece; global rank 0 writes the merged manifest.json
@@ -415,7 +428,8 @@ def save(view, model, optimizer, step: int, directory: str, seed: int, global_ba
     # writer thread before this step's files (not in the caller's stall).
     merge_prev = finish(view, _merge_later=asynchronous)
     sdir = os.path.join(directory, step_dir_name(step))
-    write = _write_job(view, model, optimizer, step, sdir, seed, global_batch, lr, copy=asynchronous, scaler=scaler)
+    write = _write_job(view, model, optimizer, step, sdir, seed, global_batch, lr, copy=asynchronous, scaler=scaler,
+                       zero=zero)
     job = write if merge_prev is None else (lambda: (merge_prev(), write()))
     p = _Pending(step, sdir, view.world_size, view.rank)
     _pending = p
@@ -486,6 +500,12 @@ def verify_manifest(step_dir: str, m: dict) -> dict:
 # ---- restore -----------------------------------------------------------------------------------
 
 
+def _has_tied(zero, model, block) -> bool:
+    """Whether the rank keeps a master of some parameter of the block that it does not own (a
+    tied embedding/head: every holder steps it)."""
+    return any(block_of(n) == block and p in zero.master for n, p in model.named_parameters())
+
+
 def restore_list(value: str) -> List[str]:
     """MOTLEY_CKPT_RESTORE: a JSON list of absolute paths, or the path of a file holding one."""
     text = value.strip()
@@ -508,9 +528,11 @@ def restore_list(value: str) -> List[str]:
     return paths
 
 
-def restore(view, model, optimizer, paths: List[str], position: Optional[dict] = None) -> int:
+def restore(view, model, optimizer, paths: List[str], position: Optional[dict] = None, zero=None) -> int:
     """Load this rank's model and optimizer state, and its rank file, from exactly `paths`
-    (docs/checkpoint.md, "Environment"); returns the step to resume at."""
+    (docs/checkpoint.md, "Environment"); returns the step to resume at. Under ZeRO-1 (`zero`)
+    every block's model unit is read, and the optimizer units of the blocks the rank owns now,
+    whatever sharding wrote them."""
     from safetensors.torch import load_file
 
     headers = {p: read_header(p) for p in paths}
@@ -520,7 +542,8 @@ def restore(view, model, optimizer, paths: List[str], position: Optional[dict] =
     step = steps.pop()
     units = _units(model, optimizer)
     # The optimizer's state exists only after a step: make it (zeros) so the restore can fill it.
-    needed = set(units) | {(b, "optimizer") for b, _ in units}
+    needed = {(b, "model") for b, _ in units} | {(b, "optimizer") for b, _ in units
+                                                 if zero is None or zero.owns(b) or _has_tied(zero, model, b)}
     chosen: Dict[Tuple[object, str], str] = {}
     for block, part in sorted(needed, key=str):
         label = block_label(block)
@@ -553,6 +576,11 @@ def restore(view, model, optimizer, paths: List[str], position: Optional[dict] =
                 raise CheckpointError(f"{chosen[(b, 'model')]}: {name} is {list(t.shape)}, this rank holds "
                                       f"{list(p.shape)}; re-slice for tp {view.tp_size} (motley-ckpt reslice)")
             p.copy_(t.to(dtype=p.dtype, device=p.device))
+            if zero is not None:
+                if p not in zero.master:
+                    continue
+                p = zero.master[p]
+                p.copy_(t.to(dtype=p.dtype, device=p.device))
             opt = loaded[(b, "optimizer")]
             st = {}
             for k in ("exp_avg", "exp_avg_sq"):

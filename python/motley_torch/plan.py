@@ -274,6 +274,8 @@ class Plan:
         self.precision = doc.get("precision")
         # Full activation recomputation as the plan was priced with (`--recompute`).
         self.recompute = bool(doc.get("recompute", False))
+        # Optimizer state sharded over each segment's dp ring as priced (`--zero1`).
+        self.zero1 = bool(doc.get("zero1", False))
         if self.precision not in (None, "bf16", "fp16", "fp32"):
             raise PlanError(f"{w}.precision: {self.precision!r} is not bf16, fp16 or fp32")
         if doc.get("model_spec") is not None:

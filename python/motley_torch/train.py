@@ -66,6 +66,9 @@ def parse_args(argv=None):
                         "during the backward pass once its gradients are final (default 25)")
     p.add_argument("--recompute", action="store_true",
                    help="recompute every block's activations in the backward pass (also when the plan says so)")
+    p.add_argument("--zero1", action="store_true",
+                   help="shard the fp32 master weights and AdamW state over each layer segment's dp ring "
+                        "(ZeRO-1; also on when the plan's zero1 is)")
     p.add_argument("--no-overlap", action="store_true",
                    help="reduce the gradients after the step's pipeline instead, one buffer per layer segment")
     p.add_argument("--save-params", metavar="DIR",
@@ -125,15 +128,17 @@ def emit(step: int, loss: float, tokens: int = 0, step_s: float = 0.0, loss_scal
                       "step_s": round(step_s, 6), "loss_scale": loss_scale, "skipped": skipped}), flush=True)
 
 
-def memory_line(model, opt, device) -> str:
-    """{"memory": {...}}, MB: what the rank's parameters, gradients and optimizer state hold
-    and its peak (CUDA: max_memory_allocated; CPU: the process's peak RSS)."""
+def memory_line(model, opt, device, masters=()) -> str:
+    """{"memory": {...}}, MB: what the rank's parameters (with ZeRO-1's fp32 masters kept beside
+    half-precision parameters), gradients and optimizer state hold and its peak (CUDA:
+    max_memory_allocated; CPU: the process's peak RSS)."""
     import resource
 
     def mb(ts):
         return round(sum(t.numel() * t.element_size() for t in ts) / 2**20, 3)
 
     params = list(model.parameters())
+    params += [m for m in masters if not any(m is p for p in params)]
     state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
     peak = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -320,12 +325,27 @@ def run_rank(args) -> int:
     if model.recompute:
         print("motley-recompute on", file=sys.stderr, flush=True)
     tied = tied_group(view, model)
-    opt = make_optimizer(model.parameters(), args)
+    zero1 = args.zero1 or plan.zero1
+    synced = [(n, p) for n, p in model.named_parameters() if tied is None or n not in tied.names]
+    zero = None
+    if zero1:
+        from .precision import HALF
+        from .zero import ZeroOne
+
+        if args.save_grads:
+            raise PlanError("--save-grads: not with ZeRO-1 (--zero1 or the plan's zero1): each gradient lives "
+                            "only on its owner; drop one of them")
+        zero = ZeroOne(view, model, synced, tied.params if tied is not None else [], HALF.get(precision),
+                       lambda ps: make_optimizer(ps, args), args.bucket_mb, overlap=not args.no_overlap)
+        opt = zero.optimizer
+        print(f"motley-zero1 on: {len(zero.master)} of {len(list(model.parameters()))} parameters stepped here",
+              file=sys.stderr, flush=True)
+    else:
+        opt = make_optimizer(model.parameters(), args)
     # Activations cross stages in fp32 (the residual stream's type under autocast).
     pipe = Pipeline(view, model, spec.hidden, seq, dtype=torch.float32)
     pipe.autocast = autocast(precision, view.device)
-    synced = [(n, p) for n, p in model.named_parameters() if tied is None or n not in tied.names]
-    reducer = None if args.no_overlap else OverlappedReducer(view, synced, model.segment_of, args.bucket_mb)
+    reducer = None if args.no_overlap or zero else OverlappedReducer(view, synced, model.segment_of, args.bucket_mb)
     scale = 1.0 / (plan.global_batch * seq)
     reports_loss = view.is_last_stage and view.tp_rank == 0
     start = 0
@@ -333,7 +353,8 @@ def run_rank(args) -> int:
     if args.ckpt_restore:
         from . import checkpoint
 
-        start = checkpoint.restore(view, model, opt, checkpoint.restore_list(args.ckpt_restore), position=position)
+        start = checkpoint.restore(view, model, opt, checkpoint.restore_list(args.ckpt_restore), position=position,
+                                   zero=zero)
         scaler.load(position.get("scaler"), "MOTLEY_CKPT_RESTORE")
         print(f"motley-restore step {start} samples {position['samples']}", file=sys.stderr, flush=True)
     source = StepSource(args, spec.vocab, seq, plan.global_batch, samples_consumed=position["samples"])
@@ -377,7 +398,9 @@ def run_rank(args) -> int:
             log_samples(args.sample_log, step, source.ids)
         micro = rank_micro_batches(plan, view.rank, tokens)
         used = scaler.factor()
-        if reducer is not None:
+        if zero is not None:
+            zero.start_step(len(micro))
+        elif reducer is not None:
             reducer.start_step(len(micro))
         local = pipe.step(micro, scale * used) / used
         if tfile is not None:
@@ -385,13 +408,18 @@ def run_rank(args) -> int:
         pipe.finish()
         if tfile is not None:
             c2 = clock()
-        if reducer is not None:
+        if zero is not None:
+            zero.finish_gradients()
+        elif reducer is not None:
             reducer.finish()
         else:
             allreduce_gradients(view, synced, model.segment_of)
         if tied is not None:
             tied.sync()
-        skipped = scaler.step(model.parameters(), agree=lambda flag: agree_any(flag, view))
+            if zero is not None:
+                zero.tied_gradients(tied.params)
+        stepped = zero.masters() if zero is not None else model.parameters()
+        skipped = scaler.step(stepped, agree=lambda flag: agree_any(flag, view))
         if args.save_grads and step == start:
             save_params_distributed(view, model, args.save_grads, grads=True)
         if tfile is not None:
@@ -399,8 +427,10 @@ def run_rank(args) -> int:
         if not skipped:
             opt.step()
         if step == start:
-            print(memory_line(model, opt, view.device), flush=True)
+            print(memory_line(model, opt, view.device, zero.masters() if zero is not None else ()), flush=True)
         opt.zero_grad(set_to_none=True)
+        if zero is not None:
+            zero.finish_step(skipped)
         if tfile is not None:
             c4 = clock()
         # The global mean loss: every sample's scaled loss is summed once (TP rank 0 of the
@@ -435,7 +465,7 @@ def run_rank(args) -> int:
 
             checkpoint.save(view, model, opt, step + 1, args.ckpt_dir, seed=args.seed,
                             global_batch=plan.global_batch, lr=args.lr, asynchronous=args.ckpt_async,
-                            scaler=scaler.state() if scaler.enabled else None)
+                            scaler=scaler.state() if scaler.enabled else None, zero=zero)
     source.close()
     if args.ckpt_dir:
         from . import checkpoint

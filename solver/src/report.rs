@@ -84,6 +84,9 @@ pub struct PlanReport {
     /// Whether the plan was priced with full activation recomputation (`--recompute`): the
     /// ranks recompute as it assumes.
     pub recompute: bool,
+    /// Whether the plan was priced with optimizer state sharded over each segment's
+    /// data-parallel ring (`--zero1`): the ranks shard it as it assumes.
+    pub zero1: bool,
     pub iteration_time_s: f64,
     pub tokens_per_s: f64,
     /// Model FLOPs per second over the peak of every GPU in the cluster.
@@ -314,6 +317,7 @@ fn report_placed(
         seq_len: cm.model.seq_len,
         precision: cm.opts.precision,
         recompute: cm.opts.recompute,
+        zero1: cm.opts.zero1,
         iteration_time_s: eval.iteration_time,
         tokens_per_s: b * cm.model.seq_len as f64 / eval.iteration_time,
         peak_utilization: flops / eval.iteration_time / peak,
