@@ -8,7 +8,8 @@ heads, seq 256, vocab 4096), the same synthetic global batches (16 sequences per
 same AdamW, fp32, two CPU processes with gloo:
 - Motley: a plan of two one-stage replicas (dp 2), 8 sequences each in 4 micro-batches of 2,
   with its gradient sync overlapped with the backward pass (default, 25 MiB buckets) and
-  without (`--no-overlap`);
+  without (`--no-overlap`), and with ZeRO-1 (`--zero1`: AdamW state sharded over the two
+  ranks, gradients reduced onto their owner, parameters broadcast back) both ways;
 - DDP: `torch.nn.parallel.DistributedDataParallel` over the same model, each rank its 8
   sequences in the same 4 micro-batches (gradients accumulated under `no_sync()` but for the
   last, DDP's own bucketed overlap).
@@ -131,7 +132,8 @@ def main() -> int:
     tokens = GB * MODEL["seq_len"]
     ddp = statistics.median(run_ddp(a.steps, work)[a.skip:])
     rows = []
-    for config, extra in (("dp2-overlap", []), ("dp2-no-overlap", ["--no-overlap"])):
+    for config, extra in (("dp2-overlap", []), ("dp2-no-overlap", ["--no-overlap"]), ("dp2-zero1", ["--zero1"]),
+                          ("dp2-zero1-no-overlap", ["--zero1", "--no-overlap"])):
         m = statistics.median(run_motley(a.steps, work / config, extra)[a.skip:])
         rows.append({"config": config, "motley_tokens_per_s": round(tokens / m, 1),
                      "ddp_tokens_per_s": round(tokens / ddp, 1), "ratio": round(ddp / m, 3),

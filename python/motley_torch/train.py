@@ -117,7 +117,18 @@ def parse_args(argv=None):
 
 
 def make_optimizer(params, args):
-    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    """AdamW with its state made at once (zeros, as its first step would make them): the first
+    step's peak memory is then every later step's (the memory line and the cost model compare
+    it), and a stage that does not fit fails before training rather than after a step."""
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return opt
 
 
 def emit(step: int, loss: float, tokens: int = 0, step_s: float = 0.0, loss_scale: float = 1.0,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from motley_torch.gpu_check import MODEL, mfu, peak_tflops, render, train_flops_per_token
+from motley_torch.gpu_check import MODEL, _stage_of, eq5, mfu, peak_tflops, render, train_flops_per_token
 
 SCRIPT = Path(__file__).resolve().parent.parent / "gpu-check"
 
@@ -42,6 +42,25 @@ def test_render_lists_every_check():
     assert lines[0].split() == ["check", "ok", "precision", "tokens/s", "MFU", "detail"]
     assert "1234" in lines[2] and "45.7%" in lines[2] and "yes" in lines[2]
     assert "NO" in lines[3] and "no NCCL" in lines[3]
+
+
+def test_eq5_sums_the_blocks_of_the_binary_digits():
+    blocks = {1: 1.0, 2: 1.9, 4: 3.7, 8: 7.2}
+    assert eq5(blocks, 3) == pytest.approx(2.9)
+    assert eq5(blocks, 7) == pytest.approx(6.6)
+    assert eq5(blocks, 8) == 7.2 and eq5(blocks, 6) == pytest.approx(5.6)
+
+
+def test_the_memory_check_finds_each_ranks_stage():
+    from launcher import hand_plan
+
+    spec = dict(MODEL, layers=4)
+    plan = hand_plan(spec, 8, 2, [dict(micro_batches=4, stages=[dict(layers=[0, 2], tp=1, dp=1, gpus=[("a", 0)]),
+                                                               dict(layers=[2, 4], tp=1, dp=1, gpus=[("a", 1)])])])
+    plan["replicas"][0]["stages"][1]["memory_gib_per_gpu"] = 3.5
+    assert _stage_of(plan, 1)["memory_gib_per_gpu"] == 3.5
+    with pytest.raises(ValueError, match="rank 7"):
+        _stage_of(plan, 7)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA path")

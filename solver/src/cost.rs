@@ -8,6 +8,8 @@ use crate::limits::{self, MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_STAGES};
 use crate::model::Model;
 use crate::profile::ProfileSet;
 
+pub mod activations;
+
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 
 /// Planner knobs that are not part of the cluster or the model.
@@ -93,6 +95,22 @@ impl PlanOptions {
         match self.precision {
             Precision::Fp32 => 4.0,
             Precision::Fp16 | Precision::Bf16 => 2.0,
+        }
+    }
+
+    /// Bytes of weights, gradients and optimizer state per parameter on one GPU, as the rank
+    /// runtime holds them (`python/motley_torch/zero.py`). Without ZeRO-1: fp32 weights (the
+    /// forward casts them under autocast), fp32 gradients and AdamW's two fp32 moments, 16.
+    /// With it: the weights in the compute type, the fp32 gradient buffers the reduction
+    /// fills, and the fp32 master (its own copy only in half precision) and moments divided
+    /// over the `dp` GPUs holding the layer: 6 + 12/dp in bf16/fp16 (Megatron-LM's distributed
+    /// optimizer with fp32 gradients), 8 + 8/dp in fp32.
+    pub fn state_bytes_per_param(&self, dp: u32) -> f64 {
+        let dp = dp.max(1) as f64;
+        match (self.zero1, self.precision) {
+            (false, _) => 16.0,
+            (true, Precision::Fp32) => 8.0 + 8.0 / dp,
+            (true, Precision::Fp16 | Precision::Bf16) => 6.0 + 12.0 / dp,
         }
     }
 
@@ -220,7 +238,6 @@ impl<'a> CostModel<'a> {
         let m = micro_batch as f64 / k.dp as f64; // sequences per GPU
         let s = self.model.seq_len as f64;
         let h = self.model.hidden();
-        let v = self.model.spec.vocab as f64;
         let (peak, peak_bwd) = self.opts.layer_flops(gpu);
         let mem_bw = gpu.mem_bw_gbps * 1e9;
         // A TP group inside a node all-reduces over NVLink/PCIe; one spanning nodes (only
@@ -246,17 +263,23 @@ impl<'a> CostModel<'a> {
             .map(|p| p.block_ms().map(|(f, b)| (f / 1e3, if recompute { (b + f) / 1e3 } else { b / 1e3 })));
         let head_fwd = m * self.model.head_fwd_flops / t / peak;
         let embed_bytes = m * s * h * 2.0;
-        let opt_bytes_per_param = if self.opts.zero1 { 4.0 + 12.0 / k.dp as f64 } else { 16.0 };
+        let opt_bytes_per_param = self.opts.state_bytes_per_param(k.dp);
         let layer_params_gpu = self.model.layer_params / t;
-        let embed_params_gpu = self.model.embed_params / t;
-        let head_params_gpu = self.model.head_params / t;
-        let tied_params_gpu = self.model.tied_params / t;
+        // The rank runtime replicates the embedding and the head over the TP group (no
+        // vocabulary-parallel split): every TP rank holds them whole.
+        let embed_params_gpu = self.model.embed_params;
+        let head_params_gpu = self.model.head_params;
+        let tied_params_gpu = self.model.tied_params;
+        let (precision, zero1) = (self.opts.precision, self.opts.zero1);
         let layer_act = match profiled.and_then(|p| p.act_mib) {
             Some(mib) => mib * 1024.0 * 1024.0,
             None if self.opts.recompute => 2.0 * s * m * h,
-            // Flash attention, no sequence parallelism (Korthikanti et al. 2022, eq. 2 without
-            // the s^2 term): 10 bytes per token-hidden replicated, 24 split by tp.
-            None => s * m * h * (10.0 + 24.0 / t),
+            // What the runtime saves per token (activations.rs, counted on it), and the half
+            // copies of fp32 weights each micro-batch's graph holds.
+            None => {
+                s * m * activations::layer_token_bytes(self.model, precision, zero1, s).per_gpu(t)
+                    + activations::weight_copies(layer_params_gpu, precision, zero1)
+            }
         };
         // Measured extras where the profile has them (forward plus backward).
         let measured = |f: Option<f64>, b: Option<f64>| Some((f? + b?) / 1e3);
@@ -273,8 +296,10 @@ impl<'a> CostModel<'a> {
             embed_state: embed_params_gpu * opt_bytes_per_param,
             head_state: head_params_gpu * opt_bytes_per_param,
             tied_state: tied_params_gpu * opt_bytes_per_param,
-            // fp16 logits plus fp32 softmax of the micro-batch, split by tp.
-            head_act: 6.0 * s * m * v / t,
+            // The loss's peak over the micro-batch, whole on every TP rank (the head is
+            // replicated), and the half copy of the head's weights.
+            head_act: s * m * activations::head_token_bytes(self.model, precision, zero1)
+                + activations::weight_copies(head_params_gpu, precision, zero1),
             capacity: (gpu.memory_gib - self.opts.reserve_gib) * GIB,
             layer_params_gpu,
             embed_params_gpu,
@@ -547,6 +572,26 @@ mod wire_and_optimizer_tests {
         let extras = optimizer(&ProfileSet::default(), 24) - 24.0 * optimizer_per_layer(&c, &model);
         assert!((optimizer(&measured, 24) - (24.0 * 0.040 + extras)).abs() < 1e-9, "{}", optimizer(&measured, 24));
         assert!((optimizer(&measured, 12) - optimizer(&measured, 6) - 6.0 * 0.040).abs() < 1e-9);
+    }
+
+    #[test]
+    fn state_bytes_follow_the_runtime_with_and_without_zero1() {
+        let opts = |zero1, precision| PlanOptions { zero1, precision, ..PlanOptions::default() };
+        assert_eq!(opts(false, Precision::Bf16).state_bytes_per_param(4), 16.0);
+        assert_eq!(opts(false, Precision::Fp32).state_bytes_per_param(4), 16.0);
+        assert_eq!(opts(true, Precision::Bf16).state_bytes_per_param(4), 9.0, "bf16 weights, fp32 grads, (master + moments) / 4");
+        assert_eq!(opts(true, Precision::Fp16).state_bytes_per_param(1), 18.0, "a master copy beside half weights");
+        assert_eq!(opts(true, Precision::Fp32).state_bytes_per_param(2), 12.0, "the weights are the master");
+    }
+
+    #[test]
+    fn the_embedding_and_head_are_whole_on_every_tp_rank() {
+        let (c, model) = (cluster(), Model::new(crate::model::model_by_name("gpt3-1.3b").unwrap(), None).unwrap());
+        let (profiles, opts) = (ProfileSet::default(), PlanOptions::default());
+        let cm = CostModel { cluster: &c, model: &model, profiles: &profiles, opts: &opts };
+        let (one, two) = (cm.layer_cost(StageKind { class: 0, tp: 1, dp: 1 }, 1), cm.layer_cost(StageKind { class: 0, tp: 2, dp: 1 }, 1));
+        assert_eq!((one.embed_state, one.head_state, one.head_act), (two.embed_state, two.head_state, two.head_act));
+        assert_eq!(one.layer_state, 2.0 * two.layer_state, "the layers are split");
     }
 
     /// The roofline estimate of one layer's optimizer step on the cluster's GPU.

@@ -1,0 +1,32 @@
+"""The runtime's saved activations, counted tensor by tensor, are the numbers the cost model's
+estimate is held to (solver/src/cost/activations.rs, test the_estimate_is_the_runtimes_count):
+a change to the model's forward that keeps more or less must update both."""
+
+from __future__ import annotations
+
+import pytest
+
+from motley_torch.plan import ModelSpec
+from motley_torch.saved import layer_token_bytes
+
+LLAMA = ModelSpec.from_dict({"name": "count", "family": "llama", "layers": 1, "hidden": 1024, "heads": 16,
+                             "kv_heads": 8, "ffn_hidden": 2816, "seq_len": 512, "vocab": 1000, "gated_mlp": True})
+
+
+@pytest.mark.parametrize("precision,half_weights,per_token_h,fixed", [
+    ("fp32", False, 80.57, 0.0), ("bf16", False, 52.32, 2.0), ("bf16", True, 42.32, 0.0)])
+def test_a_llama_layer_saves_what_the_cost_model_prices(precision, half_weights, per_token_h, fixed):
+    r = layer_token_bytes(LLAMA, precision, half_weights, seq=64)
+    assert r["per_token"] / 1024 == pytest.approx(per_token_h, abs=0.02), r
+    assert r["per_token_key"] == pytest.approx(0.0, abs=1e-6), "flash attention: nothing per key"
+    assert r["fixed_per_param"] == pytest.approx(fixed, abs=0.01), "autocast's half copies of fp32 weights"
+
+
+def test_gpt_attention_keeps_its_probabilities():
+    gpt = ModelSpec.from_dict({"name": "count", "family": "gpt", "layers": 1, "hidden": 256, "heads": 8,
+                               "seq_len": 512, "vocab": 1000})
+    r = layer_token_bytes(gpt, "fp32", False, seq=32)
+    # fp32 probabilities per head and key, plus the causal mask's byte per key.
+    assert r["per_token_key"] == pytest.approx(4 * 8 + 1, rel=0.01), r
+    # 32h + 8 per f (4h) + the LayerNorms' fp32 mean and rstd (16 bytes).
+    assert r["per_token"] == pytest.approx(64 * 256 + 16, abs=1), r

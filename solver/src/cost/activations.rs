@@ -1,0 +1,127 @@
+//! Bytes of activations the rank runtime (`python/motley_torch/model.py`) keeps for the
+//! backward pass, per token, as counted tensor by tensor with
+//! `torch.autograd.graph.saved_tensors_hooks` (`motley_torch.saved`; `bench/activation_bytes.py`
+//! prints the counts, and the tests here and in `python/tests/test_activation_bytes.py` hold
+//! the estimate and the runtime to the same numbers). Korthikanti et al.'s 34·h bytes per token assume every
+//! tensor in 16 bits and one cast of each input; the runtime differs:
+//! - without ZeRO-1 the weights are fp32 and autocast computes in the half type, so the
+//!   residual stream and the norms stay fp32, every linear saves its own half copy of its
+//!   input, and each micro-batch's graph holds a half copy of every weight (2 bytes per
+//!   parameter per micro-batch in flight);
+//! - with ZeRO-1 in half precision the weights themselves are half: no weight copies, a half
+//!   residual stream;
+//! - llama attention runs through SDPA (flash: q, k and v at all heads, the output and the
+//!   log-sum-exp), gpt attention materialises its probabilities (bytes per head and key).
+
+use crate::model::{Family, Model};
+use crate::Precision;
+
+/// Where the bytes of one token of one layer go: kept whole on every TP rank (norms, the
+/// residual stream, the linears' input copies) or split over it (attention and MLP
+/// intermediates).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenBytes {
+    pub replicated: f64,
+    pub split: f64,
+}
+
+impl TokenBytes {
+    pub fn per_gpu(&self, tp: f64) -> f64 {
+        self.replicated + self.split / tp
+    }
+}
+
+/// The layout the weights and the stream have: `half` compute, `half_weights` under ZeRO-1.
+fn layout(precision: Precision, zero1: bool) -> (bool, bool) {
+    let half = !matches!(precision, Precision::Fp32);
+    (half, half && zero1)
+}
+
+/// Saved bytes of one token in one layer, at sequence length `seq`.
+pub fn layer_token_bytes(model: &Model, precision: Precision, zero1: bool, seq: f64) -> TokenBytes {
+    let s = &model.spec;
+    let h = s.hidden as f64;
+    let f = s.ffn_hidden.unwrap_or(4 * s.hidden) as f64;
+    let heads = s.heads as f64;
+    let hd = h / heads;
+    let (half, half_weights) = layout(precision, zero1);
+    // Coefficients per h and per f, as counted (see the module comment): (replicated h,
+    // split h, per f of a gated MLP, per f of a plain one).
+    let (rep_h, split_h, gated_f, plain_f) = match (s.family, half, half_weights) {
+        (Family::Llama, false, _) => (24.0, 12.0, 16.0, 8.0),
+        (Family::Llama, true, false) => (26.0, 4.0, 8.0, 4.0),
+        (Family::Llama, true, true) => (12.0, 8.0, 8.0, 4.0),
+        (Family::Gpt, false, _) => (16.0, 16.0, 16.0, 8.0),
+        (Family::Gpt, true, false) => (14.0, 10.0, 8.0, 4.0),
+        (Family::Gpt, true, true) => (8.0, 8.0, 8.0, 4.0),
+    };
+    let elem = if half { 2.0 } else { 4.0 };
+    let mlp = if s.gated_mlp { gated_f } else { plain_f } * f;
+    let attention = match s.family {
+        // Rotary cos and sin (hd each, in the stream's type, whole) and the fp32 log-sum-exp
+        // per head.
+        Family::Llama => (2.0 * elem * hd, 4.0 * heads),
+        // The two LayerNorms' fp32 mean and rstd, the causal mask (a byte per key), and the
+        // probabilities per head and key.
+        Family::Gpt => (16.0 + seq, elem * heads * seq),
+    };
+    TokenBytes { replicated: rep_h * h + attention.0, split: split_h * h + mlp + attention.1 }
+}
+
+/// Bytes every micro-batch in flight keeps besides its tokens' activations: the half copies
+/// autocast makes of fp32 weights (`params` of them on this GPU).
+pub fn weight_copies(params: f64, precision: Precision, zero1: bool) -> f64 {
+    let (half, half_weights) = layout(precision, zero1);
+    if half && !half_weights {
+        2.0 * params
+    } else {
+        0.0
+    }
+}
+
+/// Peak bytes of the head per token of the last micro-batch, whole on every TP rank: the
+/// final norm's saves, then at the loss's backward the fp32 log-softmax it kept, its
+/// gradient and (half) the logits' gradient in the half type.
+pub fn head_token_bytes(model: &Model, precision: Precision, zero1: bool) -> f64 {
+    let h = model.spec.hidden as f64;
+    let v = model.spec.vocab as f64;
+    let (half, half_weights) = layout(precision, zero1);
+    let norm = if half_weights { 6.0 } else { 8.0 } * h;
+    norm + if half { 10.0 * v } else { 8.0 * v }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{model_by_name, Model};
+
+    /// The counts `bench/activation_bytes.py` makes on the runtime (h 1024, 16 heads, 8 KV
+    /// heads, ffn 2816), in h bytes per token of one layer; `tests/test_activation_bytes.py`
+    /// holds the runtime to the same numbers.
+    #[test]
+    fn the_estimate_is_the_runtimes_count() {
+        let mut spec = model_by_name("llama-7b").unwrap();
+        spec.hidden = 1024;
+        spec.heads = 16;
+        spec.kv_heads = Some(8);
+        spec.ffn_hidden = Some(2816);
+        spec.seq_len = 512;
+        let llama = Model::new(spec, None).unwrap();
+        let count = |p, z| layer_token_bytes(&llama, p, z, 512.0).per_gpu(1.0) / 1024.0;
+        assert!((count(Precision::Fp32, false) - 80.57).abs() < 0.1, "{}", count(Precision::Fp32, false));
+        assert!((count(Precision::Bf16, false) - 52.32).abs() < 0.1, "{}", count(Precision::Bf16, false));
+        assert!((count(Precision::Bf16, true) - 42.32).abs() < 0.1, "{}", count(Precision::Bf16, true));
+        assert_eq!(count(Precision::Fp32, true), count(Precision::Fp32, false), "fp32 weights either way");
+        assert_eq!(weight_copies(100.0, Precision::Bf16, false), 200.0);
+        assert_eq!(weight_copies(100.0, Precision::Bf16, true), 0.0);
+        assert_eq!(weight_copies(100.0, Precision::Fp32, false), 0.0);
+    }
+
+    #[test]
+    fn tp_splits_the_attention_and_mlp_but_not_the_norms() {
+        let m = Model::new(model_by_name("llama-7b").unwrap(), None).unwrap();
+        let b = layer_token_bytes(&m, Precision::Bf16, false, 4096.0);
+        assert!(b.per_gpu(2.0) < b.per_gpu(1.0) && b.per_gpu(2.0) > b.per_gpu(1.0) / 2.0);
+        assert_eq!(b.per_gpu(2.0), b.replicated + b.split / 2.0);
+    }
+}
