@@ -80,14 +80,16 @@ pub fn weight_copies(params: f64, precision: Precision, zero1: bool) -> f64 {
 }
 
 /// Peak bytes of the head per token of the last micro-batch, whole on every TP rank: the
-/// final norm's saves, then at the loss's backward the fp32 log-softmax it kept, its
-/// gradient and (half) the logits' gradient in the half type.
+/// final norm's saves, and at the loss's backward three fp32 tensors of the vocabulary's
+/// width at once (the log-softmax the loss kept, the gradient into it, the gradient out of
+/// it), 12 bytes per vocabulary entry in any precision (measured on an H200 with
+/// `python/gpu-check --plan`, BENCHMARKS.md).
 pub fn head_token_bytes(model: &Model, precision: Precision, zero1: bool) -> f64 {
     let h = model.spec.hidden as f64;
     let v = model.spec.vocab as f64;
-    let (half, half_weights) = layout(precision, zero1);
+    let (_, half_weights) = layout(precision, zero1);
     let norm = if half_weights { 6.0 } else { 8.0 } * h;
-    norm + if half { 10.0 * v } else { 8.0 * v }
+    norm + 12.0 * v
 }
 
 #[cfg(test)]
