@@ -13,7 +13,9 @@ same AdamW, fp32, two CPU processes with gloo:
 - DDP: `torch.nn.parallel.DistributedDataParallel` over the same model, each rank its 8
   sequences in the same 4 micro-batches (gradients accumulated under `no_sync()` but for the
   last, DDP's own bucketed overlap).
-Reports the median step wall time (the first `--skip` steps dropped) and tokens/s of each, and
+DDP runs once beside each configuration (just before it), so a shared machine's drift over
+minutes does not enter the ratio. Reports the median step wall time (the first `--skip` steps
+dropped) and tokens/s of each, and
 Motley's tokens/s over DDP's (goal: 0.95 or more). `-o json`: one line per configuration,
 {config, motley_tokens_per_s, ddp_tokens_per_s, ratio, motley_step_s, ddp_step_s}.
 """
@@ -95,6 +97,7 @@ def run_ddp(steps: int, work: Path) -> list:
     from launcher import free_port, python_env
 
     port = free_port()
+    work.mkdir(parents=True, exist_ok=True)
     out = work / "ddp.json"
     procs = []
     for r in range(2):
@@ -130,10 +133,12 @@ def main() -> int:
         return ddp_worker(a.steps, a.out)
     work = Path(tempfile.mkdtemp(prefix="motley-vs-ddp-"))
     tokens = GB * MODEL["seq_len"]
-    ddp = statistics.median(run_ddp(a.steps, work)[a.skip:])
     rows = []
     for config, extra in (("dp2-overlap", []), ("dp2-no-overlap", ["--no-overlap"]), ("dp2-zero1", ["--zero1"]),
                           ("dp2-zero1-no-overlap", ["--zero1", "--no-overlap"])):
+        # DDP runs again beside each configuration: a shared machine's speed drifts over
+        # minutes, and each ratio compares two runs made one after the other.
+        ddp = statistics.median(run_ddp(a.steps, work / f"ddp-{config}")[a.skip:])
         m = statistics.median(run_motley(a.steps, work / config, extra)[a.skip:])
         rows.append({"config": config, "motley_tokens_per_s": round(tokens / m, 1),
                      "ddp_tokens_per_s": round(tokens / ddp, 1), "ratio": round(ddp / m, 3),
