@@ -339,8 +339,9 @@ fn ranks_survive_an_agent_restart_and_stop_escalates() {
 
     // A stop whose agent dies before the grace period ends is finished by the next agent: the
     // rank that ignores SIGTERM is killed all the same. The agent is killed well within the
-    // grace (5 intervals of 400 ms, not 50: a loaded machine must not let it escalate first).
-    fake.0.lock().unwrap().heartbeat_ms = 400;
+    // grace (5 intervals of 1 s: on a loaded machine, with 2 s, the stop's marker was once seen
+    // only after the agent had already escalated).
+    fake.0.lock().unwrap().heartbeat_ms = 1000;
     drop(agent);
     let agent = start_agent(&url, &work, &log);
     fake.until("the third registration", |s| (s.registrations.len() == 3).then_some(()));

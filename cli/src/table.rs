@@ -57,13 +57,16 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
         r.search.plans_costed
     ));
     out.push_str(&format!(
-        "iteration {:.3} s | {:.0} tokens/s | {:.1}% of cluster peak FLOPS | global batch {} | micro-batch {} | seq {}\n",
+        "iteration {:.3} s | {:.0} tokens/s | {:.1}% of cluster peak FLOPS | global batch {} | micro-batch {} | seq {} | {}{}{}\n",
         r.iteration_time_s,
         r.tokens_per_s,
         r.peak_utilization * 100.0,
         r.global_batch,
         r.micro_batch,
-        r.seq_len
+        r.seq_len,
+        r.precision.name(),
+        if r.recompute { " | recompute" } else { "" },
+        if r.zero1 { " | zero1" } else { "" }
     ));
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
@@ -281,5 +284,9 @@ mod tests {
         let out = format!("{}{}", render(&report, true), render_network(&report.comm_groups));
         assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
         assert!(out.contains("lab\\x1b[31m") && out.contains("n\\x1b]0;x\\x07:0"), "{out}");
+        assert!(out.contains("| seq 512 | fp16\n"), "the precision priced, and no recompute or zero1: {out}");
+        let sharded = motley_solver::PlanOptions { recompute: true, zero1: true, ..opts.clone() };
+        let report = motley_solver::plan(&motley_solver::PlanRequest { opts: &sharded, ..req }).unwrap();
+        assert!(render(&report, true).contains("| fp16 | recompute | zero1\n"));
     }
 }

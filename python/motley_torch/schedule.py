@@ -115,7 +115,17 @@ class Pipeline:
     def step(self, micro: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: float) -> float:
         """Forward and backward every micro-batch (inputs, targets of this rank's rows; only
         the first stage reads inputs, only the last targets). Returns the sum of this rank's
-        scaled losses (0 unless last stage)."""
+        scaled losses (0 unless last stage).
+
+        The whole step runs inside one disabled autocast context: autocast keeps its casts of
+        the weights until the outermost context exits, so every micro-batch's forward reuses
+        one half copy of each fp32 weight instead of each in-flight micro-batch's graph
+        holding its own (the weights change only after the step); nothing outside the
+        forwards runs under autocast."""
+        with torch.autocast(device_type=self.v.device.type, enabled=False):
+            return self._step(micro, loss_scale)
+
+    def _step(self, micro: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: float) -> float:
         v = self.v
         order = one_f_one_b(v.pp_size, v.stage, len(micro))
         saved: Dict[int, tuple] = {}

@@ -30,3 +30,37 @@ def test_gpt_attention_keeps_its_probabilities():
     assert r["per_token_key"] == pytest.approx(4 * 8 + 1, rel=0.01), r
     # 32h + 8 per f (4h) + the LayerNorms' fp32 mean and rstd (16 bytes).
     assert r["per_token"] == pytest.approx(64 * 256 + 16, abs=1), r
+
+
+def test_the_step_keeps_one_half_copy_of_each_weight():
+    """Pipeline.step runs inside one disabled autocast context, so the micro-batches' forwards
+    share autocast's cast of each weight (the cost model prices one copy per step, not one per
+    micro-batch in flight); without it every forward makes its own."""
+    import torch
+
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8, requires_grad=True)
+
+    def copies(outer: bool) -> int:
+        seen = set()
+
+        def pack(t):
+            if t.dtype == torch.bfloat16 and tuple(t.shape) == (8, 8):
+                seen.add(t.untyped_storage().data_ptr())
+            return t
+
+        outs = []
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if outer:
+                with torch.autocast("cpu", enabled=False):
+                    for _ in range(3):
+                        with torch.autocast("cpu", dtype=torch.bfloat16):
+                            outs.append(lin(x))
+            else:
+                for _ in range(3):
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        outs.append(lin(x))
+        return len(seen)
+
+    assert copies(outer=True) == 1
+    assert copies(outer=False) == 3

@@ -156,9 +156,15 @@ def test_b_dp_changes_across_a_hop_older_agent_and_plan(tmp_path, tmp_path_facto
     half of the micro-batch. Run as an older agent and planner would: the groups file without
     index/gpus/layers, the plan without model_spec (the trainer gets --model). One ring of the
     plan is made to carry NCCL_IB_DISABLE=1, which a rank must never set."""
-    plan = motley_plan("mixed-dp-3x2.yaml", "tiny6-gqa.yaml", 8, *PIN)
+    # Written by hand with the planner's group rules (launcher.hand_plan): given these GPUs
+    # with the large pair twice as fast, the planner (pricing the runtime's memory) puts the
+    # large pair first, and this hop's direction is the point of the test.
+    spec = yaml.safe_load((DATA / "tiny6-gqa.yaml").read_text())
+    plan = hand_plan(spec, 8, 2, [dict(micro_batches=4, stages=[
+        dict(layers=[0, 2], tp=2, dp=2, gpus=[("small-0", 0), ("small-0", 1), ("small-1", 0), ("small-1", 1)]),
+        dict(layers=[2, 6], tp=2, dp=1, gpus=[("big", 0), ("big", 1)])])],
+        node_kind={"big": "ib", "small-0": "ib", "small-1": "ib"}, with_model_spec=False)
     assert shape(plan) == [[([0, 2], 2, 2), ([2, 6], 2, 1)]], shape(plan)
-    plan.pop("model_spec", None)
     ring = next(g for g in plan["comm_groups"] if g["kind"] == "dp")
     ring["env"]["NCCL_IB_DISABLE"] = "1"
     results = run_and_compare(plan, "tiny6-gqa.yaml", tmp_path, tmp_path_factory, extended=False)

@@ -99,16 +99,19 @@ impl PlanOptions {
     }
 
     /// Bytes of weights, gradients and optimizer state per parameter on one GPU, as the rank
-    /// runtime holds them (`python/motley_torch/zero.py`). Without ZeRO-1: fp32 weights (the
-    /// forward casts them under autocast), fp32 gradients and AdamW's two fp32 moments, 16.
-    /// With it: the weights in the compute type, the fp32 gradient buffers the reduction
-    /// fills, and the fp32 master (its own copy only in half precision) and moments divided
-    /// over the `dp` GPUs holding the layer: 6 + 12/dp in bf16/fp16 (Megatron-LM's distributed
-    /// optimizer with fp32 gradients), 8 + 8/dp in fp32.
+    /// runtime holds them (`python/motley_torch/zero.py`). Without ZeRO-1: fp32 weights, fp32
+    /// gradients and AdamW's two fp32 moments, 16, plus in bf16/fp16 the half copy autocast
+    /// makes of each weight and keeps for the step (`schedule.Pipeline.step`), 18 (as
+    /// Megatron-LM's mixed precision without a distributed optimizer). With it: the weights in
+    /// the compute type, the fp32 gradient buffers the reduction fills, and the fp32 master
+    /// (its own copy only in half precision) and moments divided over the `dp` GPUs holding
+    /// the layer: 6 + 12/dp in bf16/fp16 (Megatron-LM's distributed optimizer with fp32
+    /// gradients), 8 + 8/dp in fp32.
     pub fn state_bytes_per_param(&self, dp: u32) -> f64 {
         let dp = dp.max(1) as f64;
         match (self.zero1, self.precision) {
-            (false, _) => 16.0,
+            (false, Precision::Fp32) => 16.0,
+            (false, Precision::Fp16 | Precision::Bf16) => 18.0,
             (true, Precision::Fp32) => 8.0 + 8.0 / dp,
             (true, Precision::Fp16 | Precision::Bf16) => 6.0 + 12.0 / dp,
         }
@@ -274,12 +277,9 @@ impl<'a> CostModel<'a> {
         let layer_act = match profiled.and_then(|p| p.act_mib) {
             Some(mib) => mib * 1024.0 * 1024.0,
             None if self.opts.recompute => 2.0 * s * m * h,
-            // What the runtime saves per token (activations.rs, counted on it), and the half
-            // copies of fp32 weights each micro-batch's graph holds.
-            None => {
-                s * m * activations::layer_token_bytes(self.model, precision, zero1, s).per_gpu(t)
-                    + activations::weight_copies(layer_params_gpu, precision, zero1)
-            }
+            // What the runtime saves per token (activations.rs, counted on it); the half
+            // copies of the weights are one per step, in the state bytes.
+            None => s * m * activations::layer_token_bytes(self.model, precision, zero1, s).per_gpu(t),
         };
         // Measured extras where the profile has them (forward plus backward).
         let measured = |f: Option<f64>, b: Option<f64>| Some((f? + b?) / 1e3);
@@ -297,9 +297,8 @@ impl<'a> CostModel<'a> {
             head_state: head_params_gpu * opt_bytes_per_param,
             tied_state: tied_params_gpu * opt_bytes_per_param,
             // The loss's peak over the micro-batch, whole on every TP rank (the head is
-            // replicated), and the half copy of the head's weights.
-            head_act: s * m * activations::head_token_bytes(self.model, precision, zero1)
-                + activations::weight_copies(head_params_gpu, precision, zero1),
+            // replicated).
+            head_act: s * m * activations::head_token_bytes(self.model, precision, zero1),
             capacity: (gpu.memory_gib - self.opts.reserve_gib) * GIB,
             layer_params_gpu,
             embed_params_gpu,
@@ -548,7 +547,7 @@ mod wire_and_optimizer_tests {
         let matrix = 128256.0 * 4096.0;
         assert_eq!(u.ends_params_gpu(true, true) - t.ends_params_gpu(true, true), matrix);
         let mem = |lc: &LayerCost, first, last| CostModel::stage_memory(lc, 2, first, last, 1, false);
-        assert_eq!(mem(&u, true, true) - mem(&t, true, true), matrix * 16.0, "one stage: the matrix once");
+        assert_eq!(mem(&u, true, true) - mem(&t, true, true), matrix * opts.state_bytes_per_param(1), "one stage: the matrix once");
         assert_eq!(mem(&u, true, false), mem(&t, true, false), "first of a pipeline: a copy");
         assert_eq!(mem(&u, false, true), mem(&t, false, true), "last of a pipeline: a copy");
         assert_eq!(u.head_params_gpu, 4096.0 + matrix, "the final RMSNorm and the head");
@@ -577,7 +576,7 @@ mod wire_and_optimizer_tests {
     #[test]
     fn state_bytes_follow_the_runtime_with_and_without_zero1() {
         let opts = |zero1, precision| PlanOptions { zero1, precision, ..PlanOptions::default() };
-        assert_eq!(opts(false, Precision::Bf16).state_bytes_per_param(4), 16.0);
+        assert_eq!(opts(false, Precision::Bf16).state_bytes_per_param(4), 18.0, "with autocast's half copy");
         assert_eq!(opts(false, Precision::Fp32).state_bytes_per_param(4), 16.0);
         assert_eq!(opts(true, Precision::Bf16).state_bytes_per_param(4), 9.0, "bf16 weights, fp32 grads, (master + moments) / 4");
         assert_eq!(opts(true, Precision::Fp16).state_bytes_per_param(1), 18.0, "a master copy beside half weights");

@@ -5,9 +5,9 @@
 //! the estimate and the runtime to the same numbers). Korthikanti et al.'s 34·h bytes per token assume every
 //! tensor in 16 bits and one cast of each input; the runtime differs:
 //! - without ZeRO-1 the weights are fp32 and autocast computes in the half type, so the
-//!   residual stream and the norms stay fp32, every linear saves its own half copy of its
-//!   input, and each micro-batch's graph holds a half copy of every weight (2 bytes per
-//!   parameter per micro-batch in flight);
+//!   residual stream and the norms stay fp32 and every linear saves its own half copy of its
+//!   input; autocast's half copy of each weight is kept once for the whole step (2 bytes per
+//!   parameter, priced with the state: `PlanOptions::state_bytes_per_param`);
 //! - with ZeRO-1 in half precision the weights themselves are half: no weight copies, a half
 //!   residual stream;
 //! - llama attention runs through SDPA (flash: q, k and v at all heads, the output and the
@@ -68,17 +68,6 @@ pub fn layer_token_bytes(model: &Model, precision: Precision, zero1: bool, seq: 
     TokenBytes { replicated: rep_h * h + attention.0, split: split_h * h + mlp + attention.1 }
 }
 
-/// Bytes every micro-batch in flight keeps besides its tokens' activations: the half copies
-/// autocast makes of fp32 weights (`params` of them on this GPU).
-pub fn weight_copies(params: f64, precision: Precision, zero1: bool) -> f64 {
-    let (half, half_weights) = layout(precision, zero1);
-    if half && !half_weights {
-        2.0 * params
-    } else {
-        0.0
-    }
-}
-
 /// Peak bytes of the head per token of the last micro-batch, whole on every TP rank: the
 /// final norm's saves, and at the loss's backward three fp32 tensors of the vocabulary's
 /// width at once (the log-softmax the loss kept, the gradient into it, the gradient out of
@@ -114,9 +103,6 @@ mod tests {
         assert!((count(Precision::Bf16, false) - 52.32).abs() < 0.1, "{}", count(Precision::Bf16, false));
         assert!((count(Precision::Bf16, true) - 42.32).abs() < 0.1, "{}", count(Precision::Bf16, true));
         assert_eq!(count(Precision::Fp32, true), count(Precision::Fp32, false), "fp32 weights either way");
-        assert_eq!(weight_copies(100.0, Precision::Bf16, false), 200.0);
-        assert_eq!(weight_copies(100.0, Precision::Bf16, true), 0.0);
-        assert_eq!(weight_copies(100.0, Precision::Fp32, false), 0.0);
     }
 
     #[test]
