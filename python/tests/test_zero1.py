@@ -84,20 +84,22 @@ def test_partition_cuts_contiguous_runs_with_the_smallest_largest_run():
 def test_zero1_gives_the_unsharded_losses_and_divides_the_optimizer_state(tmp_path, plan_name):
     plan = {"two_replicas": two_replicas, "asymmetric": asymmetric, "tp2": tp2}[plan_name]()
     base = ["--steps", "5", "--seed", "4", "--bucket-mb", "0.01"]
-    plain = launch(plan, base, tmp_path / "plain")
     sharded = launch(plan, base + ["--zero1"], tmp_path / "zero1")
-    for res in (plain, sharded):
-        check_ok(res)
-    a, b = steps(plain[0].stdout), steps(sharded[0].stdout)
+    check_ok(sharded)
+    b = steps(sharded[0].stdout)
     assert len(b) == 5
-    assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a, b)), (a, b)
-    if plan_name == "two_replicas":
-        late = launch(plan, base + ["--zero1", "--no-overlap"], tmp_path / "late")
-        check_ok(late)
-        c = steps(late[0].stdout)
-        assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(b, c)), (b, c)
     assert all(abs(x["loss"] - y["loss"]) <= 1e-4 for x, y in zip(b, single("--steps", "5"))), b
     assert all("motley-zero1 on" in r.log for r in sharded)
+    if plan_name != "two_replicas":
+        return
+    # The unsharded run, and ZeRO-1 reducing after the backward pass: the same losses.
+    plain = launch(plan, base, tmp_path / "plain")
+    late = launch(plan, base + ["--zero1", "--no-overlap"], tmp_path / "late")
+    check_ok(plain)
+    check_ok(late)
+    a, c = steps(plain[0].stdout), steps(late[0].stdout)
+    assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a, b)), (a, b)
+    assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(b, c)), (b, c)
     before, after = memory(plain), memory(sharded)
     # Every ring's optimizer state is cut into runs of whole blocks: summed over the ranks it
     # is what one copy per ring holds, and no rank keeps everything where its ring has two.
