@@ -500,9 +500,9 @@ def verify_manifest(step_dir: str, m: dict) -> dict:
 # ---- restore -----------------------------------------------------------------------------------
 
 
-def _has_tied(zero, model, block) -> bool:
-    """Whether the rank keeps a master of some parameter of the block that it does not own (a
-    tied embedding/head: every holder steps it)."""
+def _steps_here(zero, model, block) -> bool:
+    """Whether the rank keeps a master of some parameter of the block: it owns the block, or
+    the block holds the tied embedding/head, which every holder steps."""
     return any(block_of(n) == block and p in zero.master for n, p in model.named_parameters())
 
 
@@ -543,7 +543,7 @@ def restore(view, model, optimizer, paths: List[str], position: Optional[dict] =
     units = _units(model, optimizer)
     # The optimizer's state exists only after a step: make it (zeros) so the restore can fill it.
     needed = {(b, "model") for b, _ in units} | {(b, "optimizer") for b, _ in units
-                                                 if zero is None or zero.owns(b) or _has_tied(zero, model, b)}
+                                                 if zero is None or _steps_here(zero, model, b)}
     chosen: Dict[Tuple[object, str], str] = {}
     for block, part in sorted(needed, key=str):
         label = block_label(block)

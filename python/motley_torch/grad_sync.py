@@ -24,21 +24,72 @@ from .schedule import segment_params
 
 
 class _Bucket:
-    def __init__(self, group, params: List[torch.nn.Parameter]):
-        self.group, self.params = group, params
+    def __init__(self, group, params: List[torch.nn.Parameter], owner: Optional[int] = None):
+        self.group, self.params, self.owner = group, params, owner
         self.ready = 0
         self.work = None
         self.flat: Optional[torch.Tensor] = None
 
 
-class OverlappedReducer:
+class HookedBuckets:
+    """Buckets of parameters, each launched (`_launch`, the subclass's collective) from
+    `register_post_accumulate_grad_hook` as soon as the step's last micro-batch has gone
+    backward through every parameter in it. `start_step(0)` launches nothing from the hooks
+    (the caller launches after the backward pass)."""
+
+    def __init__(self):
+        self.buckets: List[_Bucket] = []
+        self.bucket_of: Dict[torch.nn.Parameter, _Bucket] = {}
+        self.counts: Dict[torch.nn.Parameter, int] = {}
+        self.expected = 0
+        self.launched: List[_Bucket] = []
+
+    def _add(self, group, params, owner: Optional[int] = None):
+        b = _Bucket(group, params, owner)
+        self.buckets.append(b)
+        for p in params:
+            self.bucket_of[p] = b
+
+    def _register_hooks(self):
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def start_step(self, micro_batches: int):
+        """Before the step's first backward: each gradient is final after this many."""
+        self.expected = micro_batches
+        self.counts = {}
+        self.launched = []
+        for b in self.buckets:
+            b.ready, b.work, b.flat = 0, None, None
+
+    def _hook(self, p: torch.nn.Parameter):
+        if not self.expected:
+            return
+        c = self.counts.get(p, 0) + 1
+        self.counts[p] = c
+        if c == self.expected:
+            b = self.bucket_of[p]
+            b.ready += 1
+            if b.ready == len(b.params):
+                self._launch(b)
+
+    def _launch_rest(self):
+        """Launch, in bucket order, what no hook did."""
+        for b in self.buckets:
+            if b.work is None:
+                self._launch(b)
+
+    def _launch(self, b: _Bucket):
+        raise NotImplementedError
+
+
+class OverlappedReducer(HookedBuckets):
     def __init__(self, view, named_params, segment_of: Callable[[str], int], bucket_mb: float):
         if bucket_mb <= 0:
             raise ValueError("bucket_mb must be positive")
+        super().__init__()
         limit = int(bucket_mb * 2**20)
         by_seg = segment_params(view, named_params, segment_of)
-        self.buckets: List[_Bucket] = []
-        self.bucket_of: Dict[torch.nn.Parameter, _Bucket] = {}
         for i, params in sorted(by_seg.items()):
             seg = view.segments[i]
             if seg.group is None:
@@ -53,34 +104,7 @@ class OverlappedReducer:
                 size += n
             if cur:
                 self._add(seg.group.pg, cur)
-        self.counts: Dict[torch.nn.Parameter, int] = {}
-        self.expected = 0
-        self.launched: List[_Bucket] = []
-        for p in self.bucket_of:
-            p.register_post_accumulate_grad_hook(self._hook)
-
-    def _add(self, pg, params):
-        b = _Bucket(pg, params)
-        self.buckets.append(b)
-        for p in params:
-            self.bucket_of[p] = b
-
-    def start_step(self, micro_batches: int):
-        """Before the step's first backward: each gradient is final after this many."""
-        self.expected = micro_batches
-        self.counts = {}
-        self.launched = []
-        for b in self.buckets:
-            b.ready, b.work, b.flat = 0, None, None
-
-    def _hook(self, p: torch.nn.Parameter):
-        c = self.counts.get(p, 0) + 1
-        self.counts[p] = c
-        if c == self.expected:
-            b = self.bucket_of[p]
-            b.ready += 1
-            if b.ready == len(b.params):
-                self._launch(b)
+        self._register_hooks()
 
     def _launch(self, b: _Bucket):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
@@ -91,9 +115,7 @@ class OverlappedReducer:
     def finish(self):
         """After the step's last backward: launch what no hook did (in bucket order), wait for
         every bucket, write the sums into the gradients."""
-        for b in self.buckets:
-            if b.work is None:
-                self._launch(b)
+        self._launch_rest()
         for b in self.launched:
             b.work.wait()
             off = 0

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import block_of
+from .grad_sync import HookedBuckets, _Bucket
 
 
 def block_order(block) -> tuple:
@@ -80,15 +81,7 @@ def partition(sizes: Sequence[int], parts: int) -> List[int]:
     return pack(lo)
 
 
-class _Bucket:
-    def __init__(self, pg, owner: int, params: List[torch.nn.Parameter]):
-        self.pg, self.owner, self.params = pg, owner, params
-        self.ready = 0
-        self.work = None
-        self.flat: Optional[torch.Tensor] = None
-
-
-class ZeroOne:
+class ZeroOne(HookedBuckets):
     """The rank's side of ZeRO-1. `sharded`: (name, parameter) synchronised over the segment
     rings; `tied`: parameters outside ZeRO (every holder keeps their state)."""
 
@@ -96,6 +89,7 @@ class ZeroOne:
                  make_optimizer, bucket_mb: float, overlap: bool = True):
         if bucket_mb <= 0:
             raise ValueError("bucket_mb must be positive")
+        super().__init__()
         self.view, self.model, self.overlap = view, model, overlap
         limit = int(bucket_mb * 2**20)
         tied_ids = {id(p) for p in tied}
@@ -120,8 +114,6 @@ class ZeroOne:
         # fp32 masters of what this rank updates: its blocks' sharded parameters and the tied ones.
         self.master: Dict[torch.nn.Parameter, torch.nn.Parameter] = {}
         self.local: List[torch.nn.Parameter] = []  # sharded, but the rank is its ring alone
-        self.buckets: List[_Bucket] = []
-        self.bucket_of: Dict[torch.nn.Parameter, _Bucket] = {}
         by_seg: Dict[int, List[tuple]] = {}
         for name, p in sharded:
             by_seg.setdefault(name_block[name][0], []).append((name, p))
@@ -135,13 +127,13 @@ class ZeroOne:
                 o = self.block_owner[name_block[name][1]]
                 n = p.numel() * 4
                 if cur and (o != owner or size + n > limit):
-                    self._add(group.pg, owner, cur)
+                    self._add(group.pg, cur, owner)
                     cur, size = [], 0
                 cur.append(p)
                 owner = o
                 size += n
             if cur:
-                self._add(group.pg, owner, cur)
+                self._add(group.pg, cur, owner)
         for name, p in model.named_parameters():
             if id(p) in tied_ids or self.block_owner[name_block[name][1]] == view.rank:
                 self.master[p] = p if half is None else torch.nn.Parameter(p.detach().float().clone())
@@ -150,23 +142,13 @@ class ZeroOne:
                 for p in model.parameters():
                     p.data = p.data.to(half)
         self.optimizer = make_optimizer(list(self.master.values()))
-        self.counts: Dict[torch.nn.Parameter, int] = {}
-        self.expected = 0
-        self.launched: List[_Bucket] = []
-        for p in self.bucket_of:
-            p.register_post_accumulate_grad_hook(self._hook)
+        self._register_hooks()
 
     def _segment(self, layer: int) -> int:
         for i, s in enumerate(self.view.segments):
             if s.layers[0] <= layer < s.layers[1]:
                 return i
         raise RuntimeError(f"layer {layer} is in none of the rank's segments")
-
-    def _add(self, pg, owner: int, params):
-        b = _Bucket(pg, owner, params)
-        self.buckets.append(b)
-        for p in params:
-            self.bucket_of[p] = b
 
     # ---- what the checkpoint needs ----------------------------------------------------------
 
@@ -181,38 +163,21 @@ class ZeroOne:
     # ---- one step ---------------------------------------------------------------------------
 
     def start_step(self, micro_batches: int):
-        """Before the step's first backward: each gradient is final after this many."""
-        self.expected = micro_batches if self.overlap else 0
-        self.counts = {}
-        self.launched = []
-        for b in self.buckets:
-            b.ready, b.work, b.flat = 0, None, None
-
-    def _hook(self, p: torch.nn.Parameter):
-        if not self.expected:
-            return
-        c = self.counts.get(p, 0) + 1
-        self.counts[p] = c
-        if c == self.expected:
-            b = self.bucket_of[p]
-            b.ready += 1
-            if b.ready == len(b.params):
-                self._launch(b)
+        """Before the step's first backward (with --no-overlap the hooks launch nothing)."""
+        super().start_step(micro_batches if self.overlap else 0)
 
     def _launch(self, b: _Bucket):
         b.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
                             for p in b.params])
         for p in b.params:
             p.grad = None
-        b.work = dist.reduce(b.flat, dst=b.owner, op=dist.ReduceOp.SUM, group=b.pg, async_op=True)
+        b.work = dist.reduce(b.flat, dst=b.owner, op=dist.ReduceOp.SUM, group=b.group, async_op=True)
         self.launched.append(b)
 
     def finish_gradients(self):
         """After the step's last backward: launch what no hook did, wait for every bucket; the
         owner's masters get the fp32 sums, everyone else's copies are dropped."""
-        for b in self.buckets:
-            if b.work is None:
-                self._launch(b)
+        self._launch_rest()
         me = self.view.rank
         for b in self.launched:
             b.work.wait()
@@ -261,7 +226,7 @@ class ZeroOne:
             else:
                 flat = torch.empty(sum(p.numel() for p in b.params), dtype=b.params[0].dtype,
                                    device=b.params[0].device)
-            works.append((b, flat, dist.broadcast(flat, src=b.owner, group=b.pg, async_op=True)))
+            works.append((b, flat, dist.broadcast(flat, src=b.owner, group=b.group, async_op=True)))
         with torch.no_grad():
             for b, flat, w in works:
                 w.wait()
