@@ -1,6 +1,6 @@
 //! `motley espresso eval|search`: Espresso's own files, priced by its estimator and searched
-//! exactly. The flags and the `-o json` fields are a contract (issue 4); more may be added,
-//! none renamed.
+//! exactly. The flags and the `-o json` fields are a contract (README.md, `motley espresso`);
+//! more may be added, none renamed.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

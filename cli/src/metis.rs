@@ -1,5 +1,5 @@
 //! `motley metis eval|search`: Metis's inputs, priced and searched by Motley. The flags and
-//! the `-o json` fields are a contract (issue 3); more may be added, none renamed.
+//! the `-o json` fields are a contract (README.md, `motley metis`); more may be added, none renamed.
 
 use std::path::{Path, PathBuf};
 

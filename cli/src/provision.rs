@@ -1,5 +1,5 @@
 //! `motley provision`: the cheapest mix of rented GPUs that meets an iteration-time SLO. The
-//! flags and the `-o json` fields are a contract (issue 4); more may be added, none renamed.
+//! flags and the `-o json` fields are a contract (README.md, `motley provision`); more may be added, none renamed.
 
 use std::path::PathBuf;
 

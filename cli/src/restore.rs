@@ -1,4 +1,4 @@
-//! `motley restore-plan --scenario FILE`: the restore planner offline (issue 15). The scenario
+//! `motley restore-plan --scenario FILE`: the restore planner offline. The scenario
 //! file (a contract, docs/restore.md) names the nodes and their rates, the step's units, who
 //! holds which shards where and what each node of the new plan needs; the command prints the
 //! lower bound, the plan's makespan, bytes by source and the transfers.

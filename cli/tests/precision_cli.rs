@@ -1,5 +1,6 @@
-//! `--precision` and `--calibration` (issue 14, cost-model fidelity), and the per-stage times
-//! of `-o json`: the real binary, real files, exit code 2 with the field named on bad input.
+//! `--precision` and `--calibration` (solver/README.md, "Precision and calibration"), and the
+//! per-stage times of `-o json`: the real binary, real files, exit code 2 with the field named
+//! on bad input.
 
 mod common;
 use common::{json, motley, write_temp};

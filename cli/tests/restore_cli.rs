@@ -1,4 +1,4 @@
-//! `motley restore-plan --scenario FILE` (issue 15): the example scenarios plan, the JSON
+//! `motley restore-plan --scenario FILE` (docs/restore.md): the example scenarios plan, the JSON
 //! fields are the documented ones, bad input is one line naming the file and field, exit 2.
 
 mod common;

@@ -192,7 +192,8 @@ impl NicSpec {
     }
 }
 
-/// One `nodes:` entry of the cluster file (the contract of issue 2).
+/// One `nodes:` entry of the cluster file (a contract: README.md, `motley plan`; fields may be
+/// added, never renamed).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NodeSpec {

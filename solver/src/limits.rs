@@ -2,8 +2,8 @@
 //! planner turns into memory or work (nodes after `count` expansion, GPUs, batch sizes,
 //! sequence length, layers, pipeline depth) is checked against these before anything is
 //! allocated: a typo such as `count: 100000000` is refused in microseconds, naming the field,
-//! instead of growing the process to many gigabytes (issue 13, item 20). The coordinator plans
-//! through the same checks, so a job file is bounded the same way.
+//! instead of growing the process to many gigabytes (solver/README.md, "Limits"). The
+//! coordinator plans through the same checks, so a job file is bounded the same way.
 //!
 //! The limits sit far above the largest inputs the benchmarks use (BENCHMARKS.md: 20,000 nodes
 //! of 8 x H100, 160,000 GPUs, global batch 8192) and above real training runs, and far below

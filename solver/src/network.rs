@@ -1,7 +1,7 @@
 //! The communication groups of a placed plan: for every TP group, pipeline hop and gradient
 //! ring, the GPUs, the transport and NICs it uses, the NCCL settings that select them, and
 //! what it costs per iteration. The JSON shape (`kind`, `gpus`, `transport`, `nics`, `env`)
-//! is a contract (issue 5); fields may be added, never renamed.
+//! is a contract (docs/plan.md, `comm_groups`); fields may be added, never renamed.
 //!
 //! Rules (Holmes, section 3): a TP group stays inside a node (NVLink or PCIe); a pipeline hop
 //! between two nodes uses the best transport both ends share, Ethernet (sockets) between RDMA

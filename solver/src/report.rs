@@ -1,5 +1,5 @@
 //! What `motley plan` prints: the plan with its placement and prices, and the baselines.
-//! The JSON field names are a contract (issue 2); fields may be added, never renamed.
+//! The JSON field names are a contract (docs/plan.md); fields may be added, never renamed.
 
 use serde::Serialize;
 use std::collections::BTreeMap;

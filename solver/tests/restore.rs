@@ -1,4 +1,4 @@
-//! The restore planner (issue 15): its lower bound equals an LP of the fluid relaxation solved
+//! The restore planner (docs/restore.md): its lower bound equals an LP of the fluid relaxation solved
 //! by a general simplex (microlp), written per segment rather than through the planner's
 //! aggregated max-flow networks; its plans cover every demand, fetch each cloud byte once,
 //! relay only bytes the relay has, and never beat the bound.

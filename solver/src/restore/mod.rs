@@ -1,4 +1,4 @@
-//! The restore planner (issue 15): which bytes of a checkpoint step each node of a new plan
+//! The restore planner (docs/restore.md): which bytes of a checkpoint step each node of a new plan
 //! must hold, who already holds them where, and how to move them; with a lower bound on the
 //! time any transfer schedule needs, printed side by side. The problem is stated in
 //! `solver/README.md` ("Restore planning"); in short:
