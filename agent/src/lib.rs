@@ -1,28 +1,25 @@
-//! Motley's per-node agent as a library: hardware discovery (`discover`, `nvml`), the agent's
-//! configuration file (`config`), rank supervision that survives an agent restart (`ranks`,
-//! `rankfiles`, each rank in its own cgroup where it can: `cgroup`), the dead-man switch that stops ranks whose agent is gone (`lease`), the rank
-//! logs served over HTTP or HTTPS (`logs`, `tls`), the node's load sent with every heartbeat (`load`), whom
-//! ranks run as (`users`) layer profiling on request (`profiler`) the checkpoint files it holds (`holdings`) and moves between memory, disk and the cloud (`tiers`, `cloud`). The binary `motley-agent` wires them to the coordinator.
+//! Motley's per-node agent as a library, in rooms whose names say what they may touch. Arrows
+//! run down the table only: a room calls the rooms below it, never one above.
+//!
+//! | room | holds | may call |
+//! |---|---|---|
+//! | `logs` | the rank logs over HTTP or HTTPS (`logs::tls`) | `workdir`, `error` |
+//! | `profiler` | layer profiling on request | `workdir`, `error` |
+//! | `ranks` | the supervisor (launch, watch, report, stop, adopt), rank files, process groups, the wrapper and its dead-man switch (`lease`), cgroups, users, preemption notices | `checkpoints`, `workdir`, `error` |
+//! | `checkpoints` | checkpoint steps held (`holdings`), their tiers (`tiers`, `cloud`), the data plane (`dataplane`, `rdma`), restores (`restorer`) | `node`, `workdir`, `error` |
+//! | `node` | hardware discovery (`discover`, `nvml`), the node's load and free space (`load`) | `error` |
+//! | `workdir` | the work directory's layout and how a file in it is written (whole, private) | `error` |
+//! | `error` | the one error type | nothing |
+//!
+//! The binary `motley-agent` (src/bin/motley-agent) wires them to the coordinator; it runs
+//! each rank under `ranks::wrapper`.
 
-pub mod cgroup;
-pub mod cloud;
-pub mod dataplane;
-pub mod discover;
+pub mod checkpoints;
 pub mod error;
-pub mod holdings;
-pub mod lease;
-pub mod load;
 pub mod logs;
-pub mod notice;
-pub mod nvml;
+pub mod node;
 pub mod profiler;
-pub mod rankfiles;
 pub mod ranks;
-#[cfg(feature = "rdma")]
-pub mod rdma;
-pub mod restorer;
-pub mod tiers;
-pub mod tls;
-pub mod users;
+pub mod workdir;
 
 pub use error::{AgentError, Result};

@@ -51,7 +51,7 @@ impl Profiler {
     /// `WORK_DIR/profiles`; results an earlier agent left unacknowledged are picked up.
     pub fn new(python: &str, work_dir: &Path, node: &str) -> Result<Profiler> {
         let dir = work_dir.join("profiles");
-        crate::rankfiles::create_dirs(&dir)?;
+        crate::workdir::create_dirs(&dir)?;
         let mut results = BTreeMap::new();
         for entry in std::fs::read_dir(&dir).map_err(|err| AgentError::Io { what: "profiles directory", path: dir.clone(), err })?.flatten()
         {
@@ -138,7 +138,7 @@ impl Profiler {
             let stored = Stored { request, profile_json, error };
             let path = this.inner.dir.join(format!("{request}.result.json"));
             let bytes = serde_json::to_vec(&stored).expect("a result serialises");
-            if let Err(e) = crate::rankfiles::write_atomic(&path, &bytes) {
+            if let Err(e) = crate::workdir::write_atomic(&path, &bytes) {
                 // Reported all the same; only a restart before the ack would lose it.
                 tracing::warn!(node = %this.inner.node, "{e}");
             }
@@ -151,13 +151,13 @@ impl Profiler {
     /// Run the profiler; the entry it wrote (JSON), or why not.
     async fn run(&self, p: &Profile) -> std::result::Result<String, String> {
         let dir = self.inner.dir.join(p.request.to_string());
-        crate::rankfiles::create_dirs(&dir).map_err(|e| e.to_string())?;
+        crate::workdir::create_dirs(&dir).map_err(|e| e.to_string())?;
         let model = dir.join("model.json");
-        crate::rankfiles::replace(&model, p.model_json.as_bytes()).map_err(|e| e.to_string())?;
+        crate::workdir::replace(&model, p.model_json.as_bytes()).map_err(|e| e.to_string())?;
         let output = dir.join("profiles.yaml");
         let _ = std::fs::remove_file(&output);
         let log_path = dir.join("profile.log");
-        let log = crate::rankfiles::create_file(&log_path).map_err(|e| e.to_string())?;
+        let log = crate::workdir::create_file(&log_path).map_err(|e| e.to_string())?;
         let err_log = log.try_clone().map_err(|e| e.to_string())?;
         let gpus: Vec<String> = p.gpus.iter().map(u32::to_string).collect();
         let mut cmd = tokio::process::Command::new(&self.inner.python);

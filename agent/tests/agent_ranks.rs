@@ -18,6 +18,9 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+mod common;
+use common::{free_port, scratch, wait_exit};
+
 #[derive(Default)]
 struct Seen {
     registrations: Vec<RegisterRequest>,
@@ -203,25 +206,6 @@ fn serve_fake() -> (tokio::runtime::Runtime, Fake, String) {
     (rt, fake, url)
 }
 
-fn scratch(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("motley-agent-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// Wait for a process to end (bounded, only so a hang fails the test): its exit status.
-fn wait_exit(child: &mut Child, what: &str) -> std::process::ExitStatus {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(start.elapsed() < Duration::from_secs(60), "{what} did not exit");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// GET a path of the logs server: (status, body).
 fn http_get(base: &str, path: &str, token: Option<&str>) -> (u16, String) {
     let hostport = base.strip_prefix("http://").unwrap();
@@ -241,11 +225,7 @@ fn pgid_of(work: &Path, job: i64, rank: i64) -> i32 {
 }
 
 fn group_gone(pgid: i32) -> bool {
-    !motley_agent::rankfiles::group_alive(pgid)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    !motley_agent::ranks::group::group_alive(pgid)
 }
 
 #[test]
@@ -359,7 +339,7 @@ fn ranks_survive_an_agent_restart_and_stop_escalates() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Issue 13 items 1, 2, 8 and 11: a relative --work-dir is made absolute (the rank, in its
+/// A relative --work-dir is made absolute (the rank, in its
 /// launch's directory, finds MOTLEY_PLAN, MOTLEY_NCCL_GROUPS and, under a relative --shm-dir,
 /// MOTLEY_CKPT_DIR, and its exit file is written);
 /// the default work directory is per node; a second agent on a work directory in use stops at
@@ -434,7 +414,7 @@ fn a_relative_work_dir_is_absolute_private_and_one_agents() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Issue 13 items 1 and 4: a node held by another live agent (ALREADY_EXISTS, for longer than
+/// A node held by another live agent (ALREADY_EXISTS, for longer than
 /// 10 s), or heartbeats refused as stale session after session, end the agent with an error
 /// saying what to do, instead of re-registering forever.
 #[test]
@@ -464,7 +444,7 @@ fn a_refused_node_ends_the_agent_with_a_clear_error() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Issue 13 "Credentials": an agent running as root runs each rank as its job's user (uid,
+/// Whom ranks run as (README, "The running system": a job's `user`): an agent running as root runs each rank as its job's user (uid,
 /// groups, HOME/USER/LOGNAME; the launch directory and the rank's files are the user's), and
 /// refuses with 126 and a reason in the rank's log a job naming no user (unless the operator
 /// allows root ranks), a user the node does not have, or root. With the allowance, a job with
@@ -472,11 +452,11 @@ fn a_refused_node_ends_the_agent_with_a_clear_error() {
 #[test]
 fn ranks_run_as_the_jobs_user() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    if motley_agent::users::euid() != 0 {
+    if motley_agent::ranks::users::euid() != 0 {
         eprintln!("skipped: switching users needs root (CI runs as root)");
         return;
     }
-    let nobody = motley_agent::users::lookup("nobody").unwrap().expect("the node has a user nobody");
+    let nobody = motley_agent::ranks::users::lookup("nobody").unwrap().expect("the node has a user nobody");
     let (_rt, fake, url) = serve_fake();
     let dir = scratch("user");
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -547,7 +527,7 @@ fn process_gone(pid: i32) -> bool {
         .map_or(true, |s| s.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z')))
 }
 
-/// Issue 13 item 14: a process a rank started in a session of its own (`setsid`) has left the
+/// A process a rank started in a session of its own (`setsid`) has left the
 /// rank's process group but not its cgroup: a stop, and a rank's own end, take it too.
 #[test]
 fn what_a_rank_starts_outside_its_process_group_ends_with_it() {

@@ -2,27 +2,23 @@
 //! fetches of whole files and ranges, refusals, corruption in flight, placement, relays.
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use motley_agent::dataplane::protocol::{FrameHeader, Reply};
-use motley_agent::dataplane::{
+use motley_agent::checkpoints::dataplane::protocol::{FrameHeader, Reply};
+use motley_agent::checkpoints::dataplane::{
     ckpt_path, fetch, fetch_to_path, restore_path, serve, temporary_path, Arriving, DirResolver, FileKey, Pacer, Peer, Root, Transport,
 };
 use motley_agent::AgentError;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
+mod common;
+use common::scratch;
+
 const TOKEN: &str = "cluster-secret";
 const TIMEOUT: Duration = Duration::from_secs(10);
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("motley-dataplane-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 fn key(file: &str) -> FileKey {
     FileKey { job: 7, generation: 2, step: 10, file: file.into() }

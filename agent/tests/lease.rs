@@ -1,21 +1,17 @@
-//! The rank wrapper as the node's dead-man switch (issue 13 item 15): once the agent's lease
-//! file holds a deadline in the past, the wrapper stops its rank (SIGTERM, then SIGKILL after
-//! the lease's grace period) and writes its exit code; with a deadline ahead, or no lease file
-//! at all, the rank runs to its end.
+//! The rank wrapper as the node's dead-man switch (README, "The running system": the ranks'
+//! dead-man lease): once the agent's lease file holds a deadline in the past, the wrapper stops its
+//! rank (SIGTERM, then SIGKILL after the lease's grace period) and writes its exit code; with a
+//! deadline ahead, or no lease file at all, the rank runs to its end.
 
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use motley_agent::lease::{self, Lease};
+use motley_agent::ranks::lease::{self, Lease};
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("motley-lease-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+mod common;
+use common::{scratch, wait_exit};
 
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
@@ -34,21 +30,6 @@ fn wrapper(dir: &Path, script: &str) -> Child {
         .unwrap()
 }
 
-/// Bounded only so that a wrapper that never stops fails the test instead of hanging it.
-fn wait(child: &mut Child) -> ExitStatus {
-    let start = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("the wrapper did not end");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 fn exit_code(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("rank-0.exit")).unwrap_or_default().trim().to_string()
 }
@@ -58,12 +39,12 @@ fn a_lapsed_lease_stops_the_rank() {
     let dir = scratch("lapsed");
     lease::write(&dir.join("lease"), &Lease { deadline_ms: now_ms() - 1, grace_ms: 500 }).unwrap();
     let mut w = wrapper(&dir, "sleep 60");
-    assert_eq!(wait(&mut w).code(), Some(143), "SIGTERM ended the rank");
+    assert_eq!(wait_exit(&mut w, "the wrapper").code(), Some(143), "SIGTERM ended the rank");
     assert_eq!(exit_code(&dir), "143");
 
     // A rank that ignores SIGTERM, and what it started, are killed after the grace period.
     let mut w = wrapper(&dir, "trap '' TERM; sleep 60 & while true; do sleep 0.05; done");
-    assert_eq!(wait(&mut w).code(), Some(137));
+    assert_eq!(wait_exit(&mut w, "the wrapper").code(), Some(137));
     assert_eq!(exit_code(&dir), "137");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -77,7 +58,7 @@ fn a_lease_that_lapses_while_the_rank_runs_stops_it() {
     assert!(renewed.deadline_ms >= now_ms() + 900, "10 base intervals ahead: {renewed:?}");
     let mut w = wrapper(&dir, "sleep 60");
     // No renewal: the deadline passes a second later and the rank is stopped.
-    assert_eq!(wait(&mut w).code(), Some(143));
+    assert_eq!(wait_exit(&mut w, "the wrapper").code(), Some(143));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -86,11 +67,11 @@ fn a_live_lease_or_none_lets_the_rank_run_to_its_end() {
     let dir = scratch("live");
     lease::write(&dir.join("lease"), &Lease { deadline_ms: now_ms() + 3_600_000, grace_ms: 500 }).unwrap();
     let mut w = wrapper(&dir, "sleep 1.5; exit 3");
-    assert_eq!(wait(&mut w).code(), Some(3));
+    assert_eq!(wait_exit(&mut w, "the wrapper").code(), Some(3));
     assert_eq!(exit_code(&dir), "3");
     // No lease file at start (a coordinator that does not acknowledge): no switch.
     std::fs::remove_file(dir.join("lease")).unwrap();
     let mut w = wrapper(&dir, "sleep 1.5; exit 4");
-    assert_eq!(wait(&mut w).code(), Some(4));
+    assert_eq!(wait_exit(&mut w, "the wrapper").code(), Some(4));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,12 +1,10 @@
 //! `motley-rank-probe` as real processes: three ranks meet at MASTER_ADDR and all exit 0; a
 //! rank with a wrong environment says what is wrong and exits non-zero.
 
-use std::net::TcpListener;
 use std::process::{Command, Output};
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+mod common;
+use common::free_port;
 
 fn plan_file(tag: &str) -> std::path::PathBuf {
     let p = std::env::temp_dir().join(format!("motley-probe-plan-{tag}-{}.json", std::process::id()));

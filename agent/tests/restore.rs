@@ -1,8 +1,8 @@
-//! Fault tests of the agent's restore path (issue 15): holders laid out as ranks leave their
-//! work dirs, each serving its files over a real loopback data plane, a file:// cloud, and a
-//! destination `Restorer` whose own work dir holds its local copies. Every test ends with each
-//! restored file bit-exact against the manifest (or, for the failures, nothing under a final
-//! name).
+//! Fault tests of the agent's restore path (docs/recovery.md, "A recovery, step by step", step 6):
+//! holders laid out as ranks leave their work dirs, each serving its files over a real loopback
+//! data plane, a file:// cloud, and a destination `Restorer` whose own work dir holds its local
+//! copies. Every test ends with each restored file bit-exact against the manifest (or, for the
+//! failures, nothing under a final name).
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
@@ -10,15 +10,18 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use motley_agent::cloud::Cloud;
-use motley_agent::dataplane::protocol::{line, FrameHeader, Reply};
-use motley_agent::dataplane::{ckpt_path, serve, Arriving, DirResolver, FileKey, Pacer, Root};
-use motley_agent::restorer::{launch_list, restore_dir, Restorer};
+use motley_agent::checkpoints::cloud::Cloud;
+use motley_agent::checkpoints::dataplane::protocol::{line, FrameHeader, Reply};
+use motley_agent::checkpoints::dataplane::{ckpt_path, serve, Arriving, DirResolver, FileKey, Pacer, Root};
+use motley_agent::checkpoints::restorer::{launch_list, restore_dir, Restorer};
 use motley_checkpoint::crc::file_entry;
 use motley_checkpoint::{shard_full, Block, Dtype, Layout, Part, TensorSpec, Unit, UnitKey};
 use motley_proto::v1::{FetchRange, FetchSource, MakeUnit, Restore, RestoreFile, RestoreResult};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
+
+mod common;
+use common::scratch;
 
 const JOB: i64 = 7;
 /// The launch that wrote the checkpoint, and the one being restored for.
@@ -30,13 +33,6 @@ const CHUNK: u64 = 256 << 10;
 const UNIT: &str = "layer.00003.model.tp0-2.safetensors";
 const RANK: &str = "rank.00000.safetensors";
 const LEN: usize = 5 * CHUNK as usize + 12345;
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("motley-restore-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// Bytes no two nearby offsets of which are likely to agree.
 fn contents(len: usize, salt: usize) -> Vec<u8> {

@@ -7,21 +7,18 @@ use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
-use motley_agent::cloud::{self, Cloud};
-use motley_agent::holdings::{ckpt_dir, Holdings};
-use motley_agent::tiers::{Space, Tierer};
+use motley_agent::checkpoints::cloud::{self, Cloud};
+use motley_agent::checkpoints::holdings::Holdings;
+use motley_agent::checkpoints::steps::ckpt_dir;
+use motley_agent::checkpoints::tiers::{Space, Tierer};
 use motley_checkpoint::manifest::{piece_file_name, rank_file_name, step_dir_name, unit_file_name};
 use motley_checkpoint::{Block, Manifest, Part, RankEntry, UnitEntry, UnitKey, FORMAT};
 use motley_proto::v1::Launch;
 
-const CHUNK: u64 = 64;
+mod common;
+use common::scratch;
 
-fn temp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("motley-tiers-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+const CHUNK: u64 = 64;
 
 fn gen_dir(root: &Path, job: i64, generation: i64) -> PathBuf {
     root.join(format!("jobs/{job}/{generation}"))
@@ -73,12 +70,12 @@ fn launch(job: i64, envs: &[(&str, &str)]) -> Launch {
 }
 
 fn steps_in(root: &Path, job: i64) -> Vec<u64> {
-    motley_agent::holdings::step_dirs(root).into_iter().filter(|s| s.job == job).map(|s| s.step).collect()
+    motley_agent::checkpoints::steps::step_dirs(root).into_iter().filter(|s| s.job == job).map(|s| s.step).collect()
 }
 
 #[test]
 fn a_whole_memory_step_moves_to_disk_verified_and_the_older_memory_step_goes() {
-    let (work, shm) = (temp("move-work"), temp("move-shm"));
+    let (work, shm) = (scratch("move-work"), scratch("move-shm"));
     launch_dir(&work, 7, &[0]);
     let t = Tierer::new(work.clone(), Some(shm.clone()));
     let mem10 = write_step(&shm, 7, 10, 0, 200, true);
@@ -109,7 +106,7 @@ fn a_whole_memory_step_moves_to_disk_verified_and_the_older_memory_step_goes() {
 
 #[test]
 fn keep_prunes_disk_but_never_the_newest_whole_step_nor_a_pinned_one() {
-    let work = temp("keep");
+    let work = scratch("keep");
     launch_dir(&work, 3, &[0]);
     let t = Tierer::new(work.clone(), None);
     let err = t.launched(&launch(3, &[("MOTLEY_CKPT_KEEP", "0")])).unwrap_err().to_string();
@@ -140,7 +137,7 @@ fn keep_prunes_disk_but_never_the_newest_whole_step_nor_a_pinned_one() {
 
 #[test]
 fn a_half_written_or_corrupt_memory_step_is_not_moved() {
-    let (work, shm) = (temp("half-work"), temp("half-shm"));
+    let (work, shm) = (scratch("half-work"), scratch("half-shm"));
     launch_dir(&work, 4, &[0, 1]);
     let t = Tierer::new(work.clone(), Some(shm.clone()));
     // Rank 0's unit at another length than its piece says.
@@ -168,7 +165,7 @@ fn a_half_written_or_corrupt_memory_step_is_not_moved() {
 
 #[test]
 fn a_full_disk_refuses_with_the_numbers_and_keeps_the_previous_step() {
-    let (work, shm) = (temp("full-work"), temp("full-shm"));
+    let (work, shm) = (scratch("full-work"), scratch("full-shm"));
     launch_dir(&work, 5, &[0]);
     write_step(&shm, 5, 10, 0, 1000, false);
     Tierer::new(work.clone(), Some(shm.clone())).tier_pass();
@@ -234,7 +231,7 @@ impl ObjectStore for Recorder {
 }
 
 fn pieces_of(dir: &Path) -> Vec<(PathBuf, Manifest)> {
-    motley_agent::holdings::piece_paths(dir)
+    motley_agent::checkpoints::steps::piece_paths(dir)
         .into_iter()
         .map(|p| {
             let m = motley_checkpoint::manifest::read_json(&p).unwrap();
@@ -245,7 +242,7 @@ fn pieces_of(dir: &Path) -> Vec<(PathBuf, Manifest)> {
 
 #[tokio::test]
 async fn cloud_upload_goes_units_then_pieces_then_manifest_and_a_marker_survives_a_restart() {
-    let (work, bucket) = (temp("order-work"), temp("order-bucket"));
+    let (work, bucket) = (scratch("order-work"), scratch("order-bucket"));
     let dir = write_step(&work, 8, 10, 0, 300, false);
     write_step(&work, 8, 10, 1, 300, true);
     let url = format!("file://{}/ckpts", bucket.display());
@@ -275,7 +272,7 @@ async fn cloud_upload_goes_units_then_pieces_then_manifest_and_a_marker_survives
 
 #[tokio::test]
 async fn the_cloud_pass_uploads_whole_disk_steps_once_and_the_restore_refuses_a_corrupt_object() {
-    let (work, bucket) = (temp("pass-work"), temp("pass-bucket"));
+    let (work, bucket) = (scratch("pass-work"), scratch("pass-bucket"));
     launch_dir(&work, 9, &[0]);
     let url = format!("file://{}", bucket.display());
     let t = Tierer::new(work.clone(), None).with_part_bytes(100);
@@ -290,7 +287,7 @@ async fn the_cloud_pass_uploads_whole_disk_steps_once_and_the_restore_refuses_a_
     let m: Manifest = motley_checkpoint::manifest::read_json(&dir.join("manifest.rank.00000.json")).unwrap();
     let entry = &m.units[0].file;
     // Whole through the multipart path, fetched and verified.
-    let dest = temp("pass-restore").join("sub/unit");
+    let dest = scratch("pass-restore").join("sub/unit");
     cloud::cloud_get_to_path(&url, 9, 1, 10, entry, &dest).await.unwrap();
     assert_eq!(std::fs::read(&dest).unwrap(), std::fs::read(dir.join(&entry.file)).unwrap());
     let range = cloud::cloud_get_range(&url, 9, 1, 10, &entry.file, 64..128).await.unwrap();
@@ -309,7 +306,7 @@ async fn the_cloud_pass_uploads_whole_disk_steps_once_and_the_restore_refuses_a_
 
 #[test]
 fn a_cloud_scheme_whose_feature_is_off_is_refused_by_name() {
-    let t = Tierer::new(temp("scheme"), None);
+    let t = Tierer::new(scratch("scheme"), None);
     let err = t.launched(&launch(1, &[("MOTLEY_CKPT_CLOUD", "s3://bucket/ckpt")])).unwrap_err().to_string();
     if !cfg!(feature = "cloud-s3") {
         assert!(err.contains("cloud-s3"), "{err}");
@@ -320,7 +317,7 @@ fn a_cloud_scheme_whose_feature_is_off_is_refused_by_name() {
 
 #[tokio::test]
 async fn holdings_report_memory_disk_and_cloud_with_crcs() {
-    let (work, shm, bucket) = (temp("hold-work"), temp("hold-shm"), temp("hold-bucket"));
+    let (work, shm, bucket) = (scratch("hold-work"), scratch("hold-shm"), scratch("hold-bucket"));
     launch_dir(&work, 6, &[0]);
     let t = Tierer::new(work.clone(), Some(shm.clone()));
     t.launched(&launch(6, &[("MOTLEY_CKPT_CLOUD", &format!("file://{}", bucket.display()))])).unwrap();

@@ -1,0 +1,245 @@
+//! `motley-agent`: registers its node with the coordinator (hardware from `--inventory FILE`, a
+//! cluster-file node entry, or discovered: NVML and sysfs), holds the node's lease by
+//! heartbeating on the coordinator's base interval, launches, supervises and stops the ranks
+//! it is told to (they survive an agent restart and are adopted again), and serves their logs
+//! over HTTP. `motley-agent discover` prints the discovered entry. Settings: flags, `MOTLEY_*`
+//! environment, `/etc/motley/agent.toml` (`--config`), in that order.
+
+mod connect;
+mod session;
+mod settings;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use motley_agent::checkpoints::dataplane::{self, Arriving, DirResolver, Pacer, Resolve, Root};
+use motley_agent::checkpoints::holdings::Holdings;
+use motley_agent::checkpoints::restorer::Restorer;
+use motley_agent::checkpoints::tiers::Tierer;
+use motley_agent::node::discover::entry_value;
+use motley_agent::profiler::Profiler;
+use motley_agent::ranks::Supervisor;
+
+use crate::session::Workers;
+use crate::settings::{discovered, fnv1a, inventory_json, node_name, settings, Args, Command, Output};
+
+fn main() {
+    let argv: Vec<String> = std::env::args().collect();
+    // The rank wrapper (see ranks/wrapper.rs): no config, no runtime, just the rank.
+    if argv.get(1).map(String::as_str) == Some("__rank-wrapper") {
+        std::process::exit(rank_wrapper(&argv[2..]));
+    }
+    if let Err(e) = run() {
+        eprintln!("motley-agent: {e:#}");
+        std::process::exit(2);
+    }
+}
+
+/// `__rank-wrapper EXIT_FILE [--lease LEASE_FILE] -- PROGRAM ARGS...` (see ranks/wrapper.rs).
+fn rank_wrapper(argv: &[String]) -> i32 {
+    let a: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let (exit_file, lease, rest) = match a.as_slice() {
+        [exit, "--lease", lease, "--", rest @ ..] => (exit, Some(Path::new(lease)), rest),
+        [exit, "--", rest @ ..] => (exit, None, rest),
+        _ => (&"", None, &[][..]),
+    };
+    let Some((program, args)) = rest.split_first() else {
+        eprintln!("usage: motley-agent __rank-wrapper EXIT_FILE [--lease LEASE_FILE] -- PROGRAM ARGS...");
+        return 2;
+    };
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    motley_agent::ranks::wrapper::wrapper_main(Path::new(exit_file), lease, program, &args)
+}
+
+fn run() -> anyhow::Result<()> {
+    let args = settings()?;
+    let node = node_name(&args);
+    if let Some(Command::Discover { output }) = args.command {
+        let (d, checked) = discovered(&args, &node);
+        for n in &d.notes {
+            eprintln!("motley-agent discover: {n}");
+        }
+        // Printed even when the coordinator would refuse it: a starting point for --inventory.
+        let entry = entry_value(&d.entry);
+        print!(
+            "{}",
+            match output {
+                Output::Yaml => serde_norway::to_string(&entry)?,
+                Output::Json => serde_json::to_string_pretty(&entry)? + "\n",
+            }
+        );
+        return Ok(checked?);
+    }
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
+    let inventory = match &args.inventory {
+        Some(path) => inventory_json(path)?,
+        None => {
+            let (d, checked) = discovered(&args, &node);
+            for n in &d.notes {
+                tracing::info!(node = %node, "discovery: {n}");
+            }
+            checked?;
+            let mut v = entry_value(&d.entry);
+            v.as_object_mut().map(|m| m.remove("name"));
+            v.to_string()
+        }
+    };
+    let given = args.work_dir.clone().unwrap_or_else(|| Path::new("motley-agent").join(&node));
+    // Held (open) for the agent's whole life: the lock goes with the process.
+    let (work_dir, _lock) = motley_agent::workdir::open_work_dir(&given)?;
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(agent(args, work_dir, node, inventory))
+}
+async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -> anyhow::Result<()> {
+    let logs_url = serve_logs(&args, &node, &work_dir).await?;
+    let supervisor = supervisor(&args, &node, &work_dir)?;
+    let profiler = match args.python.as_deref().filter(|p| !p.is_empty()) {
+        Some(python) => {
+            tracing::info!(node = %node, "layer profiles measured with {python} -m motley_torch.profile when the coordinator asks");
+            Some(Profiler::new(python, &work_dir, &node)?)
+        }
+        None => None,
+    };
+    if motley_agent::ranks::users::euid() == 0 {
+        match args.allow_root_ranks {
+            true => tracing::warn!(node = %node, "allow_root_ranks: jobs that name no user run their ranks as root"),
+            false => tracing::info!(node = %node, "running as root: ranks run as their job's user; jobs that name none are refused"),
+        }
+    }
+    if motley_agent::ranks::lease::clear_if_lapsed(&work_dir) {
+        tracing::info!(node = %node, "the lease file an earlier agent left had run out; removed (renewed on the first acknowledgement)");
+    }
+    for n in supervisor.adopt() {
+        tracing::info!(node = %node, "{n}");
+    }
+    // Finished launches' files go after --keep-finished-hours; looked for a few times per
+    // period (at least every 10 minutes), off the async workers.
+    let keep = Duration::from_secs_f64(args.keep_finished_hours * 3600.0);
+    let sweeper = (supervisor.clone(), node.clone());
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval((keep / 4).clamp(Duration::from_secs(1), Duration::from_secs(600)));
+        loop {
+            tick.tick().await;
+            let s = sweeper.0.clone();
+            for n in tokio::task::spawn_blocking(move || s.prune(keep)).await.unwrap_or_default() {
+                tracing::info!(node = %sweeper.1, "{n}");
+            }
+        }
+    });
+    let load = {
+        let s = supervisor.clone();
+        motley_agent::node::load::sampler(work_dir.clone(), move || s.running())
+    };
+    let holdings = Arc::new(Holdings::with_memory_root(supervisor.memory_root()));
+    let tierer = Arc::new(Tierer::new(work_dir.clone(), supervisor.memory_root()));
+    spawn_tier_passes(&tierer, &node, &supervisor);
+    let (data_url, restorer) = serve_data_plane(&args, &node, &work_dir, &tierer, supervisor.memory_root()).await?;
+    let workers =
+        Workers { supervisor: &supervisor, profiler: profiler.as_ref(), holdings: &holdings, tierer: &tierer, restorer: &restorer };
+    session::keep_registered(&args, &work_dir, &node, &inventory, (&logs_url, &data_url), workers, &load).await
+}
+
+/// Serve the rank logs (over TLS with `--tls-cert`/`--tls-key`); the URL the coordinator is given.
+async fn serve_logs(args: &Args, node: &str, work_dir: &Path) -> anyhow::Result<String> {
+    // Read and checked before anything listens: a bad certificate is a start-up error.
+    let tls = motley_agent::logs::tls::TlsFiles::from_flags(args.tls_cert.clone(), args.tls_key.clone())?;
+    let tls = tls.as_ref().map(motley_agent::logs::tls::TlsFiles::server_config).transpose()?;
+    let listener = match tokio::net::TcpListener::bind(&args.logs_listen).await {
+        Ok(l) => l,
+        // Several agents on one machine (tests, `motley dev up`) cannot all have the default.
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && args.logs_listen == "0.0.0.0:7072" => {
+            tracing::warn!(node = %node, "--logs-listen 0.0.0.0:7072 is taken; serving logs on a free port instead");
+            tokio::net::TcpListener::bind("0.0.0.0:0").await?
+        }
+        Err(e) => return Err(e).with_context(|| format!("--logs-listen {}: cannot listen", args.logs_listen)),
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let logs_url = format!("{scheme}://{}:{}", args.address, listener.local_addr()?.port());
+    tracing::info!(node = %node, "rank logs at {logs_url}/logs/JOB/GENERATION/RANK");
+    tokio::spawn(motley_agent::logs::serve(listener, work_dir.to_path_buf(), args.token.clone(), tls));
+    Ok(logs_url)
+}
+
+/// The supervisor of this node's ranks: each rank under this executable as its wrapper, in its
+/// own cgroup where the host allows, its checkpoints in the memory tier.
+fn supervisor(args: &Args, node: &str, work_dir: &Path) -> anyhow::Result<Supervisor> {
+    let wrapper = std::env::current_exe().context("cannot find this executable (the rank wrapper)")?;
+    let cgroups = match motley_agent::ranks::cgroup::RankCgroups::detect(node, work_dir) {
+        Ok(c) => Some(c),
+        Err(why) => {
+            tracing::warn!("ranks run without a cgroup of their own ({why}): a stop reaches their process groups only");
+            None
+        }
+    };
+    let shm = match &args.shm_dir {
+        Some(p) if p.is_empty() => None,
+        // Ranks are handed paths under it (MOTLEY_CKPT_DIR): absolute, whatever was given.
+        Some(p) => Some(std::path::absolute(p).with_context(|| format!("--shm-dir {p}: cannot make it an absolute path"))?),
+        // One per work directory (agents of several nodes, or of several test runs, on one
+        // machine must not read each other's checkpoints): the node and a hash of the directory.
+        None => Some(Path::new("/dev/shm").join(format!("motley-agent-{node}-{:016x}", fnv1a(work_dir.as_os_str().as_encoded_bytes())))),
+    };
+    let supervisor = Supervisor::new(work_dir.to_path_buf(), node.to_string(), wrapper)
+        .allow_root_ranks(args.allow_root_ranks)
+        .rank_cgroups(cgroups)
+        .shm_root(shm);
+    Ok(supervisor)
+}
+
+/// Checkpoint tiers: memory -> disk (keep K) -> the cloud, every base interval.
+fn spawn_tier_passes(tierer: &Arc<Tierer>, node: &str, supervisor: &Supervisor) {
+    let (t, n, s) = (tierer.clone(), node.to_string(), supervisor.clone());
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(s.interval()).await;
+            let pass = t.clone();
+            for note in tokio::task::spawn_blocking(move || pass.tier_pass()).await.unwrap_or_default() {
+                tracing::info!(node = %n, "{note}");
+            }
+        }
+    });
+    let (t, n, s) = (tierer.clone(), node.to_string(), supervisor.clone());
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(s.interval()).await;
+            for note in t.cloud_pass().await {
+                tracing::info!(node = %n, "{note}");
+            }
+        }
+    });
+}
+
+/// The data plane: this node's checkpoint files served to peers, paced to the node's NIC and
+/// disk; and the restorer that fetches a recovery's files through it. The data plane's address.
+async fn serve_data_plane(
+    args: &Args,
+    node: &str,
+    work_dir: &Path,
+    tierer: &Arc<Tierer>,
+    memory_root: Option<PathBuf>,
+) -> anyhow::Result<(String, Restorer)> {
+    // The data plane: this node's checkpoint files to peers, paced to the node's NIC and disk.
+    let rate = |mb_s: f64| Arc::new(Pacer::new(mb_s * 1e6));
+    let (nic_out, nic_in, disk) = (rate(args.ckpt_nic_mb_s), rate(args.ckpt_nic_mb_s), rate(args.ckpt_disk_mb_s));
+    let arriving = Arriving::new(Duration::from_secs(600));
+    let mut roots: Vec<Root> = memory_root.into_iter().map(|dir| Root { dir, read_pacer: None }).collect();
+    roots.push(Root { dir: work_dir.to_path_buf(), read_pacer: Some(disk.clone()) });
+    let resolver: Arc<dyn Resolve> = Arc::new(DirResolver::new(roots).with_arriving(arriving.clone()));
+    let data = match tokio::net::TcpListener::bind(&args.data_listen).await {
+        Ok(l) => l,
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && args.data_listen == "0.0.0.0:7073" => {
+            tracing::warn!(node = %node, "--data-listen 0.0.0.0:7073 is taken; serving checkpoint files on a free port instead");
+            tokio::net::TcpListener::bind("0.0.0.0:0").await?
+        }
+        Err(e) => return Err(e).with_context(|| format!("--data-listen {}: cannot listen", args.data_listen)),
+    };
+    let data_url = format!("{}:{}", args.address, data.local_addr()?.port());
+    tracing::info!(node = %node, "checkpoint data plane at {data_url}");
+    tokio::spawn(dataplane::serve(data, resolver.clone(), args.token.clone(), nic_out));
+    let restorer = Restorer::new(work_dir, node, args.token.clone(), resolver, arriving, nic_in, disk).with_tierer(tierer.clone());
+    Ok((data_url, restorer))
+}

@@ -1,0 +1,41 @@
+//! The checkpoint data plane (docs/recovery.md, "The data plane"): agents serve the checkpoint files
+//! they hold to peers and fetch the ones their new ranks need, each flow paced to its planned
+//! rate, every byte checked on arrival.
+//!
+//! # Protocol, version 1 (a contract between agents of one Motley version)
+//!
+//! One TCP connection per request.
+//!
+//! 1. The client sends one JSON line (at most 64 KiB, newline-terminated), then nothing until
+//!    the reply:
+//!    `{"v":1,"token":"...","job":J,"generation":G,"step":S,"file":"NAME","ranges":[[offset,len],...],"rate_bytes_s":R|null,"transport":"tcp"|"rdma"}`.
+//!    `generation` is the launch that wrote the file; `file` its name in the step directory,
+//!    spelled as docs/checkpoint.md spells it (a unit, `rank.RRRRR.safetensors`,
+//!    `manifest.rank.RRRRR.json`, `manifest.json`); ranges are non-empty, do not overlap, at
+//!    most 1024; `rate_bytes_s` the flow's planned rate (null: unpaced but for the server's
+//!    own pacers); `token` null when the server needs none.
+//! 2. The server answers one JSON line: `{"ok":true,"bytes":FILE_LEN}`, or
+//!    `{"ok":false,"error":"..."}` naming the file and why (not held here, a range beyond the
+//!    file's length, bad token, unknown version, no RDMA) and closes the connection.
+//! 3. Over `tcp`, the server then sends, for each range in the order asked, frames
+//!    `offset u64 LE | len u32 LE | crc32c u32 LE | len bytes` of at most 1 MiB each, covering
+//!    the range in order, and after the last range one end frame with `len` 0 (offset and crc
+//!    0). The crc is CRC-32C (Castagnoli) of the frame's bytes. Over `rdma` (cargo feature
+//!    `rdma`), the connection then belongs to `checkpoints::rdma`.
+//!
+//! The client checks every frame's crc on arrival and that frames come in exactly that order
+//! (so each requested byte arrives once); anything else ends the fetch with
+//! `AgentError::DataPlane`, and the caller fetches from another holder. A file this node is
+//! still fetching (`Arriving`) is served once complete: the server waits for it.
+
+pub mod client;
+pub mod pace;
+pub mod protocol;
+pub mod resolve;
+pub mod server;
+
+pub use client::{fetch, fetch_to_path, temporary_path, Peer};
+pub use pace::{take_all, Pacer};
+pub use protocol::{FileKey, Transport};
+pub use resolve::{ckpt_path, restore_path, Arrival, Arriving, DirResolver, Located, Pending, Resolve, Root};
+pub use server::serve;

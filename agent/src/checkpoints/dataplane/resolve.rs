@@ -1,0 +1,160 @@
+//! Where a requested file is on this node: the ranks' checkpoint directories and the restore
+//! directory under each root (memory tier first, then the work dir), and the files this node
+//! is itself still fetching (`Arriving`), which it serves as a relay once they are complete.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use motley_checkpoint::manifest::step_dir_name;
+use tokio::sync::watch;
+
+use super::pace::Pacer;
+use super::protocol::FileKey;
+
+/// A file found: its path, and the pacer that emulates its tier's read rate, if any.
+#[derive(Clone, Debug)]
+pub struct Located {
+    pub path: PathBuf,
+    pub read_pacer: Option<Arc<Pacer>>,
+}
+
+/// A file this node is fetching: `done` turns `true` once it is complete under its final name
+/// (its sender dropped without that: the fetch failed); wait for it at most `timeout`.
+#[derive(Debug)]
+pub struct Pending {
+    pub done: watch::Receiver<bool>,
+    pub timeout: Duration,
+}
+
+/// Finds requested files for the server.
+pub trait Resolve: Send + Sync {
+    /// The file, if this node holds it whole.
+    fn locate(&self, key: &FileKey) -> Option<Located>;
+    /// The file, if this node is fetching it: the server waits for it, then locates it.
+    fn pending(&self, _key: &FileKey) -> Option<Pending> {
+        None
+    }
+}
+
+/// One directory tree to look in.
+#[derive(Clone, Debug)]
+pub struct Root {
+    pub dir: PathBuf,
+    pub read_pacer: Option<Arc<Pacer>>,
+}
+
+/// Looks for `ROOT/jobs/{job}/{generation}/ckpt/step-{S:08}/{file}` (where ranks write their
+/// checkpoints, `steps::ckpt_dir`) and then `ROOT/restore/{job}/{generation}/step-{S:08}/{file}`
+/// (files fetched for a restore) under each root in order.
+#[derive(Debug, Default)]
+pub struct DirResolver {
+    roots: Vec<Root>,
+    arriving: Option<Arc<Arriving>>,
+}
+
+impl DirResolver {
+    pub fn new(roots: Vec<Root>) -> DirResolver {
+        DirResolver { roots, arriving: None }
+    }
+
+    /// Also serves, once complete, the files registered in `arriving`.
+    pub fn with_arriving(mut self, arriving: Arc<Arriving>) -> DirResolver {
+        self.arriving = Some(arriving);
+        self
+    }
+}
+
+/// Where the ranks of `key`'s launch wrote it under `root`.
+pub fn ckpt_path(root: &Path, key: &FileKey) -> PathBuf {
+    let generation_dir = root.join("jobs").join(key.job.to_string()).join(key.generation.to_string());
+    crate::checkpoints::steps::ckpt_dir(&generation_dir).join(step_dir_name(key.step)).join(&key.file)
+}
+
+/// Where a restore puts `key` under `root` (the path `fetch_to_path` is given).
+pub fn restore_path(root: &Path, key: &FileKey) -> PathBuf {
+    root.join("restore").join(key.job.to_string()).join(key.generation.to_string()).join(step_dir_name(key.step)).join(&key.file)
+}
+
+impl Resolve for DirResolver {
+    fn locate(&self, key: &FileKey) -> Option<Located> {
+        for root in &self.roots {
+            for path in [ckpt_path(&root.dir, key), restore_path(&root.dir, key)] {
+                // A regular file only: a symbolic link a rank left in its directory must not
+                // let a peer read another file of this node.
+                if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_file()) {
+                    return Some(Located { path, read_pacer: root.read_pacer.clone() });
+                }
+            }
+        }
+        None
+    }
+
+    fn pending(&self, key: &FileKey) -> Option<Pending> {
+        self.arriving.as_ref()?.pending(key)
+    }
+}
+
+/// The files this node is fetching, so that a peer asking for one waits for it rather than
+/// being refused (a relay: the restore plan may route a file through this node).
+#[derive(Debug)]
+pub struct Arriving {
+    timeout: Duration,
+    keys: Mutex<HashMap<FileKey, watch::Sender<bool>>>,
+}
+
+impl Arriving {
+    /// A peer asking for an arriving file waits at most `timeout` for it.
+    pub fn new(timeout: Duration) -> Arc<Arriving> {
+        Arc::new(Arriving { timeout, keys: Mutex::new(HashMap::new()) })
+    }
+
+    /// Registers `key` as being fetched; the guard's `complete` (after the file is under its
+    /// final name) releases the waiters, dropping it without that tells them it is not coming.
+    pub fn begin(self: &Arc<Self>, key: FileKey) -> Arrival {
+        let (tx, _) = watch::channel(false);
+        self.keys().insert(key.clone(), tx);
+        Arrival { arriving: self.clone(), key: Some(key) }
+    }
+
+    /// Whether `key` is arriving, and how to wait for it.
+    pub fn pending(&self, key: &FileKey) -> Option<Pending> {
+        self.keys().get(key).map(|tx| Pending { done: tx.subscribe(), timeout: self.timeout })
+    }
+
+    fn finish(&self, key: &FileKey, complete: bool) {
+        if let Some(tx) = self.keys().remove(key) {
+            tx.send_replace(complete);
+        }
+    }
+
+    fn keys(&self) -> std::sync::MutexGuard<'_, HashMap<FileKey, watch::Sender<bool>>> {
+        // A poisoned map is still a valid map.
+        self.keys.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A file being fetched (`Arriving::begin`).
+#[derive(Debug)]
+pub struct Arrival {
+    arriving: Arc<Arriving>,
+    key: Option<FileKey>,
+}
+
+impl Arrival {
+    /// The file is complete under its final name: peers waiting for it get it.
+    pub fn complete(mut self) {
+        if let Some(key) = self.key.take() {
+            self.arriving.finish(&key, true);
+        }
+    }
+}
+
+impl Drop for Arrival {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            self.arriving.finish(&key, false);
+        }
+    }
+}

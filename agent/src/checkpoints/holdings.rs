@@ -1,0 +1,267 @@
+//! The checkpoint files this node holds, reported to the coordinator's checkpoint-location
+//! bitmap (README, "Checkpoint locations"). Ranks write their checkpoint into `MOTLEY_CKPT_DIR`, which the agent sets
+//! to `MEMORY_ROOT/jobs/JOB/GENERATION/ckpt` (the memory tier, `--shm-dir`) or, without one,
+//! `WORK_DIR/jobs/JOB/GENERATION/ckpt` (docs/checkpoint.md); `tiers` copies steps from memory
+//! to the same place on disk and uploads them to the cloud. A file counts once the rank's
+//! manifest piece (`manifest.rank.R.json`, written after its files, each through a temporary
+//! name) lists it and the file has the length the piece says: never a half-written one. Each
+//! is reported with its tier: `memory`, `disk`, and `cloud` for a file the disk step's
+//! `.cloud.json` marker records as uploaded (kept after the disk copy is pruned).
+//!
+//! The whole list is sent in a session's first message and whenever it changed
+//! (`AgentStatus.holdings`, `holdings_sent`), and counts as told once acknowledged.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+use motley_checkpoint::{FileEntry, Manifest};
+use motley_proto::v1::CkptHolding;
+
+use crate::checkpoints::cloud;
+use crate::checkpoints::steps::{piece_paths, plain_name, step_dirs, StepDir};
+
+/// The tiers' roots: the work directory (disk) and the memory root, if ranks write there.
+#[derive(Clone, Debug)]
+pub struct Roots<'a> {
+    pub disk: &'a Path,
+    pub memory: Option<&'a Path>,
+}
+
+type Stamp = (u64, Option<SystemTime>);
+
+fn stamp_of(path: &Path) -> Option<Stamp> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.len(), meta.modified().ok()))
+}
+
+/// A manifest piece as last read: its length and modification time, every file it lists (as a
+/// holding of the piece's tier), which of them were held then, and whether that was all.
+pub struct Piece {
+    /// The piece's stamp and its step directory's modification time (files pruned from the
+    /// step change the directory, not the piece).
+    stamp: (Stamp, Option<SystemTime>),
+    listed: Vec<CkptHolding>,
+    held: Vec<bool>,
+    all_held: bool,
+}
+
+/// What one scan remembers for the next: the pieces, and the cloud markers (by path).
+#[derive(Default)]
+pub struct ScanCache {
+    pieces: BTreeMap<PathBuf, Piece>,
+    markers: BTreeMap<PathBuf, (Stamp, BTreeSet<String>)>,
+}
+
+/// Every checkpoint file under `ROOT/jobs/*/*/ckpt/step-*` of both roots, sorted. `cache`
+/// keeps each piece by path: one unchanged since it was read, and whose files were all there
+/// then, is not read again nor are its files looked at (a rank writes its files before its
+/// piece, and the tierer copies files before pieces; a pruned file changes the step
+/// directory's time), so a scan of a quiet node lists directories only.
+pub fn scan(roots: &Roots<'_>, cache: &mut ScanCache) -> Vec<CkptHolding> {
+    let mut out = vec![];
+    let mut seen = BTreeSet::new();
+    let mut markers_seen = BTreeSet::new();
+    let tiers = [(Some(roots.disk), "disk"), (roots.memory, "memory")];
+    for (root, tier) in tiers.into_iter().filter_map(|(r, t)| Some((r?, t))) {
+        for s in step_dirs(root) {
+            // The cloud copies this disk step's marker records (memory steps are not uploaded).
+            let uploaded = if tier == "disk" {
+                let marker = s.dir.join(cloud::MARKER);
+                match stamp_of(&marker) {
+                    Some(stamp) => {
+                        if cache.markers.get(&marker).is_none_or(|(st, _)| *st != stamp) {
+                            let files = cloud::read_marker(&s.dir).map(|m| m.uploaded.into_iter().collect()).unwrap_or_default();
+                            cache.markers.insert(marker.clone(), (stamp, files));
+                        }
+                        markers_seen.insert(marker.clone());
+                        cache.markers[&marker].1.clone()
+                    }
+                    None => BTreeSet::new(),
+                }
+            } else {
+                BTreeSet::new()
+            };
+            let dir_time = std::fs::metadata(&s.dir).and_then(|m| m.modified()).ok();
+            for piece_path in piece_paths(&s.dir) {
+                let Some(stamp) = stamp_of(&piece_path).map(|st| (st, dir_time)) else { continue };
+                if cache.pieces.get(&piece_path).is_none_or(|p| p.stamp != stamp || !p.all_held) {
+                    match motley_checkpoint::manifest::read_json::<Manifest>(&piece_path) {
+                        Ok(m) => {
+                            cache.pieces.insert(piece_path.clone(), read_piece(&m, &s, tier, stamp));
+                        }
+                        Err(e) => {
+                            tracing::warn!("{}: not a manifest piece ({e}); its files are not reported", piece_path.display());
+                            continue;
+                        }
+                    }
+                }
+                seen.insert(piece_path.clone());
+                let p = &cache.pieces[&piece_path];
+                out.extend(p.listed.iter().zip(&p.held).filter(|(_, &h)| h).map(|(x, _)| x.clone()));
+                out.extend(
+                    p.listed.iter().filter(|x| uploaded.contains(&x.file)).map(|x| CkptHolding { tier: "cloud".into(), ..x.clone() }),
+                );
+            }
+        }
+    }
+    cache.pieces.retain(|p, _| seen.contains(p));
+    cache.markers.retain(|p, _| markers_seen.contains(p));
+    let key = |a: &CkptHolding| (a.job, a.generation, a.step, a.file.clone(), a.tier.clone());
+    out.sort_by_key(key);
+    out.dedup_by(|a, b| key(a) == key(b));
+    out
+}
+
+/// Every file a piece lists, as a holding of `tier`, and which are in the step directory at
+/// the length the piece says.
+fn read_piece(m: &Manifest, s: &StepDir, tier: &str, stamp: (Stamp, Option<SystemTime>)) -> Piece {
+    let is_held = |f: &FileEntry| plain_name(&f.file) && std::fs::metadata(s.dir.join(&f.file)).is_ok_and(|x| x.len() == f.bytes);
+    let base = CkptHolding {
+        job: s.job,
+        generation: s.generation,
+        step: m.step,
+        tier: tier.into(),
+        rank: -1,
+        layers: m.layers,
+        world_size: m.world_size,
+        ..Default::default()
+    };
+    let of = |f: &FileEntry| CkptHolding {
+        file: f.file.clone(),
+        bytes: f.bytes,
+        chunk_bytes: f.chunk_bytes,
+        crc32c: f.crc32c.clone(),
+        ..base.clone()
+    };
+    let mut listed = vec![];
+    let mut held = vec![];
+    for u in &m.units {
+        listed.push(CkptHolding {
+            block: u.key.block.to_string(),
+            part: u.key.part.to_string(),
+            tp_rank: u.key.tp_rank,
+            tp_size: u.key.tp_size,
+            ..of(&u.file)
+        });
+        held.push(is_held(&u.file));
+    }
+    for r in &m.ranks {
+        listed.push(CkptHolding { rank: r.rank as i64, ..of(&r.file) });
+        held.push(is_held(&r.file));
+    }
+    let all_held = held.iter().all(|&h| h);
+    Piece { stamp, listed, held, all_held }
+}
+
+/// What was reported, and what is to be.
+#[derive(Default)]
+pub struct Holdings {
+    /// The memory tier's root, scanned with the work directory.
+    memory: Option<PathBuf>,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    cache: ScanCache,
+    /// The list the coordinator acknowledged in this session.
+    told: Option<Vec<CkptHolding>>,
+    /// The list sent in message `seq`, not yet acknowledged.
+    sent: Option<(u64, Vec<CkptHolding>)>,
+}
+
+impl Holdings {
+    /// Holdings of the work directory and of the memory root ranks write to
+    /// (`Supervisor::memory_root`).
+    pub fn with_memory_root(memory: Option<PathBuf>) -> Holdings {
+        Holdings { memory, ..Default::default() }
+    }
+
+    /// A new session: the whole list goes out again.
+    pub fn new_session(&self) {
+        let mut s = self.state.lock().expect("holdings");
+        s.told = None;
+        s.sent = None;
+    }
+
+    /// The list to carry in message `seq`, if it differs from what was told (or sent and not
+    /// yet acknowledged).
+    pub fn report(&self, work_dir: &Path, seq: u64) -> Option<Vec<CkptHolding>> {
+        let mut s = self.state.lock().expect("holdings");
+        let roots = Roots { disk: work_dir, memory: self.memory.as_deref() };
+        let now = scan(&roots, &mut s.cache);
+        let pending = s.sent.as_ref().map(|(_, l)| l).or(s.told.as_ref());
+        if pending == Some(&now) {
+            return None;
+        }
+        s.sent = Some((seq, now.clone()));
+        Some(now)
+    }
+
+    /// The coordinator holds what message `seq` said.
+    pub fn ack(&self, seq: u64) {
+        let mut s = self.state.lock().expect("holdings");
+        if s.sent.as_ref().is_some_and(|(q, _)| *q == seq) {
+            s.told = s.sent.take().map(|(_, l)| l);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoints::steps::ckpt_dir;
+    use motley_checkpoint::{Block, FileEntry, Part, RankEntry, UnitEntry, UnitKey, FORMAT};
+
+    fn write_step(gen_dir: &Path, step: u64, rank: u32, bytes: u64) {
+        let dir = ckpt_dir(gen_dir).join(motley_checkpoint::manifest::step_dir_name(step));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = UnitKey { block: Block::Layer(rank), part: Part::Model, tp_rank: 0, tp_size: 1 };
+        let unit = motley_checkpoint::manifest::unit_file_name(&key);
+        std::fs::write(dir.join(&unit), vec![7u8; bytes as usize]).unwrap();
+        let rank_file = motley_checkpoint::manifest::rank_file_name(rank);
+        std::fs::write(dir.join(&rank_file), b"r").unwrap();
+        let entry = |file: &str, bytes| FileEntry { file: file.into(), bytes, chunk_bytes: 16 << 20, crc32c: vec![] };
+        let piece = Manifest {
+            format: FORMAT.into(),
+            step,
+            layers: 2,
+            world_size: 2,
+            units: vec![UnitEntry { key, file: entry(&unit, bytes), tensors: Default::default() }],
+            ranks: vec![RankEntry { rank, file: entry(&rank_file, 1) }],
+        };
+        let path = dir.join(motley_checkpoint::manifest::piece_file_name(rank));
+        std::fs::write(path, serde_json::to_vec(&piece).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn files_a_piece_lists_whole_are_reported_once_until_they_change() {
+        let work = std::env::temp_dir().join(format!("motley-holdings-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&work);
+        let gen_dir = work.join("jobs/7/2");
+        write_step(&gen_dir, 4, 0, 100);
+        let h = Holdings::default();
+        let first = h.report(&work, 1).expect("the first list");
+        let files: Vec<&str> = first.iter().map(|x| x.file.as_str()).collect();
+        assert_eq!(files, ["layer.00000.model.tp0-1.safetensors", "rank.00000.safetensors"]);
+        assert_eq!((first[0].job, first[0].generation, first[0].step, first[0].bytes), (7, 2, 4, 100));
+        assert_eq!((first[0].block.as_str(), first[0].part.as_str(), first[0].rank, first[1].rank), ("layer.0", "model", -1, 0));
+        assert!(h.report(&work, 2).is_none(), "sent, not yet acknowledged: not again");
+        h.ack(1);
+        assert!(h.report(&work, 3).is_none(), "told");
+        // A unit the piece lists at another length (half-written): not held.
+        write_step(&gen_dir, 8, 1, 50);
+        let unit = ckpt_dir(&gen_dir).join("step-00000008/layer.00001.model.tp0-1.safetensors");
+        std::fs::write(&unit, [0u8; 10]).unwrap();
+        let next = h.report(&work, 4).expect("changed");
+        assert_eq!(next.len(), 3, "{next:?}");
+        assert!(next.iter().all(|x| x.file != "layer.00001.model.tp0-1.safetensors"));
+        // A new session sends the whole list again.
+        h.ack(4);
+        h.new_session();
+        assert_eq!(h.report(&work, 1).unwrap().len(), 3);
+        std::fs::remove_dir_all(&work).unwrap();
+    }
+}

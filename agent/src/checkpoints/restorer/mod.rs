@@ -1,0 +1,206 @@
+//! Restores on this node (docs/recovery.md, "A recovery, step by step", step 6): a `Restore`
+//! instruction names every checkpoint file of one step the ranks of the job's next launch load
+//! here, and where each of its byte ranges comes from (this node's own tiers, a peer's data plane,
+//! the cloud). The restorer fetches them, verifies every chunk's CRC-32C against the manifest, cuts
+//! the units the new plan shards differently (`MakeUnit`, `motley_checkpoint::reslice_unit`),
+//! writes the list the ranks read (`MOTLEY_CKPT_RESTORE`) and reports a `RestoreResult` until
+//! acknowledged.
+//!
+//! Files land in `WORK_DIR/restore/JOB/SOURCE_GENERATION/step-S/` (where the data plane serves
+//! them to peers that relay through this node) through a temporary name, never half-written
+//! under the final one. A file already there that verifies is kept (a restore resumed after a
+//! coordinator failover skips it). A source that fails mid-way, or a copy whose chunk does not
+//! verify, is replaced by the next holder in the instruction's fallbacks, then the cloud; each
+//! repair is reported. A restore for a generation older than one this agent was already asked
+//! to restore for the job is refused. Before fetching, the free space of the work directory
+//! must hold what is missing.
+//!
+//! This file holds the restorer's state and what the coordinator exchanges with it (reports,
+//! acknowledgements); `run` orchestrates one restore, `sources` fetches bytes, `verify` checks
+//! them, `kept` is what survives an agent restart.
+
+mod kept;
+mod run;
+mod sources;
+mod verify;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use motley_checkpoint::manifest::step_dir_name;
+use motley_proto::v1::{Restore, RestoreResult};
+
+use crate::checkpoints::dataplane::{Arriving, Pacer, Resolve};
+
+/// The launch environment variable the coordinator sets on a recovery's launch: the step its
+/// ranks resume from (the agent then points MOTLEY_CKPT_RESTORE at `launch_list`).
+pub const RESTORE_STEP_ENV: &str = "MOTLEY_CKPT_RESTORE_STEP";
+/// Finished restores by (job, generation), with the message that last carried each.
+type Results = BTreeMap<(i64, i64), (RestoreResult, Option<u64>)>;
+
+/// This node's side of restores.
+#[derive(Clone)]
+pub struct Restorer {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    work_dir: PathBuf,
+    node: String,
+    token: Option<String>,
+    /// Where this node's own copies are (its memory tier, its disk).
+    resolver: Arc<dyn Resolve>,
+    arriving: Arc<Arriving>,
+    /// The node's NIC (peer and cloud bytes in) and its disk reads.
+    nic_in: Arc<Pacer>,
+    disk_read: Arc<Pacer>,
+    /// Finished restores not yet acknowledged, by (job, generation); the message that last
+    /// carried each in this session.
+    results: Mutex<Results>,
+    running: Mutex<BTreeSet<(i64, i64)>>,
+    /// An ask that came while a restore of its launch ran: it runs next.
+    queued: Mutex<HashMap<(i64, i64), Restore>>,
+    /// The newest generation each job was restored for: older ones are refused.
+    newest: Mutex<HashMap<i64, i64>>,
+    changed: tokio::sync::Notify,
+    /// The tiers: a step being restored from is pinned (never pruned meanwhile).
+    tierer: Option<Arc<crate::checkpoints::tiers::Tierer>>,
+    /// This node can READ over RDMA (built with the feature, a device present).
+    rdma: bool,
+    /// The free bytes of a directory's file system (`crate::node::load::free_bytes`; tests inject a
+    /// full disk).
+    free_bytes: fn(&Path) -> Option<u64>,
+}
+
+/// The RDMA device this agent READs through, if it was built with the `rdma` feature and the
+/// host has one.
+pub fn rdma_device() -> Option<String> {
+    #[cfg(feature = "rdma")]
+    {
+        crate::checkpoints::rdma::available().ok()
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        None
+    }
+}
+
+/// The directory a restore's files of `source_generation` land in.
+pub fn restore_dir(work_dir: &Path, job: i64, source_generation: i64, step: u64) -> PathBuf {
+    work_dir.join("restore").join(job.to_string()).join(source_generation.to_string()).join(step_dir_name(step))
+}
+
+/// The list of files launch `generation` of `job` loads (`MOTLEY_CKPT_RESTORE`).
+pub fn launch_list(work_dir: &Path, job: i64, generation: i64) -> PathBuf {
+    work_dir.join("restore").join(job.to_string()).join(format!("launch-{generation}.json"))
+}
+
+/// Give launch list `list` and every file it names to the rank's user (an agent running as
+/// root restores files as root; ranks run as the job's user and only read them).
+pub fn hand_over(work_dir: &Path, list: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
+    let paths: Vec<String> = serde_json::from_slice(&std::fs::read(list)?).map_err(std::io::Error::other)?;
+    for p in paths.iter().map(PathBuf::from).chain(std::iter::once(list.to_path_buf())) {
+        // Passable (0711, not listable) directories down to it, the file its own.
+        crate::workdir::open_passage(work_dir, &p).map_err(std::io::Error::other)?;
+        crate::workdir::hand_over(&p, uid, gid).map_err(std::io::Error::other)?;
+    }
+    Ok(())
+}
+/// Bytes by where they came from, and what was repaired on the way.
+#[derive(Default)]
+struct Tally {
+    local: u64,
+    peer: u64,
+    cloud: u64,
+    repaired: Vec<String>,
+    skipped: u32,
+}
+impl Restorer {
+    /// `resolver` finds this node's own copies; `arriving` is the data plane's registry of
+    /// files being fetched (served to relaying peers once complete). Unacknowledged results
+    /// an earlier agent left are picked up.
+    pub fn new(
+        work_dir: &Path,
+        node: &str,
+        token: Option<String>,
+        resolver: Arc<dyn Resolve>,
+        arriving: Arc<Arriving>,
+        nic_in: Arc<Pacer>,
+        disk_read: Arc<Pacer>,
+    ) -> Restorer {
+        let (results, newest) = kept::read_back(work_dir);
+        Restorer {
+            inner: Arc::new(Inner {
+                work_dir: work_dir.to_path_buf(),
+                node: node.to_string(),
+                token,
+                resolver,
+                arriving,
+                nic_in,
+                disk_read,
+                results: Mutex::new(results),
+                running: Mutex::default(),
+                queued: Mutex::default(),
+                newest: Mutex::new(newest),
+                changed: tokio::sync::Notify::new(),
+                tierer: None,
+                rdma: rdma_device().is_some(),
+                free_bytes: crate::node::load::free_bytes,
+            }),
+        }
+    }
+
+    /// Pin the steps restores read from in these tiers while they run.
+    pub fn with_tierer(mut self, tierer: Arc<crate::checkpoints::tiers::Tierer>) -> Restorer {
+        Arc::get_mut(&mut self.inner).expect("configured before it is shared").tierer = Some(tierer);
+        self
+    }
+
+    /// Measure free space with `free_bytes` instead of `crate::node::load::free_bytes` (tests: a full disk).
+    pub fn with_free_bytes(mut self, free_bytes: fn(&Path) -> Option<u64>) -> Restorer {
+        Arc::get_mut(&mut self.inner).expect("configured before it is shared").free_bytes = free_bytes;
+        self
+    }
+
+    /// Resolves when a restore finished (its result is to be reported).
+    pub async fn changed(&self) {
+        self.inner.changed.notified().await
+    }
+
+    /// A new session: every unacknowledged result is sent again.
+    pub fn new_session(&self) {
+        for (_, sent) in self.inner.results.lock().expect("restore results").values_mut() {
+            *sent = None;
+        }
+    }
+
+    /// The results not yet sent in this session, marked as sent in message `seq`.
+    pub fn report(&self, seq: u64) -> Vec<RestoreResult> {
+        let mut results = self.inner.results.lock().expect("restore results");
+        let mut out = vec![];
+        for (r, sent) in results.values_mut().filter(|(_, sent)| sent.is_none()) {
+            *sent = Some(seq);
+            out.push(r.clone());
+        }
+        out
+    }
+
+    /// The coordinator holds what message `seq` said.
+    pub fn ack(&self, seq: u64) {
+        let mut results = self.inner.results.lock().expect("restore results");
+        let done: Vec<(i64, i64)> = results.iter().filter(|(_, (_, sent))| *sent == Some(seq)).map(|(k, _)| *k).collect();
+        for (job, generation) in done {
+            results.remove(&(job, generation));
+            let _ = std::fs::remove_file(kept::result_path(&self.inner.work_dir, job, generation));
+        }
+    }
+}
+
+fn merge(into: &mut Tally, t: Tally) {
+    into.local += t.local;
+    into.peer += t.peer;
+    into.cloud += t.cloud;
+    into.skipped += t.skipped;
+    into.repaired.extend(t.repaired);
+}

@@ -1,0 +1,196 @@
+//! The agent's work directory: where things are in it (`jobs/JOB/GENERATION/`, a rank's
+//! `rank-R.EXT` files there) and how the agent writes a file or directory in it. The bottom
+//! of the agent: every room writes through here, and it calls nothing of theirs.
+//!
+//! Every file is written whole or not at all (a temporary file in the same directory, then a
+//! rename or a link), so a crash never leaves a half-written file that a later agent could
+//! take for a whole one. Records, exit codes and markers are fsync'd (file and directory):
+//! they must survive a power loss. Every file is 0600 and every directory 0700: plans carry
+//! the job's settings, logs whatever the rank prints. Two exceptions, for ranks that run as
+//! the job's user (see `ranks::users`): the launch directory and the rank's own files (plan,
+//! groups, log, exit) belong to that user, and the directories above it (the work directory,
+//! `jobs/`, `jobs/JOB/`) are 0711 once such a rank was launched, so the user can reach its
+//! launch directory by name but list nothing; the lease file (a deadline, no secret) is 0644
+//! so the rank's wrapper can read it.
+
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::error::{AgentError, Result};
+
+pub fn generation_dir(work_dir: &Path, job: i64, generation: i64) -> PathBuf {
+    work_dir.join("jobs").join(job.to_string()).join(generation.to_string())
+}
+
+pub fn rank_file(dir: &Path, rank: i64, ext: &str) -> PathBuf {
+    dir.join(format!("rank-{rank}.{ext}"))
+}
+
+/// Files the agent writes hold job settings and logs (secrets, often): owner only.
+pub const FILE_MODE: u32 = 0o600;
+/// Directories under the work directory, and the work directory itself.
+pub const DIR_MODE: u32 = 0o700;
+/// The directories above a launch directory whose ranks run as another user: reachable by
+/// name, not listable.
+pub const PASS_MODE: u32 = 0o711;
+
+/// Create `dir` and its missing parents with mode 0700.
+pub fn create_dirs(dir: &Path) -> Result<()> {
+    std::fs::DirBuilder::new().recursive(true).mode(DIR_MODE).create(dir).map_err(|err| AgentError::Io {
+        what: "creating",
+        path: dir.to_path_buf(),
+        err,
+    })
+}
+
+/// Open `path` for writing, created with mode 0600 (and set to 0600 if it was there before:
+/// the mode of an existing file is not changed by `create`). Never through a symbolic link: a
+/// rank running as another user can plant one in its launch directory.
+pub fn create_file(path: &Path) -> Result<std::fs::File> {
+    let io = |err| AgentError::Io { what: "writing", path: path.to_path_buf(), err };
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(FILE_MODE)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(io)?;
+    f.set_permissions(std::fs::Permissions::from_mode(FILE_MODE)).map_err(io)?;
+    Ok(f)
+}
+
+fn temp_for(path: &Path) -> PathBuf {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+}
+
+/// The temporary file for `path`, written (mode 0600) and, if `durable`, on disk.
+fn write_temp(path: &Path, bytes: &[u8], durable: bool) -> Result<PathBuf> {
+    let tmp = temp_for(path);
+    let io = |err| AgentError::Io { what: "writing", path: path.to_path_buf(), err };
+    let mut f = create_file(&tmp)?;
+    f.write_all(bytes).map_err(io)?;
+    if durable {
+        f.sync_all().map_err(io)?;
+    }
+    Ok(tmp)
+}
+
+/// The directory entry of a renamed or linked file survives a power loss only once its
+/// directory is on disk too.
+fn sync_dir(path: &Path) -> Result<()> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let io = |err| AgentError::Io { what: "syncing", path: dir.to_path_buf(), err };
+    std::fs::File::open(dir).map_err(io)?.sync_all().map_err(io)
+}
+
+/// Write `bytes` to `path` atomically and durably (file and directory fsync'd: records, exit
+/// codes and `reported` markers must survive a power loss), replacing what is there.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_owned(path, bytes, None)
+}
+
+/// `write_atomic`, the file given to `owner` (uid, gid) before it takes its name: whoever reads
+/// it by name never finds it still the agent's.
+pub fn write_atomic_owned(path: &Path, bytes: &[u8], owner: Option<(u32, u32)>) -> Result<()> {
+    let tmp = write_temp(path, bytes, true)?;
+    if let Some((uid, gid)) = owner {
+        if let Err(e) = hand_over(&tmp, uid, gid) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+    }
+    std::fs::rename(&tmp, path).map_err(|err| AgentError::Io { what: "writing", path: path.to_path_buf(), err })?;
+    sync_dir(path)
+}
+
+/// Write `bytes` to `path` atomically, without waiting for the disk: for files rewritten
+/// every heartbeat (the lease), whose loss in a power cut does not matter (nothing runs after
+/// one).
+pub fn replace(path: &Path, bytes: &[u8]) -> Result<()> {
+    replace_with_mode(path, bytes, FILE_MODE)
+}
+
+/// `replace`, the file with `mode` (set before it takes the name, so it is never readable by
+/// more than `mode` says, nor by fewer).
+pub fn replace_with_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
+    let tmp = write_temp(path, bytes, false)?;
+    let io = |err| AgentError::Io { what: "writing", path: path.to_path_buf(), err };
+    if mode != FILE_MODE {
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(io)?;
+    }
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+/// Give `path` (a file or directory the agent made, never followed if it is a link) to the
+/// user a rank runs as.
+pub fn hand_over(path: &Path, uid: u32, gid: u32) -> Result<()> {
+    std::os::unix::fs::lchown(path, Some(uid), Some(gid)).map_err(|err| AgentError::Io {
+        what: "changing the owner of",
+        path: path.to_path_buf(),
+        err,
+    })
+}
+
+/// Let ranks running as other users reach their launch directory `dir` (under
+/// `WORK_DIR/jobs/JOB/`): the directories from the work directory down to the job's are
+/// made 0711 (passable, not listable).
+pub fn open_passage(work_dir: &Path, dir: &Path) -> Result<()> {
+    let mut at = dir.parent();
+    while let Some(d) = at.filter(|d| d.starts_with(work_dir)) {
+        let io = |err| AgentError::Io { what: "setting the mode of", path: d.to_path_buf(), err };
+        let mode = std::fs::symlink_metadata(d).map_err(io)?.permissions().mode() & 0o777;
+        if mode != PASS_MODE {
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(PASS_MODE)).map_err(io)?;
+        }
+        at = d.parent();
+    }
+    Ok(())
+}
+
+/// Write `bytes` to `path` atomically unless it exists (then nothing changes): for the agent's
+/// own exit code of a rank it had to kill, which must not overwrite the wrapper's.
+pub fn write_once(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = write_temp(path, bytes, true)?;
+    let linked = std::fs::hard_link(&tmp, path);
+    let _ = std::fs::remove_file(&tmp);
+    match linked {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            Err(AgentError::Io { what: "writing", path: path.to_path_buf(), err: e })
+        }
+        Err(_) => Ok(()),
+        Ok(()) => sync_dir(path),
+    }
+}
+
+/// The agent's work directory, ready: created (0700), its mode tightened if it was looser,
+/// made absolute (ranks run in their launch's directory, so every path handed to them must
+/// be absolute), and locked (`agent.lock`, held while the returned file is open) so that a
+/// second agent on the same directory stops at once instead of taking the first one's ranks.
+pub fn open_work_dir(dir: &Path) -> Result<(PathBuf, std::fs::File)> {
+    let io = |what, err| AgentError::Io { what, path: dir.to_path_buf(), err };
+    create_dirs(dir)?;
+    let mode = std::fs::metadata(dir).map_err(|e| io("reading", e))?.permissions().mode();
+    // Passable (0711) is how an agent leaves it once ranks ran as other users (see the module's
+    // doc); anything more is closed.
+    if mode & 0o066 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(DIR_MODE)).map_err(|e| io("setting the mode of", e))?;
+    }
+    let dir = std::fs::canonicalize(dir).map_err(|e| io("resolving", e))?;
+    let path = dir.join("agent.lock");
+    let lock = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(FILE_MODE)
+        .open(&path)
+        .map_err(|err| AgentError::Io { what: "opening", path: path.clone(), err })?;
+    match lock.try_lock() {
+        Ok(()) => Ok((dir, lock)),
+        Err(std::fs::TryLockError::WouldBlock) => Err(AgentError::WorkDirBusy { path: dir }),
+        Err(std::fs::TryLockError::Error(err)) => Err(AgentError::Io { what: "locking", path, err }),
+    }
+}
