@@ -305,3 +305,82 @@ fn bad_scenarios_name_the_field() {
     });
     assert!(e.starts_with("cloud.holds_step: is false and no node holds"), "{e}");
 }
+
+/// A three-stage pipeline lost its last node: the two survivors hold their own stages' units
+/// on disk and need them again, the replacement needs the lost stage, which only the cloud
+/// holds. The replacement's NIC sets the makespan whatever the survivors do, so reading their
+/// own disks costs no time and spares the cloud (egress money, one link for every job):
+/// the cloud serves only the lost stage (docs/recovery.md, step 5).
+#[test]
+fn a_tie_on_the_makespan_goes_to_local_reads_not_the_cloud() {
+    let layer = PartBytes { model: 228_000, optimizer: 1_140_000 };
+    let stage = layer.model + layer.optimizer;
+    let rates = |name: &str, nic: f64| NodeRates {
+        name: name.into(),
+        nic_in_mb_s: nic,
+        nic_out_mb_s: None,
+        disk_read_mb_s: 200.0,
+        mem_copy_mb_s: 10_000.0,
+    };
+    let sc = RestoreScenario {
+        name: "lost-last-stage".into(),
+        cloud: CloudSpec { egress_mb_s: 2000.0, holds_step: true },
+        units: UnitSizes { layers: 3, layer, embed: None, head: None },
+        nodes: vec![rates("n0", 50_000.0), rates("n1", 50_000.0), rates("n3", 100.0)],
+        holdings: vec![
+            Holding { node: "n0".into(), tier: Tier::Disk, shards: shards("0", 1, "0") },
+            Holding { node: "n1".into(), tier: Tier::Disk, shards: shards("1", 1, "0") },
+        ],
+        demands: vec![
+            Demand { node: "n0".into(), shards: shards("0", 1, "0") },
+            Demand { node: "n1".into(), shards: shards("1", 1, "0") },
+            Demand { node: "n3".into(), shards: shards("2", 1, "0") },
+        ],
+        chunk_bytes: None,
+    };
+    let p = plan_restore(&sc).unwrap();
+    // The replacement's NIC in: one stage at 100 MB/s.
+    let nic = stage as f64 / 100e6;
+    assert!((p.lower_bound_s - nic).abs() < 1e-9 * nic, "{}", p.lower_bound_s);
+    assert!((p.makespan_s - nic).abs() < 1e-9 * nic, "{}", p.makespan_s);
+    assert_eq!((p.bytes.local, p.bytes.peer, p.bytes.cloud), (2 * stage, 0, stage), "{:?}", p.transfers);
+    for t in &p.transfers {
+        let expect = if t.to == "n3" { (Kind::Cloud, SourceTier::Cloud) } else { (Kind::Local, SourceTier::Disk) };
+        assert_eq!((t.kind, t.tier), expect, "{t:?}");
+    }
+    check_plan(&sc);
+}
+
+/// Where a node could read its units from its own disk or from a peer's memory in the same
+/// time, it reads its disk: peer bytes share the NICs with every other flow of the restore.
+#[test]
+fn a_tie_between_a_local_disk_and_a_peer_goes_to_the_local_disk() {
+    let rates = |name: &str| NodeRates {
+        name: name.into(),
+        nic_in_mb_s: 50_000.0,
+        nic_out_mb_s: None,
+        disk_read_mb_s: 3500.0,
+        mem_copy_mb_s: 10_000.0,
+    };
+    let sc = RestoreScenario {
+        name: "disk-or-peer".into(),
+        cloud: CloudSpec { egress_mb_s: 100.0, holds_step: true },
+        units: UnitSizes { layers: 2, layer: PartBytes { model: 1_000_000, optimizer: 6_000_000 }, embed: None, head: None },
+        nodes: vec![rates("n0"), rates("n1")],
+        holdings: vec![
+            Holding { node: "n0".into(), tier: Tier::Disk, shards: shards("0", 1, "0") },
+            Holding { node: "n1".into(), tier: Tier::Memory, shards: shards("0", 1, "0") },
+        ],
+        demands: vec![
+            Demand { node: "n0".into(), shards: shards("0", 1, "0") },
+            // Only the cloud holds layer 1: it sets the makespan.
+            Demand { node: "n1".into(), shards: shards("1", 1, "0") },
+        ],
+        chunk_bytes: None,
+    };
+    let p = plan_restore(&sc).unwrap();
+    let cloud = 7e6 / 100e6;
+    assert!((p.makespan_s - cloud).abs() < 1e-9 * cloud, "{}", p.makespan_s);
+    assert_eq!((p.bytes.local, p.bytes.peer, p.bytes.cloud), (7_000_000, 0, 7_000_000), "{:?}", p.transfers);
+    check_plan(&sc);
+}

@@ -26,11 +26,15 @@
 //! schedule is faster. **The plan** assigns every needed segment a source (local memory, local
 //! disk, a peer or relay, the cloud once per segment) greedily, each choice the one that
 //! keeps the busiest resource least busy (with the bound as a budget within which memory
-//! sources are preferred, `greedy`; the best of four runs); its `makespan_s` is the paced
+//! sources are preferred, `greedy`; the best of seven runs); its `makespan_s` is the paced
 //! schedule's: every flow
 //! runs at `bytes / M`, `M` the busiest resource's load over its rate, plus, per relay hop
 //! before a flow, the time of one chunk at the flow's slowest link (a relay forwards a chunk
-//! once it has it whole and verified).
+//! once it has it whole and verified). The best run is the one with the least makespan, then
+//! the fewest cloud bytes, then the fewest peer bytes (makespans within `MAKESPAN_TIE` of each
+//! other are equal): cloud bytes cost egress and share one link among every job, peer bytes
+//! share the nodes' NICs, and a restore whose pace one node's link sets gains nothing from
+//! either (docs/recovery.md, step 5).
 
 pub mod flow;
 pub mod scenario;
@@ -46,6 +50,12 @@ use crate::error::{Result, SolverError};
 
 const MB: f64 = 1e6;
 const DEFAULT_CHUNK: u64 = 16 << 20;
+
+/// Makespans within this fraction of the least one are a tie, settled by bytes. Two runs that
+/// put the same bytes on the same bottleneck differ by rounding only (sums in another order,
+/// ~1e-16 relative); a real difference is a chunk, a byte or more at MB/s rates, far above
+/// one part in a billion of a makespan.
+pub const MAKESPAN_TIE: f64 = 1e-9;
 
 /// One unit of the step and how finely it is cut.
 #[derive(Debug, Clone)]
@@ -404,7 +414,6 @@ pub fn plan_restore(sc: &RestoreScenario) -> Result<RestorePlan> {
     let inst = Instance::new(sc)?;
     let bound = lower_bound(&inst);
     let n = inst.nodes();
-    let ns = inst.segments.len();
     let cloud_r = 4 * n;
     let mut rate = vec![0.0; 4 * n + 1];
     for v in 0..n {
@@ -415,94 +424,50 @@ pub fn plan_restore(sc: &RestoreScenario) -> Result<RestorePlan> {
     }
     rate[cloud_r] = inst.cloud;
     // Pure min-max, then with the bound (and a little above it) as a budget within which the
-    // scarce resources (disks, the cloud) are spared; the plan with the least makespan wins.
-    let (mut choice, mut load) = greedy(&inst, &rate, 0.0);
+    // scarce resources are spared, in two orders of preference (a peer's memory before the
+    // local disk, or every local source first); the least makespan wins, then the fewest
+    // cloud bytes, then the fewest peer bytes.
+    let chunk = sc.chunk_bytes.unwrap_or(DEFAULT_CHUNK) as f64;
+    let mut runs = vec![greedy(&inst, &rate, 0.0, Prefer::PeerMemory)];
     for slack in [1.0, 1.05, 1.15] {
-        let (c, l) = greedy(&inst, &rate, bound.value() * slack);
-        let worst = |l: &[f64]| l.iter().zip(&rate).map(|(l, q)| l / q).fold(0.0, f64::max);
-        if worst(&l) < worst(&load) {
-            (choice, load) = (c, l);
+        for prefer in [Prefer::PeerMemory, Prefer::Local] {
+            runs.push(greedy(&inst, &rate, bound.value() * slack, prefer));
         }
     }
+    let runs: Vec<Schedule> = runs.into_iter().map(|(choice, load)| schedule(&inst, &rate, chunk, choice, load)).collect();
+    let least = runs.iter().map(|r| r.makespan).fold(f64::INFINITY, f64::min);
+    let best = runs
+        .into_iter()
+        .filter(|r| r.makespan <= least * (1.0 + MAKESPAN_TIE))
+        .min_by(|a, b| (a.bytes.cloud, a.bytes.peer).cmp(&(b.bytes.cloud, b.bytes.peer)).then(a.makespan.total_cmp(&b.makespan)))
+        .expect("at least one run");
+    let Schedule { choice, busiest, m, makespan, bytes, by_tier, flows, .. } = best;
 
-    // The paced schedule: every flow at bytes / M, plus a chunk of lag per relay hop.
-    let (busiest, m) =
-        load.iter().zip(&rate).enumerate().map(|(r, (l, q))| (r, l / q)).fold((cloud_r, 0.0), |a, b| if b.1 > a.1 { b } else { a });
-    let chunk = sc.chunk_bytes.unwrap_or(DEFAULT_CHUNK) as f64;
-    let mut makespan = m;
-    let mut transfers = Vec::new();
-    let mut bytes = BytesBySource::default();
-    let mut by_tier = BytesByTier::default();
+    let mut transfers = Vec::with_capacity(flows.len());
     let names: Vec<&str> = sc.nodes.iter().map(|x| x.name.as_str()).collect();
-    for d in 0..n {
-        let mut s = 0;
-        while s < ns {
-            let Some(c) = choice[d][s] else {
-                s += 1;
-                continue;
-            };
-            let seg = inst.segments[s];
-            let shard = |seg_i: usize| match (c.from, c.tier, c.relay) {
-                (Some(v), SourceTier::Memory, false) => {
-                    inst.shard_of.get(&(v, Tier::Memory, seg_i)).or_else(|| inst.shard_of.get(&(v, Tier::Disk, seg_i))).copied()
-                }
-                (Some(v), SourceTier::Disk, false) => inst.shard_of.get(&(v, Tier::Disk, seg_i)).copied(),
-                _ => None,
-            };
-            let first_shard = shard(s);
-            // Extend over the following segments of the same unit with the same source and file.
-            let mut e = s + 1;
-            while e < ns && inst.segments[e].unit == seg.unit && choice[d][e] == Some(c) && shard(e) == first_shard {
-                e += 1;
-            }
-            let (start, end) = (seg.start, inst.segments[e - 1].end);
-            let len = end - start;
-            let u = &inst.units[seg.unit];
-            if c.depth > 0 {
-                // A relay forwards a chunk once it has it: each hop before this one delays the
-                // flow by one chunk at the slowest rate on this flow's path.
-                let slowest = match c.from {
-                    Some(v) => rate[4 * v + R_OUT].min(rate[4 * d + R_IN]),
-                    None => rate[cloud_r].min(rate[4 * d + R_IN]),
-                };
-                makespan = makespan.max(m + f64::from(c.depth) * chunk.min(seg.bytes()) / slowest);
-            }
-            let kind = match c.from {
-                None => Kind::Cloud,
-                Some(v) if v == d => Kind::Local,
-                Some(_) => Kind::Peer,
-            };
-            match (kind, c.tier) {
-                (Kind::Local, SourceTier::Memory) => by_tier.local_memory += len,
-                (Kind::Local, _) => by_tier.local_disk += len,
-                (Kind::Peer, SourceTier::Disk) => by_tier.peer_disk += len,
-                (Kind::Peer, _) => by_tier.peer_memory += len,
-                (Kind::Cloud, _) => by_tier.cloud += len,
-            }
-            match kind {
-                Kind::Local => bytes.local += len,
-                Kind::Peer => bytes.peer += len,
-                Kind::Cloud => bytes.cloud += len,
-            }
-            transfers.push(Transfer {
-                from: c.from.map_or_else(|| "cloud".to_string(), |v| names[v].to_string()),
-                to: names[d].to_string(),
-                kind,
-                tier: c.tier,
-                relay: c.relay,
-                layer: sc.units.label(u.id.pos),
-                part: u.id.part,
-                offset: start,
-                bytes: len,
-                source_shard: first_shard.map(|(r, t)| SourceShard {
-                    tp_rank: r,
-                    tp_size: t,
-                    offset: start - (u128::from(u.bytes) * u128::from(r) / u128::from(t)) as u64,
-                }),
-                rate_mb_s: if m > 0.0 { len as f64 / m / MB } else { 0.0 },
-            });
-            s = e;
-        }
+    for &Flow { d, s, e, shard: first_shard } in &flows {
+        let c = choice[d][s].expect("a flow has a source");
+        let seg = inst.segments[s];
+        let (start, end) = (seg.start, inst.segments[e - 1].end);
+        let len = end - start;
+        let u = &inst.units[seg.unit];
+        transfers.push(Transfer {
+            from: c.from.map_or_else(|| "cloud".to_string(), |v| names[v].to_string()),
+            to: names[d].to_string(),
+            kind: kind_of(c, d),
+            tier: c.tier,
+            relay: c.relay,
+            layer: sc.units.label(u.id.pos),
+            part: u.id.part,
+            offset: start,
+            bytes: len,
+            source_shard: first_shard.map(|(r, t)| SourceShard {
+                tp_rank: r,
+                tp_size: t,
+                offset: start - (u128::from(u.bytes) * u128::from(r) / u128::from(t)) as u64,
+            }),
+            rate_mb_s: if m > 0.0 { len as f64 / m / MB } else { 0.0 },
+        });
     }
     let total_listed: f64 = inst.listed_bytes.iter().sum();
     let cloud_only_s = inst.listed_bytes.iter().zip(&inst.nic_in).map(|(b, r)| b / r).fold(total_listed / inst.cloud, f64::max);
@@ -526,11 +491,115 @@ pub fn plan_restore(sc: &RestoreScenario) -> Result<RestorePlan> {
     })
 }
 
+/// One flow of a schedule: node `d` reads segments `s..e` (one unit, one source, one file).
+#[derive(Debug, Clone, Copy)]
+struct Flow {
+    d: usize,
+    s: usize,
+    e: usize,
+    shard: Option<(u32, u32)>,
+}
+
+/// A greedy run's assignment paced: its flows, makespan and bytes.
+struct Schedule {
+    choice: Vec<Vec<Option<Choice>>>,
+    busiest: usize,
+    /// The busiest resource's load over its rate.
+    m: f64,
+    makespan: f64,
+    bytes: BytesBySource,
+    by_tier: BytesByTier,
+    flows: Vec<Flow>,
+}
+
+fn kind_of(c: Choice, d: usize) -> Kind {
+    match c.from {
+        None => Kind::Cloud,
+        Some(v) if v == d => Kind::Local,
+        Some(_) => Kind::Peer,
+    }
+}
+
+/// The paced schedule of an assignment: every flow at bytes / M, plus a chunk of lag per relay
+/// hop; flows joined over the following segments of a unit with the same source and file.
+fn schedule(inst: &Instance, rate: &[f64], chunk: f64, choice: Vec<Vec<Option<Choice>>>, load: Vec<f64>) -> Schedule {
+    let (n, ns) = (inst.nodes(), inst.segments.len());
+    let cloud_r = 4 * n;
+    let (busiest, m) =
+        load.iter().zip(rate).enumerate().map(|(r, (l, q))| (r, l / q)).fold((cloud_r, 0.0), |a, b| if b.1 > a.1 { b } else { a });
+    let mut makespan = m;
+    let mut bytes = BytesBySource::default();
+    let mut by_tier = BytesByTier::default();
+    let mut flows = Vec::new();
+    for d in 0..n {
+        let mut s = 0;
+        while s < ns {
+            let Some(c) = choice[d][s] else {
+                s += 1;
+                continue;
+            };
+            let seg = inst.segments[s];
+            let shard = |seg_i: usize| match (c.from, c.tier, c.relay) {
+                (Some(v), SourceTier::Memory, false) => {
+                    inst.shard_of.get(&(v, Tier::Memory, seg_i)).or_else(|| inst.shard_of.get(&(v, Tier::Disk, seg_i))).copied()
+                }
+                (Some(v), SourceTier::Disk, false) => inst.shard_of.get(&(v, Tier::Disk, seg_i)).copied(),
+                _ => None,
+            };
+            let first_shard = shard(s);
+            let mut e = s + 1;
+            while e < ns && inst.segments[e].unit == seg.unit && choice[d][e] == Some(c) && shard(e) == first_shard {
+                e += 1;
+            }
+            let len = inst.segments[e - 1].end - seg.start;
+            if c.depth > 0 {
+                // A relay forwards a chunk once it has it: each hop before this one delays the
+                // flow by one chunk at the slowest rate on this flow's path.
+                let slowest = match c.from {
+                    Some(v) => rate[4 * v + R_OUT].min(rate[4 * d + R_IN]),
+                    None => rate[cloud_r].min(rate[4 * d + R_IN]),
+                };
+                makespan = makespan.max(m + f64::from(c.depth) * chunk.min(seg.bytes()) / slowest);
+            }
+            let kind = kind_of(c, d);
+            match (kind, c.tier) {
+                (Kind::Local, SourceTier::Memory) => by_tier.local_memory += len,
+                (Kind::Local, _) => by_tier.local_disk += len,
+                (Kind::Peer, SourceTier::Disk) => by_tier.peer_disk += len,
+                (Kind::Peer, _) => by_tier.peer_memory += len,
+                (Kind::Cloud, _) => by_tier.cloud += len,
+            }
+            match kind {
+                Kind::Local => bytes.local += len,
+                Kind::Peer => bytes.peer += len,
+                Kind::Cloud => bytes.cloud += len,
+            }
+            flows.push(Flow { d, s, e, shard: first_shard });
+            s = e;
+        }
+    }
+    Schedule { choice, busiest, m, makespan, bytes, by_tier, flows }
+}
+
+/// Which source a greedy run takes among equally good ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Prefer {
+    /// Local memory, a peer's memory (relays included), local disk, a peer's disk, the cloud:
+    /// the slow disks spared.
+    PeerMemory,
+    /// Local memory, local disk, a peer's memory, a peer's disk, the cloud: the NICs spared.
+    Local,
+}
+
 /// One greedy assignment. Each reader takes the source whose busiest resource would be least
 /// busy after the move, counting any time up to `target` as free; ties (and every option
-/// within `target`) go to the scarcer-resource-sparing source: local memory, a peer's
-/// memory (relays included), local disk, a peer's disk, the cloud; then fewer relay hops.
-fn greedy(inst: &Instance, rate: &[f64], target: f64) -> (Vec<Vec<Option<Choice>>>, Vec<f64>) {
+/// within `target`) go to the preferred source (`Prefer`); then fewer relay hops.
+fn greedy(inst: &Instance, rate: &[f64], target: f64, prefer: Prefer) -> (Vec<Vec<Option<Choice>>>, Vec<f64>) {
+    // Rank of each source among equals: local memory, local disk, peer memory, peer disk, cloud.
+    let (local_disk, peer_memory) = match prefer {
+        Prefer::PeerMemory => (2, 1),
+        Prefer::Local => (1, 2),
+    };
     let n = inst.nodes();
     let ns = inst.segments.len();
     let cloud_r = 4 * n;
@@ -576,7 +645,7 @@ fn greedy(inst: &Instance, rate: &[f64], target: f64) -> (Vec<Vec<Option<Choice>
                 options.push((
                     Choice { from: Some(d), tier: SourceTier::Disk, relay: false, depth: 0 },
                     [4 * d + R_DISK, usize::MAX, usize::MAX],
-                    2,
+                    local_disk,
                 ));
             }
             for (v, has) in in_memory.iter().enumerate() {
@@ -588,7 +657,7 @@ fn greedy(inst: &Instance, rate: &[f64], target: f64) -> (Vec<Vec<Option<Choice>
                     options.push((
                         Choice { from: Some(v), tier: SourceTier::Memory, relay, depth },
                         [4 * v + R_OUT, 4 * d + R_IN, usize::MAX],
-                        1,
+                        peer_memory,
                     ));
                 } else if inst.held[v][s] & HELD_DISK != 0 {
                     options.push((
