@@ -84,11 +84,21 @@ pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
     // the job's ranks through the coordinator before the agents and the coordinator go.
     ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst)).map_err(|e| InputError(format!("cannot handle Ctrl-C: {e}")))?;
     let mut procs = Procs(vec![]);
-    let mut coordinator = Command::new(sibling("motley-coordinator")?)
+    let mut coordinator = Command::new(sibling("motley-coordinator")?);
+    coordinator
         .process_group(0)
         .args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--insecure", "--heartbeat-ms", &heartbeat_ms.to_string()])
         .arg("--data-dir")
-        .arg(dir.join("coordinator"))
+        .arg(dir.join("coordinator"));
+    // The cluster file's own GPU types: its nodes name them, and the coordinator checks every
+    // node entry (and plans) against the types it knows.
+    if !spec.gpu_types.is_empty() {
+        let file = dir.join("gpu-types.yaml");
+        let text = serde_norway::to_string(&serde_json::json!({ "gpu_types": spec.gpu_types })).expect("GPU types serialise");
+        std::fs::write(&file, text).map_err(io)?;
+        coordinator.arg("--gpu-types").arg(&file);
+    }
+    let mut coordinator = coordinator
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()

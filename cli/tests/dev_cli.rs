@@ -53,6 +53,33 @@ fn dev_up_of_a_failing_job_exits_1() {
     assert_eq!(processes_with(dir.join("state").to_str().unwrap()), 0, "coordinator and agents are stopped");
 }
 
+/// A cluster file's own GPU types reach the coordinator: its nodes register and the job is
+/// planned on them.
+#[test]
+fn dev_up_passes_the_cluster_files_gpu_types_to_the_coordinator() {
+    let dir = std::env::temp_dir().join(format!("motley-dev-types-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cluster = dir.join("toy.yaml");
+    std::fs::write(
+        &cluster,
+        "name: toy\nnodes:\n  - {name: toy, gpu: Toy-GPU, gpus: 2}\ngpu_types:\n  - {name: Toy-GPU, memory_gib: 80, tflops: 100, mem_bw_gbps: 2000}\n",
+    )
+    .unwrap();
+    let job = dir.join("job.yaml");
+    std::fs::write(&job, "name: toy\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'echo toy-ok'\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_motley"))
+        .args(["dev", "up", cluster.to_str().unwrap(), job.to_str().unwrap(), "--dir", dir.join("state").to_str().unwrap()])
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("1 agents live: toy") && text.contains("job 1 succeeded") && text.contains("toy-ok"), "{text}");
+    assert_eq!(processes_with(dir.join("state").to_str().unwrap()), 0, "coordinator and agents are stopped");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn dev_up_refuses_bad_files_before_starting_anything() {
     let out = Command::new(env!("CARGO_BIN_EXE_motley"))

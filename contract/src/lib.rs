@@ -13,11 +13,14 @@
 //! fields may be added, never renamed. Readers ignore fields they do not know, so a newer
 //! writer never breaks an older reader.
 
+pub mod auth;
 pub mod config;
 pub mod curves;
 pub mod groups;
 pub mod job;
 pub mod plan;
+#[cfg(feature = "serve")]
+pub mod serve;
 pub mod svg;
 pub mod views;
 

@@ -1,16 +1,12 @@
-//! The control operations behind both APIs (REST and gRPC): they validate, call the store and
-//! the solver, and know nothing of HTTP or protobuf.
-
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+//! The control operations behind both APIs (REST and gRPC): they validate, call the store,
+//! the planner and the job's life, and know nothing of HTTP or protobuf.
 
 use motley_solver::hardware::NodeSpec;
-use motley_solver::placement::GpuId;
-use motley_solver::{Cluster, ClusterSpec, PlanReport, PlanRequest, ProfileSet};
+use motley_solver::{Cluster, ClusterSpec, PlanReport};
 
 use crate::error::{CoordinatorError, Result};
 use crate::job::JobState;
-use crate::jobspec::{JobSpec, ProfilingMode};
-use crate::profiling::Prepared;
+use crate::jobspec::JobSpec;
 use crate::store::{JobRecord, NodeState, RankAssignment, Store};
 
 /// Declare (or update) a node's inventory: its cluster-file entry, one node (no `count`).
@@ -28,13 +24,13 @@ pub async fn declare_node(store: &Store, name: &str, entry: &str) -> Result<i64>
         return Err(CoordinatorError::invalid("node.count", "a node entry here is one node; remove count"));
     }
     // The same validation as a cluster file.
-    Cluster::from_spec(&ClusterSpec { name: "check".into(), nodes: vec![spec.clone()], gpu_types: vec![] })
+    Cluster::from_spec(&ClusterSpec { name: "check".into(), nodes: vec![spec.clone()], gpu_types: crate::catalog::declared() })
         .map_err(|e| CoordinatorError::invalid(e.to_string().replace("nodes[0]", "node"), "see the cluster file format in README.md"))?;
     let json = serde_json::to_string(&spec).expect("a node spec serialises");
     store.register_node(name, &json).await
 }
 
-/// Submit a job file: validated and stored as `submitted`, then queued (`scheduler`).
+/// Submit a job file: validated and stored as `submitted`, then queued (`life::queue`).
 #[tracing::instrument(skip_all)]
 pub async fn submit(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> Result<JobRecord> {
     let spec = JobSpec::parse(text)?;
@@ -48,16 +44,7 @@ pub async fn submit(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> R
 /// not: operators plan before the agents are up).
 #[tracing::instrument(skip_all)]
 pub async fn dry_run(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> Result<(PlanReport, Vec<RankAssignment>)> {
-    let spec = JobSpec::parse(text)?;
-    check_plan_gpus(store, &spec).await?;
-    let offer = offer(store, &spec, None).await?;
-    let profiles = crate::profiling::stored_for(store, &spec).await?;
-    solve(&spec, offer, profiles, deadline(fleet, &spec)).await
-}
-
-/// How long planning the job may take: its `plan_timeout_s`, or the coordinator's.
-fn deadline(fleet: &crate::fleet::Fleet, spec: &JobSpec) -> std::time::Duration {
-    spec.plan_timeout_s.map_or(fleet.plan_deadline, |s| std::time::Duration::from_secs(u64::from(s)))
+    crate::planning::dry_run(store, fleet, &JobSpec::parse(text)?).await
 }
 
 /// The job with the plan and ranks of its current launch.
@@ -86,23 +73,22 @@ pub fn drain_deadline(deadline_s: u32) -> Result<Option<std::time::Duration>> {
 }
 
 /// Drain (or undrain) a node: it gets no new ranks; its agent is told. `deadline`: the node
-/// goes away then (a preemption notice, see `notice`).
-#[tracing::instrument(skip(store, fleet))]
+/// goes away then (a preemption notice, see `life::notice`).
+#[tracing::instrument(skip(life))]
 pub async fn set_draining(
-    store: &Store,
-    fleet: &crate::fleet::Fleet,
+    life: &crate::life::Life,
     name: &str,
     draining: bool,
     deadline: Option<std::time::Duration>,
 ) -> Result<crate::store::NodeRecord> {
     let state = if draining { NodeState::Draining } else { NodeState::Active };
-    let node = store.set_node_state(name, state).await?;
-    fleet.tell_drain(name, draining);
+    let node = life.store.set_node_state(name, state).await?;
+    life.fleet.tell_drain(name, draining);
     if draining {
         // Jobs with budget move off the node now (its checkpoint copies still serve the
         // restore), or, given a deadline, once they saved a step; the others keep running
         // there until they end.
-        crate::recovery::node_leaving(store, fleet, name, &format!("node {name} is draining"), false, deadline).await;
+        life.node_leaving(name, &format!("node {name} is draining"), false, deadline).await;
     }
     Ok(node)
 }
@@ -111,7 +97,7 @@ pub async fn set_draining(
 #[tracing::instrument(skip(store, fleet))]
 pub async fn cancel(store: &Store, fleet: &crate::fleet::Fleet, id: i64, reason: &str) -> Result<JobRecord> {
     let job = store.transition(id, JobState::Cancelled, Some(reason)).await?;
-    crate::lifecycle::stop_job(store, fleet, job.id, job.generation, reason).await;
+    crate::launch::stop_job(store, fleet, job.id, job.generation, reason).await;
     Ok(job)
 }
 
@@ -127,339 +113,4 @@ pub async fn remove_node(store: &Store, fleet: &crate::fleet::Fleet, name: &str)
     }
     store.remove_node(name).await?;
     Ok(node)
-}
-
-/// GPUs held by launched jobs (launching or running): node -> GPU index -> job.
-pub type Taken = HashMap<String, BTreeMap<u32, i64>>;
-
-/// The "job" in `Taken` of a GPU a profile run measures on.
-pub const PROFILING: i64 = 0;
-
-/// What planning a queued job came to.
-#[derive(Debug)]
-pub enum Planned {
-    /// Planned and stored as a new launch (`launching`).
-    Launched(JobRecord),
-    /// Its share of GPUs is not free yet; nothing changed. The reason names what it waits for.
-    Waiting(String),
-    /// The planner (or the inventory) said no: the job is `failed` with the reason.
-    Failed(JobRecord),
-}
-
-/// Plan a queued job on the live inventory (active nodes with a live agent, within the job's
-/// resources) minus the GPUs `taken` by other launches, and store its first launch:
-/// `submitted -> planning -> launching` with generation 1, or `failed` with the planner's
-/// reason. A job waits (nothing changes) while fewer GPUs are free than it would get on an
-/// idle cluster: it is gang-scheduled, whole or not at all.
-#[tracing::instrument(skip(store, fleet, taken))]
-pub async fn plan_job(store: &Store, fleet: &crate::fleet::Fleet, id: i64, taken: &Taken) -> Result<Planned> {
-    let job = store.job(id).await?;
-    let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
-    if let Err(e) = check_plan_gpus(store, &spec).await {
-        return fail_planning(store, &job, e).await;
-    }
-    let offer = match offer(store, &spec, Some((fleet, taken))).await {
-        Ok(o) => o,
-        Err(e) => return fail_planning(store, &job, e).await,
-    };
-    let holders = || {
-        let name = |j: &i64| if *j == PROFILING { "a profile run".to_string() } else { j.to_string() };
-        offer.holders.iter().map(name).collect::<Vec<_>>().join(", ")
-    };
-    // A carried plan names its GPUs: it waits for those (below), not for a share.
-    if spec.plan.is_none() && offer.free < offer.wanted {
-        return Ok(Planned::Waiting(format!(
-            "waiting for {} GPUs: {} of the {} it may use are free; job(s) {} hold the rest",
-            offer.wanted,
-            offer.free,
-            offer.capacity,
-            holders()
-        )));
-    }
-    let (partial, free, held_by) = (offer.free < offer.capacity, offer.free, holders());
-    // Measured layer profiles: stored ones, and runs sent for what is missing (the job waits).
-    let offered: Vec<(NodeSpec, Vec<u32>)> =
-        offer.nodes.iter().map(|n| (n.clone(), offer.real.get(&n.name).cloned().unwrap_or_default())).collect();
-    let (profiles, without) = match crate::profiling::prepare(store, fleet, id, &spec, &offered).await {
-        Ok(Prepared::Waiting(why)) => return Ok(Planned::Waiting(why)),
-        Ok(Prepared::Ready { profiles, without }) => (profiles, without),
-        Err(e @ CoordinatorError::Database(_)) => return Err(e),
-        Err(e) => return fail_planning(store, &job, e).await,
-    };
-    match solve(&spec, offer, profiles, deadline(fleet, &spec)).await {
-        Ok((report, ranks)) => {
-            if !without.is_empty() {
-                let why: Vec<String> = without.iter().map(|(k, r)| format!("{k} ({r})")).collect();
-                store
-                    .record_event(Some(id), None, "profiling", &format!("priced by the roofline, not measured: {}", why.join("; ")))
-                    .await?;
-            }
-            // A job found in `planning` was left there by a coordinator that stopped.
-            if job.state != JobState::Planning {
-                store.transition(id, JobState::Planning, None).await?;
-            }
-            let plan = serde_json::to_string(&report).expect("a plan serialises");
-            let generation = store.start_generation(id, &plan, &ranks).await?;
-            crate::recovery::note_launch(store, fleet, id, generation).await;
-            Ok(Planned::Launched(store.job(id).await?))
-        }
-        // Other jobs hold some of its GPUs: what is free may not fit it (too few per node for
-        // its layers, say), but all of them might once those jobs end.
-        // A plan out of time fails whatever is free: waiting would spend the deadline again on
-        // every pass.
-        // A wrong field will not come right by waiting either.
-        Err(e) if partial && !matches!(e, CoordinatorError::DeadlineExceeded(_) | CoordinatorError::InvalidInput { .. }) => {
-            Ok(Planned::Waiting(format!("waiting for more GPUs: the {free} free do not fit it ({e}); job(s) {held_by} hold the rest")))
-        }
-        Err(e) => fail_planning(store, &job, e).await,
-    }
-}
-
-/// Plan a recovering job again on what it can use now: live, active nodes within its
-/// resources, every GPU no other job holds (its own old launch's included: its ranks were
-/// stopped). Nothing is stored; the recovery launches it once the restore is in place.
-#[tracing::instrument(skip(store, fleet, taken))]
-pub async fn plan_for_recovery(
-    store: &Store,
-    fleet: &crate::fleet::Fleet,
-    job: &JobRecord,
-    taken: &Taken,
-) -> Result<(String, Vec<RankAssignment>)> {
-    let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
-    let mut others = taken.clone();
-    for gpus in others.values_mut() {
-        gpus.retain(|_, j| *j != job.id);
-    }
-    let offer = offer(store, &spec, Some((fleet, &others))).await?;
-    if offer.free == 0 {
-        return Err(CoordinatorError::Conflict("no free GPU on a live node: nothing to recover onto".into()));
-    }
-    let profiles = crate::profiling::stored_for(store, &spec).await?;
-    let (report, ranks) = solve(&spec, offer, profiles, deadline(fleet, &spec)).await?;
-    Ok((serde_json::to_string(&report).expect("a plan serialises"), ranks))
-}
-
-/// `planning` (as a record that it was tried), then `failed` with the reason.
-async fn fail_planning(store: &Store, job: &JobRecord, e: CoordinatorError) -> Result<Planned> {
-    if job.state != JobState::Planning {
-        store.transition(job.id, JobState::Planning, None).await?;
-    }
-    Ok(Planned::Failed(store.transition(job.id, JobState::Failed, Some(&e.to_string())).await?))
-}
-
-/// Active nodes within the job's resources whose agent holds no lease now.
-pub async fn missing_nodes(store: &Store, fleet: &crate::fleet::Fleet, job: &JobRecord) -> Result<Vec<String>> {
-    let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
-    let mine = |n: &str| spec.resources.nodes.is_empty() || spec.resources.nodes.iter().any(|m| m == n);
-    Ok(store
-        .nodes()
-        .await?
-        .into_iter()
-        .filter(|n| n.state == NodeState::Active && mine(&n.name) && !fleet.live(&n.name))
-        .map(|n| n.name)
-        .collect())
-}
-
-/// The nodes a job may use now, each cut down to its free GPUs and renumbered 0..n for the
-/// solver (`real` maps the solver's numbers back).
-struct Offer {
-    nodes: Vec<NodeSpec>,
-    /// Per node, the real GPU index of each solver GPU number.
-    real: HashMap<String, Vec<u32>>,
-    /// GPUs the job would get on an idle cluster: its budget, or every GPU of its nodes.
-    wanted: u32,
-    /// GPUs of its nodes (free or not) and how many are free.
-    capacity: u32,
-    free: u32,
-    /// Jobs holding GPUs of its nodes.
-    holders: BTreeSet<i64>,
-}
-
-/// Active nodes within the job's resources; with `live`, only nodes whose agent holds a lease
-/// (a launch on a node that vanished would fail at once) and only their GPUs no launch holds.
-async fn offer(store: &Store, spec: &JobSpec, live: Option<(&crate::fleet::Fleet, &Taken)>) -> Result<Offer> {
-    let mut nodes = vec![];
-    for n in store.nodes().await? {
-        if n.state != NodeState::Active || (!spec.resources.nodes.is_empty() && !spec.resources.nodes.contains(&n.name)) {
-            continue;
-        }
-        if live.is_some_and(|(f, _)| !f.live(&n.name)) {
-            continue;
-        }
-        let entry: NodeSpec = serde_json::from_str(&n.inventory)
-            .map_err(|e| CoordinatorError::Conflict(format!("node {}: stored inventory: {e}", n.name)))?;
-        nodes.push(entry);
-    }
-    if nodes.is_empty() {
-        let which = if live.is_some() { "live node (an active node whose agent holds a lease)" } else { "active node" };
-        return Err(CoordinatorError::Conflict(format!("no {which} matches the job's resources; start agents, register or undrain nodes")));
-    }
-    let no_one = Taken::new();
-    let taken = live.map_or(&no_one, |(_, t)| t);
-    let capacity: u32 = nodes.iter().map(|n| n.gpus).sum();
-    // A carried plan is offered every free GPU (it takes the ones it names).
-    let wanted = if spec.plan.is_some() { capacity } else { spec.resources.gpus.map_or(capacity, |b| b.min(capacity)) };
-    let (mut free, mut holders, mut real) = (0, BTreeSet::new(), HashMap::new());
-    let free_of = |n: &NodeSpec| -> Vec<u32> {
-        let held = taken.get(&n.name);
-        (0..n.gpus).filter(|g| !held.is_some_and(|h| h.contains_key(g))).collect()
-    };
-    // Emptiest nodes first (whole free nodes before the leftovers of busy ones: fewer jobs
-    // split across nodes), then by name.
-    nodes.sort_by_cached_key(|n| (std::cmp::Reverse(free_of(n).len()), n.name.clone()));
-    // Within a GPU budget, take free GPUs in that order until it is met (the last node only in
-    // part): the plan never uses more GPUs than the job may.
-    let mut left = wanted;
-    nodes.retain_mut(|n| {
-        holders.extend(taken.get(&n.name).into_iter().flat_map(|h| h.values().copied()));
-        let mut ours = free_of(n);
-        free += ours.len() as u32;
-        ours.truncate(left as usize);
-        left -= ours.len() as u32;
-        n.gpus = ours.len() as u32;
-        // Rails name GPUs by index: keep those the node still offers, in the solver's numbers.
-        for nic in &mut n.nics {
-            nic.gpus = nic.gpus.iter().filter_map(|g| ours.iter().position(|o| o == g)).map(|p| p as u32).collect();
-        }
-        let keep = !ours.is_empty();
-        real.insert(n.name.clone(), ours);
-        keep
-    });
-    Ok(Offer { nodes, real, wanted, capacity, free, holders })
-}
-
-/// A carried plan's GPUs against the inventory (any state): each names a registered node and
-/// one of its GPUs, the nodes are within the job's resources, and the plan uses no more GPUs
-/// than `resources.gpus`. Whether they are free and live is the offer's business.
-async fn check_plan_gpus(store: &Store, spec: &JobSpec) -> Result<()> {
-    let Some(plan) = &spec.plan else { return Ok(()) };
-    let nodes: HashMap<String, u32> = store
-        .nodes()
-        .await?
-        .into_iter()
-        .map(|n| {
-            let gpus = serde_json::from_str::<NodeSpec>(&n.inventory).map_or(0, |e| e.gpus);
-            (n.name, gpus)
-        })
-        .collect();
-    let mut used = 0u32;
-    for (ri, r) in plan.replicas.iter().enumerate() {
-        for (si, st) in r.stages.iter().enumerate() {
-            for (gi, g) in st.gpus.iter().enumerate() {
-                let field = format!("plan.replicas[{ri}].stages[{si}].gpus[{gi}]");
-                let Some(&count) = nodes.get(&g.node) else {
-                    return Err(CoordinatorError::invalid(field, format!("node '{}' is not in the inventory (motley node list)", g.node)));
-                };
-                if g.index >= count {
-                    return Err(CoordinatorError::invalid(field, format!("node '{}' has GPUs 0..{count}", g.node)));
-                }
-                if !spec.resources.nodes.is_empty() && !spec.resources.nodes.contains(&g.node) {
-                    return Err(CoordinatorError::invalid(field, format!("node '{}' is not in the job's resources.nodes", g.node)));
-                }
-                used += 1;
-            }
-        }
-    }
-    if let Some(budget) = spec.resources.gpus.filter(|&b| used > b) {
-        return Err(CoordinatorError::invalid("plan", format!("uses {used} GPUs but resources.gpus allows {budget}")));
-    }
-    Ok(())
-}
-
-/// The solver on an offer, within `deadline`; the plan and ranks name the real GPU indices. A
-/// plan that takes longer is refused (the solver's thread runs on to its end, but nothing
-/// waits for it: the job queue and the request move on).
-async fn solve(
-    spec: &JobSpec,
-    offer: Offer,
-    profiles: ProfileSet,
-    deadline: std::time::Duration,
-) -> Result<(PlanReport, Vec<RankAssignment>)> {
-    let Offer { nodes, real, .. } = offer;
-    let only_measured = (spec.profiling().mode == ProfilingMode::Only).then(|| (nodes.clone(), profiles.clone()));
-    let cluster = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: vec![] })
-        .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
-    let model = spec.model()?;
-    let (mut opts, mode) = spec.plan_options()?;
-    opts.precision = spec.precision(&cluster);
-    // A carried plan names real GPU indices; the solver numbers the offer's free GPUs 0..n.
-    let given = match &spec.plan {
-        None => None,
-        Some(plan) => {
-            let mut plan = plan.clone();
-            for (ri, r) in plan.replicas.iter_mut().enumerate() {
-                for (si, st) in r.stages.iter_mut().enumerate() {
-                    for (gi, g) in st.gpus.iter_mut().enumerate() {
-                        let number = real.get(&g.node).and_then(|free| free.iter().position(|&i| i == g.index));
-                        let Some(number) = number else {
-                            return Err(CoordinatorError::Conflict(format!(
-                                "plan.replicas[{ri}].stages[{si}].gpus[{gi}]: GPU {}:{} is held by another job, or its node is draining or has no live agent",
-                                g.node, g.index
-                            )));
-                        };
-                        g.index = number as u32;
-                    }
-                }
-            }
-            Some(plan)
-        }
-    };
-    // The solver is pure CPU work: keep it off the async workers.
-    let planner = tokio::task::spawn_blocking(move || {
-        let req =
-            PlanRequest { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts, mode, exhaustive: false, seeds: vec![] };
-        match &given {
-            Some(plan) => motley_solver::report::given(&req, plan),
-            None => motley_solver::plan(&req),
-        }
-    });
-    let planned = tokio::time::timeout(deadline, planner).await.map_err(|_| {
-        CoordinatorError::DeadlineExceeded(format!(
-            "planning took longer than {} ms; give the job fewer GPUs or nodes (resources), or more time (plan_timeout_s in the job file, --plan-timeout-ms on the coordinator)",
-            deadline.as_millis()
-        ))
-    })?;
-    let mut report = planned.map_err(|e| CoordinatorError::Conflict(format!("planner: {e}")))?.map_err(|e| match e {
-        // A field of the job (its plan, its options) is wrong: the job's fault, named.
-        motley_solver::SolverError::InvalidInput { field, message } => CoordinatorError::invalid(field, message),
-        other => CoordinatorError::Conflict(other.to_string()),
-    })?;
-    if let Some((nodes, profiles)) = &only_measured {
-        crate::profiling::check_measured(&report, nodes, profiles)?;
-    }
-    let renumber = |g: &mut GpuId| {
-        if let Some(i) = real.get(&g.node).and_then(|r| r.get(g.index as usize)) {
-            g.index = *i;
-        }
-    };
-    report.replicas.iter_mut().flat_map(|r| r.stages.iter_mut()).flat_map(|s| s.gpus.iter_mut()).for_each(&renumber);
-    report.comm_groups.iter_mut().flat_map(|c| c.gpus.iter_mut()).for_each(&renumber);
-    let ranks = ranks_of(&report);
-    Ok((report, ranks))
-}
-
-/// Rank numbering: replicas in order, stages in order, GPUs in order (TP fastest); local ranks
-/// count a node's ranks in that order.
-pub fn ranks_of(report: &PlanReport) -> Vec<RankAssignment> {
-    let mut out = vec![];
-    let mut local: std::collections::HashMap<String, i64> = Default::default();
-    for (ri, r) in report.replicas.iter().enumerate() {
-        for (si, s) in r.stages.iter().enumerate() {
-            for g in &s.gpus {
-                let l = local.entry(g.node.clone()).or_insert(0);
-                out.push(RankAssignment {
-                    rank: out.len() as i64,
-                    node: g.node.clone(),
-                    local_rank: *l,
-                    gpu: g.index as i64,
-                    replica: ri as i64,
-                    stage: si as i64,
-                    layer_start: s.layers[0] as i64,
-                    layer_end: s.layers[1] as i64,
-                });
-                *l += 1;
-            }
-        }
-    }
-    out
 }

@@ -2,7 +2,9 @@
 //! docs/state.md). Each lease holds the agent's session (node, epoch), when it was last heard
 //! from, its last load, and an outbox of instructions its heartbeat stream carries down. Plain
 //! Rust types: the gRPC adapter (`service::agent`) turns the outbox into a stream; nothing here
-//! touches the database.
+//! touches the database, and nothing here knows jobs' recoveries, notices or profiles (what
+//! those need from a session arrives as facts, `facts`). The bottom of the coordinator's rooms:
+//! it calls none of them.
 //!
 //! Leases are judged by this process's own continuity: `expire` gives every agent a fresh lease
 //! when it finds that it was not running for more than `PAUSE_INTERVALS` base intervals (a
@@ -18,7 +20,6 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::error::CoordinatorError;
-use crate::job::JobState;
 use crate::load::NodeLoad;
 
 /// A lease expires after this many base intervals without a heartbeat.
@@ -69,7 +70,7 @@ pub enum Refused {
 pub struct Fleet {
     /// The base interval: agents heartbeat on it; every timeout derives from it.
     pub base: Duration,
-    /// The first MASTER_PORT (see `lifecycle::master_port`).
+    /// The first MASTER_PORT (see `launch::master_port`).
     pub master_port_base: u16,
     leases: Mutex<HashMap<String, Lease>>,
     /// When `expire` last looked (the continuity of this process).
@@ -80,19 +81,13 @@ pub struct Fleet {
     launches: AtomicU64,
     /// Something the job queue waits on changed (a submit, a job's end).
     queue: tokio::sync::Notify,
-    /// Why each queued job waits, as the job queue last saw it.
-    waiting: Mutex<HashMap<i64, String>>,
     /// Launches (job, generation) this leader has sent out (a new leader sends them again).
     sent: Mutex<std::collections::HashSet<(i64, i64)>>,
     /// How long planning one job may take.
     pub plan_deadline: Duration,
-    /// The profile runs this leader sent to agents (see `profiling`).
-    pub profile_runs: crate::profiling::Runs,
-    /// Each node's data plane and checkpoint rates (told at registration), and the restores
-    /// agents reported (see `recovery`).
-    pub restores: crate::recovery::Restores,
-    /// Preemption notices in flight (see `notice`).
-    pub notices: crate::notice::Notices,
+    /// Jobs whose ranks' reports were committed: the job step looks at them next.
+    reported: Mutex<std::collections::BTreeSet<i64>>,
+    reports: tokio::sync::Notify,
 }
 
 impl Fleet {
@@ -108,10 +103,8 @@ impl Fleet {
             heartbeats: AtomicU64::new(0),
             launches: AtomicU64::new(0),
             queue: tokio::sync::Notify::new(),
-            waiting: Mutex::default(),
-            profile_runs: Default::default(),
-            notices: Default::default(),
-            restores: Default::default(),
+            reported: Mutex::default(),
+            reports: tokio::sync::Notify::new(),
         })
     }
 
@@ -160,26 +153,24 @@ impl Fleet {
         self.sent.lock().expect("sent lock").retain(|k| launching.contains(k));
     }
 
-    /// Record why a queued job waits (None: it no longer does); true if the reason changed.
-    pub fn set_waiting(&self, job: i64, why: Option<String>) -> bool {
-        let mut waiting = self.waiting.lock().expect("waiting lock");
-        match why {
-            Some(w) => waiting.insert(job, w.clone()).as_ref() != Some(&w),
-            None => waiting.remove(&job).is_some(),
+    /// Rank reports of these jobs were committed: have the job step look at them.
+    pub fn reported(&self, jobs: &[i64]) {
+        if jobs.is_empty() {
+            return;
         }
+        self.reported.lock().expect("reported lock").extend(jobs.iter().copied());
+        self.reports.notify_one();
     }
 
-    /// Forget the waits of jobs no longer queued.
-    pub fn keep_waiting(&self, queued: &[i64]) {
-        self.waiting.lock().expect("waiting lock").retain(|id, _| queued.contains(id));
-    }
-
-    /// A queued job's record with why it waits as its reason (a queued job has no other).
-    pub fn annotate(&self, mut job: crate::store::JobRecord) -> crate::store::JobRecord {
-        if matches!(job.state, JobState::Submitted | JobState::Planning) && job.reason.is_none() {
-            job.reason = self.waiting.lock().expect("waiting lock").get(&job.id).cloned();
+    /// The jobs reported since the last call (waits for the first if there are none).
+    pub async fn take_reported(&self) -> Vec<i64> {
+        loop {
+            let jobs: Vec<i64> = std::mem::take(&mut *self.reported.lock().expect("reported lock")).into_iter().collect();
+            if !jobs.is_empty() {
+                return jobs;
+            }
+            self.reports.notified().await;
         }
-        job
     }
 
     /// Whether another agent holds the node now: its lease is current and its stream open. A

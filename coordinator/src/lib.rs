@@ -1,42 +1,46 @@
 //! Motley's coordinator: the cluster inventory, jobs, plans and launches, kept in SQLite (the
-//! embedded default) or PostgreSQL. Its rooms, and what each may touch:
+//! embedded default) or PostgreSQL. Its rooms, top to bottom; each may call only the rooms
+//! below it (docs/architecture.md draws them):
 //!
-//! | room | holds | talks to |
+//! | room | holds | calls |
 //! |---|---|---|
-//! | `fleet` | live agents: leases, addresses, load, an outbox of instructions per node | nothing durable |
-//! | `lifecycle` | how launched jobs move: rank reports, dispatch, launch and lease timeouts, stops | store, fleet |
-//! | `scheduler` | the job queue: which queued job gets which free GPUs, and why a job waits | store, solver, fleet |
-//! | `control` | the operations behind both APIs: declare, submit, cancel, plan | store, solver, fleet, lifecycle |
-//! | `checkpoints` | the checkpoint-location bitmap as people and recovery read it: steps, completeness, grids | store |
-//! | `rank_logs` | ranks' logs from their agents (a chunk, a tail); a job's training curves from rank 0's log per generation | store, fleet, agents' log services |
-//! | `profiling` | which layer profiles a job's plan needs; runs sent to agents (in memory); their results stored | store, fleet |
+//! | `service::{rest, control, agent}` | translate requests and streams, errors into status codes | the rooms below |
+//! | `control` | the operations behind both APIs: declare, submit, cancel, drain, plan | life, planning, launch, store, fleet |
+//! | `life` | a job's life in one place: the queue, each launched job's step, recovery, notices, scale-up, a new leader's takeover; the leader's memory of work in flight | planning, launch, checkpoints, restore_plan, store, fleet, facts |
+//! | `planning` | the offer (what a job may use now), profiles, the solver, rank numbering | profiling, store, fleet |
+//! | `launch` | launch instructions out, stops, fenced job moves | store, fleet |
+//! | `profiling` | which layer profiles a plan needs; runs sent to agents and their results (durable) | store, fleet |
+//! | `rank_logs` | ranks' logs from their agents; a job's training curves | store, fleet |
+//! | `checkpoints` | the checkpoint-location bitmap as people and recovery read it | store |
+//! | `restore_plan` | pure: from the bitmap and a new plan to each agent's restore | nothing stateful |
+//! | `facts` | what agents told: data planes and rates, restore results (in memory) | nothing |
+//! | `catalog` | the GPU types the configuration declares beyond the planner's (set at start-up) | nothing |
+//! | `fleet` | live agents: leases, addresses, load, an outbox of instructions per node (in memory) | nothing |
 //! | `store` | every durable read and write, each job move fenced (state, generation, term) in SQL | the database |
-//! | `leader`, `takeover` | who leads; what a new leader resumes | store |
-//! | `service::{rest, control, agent}` | translate requests and streams, errors into status codes | the rooms above |
+//! | `leader`, `supervise`, `metrics`, `telemetry`, `tls` | who leads; the leader's tasks; counters; traces; certificates | store, fleet |
 //!
-//! Arrows run from services to domain rooms to the store; a domain room never imports a
-//! service. One error type (`error`) maps to both a gRPC and an HTTP status.
+//! One error type (`error`) maps to both a gRPC and an HTTP status.
 
+pub mod catalog;
 pub mod checkpoints;
 pub mod control;
 pub mod error;
+pub mod facts;
 pub mod fleet;
 pub mod job;
 pub mod jobspec;
+pub mod launch;
 pub mod leader;
-pub mod lifecycle;
+pub mod life;
 pub mod load;
 pub mod metrics;
-pub mod notice;
+pub mod planning;
 pub mod profiling;
 pub mod rank_logs;
-pub mod recovery;
 pub mod restore_plan;
-pub mod scheduler;
 pub mod service;
 pub mod store;
 pub mod supervise;
-pub mod takeover;
 pub mod telemetry;
 pub mod tls;
 pub mod validate;

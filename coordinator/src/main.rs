@@ -21,7 +21,9 @@ use motley_coordinator::service::control::ControlService;
 use motley_coordinator::service::rest::{router, AppState};
 use motley_coordinator::service::Tokens;
 use motley_coordinator::tls::TlsFiles;
-use motley_coordinator::{takeover, Store};
+use motley_coordinator::facts::Facts;
+use motley_coordinator::life::Life;
+use motley_coordinator::Store;
 use motley_proto::v1::agent_server::AgentServer;
 use motley_proto::v1::control_server::ControlServer;
 
@@ -95,6 +97,10 @@ struct Args {
     /// Export spans over OTLP/gRPC to this collector (e.g. http://otel-collector:4317).
     #[arg(long, env = "MOTLEY_OTLP_ENDPOINT")]
     otlp_endpoint: Option<String>,
+    /// GPU types beyond the planner's catalog: a YAML file with the cluster file's `gpu_types:`
+    /// list (a cluster file will do). Nodes may then name them.
+    #[arg(long, env = "MOTLEY_GPU_TYPES")]
+    gpu_types: Option<PathBuf>,
     /// A TOML file with any of these options (flags and MOTLEY_* variables win over it).
     #[arg(long, env = "MOTLEY_CONFIG", default_value = "/etc/motley/coordinator.toml")]
     config: PathBuf,
@@ -202,14 +208,22 @@ async fn main() -> anyhow::Result<()> {
         args.cloud_egress_mb_s.is_finite() && args.cloud_egress_mb_s > 0.0,
         "--cloud-egress-mb-s: must be a rate above 0 MB/s (e.g. 1200)"
     );
+    if let Some(path) = &args.gpu_types {
+        let text = std::fs::read_to_string(path).with_context(|| format!("--gpu-types: cannot read {}", path.display()))?;
+        let types = motley_coordinator::catalog::read(&text, "--gpu-types").map_err(|e| anyhow::anyhow!("{e}"))?;
+        tracing::info!("{} GPU types declared in {}", types.len(), path.display());
+        motley_coordinator::catalog::declare(types).map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
     let fleet = Fleet::new(base, args.master_port_base, std::time::Duration::from_millis(args.plan_timeout_ms));
-    fleet.restores.configure(motley_coordinator::recovery::Settings {
+    let facts = Arc::new(Facts::default());
+    let settings = motley_coordinator::life::Settings {
         cloud_egress_mb_s: args.cloud_egress_mb_s,
         mode: match args.restore_mode {
             RestoreMode::Planned => motley_coordinator::restore_plan::Mode::Planned,
             RestoreMode::CloudOnly => motley_coordinator::restore_plan::Mode::CloudOnly,
         },
-    });
+    };
+    let life = Life::new(store.clone(), fleet.clone(), facts.clone(), settings);
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("--listen: cannot bind {}", args.listen))?;
     let addr = listener.local_addr()?;
     let grpc = tokio::net::TcpListener::bind(args.grpc_listen)
@@ -227,7 +241,7 @@ async fn main() -> anyhow::Result<()> {
     // The leader's tasks, handed to the supervisor below once leadership is won.
     let (led, leading) = tokio::sync::oneshot::channel();
     let mut contender = {
-        let (store, fleet) = (store.clone(), fleet.clone());
+        let (store, fleet, life) = (store.clone(), fleet.clone(), life.clone());
         Contender {
             store: store.clone(),
             lock: leader::lock_for(&url, base),
@@ -237,11 +251,11 @@ async fn main() -> anyhow::Result<()> {
             on_lead: Some(move |_term| {
                 let (lost, lost_nodes) = tokio::sync::mpsc::unbounded_channel();
                 let _ = led.send(vec![
-                    ("lease clock", tokio::spawn(motley_coordinator::lifecycle::lease_clock(fleet.clone(), lost))),
-                    ("lease watcher", tokio::spawn(motley_coordinator::lifecycle::watch(store.clone(), fleet.clone(), lost_nodes))),
-                    ("job queue", tokio::spawn(motley_coordinator::scheduler::run(store.clone(), fleet.clone()))),
-                    ("recovery", tokio::spawn(motley_coordinator::recovery::run(store.clone(), fleet.clone()))),
-                    ("takeover", tokio::spawn(takeover::resume(store, fleet))),
+                    ("lease clock", tokio::spawn(motley_coordinator::life::lease_clock(fleet.clone(), lost))),
+                    ("lease watcher", tokio::spawn(motley_coordinator::life::watch(life.clone(), lost_nodes))),
+                    ("job queue", tokio::spawn(motley_coordinator::life::queue::run(life.clone()))),
+                    ("recovery", tokio::spawn(motley_coordinator::life::recoveries(life.clone()))),
+                    ("takeover", tokio::spawn(motley_coordinator::life::takeover::resume(life))),
                 ]);
             }),
         }
@@ -265,8 +279,8 @@ async fn main() -> anyhow::Result<()> {
     let _ = out.flush();
     drop(out);
     let metrics = Metrics::new(store.clone(), fleet.clone(), role.clone());
-    let agents = AgentService { store: store.clone(), fleet: fleet.clone(), tokens: tokens.clone(), role: role.clone() };
-    let control = ControlService { store: store.clone(), fleet: fleet.clone(), role: role.clone(), tokens: tokens.clone() };
+    let agents = AgentService { store: store.clone(), fleet: fleet.clone(), facts, tokens: tokens.clone(), role: role.clone() };
+    let control = ControlService { store: store.clone(), fleet: fleet.clone(), life: life.clone(), role: role.clone(), tokens: tokens.clone() };
     // Agents and the control API share the gRPC port.
     let grpc_server = async move {
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
@@ -281,7 +295,7 @@ async fn main() -> anyhow::Result<()> {
         server.add_service(AgentServer::new(agents)).add_service(ControlServer::new(control)).serve_with_incoming(incoming).await
     };
     let lead = contender.run();
-    let app = router(AppState { store: store.clone(), fleet, tokens, role, metrics, agent_roots });
+    let app = router(AppState { store: store.clone(), fleet, life, tokens, role, metrics, agent_roots });
     let rest = async move {
         match rest_tls {
             Some(config) => {

@@ -3,7 +3,7 @@
 //!
 //! A profile is keyed by (GPU type, model hash, tp, micro-batch, sequence length, data type)
 //! and, in the store, the torch version that measured it. Before a queued job is planned
-//! (`control::plan_job`), `prepare` looks up the stored profiles of its model and, for every
+//! (`planning::plan_job`), `prepare` looks up the stored profiles of its model and, for every
 //! (GPU type, tp, micro-batch) the planner's search would price on the GPUs offered, sends a
 //! `Profile` instruction to a live agent that can profile (it registered `can_profile`) and has
 //! `tp` free GPUs of that type, one run per node at a time. The job waits while runs are out;
@@ -11,12 +11,10 @@
 //! long, and the job is planned with the roofline for that key (`profiling.mode: auto`) or
 //! fails with the reason (`only`).
 //!
-//! Durable: the profiles (`layer_profiles`). In memory only (lost with the leader; a new
-//! leader asks again): the requests out and the failures remembered.
+//! Durable: the profiles (`layer_profiles`) and the runs (`profile_runs`): a new leader knows
+//! the runs out, takes their reports, and remembers the failures (docs/state.md).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use motley_proto::v1::{instruction, Instruction, Profile};
@@ -24,12 +22,11 @@ use motley_solver::hardware::NodeSpec;
 use motley_solver::profile::LayerProfile;
 use motley_solver::{Model, ModelSpec, PlanOptions, ProfileSet, SearchMode};
 use sha2::{Digest, Sha256};
-use tokio::time::Instant;
 
 use crate::error::{CoordinatorError, Result};
 use crate::fleet::Fleet;
 use crate::jobspec::{JobSpec, ProfilingMode};
-use crate::store::{NewProfile, ProfileRecord, Store};
+use crate::store::{NewProfile, ProfileRecord, RunKey, Store};
 
 /// A profile run may take this many base intervals before it counts as failed (the agent is
 /// told the same, less a margin for the report); a failure is remembered for as long.
@@ -96,187 +93,84 @@ pub struct ProfileKey {
     pub dtype: String,
 }
 
-impl ProfileKey {
-    /// The same measurement (GPU type names match in any case).
-    fn same(&self, other: &ProfileKey) -> bool {
-        self.gpu.eq_ignore_ascii_case(&other.gpu)
-            && (&self.model_hash, self.tp, self.micro_batch, self.seq_len, &self.dtype)
-                == (&other.model_hash, other.tp, other.micro_batch, other.seq_len, &other.dtype)
-    }
-}
-
 impl std::fmt::Display for ProfileKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} tp {} micro-batch {} (seq {}, {})", self.gpu, self.tp, self.micro_batch, self.seq_len, self.dtype)
     }
 }
 
-/// Where a profile run stands.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "snake_case", tag = "state")]
-pub enum RunState {
-    Running,
-    Stored { profile: i64 },
-    Failed { reason: String },
-}
-
-/// One profile run sent to an agent.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
-pub struct ProfileRun {
-    pub request: i64,
-    pub gpu: String,
-    pub model: String,
-    pub model_hash: String,
-    pub tp: u32,
-    pub micro_batch: u32,
-    pub seq_len: u64,
-    pub dtype: String,
-    pub node: String,
-    pub gpus: Vec<u32>,
-    #[serde(flatten)]
-    pub state: RunState,
-    /// Seconds since it was sent.
-    pub age_s: f64,
-    #[serde(skip)]
-    #[schema(ignore)]
-    started: Option<Instant>,
-    #[serde(skip)]
-    #[schema(ignore)]
-    ended: Option<Instant>,
-}
-
-impl ProfileRun {
-    fn key(&self) -> ProfileKey {
-        ProfileKey {
-            gpu: self.gpu.clone(),
-            model_hash: self.model_hash.clone(),
-            tp: self.tp,
-            micro_batch: self.micro_batch,
-            seq_len: self.seq_len,
-            dtype: self.dtype.clone(),
-        }
-    }
-}
-
-/// The runs this leader sent, by request number (numbers start at the wall clock's ms, so a
-/// report for an earlier leader's run is never taken for one of this leader's).
-pub struct Runs {
-    next: AtomicI64,
-    runs: Mutex<HashMap<i64, ProfileRun>>,
-}
-
-impl Default for Runs {
-    fn default() -> Self {
-        Runs { next: AtomicI64::new(crate::store::now_ms()), runs: Mutex::default() }
-    }
-}
-
-impl Runs {
-    fn runs(&self) -> std::sync::MutexGuard<'_, HashMap<i64, ProfileRun>> {
-        self.runs.lock().expect("profile runs lock")
-    }
-
-    /// Every run, newest first, with its age.
-    pub fn list(&self) -> Vec<ProfileRun> {
-        let mut out: Vec<ProfileRun> = self.runs().values().cloned().collect();
-        for r in &mut out {
-            r.age_s = r.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
-        }
-        out.sort_by_key(|r| std::cmp::Reverse(r.request));
-        out
-    }
-
-    pub fn get(&self, request: i64) -> Option<ProfileRun> {
-        let mut run = self.runs().get(&request).cloned()?;
-        run.age_s = run.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
-        Some(run)
-    }
-
-    /// The newest run of a key.
-    fn latest(&self, key: &ProfileKey) -> Option<ProfileRun> {
-        self.runs().values().filter(|r| r.key().same(key)).max_by_key(|r| r.request).cloned()
-    }
-
-    /// The GPUs of the runs going on now (no job may be placed on them meanwhile).
-    pub fn gpus_in_use(&self) -> Vec<(String, u32)> {
-        self.runs().values().filter(|r| r.state == RunState::Running).flat_map(|r| r.gpus.iter().map(|g| (r.node.clone(), *g))).collect()
-    }
-
-    fn busy(&self, node: &str) -> bool {
-        self.runs().values().any(|r| r.node == node && r.state == RunState::Running)
-    }
-
-    fn finish(&self, request: i64, state: RunState) -> Option<ProfileRun> {
-        let mut runs = self.runs();
-        let run = runs.get_mut(&request)?;
-        if run.state == RunState::Running {
-            run.state = state;
-            run.ended = Some(Instant::now());
-        }
-        Some(run.clone())
-    }
-
-    /// Runs out longer than `limit` fail; ended runs older than `limit` are forgotten (a failed
-    /// key is tried again after that).
-    pub fn expire(&self, limit: Duration) {
-        let mut runs = self.runs();
-        for r in runs.values_mut() {
-            if r.state == RunState::Running && r.started.is_some_and(|s| s.elapsed() > limit) {
-                r.state = RunState::Failed { reason: format!("no result from node {} within {} s", r.node, limit.as_secs()) };
-                r.ended = Some(Instant::now());
-            }
-        }
-        runs.retain(|_, r| r.ended.is_none_or(|e| e.elapsed() <= limit));
-    }
-}
+pub use crate::store::{ProfileRun, RunState};
 
 /// How long a run may take, and a failure is remembered.
 pub fn run_limit(fleet: &Fleet) -> Duration {
     fleet.base * PROFILE_INTERVALS
 }
 
-/// Ask a node's agent to measure `key` on `gpus`; the run's request number.
-pub fn send_run(fleet: &Fleet, node: &str, gpus: Vec<u32>, model: &ModelSpec, key: &ProfileKey, gpu_name: &str) -> Result<i64> {
+impl ProfileKey {
+    fn as_run_key(&self) -> RunKey<'_> {
+        RunKey {
+            gpu: &self.gpu,
+            model_hash: &self.model_hash,
+            tp: self.tp,
+            micro_batch: self.micro_batch,
+            seq_len: self.seq_len,
+            dtype: &self.dtype,
+        }
+    }
+}
+
+/// Ask a node's agent to measure `key` on `gpus`: the run, recorded (durably) before it is sent.
+pub async fn send_run(
+    store: &Store,
+    fleet: &Fleet,
+    node: &str,
+    gpus: Vec<u32>,
+    model: &ModelSpec,
+    key: &ProfileKey,
+    gpu_name: &str,
+) -> Result<ProfileRun> {
     if !fleet.can_profile(node) {
         return Err(CoordinatorError::Conflict(format!(
             "node {node} has no live agent that can profile (start its agent with --python, a Python with motley_torch and torch)"
         )));
     }
-    let request = fleet.profile_runs.next.fetch_add(1, Ordering::SeqCst);
     let limit = run_limit(fleet);
     let timeout_s = (limit.as_secs().saturating_sub(fleet.base.as_secs() * 10)).clamp(1, u32::MAX as u64) as u32;
+    let run_key = RunKey { gpu: gpu_name, ..key.as_run_key() };
+    let run = store.start_profile_run(&run_key, &model.name, node, &gpus).await?;
     let profile = Profile {
-        request,
+        request: run.request,
         gpu: gpu_name.to_string(),
         model_json: profiler_model_json(model),
         tp: key.tp,
         micro_batch: key.micro_batch,
         seq_len: key.seq_len,
         dtype: key.dtype.clone(),
-        gpus: gpus.clone(),
+        gpus,
         timeout_s,
     };
-    let run = ProfileRun {
-        request,
-        gpu: gpu_name.to_string(),
-        model: model.name.clone(),
-        model_hash: key.model_hash.clone(),
-        tp: key.tp,
-        micro_batch: key.micro_batch,
-        seq_len: key.seq_len,
-        dtype: key.dtype.clone(),
-        node: node.to_string(),
-        gpus,
-        state: RunState::Running,
-        age_s: 0.0,
-        started: Some(Instant::now()),
-        ended: None,
-    };
-    fleet.profile_runs.runs().insert(request, run);
     if !fleet.send(node, Instruction { kind: Some(instruction::Kind::Profile(profile)) }) {
-        fleet.profile_runs.finish(request, RunState::Failed { reason: format!("node {node}'s agent has no open heartbeat stream") });
+        let failed = RunState::Failed { reason: format!("node {node}'s agent has no open heartbeat stream") };
+        return Ok(store.finish_profile_run(run.request, &failed).await?.unwrap_or(run));
     }
-    Ok(request)
+    Ok(run)
+}
+
+/// Every run kept, newest first (runs out too long fail first; old ended ones are forgotten).
+pub async fn runs(store: &Store, fleet: &Fleet) -> Result<Vec<ProfileRun>> {
+    store.expire_profile_runs(run_limit(fleet).as_millis() as i64).await?;
+    store.profile_runs().await
+}
+
+/// One run kept.
+pub async fn run(store: &Store, fleet: &Fleet, request: i64) -> Result<Option<ProfileRun>> {
+    store.expire_profile_runs(run_limit(fleet).as_millis() as i64).await?;
+    store.profile_run(request).await
+}
+
+/// The GPUs of the runs going on now (no job may be placed on them meanwhile).
+pub async fn gpus_in_use(store: &Store) -> Result<Vec<(String, u32)>> {
+    Ok(store.running_profile_runs().await?.into_iter().flat_map(|r| r.gpus.into_iter().map(move |g| (r.node.clone(), g))).collect())
 }
 
 /// What the planner may use for a job, or why it waits.
@@ -327,8 +221,9 @@ pub async fn prepare(store: &Store, fleet: &Fleet, job: i64, spec: &JobSpec, off
         e.1 = e.1.max(node.gpus);
     }
     let (mut out, mut without, mut sent) = (vec![], vec![], vec![]);
-    let limit = run_limit(fleet);
-    fleet.profile_runs.expire(limit);
+    store.expire_profile_runs(run_limit(fleet).as_millis() as i64).await?;
+    let running = store.running_profile_runs().await?;
+    let busy = |node: &str| running.iter().any(|r| r.node == node);
     for (gpu_name, per_node) in per_type.values() {
         for (tp, micro_batch) in wanted_configs(&model, &opts, mode, *per_node) {
             if profiles.lookup(gpu_name, tp, micro_batch).is_some() {
@@ -342,7 +237,7 @@ pub async fn prepare(store: &Store, fleet: &Fleet, job: i64, spec: &JobSpec, off
                 seq_len: model.seq_len,
                 dtype: dtype.clone(),
             };
-            match fleet.profile_runs.latest(&key).map(|r| (r.state.clone(), r)) {
+            match store.latest_profile_run(&key.as_run_key()).await?.map(|r| (r.state.clone(), r)) {
                 Some((RunState::Running, r)) => out.push(format!("{key} on node {} (request {})", r.node, r.request)),
                 Some((RunState::Failed { reason }, _)) => without.push((key, reason)),
                 // Stored since this pass read the store: the next pass plans with it.
@@ -352,13 +247,13 @@ pub async fn prepare(store: &Store, fleet: &Fleet, job: i64, spec: &JobSpec, off
                         n.gpu.eq_ignore_ascii_case(gpu_name)
                             && free.len() >= tp as usize
                             && fleet.can_profile(&n.name)
-                            && !fleet.profile_runs.busy(&n.name)
+                            && !busy(&n.name)
                     });
                     match node {
                         Some((n, free)) => {
                             let gpus = free[..tp as usize].to_vec();
-                            let request = send_run(fleet, &n.name, gpus, &model.spec, &key, gpu_name)?;
-                            sent.push(format!("{key} on node {} (request {request})", n.name));
+                            let run = send_run(store, fleet, &n.name, gpus, &model.spec, &key, gpu_name).await?;
+                            sent.push(format!("{key} on node {} (request {})", n.name, run.request));
                             out.push(format!("{key} on node {}", n.name));
                         }
                         None if offered.iter().any(|(n, free)| {
@@ -447,7 +342,7 @@ pub fn check_measured(report: &motley_solver::PlanReport, nodes: &[NodeSpec], pr
 /// failed. The node's GPU type must be the entry's; a run this leader sent must come back for
 /// its own model hash.
 pub async fn receive(store: &Store, fleet: &Fleet, node: &str, request: i64, entry_json: &str, error: &str) -> Result<()> {
-    let sent = fleet.profile_runs.get(request);
+    let sent = store.profile_run(request).await?;
     let outcome = match error.is_empty() {
         false => Err(error.to_string()),
         true => checked_entry(store, node, entry_json, sent.as_ref()).await,
@@ -464,7 +359,7 @@ pub async fn receive(store: &Store, fleet: &Fleet, node: &str, request: i64, ent
             RunState::Failed { reason }
         }
     };
-    fleet.profile_runs.finish(request, state);
+    store.finish_profile_run(request, &state).await?;
     fleet.kick_queue();
     Ok(())
 }
@@ -532,7 +427,8 @@ pub async fn run_now(store: &Store, fleet: &Fleet, req: &RunRequest) -> Result<P
     }
     // GPUs ranks hold (launched jobs' and any still running) are not profiled on.
     let mut held: Vec<(String, u32)> = store.held_gpus().await?.into_iter().map(|h| (h.node, h.gpu as u32)).collect();
-    held.extend(fleet.profile_runs.gpus_in_use());
+    let running = store.running_profile_runs().await?;
+    held.extend(running.iter().flat_map(|r| r.gpus.iter().map(|g| (r.node.clone(), *g))));
     let mut candidates = vec![];
     for n in store.nodes().await? {
         if req.node.as_ref().is_some_and(|want| *want != n.name) {
@@ -551,7 +447,7 @@ pub async fn run_now(store: &Store, fleet: &Fleet, req: &RunRequest) -> Result<P
         (None, None) => "a node".into(),
     };
     let ready = |(e, free): &&(NodeSpec, Vec<u32>)| {
-        fleet.can_profile(&e.name) && !fleet.profile_runs.busy(&e.name) && free.len() >= req.tp as usize
+        fleet.can_profile(&e.name) && !running.iter().any(|r| r.node == e.name) && free.len() >= req.tp as usize
     };
     let Some((entry, free)) = candidates.iter().find(ready) else {
         let why = if candidates.is_empty() {
@@ -573,8 +469,7 @@ pub async fn run_now(store: &Store, fleet: &Fleet, req: &RunRequest) -> Result<P
         seq_len: model.seq_len,
         dtype,
     };
-    let request = send_run(fleet, &entry.name, free[..req.tp as usize].to_vec(), &model.spec, &key, &entry.gpu)?;
-    fleet.profile_runs.get(request).ok_or_else(|| CoordinatorError::Conflict("the run was forgotten at once".into()))
+    send_run(store, fleet, &entry.name, free[..req.tp as usize].to_vec(), &model.spec, &key, &entry.gpu).await
 }
 
 /// A request to measure one profile now (REST `POST /api/v1/profiles/runs`).

@@ -16,7 +16,7 @@ mod checkpoints;
 mod profiles;
 mod recovery;
 pub use checkpoints::Holding;
-pub use profiles::{NewProfile, ProfileRecord};
+pub use profiles::{NewProfile, ProfileRecord, ProfileRun, RunKey, RunState};
 pub use recovery::{RecoveryCause, Spent};
 
 /// `sqlx::migrate!` embeds `migrations/` in the binary.

@@ -1,5 +1,5 @@
-//! Issue 13 "Credentials": an agent given `--tls-cert`/`--tls-key` serves rank logs over https
-//! and registers an https logs URL; the coordinator fetches them (`GET
+//! Credentials (README, "The running system"): an agent given `--tls-cert`/`--tls-key` serves
+//! rank logs over https and registers an https logs URL; the coordinator fetches them (`GET
 //! /api/v1/jobs/{id}/ranks/{rank}/logs`) with the agents' token, checking the agent's
 //! certificate against `--agent-ca-cert`; without that CA the fetch fails naming the flag. The
 //! agent's log service refuses the operators' token and no token. Where the test runs as root
@@ -197,6 +197,12 @@ fn the_coordinator_fetches_rank_logs_over_tls_with_the_agents_token() {
     let (status, body) = get(&format!("{rest}/api/v1/jobs/{id}/ranks/0/logs"), Some(OPERATOR_TOKEN), None);
     let uid = if root { "65534".to_string() } else { String::from_utf8(Command::new("id").arg("-u").output().unwrap().stdout).unwrap() };
     assert_eq!((status, body), (200, format!("{}\nhello-over-tls\n", uid.trim())), "fetched over https with the agent CA");
+    // Its tail: the last 16 bytes at most, from the start of a line (the dashboard's first read).
+    let (status, body) = get(&format!("{rest}/api/v1/jobs/{id}/ranks/0/logs?tail=16"), Some(OPERATOR_TOKEN), None);
+    assert_eq!((status, body.as_str()), (200, "hello-over-tls\n"), "the tail, whole lines only");
+    let (status, body) = get(&format!("{rest}/api/v1/jobs/{id}/ranks/0/logs?tail=16&offset=3"), Some(OPERATOR_TOKEN), None);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("tail or offset"), "{body}");
 
     // The agent's log service itself: https only, the agents' token only.
     let logs_url = until("the agent's logs URL", || {

@@ -601,3 +601,39 @@ conformance!(concurrent_recoveries_of_one_launch_spend_one_budget, |url: String|
     assert_eq!(recovering, 1);
     s.close().await;
 });
+
+conformance!(profile_runs_are_durable_and_a_new_leader_takes_them_over, |url: String| async move {
+    use motley_coordinator::store::{RunKey, RunState};
+    let s = Store::open(&url).await.unwrap();
+    let key = RunKey { gpu: "A100-80G", model_hash: "abc", tp: 2, micro_batch: 4, seq_len: 32, dtype: "fp32" };
+    let run = s.start_profile_run(&key, "tiny", "n0", &[3, 5]).await.unwrap();
+    assert_eq!((run.state.clone(), run.node.as_str(), run.gpus.clone()), (RunState::Running, "n0", vec![3, 5]));
+    let other = s.start_profile_run(&RunKey { micro_batch: 8, ..key }, "tiny", "n1", &[0]).await.unwrap();
+    assert!(other.request > run.request, "request numbers only grow");
+    s.close().await;
+    // A new leader (a restart, a failover) knows the runs out, their GPUs and their keys.
+    let s = Store::open(&url).await.unwrap();
+    let running: Vec<(String, Vec<u32>)> = s.running_profile_runs().await.unwrap().into_iter().map(|r| (r.node, r.gpus)).collect();
+    assert_eq!(running.len(), 2, "{running:?}");
+    assert!(running.contains(&("n0".to_string(), vec![3, 5])));
+    let latest = s.latest_profile_run(&RunKey { gpu: "a100-80g", ..key }).await.unwrap().expect("GPU type names match in any case");
+    assert_eq!(latest.request, run.request);
+    assert!(s.latest_profile_run(&RunKey { dtype: "bf16", ..key }).await.unwrap().is_none());
+    // Its report is taken once: a second report of the same run changes nothing.
+    let stored = s.finish_profile_run(run.request, &RunState::Stored { profile: 7 }).await.unwrap().unwrap();
+    assert_eq!(stored.state, RunState::Stored { profile: 7 });
+    let again = s.finish_profile_run(run.request, &RunState::Failed { reason: "late".into() }).await.unwrap().unwrap();
+    assert_eq!(again.state, RunState::Stored { profile: 7 });
+    assert_eq!(s.running_profile_runs().await.unwrap().len(), 1);
+    assert!(s.finish_profile_run(999, &RunState::Stored { profile: 1 }).await.unwrap().is_none(), "an unknown run");
+    // Runs out longer than the limit fail; ended runs older than it are forgotten.
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    s.expire_profile_runs(20).await.unwrap();
+    let late = s.profile_run(other.request).await.unwrap().unwrap();
+    assert!(matches!(&late.state, RunState::Failed { reason } if reason.contains("no result from node n1")), "{late:?}");
+    assert!(s.profile_run(run.request).await.unwrap().is_none(), "ended 30 ms ago, kept 20 ms");
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    s.expire_profile_runs(20).await.unwrap();
+    assert!(s.profile_runs().await.unwrap().is_empty());
+    s.close().await;
+});

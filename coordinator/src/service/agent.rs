@@ -1,13 +1,15 @@
 //! The agents' gRPC service (`motley.v1.Agent`): translates registrations and heartbeat streams
-//! into calls on the fleet (leases, outboxes), the store (rank reports) and the job life cycle,
-//! and their errors into statuses.
+//! into calls on the fleet (leases, outboxes), the store (rank reports, holdings), the facts
+//! agents tell (data planes, restore results) and profiling (its runs' reports), and their
+//! errors into statuses. It knows nothing of a job's life: the jobs whose ranks reported are
+//! handed to it through the fleet (`Fleet::reported`).
 //!
 //! One heartbeat stream is one agent session. Its reader never waits on the database: it
 //! renews the lease on receipt and acknowledges every `BARE_ACK_EVERY`th bare heartbeat at
 //! once (a bare heartbeat reports nothing; its ack only renews the ranks' dead-man lease, which
 //! runs 30 intervals, see agent/src/lease.rs); messages with rank
 //! reports (and a session's first message) go to the session's worker, which commits them in
-//! order, moves the jobs on, and acknowledges each once committed. A slow commit delays acks,
+//! order, hands their jobs to the job's life, and acknowledges each once committed. A slow commit delays acks,
 //! never the lease.
 
 use std::sync::Arc;
@@ -21,13 +23,14 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::control;
 use crate::error::CoordinatorError;
 use crate::fleet::{Fleet, Outbound, Refused};
-use crate::lifecycle;
 use crate::service::{status_of, Tokens};
 use crate::store::{Holding, NodeState, RankReport, Store};
 
 pub struct AgentService {
     pub store: Store,
     pub fleet: Arc<Fleet>,
+    /// Where what agents tell of their nodes and restores goes (`facts`), read by the job's life.
+    pub facts: Arc<crate::facts::Facts>,
     pub tokens: Tokens,
     /// Only the leader takes agents; a standby names the leader.
     pub role: Arc<crate::leader::Role>,
@@ -57,7 +60,7 @@ impl Agent for AgentService {
             .then(|| serde_json::from_str::<motley_solver::hardware::NodeSpec>(&r.inventory_json).ok())
             .flatten()
             .map(|n| n.rdma_domain.unwrap_or_else(|| "default".into()));
-        self.fleet.restores.set_node(
+        self.facts.set_node(
             &r.node,
             crate::restore_plan::NodeInfo {
                 data_url: r.data_url,
@@ -81,7 +84,7 @@ impl Agent for AgentService {
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(forward(out, tx));
         tokio::spawn(read(inbound, self.fleet.clone(), outbox.clone(), to_worker));
-        tokio::spawn(work_on(work, self.store.clone(), self.fleet.clone(), outbox));
+        tokio::spawn(work_on(work, self.store.clone(), self.fleet.clone(), self.facts.clone(), outbox));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
@@ -172,7 +175,13 @@ async fn read(
 
 /// The session's worker: the durable session check and the node's drain state on the first
 /// message, then each message's reports committed in order and acknowledged.
-async fn work_on(mut work: mpsc::UnboundedReceiver<AgentStatus>, store: Store, fleet: Arc<Fleet>, outbox: mpsc::UnboundedSender<Outbound>) {
+async fn work_on(
+    mut work: mpsc::UnboundedReceiver<AgentStatus>,
+    store: Store,
+    fleet: Arc<Fleet>,
+    facts: Arc<crate::facts::Facts>,
+    outbox: mpsc::UnboundedSender<Outbound>,
+) {
     let mut checked = false;
     while let Some(status) = work.recv().await {
         if !checked {
@@ -189,7 +198,7 @@ async fn work_on(mut work: mpsc::UnboundedReceiver<AgentStatus>, store: Store, f
                 let _ = outbox.send(Outbound::Instruction(Instruction { kind: Some(instruction::Kind::Drain(Drain { draining })) }));
             }
         }
-        if let Err(e) = apply(&store, &fleet, &outbox, &status).await {
+        if let Err(e) = apply(&store, &fleet, &facts, &outbox, &status).await {
             tracing::warn!(node = %status.node, "rank report: {e}");
             // Close the stream: the agent reconnects and reports everything again.
             let _ = outbox.send(Outbound::Refuse(e));
@@ -205,6 +214,7 @@ async fn work_on(mut work: mpsc::UnboundedReceiver<AgentStatus>, store: Store, f
 async fn apply(
     store: &Store,
     fleet: &Fleet,
+    facts: &crate::facts::Facts,
     outbox: &mpsc::UnboundedSender<Outbound>,
     status: &AgentStatus,
 ) -> Result<(), CoordinatorError> {
@@ -270,7 +280,7 @@ async fn apply(
         crate::profiling::receive(store, fleet, &status.node, p.request, &p.profile_json, &p.error).await?;
     }
     for r in &status.restores {
-        fleet.restores.reported(&status.node, r.clone());
+        facts.restored(&status.node, r.clone());
     }
     if status.full {
         // A launch queued on the session before this one may never have reached the agent:
@@ -279,13 +289,7 @@ async fn apply(
         let known: Vec<(i64, i64, i64)> = status.ranks.iter().map(|r| (r.job, r.generation, r.rank)).collect();
         jobs.extend(store.lose_unknown_ranks(&status.node, status.epoch, &known).await?);
     }
-    jobs.sort_unstable();
-    jobs.dedup();
-    for j in jobs {
-        if let Err(e) = lifecycle::progress(store, fleet, j).await {
-            // The job queue looks at every launched job again on its next pass.
-            tracing::warn!(job = j, "progress: {e}");
-        }
-    }
+    // The job's life moves them on (`life::watch`); this session only tells it which.
+    fleet.reported(&jobs);
     Ok(())
 }

@@ -21,6 +21,7 @@ use crate::store::{Event, JobRecord, NodeRecord, RankAssignment, RankRecord, Sto
 pub struct ControlService {
     pub store: Store,
     pub fleet: Arc<Fleet>,
+    pub life: Arc<crate::life::Life>,
     pub role: Arc<Role>,
     /// The operators' token every call must carry (the agents' is refused).
     pub tokens: Tokens,
@@ -197,11 +198,8 @@ impl Control for ControlService {
     async fn get_profile_run(&self, req: Request<pb::ProfileRunRef>) -> Reply<pb::ProfileRun> {
         self.admit(&req)?;
         let request = req.into_inner().request;
-        self.fleet.profile_runs.expire(crate::profiling::run_limit(&self.fleet));
-        let run = self.fleet.profile_runs.get(request).ok_or_else(|| {
-            status_of(crate::CoordinatorError::not_found(format!(
-                "profile run {request} (runs are kept in the leader's memory for a while)"
-            )))
+        let run = crate::profiling::run(&self.store, &self.fleet, request).await.map_err(status_of)?.ok_or_else(|| {
+            status_of(crate::CoordinatorError::not_found(format!("profile run {request} (ended runs are kept for a while: motley profile runs)")))
         })?;
         Ok(Response::new(profile_run(run)))
     }
@@ -221,13 +219,13 @@ impl Control for ControlService {
         self.admit(&req)?;
         let req = req.into_inner();
         let deadline = control::drain_deadline(req.deadline_s).map_err(status_of)?;
-        let n = control::set_draining(&self.store, &self.fleet, &req.name, true, deadline).await.map_err(status_of)?;
+        let n = control::set_draining(&self.life, &req.name, true, deadline).await.map_err(status_of)?;
         Ok(Response::new(self.node(n)))
     }
 
     async fn undrain_node(&self, req: Request<pb::NodeRef>) -> Reply<pb::Node> {
         self.admit(&req)?;
-        let n = control::set_draining(&self.store, &self.fleet, &req.into_inner().name, false, None).await.map_err(status_of)?;
+        let n = control::set_draining(&self.life, &req.into_inner().name, false, None).await.map_err(status_of)?;
         Ok(Response::new(self.node(n)))
     }
 
@@ -240,12 +238,12 @@ impl Control for ControlService {
     async fn list_jobs(&self, req: Request<pb::ListJobsRequest>) -> Reply<pb::JobList> {
         self.admit(&req)?;
         let jobs = self.store.jobs().await.map_err(status_of)?;
-        Ok(Response::new(pb::JobList { jobs: jobs.into_iter().map(|j| job(self.fleet.annotate(j))).collect() }))
+        Ok(Response::new(pb::JobList { jobs: jobs.into_iter().map(|j| job(self.life.annotate(j))).collect() }))
     }
 
     async fn get_job(&self, req: Request<pb::JobRef>) -> Reply<pb::Job> {
         self.admit(&req)?;
-        Ok(Response::new(job(self.fleet.annotate(self.store.job(req.into_inner().id).await.map_err(status_of)?))))
+        Ok(Response::new(job(self.life.annotate(self.store.job(req.into_inner().id).await.map_err(status_of)?))))
     }
 
     type WatchJobStream = ReceiverStream<Result<pb::Event, Status>>;

@@ -24,23 +24,7 @@ pub fn status_of(e: CoordinatorError) -> Status {
     status
 }
 
-/// The credential of an `Authorization` header value: `Bearer TOKEN`, the scheme in any case
-/// (RFC 9110 makes auth schemes case-insensitive).
-pub fn bearer(header: &str) -> Option<&str> {
-    let (scheme, token) = header.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-}
-
-/// Equal in time that depends on the lengths only, not on where the first difference is (a
-/// token compared byte by byte with an early exit leaks its prefix to a patient caller).
-pub fn same_secret(given: &str, expected: &str) -> bool {
-    let (a, b) = (given.as_bytes(), expected.as_bytes());
-    let mut diff = a.len() ^ b.len();
-    for i in 0..a.len().max(b.len()) {
-        diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0));
-    }
-    diff == 0
-}
+pub use motley_contract::auth::{bearer, same_secret};
 
 /// The two credentials: operators' (the control API) and agents' (the agent service and the
 /// agents' log service). Either is None only with `--insecure`.
@@ -80,21 +64,6 @@ impl Tokens {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_bearer_scheme_is_case_insensitive() {
-        assert_eq!(bearer("Bearer abc"), Some("abc"));
-        assert_eq!(bearer("bearer abc"), Some("abc"));
-        assert_eq!(bearer("BEARER abc"), Some("abc"));
-        assert_eq!(bearer("Basic abc"), None);
-        assert_eq!(bearer("Bearerabc"), None);
-    }
-
-    #[test]
-    fn secrets_compare_whole() {
-        assert!(same_secret("abc", "abc"));
-        assert!(!same_secret("abd", "abc") && !same_secret("ab", "abc") && !same_secret("abcd", "abc") && !same_secret("", "abc"));
-    }
 
     #[test]
     fn each_token_opens_its_own_door_only() {

@@ -61,13 +61,18 @@ pub struct EventsQuery {
     after: i64,
 }
 
-/// `?offset=BYTE&generation=G`
+/// `?offset=BYTE&generation=G`, or `?tail=BYTES&generation=G`
 #[derive(Deserialize)]
 pub struct LogsQuery {
     #[serde(default)]
     offset: u64,
+    /// The log's last BYTES at most, from the start of a line (instead of `offset`).
+    tail: Option<u64>,
     generation: Option<i64>,
 }
+
+/// The response header that says where the next read of a log starts (`?offset=`).
+pub const LOG_NEXT_HEADER: &str = "x-motley-log-next";
 
 /// A query string that does not read names the parameter (serde's message does).
 pub(super) fn bad_query(r: QueryRejection) -> CoordinatorError {
@@ -77,7 +82,7 @@ pub(super) fn bad_query(r: QueryRejection) -> CoordinatorError {
 
 #[utoipa::path(get, path = "/api/v1/jobs", tag = "jobs", responses((status = 200, body = [JobView])))]
 pub async fn list(State(s): State<AppState>) -> ApiResult<Vec<JobView>> {
-    Ok(Json(s.store.jobs().await?.into_iter().map(|j| view(s.fleet.annotate(j))).collect()))
+    Ok(Json(s.store.jobs().await?.into_iter().map(|j| view(s.life.annotate(j))).collect()))
 }
 
 /// The body is the job file (YAML or JSON). Planning starts in the background; watch the
@@ -93,7 +98,7 @@ pub async fn submit(State(s): State<AppState>, body: Bytes) -> Result<(StatusCod
 #[utoipa::path(get, path = "/api/v1/jobs/{id}", tag = "jobs",
     responses((status = 200, body = JobView), (status = 404, body = super::ErrorBody)))]
 pub async fn get(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<JobView> {
-    Ok(Json(view(s.fleet.annotate(s.store.job(parse_id("id", &id)?).await?))))
+    Ok(Json(view(s.life.annotate(s.store.job(parse_id("id", &id)?).await?))))
 }
 
 #[utoipa::path(post, path = "/api/v1/jobs/{id}/cancel", tag = "jobs",
@@ -144,24 +149,41 @@ pub async fn dry_run(State(s): State<AppState>, body: Bytes) -> ApiResult<DryRun
     Ok(Json(DryRunView { plan: serde_json::to_value(report).expect("a plan serialises"), ranks }))
 }
 
-/// A rank's output from byte `?offset=N` (default 0), fetched from its node's agent;
-/// `?generation=G` picks an older launch (default: the current one).
+/// A rank's output from byte `?offset=N` (default 0), or its last `?tail=N` bytes at most
+/// (from the start of a line; at most 4 MiB), fetched from its node's agent; `?generation=G`
+/// picks an older launch (default: the current one). The header `x-motley-log-next` says the
+/// offset to read on from.
 #[utoipa::path(get, path = "/api/v1/jobs/{id}/ranks/{rank}/logs", tag = "jobs",
-    params(("offset" = Option<i64>, Query, description = "first byte"), ("generation" = Option<i64>, Query, description = "launch (default: current)")),
+    params(("offset" = Option<i64>, Query, description = "first byte"),
+        ("tail" = Option<i64>, Query, description = "the last bytes at most, from a line's start (instead of offset)"),
+        ("generation" = Option<i64>, Query, description = "launch (default: current)")),
     responses((status = 200, body = String, content_type = "text/plain"), (status = 404, body = super::ErrorBody), (status = 503, body = super::ErrorBody)))]
 pub async fn logs(
     State(s): State<AppState>,
     Path((id, rank)): Path<(String, String)>,
     query: Result<Query<LogsQuery>, QueryRejection>,
-) -> Result<Vec<u8>, CoordinatorError> {
+) -> Result<Response, CoordinatorError> {
     let (id, rank) = (parse_id("id", &id)?, parse_id("rank", &rank)?);
     let Query(q) = query.map_err(bad_query)?;
+    if q.tail.is_some() && q.offset > 0 {
+        return Err(CoordinatorError::invalid("query: tail", "give tail or offset, not both"));
+    }
     let job = s.store.job(id).await?;
     let (generation, offset) = (q.generation.unwrap_or(job.generation), q.offset);
     let log = rank_logs::locate(&s.store, &s.fleet, &access(&s), id, generation, rank).await?;
-    tokio::task::spawn_blocking(move || log.chunk(offset).map(|(bytes, _)| bytes))
-        .await
-        .map_err(|e| CoordinatorError::Unavailable(format!("log fetch: {e}")))?
+    let (bytes, next) = tokio::task::spawn_blocking(move || match q.tail {
+        Some(tail) => log.tail(tail.min(rank_logs::LOG_CHUNK)).map(|(bytes, skipped)| {
+            let next = skipped + bytes.len() as u64;
+            (bytes, next)
+        }),
+        None => log.chunk(offset).map(|(bytes, _)| {
+            let next = offset + bytes.len() as u64;
+            (bytes, next)
+        }),
+    })
+    .await
+    .map_err(|e| CoordinatorError::Unavailable(format!("log fetch: {e}")))??;
+    Ok(([(LOG_NEXT_HEADER, next.to_string())], bytes).into_response())
 }
 
 /// How the coordinator fetches from agents: the agents' token (the agent's log service must

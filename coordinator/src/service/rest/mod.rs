@@ -26,6 +26,8 @@ use crate::store::Store;
 pub struct AppState {
     pub store: Store,
     pub fleet: std::sync::Arc<crate::fleet::Fleet>,
+    /// The job controller (drains, queued jobs' reasons).
+    pub life: std::sync::Arc<crate::life::Life>,
     /// The operators' token the control API requires (and the agents', for their log service).
     pub tokens: crate::service::Tokens,
     pub role: std::sync::Arc<crate::leader::Role>,

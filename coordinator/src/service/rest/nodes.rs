@@ -78,11 +78,11 @@ pub async fn drain(
     query: Result<Query<DrainQuery>, QueryRejection>,
 ) -> ApiResult<NodeView> {
     let deadline = control::drain_deadline(query.map_err(super::jobs::bad_query)?.deadline_s)?;
-    Ok(Json(view(control::set_draining(&s.store, &s.fleet, &name, true, deadline).await?, &s)))
+    Ok(Json(view(control::set_draining(&s.life, &name, true, deadline).await?, &s)))
 }
 
 #[utoipa::path(post, path = "/api/v1/nodes/{name}/undrain", tag = "nodes",
     responses((status = 200, body = NodeView), (status = 404, body = super::ErrorBody)))]
 pub async fn undrain(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<NodeView> {
-    Ok(Json(view(control::set_draining(&s.store, &s.fleet, &name, false, None).await?, &s)))
+    Ok(Json(view(control::set_draining(&s.life, &name, false, None).await?, &s)))
 }

@@ -37,18 +37,17 @@ pub async fn run(State(s): State<AppState>, body: axum::body::Bytes) -> Result<(
     Ok((StatusCode::ACCEPTED, Json(crate::profiling::run_now(&s.store, &s.fleet, &req).await?)))
 }
 
-/// The runs this leader sent (in memory: a new leader starts with none), newest first.
+/// The runs sent to agents (durable: a new leader knows them; ended ones are kept for a
+/// while), newest first.
 #[utoipa::path(get, path = "/api/v1/profiles/runs", tag = "profiles", responses((status = 200, body = [ProfileRun])))]
 pub async fn runs(State(s): State<AppState>) -> ApiResult<Vec<ProfileRun>> {
-    s.fleet.profile_runs.expire(crate::profiling::run_limit(&s.fleet));
-    Ok(Json(s.fleet.profile_runs.list()))
+    Ok(Json(crate::profiling::runs(&s.store, &s.fleet).await?))
 }
 
 #[utoipa::path(get, path = "/api/v1/profiles/runs/{request}", tag = "profiles",
     responses((status = 200, body = ProfileRun), (status = 404, body = super::ErrorBody)))]
 pub async fn run_state(State(s): State<AppState>, Path(request): Path<i64>) -> ApiResult<ProfileRun> {
-    s.fleet.profile_runs.expire(crate::profiling::run_limit(&s.fleet));
-    s.fleet.profile_runs.get(request).map(Json).ok_or_else(|| {
-        crate::CoordinatorError::not_found(format!("profile run {request} (runs are kept in the leader's memory for a while)"))
+    crate::profiling::run(&s.store, &s.fleet, request).await?.map(Json).ok_or_else(|| {
+        crate::CoordinatorError::not_found(format!("profile run {request} (ended runs are kept for a while: motley profile runs)"))
     })
 }

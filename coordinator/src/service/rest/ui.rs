@@ -1,4 +1,4 @@
-//! The dashboard (issue 16): a page at `/` and its assets at `/ui/...`, embedded in the binary
+//! The dashboard (README "Dashboard"): a page at `/` and its assets at `/ui/...`, embedded in the binary
 //! (no separate web server, no CDN: the machines reach no internet), plain HTML, CSS and
 //! JavaScript modules with no build step. The page itself is public, like the OpenAPI
 //! document; everything it shows comes from the control API with the operators' token (asked

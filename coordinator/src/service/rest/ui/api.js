@@ -17,16 +17,21 @@ export function setToken(t) {
 }
 
 /**
- * One call of `/api/v1${path}`: the parsed JSON (or the text with `{text: true}`).
+ * One call of `/api/v1${path}`: the parsed JSON (or the text with `{text: true}`); with
+ * `{headers: true}`, `{text, headers}` (the body so read, and the response's headers).
  * @param {string} path
- * @param {{method?: string, text?: boolean}} [opts]
+ * @param {{method?: string, text?: boolean, headers?: boolean}} [opts]
  */
 export async function api(path, opts = {}) {
   const headers = {};
   const t = token();
   if (t) headers.Authorization = `Bearer ${t}`;
   const res = await fetch(`/api/v1${path}`, { method: opts.method || 'GET', headers, cache: 'no-store' });
-  if (res.ok) return opts.text ? res.text() : res.json();
+  if (res.ok) {
+    const body = await (opts.text ? res.text() : res.json());
+    // With `headers: true`, the body and the response's headers.
+    return opts.headers ? { text: body, headers: res.headers } : body;
+  }
   const body = await res.json().catch(() => ({}));
   const message = body.error || `${res.status} ${res.statusText}`;
   if (res.status === 401 || res.status === 403) throw new AuthError(message);

@@ -238,10 +238,14 @@ function jobPage(view, id) {
   const pollLog = async (rank, generation) => {
     const l = logs.get(rank);
     if (!l || !l.open) return;
-    if (l.generation !== generation) Object.assign(l, { text: '', offset: 0, generation });
+    if (l.generation !== generation) Object.assign(l, { text: '', offset: null, generation });
     try {
-      const chunk = await api(`/jobs/${id}/ranks/${rank}/logs?offset=${l.offset}&generation=${generation}`, { text: true });
-      l.offset += new TextEncoder().encode(chunk).length;
+      // The first read takes the log's tail (a long log is never read from its start); the
+      // next ones read on from where it ended.
+      const from = l.offset === null || l.offset === undefined ? `tail=${LOG_KEEP}` : `offset=${l.offset}`;
+      const { text: chunk, headers } = await api(`/jobs/${id}/ranks/${rank}/logs?${from}&generation=${generation}`, { text: true, headers: true });
+      const next = Number(headers.get('x-motley-log-next'));
+      l.offset = Number.isFinite(next) && headers.has('x-motley-log-next') ? next : (l.offset || 0) + new TextEncoder().encode(chunk).length;
       l.text = (l.text + chunk).slice(-LOG_KEEP);
       l.error = null;
     } catch (e) {
@@ -264,7 +268,7 @@ function jobPage(view, id) {
           type: 'button', id: `log-toggle-${a.rank}`, 'aria-expanded': l.open ? 'true' : 'false',
           'aria-controls': `log-${a.rank}`,
           onclick: async () => {
-            logs.set(a.rank, { ...(logs.get(a.rank) || { text: '', offset: 0, generation }), open: !l.open });
+            logs.set(a.rank, { ...(logs.get(a.rank) || { text: '', offset: null, generation }), open: !l.open });
             await pollLog(a.rank, generation);
             drawRanks(list, generation);
           },

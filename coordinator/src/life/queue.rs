@@ -1,4 +1,4 @@
-//! The job queue. One task of the leader plans queued jobs (`submitted`, or `planning` when a
+//! The job queue: a queued job's step. One task of the leader plans queued jobs (`submitted`, or `planning` when a
 //! coordinator stopped mid-plan), one at a time and oldest first, onto the GPUs no rank holds,
 //! and sends each launch out. One task means two jobs are never planned onto the same free
 //! GPUs.
@@ -13,30 +13,29 @@
 //!   ones. The wait is recorded as a `waiting` event each time its reason changes.
 //! - A job none of whose nodes is live fails with that reason — except a job queued before this
 //!   term began (or before this process found it had been paused), during the next
-//!   `takeover::GRACE_INTERVALS`: it waits until every node it may use is back (agents are
+//!   `GRACE_INTERVALS`: it waits until every node it may use is back (agents are
 //!   still finding the leader).
 //! - A job that cannot be planned for any other reason than the database (a stored spec this
 //!   version cannot read) fails with the reason rather than blocking the queue.
 //! - A new launch is sent to its agents at once; one that could not be sent (or inherited from
-//!   an earlier leader) is sent by `lifecycle::watch` once its nodes are live.
+//!   an earlier leader) is sent by `life::watch` once its nodes are live.
 //! - Planning has a deadline (`--plan-timeout-ms`, or the job file's `plan_timeout_s`): a job
 //!   whose plan takes longer fails with the reason. Dispatch, lease and launch timeouts and the
-//!   re-check of launched jobs run on `lifecycle::watch`, never behind a plan.
+//!   re-check of launched jobs run on `life::watch`, never behind a plan.
 //! - The queue is looked at on every submit, whenever a job ends, and every base interval.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::control::{self, Planned, Taken};
+use super::{Life, GRACE_INTERVALS};
 use crate::error::{CoordinatorError, Result};
-use crate::fleet::Fleet;
 use crate::job::JobState;
-use crate::lifecycle::dispatch;
-use crate::store::{JobRecord, Store};
+use crate::launch::send_out;
+use crate::planning::{self, Planned};
 
 /// Run the queue for as long as this coordinator leads (a deposed leader exits).
-pub async fn run(store: Store, fleet: Arc<Fleet>) {
+pub async fn run(life: Arc<Life>) {
+    let fleet = &life.fleet;
     let began = Instant::now();
     let began_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
     let mut tick = tokio::time::interval(fleet.base);
@@ -47,39 +46,41 @@ pub async fn run(store: Store, fleet: Arc<Fleet>) {
         }
         // Early in a term, or soon after this process was paused: agents may still be on their
         // way back, so a queued job whose nodes are not live waits rather than fails.
-        let grace = fleet.base * crate::takeover::GRACE_INTERVALS;
+        let grace = fleet.base * GRACE_INTERVALS;
         let settling = fleet.paused_within(grace).or((began.elapsed() < grace).then_some(began_ms));
-        if let Err(e) = schedule(&store, &fleet, settling).await {
+        if let Err(e) = schedule(&life, settling).await {
             tracing::warn!("job queue: {e}");
         }
     }
 }
 
 /// One pass over the queue. `settling`: early in a term that began at this time (ms).
-async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>) -> Result<()> {
+async fn schedule(life: &Life, settling: Option<i64>) -> Result<()> {
+    let (store, fleet) = (&life.store, &*life.fleet);
     let jobs = store.unfinished_jobs().await?;
     let queued: Vec<i64> = jobs.iter().filter(|j| matches!(j.state, JobState::Submitted | JobState::Planning)).map(|j| j.id).collect();
-    fleet.keep_waiting(&queued);
+    life.waiting.lock().expect("waiting lock").retain(|id, _| queued.contains(id));
     if queued.is_empty() {
         return Ok(()); // nothing to plan: no need to read who holds which GPU
     }
-    let mut taken = taken(store, fleet, &jobs).await?;
+    let mut taken = planning::taken(store, fleet, &jobs).await?;
     for job in jobs.iter().filter(|j| matches!(j.state, JobState::Submitted | JobState::Planning)) {
         let why = if settling.is_some_and(|t| job.created_at_ms < t) {
-            let missing = control::missing_nodes(store, fleet, job).await.unwrap_or_default();
+            let missing = planning::missing_nodes(store, fleet, job).await.unwrap_or_default();
             (!missing.is_empty()).then(|| format!("waiting for the agents of {} to register with the new leader", missing.join(", ")))
         } else {
             None
         };
         let why = match why {
             Some(why) => Some(why),
-            None => match control::plan_job(store, fleet, job.id, &taken).await {
+            None => match planning::plan_job(store, fleet, job.id, &taken).await {
                 Ok(Planned::Waiting(why)) => Some(why),
                 Ok(Planned::Failed(_)) => None,
                 Ok(Planned::Launched(j)) => {
                     for r in store.ranks(j.id, j.generation).await? {
                         taken.entry(r.assignment.node).or_default().insert(r.assignment.gpu as u32, j.id);
                     }
+                    life.note_launch(j.id, j.generation).await;
                     send_out(store, fleet, j.id, j.generation).await?;
                     None
                 }
@@ -95,48 +96,25 @@ async fn schedule(store: &Store, fleet: &Fleet, settling: Option<i64>) -> Result
             },
         };
         let waits = why.is_some();
-        if let Some(why) = why.filter(|w| fleet.set_waiting(job.id, Some(w.clone()))) {
+        if let Some(why) = why.filter(|w| life.set_waiting(job.id, Some(w.clone()))) {
             tracing::info!(job = job.id, "{why}");
             store.record_event(Some(job.id), None, "waiting", &why).await?;
         }
         if waits {
             break; // first come, first served
         }
-        fleet.set_waiting(job.id, None);
+        life.set_waiting(job.id, None);
     }
     Ok(())
 }
 
-/// Send a launch to its agents if all its nodes are live, once: claimed in the fleet first.
-pub(crate) async fn send_out(store: &Store, fleet: &Fleet, id: i64, generation: i64) -> Result<()> {
-    let ranks = store.ranks(id, generation).await?;
-    if !ranks.iter().all(|r| fleet.live(&r.assignment.node)) {
-        return Ok(()); // the takeover's grace (or the launch timeout) decides if they never come
-    }
-    if !fleet.claim_send(id, generation) {
-        return Ok(()); // being sent, or sent, by another task
-    }
-    if let Err(e) = dispatch(store, fleet, id).await {
-        fleet.unclaim_send(id, generation);
-        tracing::warn!(job = id, "not launched yet: {e}");
-    }
-    Ok(())
-}
-
-/// GPUs no new launch may use: those of every launched job's current launch, and those of
-/// ranks still reported running on a live node.
-pub(crate) async fn taken(store: &Store, fleet: &Fleet, jobs: &[JobRecord]) -> Result<Taken> {
-    let launched: HashSet<i64> =
-        jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running | JobState::Recovering)).map(|j| j.id).collect();
-    let mut taken = Taken::new();
-    for h in store.held_gpus().await? {
-        if launched.contains(&h.job) || (h.running && fleet.live(&h.node)) {
-            taken.entry(h.node).or_default().insert(h.gpu as u32, h.job);
+impl Life {
+    /// Record why a queued job waits (None: it no longer does); true if the reason changed.
+    fn set_waiting(&self, job: i64, why: Option<String>) -> bool {
+        let mut waiting = self.waiting.lock().expect("waiting lock");
+        match why {
+            Some(w) => waiting.insert(job, w.clone()).as_ref() != Some(&w),
+            None => waiting.remove(&job).is_some(),
         }
     }
-    // GPUs a profile run measures on now (job 0: no job holds them; see control::PROFILING).
-    for (node, gpu) in fleet.profile_runs.gpus_in_use() {
-        taken.entry(node).or_default().entry(gpu).or_insert(crate::control::PROFILING);
-    }
-    Ok(taken)
 }

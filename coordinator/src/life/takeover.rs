@@ -7,22 +7,18 @@
 //!   their own, trying the coordinators in their list). A job continues as soon as all its
 //!   nodes are back — the job queue sends a launching job's instructions again (an agent
 //!   ignores ranks it already runs), a running job's ranks are reported again by their
-//!   agents — and a job with
-//!   a node that is not back within `GRACE_INTERVALS` base intervals fails with the reason
-//!   (recovery from a lost node is the checkpoint issue's).
+//!   agents — and a job with a node that is not back within `GRACE_INTERVALS` base intervals
+//!   fails with the reason.
 
 use std::sync::Arc;
 
-use crate::fleet::Fleet;
+use super::{Life, GRACE_INTERVALS};
 use crate::job::JobState;
-use crate::store::Store;
-
-/// How long, in base intervals, a new leader waits for a launched job's agents to come back.
-pub const GRACE_INTERVALS: u32 = 10;
 
 /// Resume the unfinished jobs found at the start of a term.
 #[tracing::instrument(skip_all)]
-pub async fn resume(store: Store, fleet: Arc<Fleet>) {
+pub async fn resume(life: Arc<Life>) {
+    let (store, fleet) = (&life.store, &life.fleet);
     let jobs = match store.unfinished_jobs().await {
         Ok(j) => j,
         Err(e) => {
@@ -56,7 +52,7 @@ pub async fn resume(store: Store, fleet: Arc<Fleet>) {
                 None => {}
                 Some(node) if over => {
                     let reason = format!("node {node} did not come back within {} ms of the change of leader", grace.as_millis());
-                    crate::lifecycle::fail(&store, &fleet, j.id, j.generation, &reason).await;
+                    crate::launch::fail(store, fleet, j.id, j.generation, &reason).await;
                 }
                 Some(_) => waiting.push(j),
             }

@@ -1,4 +1,4 @@
-//! Preemption notices (issue 15; docs/recovery.md "Preemption notices"): a drain with a
+//! Preemption notices (docs/recovery.md "Preemption notices"): a drain with a
 //! deadline, as a spot instance gets 30 s to 2 min before it is taken away. Instead of moving
 //! a job off the node at once from its newest checkpoint (losing every step since), the
 //! coordinator asks the launch's ranks to save now, as just-in-time checkpointing does:
@@ -7,7 +7,7 @@
 //!    where the ranks look (MOTLEY_CKPT_NOTICE); the ranks agree, at the end of each step, on
 //!    the newest notice any of them saw and save that step once (`motley_torch`);
 //! 2. once a step newer than any begun when the notice was given is complete (the bitmap),
-//!    the job recovers off the node from it (`recovery::try_recover`, spending a preemption):
+//!    the job recovers off the node from it (`Life::try_recover`, spending a preemption):
 //!    the draining node is still live, so its copies serve the restore;
 //! 3. if no newer step is complete by the deadline (ranks that do not save on notice, a step
 //!    longer than the notice), the job recovers from its newest complete step then, as a drain
@@ -15,23 +15,21 @@
 //!
 //! A withdrawn drain (undrain) ends the notice; the job runs on. Pending notices live in the
 //! leader's memory, rebuilt by a new leader from the durable `preemption_notice` events
-//! (`resume`): the notice's deadline and the step it waits to be passed are in the event.
+//! (`resume_notices`): the notice's deadline and the step it waits to be passed are in the event.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use motley_proto::v1::{instruction, Instruction, SaveNow};
 use serde_json::json;
 
-use crate::fleet::Fleet;
+use super::Life;
 use crate::job::JobState;
 use crate::jobspec::JobSpec;
 use crate::store::{JobRecord, NodeState, RecoveryCause, Store};
 
 /// A launch told to save now because `node` leaves at `deadline`.
 #[derive(Debug, Clone)]
-struct Pending {
+pub(super) struct Pending {
     generation: i64,
     node: String,
     deadline: Instant,
@@ -39,12 +37,6 @@ struct Pending {
     /// complete step newer than it is the notice's save.
     before: i64,
     given: Instant,
-}
-
-/// The notices in flight, by job.
-#[derive(Default)]
-pub struct Notices {
-    pending: Mutex<HashMap<i64, Pending>>,
 }
 
 /// The newest step of job `id` any file of which was reported, complete or not (-1: none): a
@@ -55,11 +47,13 @@ async fn newest_started(store: &Store, id: i64) -> crate::error::Result<i64> {
 
 /// Node `node` leaves in `deadline`: if launched job `job` (with ranks there) checkpoints and
 /// may recover from a preemption, ask its ranks to save now and recover it once they have
-/// (`check`). False when it cannot be asked (no checkpoint or budget, a deadline too close for
+/// (`check_notices`). False when it cannot be asked (no checkpoint or budget, a deadline too close for
 /// a step to end): the caller recovers it at once. A second notice for a launch already
 /// saving (another of its nodes drained, or this one again) asks nothing more: it can only
 /// bring the deadline forward.
-pub async fn give(store: &Store, fleet: &Fleet, job: &JobRecord, node: &str, deadline: Duration) -> bool {
+impl Life {
+pub(super) async fn give_notice(&self, job: &JobRecord, node: &str, deadline: Duration) -> bool {
+    let (store, fleet) = (&self.store, &self.fleet);
     let Ok(spec) = serde_json::from_str::<JobSpec>(&job.spec) else { return false };
     if spec.checkpoint.is_none() || spec.max_preemptions == 0 {
         return false;
@@ -73,7 +67,7 @@ pub async fn give(store: &Store, fleet: &Fleet, job: &JobRecord, node: &str, dea
     }
     let now = Instant::now();
     let earlier = {
-        let mut pending = fleet.notices.pending.lock().expect("notices");
+        let mut pending = self.notices.lock().expect("notices");
         pending.get_mut(&job.id).filter(|p| p.generation == job.generation).map(|p| {
             if now + deadline < p.deadline {
                 (p.deadline, p.node) = (now + deadline, node.to_string());
@@ -100,7 +94,7 @@ pub async fn give(store: &Store, fleet: &Fleet, job: &JobRecord, node: &str, dea
             if told == 0 {
                 return false;
             }
-            fleet.notices.pending.lock().expect("notices").insert(
+            self.notices.lock().expect("notices").insert(
                 job.id,
                 Pending { generation: job.generation, node: node.to_string(), deadline: now + deadline, before, given: now },
             );
@@ -108,7 +102,7 @@ pub async fn give(store: &Store, fleet: &Fleet, job: &JobRecord, node: &str, dea
             (before, nodes)
         }
     };
-    // Durable: a new leader takes the notice over from it (`resume`).
+    // Durable: a new leader takes the notice over from it (`resume_notices`).
     let message = json!({"node": node, "deadline_s": deadline.as_secs_f64(), "newest_step": before, "nodes": nodes});
     if let Err(e) = store.record_event(Some(job.id), Some(job.generation), "preemption_notice", &message.to_string()).await {
         tracing::warn!(job = job.id, "recording the preemption notice: {e}");
@@ -119,7 +113,8 @@ pub async fn give(store: &Store, fleet: &Fleet, job: &JobRecord, node: &str, dea
 /// A new leader takes over the notices in flight from the `preemption_notice` events of each
 /// launched job's current generation whose nodes still drain: the earliest deadline among them
 /// and the step the first was given (the agents keep the notice; ranks that saw it saved).
-pub async fn resume(store: &Store, fleet: &Fleet) -> crate::error::Result<usize> {
+pub(super) async fn resume_notices(&self) -> crate::error::Result<usize> {
+    let store = &self.store;
     let mut resumed = 0;
     for job in store.unfinished_jobs().await? {
         if !matches!(job.state, JobState::Launching | JobState::Running) {
@@ -127,12 +122,14 @@ pub async fn resume(store: &Store, fleet: &Fleet) -> crate::error::Result<usize>
         }
         let Some(p) = from_events(store, &job).await? else { continue };
         let (node, left) = (p.node.clone(), p.deadline.saturating_duration_since(Instant::now()));
-        if fleet.notices.pending.lock().expect("notices").insert(job.id, p).is_none() {
+        if self.notices.lock().expect("notices").insert(job.id, p).is_none() {
             tracing::info!(job = job.id, node, "preemption notice taken over: the node leaves in {left:?}");
             resumed += 1;
         }
     }
     Ok(resumed)
+}
+
 }
 
 /// The notice in flight for `job`'s current launch, from its `preemption_notice` events whose
@@ -170,14 +167,16 @@ async fn from_events(store: &Store, job: &JobRecord) -> crate::error::Result<Opt
     Ok(Some(Pending { generation: job.generation, node, deadline, before, given }))
 }
 
+impl Life {
 /// Every base interval (the recovery loop): recover each noticed job whose save is complete or
 /// whose deadline came; forget notices whose launch moved on or whose drain was withdrawn.
-pub async fn check(store: &Store, fleet: &Fleet) {
-    let pending: Vec<(i64, Pending)> = fleet.notices.pending.lock().expect("notices").iter().map(|(k, v)| (*k, v.clone())).collect();
+pub(super) async fn check_notices(&self) {
+    let store = &self.store;
+    let pending: Vec<(i64, Pending)> = self.notices.lock().expect("notices").iter().map(|(k, v)| (*k, v.clone())).collect();
     for (id, p) in pending {
         // Only the notice looked at: one given meanwhile (a newer launch's) stays.
         let forget = || {
-            let mut all = fleet.notices.pending.lock().expect("notices");
+            let mut all = self.notices.lock().expect("notices");
             if all.get(&id).is_some_and(|q| q.given == p.given && q.generation == p.generation) {
                 all.remove(&id);
             }
@@ -193,7 +192,7 @@ pub async fn check(store: &Store, fleet: &Fleet) {
             match from_events(store, &job).await {
                 Ok(Some(other)) => {
                     tracing::info!(job = id, node = %p.node, "the drain was withdrawn; node {}'s notice still stands", other.node);
-                    fleet.notices.pending.lock().expect("notices").insert(id, other);
+                    self.notices.lock().expect("notices").insert(id, other);
                 }
                 Ok(None) => {
                     tracing::info!(job = id, node = %p.node, "the drain was withdrawn: the preemption notice ends, the job runs on")
@@ -219,8 +218,9 @@ pub async fn check(store: &Store, fleet: &Fleet) {
             continue;
         };
         forget();
-        if !crate::recovery::try_recover(store, fleet, &job, RecoveryCause::Preemption, &reason).await {
+        if !self.try_recover(&job, RecoveryCause::Preemption, &reason).await {
             tracing::info!(job = id, "preemption notice: {reason}, but the job cannot recover; it runs on until the node leaves");
         }
     }
+}
 }

@@ -1,0 +1,58 @@
+//! What agents told the leader about their nodes and their restores, as plain facts the job
+//! step (`life`) reads: each node's data plane and checkpoint rates (told at registration) and
+//! the result of each restore it was asked for. In memory only: an agent tells its data plane
+//! again when it registers with a new leader, and a recovery in flight starts over there
+//! (docs/recovery.md, docs/state.md). The agents' sessions (`service::agent`) write here and
+//! know nothing of what reads it.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use motley_proto::v1::RestoreResult;
+
+use crate::restore_plan::NodeInfo;
+
+#[derive(Default)]
+pub struct Facts {
+    nodes: Mutex<HashMap<String, NodeInfo>>,
+    restores: Mutex<HashMap<(i64, i64, String), RestoreResult>>,
+    changed: tokio::sync::Notify,
+}
+
+impl Facts {
+    /// A registration told the node's data plane and rates.
+    pub fn set_node(&self, node: &str, info: NodeInfo) {
+        self.nodes.lock().expect("nodes").insert(node.to_string(), info);
+    }
+
+    /// The node's data plane and rates, as its agent last told them.
+    pub fn node(&self, node: &str) -> Option<NodeInfo> {
+        self.nodes.lock().expect("nodes").get(node).cloned()
+    }
+
+    /// An agent reported how a restore ended.
+    pub fn restored(&self, node: &str, r: RestoreResult) {
+        self.restores.lock().expect("restores").insert((r.job, r.generation, node.to_string()), r);
+        self.changed.notify_waiters();
+    }
+
+    /// The node's result of restore (job, generation), if it reported one.
+    pub fn restore(&self, job: i64, generation: i64, node: &str) -> Option<RestoreResult> {
+        self.restores.lock().expect("restores").get(&(job, generation, node.to_string())).cloned()
+    }
+
+    /// Forget the job's restore results (a new attempt asks again).
+    pub fn forget_restores(&self, job: i64) {
+        self.restores.lock().expect("restores").retain(|(j, _, _), _| *j != job);
+    }
+
+    /// Resolves at the next restore result or `nudge` (register interest before looking).
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
+
+    /// Wake whoever waits on `changed` (a node left: a restore waiting on it looks again).
+    pub fn nudge(&self) {
+        self.changed.notify_waiters();
+    }
+}

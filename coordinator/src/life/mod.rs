@@ -1,0 +1,379 @@
+//! A job's life, decided in one place (docs/architecture.md, docs/recovery.md). The leader
+//! keeps one `Life`: the store (durable state), the fleet (live sessions and their outboxes),
+//! the facts agents told (`facts`), and its own memory of the work in flight. Each look at a
+//! job (`step`) reads its durable state and the facts observed (rank reports, live nodes,
+//! holdings, notices) and takes the next move, fenced in the store by (state, generation, term):
+//!
+//! | state | what the step does | where |
+//! |---|---|---|
+//! | `submitted`, `planning` | the queue plans it, oldest first, and sends its launch | `queue` |
+//! | `launching` | sends a launch not sent yet; fails one never acknowledged; moves it on from its ranks | `step` |
+//! | `running` | moves it on from its ranks; a failed rank recovers or fails it; scale-up; notices | `step`, `scale`, `notice` |
+//! | `recovering` | one task: stop, re-plan, restore, relaunch | `recover` |
+//!
+//! The steps are level-triggered: each reads the state again and does what it calls for, so a
+//! new leader (or a step that lost a race) simply runs them again. What is in memory here is
+//! rebuilt or re-derived by a new leader: launches it sent (sent again), why queued jobs wait
+//! (found again), notices (from their durable events), a recovery in flight (started again).
+//! The rooms below it (`planning`, `launch`, `profiling`, `checkpoints`, `restore_plan`, `store`,
+//! `fleet`, `facts`) never call up into it.
+
+pub mod notice;
+pub mod queue;
+pub mod recover;
+mod scale;
+pub mod takeover;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicI64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::CoordinatorError;
+use crate::facts::Facts;
+use crate::fleet::{Fleet, LEASE_INTERVALS};
+use crate::job::JobState;
+use crate::jobspec::JobSpec;
+use crate::launch::{self, LAUNCH_INTERVALS};
+use crate::restore_plan::Mode;
+use crate::store::{JobRecord, NodeRecord, NodeState, RecoveryCause, Store};
+
+/// How long, in base intervals, a new leader waits for a launched job's agents to come back.
+pub const GRACE_INTERVALS: u32 = 10;
+
+/// The coordinator's recovery settings (flags).
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    /// The object store's egress, shared by all nodes (MB/s): the restore planner's cloud rate.
+    pub cloud_egress_mb_s: f64,
+    pub mode: Mode,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings { cloud_egress_mb_s: 1200.0, mode: Mode::Planned }
+    }
+}
+
+/// A running launch's live nodes when first seen, and the newest complete step when more were.
+type ScaleSeen = (usize, Option<i64>);
+
+/// The leader's job controller: what the steps read and the memory they keep.
+pub struct Life {
+    pub store: Store,
+    pub fleet: Arc<Fleet>,
+    /// What agents told about their nodes and restores.
+    pub facts: Arc<Facts>,
+    pub settings: Settings,
+    /// Why each queued job waits, as the queue last saw it.
+    waiting: Mutex<HashMap<i64, String>>,
+    /// Preemption notices in flight, by job (`notice`).
+    notices: Mutex<HashMap<i64, notice::Pending>>,
+    /// Jobs a recovery task of this leader works on now.
+    recovering: Mutex<HashSet<i64>>,
+    /// Launches with a failed rank, and when it was first seen: classified after one lease.
+    failed_ranks: Mutex<HashMap<(i64, i64), Instant>>,
+    /// Per launch: the live nodes it could use when first seen (`scale`).
+    scale: Mutex<HashMap<(i64, i64), ScaleSeen>>,
+    /// The last restore request number handed out (see `Restore.request`).
+    requests: AtomicI64,
+    /// A recovery began: start its task now rather than at the next interval.
+    kick: tokio::sync::Notify,
+}
+
+impl Life {
+    pub fn new(store: Store, fleet: Arc<Fleet>, facts: Arc<Facts>, settings: Settings) -> Arc<Life> {
+        Arc::new(Life {
+            store,
+            fleet,
+            facts,
+            settings,
+            waiting: Mutex::default(),
+            notices: Mutex::default(),
+            recovering: Mutex::default(),
+            failed_ranks: Mutex::default(),
+            scale: Mutex::default(),
+            // Unique across leaders: a new leader's numbers start past the old one's.
+            requests: AtomicI64::new(crate::store::now_ms() * 1000),
+            kick: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// A queued job's record with why it waits as its reason (a queued job has no other).
+    pub fn annotate(&self, mut job: JobRecord) -> JobRecord {
+        if matches!(job.state, JobState::Submitted | JobState::Planning) && job.reason.is_none() {
+            job.reason = self.waiting.lock().expect("waiting lock").get(&job.id).cloned();
+        }
+        job
+    }
+
+    /// Move a launched job on from its ranks' states: all running -> running; all exited 0 ->
+    /// succeeded; a failed rank -> `rank_failed`. An error (the database) is returned: the
+    /// caller logs it, and the next look moves the job on.
+    pub async fn progress(&self, id: i64) -> Result<(), CoordinatorError> {
+        let (store, fleet) = (&self.store, &self.fleet);
+        let job = store.job(id).await?;
+        if !matches!(job.state, JobState::Launching | JobState::Running) {
+            return Ok(());
+        }
+        // Counted by the database: a heartbeat of a 1,024-rank job does not read 1,024 rows.
+        let ranks = store.rank_summary(id, job.generation).await?;
+        if let Some(bad) = ranks.first_failed {
+            let reason = if bad.lost {
+                format!("rank {} on node {} was lost (its process ended without an exit code while its agent was away)", bad.rank, bad.node)
+            } else {
+                format!("rank {} on node {} exited with code {}", bad.rank, bad.node, bad.exit_code.unwrap_or(-1))
+            };
+            self.rank_failed(&job, &reason).await;
+            return Ok(());
+        }
+        let started = ranks.started == ranks.total;
+        if job.state == JobState::Launching && started {
+            launch::move_job(store, id, job.generation, JobState::Running, None).await;
+        }
+        if started && ranks.exited == ranks.total && launch::move_job(store, id, job.generation, JobState::Succeeded, None).await {
+            fleet.kick_queue();
+        }
+        Ok(())
+    }
+
+    /// Recover launched job `job` if it checkpoints and has `cause`'s budget left: true if it is
+    /// now `recovering` (by this call or another), false if the caller should fail it.
+    pub async fn try_recover(&self, job: &JobRecord, cause: RecoveryCause, reason: &str) -> bool {
+        let Ok(spec) = serde_json::from_str::<JobSpec>(&job.spec) else { return false };
+        let budget = match cause {
+            RecoveryCause::Preemption => spec.max_preemptions,
+            RecoveryCause::Restart => spec.max_restarts,
+            RecoveryCause::ScaleUp => 1, // spends nothing (see `scale`)
+        };
+        if spec.checkpoint.is_none() || budget == 0 {
+            return false;
+        }
+        match self.store.begin_recovery(job.id, job.generation, cause, budget, reason).await {
+            Ok(_) => {
+                tracing::warn!(job = job.id, "recovering: {reason}");
+                launch::stop_job(&self.store, &self.fleet, job.id, job.generation, reason).await;
+                self.kick.notify_one();
+                true
+            }
+            Err(e) => {
+                tracing::info!(job = job.id, "no recovery: {e}");
+                self.store.job(job.id).await.is_ok_and(|j| j.state == JobState::Recovering)
+            }
+        }
+    }
+
+    /// A rank of launched `job` failed. A node that vanishes makes its peers' collectives fail
+    /// before its lease ends, so a job that could recover from a lost node waits one lease (the
+    /// lease watcher's `node_leaving` moves it first if a node of the launch is lost meanwhile);
+    /// then the failure spends a restart, or fails the job. Called on every look at the job.
+    async fn rank_failed(&self, job: &JobRecord, reason: &str) {
+        let preemptible = serde_json::from_str::<JobSpec>(&job.spec).is_ok_and(|s| s.checkpoint.is_some() && s.max_preemptions > 0);
+        let key = (job.id, job.generation);
+        if preemptible {
+            let first = *self.failed_ranks.lock().expect("failed ranks").entry(key).or_insert_with(Instant::now);
+            if first.elapsed() <= self.fleet.base * (LEASE_INTERVALS + 1) {
+                return; // the next look decides
+            }
+        }
+        self.failed_ranks.lock().expect("failed ranks").remove(&key);
+        if !self.try_recover(job, RecoveryCause::Restart, reason).await {
+            launch::fail(&self.store, &self.fleet, job.id, job.generation, reason).await;
+        }
+    }
+
+    /// A node is leaving (its lease ended, `lost`; or it is draining): every launched job with
+    /// ranks there recovers if it can; a lost node's others fail, a draining node's keep running.
+    /// A drain with a `deadline` asks each job to save first (`notice`) where it can.
+    pub async fn node_leaving(&self, node: &str, reason: &str, lost: bool, deadline: Option<Duration>) {
+        let jobs = match self.store.unfinished_jobs().await {
+            Ok(j) => j,
+            Err(e) => return tracing::warn!(node, "cannot read the jobs of a leaving node: {e}"),
+        };
+        for j in jobs.into_iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)) {
+            let on_node = self.store.ranks(j.id, j.generation).await.is_ok_and(|r| r.iter().any(|r| r.assignment.node == node));
+            if !on_node {
+                continue;
+            }
+            if let Some(d) = deadline.filter(|_| !lost) {
+                if self.give_notice(&j, node, d).await {
+                    continue; // recovers once its ranks saved, or at the deadline (`notice`)
+                }
+            }
+            if !self.try_recover(&j, RecoveryCause::Preemption, reason).await && lost {
+                launch::fail(&self.store, &self.fleet, j.id, j.generation, reason).await;
+            }
+        }
+        // A recovering job whose restore waits on this node re-plans (its task watches liveness).
+        self.facts.nudge();
+    }
+
+    /// A launch was planned: remember how many nodes it could use then (`scale` compares).
+    pub async fn note_launch(&self, id: i64, generation: i64) {
+        let (Ok(job), Ok(nodes)) = (self.store.job(id).await, self.store.nodes().await) else { return };
+        let Ok(spec) = serde_json::from_str::<JobSpec>(&job.spec) else { return };
+        let live = usable_nodes(&nodes, &self.fleet, &spec);
+        self.scale.lock().expect("scale").insert((id, generation), (live, None));
+    }
+
+    /// One look at a launched job: send its launch if it was not sent, fail it if it was never
+    /// acknowledged within `LAUNCH_INTERVALS` of this leader seeing it, move it on from its
+    /// ranks. `launching_since`: when this leader first saw it launching.
+    async fn step(&self, job: &JobRecord, launching_since: Option<Instant>) -> Result<(), CoordinatorError> {
+        let (store, fleet) = (&self.store, &self.fleet);
+        match job.state {
+            JobState::Launching => {
+                let limit = fleet.base * LAUNCH_INTERVALS;
+                if launching_since.is_some_and(|s| s.elapsed() > limit) {
+                    let waiting: Vec<String> = store
+                        .ranks(job.id, job.generation)
+                        .await?
+                        .into_iter()
+                        .filter(|r| r.state == "assigned")
+                        .map(|r| format!("{} (rank {})", r.assignment.node, r.assignment.rank))
+                        .take(5)
+                        .collect();
+                    let reason = format!("launch not acknowledged within {} ms; still waiting for {}", limit.as_millis(), waiting.join(", "));
+                    launch::fail(store, fleet, job.id, job.generation, &reason).await;
+                    return Ok(());
+                }
+                if !fleet.was_sent(job.id, job.generation) {
+                    launch::send_out(store, fleet, job.id, job.generation).await?;
+                }
+                self.progress(job.id).await
+            }
+            JobState::Running => self.progress(job.id).await,
+            // The queue's (`queue`), a recovery task's (`recover`), or over.
+            _ => Ok(()),
+        }
+    }
+
+    /// A node's lease ended: its launched jobs recover where they have budget, and fail otherwise.
+    async fn node_lost(&self, node: &str) {
+        let lease = self.fleet.base * LEASE_INTERVALS;
+        let reason = format!("node {node} lost: no heartbeat for {} ms ({LEASE_INTERVALS} intervals)", lease.as_millis());
+        tracing::warn!("{reason}");
+        if let Err(e) = self.store.record_event(None, None, "node_lost", &reason).await {
+            tracing::warn!("{e}");
+        }
+        self.node_leaving(node, &reason, true, None).await;
+    }
+}
+
+/// Live, active nodes within the job's resources.
+fn usable_nodes(nodes: &[NodeRecord], fleet: &Fleet, spec: &JobSpec) -> usize {
+    let mine = |n: &str| spec.resources.nodes.is_empty() || spec.resources.nodes.iter().any(|m| m == n);
+    nodes.iter().filter(|n| n.state == NodeState::Active && mine(&n.name) && fleet.live(&n.name)).count()
+}
+
+/// The lease clock: every base interval, expire leases older than `LEASE_INTERVALS` intervals
+/// (judged by this process's own continuity, `Fleet::expire`) and hand the lost nodes to
+/// `watch`. No database work here: a slow database must neither delay an expiry nor look like
+/// a pause of the coordinator.
+pub async fn lease_clock(fleet: Arc<Fleet>, lost: tokio::sync::mpsc::UnboundedSender<String>) {
+    let mut tick = tokio::time::interval(fleet.base);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        for node in fleet.expire() {
+            if lost.send(node).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Launched jobs, for as long as this coordinator leads: the jobs of the nodes `lease_clock`
+/// finds lost; the jobs whose ranks' reports were just committed (`Fleet::reported`); and every
+/// base interval, a `step` of every launched job (a report whose move failed, on a database
+/// error say, is not lost: the job moves on at the next look).
+pub async fn watch(life: Arc<Life>, mut lost: tokio::sync::mpsc::UnboundedReceiver<String>) {
+    let mut tick = tokio::time::interval(life.fleet.base);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // When this leader first saw each (job, generation) launching: a takeover starts the clock
+    // afresh rather than trusting another process's timestamps.
+    let mut launching: HashMap<(i64, i64), Instant> = HashMap::new();
+    loop {
+        tokio::select! {
+            node = lost.recv() => match node {
+                Some(node) => life.node_lost(&node).await,
+                None => return,
+            },
+            jobs = life.fleet.take_reported() => {
+                for id in jobs {
+                    if let Err(e) = life.progress(id).await {
+                        tracing::warn!(job = id, "progress: {e}");
+                    }
+                }
+            }
+            _ = tick.tick() => {
+                if let Err(e) = look_at_launched(&life, &mut launching).await {
+                    tracing::warn!("launched jobs: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// One `step` of every launched job.
+async fn look_at_launched(life: &Life, launching: &mut HashMap<(i64, i64), Instant>) -> Result<(), CoordinatorError> {
+    let jobs = life.store.unfinished_jobs().await?;
+    let now: Vec<(i64, i64)> = jobs.iter().filter(|j| j.state == JobState::Launching).map(|j| (j.id, j.generation)).collect();
+    launching.retain(|k, _| now.contains(k));
+    life.fleet.keep_sent(&now);
+    for j in jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)) {
+        let since = (j.state == JobState::Launching).then(|| *launching.entry((j.id, j.generation)).or_insert_with(Instant::now));
+        life.step(j, since).await?;
+    }
+    Ok(())
+}
+
+/// Recoveries, for as long as this coordinator leads: every base interval and whenever a
+/// recovery begins, the notices in flight (`notice`), scale-up (`scale`), and a task for every
+/// `recovering` job that has none (a new leader's included).
+pub async fn recoveries(life: Arc<Life>) {
+    let mut tick = tokio::time::interval(life.fleet.base);
+    let began = Instant::now();
+    // The notices an earlier leader gave (durable events) are this one's to finish.
+    if let Err(e) = life.resume_notices().await {
+        tracing::warn!("taking over preemption notices: {e}");
+    }
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = life.kick.notified() => {}
+        }
+        let jobs = match life.store.unfinished_jobs().await {
+            Ok(j) => j,
+            Err(e) => {
+                tracing::warn!("recovery: {e}");
+                continue;
+            }
+        };
+        life.check_notices().await;
+        if let Err(e) = life.scale_up(&jobs).await {
+            tracing::warn!("scale-up: {e}");
+        }
+        // Early in a term (a failover, a restart) agents are still finding this leader: a
+        // recovery planned now would see no live node. Wait, up to the takeover's grace, for the
+        // job's nodes to come back.
+        let settling = began.elapsed() < life.fleet.base * GRACE_INTERVALS;
+        for j in jobs.into_iter().filter(|j| j.state == JobState::Recovering) {
+            if settling && crate::planning::missing_nodes(&life.store, &life.fleet, &j).await.is_ok_and(|m| !m.is_empty()) {
+                continue;
+            }
+            if !life.recovering.lock().expect("recovering").insert(j.id) {
+                continue;
+            }
+            let life = life.clone();
+            tokio::spawn(async move {
+                let id = j.id;
+                if let Err(e) = life.recover(j).await {
+                    // The database, say: the next pass starts the recovery again.
+                    tracing::warn!(job = id, "recovery: {e}");
+                }
+                life.recovering.lock().expect("recovering").remove(&id);
+            });
+        }
+    }
+}
