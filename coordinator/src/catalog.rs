@@ -34,7 +34,8 @@ pub fn read(text: &str, flag: &str) -> Result<Vec<GpuType>> {
     let Some(first) = types.first() else { return Ok(types) };
     // The cluster file's own checks, on a one-node cluster of the first type.
     let probe = format!("{{name: probe, gpu: '{}', gpus: 1}}", first.name.replace('\'', "''"));
-    let node = serde_norway::from_str(&probe).map_err(|e| CoordinatorError::invalid(format!("{flag}: gpu_types[0].name"), format!("{e}")))?;
+    let node =
+        serde_norway::from_str(&probe).map_err(|e| CoordinatorError::invalid(format!("{flag}: gpu_types[0].name"), format!("{e}")))?;
     Cluster::from_spec(&ClusterSpec { name: "gpu-types".into(), nodes: vec![node], gpu_types: types.clone() })
         .map_err(|e| CoordinatorError::invalid(format!("{flag}: {e}"), "see the cluster file format in README.md"))?;
     Ok(types)

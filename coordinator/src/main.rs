@@ -13,16 +13,16 @@ use clap::Parser;
 use std::sync::Arc;
 
 use motley_contract::config;
+use motley_coordinator::facts::Facts;
 use motley_coordinator::fleet::Fleet;
 use motley_coordinator::leader::{self, Contender, LeaderInfo, Role};
+use motley_coordinator::life::Life;
 use motley_coordinator::metrics::Metrics;
 use motley_coordinator::service::agent::AgentService;
 use motley_coordinator::service::control::ControlService;
 use motley_coordinator::service::rest::{router, AppState};
 use motley_coordinator::service::Tokens;
 use motley_coordinator::tls::TlsFiles;
-use motley_coordinator::facts::Facts;
-use motley_coordinator::life::Life;
 use motley_coordinator::Store;
 use motley_proto::v1::agent_server::AgentServer;
 use motley_proto::v1::control_server::ControlServer;
@@ -280,7 +280,8 @@ async fn main() -> anyhow::Result<()> {
     drop(out);
     let metrics = Metrics::new(store.clone(), fleet.clone(), role.clone());
     let agents = AgentService { store: store.clone(), fleet: fleet.clone(), facts, tokens: tokens.clone(), role: role.clone() };
-    let control = ControlService { store: store.clone(), fleet: fleet.clone(), life: life.clone(), role: role.clone(), tokens: tokens.clone() };
+    let control =
+        ControlService { store: store.clone(), fleet: fleet.clone(), life: life.clone(), role: role.clone(), tokens: tokens.clone() };
     // Agents and the control API share the gRPC port.
     let grpc_server = async move {
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);

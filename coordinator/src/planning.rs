@@ -138,12 +138,7 @@ pub async fn plan_job(store: &Store, fleet: &Fleet, id: i64, taken: &Taken) -> R
 /// resources, every GPU no other job holds (its own old launch's included: its ranks were
 /// stopped). Nothing is stored; the recovery launches it once the restore is in place.
 #[tracing::instrument(skip(store, fleet, taken))]
-pub async fn plan_for_recovery(
-    store: &Store,
-    fleet: &Fleet,
-    job: &JobRecord,
-    taken: &Taken,
-) -> Result<(String, Vec<RankAssignment>)> {
+pub async fn plan_for_recovery(store: &Store, fleet: &Fleet, job: &JobRecord, taken: &Taken) -> Result<(String, Vec<RankAssignment>)> {
     let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
     let mut others = taken.clone();
     for gpus in others.values_mut() {

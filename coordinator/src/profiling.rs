@@ -244,10 +244,7 @@ pub async fn prepare(store: &Store, fleet: &Fleet, job: i64, spec: &JobSpec, off
                 Some((RunState::Stored { .. }, _)) => out.push(format!("{key} (just stored)")),
                 None => {
                     let node = offered.iter().find(|(n, free)| {
-                        n.gpu.eq_ignore_ascii_case(gpu_name)
-                            && free.len() >= tp as usize
-                            && fleet.can_profile(&n.name)
-                            && !busy(&n.name)
+                        n.gpu.eq_ignore_ascii_case(gpu_name) && free.len() >= tp as usize && fleet.can_profile(&n.name) && !busy(&n.name)
                     });
                     match node {
                         Some((n, free)) => {

@@ -233,7 +233,8 @@ impl Life {
                         .map(|r| format!("{} (rank {})", r.assignment.node, r.assignment.rank))
                         .take(5)
                         .collect();
-                    let reason = format!("launch not acknowledged within {} ms; still waiting for {}", limit.as_millis(), waiting.join(", "));
+                    let reason =
+                        format!("launch not acknowledged within {} ms; still waiting for {}", limit.as_millis(), waiting.join(", "));
                     launch::fail(store, fleet, job.id, job.generation, &reason).await;
                     return Ok(());
                 }

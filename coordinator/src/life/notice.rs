@@ -52,84 +52,87 @@ async fn newest_started(store: &Store, id: i64) -> crate::error::Result<i64> {
 /// saving (another of its nodes drained, or this one again) asks nothing more: it can only
 /// bring the deadline forward.
 impl Life {
-pub(super) async fn give_notice(&self, job: &JobRecord, node: &str, deadline: Duration) -> bool {
-    let (store, fleet) = (&self.store, &self.fleet);
-    let Ok(spec) = serde_json::from_str::<JobSpec>(&job.spec) else { return false };
-    if spec.checkpoint.is_none() || spec.max_preemptions == 0 {
-        return false;
-    }
-    // Less than two base intervals: the instruction and the step's report could not both arrive.
-    if deadline < fleet.base * 2 {
-        return false;
-    }
-    if store.spent(job.id).await.is_ok_and(|s| s.preemptions >= i64::from(spec.max_preemptions)) {
-        return false;
-    }
-    let now = Instant::now();
-    let earlier = {
-        let mut pending = self.notices.lock().expect("notices");
-        pending.get_mut(&job.id).filter(|p| p.generation == job.generation).map(|p| {
-            if now + deadline < p.deadline {
-                (p.deadline, p.node) = (now + deadline, node.to_string());
-            }
-            p.before
-        })
-    };
-    let (before, nodes) = match earlier {
-        Some(before) => (before, vec![]),
-        None => {
-            let (Ok(ranks), Ok(before)) = (store.ranks(job.id, job.generation).await, newest_started(store, job.id).await) else {
-                return false;
-            };
-            let now_ms = crate::store::now_ms();
-            let notice =
-                SaveNow { job: job.id, generation: job.generation, notice: now_ms, deadline_unix_ms: now_ms + deadline.as_millis() as i64 };
-            let mut nodes: Vec<String> = ranks.into_iter().map(|r| r.assignment.node).collect();
-            nodes.sort_unstable();
-            nodes.dedup();
-            let mut told = 0;
-            for n in &nodes {
-                told += usize::from(fleet.send(n, Instruction { kind: Some(instruction::Kind::SaveNow(notice)) }));
-            }
-            if told == 0 {
-                return false;
-            }
-            self.notices.lock().expect("notices").insert(
-                job.id,
-                Pending { generation: job.generation, node: node.to_string(), deadline: now + deadline, before, given: now },
-            );
-            tracing::info!(job = job.id, node, "preemption notice: the ranks save now, the node leaves in {deadline:?}");
-            (before, nodes)
+    pub(super) async fn give_notice(&self, job: &JobRecord, node: &str, deadline: Duration) -> bool {
+        let (store, fleet) = (&self.store, &self.fleet);
+        let Ok(spec) = serde_json::from_str::<JobSpec>(&job.spec) else { return false };
+        if spec.checkpoint.is_none() || spec.max_preemptions == 0 {
+            return false;
         }
-    };
-    // Durable: a new leader takes the notice over from it (`resume_notices`).
-    let message = json!({"node": node, "deadline_s": deadline.as_secs_f64(), "newest_step": before, "nodes": nodes});
-    if let Err(e) = store.record_event(Some(job.id), Some(job.generation), "preemption_notice", &message.to_string()).await {
-        tracing::warn!(job = job.id, "recording the preemption notice: {e}");
+        // Less than two base intervals: the instruction and the step's report could not both arrive.
+        if deadline < fleet.base * 2 {
+            return false;
+        }
+        if store.spent(job.id).await.is_ok_and(|s| s.preemptions >= i64::from(spec.max_preemptions)) {
+            return false;
+        }
+        let now = Instant::now();
+        let earlier = {
+            let mut pending = self.notices.lock().expect("notices");
+            pending.get_mut(&job.id).filter(|p| p.generation == job.generation).map(|p| {
+                if now + deadline < p.deadline {
+                    (p.deadline, p.node) = (now + deadline, node.to_string());
+                }
+                p.before
+            })
+        };
+        let (before, nodes) = match earlier {
+            Some(before) => (before, vec![]),
+            None => {
+                let (Ok(ranks), Ok(before)) = (store.ranks(job.id, job.generation).await, newest_started(store, job.id).await) else {
+                    return false;
+                };
+                let now_ms = crate::store::now_ms();
+                let notice = SaveNow {
+                    job: job.id,
+                    generation: job.generation,
+                    notice: now_ms,
+                    deadline_unix_ms: now_ms + deadline.as_millis() as i64,
+                };
+                let mut nodes: Vec<String> = ranks.into_iter().map(|r| r.assignment.node).collect();
+                nodes.sort_unstable();
+                nodes.dedup();
+                let mut told = 0;
+                for n in &nodes {
+                    told += usize::from(fleet.send(n, Instruction { kind: Some(instruction::Kind::SaveNow(notice)) }));
+                }
+                if told == 0 {
+                    return false;
+                }
+                self.notices.lock().expect("notices").insert(
+                    job.id,
+                    Pending { generation: job.generation, node: node.to_string(), deadline: now + deadline, before, given: now },
+                );
+                tracing::info!(job = job.id, node, "preemption notice: the ranks save now, the node leaves in {deadline:?}");
+                (before, nodes)
+            }
+        };
+        // Durable: a new leader takes the notice over from it (`resume_notices`).
+        let message = json!({"node": node, "deadline_s": deadline.as_secs_f64(), "newest_step": before, "nodes": nodes});
+        if let Err(e) = store.record_event(Some(job.id), Some(job.generation), "preemption_notice", &message.to_string()).await {
+            tracing::warn!(job = job.id, "recording the preemption notice: {e}");
+        }
+        true
     }
-    true
-}
 
-/// A new leader takes over the notices in flight from the `preemption_notice` events of each
-/// launched job's current generation whose nodes still drain: the earliest deadline among them
-/// and the step the first was given (the agents keep the notice; ranks that saw it saved).
-pub(super) async fn resume_notices(&self) -> crate::error::Result<usize> {
-    let store = &self.store;
-    let mut resumed = 0;
-    for job in store.unfinished_jobs().await? {
-        if !matches!(job.state, JobState::Launching | JobState::Running) {
-            continue;
+    /// A new leader takes over the notices in flight from the `preemption_notice` events of each
+    /// launched job's current generation whose nodes still drain: the earliest deadline among them
+    /// and the step the first was given (the agents keep the notice; ranks that saw it saved).
+    pub(super) async fn resume_notices(&self) -> crate::error::Result<usize> {
+        let store = &self.store;
+        let mut resumed = 0;
+        for job in store.unfinished_jobs().await? {
+            if !matches!(job.state, JobState::Launching | JobState::Running) {
+                continue;
+            }
+            let Some(p) = from_events(store, &job).await? else { continue };
+            let (node, left) = (p.node.clone(), p.deadline.saturating_duration_since(Instant::now()));
+            if self.notices.lock().expect("notices").insert(job.id, p).is_none() {
+                tracing::info!(job = job.id, node, "preemption notice taken over: the node leaves in {left:?}");
+                resumed += 1;
+            }
         }
-        let Some(p) = from_events(store, &job).await? else { continue };
-        let (node, left) = (p.node.clone(), p.deadline.saturating_duration_since(Instant::now()));
-        if self.notices.lock().expect("notices").insert(job.id, p).is_none() {
-            tracing::info!(job = job.id, node, "preemption notice taken over: the node leaves in {left:?}");
-            resumed += 1;
-        }
+        Ok(resumed)
     }
-    Ok(resumed)
-}
-
 }
 
 /// The notice in flight for `job`'s current launch, from its `preemption_notice` events whose
@@ -168,59 +171,59 @@ async fn from_events(store: &Store, job: &JobRecord) -> crate::error::Result<Opt
 }
 
 impl Life {
-/// Every base interval (the recovery loop): recover each noticed job whose save is complete or
-/// whose deadline came; forget notices whose launch moved on or whose drain was withdrawn.
-pub(super) async fn check_notices(&self) {
-    let store = &self.store;
-    let pending: Vec<(i64, Pending)> = self.notices.lock().expect("notices").iter().map(|(k, v)| (*k, v.clone())).collect();
-    for (id, p) in pending {
-        // Only the notice looked at: one given meanwhile (a newer launch's) stays.
-        let forget = || {
-            let mut all = self.notices.lock().expect("notices");
-            if all.get(&id).is_some_and(|q| q.given == p.given && q.generation == p.generation) {
-                all.remove(&id);
-            }
-        };
-        let Ok(job) = store.job(id).await else { continue };
-        if job.generation != p.generation || !matches!(job.state, JobState::Launching | JobState::Running) {
-            forget(); // recovered already (the node's lease ended, a rank failed), or over
-            continue;
-        }
-        if store.node(&p.node).await.is_ok_and(|n| n.state != NodeState::Draining) {
-            forget();
-            // Another of the launch's nodes may still drain under its own notice.
-            match from_events(store, &job).await {
-                Ok(Some(other)) => {
-                    tracing::info!(job = id, node = %p.node, "the drain was withdrawn; node {}'s notice still stands", other.node);
-                    self.notices.lock().expect("notices").insert(id, other);
+    /// Every base interval (the recovery loop): recover each noticed job whose save is complete or
+    /// whose deadline came; forget notices whose launch moved on or whose drain was withdrawn.
+    pub(super) async fn check_notices(&self) {
+        let store = &self.store;
+        let pending: Vec<(i64, Pending)> = self.notices.lock().expect("notices").iter().map(|(k, v)| (*k, v.clone())).collect();
+        for (id, p) in pending {
+            // Only the notice looked at: one given meanwhile (a newer launch's) stays.
+            let forget = || {
+                let mut all = self.notices.lock().expect("notices");
+                if all.get(&id).is_some_and(|q| q.given == p.given && q.generation == p.generation) {
+                    all.remove(&id);
                 }
-                Ok(None) => {
-                    tracing::info!(job = id, node = %p.node, "the drain was withdrawn: the preemption notice ends, the job runs on")
-                }
-                Err(e) => tracing::warn!(job = id, "preemption notice: {e}"),
-            }
-            continue;
-        }
-        let newest = match crate::checkpoints::newest_complete(store, id).await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(job = id, "preemption notice: {e}");
+            };
+            let Ok(job) = store.job(id).await else { continue };
+            if job.generation != p.generation || !matches!(job.state, JobState::Launching | JobState::Running) {
+                forget(); // recovered already (the node's lease ended, a rank failed), or over
                 continue;
             }
-        };
-        let waited = p.given.elapsed().as_secs_f64();
-        let reason = if newest > p.before {
-            format!("node {} is draining (preemption notice): step {newest} was saved on notice in {waited:.1} s", p.node)
-        } else if Instant::now() >= p.deadline {
-            let from = if newest >= 0 { format!("step {newest}") } else { "no checkpoint".into() };
-            format!("node {} is draining (preemption notice): no step saved by the deadline; recovering from {from}", p.node)
-        } else {
-            continue;
-        };
-        forget();
-        if !self.try_recover(&job, RecoveryCause::Preemption, &reason).await {
-            tracing::info!(job = id, "preemption notice: {reason}, but the job cannot recover; it runs on until the node leaves");
+            if store.node(&p.node).await.is_ok_and(|n| n.state != NodeState::Draining) {
+                forget();
+                // Another of the launch's nodes may still drain under its own notice.
+                match from_events(store, &job).await {
+                    Ok(Some(other)) => {
+                        tracing::info!(job = id, node = %p.node, "the drain was withdrawn; node {}'s notice still stands", other.node);
+                        self.notices.lock().expect("notices").insert(id, other);
+                    }
+                    Ok(None) => {
+                        tracing::info!(job = id, node = %p.node, "the drain was withdrawn: the preemption notice ends, the job runs on")
+                    }
+                    Err(e) => tracing::warn!(job = id, "preemption notice: {e}"),
+                }
+                continue;
+            }
+            let newest = match crate::checkpoints::newest_complete(store, id).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(job = id, "preemption notice: {e}");
+                    continue;
+                }
+            };
+            let waited = p.given.elapsed().as_secs_f64();
+            let reason = if newest > p.before {
+                format!("node {} is draining (preemption notice): step {newest} was saved on notice in {waited:.1} s", p.node)
+            } else if Instant::now() >= p.deadline {
+                let from = if newest >= 0 { format!("step {newest}") } else { "no checkpoint".into() };
+                format!("node {} is draining (preemption notice): no step saved by the deadline; recovering from {from}", p.node)
+            } else {
+                continue;
+            };
+            forget();
+            if !self.try_recover(&job, RecoveryCause::Preemption, &reason).await {
+                tracing::info!(job = id, "preemption notice: {reason}, but the job cannot recover; it runs on until the node leaves");
+            }
         }
     }
-}
 }

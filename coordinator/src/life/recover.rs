@@ -40,175 +40,175 @@ pub const STOP_INTERVALS: u32 = 10;
 impl Life {
     /// One recovery, from the old launch's stop to the next launch (or the job's failure).
     pub(super) async fn recover(&self, job: JobRecord) -> Result<()> {
-    let (store, fleet) = (&self.store, &*self.fleet);
-    let began = Instant::now();
-    let (id, old) = (job.id, job.generation);
-    let next = old + 1;
-    let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
-    launch::stop_job(store, fleet, id, old, "the job is recovering").await;
-    wait_stopped(store, fleet, id, old).await?;
-    self.facts.forget_restores(id);
-    let mut last_error = String::new();
-    for attempt in 1..=ATTEMPTS {
-        if store.job(id).await?.state != JobState::Recovering {
-            return Ok(()); // cancelled, or another leader moved it
-        }
-        let jobs = store.unfinished_jobs().await?;
-        let taken = crate::planning::taken(store, fleet, &jobs).await?;
-        let (plan, ranks) = match crate::planning::plan_for_recovery(store, fleet, &job, &taken).await {
-            Ok(p) => p,
-            Err(e @ CoordinatorError::Database(_)) => return Err(e),
-            Err(e) => return fail(store, fleet, id, old, &format!("recovery cannot re-plan the job: {e}")).await,
-        };
-        let holdings = store.holdings(id).await?;
-        let live = |n: &str| fleet.live(n);
-        let (step, files) = match restore_plan::choose_step(&holdings, &live) {
-            StepChoice::Restore { step, files } => (Some(step), files),
-            StepChoice::Fresh => (None, vec![]),
-            StepChoice::Lost(why) => return fail(store, fleet, id, old, &format!("recovery: {why}")).await,
-        };
-        let Some(step) = step else {
-            store
-                .record_event(Some(id), Some(old), "recovery_planned", "no checkpoint was reported: the job starts over from step 0")
-                .await?;
-            return self.relaunch(id, &plan, &ranks, None, began, 0.0).await;
-        };
-        let doc = motley_contract::PlanDocument::from_json(&plan).map_err(|e| CoordinatorError::Conflict(format!("the new plan: {e}")))?;
-        let built = restore_plan::needs(&files, &doc.placements()).and_then(|needs| {
-            let nodes: BTreeMap<String, NodeInfo> = self.node_infos(&files, &needs);
-            let s = self.settings;
-            let cloud = spec.checkpoint.as_ref().and_then(|c| c.cloud.clone()).unwrap_or_default();
-            restore_plan::build(id, next, step, &files, &needs, &nodes, s.cloud_egress_mb_s, &cloud, s.mode, 0)
-        });
-        let mut built = match built {
-            Ok(b) => b,
-            Err(e) => return fail(store, fleet, id, old, &format!("recovery cannot restore step {step}: {e}")).await,
-        };
-        // The restore may take what its schedule says, several times over (fetches retried from
-        // other holders, slow disks), and at least a minute.
-        let expected = match self.settings.mode {
-            Mode::Planned => built.plan.makespan_s,
-            Mode::CloudOnly => built.plan.cloud_only_s,
-        };
-        let timeout = restore_timeout(fleet, expected);
-        for r in built.restores.values_mut() {
-            r.timeout_s = timeout.as_secs() as u32;
-        }
-        let p = &built.plan;
-        let planned = json!({
-            "step": step,
-            "lower_bound_s": p.lower_bound_s,
-            "makespan_s": p.makespan_s,
-            "cloud_only_s": p.cloud_only_s,
-            "bottleneck": p.bottleneck,
-            "bytes": {"local": p.bytes.local, "peer": p.bytes.peer, "cloud": p.bytes.cloud},
-            "nodes": built.restores.keys().collect::<Vec<_>>(),
-            "attempt": attempt,
-        });
-        store.record_event(Some(id), Some(old), "recovery_planned", &planned.to_string()).await?;
-        // A retry asks again under the same generation: the last attempt's results are not this one's.
+        let (store, fleet) = (&self.store, &*self.fleet);
+        let began = Instant::now();
+        let (id, old) = (job.id, job.generation);
+        let next = old + 1;
+        let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
+        launch::stop_job(store, fleet, id, old, "the job is recovering").await;
+        wait_stopped(store, fleet, id, old).await?;
         self.facts.forget_restores(id);
-        let request = self.requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-        for r in built.restores.values_mut() {
-            r.request = request;
-        }
-        let mut sent = true;
-        for (node, r) in &built.restores {
-            sent &= fleet.send(node, Instruction { kind: Some(instruction::Kind::Restore(r.clone())) });
-        }
-        let outcome = if sent {
-            self.wait_restored(id, next, request, built.restores.keys().cloned().collect(), timeout).await
-        } else {
-            Waited::NodeGone
-        };
-        match outcome {
-            Waited::Done(results) => {
-                let transfer_s = results.iter().map(|r| r.transfer_s).fold(0.0, f64::max);
-                return self.relaunch(id, &plan, &ranks, Some((step, &results)), began, transfer_s).await;
+        let mut last_error = String::new();
+        for attempt in 1..=ATTEMPTS {
+            if store.job(id).await?.state != JobState::Recovering {
+                return Ok(()); // cancelled, or another leader moved it
             }
-            Waited::NodeGone => last_error = "a node of the new plan left during the restore".into(),
-            Waited::Failed(node, e) => last_error = format!("node {node}: {e}"),
-            Waited::TimedOut(nodes) => last_error = format!("no restore result from {} in time", nodes.join(", ")),
+            let jobs = store.unfinished_jobs().await?;
+            let taken = crate::planning::taken(store, fleet, &jobs).await?;
+            let (plan, ranks) = match crate::planning::plan_for_recovery(store, fleet, &job, &taken).await {
+                Ok(p) => p,
+                Err(e @ CoordinatorError::Database(_)) => return Err(e),
+                Err(e) => return fail(store, fleet, id, old, &format!("recovery cannot re-plan the job: {e}")).await,
+            };
+            let holdings = store.holdings(id).await?;
+            let live = |n: &str| fleet.live(n);
+            let (step, files) = match restore_plan::choose_step(&holdings, &live) {
+                StepChoice::Restore { step, files } => (Some(step), files),
+                StepChoice::Fresh => (None, vec![]),
+                StepChoice::Lost(why) => return fail(store, fleet, id, old, &format!("recovery: {why}")).await,
+            };
+            let Some(step) = step else {
+                store
+                    .record_event(Some(id), Some(old), "recovery_planned", "no checkpoint was reported: the job starts over from step 0")
+                    .await?;
+                return self.relaunch(id, &plan, &ranks, None, began, 0.0).await;
+            };
+            let doc =
+                motley_contract::PlanDocument::from_json(&plan).map_err(|e| CoordinatorError::Conflict(format!("the new plan: {e}")))?;
+            let built = restore_plan::needs(&files, &doc.placements()).and_then(|needs| {
+                let nodes: BTreeMap<String, NodeInfo> = self.node_infos(&files, &needs);
+                let s = self.settings;
+                let cloud = spec.checkpoint.as_ref().and_then(|c| c.cloud.clone()).unwrap_or_default();
+                restore_plan::build(id, next, step, &files, &needs, &nodes, s.cloud_egress_mb_s, &cloud, s.mode, 0)
+            });
+            let mut built = match built {
+                Ok(b) => b,
+                Err(e) => return fail(store, fleet, id, old, &format!("recovery cannot restore step {step}: {e}")).await,
+            };
+            // The restore may take what its schedule says, several times over (fetches retried from
+            // other holders, slow disks), and at least a minute.
+            let expected = match self.settings.mode {
+                Mode::Planned => built.plan.makespan_s,
+                Mode::CloudOnly => built.plan.cloud_only_s,
+            };
+            let timeout = restore_timeout(fleet, expected);
+            for r in built.restores.values_mut() {
+                r.timeout_s = timeout.as_secs() as u32;
+            }
+            let p = &built.plan;
+            let planned = json!({
+                "step": step,
+                "lower_bound_s": p.lower_bound_s,
+                "makespan_s": p.makespan_s,
+                "cloud_only_s": p.cloud_only_s,
+                "bottleneck": p.bottleneck,
+                "bytes": {"local": p.bytes.local, "peer": p.bytes.peer, "cloud": p.bytes.cloud},
+                "nodes": built.restores.keys().collect::<Vec<_>>(),
+                "attempt": attempt,
+            });
+            store.record_event(Some(id), Some(old), "recovery_planned", &planned.to_string()).await?;
+            // A retry asks again under the same generation: the last attempt's results are not this one's.
+            self.facts.forget_restores(id);
+            let request = self.requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            for r in built.restores.values_mut() {
+                r.request = request;
+            }
+            let mut sent = true;
+            for (node, r) in &built.restores {
+                sent &= fleet.send(node, Instruction { kind: Some(instruction::Kind::Restore(r.clone())) });
+            }
+            let outcome = if sent {
+                self.wait_restored(id, next, request, built.restores.keys().cloned().collect(), timeout).await
+            } else {
+                Waited::NodeGone
+            };
+            match outcome {
+                Waited::Done(results) => {
+                    let transfer_s = results.iter().map(|r| r.transfer_s).fold(0.0, f64::max);
+                    return self.relaunch(id, &plan, &ranks, Some((step, &results)), began, transfer_s).await;
+                }
+                Waited::NodeGone => last_error = "a node of the new plan left during the restore".into(),
+                Waited::Failed(node, e) => last_error = format!("node {node}: {e}"),
+                Waited::TimedOut(nodes) => last_error = format!("no restore result from {} in time", nodes.join(", ")),
+            }
+            tracing::warn!(job = id, attempt, "restore failed: {last_error}; planning again");
+            store.record_event(Some(id), Some(old), "recovery_retry", &format!("attempt {attempt}: {last_error}")).await?;
         }
-        tracing::warn!(job = id, attempt, "restore failed: {last_error}; planning again");
-        store.record_event(Some(id), Some(old), "recovery_retry", &format!("attempt {attempt}: {last_error}")).await?;
+        fail(store, fleet, id, old, &format!("recovery failed {ATTEMPTS} times; last: {last_error}")).await
     }
-    fail(store, fleet, id, old, &format!("recovery failed {ATTEMPTS} times; last: {last_error}")).await
-}
 }
 
 impl Life {
-/// The rates and data planes of the nodes a restore involves.
-fn node_infos(&self, files: &[crate::store::Holding], needs: &BTreeMap<String, restore_plan::NodeNeeds>) -> BTreeMap<String, NodeInfo> {
-    let fleet = &self.fleet;
-    let mut names: Vec<&String> = needs.keys().collect();
-    names.extend(files.iter().filter(|h| h.tier != "cloud").map(|h| &h.node));
-    names.into_iter().filter(|n| fleet.live(n)).filter_map(|n| self.facts.node(n).map(|i| (n.clone(), i))).collect()
-}
+    /// The rates and data planes of the nodes a restore involves.
+    fn node_infos(&self, files: &[crate::store::Holding], needs: &BTreeMap<String, restore_plan::NodeNeeds>) -> BTreeMap<String, NodeInfo> {
+        let fleet = &self.fleet;
+        let mut names: Vec<&String> = needs.keys().collect();
+        names.extend(files.iter().filter(|h| h.tier != "cloud").map(|h| &h.node));
+        names.into_iter().filter(|n| fleet.live(n)).filter_map(|n| self.facts.node(n).map(|i| (n.clone(), i))).collect()
+    }
 
-/// Wait for every node's result of restore `generation`.
-async fn wait_restored(&self, id: i64, generation: i64, request: i64, nodes: Vec<String>, timeout: Duration) -> Waited {
-    let fleet = &self.fleet;
-    // The agents' own deadline first, then a few intervals for their report.
-    let until = Instant::now() + timeout + fleet.base * 10;
-    loop {
-        let changed = self.facts.changed();
-        let mut done = vec![];
-        let mut missing = vec![];
-        for n in &nodes {
-            // An earlier attempt's answer is not this one's.
-            match self.facts.restore(id, generation, n).filter(|r| r.request == request) {
-                Some(r) if !r.error.is_empty() => return Waited::Failed(n.clone(), r.error),
-                Some(r) => done.push(r),
-                None if !fleet.live(n) => return Waited::NodeGone,
-                None => missing.push(n.clone()),
+    /// Wait for every node's result of restore `generation`.
+    async fn wait_restored(&self, id: i64, generation: i64, request: i64, nodes: Vec<String>, timeout: Duration) -> Waited {
+        let fleet = &self.fleet;
+        // The agents' own deadline first, then a few intervals for their report.
+        let until = Instant::now() + timeout + fleet.base * 10;
+        loop {
+            let changed = self.facts.changed();
+            let mut done = vec![];
+            let mut missing = vec![];
+            for n in &nodes {
+                // An earlier attempt's answer is not this one's.
+                match self.facts.restore(id, generation, n).filter(|r| r.request == request) {
+                    Some(r) if !r.error.is_empty() => return Waited::Failed(n.clone(), r.error),
+                    Some(r) => done.push(r),
+                    None if !fleet.live(n) => return Waited::NodeGone,
+                    None => missing.push(n.clone()),
+                }
             }
+            if missing.is_empty() {
+                return Waited::Done(done);
+            }
+            if Instant::now() >= until {
+                return Waited::TimedOut(missing);
+            }
+            let _ = tokio::time::timeout(fleet.base, changed).await;
         }
-        if missing.is_empty() {
-            return Waited::Done(done);
+    }
+
+    /// The next launch, from `restored` (the step and every node's result) when there is one.
+    #[allow(clippy::too_many_arguments)]
+    async fn relaunch(
+        &self,
+        id: i64,
+        plan: &str,
+        ranks: &[crate::store::RankAssignment],
+        restored: Option<(i64, &[RestoreResult])>,
+        began: Instant,
+        transfer_s: f64,
+    ) -> Result<()> {
+        let (store, fleet) = (&self.store, &self.fleet);
+        let generation = store.start_generation_from(id, plan, ranks, restored.map(|(s, _)| s)).await?;
+        self.note_launch(id, generation).await;
+        let (mut local, mut peer, mut cloud, mut repaired, mut skipped) = (0, 0, 0, vec![], 0);
+        for r in restored.map(|(_, r)| r).unwrap_or_default() {
+            (local, peer, cloud) = (local + r.local_bytes, peer + r.peer_bytes, cloud + r.cloud_bytes);
+            repaired.extend(r.repaired.iter().cloned());
+            skipped += r.skipped;
         }
-        if Instant::now() >= until {
-            return Waited::TimedOut(missing);
-        }
-        let _ = tokio::time::timeout(fleet.base, changed).await;
+        let done = json!({
+            "step": restored.map(|(s, _)| s),
+            "transfer_s": transfer_s,
+            "total_s": began.elapsed().as_secs_f64(),
+            "bytes": {"local": local, "peer": peer, "cloud": cloud},
+            "repaired": repaired,
+            // Files already in place that verified (a restore resumed after a failover).
+            "skipped": skipped,
+        });
+        store.record_event(Some(id), Some(generation), "recovery_done", &done.to_string()).await?;
+        self.facts.forget_restores(id);
+        launch::send_out(store, fleet, id, generation).await
     }
 }
-
-/// The next launch, from `restored` (the step and every node's result) when there is one.
-#[allow(clippy::too_many_arguments)]
-async fn relaunch(
-    &self,
-    id: i64,
-    plan: &str,
-    ranks: &[crate::store::RankAssignment],
-    restored: Option<(i64, &[RestoreResult])>,
-    began: Instant,
-    transfer_s: f64,
-) -> Result<()> {
-    let (store, fleet) = (&self.store, &self.fleet);
-    let generation = store.start_generation_from(id, plan, ranks, restored.map(|(s, _)| s)).await?;
-    self.note_launch(id, generation).await;
-    let (mut local, mut peer, mut cloud, mut repaired, mut skipped) = (0, 0, 0, vec![], 0);
-    for r in restored.map(|(_, r)| r).unwrap_or_default() {
-        (local, peer, cloud) = (local + r.local_bytes, peer + r.peer_bytes, cloud + r.cloud_bytes);
-        repaired.extend(r.repaired.iter().cloned());
-        skipped += r.skipped;
-    }
-    let done = json!({
-        "step": restored.map(|(s, _)| s),
-        "transfer_s": transfer_s,
-        "total_s": began.elapsed().as_secs_f64(),
-        "bytes": {"local": local, "peer": peer, "cloud": cloud},
-        "repaired": repaired,
-        // Files already in place that verified (a restore resumed after a failover).
-        "skipped": skipped,
-    });
-    store.record_event(Some(id), Some(generation), "recovery_done", &done.to_string()).await?;
-    self.facts.forget_restores(id);
-    launch::send_out(store, fleet, id, generation).await
-}
-}
-
 
 /// How long a restore whose schedule takes `expected_s` may take: 4 times that plus 10 base
 /// intervals, at least a minute, at most a day.
@@ -237,8 +237,6 @@ enum Waited {
     Failed(String, String),
     TimedOut(Vec<String>),
 }
-
-
 
 async fn fail(store: &Store, fleet: &Fleet, id: i64, generation: i64, reason: &str) -> Result<()> {
     tracing::warn!(job = id, "{reason}");

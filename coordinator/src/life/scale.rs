@@ -16,77 +16,77 @@ use crate::store::{JobRecord, RecoveryCause};
 /// restores that step.
 impl Life {
     pub(super) async fn scale_up(&self, jobs: &[JobRecord]) -> Result<()> {
-    let (store, fleet) = (&self.store, &*self.fleet);
-    let running: Vec<&JobRecord> = jobs.iter().filter(|j| j.state == JobState::Running).collect();
-    {
-        let launched = jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running));
-        let keep: HashSet<(i64, i64)> = launched.map(|j| (j.id, j.generation)).collect();
-        self.scale.lock().expect("scale").retain(|k, _| keep.contains(k));
-    }
-    if running.is_empty() {
-        return Ok(());
-    }
-    let nodes = store.nodes().await?;
-    for j in running {
-        let Ok(spec) = serde_json::from_str::<JobSpec>(&j.spec) else { continue };
-        if spec.checkpoint.is_none() || spec.plan.is_some() {
-            continue; // nothing to resume from, or a plan the job carries (never re-planned)
+        let (store, fleet) = (&self.store, &*self.fleet);
+        let running: Vec<&JobRecord> = jobs.iter().filter(|j| j.state == JobState::Running).collect();
+        {
+            let launched = jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running));
+            let keep: HashSet<(i64, i64)> = launched.map(|j| (j.id, j.generation)).collect();
+            self.scale.lock().expect("scale").retain(|k, _| keep.contains(k));
         }
-        let live = usable_nodes(&nodes, fleet, &spec);
-        let key = (j.id, j.generation);
-        let seen = *self.scale.lock().expect("scale").entry(key).or_insert((live, None));
-        if live < seen.0 {
-            self.scale.lock().expect("scale").insert(key, (live, None));
-            continue;
+        if running.is_empty() {
+            return Ok(());
         }
-        if live == seen.0 {
-            continue;
-        }
-        let ranks = store.ranks(j.id, j.generation).await?;
-        if spec.resources.gpus.is_some_and(|g| ranks.len() as u32 >= g) {
-            continue; // already at its GPU budget
-        }
-        let newest = crate::checkpoints::newest_complete(store, j.id).await?;
-        match seen.1 {
-            None => {
-                self.scale.lock().expect("scale").insert(key, (seen.0, Some(newest)));
+        let nodes = store.nodes().await?;
+        for j in running {
+            let Ok(spec) = serde_json::from_str::<JobSpec>(&j.spec) else { continue };
+            if spec.checkpoint.is_none() || spec.plan.is_some() {
+                continue; // nothing to resume from, or a plan the job carries (never re-planned)
             }
-            Some(then) if newest > then => {
-                // Only if the planner would use more GPUs now: otherwise the restart buys nothing,
-                // and the launch's node count is what it is compared with from here on.
-                let taken = crate::planning::taken(store, fleet, jobs).await?;
-                let more = match crate::planning::plan_for_recovery(store, fleet, j, &taken).await {
-                    Ok((_, new_ranks)) => {
-                        if new_ranks.len() <= ranks.len() {
-                            tracing::info!(
-                                job = j.id,
-                                "no scale-up: with {live} live nodes the planner gives it {} GPUs, it has {}",
-                                new_ranks.len(),
-                                ranks.len()
-                            );
+            let live = usable_nodes(&nodes, fleet, &spec);
+            let key = (j.id, j.generation);
+            let seen = *self.scale.lock().expect("scale").entry(key).or_insert((live, None));
+            if live < seen.0 {
+                self.scale.lock().expect("scale").insert(key, (live, None));
+                continue;
+            }
+            if live == seen.0 {
+                continue;
+            }
+            let ranks = store.ranks(j.id, j.generation).await?;
+            if spec.resources.gpus.is_some_and(|g| ranks.len() as u32 >= g) {
+                continue; // already at its GPU budget
+            }
+            let newest = crate::checkpoints::newest_complete(store, j.id).await?;
+            match seen.1 {
+                None => {
+                    self.scale.lock().expect("scale").insert(key, (seen.0, Some(newest)));
+                }
+                Some(then) if newest > then => {
+                    // Only if the planner would use more GPUs now: otherwise the restart buys nothing,
+                    // and the launch's node count is what it is compared with from here on.
+                    let taken = crate::planning::taken(store, fleet, jobs).await?;
+                    let more = match crate::planning::plan_for_recovery(store, fleet, j, &taken).await {
+                        Ok((_, new_ranks)) => {
+                            if new_ranks.len() <= ranks.len() {
+                                tracing::info!(
+                                    job = j.id,
+                                    "no scale-up: with {live} live nodes the planner gives it {} GPUs, it has {}",
+                                    new_ranks.len(),
+                                    ranks.len()
+                                );
+                            }
+                            new_ranks.len() > ranks.len()
                         }
-                        new_ranks.len() > ranks.len()
+                        Err(e) => {
+                            tracing::info!(job = j.id, "no scale-up: {e}");
+                            false
+                        }
+                    };
+                    if !more {
+                        self.scale.lock().expect("scale").insert(key, (live, None));
+                        continue;
                     }
-                    Err(e) => {
-                        tracing::info!(job = j.id, "no scale-up: {e}");
-                        false
+                    let reason =
+                        format!("{} live nodes can take it (it was launched when {} were); scaling up from step {newest}", live, seen.0);
+                    if store.begin_recovery(j.id, j.generation, RecoveryCause::ScaleUp, 0, &reason).await.is_ok() {
+                        tracing::info!(job = j.id, "{reason}");
+                        crate::launch::stop_job(store, fleet, j.id, j.generation, "scaling up").await;
+                        self.kick.notify_one();
                     }
-                };
-                if !more {
-                    self.scale.lock().expect("scale").insert(key, (live, None));
-                    continue;
                 }
-                let reason =
-                    format!("{} live nodes can take it (it was launched when {} were); scaling up from step {newest}", live, seen.0);
-                if store.begin_recovery(j.id, j.generation, RecoveryCause::ScaleUp, 0, &reason).await.is_ok() {
-                    tracing::info!(job = j.id, "{reason}");
-                    crate::launch::stop_job(store, fleet, j.id, j.generation, "scaling up").await;
-                    self.kick.notify_one();
-                }
+                Some(_) => {}
             }
-            Some(_) => {}
         }
+        Ok(())
     }
-    Ok(())
-}
 }

@@ -199,7 +199,9 @@ impl Control for ControlService {
         self.admit(&req)?;
         let request = req.into_inner().request;
         let run = crate::profiling::run(&self.store, &self.fleet, request).await.map_err(status_of)?.ok_or_else(|| {
-            status_of(crate::CoordinatorError::not_found(format!("profile run {request} (ended runs are kept for a while: motley profile runs)")))
+            status_of(crate::CoordinatorError::not_found(format!(
+                "profile run {request} (ended runs are kept for a while: motley profile runs)"
+            )))
         })?;
         Ok(Response::new(profile_run(run)))
     }

@@ -264,14 +264,16 @@ impl Store {
             RunState::Stored { profile } => ("stored", Some(*profile), None),
             RunState::Failed { reason } => ("failed", None, Some(reason.as_str())),
         };
-        sqlx::query("UPDATE profile_runs SET state = $2, profile = $3, reason = $4, ended_ms = $5 WHERE request = $1 AND state = 'running'")
-            .bind(request)
-            .bind(name)
-            .bind(profile)
-            .bind(reason)
-            .bind(now_ms())
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "UPDATE profile_runs SET state = $2, profile = $3, reason = $4, ended_ms = $5 WHERE request = $1 AND state = 'running'",
+        )
+        .bind(request)
+        .bind(name)
+        .bind(profile)
+        .bind(reason)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
         self.profile_run(request).await
     }
 
@@ -285,7 +287,8 @@ impl Store {
 
     /// Every run kept, newest first.
     pub async fn profile_runs(&self) -> Result<Vec<ProfileRun>> {
-        let rows = sqlx::query(concat!("SELECT ", run_columns!(), " FROM profile_runs ORDER BY request DESC")).fetch_all(&self.pool).await?;
+        let rows =
+            sqlx::query(concat!("SELECT ", run_columns!(), " FROM profile_runs ORDER BY request DESC")).fetch_all(&self.pool).await?;
         rows.iter().map(run_of).collect()
     }
 
@@ -310,7 +313,8 @@ impl Store {
 
     /// The runs going on now (their GPUs take no job meanwhile; their nodes take no other run).
     pub async fn running_profile_runs(&self) -> Result<Vec<ProfileRun>> {
-        let rows = sqlx::query(concat!("SELECT ", run_columns!(), " FROM profile_runs WHERE state = 'running'")).fetch_all(&self.pool).await?;
+        let rows =
+            sqlx::query(concat!("SELECT ", run_columns!(), " FROM profile_runs WHERE state = 'running'")).fetch_all(&self.pool).await?;
         rows.iter().map(run_of).collect()
     }
 
