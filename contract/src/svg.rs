@@ -237,8 +237,8 @@ pub fn sync_and_optimizer(fwd: &[f64], bwd: &[f64], hops: &[f64], m: u32, it: f6
     let latency = busy.iter().sum::<f64>() + hops.iter().sum::<f64>();
     let hop = |i: usize| hops.get(i).copied().unwrap_or(0.0);
     let mut overlapped = busy.iter().copied().chain(hops.iter().copied()).fold(0.0, f64::max);
-    for s in 0..busy.len() {
-        let mut round_trip = busy[s];
+    for (s, &first) in busy.iter().enumerate() {
+        let mut round_trip = first;
         for (t, &busy_t) in busy.iter().enumerate().skip(s + 1) {
             round_trip += hop(t - 1) + busy_t;
             overlapped = overlapped.max(round_trip / (t - s + 1) as f64);
