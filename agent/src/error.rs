@@ -15,8 +15,8 @@ pub enum AgentError {
     #[error("discovery: {0}; declare the node's hardware with --inventory FILE (a cluster-file node entry) instead")]
     Discovery(String),
     /// The log service's certificate or key (`--tls-cert`, `--tls-key`) is missing or unusable.
-    #[error("{flag}: {message}")]
-    Tls { flag: &'static str, message: String },
+    #[error(transparent)]
+    Tls(#[from] motley_contract::serve::TlsError),
     /// A file or directory under the work directory.
     #[error("{what} {}: {err}", path.display())]
     Io { what: &'static str, path: PathBuf, err: std::io::Error },

@@ -29,6 +29,7 @@ mod tests {
         assert_eq!(bearer("bearer abc"), Some("abc"));
         assert_eq!(bearer("bearer  abc "), Some("abc"));
         assert_eq!(bearer("BEARER abc"), Some("abc"));
+        assert_eq!(bearer("bEARER abc"), Some("abc"));
         assert_eq!(bearer("Basic abc"), None);
         assert_eq!(bearer("Bearerabc"), None);
         assert!(same_secret("abc", "abc"));

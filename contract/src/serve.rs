@@ -114,25 +114,28 @@ mod tests {
 
     #[test]
     fn both_files_or_neither_and_the_error_names_the_missing_one() {
-        assert_eq!(TlsFiles::from_flags(None, None), Ok(None));
-        let e = TlsFiles::from_flags(Some("c.pem".into()), None).unwrap_err();
+        assert_eq!(TlsFiles::from_flags(None, None).unwrap(), None);
+        let (c, k) = (PathBuf::from("c.pem"), PathBuf::from("k.pem"));
+        assert_eq!(TlsFiles::from_flags(Some(c.clone()), Some(k.clone())).unwrap(), Some(TlsFiles { cert: c.clone(), key: k.clone() }));
+        let e = TlsFiles::from_flags(Some(c), None).unwrap_err();
         assert_eq!(e.flag, "--tls-key");
-        let e = TlsFiles::from_flags(None, Some("k.pem".into())).unwrap_err();
+        assert!(e.to_string().starts_with("--tls-key: --tls-cert needs its private key"), "{e}");
+        let e = TlsFiles::from_flags(None, Some(k)).unwrap_err();
         assert_eq!(e.flag, "--tls-cert");
+        assert!(e.to_string().starts_with("--tls-cert: --tls-key needs its certificate chain"), "{e}");
     }
 
     #[test]
     fn unreadable_or_wrong_files_name_the_flag() {
+        let files = TlsFiles { cert: "/nonexistent/cert.pem".into(), key: "/nonexistent/key.pem".into() };
+        let e = files.server_config().unwrap_err().to_string();
+        assert!(e.starts_with("--tls-cert: cannot read /nonexistent/cert.pem"), "{e}");
         let dir = std::env::temp_dir().join(format!("motley-serve-tls-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let files = TlsFiles { cert: dir.join("missing.pem"), key: dir.join("key.pem") };
-        let e = files.server_config().unwrap_err();
-        assert!(e.flag == "--tls-cert" && e.message.contains("cannot read"), "{e}");
-        std::fs::write(dir.join("cert.pem"), "not a certificate").unwrap();
-        std::fs::write(dir.join("key.pem"), "not a key").unwrap();
-        let files = TlsFiles { cert: dir.join("cert.pem"), key: dir.join("key.pem") };
-        let e = files.server_config().unwrap_err();
-        assert_eq!(e.flag, "--tls-cert", "{e}");
-        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::write(dir.join("empty.pem"), "not pem\n").unwrap();
+        let files = TlsFiles { cert: dir.join("empty.pem"), key: dir.join("empty.pem") };
+        let e = files.server_config().unwrap_err().to_string();
+        assert!(e.starts_with("--tls-cert:") && e.contains("no certificate in it"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -1,5 +1,5 @@
 //! Ranks' logs as people read them, fetched from the agent of the node each rank ran on (the
-//! agents serve them, `agent/src/logs.rs`, with the agents' token; an https logs URL is
+//! agents serve them, `agent/src/logs/`, with the agents' token; an https logs URL is
 //! checked against `--agent-ca-cert`): one chunk from an offset (`GET
 //! /api/v1/jobs/{id}/ranks/{rank}/logs`), or a log's tail; and a job's training curves, read
 //! from rank 0's log of each generation (`GET /api/v1/jobs/{id}/curves[.svg]`, drawn by

@@ -1,6 +1,6 @@
 """Test helpers: run `motley plan`, hand-write plans in the documented form, and start one
 local CPU process per rank of a plan with exactly the environment the Motley agent gives a
-rank (agent/src/ranks.rs), MOTLEY_NCCL_GROUPS written as agent/src/groups.rs writes it."""
+rank (agent/src/ranks/supervisor/launch.rs), MOTLEY_NCCL_GROUPS written as contract/src/groups.rs writes it."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def ranks_of(plan: dict) -> List[dict]:
 
 
 def groups_for_rank(plan: dict, node: str, gpu: int, extended: bool = True):
-    """agent/src/groups.rs `for_rank`: the rank's groups (env with node_env on top) and the
+    """contract/src/groups.rs `for_rank`: the rank's groups (env with node_env on top) and the
     settings common to all of them. `extended` adds index, gpus and layers (the newer agent)."""
     groups = []
     for i, g in enumerate(plan.get("comm_groups") or []):

@@ -4,7 +4,7 @@
 //! polls with offset + the length it got) and the log's size at the time in the
 //! `x-motley-log-size` header. An absent log is 404 with `{"error": ...}` naming job,
 //! generation and rank; with an agent token, a request without `Authorization: Bearer TOKEN`
-//! (the scheme in any case, the token compared in constant time) is 401: the coordinator
+//! (the scheme in any case, the token compared in constant time: `motley_contract::auth`, as the coordinator checks its own) is 401: the coordinator
 //! fetches with the agents' token, never the operators'. Tokens are never logged. Served over
 //! TLS with `--tls-cert`/`--tls-key` (see `tls`).
 
@@ -20,6 +20,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use serde::Deserialize;
+
+use motley_contract::auth::{bearer, same_secret};
 
 use crate::workdir::{generation_dir, rank_file};
 
@@ -79,24 +81,6 @@ async fn log(
     }
 }
 
-/// The credential of an `Authorization` value: `Bearer TOKEN`, the scheme in any case (RFC
-/// 9110), as the coordinator takes it.
-fn bearer(value: &str) -> Option<&str> {
-    let (scheme, token) = value.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-}
-
-/// Equal in a time that depends on the lengths only (an early exit would leak the token's
-/// prefix to a patient caller).
-fn same_secret(given: &str, expected: &str) -> bool {
-    let (a, b) = (given.as_bytes(), expected.as_bytes());
-    let mut diff = a.len() ^ b.len();
-    for i in 0..a.len().max(b.len()) {
-        diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0));
-    }
-    diff == 0
-}
-
 pub fn router(work_dir: PathBuf, token: Option<String>) -> Router {
     Router::new().route("/logs/{job}/{generation}/{rank}", get(log)).with_state(Arc::new(Logs { work_dir, token }))
 }
@@ -112,22 +96,5 @@ pub async fn serve(
     match tls {
         Some(config) => tls::serve(listener, router(work_dir, token), config).await,
         None => axum::serve(listener, router(work_dir, token)).await,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_bearer_scheme_is_case_insensitive_and_tokens_compare_whole() {
-        assert_eq!(bearer("Bearer abc"), Some("abc"));
-        assert_eq!(bearer("bEARER abc"), Some("abc"));
-        assert_eq!(bearer("Basic abc"), None);
-        assert_eq!(bearer("Bearerabc"), None);
-        assert!(same_secret("abc", "abc"));
-        for other in ["abd", "ab", "abcd", ""] {
-            assert!(!same_secret(other, "abc"), "{other}");
-        }
     }
 }

@@ -7,7 +7,7 @@
 //! One heartbeat stream is one agent session. Its reader never waits on the database: it
 //! renews the lease on receipt and acknowledges every `BARE_ACK_EVERY`th bare heartbeat at
 //! once (a bare heartbeat reports nothing; its ack only renews the ranks' dead-man lease, which
-//! runs 30 intervals, see agent/src/lease.rs); messages with rank
+//! runs 30 intervals, see agent/src/ranks/lease.rs); messages with rank
 //! reports (and a session's first message) go to the session's worker, which commits them in
 //! order, hands their jobs to the job's life, and acknowledges each once committed. A slow commit delays acks,
 //! never the lease.
