@@ -6,35 +6,20 @@
 //! (CI), the job names `user: nobody` and its log shows that the rank ran as nobody: the
 //! coordinator passes the job's user to the agent.
 
-use std::io::{BufRead, BufReader, Read};
+mod common;
+
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{until, Agent, Coordinator, Proc};
 
 const OPERATOR_TOKEN: &str = "operator-secret";
 const AGENT_TOKEN: &str = "agent-secret";
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "motley-agent-tls-{name}-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::scratch(&format!("motley_agent_tls_{name}"))
 }
 
 /// A test CA and a certificate it signed for 127.0.0.1: (ca, cert, key), by openssl (as
@@ -83,40 +68,26 @@ fn test_certificates(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
 
 /// A coordinator with separate operator and agent tokens (and `extra` flags), and one agent
 /// serving its logs over TLS: (coordinator, agent, REST base URL, the agent's stderr file).
-fn start(dir: &Path, extra: &[&str], cert: &Path, key: &Path) -> (Proc, Proc, String, PathBuf) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_motley-coordinator"))
-        .args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--heartbeat-ms", "500"])
-        .args(["--token", OPERATOR_TOKEN, "--agent-token", AGENT_TOKEN, "--data-dir", dir.join("data").to_str().unwrap()])
-        .args(["--master-port-base", &(10000 + (std::process::id() % 20) * 1024).to_string()])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let (mut rest, mut grpc) = (String::new(), String::new());
-    out.read_line(&mut rest).unwrap();
-    out.read_line(&mut grpc).unwrap();
-    let coordinator = Proc(child);
-    let rest = format!("http://{}", rest.trim().rsplit("http://").next().unwrap());
-    let grpc = grpc.trim().rsplit(' ').next().unwrap().to_string();
+fn start(dir: &Path, extra: &[&str], cert: &Path, key: &Path) -> (Coordinator, Proc, String, PathBuf) {
+    let port_base = common::master_port_base();
+    let mut flags = vec!["--heartbeat-ms", "500", "--token", OPERATOR_TOKEN, "--agent-token", AGENT_TOKEN];
+    flags.extend(["--master-port-base", &port_base]);
+    flags.extend(extra);
+    let coordinator = Coordinator::start(&dir.join("data"), &flags);
+    let rest = format!("http://{}", coordinator.addr);
     let agent_log = dir.join("agent.log");
     std::fs::write(dir.join("no-agent.toml"), "").unwrap();
-    let agent = Command::new(Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-agent"))
-        .args(["--coordinator", &grpc, "--token", AGENT_TOKEN, "--node", "node-0", "--inventory", "examples/nodes/a100.yaml"])
-        .args(["--shm-dir", dir.join("agent").join("shm").to_str().unwrap()])
-        .args(["--logs-listen", "127.0.0.1:0", "--work-dir", dir.join("agent").to_str().unwrap()])
+    let agent = Agent::new(&coordinator.grpc_url(), "node-0", "examples/nodes/a100.yaml", &dir.join("agent"))
+        .args(["--token", AGENT_TOKEN])
         .arg("--tls-cert")
         .arg(cert)
         .arg("--tls-key")
         .arg(key)
         .env("MOTLEY_CONFIG", dir.join("no-agent.toml"))
         .env("RUST_LOG", "info")
-        .current_dir(repo())
         .stderr(std::fs::File::create(&agent_log).unwrap())
-        .spawn()
-        .unwrap();
-    (coordinator, Proc(agent), rest, agent_log)
+        .spawn();
+    (coordinator, agent, rest, agent_log)
 }
 
 /// (status, body) of a GET, with `token` as a bearer token if given, checked against `ca`.
@@ -150,17 +121,6 @@ fn post(url: &str, body: &str) -> serde_json::Value {
     let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
     let mut resp = agent.post(url).header("Authorization", &format!("Bearer {OPERATOR_TOKEN}")).send(body).unwrap();
     serde_json::from_str(&resp.body_mut().read_to_string().unwrap()).unwrap()
-}
-
-fn until<T>(what: &str, f: impl Fn() -> Option<T>) -> T {
-    let start = Instant::now();
-    loop {
-        if let Some(t) = f() {
-            return t;
-        }
-        assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// Submit a job that prints who it runs as; wait for it to succeed: its id.

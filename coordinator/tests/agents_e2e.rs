@@ -3,43 +3,23 @@
 //! no rank process behind; an agent killed with -9 loses its lease and fails its job with the
 //! reason; jobs share the GPUs without ever sharing one, and a job waits for its share.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{Agent, Coordinator, Proc};
 use serde_json::Value;
 
 // Generous for a loaded 2-core CI machine: a lease lasts 1.5 s.
 const HEARTBEAT_MS: u64 = 500;
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 struct Cluster {
-    _coordinator: Proc,
-    rest: String,
+    coordinator: Coordinator,
     agents: Vec<Option<Proc>>,
     dir: PathBuf,
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-fn temp_dir() -> PathBuf {
-    std::env::temp_dir().join(format!(
-        "motley-agents-e2e-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
-    ))
 }
 
 fn start(agents: usize) -> Cluster {
@@ -49,57 +29,28 @@ fn start(agents: usize) -> Cluster {
 /// Agents `node-0`, `node-1`, ... with these inventory files (relative to the repository or
 /// absolute), in `dir` when given.
 fn start_with(inventories: Vec<PathBuf>, dir: Option<PathBuf>) -> Cluster {
-    let dir = dir.unwrap_or_else(temp_dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_motley-coordinator"))
-        .args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--insecure", "--heartbeat-ms", &HEARTBEAT_MS.to_string()])
-        .args(["--data-dir", dir.to_str().unwrap()])
-        // Tests run side by side on one machine (nextest: one process each): a range of
-        // rendezvous ports per process, below the ephemeral ports (32768 and up).
-        .args(["--master-port-base", &(10000 + (std::process::id() % 20) * 1024).to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let (mut rest, mut grpc) = (String::new(), String::new());
-    out.read_line(&mut rest).unwrap();
-    out.read_line(&mut grpc).unwrap();
-    let rest = rest.trim().rsplit("http://").next().unwrap().to_string();
-    let grpc = grpc.trim().rsplit(' ').next().unwrap().to_string();
-    // Built beside the coordinator by the workspace build.
-    let agent_bin = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-agent");
+    let dir = dir.unwrap_or_else(|| common::scratch("motley_agents_e2e"));
+    let heartbeat = HEARTBEAT_MS.to_string();
+    let port_base = common::master_port_base();
+    let coordinator = Coordinator::start(&dir, &["--insecure", "--heartbeat-ms", &heartbeat, "--master-port-base", &port_base]);
     let count = inventories.len();
     let agents = inventories
         .iter()
         .enumerate()
         .map(|(i, inventory)| {
-            Some(Proc(
-                Command::new(&agent_bin)
-                    .arg("--allow-root-ranks")
-                    .args(["--coordinator", &grpc, "--node", &format!("node-{i}"), "--inventory", inventory.to_str().unwrap()])
-                    .args(["--shm-dir", dir.join(format!("agent-{i}")).join("shm").to_str().unwrap()])
-                    .args(["--work-dir", dir.join(format!("agent-{i}")).to_str().unwrap(), "--logs-listen", "127.0.0.1:0"])
-                    .current_dir(repo())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .expect("motley-agent is built by `cargo nextest run --workspace`"),
-            ))
+            let node = format!("node-{i}");
+            Some(Agent::new(&coordinator.grpc_url(), &node, inventory, &dir.join(format!("agent-{i}"))).arg("--allow-root-ranks").spawn())
         })
         .collect();
-    let c = Cluster { _coordinator: Proc(child), rest, agents, dir };
+    let c = Cluster { coordinator, agents, dir };
     c.until(|c| c.get("/api/v1/nodes").as_array().unwrap().iter().filter(|n| n["live"] == true).count() == count, "agents registered");
     c
 }
 
 impl Cluster {
     fn http(&self, method: &str, path: &str, body: &str) -> Value {
-        let mut s = TcpStream::connect(&self.rest).unwrap();
-        write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
-        let mut raw = String::new();
-        s.read_to_string(&mut raw).unwrap();
-        let body = raw.split_once("\r\n\r\n").unwrap().1;
-        serde_json::from_str(body).unwrap_or_else(|_| panic!("{method} {path}: {raw}"))
+        let (_, text) = common::call(&self.coordinator.addr, None, method, path, body);
+        serde_json::from_str(&text).unwrap_or_else(|_| panic!("{method} {path}: {text}"))
     }
 
     fn get(&self, path: &str) -> Value {
@@ -107,11 +58,7 @@ impl Cluster {
     }
 
     fn until(&self, ok: impl Fn(&Cluster) -> bool, what: &str) {
-        let start = Instant::now();
-        while !ok(self) {
-            assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for: {what}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        common::until(what, || ok(self).then_some(()));
     }
 
     fn job_state(&self, id: i64) -> String {
@@ -142,7 +89,7 @@ fn ranks_get_their_environment_and_the_job_succeeds() {
     let c = start(4);
     // Every rank runs the workspace's probe: it checks the torchrun and Motley variables and
     // the plan file, and meets every other rank at MASTER_ADDR:MASTER_PORT.
-    let probe = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-rank-probe");
+    let probe = common::sibling("motley-rank-probe");
     let job = format!(
         "name: check\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {{gpus: 8}}\nrun: 'test \"$HELLO\" = world && test \"$MOTLEY_TP_RANK\" -lt \"$MOTLEY_TP_SIZE\" && test \"$MOTLEY_DP_RANK\" -lt \"$MOTLEY_DP_SIZE\" && test \"$MOTLEY_PP_RANK\" -lt \"$MOTLEY_PP_SIZE\" && grep -q kind \"$MOTLEY_NCCL_GROUPS\" && {} && echo \"rank $RANK ok\"'\nenvs: {{HELLO: world}}\n",
         probe.display()
@@ -295,7 +242,7 @@ fn a_coordinator_paused_for_4_seconds_fails_no_job() {
     c.until(|c| c.job_state(id) == "running", "the job runs");
     // A long GC, a VM migration, a slow disk: the coordinator does not run for 4 s, more than
     // its 1.5 s lease. It cannot have seen heartbeats meanwhile, so it judges no lease by them.
-    let pid = c._coordinator.0.id();
+    let pid = c.coordinator.child.id();
     signal(pid, "-STOP");
     std::thread::sleep(Duration::from_secs(4));
     signal(pid, "-CONT");
@@ -313,20 +260,12 @@ fn a_coordinator_paused_for_4_seconds_fails_no_job() {
 #[test]
 fn a_second_agent_for_a_held_node_is_refused_and_a_node_is_removed_once_free() {
     let mut c = start(1);
-    let agent_bin = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-agent");
     let grpc = c.get("/api/v1/leader")["grpc_url"].as_str().unwrap().to_string();
     // Another agent started with the same --node (its own work dir): refused, loudly, and it stops.
-    let mut second = Proc(
-        Command::new(&agent_bin)
-            .arg("--allow-root-ranks")
-            .args(["--coordinator", &grpc, "--node", "node-0", "--inventory", "examples/nodes/a100.yaml"])
-            .args(["--shm-dir", c.dir.join("impostor").join("shm").to_str().unwrap()])
-            .args(["--work-dir", c.dir.join("impostor").to_str().unwrap(), "--logs-listen", "127.0.0.1:0"])
-            .current_dir(repo())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let mut second = Agent::new(&grpc, "node-0", "examples/nodes/a100.yaml", &c.dir.join("impostor"))
+        .arg("--allow-root-ranks")
+        .stderr(Stdio::piped())
+        .spawn();
     let started = Instant::now();
     let status = loop {
         if let Some(s) = second.0.try_wait().unwrap() {
@@ -359,8 +298,7 @@ fn a_second_agent_for_a_held_node_is_refused_and_a_node_is_removed_once_free() {
 /// agree on, as the plan's comm_groups say; even a rank whose first group is NVLink-only.
 #[test]
 fn every_rank_of_a_hybrid_tp2_plan_starts_with_the_union_of_its_groups_device_lists() {
-    let dir = temp_dir();
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch("motley_agents_e2e");
     let inventory = |kind: &str, domain: &str| {
         let path = dir.join(format!("{kind}.yaml"));
         let text = format!("gpu: A100-80G\ngpus: 4\nintra: nvlink\nnics:\n  - {{name: mlx5_0, kind: {kind}, gbps: 200}}\n  - {{name: eth0, kind: ethernet, gbps: 25}}\nrdma_domain: {domain}\n");

@@ -14,34 +14,15 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
-use common::Coordinator;
+use common::{repo, Agent, Coordinator, Proc};
 use serde_json::{json, Value};
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-fn until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+/// [`common::until`], every 100 ms (each try is a WebDriver round trip).
+fn until<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
+    common::until_every(what, Duration::from_millis(100), f)
 }
 
 /// chromedriver and one browser session; both end when this is dropped.
@@ -219,8 +200,7 @@ fn base64(s: &str) -> Vec<u8> {
 }
 
 fn motley(c: &Coordinator, args: &[&str]) -> std::process::Output {
-    let bin = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley");
-    Command::new(bin)
+    Command::new(common::sibling("motley"))
         .args(args)
         .env("MOTLEY_COORDINATOR", format!("http://{}", c.addr))
         .env("MOTLEY_TOKEN", c.token.as_deref().unwrap())
@@ -233,25 +213,16 @@ fn motley(c: &Coordinator, args: &[&str]) -> std::process::Output {
 #[test]
 fn the_dashboard_shows_and_drives_the_cluster() {
     let dir = common::temp_dir();
-    let port_base = (10000 + (std::process::id() % 20) * 1024).to_string();
+    let port_base = common::master_port_base();
     let c = Coordinator::start(&dir, &["--heartbeat-ms", "500", "--master-port-base", &port_base]);
     let token = c.token.clone().expect("a generated token");
     let agent_token = c.agent_token.clone().unwrap_or_else(|| token.clone());
-    let agent_bin = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-agent");
     let _agents: Vec<Proc> = (0..2)
         .map(|i| {
-            Proc(
-                Command::new(&agent_bin)
-                    .arg("--allow-root-ranks")
-                    .args(["--coordinator", &format!("http://{}", c.grpc), "--node", &format!("node-{i}")])
-                    .args(["--inventory", "examples/nodes/a100.yaml", "--token", &agent_token, "--logs-listen", "127.0.0.1:0"])
-                    .args(["--shm-dir", dir.join(format!("agent-{i}")).join("shm").to_str().unwrap()])
-                    .args(["--work-dir", dir.join(format!("agent-{i}")).to_str().unwrap()])
-                    .current_dir(repo())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .expect("motley-agent is built by `cargo nextest run --workspace`"),
-            )
+            Agent::new(&c.grpc_url(), &format!("node-{i}"), "examples/nodes/a100.yaml", &dir.join(format!("agent-{i}")))
+                .arg("--allow-root-ranks")
+                .args(["--token", &agent_token])
+                .spawn()
         })
         .collect();
     let b = Browser::start(&dir.join("chromium-profile"));

@@ -9,38 +9,19 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::process::Command;
 
-use common::TestDb;
+use common::{sibling, Agent, Coordinator, Proc, TestDb};
 use serde_json::Value;
 
 const HEARTBEAT_MS: u64 = 300;
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 struct System {
-    _procs: Vec<Proc>,
-    rest: String,
+    coordinator: Coordinator,
+    _agents: Vec<Proc>,
     dir: PathBuf,
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-fn sibling(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name(name)
 }
 
 /// What the stand-in profiler writes: 40 ms forward and 90 ms backward per layer, the model
@@ -68,53 +49,37 @@ EOF
 "#;
 
 fn start(database_url: Option<&str>) -> System {
-    let dir = std::env::temp_dir().join(common::unique("motley_profiles_e2e"));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch("motley_profiles_e2e");
     let python = dir.join("python");
     let spec: motley_solver::ModelSpec = serde_norway::from_str(MODEL).unwrap();
     std::fs::write(&python, FAKE_PROFILER.replace("@HASH@", &motley_coordinator::profiling::model_hash(&spec))).unwrap();
     std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_motley-coordinator"));
-    cmd.args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--insecure", "--heartbeat-ms", &HEARTBEAT_MS.to_string()])
-        // Its own directory: the coordinator makes every file in its data directory private.
-        .args(["--data-dir", dir.join("coordinator").to_str().unwrap()])
-        .env_remove("MOTLEY_DATABASE_URL")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
+    let heartbeat = HEARTBEAT_MS.to_string();
+    let mut flags = vec!["--insecure", "--heartbeat-ms", &heartbeat];
     if let Some(url) = database_url {
-        cmd.args(["--database-url", url]);
+        flags.extend(["--database-url", url]);
     }
-    let mut child = cmd.spawn().unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let (mut rest, mut grpc) = (String::new(), String::new());
-    out.read_line(&mut rest).unwrap();
-    out.read_line(&mut grpc).unwrap();
-    let rest = rest.trim().rsplit("http://").next().unwrap().to_string();
-    let grpc = grpc.trim().rsplit(' ').next().unwrap().to_string();
-    let mut procs = vec![Proc(child)];
+    // Its own directory: the coordinator makes every file in its data directory private.
+    let coordinator = Coordinator::start(&dir.join("coordinator"), &flags);
+    let mut agents = vec![];
     for (i, python) in [Some(&python), None].into_iter().enumerate() {
-        let mut agent = Command::new(sibling("motley-agent"));
-        agent
-            .arg("--allow-root-ranks")
-            .args(["--coordinator", &grpc, "--node", &format!("node-{i}"), "--inventory", "examples/nodes/a100.yaml"])
-            .args(["--shm-dir", dir.join(format!("agent-{i}")).join("shm").to_str().unwrap()])
-            .args(["--work-dir", dir.join(format!("agent-{i}")).to_str().unwrap(), "--logs-listen", "127.0.0.1:0"])
-            .env_remove("MOTLEY_PYTHON")
-            .current_dir(repo())
-            .stderr(Stdio::null());
+        let mut agent =
+            Agent::new(&coordinator.grpc_url(), &format!("node-{i}"), "examples/nodes/a100.yaml", &dir.join(format!("agent-{i}")))
+                .arg("--allow-root-ranks")
+                .env_remove("MOTLEY_PYTHON");
         if let Some(p) = python {
-            agent.args(["--python", p.to_str().unwrap()]);
+            agent = agent.arg("--python").arg(p);
         }
-        procs.push(Proc(agent.spawn().expect("motley-agent is built by `cargo nextest run --workspace`")));
+        agents.push(agent.spawn());
     }
-    let s = System { _procs: procs, rest, dir };
+    let s = System { coordinator, _agents: agents, dir };
     s.until(|s| s.get("/api/v1/nodes").as_array().unwrap().iter().filter(|n| n["live"] == true).count() == 2, "agents registered");
     s
 }
 
 impl System {
     fn http(&self, method: &str, path: &str, body: &str) -> (u16, Value) {
-        let c = common::call(&self.rest, None, method, path, body);
+        let c = common::call(&self.coordinator.addr, None, method, path, body);
         (c.0, serde_json::from_str(&c.1).unwrap_or_else(|_| panic!("{method} {path}: {}", c.1)))
     }
 
@@ -123,11 +88,7 @@ impl System {
     }
 
     fn until(&self, ok: impl Fn(&System) -> bool, what: &str) {
-        let start = Instant::now();
-        while !ok(self) {
-            assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for: {what}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        common::until(what, || ok(self).then_some(()));
     }
 
     fn submit(&self, job: &str) -> i64 {
@@ -160,7 +121,7 @@ impl System {
     fn motley(&self, args: &[&str]) -> (i32, String, String) {
         let out = Command::new(sibling("motley"))
             .args(args)
-            .args(["--coordinator", &format!("http://{}", self.rest)])
+            .args(["--coordinator", &format!("http://{}", self.coordinator.addr)])
             .env_remove("MOTLEY_TOKEN")
             .env_remove("MOTLEY_OUTPUT")
             .current_dir(&self.dir)

@@ -1,7 +1,9 @@
 //! Helpers shared by the coordinator's end-to-end tests: the real `motley-coordinator` binary
-//! as a child process, plain HTTP/1.1 to its REST API, fresh PostgreSQL databases.
+//! and `motley-agent`s beside it as child processes, plain HTTP/1.1 to its REST API, polling,
+//! scratch directories, fresh PostgreSQL databases.
 #![allow(dead_code)] // each test file uses its own subset
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -29,6 +31,35 @@ pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
+/// A workspace binary (`motley`, `motley-agent`, `motley-rank-probe`): built beside the
+/// coordinator by the workspace build.
+pub fn sibling(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name(name)
+}
+
+/// Poll `f` every 50 ms until it gives a value; fails the test after 60 s naming `what`.
+pub fn until<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
+    until_every(what, Duration::from_millis(50), f)
+}
+
+/// [`until`], polling every `every`.
+pub fn until_every<T>(what: &str, every: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for: {what}");
+        std::thread::sleep(every);
+    }
+}
+
+/// `--master-port-base`: tests run side by side on one machine (nextest: one process each), so
+/// a range of rendezvous ports per process, below the ephemeral ports (32768 and up).
+pub fn master_port_base() -> String {
+    (10000 + (std::process::id() % 20) * 1024).to_string()
+}
+
 pub fn unique(prefix: &str) -> String {
     format!(
         "{prefix}_{}_{}_{}",
@@ -48,6 +79,8 @@ pub struct Coordinator {
 }
 
 impl Coordinator {
+    /// On ephemeral ports, with `extra` flags (`--insecure`, `--token`, `--heartbeat-ms`,
+    /// `--database-url`, ...); none of the flags' environment variables reach it.
     pub fn start(data_dir: &Path, extra: &[&str]) -> Coordinator {
         Coordinator::start_at(data_dir, "127.0.0.1:0", "127.0.0.1:0", extra)
     }
@@ -89,6 +122,11 @@ impl Coordinator {
         let (status, text) = self.call(method, path, body);
         assert_eq!(status, want, "{method} {path}: {text}");
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {text}"))
+    }
+
+    /// The agents' `--coordinator` URL.
+    pub fn grpc_url(&self) -> String {
+        format!("http://{}", self.grpc)
     }
 
     pub fn kill9(mut self) {
@@ -135,10 +173,67 @@ pub fn dechunk(s: &str) -> String {
 }
 
 pub fn temp_dir() -> PathBuf {
+    scratch("motley_coord")
+}
+
+/// A new, empty directory under the system's temporary directory, its name starting `prefix`.
+pub fn scratch(prefix: &str) -> PathBuf {
     // create_dir, not create_dir_all: a directory left by an earlier process is never reused.
-    let d = std::env::temp_dir().join(unique("motley_coord"));
+    let d = std::env::temp_dir().join(unique(prefix));
     std::fs::create_dir(&d).unwrap();
     d
+}
+
+/// A `motley-agent` (the one built beside the coordinator) with the flags every test gives it:
+/// `--coordinator`, `--node`, `--inventory` (relative to the repository, where it runs, or
+/// absolute), `--shm-dir WORK/shm`, `--work-dir WORK` and logs on an ephemeral port; stderr
+/// discarded unless [`Agent::stderr`] says otherwise. Add flags and environment, then spawn.
+pub struct Agent(Command);
+
+impl Agent {
+    pub fn new(coordinator: &str, node: &str, inventory: impl AsRef<Path>, work_dir: &Path) -> Agent {
+        let mut cmd = Command::new(sibling("motley-agent"));
+        cmd.args(["--coordinator", coordinator, "--node", node])
+            .arg("--inventory")
+            .arg(inventory.as_ref())
+            .arg("--shm-dir")
+            .arg(work_dir.join("shm"))
+            .arg("--work-dir")
+            .arg(work_dir)
+            .args(["--logs-listen", "127.0.0.1:0"])
+            .current_dir(repo())
+            .stderr(Stdio::null());
+        Agent(cmd)
+    }
+
+    pub fn arg(mut self, arg: impl AsRef<OsStr>) -> Agent {
+        self.0.arg(arg);
+        self
+    }
+
+    pub fn args<S: AsRef<OsStr>>(mut self, args: impl IntoIterator<Item = S>) -> Agent {
+        self.0.args(args);
+        self
+    }
+
+    pub fn env(mut self, key: &str, value: impl AsRef<OsStr>) -> Agent {
+        self.0.env(key, value);
+        self
+    }
+
+    pub fn env_remove(mut self, key: &str) -> Agent {
+        self.0.env_remove(key);
+        self
+    }
+
+    pub fn stderr(mut self, to: impl Into<Stdio>) -> Agent {
+        self.0.stderr(to);
+        self
+    }
+
+    pub fn spawn(mut self) -> Proc {
+        Proc(self.0.spawn().expect("motley-agent is built by `cargo nextest run --workspace`"))
+    }
 }
 
 pub fn wait_for_state(c: &Coordinator, id: i64, states: &[&str]) -> Value {
