@@ -444,16 +444,9 @@ impl<'a> CostModel<'a> {
 
     /// The 1F1B steady-state period of a pipeline whose stages compute `busy[i]` seconds per
     /// micro-batch (forward and backward) with hops of `hops[i]` seconds between stage i and
-    /// i+1: the slowest stage or hop when sends overlap compute, else the slowest stage with
-    /// the hops on both its sides (`PlanOptions::p2p_blocking`).
+    /// i+1 (`pipeline_period`).
     pub fn period(&self, busy: &[f64], hops: &[f64]) -> f64 {
-        let mut period: f64 = 0.0;
-        for (i, &t) in busy.iter().enumerate() {
-            let before = if i > 0 { hops[i - 1] } else { 0.0 };
-            let after = hops.get(i).copied().unwrap_or(0.0);
-            period = if self.opts.p2p_blocking { period.max(t + before + after) } else { period.max(t).max(after) };
-        }
-        period
+        pipeline_period(busy, hops, self.opts.p2p_blocking)
     }
 
     /// Peak bytes per GPU of every stage; `max_inflight` caps the micro-batches in flight.
@@ -481,6 +474,42 @@ impl<'a> CostModel<'a> {
         let (_, bw) = self.cluster.common_link(&used, &multi);
         SyncContext { replicas, rings: Rings::Shared { bw, intra: false } }
     }
+}
+
+/// The 1F1B steady-state period of a pipeline whose stages compute `busy[i]` seconds per
+/// micro-batch (forward and backward) with hops of `hops[i]` seconds between stage i and i+1
+/// (both directions: half forward, half back).
+///
+/// With blocking sends (`PlanOptions::p2p_blocking`), the slowest stage with the hops on both
+/// its sides. With sends that overlap compute, the slowest stage, the slowest hop (its link
+/// carries a micro-batch each way per period), and every window of stages `s..=t` together
+/// with the hops between them over its length `t - s + 1`: in 1F1B stage `s` starts a new
+/// micro-batch only when the backward of the one `t - s + 1` micro-batches earlier has come back
+/// from stage `t`, so each round trip through the window (every stage's forward and backward
+/// once, every hop both ways) is shared by `t - s + 1` micro-batches. When the stages of a window
+/// have less slack than its hops take, the round trip is not hidden and sets the pace: the
+/// longest such cycle of the 1F1B schedule, which the timeline drawn from the plan
+/// (`motley_contract::svg::one_f_one_b`) reaches once its warm-up is over (solver/README.md,
+/// "The cost model").
+pub fn pipeline_period(busy: &[f64], hops: &[f64], p2p_blocking: bool) -> f64 {
+    let hop = |i: usize| hops.get(i).copied().unwrap_or(0.0);
+    let mut period: f64 = 0.0;
+    for (i, &t) in busy.iter().enumerate() {
+        let before = if i > 0 { hop(i - 1) } else { 0.0 };
+        period = if p2p_blocking { period.max(t + before + hop(i)) } else { period.max(t).max(hop(i)) };
+    }
+    // A blocking period already holds every window's round trip: each stage of it pays both
+    // its hops.
+    if !p2p_blocking {
+        for s in 0..busy.len() {
+            let mut round_trip = busy[s];
+            for (t, &busy_t) in busy.iter().enumerate().skip(s + 1) {
+                round_trip += hop(t - 1) + busy_t;
+                period = period.max(round_trip / (t - s + 1) as f64);
+            }
+        }
+    }
+    period
 }
 
 /// For each hop of a replica with stages `kinds`: whether both stages are packed into one node
@@ -591,6 +620,23 @@ mod wire_and_optimizer_tests {
         let (one, two) = (cm.layer_cost(StageKind { class: 0, tp: 1, dp: 1 }, 1), cm.layer_cost(StageKind { class: 0, tp: 2, dp: 1 }, 1));
         assert_eq!((one.embed_state, one.head_state, one.head_act), (two.embed_state, two.head_state, two.head_act));
         assert_eq!(one.layer_state, 2.0 * two.layer_state, "the layers are split");
+    }
+
+    #[test]
+    fn a_hop_the_stages_cannot_hide_sets_the_period() {
+        // Two stages of 3 s and a 1 s hop: a round trip through both (3 + 1 + 3 s) carries the
+        // two micro-batches in flight, 3.5 s each; blocking sends pay the hop on each side.
+        assert_eq!(pipeline_period(&[3.0, 3.0], &[1.0], false), 3.5);
+        assert_eq!(pipeline_period(&[3.0, 3.0], &[1.0], true), 4.0);
+        // A stage with 1 s of slack hides half a second of hop: the slowest stage sets it.
+        assert_eq!(pipeline_period(&[3.0, 2.0], &[0.5], false), 3.0);
+        // The window that cannot hide its hops may be inside the pipeline: stages 1-2 of four.
+        assert_eq!(pipeline_period(&[1.0, 3.0, 3.0, 1.0], &[0.1, 2.0, 0.1], false), 4.0);
+        // The whole pipeline's round trip: (4 x 2 + 3 x 0.4) / 4.
+        assert!((pipeline_period(&[2.0; 4], &[0.4; 3], false) - 2.3).abs() < 1e-12);
+        // A hop slower than every stage still sets it alone (its link's throughput).
+        assert_eq!(pipeline_period(&[1.0, 1.0], &[5.0], false), 5.0);
+        assert_eq!(pipeline_period(&[2.0], &[], false), 2.0);
     }
 
     /// The roofline estimate of one layer's optimizer step on the cluster's GPU.
