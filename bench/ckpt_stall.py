@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checkpoint save stall (issue 15): how long `motley_torch.checkpoint.save` holds up the rank
+"""Checkpoint save stall (docs/checkpoint.md): how long `motley_torch.checkpoint.save` holds up the rank
 that calls it, against a plain memory copy of the same bytes and against the old synchronous
 save.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Motley's cost model against Espresso's measured DeepSpeed traces (issue 14, Fidelity).
+"""Motley's cost model against Espresso's measured DeepSpeed traces (BENCHMARKS.md, its fidelity section).
 
 Reads ../shared/anchors/espresso/profiles (DATA.md): operations_record.csv per pipeline rank of
 real DeepSpeed runs (bf16, activation checkpointing, 4 micro-batches). For every run below it

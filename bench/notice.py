@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Preemption notices (issue 15, docs/recovery.md "Preemption notices"): what a notice costs
+"""Preemption notices (docs/recovery.md "Preemption notices"): what a notice costs
 when none comes, and what it saves when one does.
 
 1. Overhead. The reference trainer (python -m motley_torch.train) on 4 ranks (2 stages x TP 2

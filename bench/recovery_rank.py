@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The rank program of `bench/recovery` (issue 15): a stand-in for a GPT-3 trainer's rank that
+"""The rank program of `bench/recovery` (docs/recovery.md): a stand-in for a GPT-3 trainer's rank that
 writes one checkpoint step of the right (scaled) sizes in Motley's format (docs/checkpoint.md)
 and then waits to be killed; relaunched by a recovery (MOTLEY_CKPT_RESTORE set), it checks that
 every file it needs is listed and present, and exits 0.

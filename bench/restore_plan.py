@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The restore planner's benchmarks (issue 15), through `motley restore-plan`.
+"""The restore planner's benchmarks (docs/restore.md), through `motley restore-plan`.
 
   bench/restore_plan.py autohet [--write examples/restore]   AutoHet's scenarios A, B, C for
       GPT-3 2.7B/6.7B/13B/20B: cloud-only (every rank its own shards, Varuna's way), AutoHet's

@@ -1,4 +1,4 @@
-"""Asynchronous checkpoint saves (issue 15: a save stalls the rank only for a memory copy).
+"""Asynchronous checkpoint saves (docs/checkpoint.md: a save stalls the rank only for a memory copy).
 
 In this process (a gloo world of 1, the tiny model as one TP-1 stage): an asynchronous save
 writes the same bytes as a synchronous one; the values written are those at save() even when

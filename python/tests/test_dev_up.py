@@ -1,7 +1,7 @@
 """The real system: `motley dev up` starts a coordinator (SQLite) and one motley-agent per
 node of a two-node cluster file, submits examples/jobs/train-tiny.yaml (the reference trainer
 on every rank, this venv's Python), and the job succeeds; the losses global rank 0 printed, in
-dev up's stream and in its rank log, equal the single-process run within 1e-4 (issue 14).
+dev up's stream and in its rank log, equal the single-process run within 1e-4.
 Then the same job planned from measured profiles only: the agents (given this Python,
 MOTLEY_PYTHON) run the real `python -m motley_torch.profile` when the coordinator asks, the
 coordinator stores the profiles and plans with them, and the job trains as before."""

@@ -1,4 +1,4 @@
-"""Elastic recovery through the real system (issue 15): a coordinator (SQLite) and three
+"""Elastic recovery through the real system (docs/recovery.md): a coordinator (SQLite) and three
 motley-agents as processes on loopback, the reference trainer on every rank (CPU, gloo). The
 job checkpoints every few steps into the agents' memory tier; the agents move complete steps to
 disk and upload them to a file:// cloud. One node is killed (its agent and its ranks, as a spot
