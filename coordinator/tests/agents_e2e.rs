@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Agent, Coordinator, Proc};
+use common::{signal, Agent, Coordinator, Proc};
 use serde_json::Value;
 
 // Generous for a loaded 2-core CI machine: a lease lasts 1.5 s.
@@ -225,11 +225,6 @@ fn jobs_share_the_cluster_but_never_a_gpu_and_a_job_waits_for_its_share() {
         c.http("POST", &format!("/api/v1/jobs/{id}/cancel"), "");
     }
     c.until(|_| processes_with(&marker) == 0, "every rank process is gone");
-}
-
-/// Send a signal to a process (SIGSTOP freezes it: its sockets stay open, nothing answers).
-fn signal(pid: u32, sig: &str) {
-    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success());
 }
 
 #[test]

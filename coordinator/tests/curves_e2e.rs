@@ -6,19 +6,13 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{repo, wait_for_state, Coordinator, Proc};
+use common::{wait_for_state, Agent, Coordinator};
 use serde_json::{json, Value};
 
 fn until(what: &str, mut ok: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !ok() {
-        assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    common::until_every(what, Duration::from_millis(100), || ok().then_some(()));
 }
 
 const LINES: &str = r#"[ "$RANK" = 0 ] || exit 0
@@ -34,21 +28,13 @@ printf '%s\n' '{"step": 1, "loss": 4.5, "tokens_per_s": 1000.5, "step_s": 0.25}'
 #[test]
 fn a_jobs_training_lines_come_back_as_points_and_a_picture() {
     let dir = common::temp_dir();
-    let port_base = (10000 + (std::process::id() % 20) * 1024).to_string();
+    let port_base = common::master_port_base();
     let c = Coordinator::start(&dir, &["--heartbeat-ms", "500", "--master-port-base", &port_base]);
     let agent_token = c.agent_token.clone().or_else(|| c.token.clone()).unwrap();
-    let agent_bin = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-agent");
-    let agent = Proc(
-        Command::new(&agent_bin)
-            .arg("--allow-root-ranks")
-            .args(["--coordinator", &format!("http://{}", c.grpc), "--node", "node-0"])
-            .args(["--inventory", "examples/nodes/a100.yaml", "--token", &agent_token, "--logs-listen", "127.0.0.1:0"])
-            .args(["--shm-dir", dir.join("agent/shm").to_str().unwrap(), "--work-dir", dir.join("agent").to_str().unwrap()])
-            .current_dir(repo())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("motley-agent is built by `cargo nextest run --workspace`"),
-    );
+    let agent = Agent::new(&c.grpc_url(), "node-0", "examples/nodes/a100.yaml", &dir.join("agent"))
+        .arg("--allow-root-ranks")
+        .args(["--token", &agent_token])
+        .spawn();
     until("the agent registered", || c.json("GET", "/api/v1/nodes", "", 200)[0]["live"] == true);
 
     let script = dir.join("train.sh");

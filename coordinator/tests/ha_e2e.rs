@@ -6,10 +6,9 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{temp_dir, wait_for_state, Coordinator, TestDb};
+use common::{signal, temp_dir, until, wait_for_state, Agent, Coordinator, TestDb};
 
 const NODE: &str = "gpu: A100-80G\ngpus: 8\nnics: [{name: mlx5_0, kind: ib, gbps: 200}]\nrdma_domain: lab\n";
 
@@ -55,39 +54,15 @@ fn standby_takes_over_on_one_sqlite_file() {
     failover(&dir, &dir, &["--insecure", "--heartbeat-ms", "500"]);
 }
 
-struct Agent(Child);
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn a_coordinator_killed_mid_job_loses_nothing_and_the_job_finishes() {
     let dir = temp_dir();
     let extra = ["--insecure", "--heartbeat-ms", "500"];
     let c = Coordinator::start(&dir, &extra);
     let (rest, grpc) = (c.addr.clone(), c.grpc.clone());
-    let agent_bin = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-agent");
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let _agent = Agent(
-        Command::new(agent_bin)
-            .arg("--allow-root-ranks")
-            .args(["--coordinator", &format!("http://{grpc}"), "--node", "node-0", "--inventory", "examples/nodes/a100.yaml"])
-            .args(["--shm-dir", dir.join("agent").join("shm").to_str().unwrap()])
-            .args(["--work-dir", dir.join("agent").to_str().unwrap(), "--logs-listen", "127.0.0.1:0"])
-            .current_dir(repo)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let start = Instant::now();
-    while c.json("GET", "/api/v1/nodes", "", 200)[0]["live"] != true {
-        assert!(start.elapsed() < Duration::from_secs(60), "the agent never registered");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let _agent =
+        Agent::new(&format!("http://{grpc}"), "node-0", "examples/nodes/a100.yaml", &dir.join("agent")).arg("--allow-root-ranks").spawn();
+    until("the agent registered", || (c.json("GET", "/api/v1/nodes", "", 200)[0]["live"] == true).then_some(()));
     let job = "name: long\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'sleep 4; echo done'\n";
     let id = c.json("POST", "/api/v1/jobs", job, 201)["id"].as_i64().unwrap();
     wait_for_state(&c, id, &["running"]);
@@ -113,25 +88,11 @@ fn agents_follow_the_leader_through_a_failover() {
     let a = Coordinator::start(&temp_dir(), &extra);
     let b = Coordinator::start(&temp_dir(), &extra);
     let dir = temp_dir();
-    let agent_bin = Path::new(env!("CARGO_BIN_EXE_motley-coordinator")).with_file_name("motley-agent");
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let _agent = Agent(
-        Command::new(agent_bin)
-            .arg("--allow-root-ranks")
-            .args(["--coordinator", &format!("http://{},http://{}", b.grpc, a.grpc)])
-            .args(["--node", "node-0", "--inventory", "examples/nodes/a100.yaml", "--logs-listen", "127.0.0.1:0"])
-            .args(["--shm-dir", dir.join("agent").join("shm").to_str().unwrap()])
-            .args(["--work-dir", dir.join("agent").to_str().unwrap()])
-            .current_dir(repo)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let start = Instant::now();
-    while a.json("GET", "/api/v1/nodes", "", 200).as_array().unwrap().first().is_none_or(|n| n["live"] != true) {
-        assert!(start.elapsed() < Duration::from_secs(60), "the agent never reached the leader");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let coordinators = format!("http://{},http://{}", b.grpc, a.grpc);
+    let _agent = Agent::new(&coordinators, "node-0", "examples/nodes/a100.yaml", &dir.join("agent")).arg("--allow-root-ranks").spawn();
+    until("the agent reached the leader", || {
+        a.json("GET", "/api/v1/nodes", "", 200).as_array().unwrap().first().is_some_and(|n| n["live"] == true).then_some(())
+    });
     let job = "name: long\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'sleep 3'\n";
     let id = a.json("POST", "/api/v1/jobs", job, 201)["id"].as_i64().unwrap();
     wait_for_state(&a, id, &["running"]);
@@ -186,11 +147,6 @@ async fn an_unacknowledged_launch_fails_with_the_reason() {
     assert_eq!(done["state"], "failed");
     let reason = done["reason"].as_str().unwrap();
     assert!(reason.contains("launch not acknowledged within 3000 ms") && reason.contains("mute (rank 0)"), "{reason}");
-}
-
-/// Send a signal to a process (SIGSTOP freezes it: its sockets stay open, nothing answers).
-fn signal(pid: u32, sig: &str) {
-    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success());
 }
 
 #[test]

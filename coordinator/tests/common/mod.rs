@@ -236,6 +236,11 @@ impl Agent {
     }
 }
 
+/// Send a signal to a process (SIGSTOP freezes it: its sockets stay open, nothing answers).
+pub fn signal(pid: u32, sig: &str) {
+    assert!(Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success());
+}
+
 pub fn wait_for_state(c: &Coordinator, id: i64, states: &[&str]) -> Value {
     let start = Instant::now();
     loop {
