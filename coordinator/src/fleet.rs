@@ -259,7 +259,8 @@ impl Fleet {
             for l in leases.values_mut() {
                 l.last_seen = now;
             }
-            *self.last_pause.lock().expect("pause lock") = Some((now, crate::store::now_ms()));
+            let wall_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+            *self.last_pause.lock().expect("pause lock") = Some((now, wall_ms));
             return vec![];
         }
         let dead: Vec<String> = leases.iter().filter(|(_, l)| now - l.last_seen > self.lease_length()).map(|(n, _)| n.clone()).collect();
