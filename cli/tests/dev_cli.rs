@@ -33,20 +33,30 @@ fn dev_up_runs_the_example_job_to_the_end_and_stops_everything() {
     assert_eq!(processes_with(dir.to_str().unwrap()), 0, "coordinator and agents are stopped");
 }
 
-#[test]
-fn dev_up_of_a_failing_job_exits_1() {
-    let dir = std::env::temp_dir().join(format!("motley-dev-fail-{}", std::process::id()));
+/// `motley dev up` of this cluster file and job file (written into a fresh directory named
+/// from `prefix`), its state in DIR/state: the directory and the command's output.
+fn dev_up_files(prefix: &str, cluster: &str, job: &str) -> (std::path::PathBuf, std::process::Output) {
+    let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let cluster = dir.join("one.yaml");
-    std::fs::write(&cluster, "name: one\nnodes:\n  - {name: solo, gpu: A100-80G, gpus: 2}\n").unwrap();
-    let job = dir.join("failing.yaml");
-    std::fs::write(&job, "name: failing\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'exit 7'\n").unwrap();
+    let (cluster_file, job_file) = (dir.join("cluster.yaml"), dir.join("job.yaml"));
+    std::fs::write(&cluster_file, cluster).unwrap();
+    std::fs::write(&job_file, job).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_motley"))
-        .args(["dev", "up", cluster.to_str().unwrap(), job.to_str().unwrap(), "--dir", dir.join("state").to_str().unwrap()])
+        .args(["dev", "up", cluster_file.to_str().unwrap(), job_file.to_str().unwrap(), "--dir", dir.join("state").to_str().unwrap()])
         .current_dir(repo())
         .output()
         .unwrap();
+    (dir, out)
+}
+
+#[test]
+fn dev_up_of_a_failing_job_exits_1() {
+    let (dir, out) = dev_up_files(
+        "motley-dev-fail",
+        "name: one\nnodes:\n  - {name: solo, gpu: A100-80G, gpus: 2}\n",
+        "name: failing\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'exit 7'\n",
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("job 1 failed"), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(out.status.code(), Some(1), "{text}");
@@ -57,22 +67,11 @@ fn dev_up_of_a_failing_job_exits_1() {
 /// planned on them.
 #[test]
 fn dev_up_passes_the_cluster_files_gpu_types_to_the_coordinator() {
-    let dir = std::env::temp_dir().join(format!("motley-dev-types-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let cluster = dir.join("toy.yaml");
-    std::fs::write(
-        &cluster,
+    let (dir, out) = dev_up_files(
+        "motley-dev-types",
         "name: toy\nnodes:\n  - {name: toy, gpu: Toy-GPU, gpus: 2}\ngpu_types:\n  - {name: Toy-GPU, memory_gib: 80, tflops: 100, mem_bw_gbps: 2000}\n",
-    )
-    .unwrap();
-    let job = dir.join("job.yaml");
-    std::fs::write(&job, "name: toy\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'echo toy-ok'\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_motley"))
-        .args(["dev", "up", cluster.to_str().unwrap(), job.to_str().unwrap(), "--dir", dir.join("state").to_str().unwrap()])
-        .current_dir(repo())
-        .output()
-        .unwrap();
+        "name: toy\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'echo toy-ok'\n",
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("1 agents live: toy") && text.contains("job 1 succeeded") && text.contains("toy-ok"), "{text}");

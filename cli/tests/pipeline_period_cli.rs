@@ -1,11 +1,11 @@
 //! The price of a plan's pipeline against the 1F1B schedule its picture draws
-//! (`motley_contract::svg::one_f_one_b`: every pass waits for its stage and its input, each hop
+//! (`motley_contract::timeline::one_f_one_b`: every pass waits for its stage and its input, each hop
 //! a latency on the dependencies): a slow hop's round trip that the stages cannot hide is in
 //! the price's period as in the drawing (solver/README.md, "The cost model").
 
 mod common;
 use common::json;
-use motley_contract::svg::one_f_one_b;
+use motley_contract::timeline::one_f_one_b;
 use motley_solver::cost::pipeline_period;
 
 /// (priced pipeline, drawn pipeline, micro-batches) of every replica of `motley plan ARGS`:

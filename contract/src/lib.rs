@@ -22,6 +22,7 @@ pub mod plan;
 #[cfg(feature = "serve")]
 pub mod serve;
 pub mod svg;
+pub mod timeline;
 pub mod views;
 
 pub use groups::{for_rank, RankGroup};

@@ -489,28 +489,9 @@ impl<'a> CostModel<'a> {
 /// once, every hop both ways) is shared by `t - s + 1` micro-batches. When the stages of a window
 /// have less slack than its hops take, the round trip is not hidden and sets the pace: the
 /// longest such cycle of the 1F1B schedule, which the timeline drawn from the plan
-/// (`motley_contract::svg::one_f_one_b`) reaches once its warm-up is over (solver/README.md,
-/// "The cost model").
-pub fn pipeline_period(busy: &[f64], hops: &[f64], p2p_blocking: bool) -> f64 {
-    let hop = |i: usize| hops.get(i).copied().unwrap_or(0.0);
-    let mut period: f64 = 0.0;
-    for (i, &t) in busy.iter().enumerate() {
-        let before = if i > 0 { hop(i - 1) } else { 0.0 };
-        period = if p2p_blocking { period.max(t + before + hop(i)) } else { period.max(t).max(hop(i)) };
-    }
-    // A blocking period already holds every window's round trip: each stage of it pays both
-    // its hops.
-    if !p2p_blocking {
-        for s in 0..busy.len() {
-            let mut round_trip = busy[s];
-            for (t, &busy_t) in busy.iter().enumerate().skip(s + 1) {
-                round_trip += hop(t - 1) + busy_t;
-                period = period.max(round_trip / (t - s + 1) as f64);
-            }
-        }
-    }
-    period
-}
+/// (`motley_contract::timeline::one_f_one_b`) reaches once its warm-up is over (solver/README.md,
+/// "The cost model"). The formula lives beside the drawing, so the two cannot drift.
+pub use motley_contract::timeline::pipeline_period;
 
 /// For each hop of a replica with stages `kinds`: whether both stages are packed into one node
 /// (see `CostModel::hop_times`).
