@@ -53,7 +53,7 @@ impl Agent for Fake {
         }
         s.registrations.push(req.into_inner());
         let heartbeat_ms = if s.heartbeat_ms == 0 { 50 } else { s.heartbeat_ms };
-        Ok(Response::new(RegisterReply { epoch: s.registrations.len() as i64, heartbeat_ms }))
+        Ok(Response::new(RegisterReply { epoch: s.registrations.len() as i64, heartbeat_ms, ..Default::default() }))
     }
 
     type HeartbeatStream = ReceiverStream<Result<Instruction, Status>>;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use motley_agent::checkpoints::cloud::Cloud;
 use motley_agent::checkpoints::dataplane::protocol::{line, FrameHeader, Reply};
-use motley_agent::checkpoints::dataplane::{ckpt_path, serve, Arriving, DirResolver, FileKey, Pacer, Root};
+use motley_agent::checkpoints::dataplane::{ckpt_path, serve, Access, Arriving, DataKey, DirResolver, FileKey, Pacer, Root};
 use motley_agent::checkpoints::restorer::{launch_list, restore_dir, Restorer};
 use motley_checkpoint::crc::file_entry;
 use motley_checkpoint::{shard_full, Block, Dtype, Layout, Part, TensorSpec, Unit, UnitKey};
@@ -60,7 +60,9 @@ fn resolver(work: &Path) -> DirResolver {
 async fn serve_holder(work: &Path) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(serve(listener, Arc::new(resolver(work)), None, Arc::new(Pacer::unlimited())));
+    let key = DataKey::default();
+    key.set(&DATA_KEY).unwrap();
+    tokio::spawn(serve(listener, Arc::new(resolver(work)), Access::new(key, None), Arc::new(Pacer::unlimited())));
     addr
 }
 
@@ -87,10 +89,18 @@ fn range(offset: u64, bytes: u64, source: FetchSource) -> FetchRange {
     FetchRange { offset, bytes, source: Some(source), rate_mb_s: 0.0 }
 }
 
-/// `name` as the manifest has it (its good crcs), fetched as `ranges` say.
+/// The cluster's data-plane key the holders check capabilities with.
+const DATA_KEY: [u8; motley_contract::capability::KEY_BYTES] = [5; motley_contract::capability::KEY_BYTES];
+
+/// `name` as the manifest has it (its good crcs), fetched as `ranges` say, with the capability
+/// a coordinator would give it.
 fn file(name: &str, bytes: &[u8], ranges: Vec<FetchRange>, fallbacks: Vec<FetchSource>) -> RestoreFile {
     let e = file_entry(name, bytes, CHUNK);
+    let expires_unix_s = motley_contract::capability::now_unix_s() + 3600;
+    let grant =
+        motley_contract::capability::Grant { job: JOB, generation: SOURCE_GEN, step: STEP, files: vec![name.into()], expires_unix_s };
     RestoreFile {
+        capability: motley_contract::capability::mint(&DATA_KEY, &grant).unwrap(),
         source_generation: SOURCE_GEN,
         file: name.into(),
         bytes: e.bytes,

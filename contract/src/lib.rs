@@ -6,6 +6,8 @@
 //! `/etc/motley/` have one loader for every binary (`config`). A plan document is drawn as a picture
 //! (SVG) by one pure renderer (`svg`), for the CLI's `--svg` and the coordinator's `plan.svg`;
 //! rank 0's training lines (step, loss, tokens/s, eval loss) are read and drawn by `curves`.
+//! The data plane's capabilities (what a fetching agent shows a serving one) are minted and
+//! checked by `capability`, the coordinator's and the agents' one format.
 //!
 //! The solver writes the plan document (`motley_solver::report::PlanReport`; the solver uses
 //! nothing of ours), and `cli/tests/plan_cli.rs` reads every plan it makes back through
@@ -14,6 +16,7 @@
 //! writer never breaks an older reader.
 
 pub mod auth;
+pub mod capability;
 pub mod config;
 pub mod curves;
 pub mod groups;

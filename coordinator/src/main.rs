@@ -160,6 +160,14 @@ async fn main() -> anyhow::Result<()> {
     // transactions are cut.
     let idle_in_transaction = (base * leader::STALE_LEADER_INTERVALS).max(std::time::Duration::from_secs(5));
     let store = Store::open_bounded(&url, idle_in_transaction).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    // The data plane's key: fresh random bytes, kept only if the database has none yet (a
+    // standby and a restart get the one stored first).
+    let mut candidate = [0u8; motley_contract::capability::KEY_BYTES];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut candidate))
+        .context("reading /dev/urandom")?;
+    let data_plane_key = store.data_plane_key(&candidate).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    let data_plane_key = motley_coordinator::life::DataPlaneKey::from_slice(&data_plane_key).map_err(|e| anyhow::anyhow!("{e}"))?;
     let tokens = Tokens {
         operator: token(&args, args.token.as_ref(), "--token", "token")?,
         agent: token(&args, args.agent_token.as_ref(), "--agent-token", "agent-token")?,
@@ -222,6 +230,7 @@ async fn main() -> anyhow::Result<()> {
             RestoreMode::Planned => motley_coordinator::restore_plan::Mode::Planned,
             RestoreMode::CloudOnly => motley_coordinator::restore_plan::Mode::CloudOnly,
         },
+        data_plane_key: Some(data_plane_key),
     };
     let life = Life::new(store.clone(), fleet.clone(), facts.clone(), settings);
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("--listen: cannot bind {}", args.listen))?;
@@ -279,7 +288,8 @@ async fn main() -> anyhow::Result<()> {
     let _ = out.flush();
     drop(out);
     let metrics = Metrics::new(store.clone(), fleet.clone(), role.clone());
-    let agents = AgentService { store: store.clone(), fleet: fleet.clone(), facts, tokens: tokens.clone(), role: role.clone() };
+    let agents =
+        AgentService { store: store.clone(), fleet: fleet.clone(), facts, tokens: tokens.clone(), role: role.clone(), data_plane_key };
     let control =
         ControlService { store: store.clone(), fleet: fleet.clone(), life: life.clone(), role: role.clone(), tokens: tokens.clone() };
     // Agents and the control API share the gRPC port.

@@ -9,7 +9,7 @@
 //! Each topic's methods are an `impl Store` in a child: `nodes`, `jobs` (jobs, their moves,
 //! launches and plans), `ranks` (a launch's ranks, the GPUs they hold, their summary),
 //! `reports` (agents' rank reports, group-committed), `events`, `checkpoints`, `profiles`,
-//! `recovery`.
+//! `recovery`, `secrets` (the data-plane key).
 
 use serde::{Deserialize, Serialize};
 use sqlx::any::{AnyPoolOptions, AnyRow};
@@ -27,6 +27,7 @@ mod profiles;
 mod ranks;
 mod recovery;
 mod reports;
+mod secrets;
 pub use checkpoints::Holding;
 pub use events::Event;
 pub use nodes::NodeRecord;

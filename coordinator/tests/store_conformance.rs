@@ -637,3 +637,18 @@ conformance!(profile_runs_are_durable_and_a_new_leader_takes_them_over, |url: St
     assert!(s.profile_runs().await.unwrap().is_empty());
     s.close().await;
 });
+
+conformance!(the_data_plane_key_is_generated_once_and_shared, |url: String| async move {
+    let (a, b) = (Store::open(&url).await.unwrap(), Store::open(&url).await.unwrap());
+    // Two coordinators racing, each with its own random candidate: both get the one that landed.
+    let (ka, kb) = tokio::join!(a.data_plane_key(&[1; 32]), b.data_plane_key(&[2; 32]));
+    let (ka, kb) = (ka.unwrap(), kb.unwrap());
+    assert_eq!(ka, kb);
+    assert!(ka == [1; 32] || ka == [2; 32], "{ka:?}");
+    a.close().await;
+    b.close().await;
+    // A restart keeps it: capabilities minted before a failover still verify after it.
+    let s = Store::open(&url).await.unwrap();
+    assert_eq!(s.data_plane_key(&[3; 32]).await.unwrap(), ka);
+    s.close().await;
+});

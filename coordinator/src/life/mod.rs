@@ -18,6 +18,7 @@
 //! The rooms below it (`planning`, `launch`, `profiling`, `checkpoints`, `restore_plan`, `store`,
 //! `fleet`, `facts`) never call up into it.
 
+pub mod capabilities;
 pub mod notice;
 pub mod queue;
 pub mod recover;
@@ -37,6 +38,7 @@ use crate::jobspec::JobSpec;
 use crate::launch::{self, LAUNCH_INTERVALS};
 use crate::restore_plan::Mode;
 use crate::store::{JobRecord, NodeRecord, NodeState, RecoveryCause, Store};
+pub use capabilities::DataPlaneKey;
 
 /// How long, in base intervals, a new leader waits for a launched job's agents to come back.
 pub const GRACE_INTERVALS: u32 = 10;
@@ -47,11 +49,14 @@ pub struct Settings {
     /// The object store's egress, shared by all nodes (MB/s): the restore planner's cloud rate.
     pub cloud_egress_mb_s: f64,
     pub mode: Mode,
+    /// Signs the capabilities each `Restore` carries (`capabilities`); none: restores carry
+    /// none, and the agents' data planes refuse their fetches from peers.
+    pub data_plane_key: Option<DataPlaneKey>,
 }
 
 impl Default for Settings {
     fn default() -> Settings {
-        Settings { cloud_egress_mb_s: 1200.0, mode: Mode::Planned }
+        Settings { cloud_egress_mb_s: 1200.0, mode: Mode::Planned, data_plane_key: None }
     }
 }
 

@@ -94,6 +94,9 @@ impl Life {
             let timeout = restore_timeout(fleet, expected);
             for r in built.restores.values_mut() {
                 r.timeout_s = timeout.as_secs() as u32;
+                if let Some(key) = &self.settings.data_plane_key {
+                    super::capabilities::grant(r, key, motley_contract::capability::now_unix_s())?;
+                }
             }
             let p = &built.plan;
             let planned = json!({

@@ -252,6 +252,7 @@ impl Restoring<'_> {
                 ranges: planned,
                 fallbacks,
                 copies,
+                capability: String::new(), // signed by the recovery when it sends them
             });
         }
         list

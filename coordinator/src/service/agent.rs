@@ -34,6 +34,8 @@ pub struct AgentService {
     pub tokens: Tokens,
     /// Only the leader takes agents; a standby names the leader.
     pub role: Arc<crate::leader::Role>,
+    /// Handed to each agent at registration: it checks peers' capabilities with it.
+    pub data_plane_key: crate::life::DataPlaneKey,
 }
 
 #[tonic::async_trait]
@@ -70,7 +72,11 @@ impl Agent for AgentService {
                 mem_copy_mb_s: rates.mem_copy_mb_s,
             },
         );
-        Ok(Response::new(RegisterReply { epoch, heartbeat_ms: self.fleet.base.as_millis() as u64 }))
+        Ok(Response::new(RegisterReply {
+            epoch,
+            heartbeat_ms: self.fleet.base.as_millis() as u64,
+            data_plane_key: self.data_plane_key.0.to_vec(),
+        }))
     }
 
     type HeartbeatStream = ReceiverStream<Result<Instruction, Status>>;

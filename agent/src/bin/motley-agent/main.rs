@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use motley_agent::checkpoints::dataplane::{self, Arriving, DirResolver, Pacer, Resolve, Root};
+use motley_agent::checkpoints::dataplane::{self, Access, Arriving, ClientTls, DataKey, DirResolver, Pacer, Resolve, Root};
 use motley_agent::checkpoints::holdings::Holdings;
 use motley_agent::checkpoints::restorer::Restorer;
 use motley_agent::checkpoints::tiers::Tierer;
@@ -137,9 +137,16 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
     let holdings = Arc::new(Holdings::with_memory_root(supervisor.memory_root()));
     let tierer = Arc::new(Tierer::new(work_dir.clone(), supervisor.memory_root()));
     spawn_tier_passes(&tierer, &node, &supervisor);
-    let (data_url, restorer) = serve_data_plane(&args, &node, &work_dir, &tierer, supervisor.memory_root()).await?;
-    let workers =
-        Workers { supervisor: &supervisor, profiler: profiler.as_ref(), holdings: &holdings, tierer: &tierer, restorer: &restorer };
+    let data_key = DataKey::default();
+    let (data_url, restorer) = serve_data_plane(&args, &node, &work_dir, &tierer, supervisor.memory_root(), &data_key).await?;
+    let workers = Workers {
+        supervisor: &supervisor,
+        profiler: profiler.as_ref(),
+        holdings: &holdings,
+        tierer: &tierer,
+        restorer: &restorer,
+        data_key: &data_key,
+    };
     session::keep_registered(&args, &work_dir, &node, &inventory, (&logs_url, &data_url), workers, &load).await
 }
 
@@ -214,14 +221,28 @@ fn spawn_tier_passes(tierer: &Arc<Tierer>, node: &str, supervisor: &Supervisor) 
 }
 
 /// The data plane: this node's checkpoint files served to peers, paced to the node's NIC and
-/// disk; and the restorer that fetches a recovery's files through it. The data plane's address.
+/// disk, to those with a capability `data_key` verifies, over TLS where the agent has a
+/// certificate; and the restorer that fetches a recovery's files through it. The data plane's
+/// address (`tls://HOST:PORT` over TLS).
 async fn serve_data_plane(
     args: &Args,
     node: &str,
     work_dir: &Path,
     tierer: &Arc<Tierer>,
     memory_root: Option<PathBuf>,
+    data_key: &DataKey,
 ) -> anyhow::Result<(String, Restorer)> {
+    // The logs' certificate and key; peers are checked against the CA the coordinator is.
+    let tls = motley_agent::logs::tls::TlsFiles::from_flags(args.tls_cert.clone(), args.tls_key.clone())?;
+    let server_tls = tls.as_ref().map(|files| files.server_config().map(|c| dataplane::access::server_config(&c))).transpose()?;
+    let client_tls = match (&server_tls, &args.ca_cert) {
+        (None, _) => None,
+        (Some(_), Some(ca)) => {
+            let pem = std::fs::read(ca).with_context(|| format!("--ca-cert: cannot read {}", ca.display()))?;
+            Some(ClientTls::new(Some(&pem))?)
+        }
+        (Some(_), None) => Some(ClientTls::new(None)?),
+    };
     // The data plane: this node's checkpoint files to peers, paced to the node's NIC and disk.
     let rate = |mb_s: f64| Arc::new(Pacer::new(mb_s * 1e6));
     let (nic_out, nic_in, disk) = (rate(args.ckpt_nic_mb_s), rate(args.ckpt_nic_mb_s), rate(args.ckpt_disk_mb_s));
@@ -237,9 +258,10 @@ async fn serve_data_plane(
         }
         Err(e) => return Err(e).with_context(|| format!("--data-listen {}: cannot listen", args.data_listen)),
     };
-    let data_url = format!("{}:{}", args.address, data.local_addr()?.port());
+    let scheme = if server_tls.is_some() { dataplane::access::TLS_SCHEME } else { "" };
+    let data_url = format!("{scheme}{}:{}", args.address, data.local_addr()?.port());
     tracing::info!(node = %node, "checkpoint data plane at {data_url}");
-    tokio::spawn(dataplane::serve(data, resolver.clone(), args.token.clone(), nic_out));
-    let restorer = Restorer::new(work_dir, node, args.token.clone(), resolver, arriving, nic_in, disk).with_tierer(tierer.clone());
+    tokio::spawn(dataplane::serve(data, resolver.clone(), Access::new(data_key.clone(), server_tls), nic_out));
+    let restorer = Restorer::new(work_dir, node, client_tls, resolver, arriving, nic_in, disk).with_tierer(tierer.clone());
     Ok((data_url, restorer))
 }

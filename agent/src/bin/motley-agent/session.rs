@@ -107,6 +107,8 @@ pub(crate) struct Workers<'a> {
     pub(crate) holdings: &'a std::sync::Arc<Holdings>,
     pub(crate) tierer: &'a std::sync::Arc<Tierer>,
     pub(crate) restorer: &'a Restorer,
+    /// The data plane's key, from each registration (in memory only).
+    pub(crate) data_key: &'a motley_agent::checkpoints::dataplane::DataKey,
 }
 
 /// One session: register (a new epoch), then heartbeat until the stream breaks.
@@ -157,6 +159,10 @@ async fn session_inner(
     };
     let (mut client, reply) = register(&args.coordinator, ca.as_deref(), request).await?;
     let epoch = reply.epoch;
+    // Until the first one, the data plane refuses every request; a later one replaces it.
+    if let Err(e) = workers.data_key.set(&reply.data_plane_key) {
+        tracing::warn!(node = %node, "{e}; peers' fetches from this node are refused");
+    }
     let interval = Duration::from_millis(reply.heartbeat_ms.max(10));
     tracing::info!(node = %node, epoch, "registered; heartbeat every {} ms", interval.as_millis());
     // A lease that ran out while this agent was cut off must not stop the ranks a launch of
@@ -247,7 +253,7 @@ async fn heartbeat(
     interval: Duration,
     workers: Workers<'_>,
 ) -> Ended {
-    let Workers { supervisor, profiler, holdings, tierer, restorer } = workers;
+    let Workers { supervisor, profiler, holdings, tierer, restorer, .. } = workers;
     let mut inbound = match client.heartbeat(request).await {
         Ok(r) => r.into_inner(),
         Err(s) => return heartbeat_refused(&s),

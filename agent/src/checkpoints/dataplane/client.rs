@@ -1,4 +1,5 @@
-//! Fetches checkpoint files, or ranges of them, from a peer's data plane.
+//! Fetches checkpoint files, or ranges of them, from a peer's data plane: over TLS when this
+//! agent has TLS (and then only over TLS), each request with the file's capability.
 
 use std::fs::File;
 use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
@@ -10,6 +11,7 @@ use motley_checkpoint::FileEntry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
+use super::access::{ClientTls, Stream, TLS_SCHEME};
 use super::pace::{take_all, Pacer};
 use super::protocol::{
     check_file_name, check_ranges, line, read_line, FileKey, FrameHeader, Reply, Request, Transport, FRAME_HEADER_BYTES, FRAME_MAX, VERSION,
@@ -19,9 +21,13 @@ use crate::error::AgentError;
 /// One peer to fetch from, and how.
 #[derive(Clone, Copy, Debug)]
 pub struct Peer<'a> {
-    /// `host:port` of the peer's data plane.
+    /// The peer's data plane as it registered it: `HOST:PORT`, or `tls://HOST:PORT`.
     pub addr: &'a str,
-    pub token: Option<&'a str>,
+    /// The file's capability (`RestoreFile.capability`); `None`: the peer refuses the fetch.
+    pub capability: Option<&'a str>,
+    /// This agent's TLS client, given where the agent has TLS: then only `tls://` peers are
+    /// fetched from (never plain TCP), else only plain ones.
+    pub tls: Option<&'a ClientTls>,
     pub transport: Transport,
     /// Pacers on this node's side (its NIC ingress, the restore's share); the peer paces too.
     pub pacers: &'a [Arc<Pacer>],
@@ -31,14 +37,14 @@ pub struct Peer<'a> {
     pub timeout: Duration,
 }
 
-/// Fetches `ranges` of `key` from the peer at `addr` over TCP into `dest`, each frame at its
+/// Fetches `ranges` of `key` from the peer at `addr` over plain TCP into `dest`, each frame at its
 /// offset; returns the bytes received. Every frame's crc32c is checked on arrival and every
 /// requested byte must arrive exactly once; on any error the ranges' bytes in `dest` are not
 /// to be trusted: fetch them from another holder.
 #[allow(clippy::too_many_arguments)] // the signature the restore flow was written against; `Peer` groups them
 pub async fn fetch(
     addr: &str,
-    token: Option<&str>,
+    capability: Option<&str>,
     key: &FileKey,
     ranges: &[(u64, u64)],
     dest: &File,
@@ -46,15 +52,15 @@ pub async fn fetch(
     rate_bytes_s: Option<f64>,
     timeout: Duration,
 ) -> Result<u64, AgentError> {
-    Peer { addr, token, transport: Transport::Tcp, pacers, rate_bytes_s, timeout }.fetch(key, ranges, dest).await
+    Peer { addr, capability, tls: None, transport: Transport::Tcp, pacers, rate_bytes_s, timeout }.fetch(key, ranges, dest).await
 }
 
-/// Fetches the whole of `key` over TCP to `path`, which ends up holding exactly the copy the
+/// Fetches the whole of `key` over plain TCP to `path`, which ends up holding exactly the copy the
 /// manifest's `entry` describes or nothing: see `Peer::fetch_to_path`.
 #[allow(clippy::too_many_arguments)] // as `fetch`
 pub async fn fetch_to_path(
     addr: &str,
-    token: Option<&str>,
+    capability: Option<&str>,
     key: &FileKey,
     entry: &FileEntry,
     path: &Path,
@@ -62,7 +68,7 @@ pub async fn fetch_to_path(
     rate_bytes_s: Option<f64>,
     timeout: Duration,
 ) -> Result<u64, AgentError> {
-    Peer { addr, token, transport: Transport::Tcp, pacers, rate_bytes_s, timeout }.fetch_to_path(key, entry, path).await
+    Peer { addr, capability, tls: None, transport: Transport::Tcp, pacers, rate_bytes_s, timeout }.fetch_to_path(key, entry, path).await
 }
 
 impl Peer<'_> {
@@ -132,18 +138,11 @@ impl Peer<'_> {
         if self.transport == Transport::Rdma && !cfg!(feature = "rdma") {
             return Err(self.error(key, "this agent was built without RDMA (cargo feature rdma); use tcp".into()));
         }
-        let stream = match tokio::time::timeout(self.timeout, TcpStream::connect(self.addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
-                return Err(self.error(key, format!("cannot connect: {e}; is the peer's agent up and its data plane port reachable?")))
-            }
-            Err(_) => return Err(self.error(key, format!("no connection within {:?}; is the peer reachable?", self.timeout))),
-        };
-        let _ = stream.set_nodelay(true);
+        let stream = self.connect().await.map_err(|e| self.error(key, e))?;
         let mut reader = BufReader::new(stream);
         let request = Request {
             v: VERSION,
-            token: self.token.map(Into::into),
+            capability: self.capability.map(Into::into),
             job: key.job,
             generation: key.generation,
             step: key.step,
@@ -152,7 +151,13 @@ impl Peer<'_> {
             rate_bytes_s: self.rate_bytes_s,
             transport: self.transport,
         };
-        self.io(key, "sending the request", reader.get_mut().write_all(&line(&request))).await?;
+        let sent = async {
+            // Flushed: over TLS the line may otherwise wait in the session's buffer.
+            let stream = reader.get_mut();
+            stream.write_all(&line(&request)).await?;
+            stream.flush().await
+        };
+        self.io(key, "sending the request", sent).await?;
         let reply = self.io(key, "reading the reply", read_line(&mut reader)).await?;
         let reply: Reply = match reply.as_deref().map(serde_json::from_str) {
             Some(Ok(r)) => r,
@@ -178,7 +183,7 @@ impl Peer<'_> {
             {
                 // The server sends nothing after its reply line on its own, so the buffer is empty.
                 let mut stream = reader.into_inner();
-                return crate::checkpoints::rdma::fetch(&mut stream, ranges, dest).await;
+                return crate::checkpoints::rdma::fetch(&mut *stream, ranges, dest).await;
             }
         }
         self.receive(key, ranges, dest, &mut reader).await
@@ -190,7 +195,7 @@ impl Peer<'_> {
         key: &FileKey,
         ranges: &[(u64, u64)],
         dest: &File,
-        reader: &mut BufReader<TcpStream>,
+        reader: &mut BufReader<Box<dyn Stream>>,
     ) -> Result<u64, AgentError> {
         let dest = Arc::new(dest.try_clone().map_err(|e| self.error(key, format!("the destination file: {e}")))?);
         let pacers: Vec<&Pacer> = self.pacers.iter().map(|p| &**p).collect();
@@ -251,6 +256,34 @@ impl Peer<'_> {
             ));
         }
         Ok(received)
+    }
+
+    /// A connection to the peer: TCP, then TLS where `self.tls` is given. The peer's scheme
+    /// must match: a TLS agent never falls back to plain TCP (its capabilities would cross the
+    /// network in the clear), and a plain one cannot check a TLS peer.
+    async fn connect(&self) -> Result<Box<dyn Stream>, String> {
+        let (tls, hostport) = match (self.addr.strip_prefix(TLS_SCHEME), self.tls) {
+            (Some(hostport), Some(tls)) => (Some(tls), hostport),
+            (None, None) => (None, self.addr),
+            (Some(_), None) => {
+                return Err("the peer serves its data plane over TLS and this agent has no TLS: give it --tls-cert/--tls-key (and --ca-cert, the CA that signed the agents' certificates)".into())
+            }
+            (None, Some(_)) => {
+                return Err("the peer serves its data plane without TLS and this agent fetches over TLS only: give every agent --tls-cert/--tls-key".into())
+            }
+        };
+        let tcp = match tokio::time::timeout(self.timeout, TcpStream::connect(hostport)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(format!("cannot connect: {e}; is the peer's agent up and its data plane port reachable?")),
+            Err(_) => return Err(format!("no connection within {:?}; is the peer reachable?", self.timeout)),
+        };
+        let _ = tcp.set_nodelay(true);
+        let Some(tls) = tls else { return Ok(Box::new(tcp)) };
+        let host = hostport.rsplit_once(':').map_or(hostport, |(host, _)| host);
+        match tokio::time::timeout(self.timeout, tls.connect(host, tcp)).await {
+            Ok(connected) => connected,
+            Err(_) => Err(format!("no TLS handshake within {:?}; the peer stalled", self.timeout)),
+        }
     }
 
     /// Runs `op` with the idle timeout, naming `what` was under way if it fails.

@@ -4,19 +4,29 @@
 //!
 //! # Protocol, version 1 (a contract between agents of one Motley version)
 //!
-//! One TCP connection per request.
+//! One TCP connection per request; over TLS (the agent's `--tls-cert`/`--tls-key`, ALPN
+//! `motley-data/1`) wherever the agent has a certificate, and then only over TLS: its
+//! `data_url` is `tls://HOST:PORT`, a plain-TCP client fails the handshake, and its own
+//! fetches never fall back to plain TCP. A server takes at most `server::MAX_CONNECTIONS`
+//! connections at once (the rest wait, unread, in the listen queue), and each must bring its
+//! handshake and request line within `server::REQUEST_TIMEOUT`.
 //!
 //! 1. The client sends one JSON line (at most 64 KiB, newline-terminated), then nothing until
 //!    the reply:
-//!    `{"v":1,"token":"...","job":J,"generation":G,"step":S,"file":"NAME","ranges":[[offset,len],...],"rate_bytes_s":R|null,"transport":"tcp"|"rdma"}`.
+//!    `{"v":1,"capability":"...","job":J,"generation":G,"step":S,"file":"NAME","ranges":[[offset,len],...],"rate_bytes_s":R|null,"transport":"tcp"|"rdma"}`.
 //!    `generation` is the launch that wrote the file; `file` its name in the step directory,
 //!    spelled as docs/checkpoint.md spells it (a unit, `rank.RRRRR.safetensors`,
 //!    `manifest.rank.RRRRR.json`, `manifest.json`); ranges are non-empty, do not overlap, at
 //!    most 1024; `rate_bytes_s` the flow's planned rate (null: unpaced but for the server's
-//!    own pacers); `token` null when the server needs none.
+//!    own pacers); `capability` the file's capability from its `RestoreFile` (never the agent's
+//!    own token: docs/recovery.md, "Who may fetch"). The server checks it against the cluster's
+//!    data-plane key before anything else: signed by the coordinator, not expired, and for this
+//!    job, generation, step and file; a server without the key (not yet registered) refuses
+//!    every request.
 //! 2. The server answers one JSON line: `{"ok":true,"bytes":FILE_LEN}`, or
 //!    `{"ok":false,"error":"..."}` naming the file and why (not held here, a range beyond the
-//!    file's length, bad token, unknown version, no RDMA) and closes the connection.
+//!    file's length, no or a wrong capability, unknown version, no RDMA) and closes the
+//!    connection.
 //! 3. Over `tcp`, the server then sends, for each range in the order asked, frames
 //!    `offset u64 LE | len u32 LE | crc32c u32 LE | len bytes` of at most 1 MiB each, covering
 //!    the range in order, and after the last range one end frame with `len` 0 (offset and crc
@@ -28,12 +38,14 @@
 //! `AgentError::DataPlane`, and the caller fetches from another holder. A file this node is
 //! still fetching (`Arriving`) is served once complete: the server waits for it.
 
+pub mod access;
 pub mod client;
 pub mod pace;
 pub mod protocol;
 pub mod resolve;
 pub mod server;
 
+pub use access::{Access, ClientTls, DataKey, Stream};
 pub use client::{fetch, fetch_to_path, temporary_path, Peer};
 pub use pace::{take_all, Pacer};
 pub use protocol::{FileKey, Transport};

@@ -48,8 +48,11 @@ impl std::fmt::Display for FileKey {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Request {
     pub v: u32,
+    /// What lets this client read the file (`motley_contract::capability`; the file's
+    /// `RestoreFile.capability`). Never the agent's own token: a request line seen on the wire
+    /// gives nothing beyond this file until the capability expires.
     #[serde(default)]
-    pub token: Option<String>,
+    pub capability: Option<String>,
     pub job: i64,
     pub generation: i64,
     pub step: u64,
@@ -237,16 +240,6 @@ pub fn check_ranges(ranges: &[(u64, u64)], file_len: Option<u64>) -> Result<(), 
     Ok(())
 }
 
-/// Compares the request's token with the server's in time independent of where they differ.
-pub fn token_matches(given: Option<&str>, expected: &str) -> bool {
-    let (a, b) = (given.unwrap_or("").as_bytes(), expected.as_bytes());
-    let mut diff = (a.len() ^ b.len()) as u64;
-    for i in 0..a.len().max(b.len()) {
-        diff |= u64::from(a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0));
-    }
-    std::hint::black_box(diff) == 0 && given.is_some()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,19 +302,13 @@ mod tests {
         let err = Request::parse(r#"{"job":1}"#).unwrap_err();
         assert!(err.contains("unknown protocol version absent"), "{err}");
         let r = Request::parse(
-            r#"{"v":1,"token":"t","job":1,"generation":2,"step":3,"file":"manifest.json","ranges":[[0,5]],"rate_bytes_s":null,"transport":"tcp"}"#,
+            r#"{"v":1,"capability":"c","job":1,"generation":2,"step":3,"file":"manifest.json","ranges":[[0,5]],"rate_bytes_s":null,"transport":"tcp"}"#,
         )
         .unwrap();
-        assert_eq!((r.ranges, r.transport, r.token.as_deref()), (vec![(0, 5)], Transport::Tcp, Some("t")));
-    }
-
-    #[test]
-    fn tokens_match_only_when_equal() {
-        assert!(token_matches(Some("secret"), "secret"));
-        assert!(!token_matches(Some("secreT"), "secret"));
-        assert!(!token_matches(Some("secret2"), "secret"));
-        assert!(!token_matches(Some(""), "secret"));
-        assert!(!token_matches(None, "secret"));
+        assert_eq!((r.ranges.clone(), r.transport, r.capability.as_deref()), (vec![(0, 5)], Transport::Tcp, Some("c")));
+        // The wire has no token: a request line never carries the agent's own credential.
+        let line = String::from_utf8(line(&r)).unwrap();
+        assert!(line.contains("\"capability\":\"c\"") && !line.contains("token"), "{line}");
     }
 
     #[tokio::test]

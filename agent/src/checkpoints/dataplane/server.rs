@@ -1,4 +1,6 @@
-//! Serves checkpoint files to peers: one task per connection, one request per connection.
+//! Serves checkpoint files to peers: one task per connection, one request per connection, at
+//! most `Access::max_connections` at once; each request allowed by its capability only, over
+//! TLS wherever the agent has a certificate (docs/recovery.md, "Who may fetch").
 
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -9,23 +11,37 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
+use super::access::{Access, DataKey, Stream};
 use super::pace::{take_all, Pacer};
 use super::protocol::{
-    check_file_name, check_ranges, line, read_line, token_matches, FrameHeader, Reply, Request, Transport, FRAME_HEADER_BYTES, FRAME_MAX,
-    MAX_LINE,
+    check_file_name, check_ranges, line, read_line, FrameHeader, Reply, Request, Transport, FRAME_HEADER_BYTES, FRAME_MAX, MAX_LINE,
 };
 use super::resolve::{Located, Resolve};
 
-/// How long a peer may take to send its request, or to take one frame, before the connection
-/// is dropped: a stalled peer must not hold a file open forever.
+/// How long a peer may take to take one frame, or to wait for a file arriving here, before the
+/// connection is dropped: a stalled peer must not hold a file open forever.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a new connection may take for its TLS handshake and request line together. A
+/// client sends its line as soon as it is connected; this is the TLS handshake bound of the
+/// agent's other TLS service (`motley_contract::serve`), and a third of the 30 s the restorer
+/// waits on a peer, so a connection that says nothing gives its slot back long before honest
+/// fetches queued behind it give up.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections served at once (`Access::max_connections`): a restoring node opens at most a
+/// few hundred at a time (`restorer::run`'s bound on files in flight), and each holds a socket
+/// and a file open. Beyond it connections wait, unread, in the listen queue, so a peer that
+/// opens thousands costs this agent no more than this many tasks and descriptors.
+pub const MAX_CONNECTIONS: usize = 512;
 
-/// Serves every connection `listener` accepts, forever. `token`: the one peers must present
-/// (`None`: any); `egress`: the node's NIC pacer, shared by every flow.
-pub async fn serve(listener: TcpListener, resolver: Arc<dyn Resolve>, token: Option<String>, egress: Arc<Pacer>) {
-    let token: Option<Arc<str>> = token.map(Into::into);
+/// Serves every connection `listener` accepts, forever: `access` says which requests are
+/// allowed and whether over TLS; `egress` is the node's NIC pacer, shared by every flow.
+pub async fn serve(listener: TcpListener, resolver: Arc<dyn Resolve>, access: Access, egress: Arc<Pacer>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(access.max_connections.max(1)));
+    let acceptor = access.tls.clone().map(tokio_rustls::TlsAcceptor::from);
     loop {
-        let (stream, peer) = match listener.accept().await {
+        // A slot before the connection is taken: nothing of a connection beyond the bound is read.
+        let Ok(slot) = slots.clone().acquire_owned().await else { return };
+        let (tcp, peer) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
                 // Out of file descriptors and the like: wait rather than spin.
@@ -34,62 +50,85 @@ pub async fn serve(listener: TcpListener, resolver: Arc<dyn Resolve>, token: Opt
                 continue;
             }
         };
-        let (resolver, token, egress) = (resolver.clone(), token.clone(), egress.clone());
+        let (resolver, key, egress, acceptor) = (resolver.clone(), access.key.clone(), egress.clone(), acceptor.clone());
         tokio::spawn(async move {
-            if let Err(e) = handle(stream, &*resolver, token.as_deref(), &egress).await {
+            let _slot = slot;
+            let _ = tcp.set_nodelay(true);
+            let opened = tokio::time::timeout(REQUEST_TIMEOUT, open_request(tcp, acceptor)).await;
+            let (stream, request_line) = match opened {
+                Err(_) => return tracing::debug!("checkpoint data plane: peer {peer}: no request within {REQUEST_TIMEOUT:?}"),
+                Ok(Err(e)) => return tracing::debug!("checkpoint data plane: peer {peer}: {e}"),
+                Ok(Ok(opened)) => opened,
+            };
+            if let Err(e) = handle(stream, request_line, &*resolver, &key, &egress).await {
                 tracing::warn!("checkpoint data plane: peer {peer}: {e}");
             }
         });
     }
 }
 
-/// One connection: the request, the reply, the bytes.
-async fn handle(stream: TcpStream, resolver: &dyn Resolve, token: Option<&str>, egress: &Pacer) -> Result<(), String> {
-    let _ = stream.set_nodelay(true);
+/// The connection (over TLS when `acceptor` is given) and its request line, or why there is
+/// none: a failed handshake (a plain-TCP client of a TLS data plane), a closed connection.
+async fn open_request(
+    tcp: TcpStream,
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
+) -> Result<(Box<dyn Stream>, Result<String, String>), String> {
+    let stream: Box<dyn Stream> = match acceptor {
+        Some(acceptor) => Box::new(acceptor.accept(tcp).await.map_err(|e| format!("TLS handshake failed: {e}"))?),
+        None => Box::new(tcp),
+    };
     let mut reader = BufReader::new(stream);
-    let line_read = tokio::time::timeout(IDLE_TIMEOUT, read_line(&mut reader)).await;
-    let request_line = match line_read {
-        Err(_) => return Err(format!("no request within {IDLE_TIMEOUT:?}")),
-        Ok(Err(e)) => return refuse(reader.get_mut(), format!("request: {e}")).await,
-        Ok(Ok(None)) => return Ok(()),
-        Ok(Ok(Some(l))) => l,
+    let request_line = match read_line(&mut reader).await {
+        Ok(None) => return Err("closed without a request".into()),
+        Ok(Some(l)) => Ok(l),
+        Err(e) => Err(format!("request: {e}")),
     };
     // A client sends nothing after its request line until it has the reply, so nothing is
     // left in the buffer and the bare stream can carry the rest.
-    let mut stream = reader.into_inner();
-    let request = match Request::parse(&request_line) {
+    Ok((reader.into_inner(), request_line))
+}
+
+/// One connection: the request checked, the reply, the bytes.
+async fn handle(
+    mut stream: Box<dyn Stream>,
+    request_line: Result<String, String>,
+    resolver: &dyn Resolve,
+    data_key: &DataKey,
+    egress: &Pacer,
+) -> Result<(), String> {
+    let stream = &mut stream;
+    let request = match request_line.and_then(|l| Request::parse(&l)) {
         Ok(r) => r,
-        Err(e) => return refuse(&mut stream, e).await,
+        Err(e) => return refuse(stream, e).await,
     };
     let key = request.key();
-    if let Some(expected) = token {
-        if !token_matches(request.token.as_deref(), expected) {
-            return refuse(&mut stream, format!("file {key}: bad token; give the cluster's data plane token")).await;
-        }
+    // The capability first: a request it does not allow learns nothing of what is held here.
+    if let Err(e) = data_key.check(request.capability.as_deref(), &key) {
+        return refuse(stream, format!("file {key}: refused: {e}")).await;
     }
     if request.transport == Transport::Rdma && !cfg!(feature = "rdma") {
-        return refuse(&mut stream, "this agent was built without RDMA (cargo feature rdma); use tcp".into()).await;
+        return refuse(stream, "this agent was built without RDMA (cargo feature rdma); use tcp".into()).await;
     }
     if let Err(e) = check_file_name(&key.file).and_then(|()| check_ranges(&request.ranges, None)) {
-        return refuse(&mut stream, format!("file {key}: {e}")).await;
+        return refuse(stream, format!("file {key}: {e}")).await;
     }
     let located = match find(resolver, &key).await {
         Ok(l) => l,
-        Err(e) => return refuse(&mut stream, format!("file {key}: {e}; fetch it from another holder")).await,
+        Err(e) => return refuse(stream, format!("file {key}: {e}; fetch it from another holder")).await,
     };
     let opened = open(&located.path).await;
     let (file, file_len) = match opened {
         Ok(f) => f,
-        Err(e) => return refuse(&mut stream, format!("file {key}: held here but cannot be read: {e}")).await,
+        Err(e) => return refuse(stream, format!("file {key}: held here but cannot be read: {e}")).await,
     };
     if let Err(e) = check_ranges(&request.ranges, Some(file_len)) {
-        return refuse(&mut stream, format!("file {key}: {e}")).await;
+        return refuse(stream, format!("file {key}: {e}")).await;
     }
-    send(&mut stream, &line(&Reply::ok(file_len))).await?;
+    send(stream, &line(&Reply::ok(file_len))).await?;
 
     if request.transport == Transport::Rdma {
         #[cfg(feature = "rdma")]
-        crate::checkpoints::rdma::serve(&mut stream, &located.path, &request.ranges)
+        crate::checkpoints::rdma::serve(&mut **stream, &located.path, &request.ranges)
             .await
             .map_err(|e| format!("file {key} over RDMA: {e}"))?;
         return Ok(());
@@ -103,11 +142,11 @@ async fn handle(stream: TcpStream, resolver: &dyn Resolve, token: Option<&str>, 
             let n = (offset + len - at).min(u64::from(FRAME_MAX));
             take_all(&pacers, n).await;
             let frame = read_frame(file.clone(), at, n as usize).await.map_err(|e| format!("file {key}: read at {at}: {e}"))?;
-            send(&mut stream, &frame).await.map_err(|e| format!("file {key}: {e}"))?;
+            send(stream, &frame).await.map_err(|e| format!("file {key}: {e}"))?;
             at += n;
         }
     }
-    send(&mut stream, &FrameHeader::END.to_bytes()).await?;
+    send(stream, &FrameHeader::END.to_bytes()).await?;
     stream.shutdown().await.map_err(|e| format!("file {key}: closing: {e}"))
 }
 
@@ -154,8 +193,13 @@ async fn read_frame(file: Arc<File>, offset: u64, n: usize) -> std::io::Result<V
     read.unwrap_or_else(|e| Err(std::io::Error::other(e)))
 }
 
-async fn send(stream: &mut TcpStream, bytes: &[u8]) -> Result<(), String> {
-    match tokio::time::timeout(IDLE_TIMEOUT, stream.write_all(bytes)).await {
+async fn send(stream: &mut Box<dyn Stream>, bytes: &[u8]) -> Result<(), String> {
+    // Flushed: over TLS the bytes may otherwise wait in the session's buffer.
+    let sent = async {
+        stream.write_all(bytes).await?;
+        stream.flush().await
+    };
+    match tokio::time::timeout(IDLE_TIMEOUT, sent).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(format!("send: {e}")),
         Err(_) => Err(format!("the peer took nothing for {IDLE_TIMEOUT:?}")),
@@ -164,7 +208,7 @@ async fn send(stream: &mut TcpStream, bytes: &[u8]) -> Result<(), String> {
 
 /// Answers `{"ok":false,"error":...}` and ends the connection; the refusal is the peer's to
 /// report, so it is logged here only at debug level.
-async fn refuse(stream: &mut TcpStream, message: String) -> Result<(), String> {
+async fn refuse(stream: &mut Box<dyn Stream>, message: String) -> Result<(), String> {
     tracing::debug!("checkpoint data plane: refused: {message}");
     send(stream, &line(&Reply::error(message))).await?;
     let _ = stream.shutdown().await;

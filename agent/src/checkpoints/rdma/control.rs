@@ -1,13 +1,13 @@
-//! The RDMA path's control messages over the data plane's TCP stream (what each side tells
+//! The RDMA path's control messages over the data plane's stream, TCP or TLS (what each side tells
 //! the other, checked on arrival), and the READ pieces a transfer is cut into.
 
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 use super::CONTROL_MAX;
+use crate::checkpoints::dataplane::Stream;
 use crate::AgentError;
 
 /// One side's queue pair, as the other needs it to address it.
@@ -137,13 +137,13 @@ pub fn split_reads(ranges: &[(u64, u64)], max: u64) -> Vec<(u64, u32)> {
     pieces
 }
 
-pub(super) async fn send(stream: &mut TcpStream, msg: &Control) -> std::io::Result<()> {
+pub(super) async fn send(stream: &mut dyn Stream, msg: &Control) -> std::io::Result<()> {
     stream.write_all(&encode_control(msg)).await?;
     stream.flush().await
 }
 
 /// The peer's next control message, within `limit`.
-pub(super) async fn recv(stream: &mut TcpStream, limit: Duration) -> Result<Control, String> {
+pub(super) async fn recv(stream: &mut dyn Stream, limit: Duration) -> Result<Control, String> {
     let read = async {
         let mut frame = vec![0u8; 4];
         stream.read_exact(&mut frame).await.map_err(|e| format!("the peer closed the stream ({e})"))?;
@@ -159,7 +159,7 @@ pub(super) async fn recv(stream: &mut TcpStream, limit: Duration) -> Result<Cont
 }
 
 /// Tells the peer why this side stops (best effort: it may be gone) and returns the error.
-pub(super) async fn abort<T>(stream: &mut TcpStream, err: AgentError) -> Result<T, AgentError> {
+pub(super) async fn abort<T>(stream: &mut dyn Stream, err: AgentError) -> Result<T, AgentError> {
     let _ = send(stream, &Control::Error { message: err.to_string() }).await;
     Err(err)
 }

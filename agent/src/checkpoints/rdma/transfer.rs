@@ -9,11 +9,11 @@ use std::ptr;
 use std::time::Duration;
 
 use rdma_sys::ibv_access_flags;
-use tokio::net::TcpStream;
 
 use super::control::{abort, recv, send, split_reads, Control, Region};
 use super::verbs::{errno, Backing, Verbs};
 use super::PIECE;
+use crate::checkpoints::dataplane::Stream;
 use crate::AgentError;
 
 /// How long a side waits for each handshake message.
@@ -28,12 +28,12 @@ fn peer_err(device: &str, what: &str, why: String) -> AgentError {
     AgentError::Rdma { device: device.into(), message: format!("{what}: {why}") }
 }
 
-/// Holder side. `stream` is the TCP connection of a data-plane request whose JSON header asked
+/// Holder side. `stream` is the connection (TCP, or TLS over it) of a data-plane request whose JSON header asked
 /// for transport rdma; the header exchange is done. Register the file's bytes (mmap of `path`,
 /// read-only) as a memory region, send the peer over `stream` what it needs for one-sided READs
 /// (QP number, LID/GID, PSN, the MR's address, length and rkey, and the ranges), wait for the
 /// peer's "done" message, deregister. Errors name the device, the file and the fix.
-pub async fn serve(stream: &mut TcpStream, path: &Path, ranges: &[(u64, u64)]) -> Result<(), AgentError> {
+pub async fn serve(stream: &mut dyn Stream, path: &Path, ranges: &[(u64, u64)]) -> Result<(), AgentError> {
     if ranges.is_empty() {
         return Ok(()); // nothing to read; `fetch` returns at once too
     }
@@ -110,7 +110,7 @@ pub async fn serve(stream: &mut TcpStream, path: &Path, ranges: &[(u64, u64)]) -
 /// most 1 MiB) into a registered local buffer, write each piece at its offset into `dest`
 /// (positional writes), send "done"; returns bytes read. The caller verifies the manifest crc32c
 /// of the whole file afterwards.
-pub async fn fetch(stream: &mut TcpStream, ranges: &[(u64, u64)], dest: &File) -> Result<u64, AgentError> {
+pub async fn fetch(stream: &mut dyn Stream, ranges: &[(u64, u64)], dest: &File) -> Result<u64, AgentError> {
     if ranges.is_empty() {
         return Ok(0); // `serve` sends nothing for no ranges
     }
@@ -196,7 +196,7 @@ mod tests {
                 serve(&mut s, &src, &ranges).await
             })
         };
-        let mut client = TcpStream::connect(addr).await.unwrap();
+        let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
         let both = async { (fetch(&mut client, &ranges, &dest).await, holder.await.unwrap()) };
         let (fetched, served) = tokio::time::timeout(Duration::from_secs(20), both).await.expect("no hang");
         let (fetch_err, serve_err) = (fetched.unwrap_err().to_string(), served.unwrap_err().to_string());

@@ -48,7 +48,8 @@ pub struct Restorer {
 struct Inner {
     work_dir: PathBuf,
     node: String,
-    token: Option<String>,
+    /// This agent's TLS client where it has TLS: peers are then fetched from over TLS only.
+    tls: Option<crate::checkpoints::dataplane::ClientTls>,
     /// Where this node's own copies are (its memory tier, its disk).
     resolver: Arc<dyn Resolve>,
     arriving: Arc<Arriving>,
@@ -123,7 +124,7 @@ impl Restorer {
     pub fn new(
         work_dir: &Path,
         node: &str,
-        token: Option<String>,
+        tls: Option<crate::checkpoints::dataplane::ClientTls>,
         resolver: Arc<dyn Resolve>,
         arriving: Arc<Arriving>,
         nic_in: Arc<Pacer>,
@@ -134,7 +135,7 @@ impl Restorer {
             inner: Arc::new(Inner {
                 work_dir: work_dir.to_path_buf(),
                 node: node.to_string(),
-                token,
+                tls,
                 resolver,
                 arriving,
                 nic_in,

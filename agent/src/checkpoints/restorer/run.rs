@@ -133,7 +133,13 @@ impl Restorer {
         let work = &self.inner.work_dir;
         self.check_space(r)?;
         // The cloud, and this node's share of its egress for the reads no plan paced.
-        let cloud = Arc::new(CloudSide { url: r.cloud_url.clone(), share: rate(r.cloud_share_mb_s).map(|b| Arc::new(Pacer::new(b))) });
+        let capabilities = r
+            .files
+            .iter()
+            .map(|f| (FileKey { job: r.job, generation: f.source_generation, step: r.step, file: f.file.clone() }, f.capability.clone()))
+            .collect();
+        let share = rate(r.cloud_share_mb_s).map(|b| Arc::new(Pacer::new(b)));
+        let cloud = Arc::new(CloudSide { url: r.cloud_url.clone(), share, capabilities });
         // Files, a few at a time.
         let mut paths: Vec<String> = vec![];
         let mut pending = r.files.iter();

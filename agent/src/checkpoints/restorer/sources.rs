@@ -17,10 +17,12 @@ use crate::checkpoints::dataplane::{self, FileKey, Pacer, Peer, Transport};
 const CLOUD_PIECE: u64 = 8 << 20;
 
 /// The job's object store for one restore, and the node's share of its egress (see
-/// `Restore.cloud_share_mb_s`) that unplanned reads are held to together.
+/// `Restore.cloud_share_mb_s`) that unplanned reads are held to together; and what peers are
+/// shown for each file (its `RestoreFile.capability`).
 pub(super) struct CloudSide {
     pub(super) url: String,
     pub(super) share: Option<Arc<Pacer>>,
+    pub(super) capabilities: std::collections::HashMap<FileKey, String>,
 }
 
 /// Bytes `offset..offset + bytes` of a file were written by this source (later ones over earlier).
@@ -143,7 +145,8 @@ impl Restorer {
                 let pacers = [self.inner.nic_in.clone()];
                 let mut peer = Peer {
                     addr: &src.data_url,
-                    token: self.inner.token.as_deref(),
+                    capability: cloud.capabilities.get(key).map(String::as_str),
+                    tls: self.inner.tls.as_ref(),
                     transport: Transport::Tcp,
                     pacers: &pacers,
                     rate_bytes_s: rate,

@@ -1,0 +1,170 @@
+//! Data-plane capabilities (docs/recovery.md, "Who may fetch"): what a fetching agent shows a
+//! serving agent's data plane instead of any credential of its own. The coordinator mints one
+//! per source generation of each `Restore` it sends, scoped to the job, the generation that
+//! wrote the files, the step and the file names, and valid until an expiry; the serving agent
+//! checks it with the same key. One place for the format, so that the two sides cannot drift.
+//!
+//! The key: 32 random bytes the coordinator generates once and keeps in its database (HA
+//! coordinators share it), handed to each agent in `RegisterReply` over the authenticated
+//! session; agents keep it in memory only.
+//!
+//! The text: `v1.PAYLOAD.MAC`, both parts base64url without padding; `PAYLOAD` is the JSON of
+//! [`Grant`], `MAC` is HMAC-SHA256 under the key of [`DOMAIN`] followed by `v1.PAYLOAD`. A
+//! capability seen on the wire lets its holder read those files of that step until it
+//! expires, and nothing else: it is not the agent's coordinator credential.
+
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine;
+use hmac::{Hmac, KeyInit, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::Sha256;
+
+/// The key's length: 32 random bytes (HMAC-SHA256's block is 64; its output 32).
+pub const KEY_BYTES: usize = 32;
+/// Prefixed to every MAC'd text: this key signs nothing else, and no other use of HMAC-SHA256
+/// under it can be replayed as a capability.
+pub const DOMAIN: &[u8] = b"motley data-plane capability\0";
+/// The format's version, the text's first field.
+const VERSION: &str = "v1";
+
+/// What a capability allows: reading `files` of `step` written by launch `generation` of
+/// `job`, until `expires_unix_s` (seconds since the Unix epoch, by the server's clock).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Grant {
+    pub job: i64,
+    pub generation: i64,
+    pub step: u64,
+    pub files: Vec<String>,
+    pub expires_unix_s: u64,
+}
+
+/// Seconds since the Unix epoch now (0 if the clock is before it).
+pub fn now_unix_s() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn mac(key: &[u8], signed: &str) -> Result<Hmac<Sha256>, String> {
+    if key.len() != KEY_BYTES {
+        return Err(format!(
+            "the data-plane key has {} bytes, not {KEY_BYTES}; the coordinator hands agents its key at registration",
+            key.len()
+        ));
+    }
+    let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(key).map_err(|e| format!("data-plane key: {e}"))?;
+    mac.update(DOMAIN);
+    mac.update(signed.as_bytes());
+    Ok(mac)
+}
+
+/// The capability for `grant` under `key` (`KEY_BYTES` long).
+pub fn mint(key: &[u8], grant: &Grant) -> Result<String, String> {
+    // Serializing a struct of plain fields cannot fail.
+    let payload = URL_SAFE_NO_PAD.encode(serde_json::to_vec(grant).map_err(|e| e.to_string())?);
+    let signed = format!("{VERSION}.{payload}");
+    let tag = URL_SAFE_NO_PAD.encode(mac(key, &signed)?.finalize().into_bytes());
+    Ok(format!("{signed}.{tag}"))
+}
+
+/// The grant of `capability` if `key` signed it and it has not expired at `now_unix_s`.
+pub fn verify(key: &[u8], capability: &str, now_unix_s: u64) -> Result<Grant, String> {
+    let not_one =
+        |why: &str| format!("the capability is not one this cluster's coordinator issued ({why}); fetch with the Restore's capability");
+    let mut parts = capability.split('.');
+    let (Some(version), Some(payload), Some(tag), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+        return Err(not_one("not VERSION.PAYLOAD.MAC"));
+    };
+    if version != VERSION {
+        return Err(format!("capability version {version:?}: this agent knows {VERSION}; run agents of one Motley version"));
+    }
+    let tag = URL_SAFE_NO_PAD.decode(tag).map_err(|_| not_one("its MAC is not base64url"))?;
+    // Constant-time comparison (hmac's `verify_slice`): a forger learns nothing from timing.
+    mac(key, &format!("{version}.{payload}"))?.verify_slice(&tag).map_err(|_| not_one("bad signature"))?;
+    let payload = URL_SAFE_NO_PAD.decode(payload).map_err(|_| not_one("its payload is not base64url"))?;
+    let grant: Grant = serde_json::from_slice(&payload).map_err(|e| not_one(&format!("payload: {e}")))?;
+    if grant.expires_unix_s <= now_unix_s {
+        return Err(format!(
+            "the capability expired {} s ago (at {} Unix time); the coordinator issues fresh ones with each Restore",
+            now_unix_s - grant.expires_unix_s,
+            grant.expires_unix_s
+        ));
+    }
+    Ok(grant)
+}
+
+/// Whether `capability` lets its holder read `file` of `step` written by launch `generation`
+/// of `job` at `now_unix_s`; else why not, naming what differs.
+pub fn check(key: &[u8], capability: &str, now_unix_s: u64, job: i64, generation: i64, step: u64, file: &str) -> Result<(), String> {
+    let g = verify(key, capability, now_unix_s)?;
+    if g.job != job {
+        return Err(format!("the capability is for job {}, not job {job}", g.job));
+    }
+    if g.generation != generation {
+        return Err(format!("the capability is for files written by generation {}, not generation {generation}", g.generation));
+    }
+    if g.step != step {
+        return Err(format!("the capability is for step {}, not step {step}", g.step));
+    }
+    if !g.files.iter().any(|f| f == file) {
+        return Err(format!("the capability does not list file {file:?} ({} files listed)", g.files.len()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: [u8; KEY_BYTES] = [7; KEY_BYTES];
+
+    fn grant() -> Grant {
+        Grant {
+            job: 3,
+            generation: 1,
+            step: 20,
+            files: vec!["manifest.json".into(), "rank.00000.safetensors".into()],
+            expires_unix_s: 1000,
+        }
+    }
+
+    #[test]
+    fn a_minted_capability_verifies_for_exactly_its_scope() {
+        let cap = mint(&KEY, &grant()).unwrap();
+        assert!(cap.starts_with("v1.") && cap.split('.').count() == 3, "{cap}");
+        assert_eq!(verify(&KEY, &cap, 999).unwrap(), grant());
+        assert_eq!(check(&KEY, &cap, 999, 3, 1, 20, "manifest.json"), Ok(()));
+        assert_eq!(check(&KEY, &cap, 0, 3, 1, 20, "rank.00000.safetensors"), Ok(()));
+        let refused = |job, generation, step, file: &str| check(&KEY, &cap, 999, job, generation, step, file).unwrap_err();
+        assert!(refused(4, 1, 20, "manifest.json").contains("for job 3, not job 4"));
+        assert!(refused(3, 2, 20, "manifest.json").contains("generation 1, not generation 2"));
+        assert!(refused(3, 1, 21, "manifest.json").contains("step 20, not step 21"));
+        assert!(refused(3, 1, 20, "rank.00001.safetensors").contains("does not list file \"rank.00001.safetensors\""));
+    }
+
+    #[test]
+    fn expired_forged_or_malformed_capabilities_are_refused() {
+        let cap = mint(&KEY, &grant()).unwrap();
+        assert!(verify(&KEY, &cap, 1000).unwrap_err().contains("expired 0 s ago"));
+        assert!(verify(&KEY, &cap, 1061).unwrap_err().contains("expired 61 s ago"));
+        assert!(verify(&[8; KEY_BYTES], &cap, 0).unwrap_err().contains("bad signature"));
+        // Another payload under the first one's MAC: a widened grant is not signed.
+        let wider = Grant { files: vec!["*".into()], expires_unix_s: u64::MAX, ..grant() };
+        let forged = format!("v1.{}.{}", URL_SAFE_NO_PAD.encode(serde_json::to_vec(&wider).unwrap()), cap.rsplit('.').next().unwrap());
+        assert!(verify(&KEY, &forged, 0).unwrap_err().contains("bad signature"));
+        for bad in ["", "v1", "v1.a", "v1.a.b.c", "v1.%%%.AAAA", "v1.e30.!!"] {
+            assert!(verify(&KEY, bad, 0).unwrap_err().contains("not one this cluster's coordinator issued"), "{bad}");
+        }
+        assert!(verify(&KEY, &cap.replacen("v1", "v2", 1), 0).unwrap_err().contains("capability version \"v2\""));
+        // A signed payload that is not a grant.
+        let signed = format!("v1.{}", URL_SAFE_NO_PAD.encode(b"{\"job\":1}"));
+        let tag = URL_SAFE_NO_PAD.encode(mac(&KEY, &signed).unwrap().finalize().into_bytes());
+        assert!(verify(&KEY, &format!("{signed}.{tag}"), 0).unwrap_err().contains("payload"));
+    }
+
+    #[test]
+    fn a_key_of_another_length_is_refused_by_name() {
+        assert!(mint(&[1; 16], &grant()).unwrap_err().contains("has 16 bytes, not 32"));
+        let cap = mint(&KEY, &grant()).unwrap();
+        assert!(verify(&[], &cap, 0).unwrap_err().contains("has 0 bytes"));
+    }
+}
