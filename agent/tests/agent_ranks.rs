@@ -551,6 +551,8 @@ fn what_a_rank_starts_outside_its_process_group_ends_with_it() {
     }
     let (_rt, fake, url) = serve_fake();
     let dir = scratch("cgroup");
+    // A rank of another user (nobody, below) reaches its launch directory through it.
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let (work, log) = (dir.join("work"), dir.join("agent.log"));
     let agent = start_agent(&url, &work, &log);
     fake.until("registration", |s| s.registrations.first().map(|_| ()));
@@ -605,13 +607,73 @@ fn what_a_rank_starts_outside_its_process_group_ends_with_it() {
     fake.wait_state(1, (3, 1, 0), "running");
     let pid = escaped(3);
     fake.until("the lease file", |_| work.join("lease").exists().then_some(()));
-    let own = std::fs::read_to_string(format!("/proc/{}/cgroup", pgid_of(&work, 3, 0))).unwrap();
-    let rank_cgroup = Path::new(&mount).join(own.lines().find_map(|l| l.strip_prefix("0::")).unwrap().trim_start_matches('/'));
+    let rank_cgroup = |job: i64| {
+        let own = std::fs::read_to_string(format!("/proc/{}/cgroup", pgid_of(&work, job, 0))).unwrap();
+        Path::new(&mount).join(own.lines().find_map(|l| l.strip_prefix("0::")).unwrap().trim_start_matches('/'))
+    };
+    // A rank of an unprivileged user: its wrapper runs as that user too, and its cgroup is
+    // delegated to it (cgroup.procs and cgroup.kill are the user's) so that its switch can kill it.
+    let nobody = motley_agent::ranks::users::lookup("nobody").unwrap().expect("the node has a user nobody");
+    fake.send(launch_as(4, 1, &format!("{leave} echo up; sleep 600"), &[0], 29513, "nobody"));
+    fake.wait_state(1, (4, 1, 0), "running");
+    let nobody_pid = escaped(4);
+    let (cgroup3, cgroup4) = (rank_cgroup(3), rank_cgroup(4));
+    for file in motley_agent::ranks::cgroup::DELEGATED {
+        assert_eq!(std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(cgroup4.join(file)).unwrap()), nobody.uid, "{file}");
+    }
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&cgroup4).unwrap()), 0, "the directory stays root's");
     drop(agent);
     wait_gone(pid, "after the agent's lease lapsed");
-    assert_eq!(std::fs::read_to_string(work.join("jobs/3/1/rank-0.exit")).unwrap().trim(), "143", "the rank was stopped, then its cgroup");
+    wait_gone(nobody_pid, "nobody's rank, after the agent's lease lapsed");
+    for job in [3, 4] {
+        let exit = std::fs::read_to_string(work.join(format!("jobs/{job}/1/rank-0.exit"))).unwrap();
+        assert_eq!(exit.trim(), "143", "job {job}: the rank was stopped, then its cgroup");
+    }
     // Nobody is left to remove the cgroups: the test does.
-    let _ = std::fs::remove_dir(&rank_cgroup);
-    let _ = std::fs::remove_dir(rank_cgroup.parent().unwrap());
+    for cgroup in [&cgroup3, &cgroup4] {
+        let _ = std::fs::remove_dir(cgroup);
+    }
+    let _ = std::fs::remove_dir(cgroup3.parent().unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The agent's cloud credentials and settings stay with it: a rank inherits only the
+/// allow-list (PATH, the locale, ...) and what the operator adds with `--rank-env`, then its
+/// job's `envs:`.
+#[test]
+fn ranks_inherit_only_the_allowed_part_of_the_agents_environment() {
+    let (_rt, fake, url) = serve_fake();
+    let dir = scratch("environment");
+    let (work, log) = (dir.join("work"), dir.join("agent.log"));
+    let secrets = [
+        ("AWS_SECRET_ACCESS_KEY", "aws-secret"),
+        ("GOOGLE_APPLICATION_CREDENTIALS", "/etc/motley/gcs.json"),
+        ("AZURE_STORAGE_ACCESS_KEY", "azure-secret"),
+        ("MOTLEY_TOKEN", "env-token"),
+        ("LD_PRELOAD", ""),
+    ];
+    let mut cmd = agent_command(&url, "n0", Some(&work), &log);
+    cmd.envs(secrets).env("SITE_SCRATCH", "/scratch").env("SITE_OTHER", "x").env("TZ", "UTC");
+    let _agent = AgentProc(cmd.arg("--rank-env").arg("SITE_SCRATCH,NCCL_*").spawn().unwrap());
+    fake.until("registration", |s| s.registrations.first().map(|_| ()));
+    fake.send(launch(1, 1, "env > env.txt.tmp && mv env.txt.tmp env.txt", &[0], 29520));
+    assert_eq!(fake.wait_state(1, (1, 1, 0), "exited"), Some(0));
+    let env = std::fs::read_to_string(work.join("jobs/1/1/env.txt")).unwrap();
+    let keys: Vec<&str> = env.lines().filter_map(|l| l.split_once('=').map(|(k, _)| k)).collect();
+    for (k, _) in secrets {
+        assert!(!keys.contains(&k), "{k} reached the rank:\n{env}");
+    }
+    assert!(!env.contains("s3cret") && !env.contains("secret"), "a credential reached the rank:\n{env}");
+    for k in ["PATH", "TZ", "SITE_SCRATCH", "HELLO", "RANK", "MOTLEY_JOB"] {
+        assert!(keys.contains(&k), "{k} is missing:\n{env}");
+    }
+    assert!(!keys.contains(&"SITE_OTHER"), "only the names the operator allowed pass:\n{env}");
+
+    // An allow-list that would hand ranks the agent's own settings is refused at start.
+    let out =
+        agent_command(&url, "n1", Some(&dir.join("work1")), &dir.join("agent1.log")).args(["--rank-env", "MOTLEY_*"]).output().unwrap();
+    assert!(!out.status.success());
+    let text = std::fs::read_to_string(dir.join("agent1.log")).unwrap_or_default() + &String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("rank_env: \"MOTLEY_*\""), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }

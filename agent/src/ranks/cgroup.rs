@@ -49,17 +49,31 @@ impl RankCgroups {
         self.root.join(format!("job-{job}-gen-{generation}-rank-{rank}"))
     }
 
-    /// Make the rank's cgroup: the file a child writes itself into (see `enter`).
-    pub fn create(&self, job: i64, generation: i64, rank: i64) -> io::Result<CString> {
+    /// Make the rank's cgroup: the file a child writes itself into (see `enter`). With an
+    /// `owner` (the rank's user when it is not the agent's), the cgroup is delegated to it as
+    /// systemd delegates one: its `cgroup.procs` and `cgroup.kill` become the user's, so the
+    /// rank's wrapper, which drops to that user, can still kill the whole cgroup when the
+    /// agent's lease lapses (the dead-man switch). The directory stays the agent's: the user
+    /// makes no cgroups below it and changes no limit.
+    pub fn create(&self, job: i64, generation: i64, rank: i64, owner: Option<(u32, u32)>) -> io::Result<CString> {
         let dir = self.path(job, generation, rank);
         // The agent's directory goes with its last rank (`clear`): make it again if need be,
         // twice should a `clear` remove it in between.
         if std::fs::create_dir_all(&dir).is_err() {
             std::fs::create_dir_all(&dir)?;
         }
+        if let Some((uid, gid)) = owner {
+            // Files of the cgroup file system the agent just made: no rank can have replaced them.
+            for file in DELEGATED {
+                std::os::unix::fs::chown(dir.join(file), Some(uid), Some(gid))?;
+            }
+        }
         CString::new(dir.join("cgroup.procs").as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
     }
 }
+
+/// The files of a rank's cgroup its user gets (`RankCgroups::create`).
+pub const DELEGATED: [&str; 2] = ["cgroup.procs", "cgroup.kill"];
 
 /// In a forked child before exec: move the calling process into the cgroup whose
 /// `cgroup.procs` is `procs` ("0" is the writer itself). System calls only: no allocation.

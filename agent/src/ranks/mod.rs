@@ -1,7 +1,7 @@
 //! The ranks this node runs: the `supervisor` (launch, watch, report, stop, adopt after an
 //! agent restart), the records it leaves on disk (`rankfiles`), the process groups it signals
 //! (`group`), the `wrapper` each rank runs under and its dead-man switch (`lease`), each rank's
-//! cgroup (`cgroup`), whom it runs as (`users`) and the preemption notices it reads (`notice`).
+//! cgroup (`cgroup`), what of the agent's environment it inherits (`environment`), whom it runs as (`users`) and the preemption notices it reads (`notice`).
 //!
 //! The room may call `checkpoints` (where ranks write checkpoints, what a launch restores),
 //! `workdir` and `error`; nothing below calls into it.
@@ -10,6 +10,7 @@
 //! `lease` -> `group`; `rankfiles` and `notice` -> `users`.
 
 pub mod cgroup;
+pub mod environment;
 pub mod group;
 pub mod lease;
 pub mod notice;

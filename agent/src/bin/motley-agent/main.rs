@@ -20,6 +20,7 @@ use motley_agent::checkpoints::restorer::Restorer;
 use motley_agent::checkpoints::tiers::Tierer;
 use motley_agent::node::discover::entry_value;
 use motley_agent::profiler::Profiler;
+use motley_agent::ranks::environment::RankEnv;
 use motley_agent::ranks::Supervisor;
 
 use crate::session::Workers;
@@ -192,6 +193,7 @@ fn supervisor(args: &Args, node: &str, work_dir: &Path) -> anyhow::Result<Superv
     };
     let supervisor = Supervisor::new(work_dir.to_path_buf(), node.to_string(), wrapper)
         .allow_root_ranks(args.allow_root_ranks)
+        .rank_env(RankEnv::with_extra(&args.rank_env).map_err(anyhow::Error::msg)?)
         .rank_cgroups(cgroups)
         .shm_root(shm);
     Ok(supervisor)

@@ -66,6 +66,12 @@ pub(crate) struct Args {
     /// user. Off by default: a job file alone must not run code as root on every node.
     #[arg(long, env = "MOTLEY_ALLOW_ROOT_RANKS")]
     pub(crate) allow_root_ranks: bool,
+    /// More of the agent's environment variables ranks inherit, comma-separated: names, or
+    /// prefixes ending in '*' (e.g. LD_LIBRARY_PATH,NCCL_*). Ranks always get PATH, LANG,
+    /// LANGUAGE, LC_*, TZ, TERM and TMPDIR, and nothing else of the agent's: its MOTLEY_*
+    /// settings and its cloud credentials stay with it (docs/state.md).
+    #[arg(long, env = "MOTLEY_RANK_ENV", value_delimiter = ',')]
+    pub(crate) rank_env: Vec<String>,
     /// A Python (path, or a command on PATH) with motley_torch and torch installed: the agent
     /// then measures layer profiles when the coordinator asks (`python -m motley_torch.profile`,
     /// run as the agent's user on the GPUs the coordinator names). Without it the node is never

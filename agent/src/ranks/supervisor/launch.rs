@@ -144,15 +144,13 @@ impl Supervisor {
         cmd.arg("--lease").arg(crate::ranks::lease::path(&self.work_dir));
         cmd.arg("--").arg("sh").arg("-c").arg(&l.run);
         cmd.current_dir(dir).stdin(Stdio::null()).stdout(out).stderr(err);
+        // The agent's own settings (its token above all) and cloud credentials are not the
+        // job's business: only the allow-list's variables pass (`environment`).
+        cmd.env_clear();
+        cmd.envs(self.rank_env.inherited(std::env::vars_os(), user.is_none()));
         // CUDA numbers GPUs fastest first unless told otherwise; NVML (discovery, the plan's
         // GPU indices) numbers them in PCI order. A job may still override it.
         cmd.env("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
-        // The agent's own settings (its token above all) are not the job's business.
-        for (k, _) in std::env::vars_os() {
-            if k.to_str().is_some_and(|k| k.starts_with("MOTLEY_")) {
-                cmd.env_remove(k);
-            }
-        }
         cmd.envs(&l.envs);
         let nccl = &files.nccl;
         for (k, v) in [
@@ -225,7 +223,8 @@ impl Supervisor {
     /// `exec`.
     fn confine(&self, cmd: &mut tokio::process::Command, l: &Launch, r: &RankLaunch, user: Option<&users::Account>) -> Result<(), String> {
         if let Some(cg) = &self.cgroups {
-            let procs = cg.create(l.job, l.generation, r.rank).map_err(|e| format!("the rank's cgroup: {e}"))?;
+            let owner = user.filter(|a| a.uid != users::euid()).map(|a| (a.uid, a.gid));
+            let procs = cg.create(l.job, l.generation, r.rank, owner).map_err(|e| format!("the rank's cgroup: {e}"))?;
             // First of the child's steps: it still has the agent's rights to move itself.
             // SAFETY: `enter` makes system calls only (no allocation, no locks).
             unsafe {

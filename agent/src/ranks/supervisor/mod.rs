@@ -97,6 +97,8 @@ pub struct Supervisor {
     /// Ranks may run as root: as the agent when it is root and a job names no user, or as a
     /// uid-0 user a job names (the operator's `allow_root_ranks`; see `users`).
     allow_root_ranks: bool,
+    /// The agent's variables a rank inherits (`environment`).
+    rank_env: crate::ranks::environment::RankEnv,
     /// Launches (job, generation) whose files were pruned: a late copy of their Launch must not
     /// run them again.
     pruned: Arc<Mutex<std::collections::HashSet<(i64, i64)>>>,
@@ -123,6 +125,7 @@ impl Supervisor {
             changed: Arc::new(tokio::sync::Notify::new()),
             pruned: Arc::default(),
             allow_root_ranks: false,
+            rank_env: Default::default(),
             cgroups: None,
             shm_root: None,
         }
@@ -152,6 +155,12 @@ impl Supervisor {
     /// Run each rank in its own cgroup (see `cgroup`).
     pub fn rank_cgroups(mut self, cgroups: Option<crate::ranks::cgroup::RankCgroups>) -> Supervisor {
         self.cgroups = cgroups;
+        self
+    }
+
+    /// The allow-list of the agent's variables a rank inherits (default: `environment`'s).
+    pub fn rank_env(mut self, env: crate::ranks::environment::RankEnv) -> Supervisor {
+        self.rank_env = env;
         self
     }
 
