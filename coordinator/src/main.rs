@@ -20,6 +20,7 @@ use motley_coordinator::life::Life;
 use motley_coordinator::metrics::Metrics;
 use motley_coordinator::service::agent::AgentService;
 use motley_coordinator::service::control::ControlService;
+use motley_coordinator::service::rest::hosts::{url_host, ServedHosts};
 use motley_coordinator::service::rest::{router, AppState};
 use motley_coordinator::service::Tokens;
 use motley_coordinator::tls::TlsFiles;
@@ -84,6 +85,12 @@ struct Args {
     /// (default: the listen address, or the host name when listening on a wildcard).
     #[arg(long, env = "MOTLEY_ADVERTISE_HOST")]
     advertise_host: Option<String>,
+    /// The URLs operators and browsers reach this coordinator at (a DNS name, a load
+    /// balancer's), comma-separated: the REST API answers requests for their host names, IP
+    /// addresses, localhost, this machine's host name and --advertise-host, and no others
+    /// (a page on another name that resolves here, DNS rebinding, is refused).
+    #[arg(long, env = "MOTLEY_PUBLIC_URL", value_delimiter = ',')]
+    public_url: Vec<String>,
     /// Serve REST and gRPC over TLS with this certificate chain (PEM); needs --tls-key.
     #[arg(long, env = "MOTLEY_TLS_CERT")]
     tls_cert: Option<PathBuf>,
@@ -154,6 +161,7 @@ async fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.data_dir).with_context(|| format!("--data-dir: cannot create {}", args.data_dir.display()))?;
     private(&args.data_dir)?;
     let url = args.database_url.clone().unwrap_or_else(|| format!("sqlite://{}", args.data_dir.join("coordinator.db").display()));
+    let hosts = Arc::new(served_hosts(&args)?);
     anyhow::ensure!((10..=3_600_000).contains(&args.heartbeat_ms), "--heartbeat-ms: must be between 10 and 3600000 (one hour)");
     let base = std::time::Duration::from_millis(args.heartbeat_ms);
     // Longer than a standby waits for a stale leader, never so short a loaded machine's
@@ -306,7 +314,7 @@ async fn main() -> anyhow::Result<()> {
         server.add_service(AgentServer::new(agents)).add_service(ControlServer::new(control)).serve_with_incoming(incoming).await
     };
     let lead = contender.run();
-    let app = router(AppState { store: store.clone(), fleet, life, tokens, role, metrics, agent_roots });
+    let app = router(AppState { store: store.clone(), fleet, life, tokens, role, metrics, agent_roots, hosts });
     let rest = async move {
         match rest_tls {
             Some(config) => {
@@ -344,13 +352,27 @@ fn private(dir: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The names the REST API answers to (`service::rest::hosts`).
+fn served_hosts(args: &Args) -> anyhow::Result<ServedHosts> {
+    let mut names = vec![machine_host_name()];
+    names.extend(args.advertise_host.clone());
+    for url in &args.public_url {
+        names.push(url_host(url).map_err(anyhow::Error::msg)?);
+    }
+    Ok(ServedHosts::new(names))
+}
+
+fn machine_host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into())
+}
+
 /// The host other machines reach this coordinator at: the listen address unless it is a
 /// wildcard, then the host name.
 fn advertised_host(ip: std::net::IpAddr) -> String {
     if !ip.is_unspecified() {
         return ip.to_string();
     }
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into())
+    machine_host_name()
 }
 
 /// Ctrl-C or SIGTERM (systemd's stop).

@@ -346,10 +346,15 @@ async fn an_unreadable_job_fails_without_blocking_the_queue() {
 
 /// One request with extra headers (an `Origin`, as a browser sends); (status, body).
 fn with_headers(addr: &str, method: &str, path: &str, headers: &str, body: &str) -> (u16, String) {
+    for_host(addr, addr, method, path, headers, body)
+}
+
+/// One request to `addr` naming `host` in its `Host` header; (status, body).
+fn for_host(addr: &str, host: &str, method: &str, path: &str, headers: &str, body: &str) -> (u16, String) {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())
         .unwrap();
     let mut raw = String::new();
     s.read_to_string(&mut raw).unwrap();
@@ -375,6 +380,38 @@ fn an_insecure_coordinator_refuses_changes_from_other_sites_pages() {
     let own = format!("Origin: http://{}\r\n", c.addr);
     assert_eq!(with_headers(&c.addr, "POST", "/api/v1/nodes/a100-0/drain", &own, "").0, 200);
     assert_eq!(c.call("POST", "/api/v1/nodes/a100-0/undrain", "").0, 200);
+}
+
+/// DNS rebinding: a page on a name that now resolves to the coordinator is same-origin
+/// (`Origin` and `Host` agree), so only the `Host` header tells it apart from the coordinator's
+/// own names.
+#[test]
+fn requests_for_names_the_coordinator_does_not_serve_are_refused() {
+    let c = Coordinator::start(&temp_dir(), &["--insecure", "--public-url", "https://Motley.Example.com:7443/"]);
+    c.json("PUT", "/api/v1/nodes/a100-0", NODE, 200);
+    let port = c.addr.rsplit_once(':').unwrap().1;
+    let rebound = format!("evil.example:{port}");
+    let page = format!("Origin: http://{rebound}\r\nContent-Type: text/plain\r\n");
+    let (status, body) = for_host(&c.addr, &rebound, "POST", "/api/v1/jobs", &page, JOB);
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("evil.example") && body.contains("--public-url") && body.contains("motley.example.com"), "{body}");
+    // An insecure coordinator answers no read for such a page either (a rank's log is a read).
+    assert_eq!(for_host(&c.addr, &rebound, "GET", "/api/v1/nodes", "", "").0, 403);
+    assert_eq!(for_host(&c.addr, &rebound, "POST", "/api/v1/nodes/a100-0/drain", &page, "").0, 403);
+    assert_eq!(c.json("GET", "/api/v1/jobs", "", 200), serde_json::json!([]), "nothing was submitted");
+    // The names it serves: its --public-url's, localhost, IP literals.
+    for host in [format!("motley.example.com:{port}"), format!("localhost:{port}"), c.addr.clone()] {
+        assert_eq!(for_host(&c.addr, &host, "POST", "/api/v1/nodes/a100-0/drain", "", "").0, 200, "{host}");
+        assert_eq!(c.call("POST", "/api/v1/nodes/a100-0/undrain", "").0, 200);
+    }
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_motley-coordinator"))
+        .args(["--listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0", "--insecure", "--public-url", "motley.example.com"])
+        .arg("--data-dir")
+        .arg(temp_dir())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && err.contains("--public-url") && err.contains("https://"), "a URL without a scheme is refused: {err}");
 }
 
 /// Checkpoint files an agent reports reach the bitmap, over REST and gRPC alike: a step with
@@ -411,7 +448,9 @@ async fn checkpoint_holdings_reach_the_bitmap_over_both_apis() {
         rank: -1,
         layers: 1,
         world_size: 1,
-        ..Default::default()
+        // One chunk's crc: a copy without crcs is never restorable, so never complete.
+        chunk_bytes: 16 << 20,
+        crc32c: vec![0],
     };
     let mut holdings = vec![];
     for step in [4, 8] {

@@ -4,6 +4,7 @@
 //! delegates to `control` and the store. The dashboard (`ui`) is served at `/` and `/ui/...`.
 
 mod checkpoints;
+pub mod hosts;
 mod jobs;
 mod nodes;
 pub mod openapi;
@@ -35,6 +36,8 @@ pub struct AppState {
     /// What the agents' log-service certificates are checked against when their logs URL is
     /// https (`--agent-ca-cert`, else the public web roots).
     pub agent_roots: ureq::tls::RootCerts,
+    /// The names this coordinator answers to (`hosts`): a request for another is refused.
+    pub hosts: std::sync::Arc<hosts::ServedHosts>,
 }
 
 /// Every error answer's body.
@@ -91,6 +94,7 @@ pub fn router(state: AppState) -> Router {
         .route("/leader", get(leader))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token))
         .route_layer(middleware::from_fn(same_origin))
+        .route_layer(middleware::from_fn_with_state(state.clone(), served_host))
         // The API's description is public, like the code it is derived from.
         .route("/openapi.json", get(|| async { Json(openapi::document()) }))
         .method_not_allowed_fallback(wrong_method);
@@ -176,6 +180,27 @@ async fn same_origin(req: Request, next: Next) -> Response {
                 "a {} from the web page at {} (Origin) to this coordinator ({host}); change things from the dashboard this coordinator serves, the CLI or a script",
                 req.method(),
                 origin.escape_default()
+            ))
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// DNS rebinding (`hosts`): a change is made only for a request to a name this coordinator
+/// serves; so is any request while the control API needs no token (`--insecure`), when even
+/// a read (a rank's log) must not reach a page on someone else's name.
+async fn served_host(State(s): State<AppState>, req: Request, next: Next) -> Response {
+    let changes = !matches!(*req.method(), axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS);
+    if changes || s.tokens.operator.is_none() {
+        let host = req.headers().get(header::HOST).and_then(|v| v.to_str().ok()).or_else(|| req.uri().authority().map(|a| a.as_str()));
+        let host = host.unwrap_or("");
+        if !s.hosts.serves(host) {
+            return CoordinatorError::PermissionDenied(format!(
+                "this coordinator does not serve the host name {:?} (Host); it answers to IP addresses, localhost{}; \
+                 add the name it is reached by with --public-url (MOTLEY_PUBLIC_URL)",
+                host.escape_default().to_string(),
+                s.hosts.names().iter().map(|n| format!(", {n}")).collect::<String>()
             ))
             .into_response();
         }
