@@ -75,7 +75,18 @@ pub(crate) fn completeness(files: &[&Holding]) -> Option<String> {
 fn step_view(step: i64, files: &[&Holding]) -> StepView {
     let distinct: BTreeMap<&str, &Holding> = files.iter().map(|h| (h.file.as_str(), *h)).collect();
     let unique: Vec<&Holding> = distinct.values().copied().collect();
-    let missing = completeness(&unique);
+    // Complete as one generation wrote it, with the crcs a restore verifies (the recovery's
+    // rule, `restore_plan::choose_step`): the newest generation's verdict when none is whole.
+    let mut by_generation: BTreeMap<i64, BTreeMap<&str, &Holding>> = BTreeMap::new();
+    for h in files.iter().filter(|h| h.has_crcs()) {
+        by_generation.entry(h.generation).or_default().insert(h.file.as_str(), *h);
+    }
+    let verdicts: Vec<Option<String>> =
+        by_generation.values().rev().map(|g| completeness(&g.values().copied().collect::<Vec<_>>())).collect();
+    let missing = match verdicts.iter().any(Option::is_none) {
+        true => None,
+        false => Some(verdicts.into_iter().flatten().next().unwrap_or_else(|| "no file of the step was reported with crcs".into())),
+    };
     StepView {
         step,
         generations: files.iter().map(|h| h.generation).collect::<BTreeSet<_>>().into_iter().collect(),

@@ -20,6 +20,9 @@ pub const LAUNCH_INTERVALS: u32 = 30;
 
 /// The launch environment variable naming the step a recovery's ranks resume from.
 pub const RESTORE_STEP_ENV: &str = "MOTLEY_CKPT_RESTORE_STEP";
+/// The launch environment variable naming the generation whose files of that step the ranks
+/// load: they refuse a file another generation wrote (docs/checkpoint.md, "Environment").
+pub const RESTORE_GENERATION_ENV: &str = "MOTLEY_CKPT_RESTORE_GENERATION";
 
 /// Move a job, logging a refusal (another move won, or this leader was deposed): true if it moved.
 pub async fn move_job(store: &Store, id: i64, generation: i64, to: JobState, reason: Option<&str>) -> bool {
@@ -88,6 +91,9 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
     // A recovery's launch: the agents restored this step for it (their MOTLEY_CKPT_RESTORE).
     if let Some(step) = store.restore_step(id, job.generation).await? {
         envs.insert(RESTORE_STEP_ENV.into(), step.to_string());
+        if let Some(from) = store.restore_generation(id, job.generation).await? {
+            envs.insert(RESTORE_GENERATION_ENV.into(), from.to_string());
+        }
     }
     let world = ranks.len() as i64;
     let Some(first) = ranks.first() else { return Ok(()) };

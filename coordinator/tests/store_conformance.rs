@@ -485,6 +485,26 @@ conformance!(holdings_replace_a_nodes_list_under_its_current_epoch_only, |url: S
     assert_eq!(s.holdings(job.id).await.unwrap().len(), 2);
     s.replace_holdings("n0", newer, &[]).await.unwrap();
     assert_eq!(s.holdings(job.id).await.unwrap().len(), 1);
+
+    // The same step saved by generation 1 (which lost a node mid-save) and again by
+    // generation 2, with other bytes: both copies are kept, each under its generation.
+    let g = |file: &str, generation: i64, crc: u32| Holding { generation, crc32c: format!("[{crc}]"), ..h(file, 12) };
+    s.replace_holdings("n0", newer, &[g("a", 1, 11), g("a", 2, 22), g("b", 2, 23)]).await.unwrap();
+    let twelve: Vec<(i64, String, Vec<u32>)> = s
+        .holdings(job.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|x| x.step == 12)
+        .map(|x| (x.generation, x.file.clone(), x.file_entry().crc32c))
+        .collect();
+    assert_eq!(twelve, [(1, "a".into(), vec![11]), (2, "a".into(), vec![22]), (2, "b".into(), vec![23])]);
+    // Another node's report of generation 2's copy does not touch generation 1's rows.
+    s.replace_holdings("n1", e1, &[g("a", 2, 22)]).await.unwrap();
+    let a12: Vec<(i64, String, String)> =
+        s.holdings(job.id).await.unwrap().into_iter().filter(|x| x.step == 12).map(|x| (x.generation, x.file, x.node)).collect();
+    let want = [(1, "a", "n0"), (2, "a", "n0"), (2, "a", "n1"), (2, "b", "n0")];
+    assert_eq!(a12, want.map(|(g, f, n)| (g, f.to_string(), n.to_string())));
     s.close().await;
 });
 
@@ -524,11 +544,13 @@ conformance!(a_recovery_spends_its_causes_budget_in_the_move_to_recovering, |url
     assert_eq!(s.spent(id).await.unwrap(), spent);
 
     // recovering -> launching from step 40: the next generation, which resumes from it.
-    assert_eq!(s.start_generation_from(id, "{\"plan\": 2}", &ranks(&["n0"]), Some(40)).await.unwrap(), 2);
+    assert_eq!(s.start_generation_from(id, "{\"plan\": 2}", &ranks(&["n0"]), Some((40, 1))).await.unwrap(), 2);
     let j = s.job(id).await.unwrap();
     assert_eq!((j.state, j.generation), (JobState::Launching, 2));
     assert_eq!(s.restore_step(id, 2).await.unwrap(), Some(40));
+    assert_eq!(s.restore_generation(id, 2).await.unwrap(), Some(1), "the generation whose files it loads");
     assert_eq!(s.restore_step(id, 1).await.unwrap(), None);
+    assert_eq!(s.restore_generation(id, 1).await.unwrap(), None);
     assert_eq!(s.plan(id, 2).await.unwrap(), "{\"plan\": 2}");
     s.transition(id, JobState::Running, None).await.unwrap();
 

@@ -63,11 +63,11 @@ impl Life {
             let holdings = store.holdings(id).await?;
             let live = |n: &str| fleet.live(n);
             let (step, files) = match restore_plan::choose_step(&holdings, &live) {
-                StepChoice::Restore { step, files } => (Some(step), files),
+                StepChoice::Restore { step, generation, files } => (Some((step, generation)), files),
                 StepChoice::Fresh => (None, vec![]),
                 StepChoice::Lost(why) => return fail(store, fleet, id, old, &format!("recovery: {why}")).await,
             };
-            let Some(step) = step else {
+            let Some((step, source_generation)) = step else {
                 store
                     .record_event(Some(id), Some(old), "recovery_planned", "no checkpoint was reported: the job starts over from step 0")
                     .await?;
@@ -128,7 +128,7 @@ impl Life {
             match outcome {
                 Waited::Done(results) => {
                     let transfer_s = results.iter().map(|r| r.transfer_s).fold(0.0, f64::max);
-                    return self.relaunch(id, &plan, &ranks, Some((step, &results)), began, transfer_s).await;
+                    return self.relaunch(id, &plan, &ranks, Some(((step, source_generation), &results)), began, transfer_s).await;
                 }
                 Waited::NodeGone => last_error = "a node of the new plan left during the restore".into(),
                 Waited::Failed(node, e) => last_error = format!("node {node}: {e}"),
@@ -178,14 +178,15 @@ impl Life {
         }
     }
 
-    /// The next launch, from `restored` (the step and every node's result) when there is one.
+    /// The next launch, from `restored` (the step, the generation that wrote it, and every
+    /// node's result) when there is one.
     #[allow(clippy::too_many_arguments)]
     async fn relaunch(
         &self,
         id: i64,
         plan: &str,
         ranks: &[crate::store::RankAssignment],
-        restored: Option<(i64, &[RestoreResult])>,
+        restored: Option<((i64, i64), &[RestoreResult])>,
         began: Instant,
         transfer_s: f64,
     ) -> Result<()> {
@@ -199,7 +200,8 @@ impl Life {
             skipped += r.skipped;
         }
         let done = json!({
-            "step": restored.map(|(s, _)| s),
+            "step": restored.map(|((s, _), _)| s),
+            "source_generation": restored.map(|((_, g), _)| g),
             "transfer_s": transfer_s,
             "total_s": began.elapsed().as_secs_f64(),
             "bytes": {"local": local, "peer": peer, "cloud": cloud},

@@ -1,9 +1,11 @@
 //! From the checkpoint-location bitmap and a job's new plan to what each agent must do to
 //! restore it (docs/recovery.md). Pure: no store, no fleet.
 //!
-//! 1. [`choose_step`]: the newest step whose every file is held where it can be read now (a
-//!    live node's memory or disk, or the cloud), by the format's own rule
-//!    (`Manifest::check_complete`).
+//! 1. [`choose_step`]: the newest step whose every file, as one generation wrote it, is held
+//!    where it can be read now (a live node's memory or disk, or the cloud) with the crcs a
+//!    restore verifies it against, by the format's own rule (`Manifest::check_complete`). A
+//!    step is restored from one generation: one saved by a launch that lost a node mid-save
+//!    and again by the next launch is two copies, never mixed.
 //! 2. [`needs`]: what each node of the new plan must hold: for every rank, the units of its
 //!    blocks (its layers, the embedding on a first stage, the head on a last) at its TP shard,
 //!    and a rank file. A unit written at another TP degree needs every shard it was written
@@ -56,8 +58,9 @@ pub struct NodeInfo {
 /// What the bitmap offers a recovery.
 #[derive(Debug, Clone, PartialEq)]
 pub enum StepChoice {
-    /// Restore this step from these copies (live nodes' and the cloud's).
-    Restore { step: i64, files: Vec<Holding> },
+    /// Restore this step, as generation `generation` wrote it, from these copies (live
+    /// nodes' and the cloud's; every one of that generation).
+    Restore { step: i64, generation: i64, files: Vec<Holding> },
     /// No checkpoint was ever reported: start over from step 0.
     Fresh,
     /// Checkpoints were reported but no step can be read whole now: why.
@@ -79,10 +82,12 @@ struct StepFile {
     in_cloud: bool,
 }
 
-/// The step's files by name, each with its holders (memory copies first) and whether the cloud has it.
+/// The step's files by name, each with its holders (memory copies first) and whether the cloud
+/// has it. `files` are of one generation ([`choose_step`] picks them so).
 fn index(files: &[Holding]) -> BTreeMap<String, StepFile> {
     let mut out: BTreeMap<String, StepFile> = BTreeMap::new();
-    for h in files {
+    // A copy without crcs cannot be verified: never a source (choose_step leaves them out too).
+    for h in files.iter().filter(|h| h.has_crcs()) {
         let f = out.entry(h.file.clone()).or_insert_with(|| StepFile {
             entry: h.file_entry(),
             generation: h.generation,
@@ -94,10 +99,6 @@ fn index(files: &[Holding]) -> BTreeMap<String, StepFile> {
             holders: vec![],
             in_cloud: false,
         });
-        // A copy that reported its crcs is the one whose manifest entry the restore checks.
-        if f.entry.crc32c.is_empty() && !h.crc32c.is_empty() && h.crc32c != "[]" {
-            f.entry = h.file_entry();
-        }
         match h.tier.as_str() {
             "cloud" => f.in_cloud = true,
             tier => f.holders.push((h.node.clone(), tier.to_string())),

@@ -34,7 +34,8 @@ fn file(step: i64, name: &str, bytes: i64, block: &str, part: &str, tp: (u32, u3
         layers: i64::from(layers),
         world_size: i64::from(world),
         chunk_bytes: 1024,
-        crc32c: format!("[{}, {step}]", name.len()),
+        // One crc per 1 KiB chunk (any values: nothing here reads the bytes).
+        crc32c: serde_json::to_string(&vec![name.len() as u64 + step as u64; (bytes as u64).div_ceil(1024) as usize]).unwrap(),
     }
 }
 
@@ -81,7 +82,7 @@ fn choose_step_takes_the_newest_complete_step() {
     let mut all = step(10, 2, 2, 2, &[("n0", "disk")]);
     all.extend(step(20, 2, 2, 2, &[("n0", "memory"), ("n1", "disk")]));
     let newest: Vec<Holding> = all.iter().filter(|h| h.step == 20).cloned().collect();
-    assert_eq!(choose_step(&all, &live_of(&["n0", "n1"])), StepChoice::Restore { step: 20, files: newest });
+    assert_eq!(choose_step(&all, &live_of(&["n0", "n1"])), StepChoice::Restore { step: 20, generation: GEN, files: newest });
 }
 
 #[test]
@@ -94,7 +95,7 @@ fn choose_step_skips_a_step_with_a_file_only_on_a_dead_node() {
     // n1 is dead: step 20 misses one file; step 10 is whole on n0, and only n0's copies count.
     let ten_on_n0: Vec<Holding> = all.iter().filter(|h| h.step == 10 && h.node == "n0").cloned().collect();
     assert_eq!(ten_on_n0.len(), 4 * 2 * 2 + 2);
-    assert_eq!(choose_step(&all, &live_of(&["n0"])), StepChoice::Restore { step: 10, files: ten_on_n0 });
+    assert_eq!(choose_step(&all, &live_of(&["n0"])), StepChoice::Restore { step: 10, generation: GEN, files: ten_on_n0 });
     // With n1 alive, step 20 is whole again.
     assert!(matches!(choose_step(&all, &live_of(&["n0", "n1"])), StepChoice::Restore { step: 20, .. }));
 }
@@ -105,13 +106,66 @@ fn choose_step_counts_cloud_copies_whatever_node_reported_them() {
     let mut all = step(10, 1, 1, 1, &[("n0", "disk")]);
     all.extend(step(20, 1, 1, 1, &[("n9", "cloud"), ("n9", "memory")]));
     let cloud: Vec<Holding> = all.iter().filter(|h| h.step == 20 && h.tier == "cloud").cloned().collect();
-    assert_eq!(choose_step(&all, &live_of(&["n0"])), StepChoice::Restore { step: 20, files: cloud });
+    assert_eq!(choose_step(&all, &live_of(&["n0"])), StepChoice::Restore { step: 20, generation: GEN, files: cloud });
     // A tier that is neither memory, disk nor cloud is not readable.
     let odd = step(30, 1, 1, 1, &[("n0", "tape")]);
     assert_eq!(
         choose_step(&odd, &live_of(&["n0"])),
-        StepChoice::Lost("no checkpoint step has every file on a live node or in the cloud (step 30: no file of it is held)".into())
+        StepChoice::Lost(
+            "no checkpoint step has every file of one generation on a live node or in the cloud \
+             (step 30: generation 3: no file of it is held)"
+                .into()
+        )
     );
+}
+
+#[test]
+fn choose_step_takes_a_step_from_one_generation_never_a_mix() {
+    // Generation 3 saved step 20 whole; generation 4 (restored from step 10, trained on) saved
+    // step 20 again and lost a node mid-save: its copy lacks layer.1's optimizer shard 1.
+    let lone = unit_name("layer.1", "optimizer", 1, 2);
+    let g3 = step(20, 2, 2, 2, &[("n0", "disk")]);
+    let g4: Vec<Holding> =
+        step(20, 2, 2, 2, &[("n1", "memory")]).into_iter().filter(|h| h.file != lone).map(|h| Holding { generation: 4, ..h }).collect();
+    let all: Vec<Holding> = g3.iter().chain(&g4).cloned().collect();
+    // G+1 incomplete, G complete: G's copy, whole, and none of G+1's files.
+    assert_eq!(choose_step(&all, &live_of(&["n0", "n1"])), StepChoice::Restore { step: 20, generation: GEN, files: g3.clone() });
+    // Both complete: the newest generation.
+    let g4_whole: Vec<Holding> = step(20, 2, 2, 2, &[("n1", "memory")]).into_iter().map(|h| Holding { generation: 4, ..h }).collect();
+    let both: Vec<Holding> = g3.iter().chain(&g4_whole).cloned().collect();
+    assert_eq!(choose_step(&both, &live_of(&["n0", "n1"])), StepChoice::Restore { step: 20, generation: 4, files: g4_whole });
+    // Neither complete alone (G lacks the shard G+1 has, G+1 lacks another): not restorable,
+    // although the union names every file.
+    let other = unit_name("head", "model", 0, 2);
+    let g3_part: Vec<Holding> = g3.iter().filter(|h| h.file != other).cloned().collect();
+    let g4_part: Vec<Holding> =
+        step(20, 2, 2, 2, &[("n1", "memory")]).into_iter().filter(|h| h.file != lone).map(|h| Holding { generation: 4, ..h }).collect();
+    let mixed: Vec<Holding> = g3_part.into_iter().chain(g4_part).collect();
+    match choose_step(&mixed, &live_of(&["n0", "n1"])) {
+        StepChoice::Lost(why) => {
+            assert!(why.contains("generation 4: step 20 is not restorable: unit layer.1 optimizer tp 1/2"), "{why}");
+            assert!(why.contains("generation 3: step 20 is not restorable: unit head model tp 0/2"), "{why}");
+            assert!(why.contains("whole only as a mix of generations, which is not restorable"), "{why}");
+        }
+        other => panic!("a step whole only as a mix of generations is not restorable: {other:?}"),
+    }
+}
+
+#[test]
+fn choose_step_skips_copies_without_crcs() {
+    // Step 20's copies on n0 report no crcs (an agent of another version): they cannot be
+    // verified, so step 10 is restored; the reason names what was skipped.
+    let mut all = step(10, 1, 1, 1, &[("n0", "disk")]);
+    all.extend(step(20, 1, 1, 1, &[("n0", "memory")]).into_iter().map(|h| Holding { crc32c: "[]".into(), ..h }));
+    assert!(matches!(choose_step(&all, &live_of(&["n0"])), StepChoice::Restore { step: 10, .. }));
+    let only: Vec<Holding> = all.into_iter().filter(|h| h.step == 20).collect();
+    match choose_step(&only, &live_of(&["n0"])) {
+        StepChoice::Lost(why) => assert!(
+            why.contains("generation 3: no file of it is held (7 copies reported without a crc32c per chunk were skipped, e.g. "),
+            "{why}"
+        ),
+        other => panic!("copies without crcs are not restorable: {other:?}"),
+    }
 }
 
 #[test]
@@ -132,10 +186,10 @@ fn choose_step_lost_names_each_step_and_its_missing_file() {
     assert_eq!(
         choose_step(&all, &live_of(&["n0"])),
         StepChoice::Lost(
-            "no checkpoint step has every file on a live node or in the cloud (\
-             step 30: no file of it is held; \
-             step 20: step 20 is not restorable: unit head optimizer tp 1/2 was never reported; restore the previous complete step; \
-             step 10: step 10 is not restorable: the rank file of rank 1 was never reported; restore the previous complete step)"
+            "no checkpoint step has every file of one generation on a live node or in the cloud (\
+             step 30: generation 3: no file of it is held; \
+             step 20: generation 3: step 20 is not restorable: unit head optimizer tp 1/2 was never reported; restore the previous complete step; \
+             step 10: generation 3: step 10 is not restorable: the rank file of rank 1 was never reported; restore the previous complete step)"
                 .into()
         )
     );
@@ -471,7 +525,7 @@ fn build_tiles_files_of_uneven_lengths_across_degrees() {
 
 #[test]
 fn build_copies_crcs_chunks_and_the_writers_generation() {
-    // n0's copies reported no crcs; n1's did: the restore checks against n1's.
+    // n0's copies reported no crcs: never a source; n1's did: the restore checks against them.
     let all = step_files(7, 1, 1, 1, 4096);
     let mut files = vec![];
     for h in &all {
@@ -486,6 +540,7 @@ fn build_copies_crcs_chunks_and_the_writers_generation() {
         assert_eq!((f.source_generation, f.bytes, f.chunk_bytes), (GEN, 4096 * (1 + u64::from(h.rank < 0) * 3) / 4, 1024), "{}", f.file);
         assert_eq!(f.crc32c, h.file_entry().crc32c, "{}", f.file);
         assert!(!f.crc32c.is_empty());
+        assert!(f.fallbacks.iter().chain(f.ranges.iter().filter_map(|r| r.source.as_ref())).all(|s| s.node != "n0"), "{f:?}");
     }
 }
 

@@ -1,6 +1,8 @@
-//! The checkpoint-location bitmap (`ckpt_locations`, migration 0006): which checkpoint file of
-//! which step each node holds, in which tier. An agent reports its whole list; it replaces the
-//! node's rows in one transaction, fenced by the agent's epoch in SQL.
+//! The checkpoint-location bitmap (`ckpt_locations`, migrations 0006 and 0009): which checkpoint
+//! file of which step, written by which generation, each node holds, in which tier. An agent
+//! reports its whole list; it replaces the node's rows in one transaction, fenced by the
+//! agent's epoch in SQL. A step saved by two generations (one lost a node mid-save, the next
+//! saved it again) is two copies kept apart: a restore takes the files of one generation only.
 
 use serde::Serialize;
 
@@ -43,6 +45,13 @@ impl Holding {
             crc32c: serde_json::from_str(&self.crc32c).unwrap_or_default(),
         }
     }
+
+    /// Whether the holder reported a CRC-32C for every chunk of the file: a copy without them
+    /// cannot be verified, so it is never restored from (docs/recovery.md, step 6).
+    pub fn has_crcs(&self) -> bool {
+        let e = self.file_entry();
+        e.chunk_bytes > 0 && e.crc32c.len() as u64 == e.bytes.div_ceil(e.chunk_bytes)
+    }
 }
 
 macro_rules! columns {
@@ -74,7 +83,7 @@ impl Store {
                 "INSERT INTO ckpt_locations (",
                 columns!(),
                 ", agent_epoch, reported_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) \
-                 ON CONFLICT (job_id, step, file, node, tier) DO NOTHING"
+                 ON CONFLICT (job_id, generation, step, file, node, tier) DO NOTHING"
             ))
             .bind(h.job_id)
             .bind(h.generation)
@@ -101,11 +110,15 @@ impl Store {
         Ok(())
     }
 
-    /// Every file held of a job's checkpoints, by step, file and node.
+    /// Every file held of a job's checkpoints, by step, generation, file and node.
     pub async fn holdings(&self, job: i64) -> Result<Vec<Holding>> {
-        Ok(sqlx::query_as(concat!("SELECT ", columns!(), " FROM ckpt_locations WHERE job_id = $1 ORDER BY step, file, node, tier"))
-            .bind(job)
-            .fetch_all(&self.pool)
-            .await?)
+        Ok(sqlx::query_as(concat!(
+            "SELECT ",
+            columns!(),
+            " FROM ckpt_locations WHERE job_id = $1 ORDER BY step, generation, file, node, tier"
+        ))
+        .bind(job)
+        .fetch_all(&self.pool)
+        .await?)
     }
 }

@@ -122,9 +122,10 @@ impl Store {
         self.start_generation_from(id, plan, ranks, None).await
     }
 
-    /// `start_generation` of a launch whose ranks resume from checkpoint step `restore_step`
-    /// (a recovery's: the agents restored it for this generation).
-    pub async fn start_generation_from(&self, id: i64, plan: &str, ranks: &[RankAssignment], restore_step: Option<i64>) -> Result<i64> {
+    /// `start_generation` of a launch whose ranks resume from checkpoint step `restore.0`, as
+    /// written by generation `restore.1` (a recovery's: the agents restored it for this launch).
+    pub async fn start_generation_from(&self, id: i64, plan: &str, ranks: &[RankAssignment], restore: Option<(i64, i64)>) -> Result<i64> {
+        let restore_step = restore.map(|(step, _)| step);
         let mut tx = self.pool.begin().await?;
         self.check_term(&mut tx).await?;
         let job = job_in(&mut tx, id).await?;
@@ -133,14 +134,17 @@ impl Store {
         }
         let generation = job.generation + 1;
         let now = now_ms();
-        sqlx::query("INSERT INTO plans (job_id, generation, plan, created_at_ms, restore_step) VALUES ($1, $2, $3, $4, $5)")
-            .bind(id)
-            .bind(generation)
-            .bind(plan)
-            .bind(now)
-            .bind(restore_step.unwrap_or(-1))
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(
+            "INSERT INTO plans (job_id, generation, plan, created_at_ms, restore_step, restore_generation) VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(id)
+        .bind(generation)
+        .bind(plan)
+        .bind(now)
+        .bind(restore_step.unwrap_or(-1))
+        .bind(restore.map_or(-1, |(_, g)| g))
+        .execute(&mut *tx)
+        .await?;
         // Multi-row INSERTs (one round trip per chunk, not per rank): 8 parameters a row plus the
         // job and generation, within SQLite's 32766 and PostgreSQL's 65535 parameters.
         for chunk in ranks.chunks(RANK_ROWS_PER_INSERT) {
@@ -220,6 +224,17 @@ impl Store {
             .fetch_optional(&self.pool)
             .await?;
         Ok(step.filter(|s| *s >= 0))
+    }
+
+    /// The generation whose checkpoint files launch `generation` resumes from, if any (none for
+    /// a launch from before migration 0009 recorded it).
+    pub async fn restore_generation(&self, id: i64, generation: i64) -> Result<Option<i64>> {
+        let from: Option<i64> = sqlx::query_scalar("SELECT restore_generation FROM plans WHERE job_id = $1 AND generation = $2")
+            .bind(id)
+            .bind(generation)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(from.filter(|g| *g >= 0))
     }
 
     pub async fn plan(&self, id: i64, generation: i64) -> Result<String> {
