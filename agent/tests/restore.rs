@@ -524,6 +524,7 @@ fn full_bytes(name: &str, spec: &TensorSpec) -> Vec<u8> {
 fn layer_unit(tp: u32, rank: u32) -> Unit {
     Unit {
         step: STEP,
+        generation: Some(SOURCE_GEN),
         key: UnitKey { block: Block::Layer(0), part: Part::Model, tp_rank: rank, tp_size: tp },
         tensors: layer_specs()
             .into_iter()

@@ -58,6 +58,9 @@ pub enum CkptError {
     /// Units handed to the re-slicer that do not form one (block, part) at one TP degree.
     #[error("units to re-slice: {0}")]
     Units(String),
+    /// A manifest or piece larger than the format allows (`MAX_PIECE_BYTES`, `MAX_MANIFEST_BYTES`).
+    #[error("{path}: {bytes} bytes, over the {limit} bytes a {what} may be (docs/checkpoint.md, \"Limits\"); not read")]
+    TooLarge { path: PathBuf, what: &'static str, bytes: u64, limit: u64 },
     /// A file that is not what the format says.
     #[error("{path}: not a Motley checkpoint file: {message}")]
     Format { path: PathBuf, message: String },

@@ -17,6 +17,11 @@ pub const FORMAT: &str = "motley-checkpoint/1";
 pub const CHUNK_BYTES: u64 = 16 << 20;
 /// The merged manifest in a step directory.
 pub const MANIFEST: &str = "manifest.json";
+/// The largest manifest piece a reader takes (docs/checkpoint.md, "Limits"): agents read every
+/// piece on their node, and report what it lists over a bounded message.
+pub const MAX_PIECE_BYTES: u64 = 8 << 20;
+/// The largest merged manifest a reader takes (every rank's piece in one).
+pub const MAX_MANIFEST_BYTES: u64 = 64 << 20;
 
 /// What part of the model a unit holds: the embeddings (token and position), one transformer
 /// layer, or the head (final norm and output projection).
@@ -292,7 +297,7 @@ impl Manifest {
             let p = e.map_err(io(step_dir))?.path();
             let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
             if name.starts_with("manifest.rank.") && name.ends_with(".json") {
-                pieces.push(read_json(&p)?);
+                pieces.push(read_piece(&p)?);
             }
         }
         if pieces.is_empty() {
@@ -302,8 +307,48 @@ impl Manifest {
     }
 }
 
-/// Reads a JSON document (a manifest or a piece).
+/// Reads a JSON document (a manifest or a piece) of at most `MAX_MANIFEST_BYTES`.
 pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = std::fs::read(path).map_err(io(path))?;
+    read_bounded(path, "manifest", MAX_MANIFEST_BYTES)
+}
+
+/// Reads one rank's manifest piece, refused over `MAX_PIECE_BYTES` (before it is read whole).
+pub fn read_piece(path: &Path) -> Result<Manifest> {
+    read_bounded(path, "manifest piece", MAX_PIECE_BYTES)
+}
+
+fn read_bounded<T: serde::de::DeserializeOwned>(path: &Path, what: &'static str, limit: u64) -> Result<T> {
+    use std::io::Read;
+    let f = std::fs::File::open(path).map_err(io(path))?;
+    let mut text = Vec::new();
+    // One byte past the limit tells a file over it, even one growing while it is read.
+    f.take(limit + 1).read_to_end(&mut text).map_err(io(path))?;
+    if text.len() as u64 > limit {
+        let bytes = std::fs::metadata(path).map_or(text.len() as u64, |m| m.len());
+        return Err(CkptError::TooLarge { path: path.into(), what, bytes, limit });
+    }
     serde_json::from_slice(&text).map_err(|e| CkptError::Format { path: path.into(), message: e.to_string() })
+}
+
+#[cfg(test)]
+mod bounded_tests {
+    use super::*;
+
+    #[test]
+    fn a_piece_over_the_limit_is_refused_naming_its_size_and_the_limit() {
+        let dir = std::env::temp_dir().join(format!("motley-piece-limit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("manifest.rank.00000.json");
+        // Valid JSON whitespace, one byte past the limit.
+        let mut text = br#"{"format": "motley-checkpoint/1", "step": 1, "layers": 1, "world_size": 1}"#.to_vec();
+        std::fs::write(&p, &text).unwrap();
+        assert_eq!(read_piece(&p).unwrap().step, 1);
+        text.resize(MAX_PIECE_BYTES as usize + 1, b' ');
+        std::fs::write(&p, &text).unwrap();
+        let e = read_piece(&p).unwrap_err().to_string();
+        assert!(e.contains(&format!("{} bytes, over the {MAX_PIECE_BYTES} bytes a manifest piece may be", MAX_PIECE_BYTES + 1)), "{e}");
+        // The merged manifest's own, larger limit takes it.
+        assert_eq!(read_json::<Manifest>(&p).unwrap().step, 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -1,6 +1,7 @@
 //! Unit files: safetensors files whose `__metadata__["motley"]` is the unit's header (format,
-//! step, block, part, tp_rank, tp_size, and every tensor's global spec), written to a temporary
-//! name, fsynced and renamed; and re-slicing whole units and steps.
+//! step, block, part, tp_rank, tp_size, every tensor's global spec, and the generation of the
+//! launch that wrote it where the writer knew it), written to a temporary name, fsynced and
+//! renamed; and re-slicing whole units and steps (a cut unit keeps its sources' generation).
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -23,6 +24,10 @@ pub const META_KEY: &str = "motley";
 struct Header {
     format: String,
     step: u64,
+    /// The launch whose ranks wrote it (`MOTLEY_GENERATION`); absent from files written
+    /// outside an agent's launch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    generation: Option<i64>,
     #[serde(flatten)]
     key: UnitKey,
     tensors: BTreeMap<String, TensorSpec>,
@@ -33,6 +38,8 @@ struct Header {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Unit {
     pub step: u64,
+    /// The generation that wrote it, when its header records one.
+    pub generation: Option<i64>,
     pub key: UnitKey,
     pub tensors: BTreeMap<String, (TensorSpec, Vec<u8>)>,
 }
@@ -80,6 +87,7 @@ impl Unit {
         let header = Header {
             format: FORMAT.into(),
             step: self.step,
+            generation: self.generation,
             key: self.key,
             tensors: self.tensors.iter().map(|(k, (s, _))| (k.clone(), s.clone())).collect(),
         };
@@ -117,7 +125,7 @@ impl Unit {
         if st.len() != tensors.len() {
             return Err(bad(format!("{} tensors stored, {} in the header", st.len(), tensors.len())));
         }
-        Ok(Unit { step: header.step, key: header.key, tensors })
+        Ok(Unit { step: header.step, generation: header.generation, key: header.key, tensors })
     }
 
     /// Reads a unit file.
@@ -169,9 +177,16 @@ pub fn reslice_unit(units: &[Unit], tp_out: u32) -> Result<Vec<Unit>> {
     let Some(first) = units.first() else {
         return Err(CkptError::Units("no units given".into()));
     };
-    let (block, part, tp_in, step) = (first.key.block, first.key.part, first.key.tp_size, first.step);
+    let (block, part, tp_in, step, generation) = (first.key.block, first.key.part, first.key.tp_size, first.step, first.generation);
     let mut by_rank: Vec<Option<&Unit>> = vec![None; tp_in as usize];
     for u in units {
+        // Shards of one step written by two launches are not one unit (docs/recovery.md).
+        if u.generation != generation {
+            return Err(CkptError::Units(format!(
+                "{} was written by generation {:?} and {} by generation {generation:?}: re-slice the shards of one generation",
+                u.key, u.generation, first.key
+            )));
+        }
         if (u.key.block, u.key.part, u.key.tp_size, u.step) != (block, part, tp_in, step) {
             return Err(CkptError::Units(format!(
                 "{} (step {}) is not of {block} {part} at tp {tp_in}, step {step}: re-slice one block and part at a time",
@@ -197,7 +212,7 @@ pub fn reslice_unit(units: &[Unit], tp_out: u32) -> Result<Vec<Unit>> {
             let shards: Vec<&[u8]> = by_rank.iter().map(|u| u.tensors[name].1.as_slice()).collect();
             tensors.insert(name.clone(), (spec.clone(), reslice_rank(name, spec, &shards, tp_in, tp_out, r)?));
         }
-        out.push(Unit { step, key: UnitKey { block, part, tp_rank: r, tp_size: tp_out }, tensors });
+        out.push(Unit { step, generation, key: UnitKey { block, part, tp_rank: r, tp_size: tp_out }, tensors });
     }
     Ok(out)
 }

@@ -1,6 +1,7 @@
 //! Unit files, manifests and steps on disk, written with this crate's own writer: pieces merge
 //! into a complete manifest, every crc verifies, corruption and missing units are named, and a
-//! TP-2 step re-sliced to TP 1 and TP 4 holds the same full tensors.
+//! TP-2 step re-sliced to TP 1 and TP 4 holds the same full tensors (and the generation that
+//! wrote it; shards of two generations are not cut together).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -66,6 +67,7 @@ fn units_of(block: Block, part: Part, tp: u32, step: u64) -> Vec<Unit> {
     (0..tp)
         .map(|r| Unit {
             step,
+            generation: Some(2),
             key: UnitKey { block, part, tp_rank: r, tp_size: tp },
             tensors: specs
                 .iter()
@@ -212,6 +214,7 @@ fn a_tp2_step_resliced_holds_the_same_full_tensors() {
                     .collect();
                 let want_tp = if matches!(b, Block::Layer(_)) { tp } else { 1 };
                 assert_eq!(mine.len() as u32, want_tp, "{b} {p}");
+                assert!(mine.iter().all(|u| u.generation == Some(2)), "a cut unit keeps its shards' generation");
                 let expected = units_of(b, p, want_tp, 5);
                 for (name, (spec, _)) in &expected[0].tensors {
                     let mut sorted = mine.clone();
@@ -228,6 +231,14 @@ fn a_tp2_step_resliced_holds_the_same_full_tensors() {
     let e = reslice_step(&src, &root.join("tp8"), 8).unwrap_err();
     assert!(e.to_string().contains("tp 8 does not divide the 4 granules"), "{e}");
     std::fs::remove_dir_all(root).unwrap();
+}
+
+#[test]
+fn shards_of_two_generations_are_not_resliced_together() {
+    let mut units = units_of(Block::Layer(0), Part::Model, 2, 5);
+    units[1].generation = Some(3);
+    let e = motley_checkpoint::reslice_unit(&units, 1).unwrap_err().to_string();
+    assert!(e.contains("was written by generation Some(3) and") && e.contains("re-slice the shards of one generation"), "{e}");
 }
 
 #[test]

@@ -27,6 +27,9 @@ FORMAT = "motley-checkpoint/1"
 CHUNK_BYTES = 16 << 20
 MANIFEST = "manifest.json"
 META_KEY = "motley"
+# The generation whose files of the step a recovery's ranks load (set by the coordinator on a
+# recovery's launch): a file another generation wrote is refused (docs/checkpoint.md).
+RESTORE_GENERATION_ENV = "MOTLEY_CKPT_RESTORE_GENERATION"
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}
@@ -226,6 +229,9 @@ def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_b
     """Collect what step `step` writes (copied into host memory when `copy`) and return the
     function that writes it: the rank's units, its rank file, then its piece."""
     grab = _snapshot if copy else (lambda t: t)
+    # The launch writing it (the agent's MOTLEY_GENERATION): recorded in every file's header, so
+    # a restore can tell a step saved twice, by two launches, from one (docs/checkpoint.md).
+    written_by = _writing_generation()
     piece = {"format": FORMAT, "step": step, "layers": model.spec.layers, "world_size": view.world_size,
              "units": [], "ranks": []}
     todo = []  # (block, part, tp_rank, tp_size, specs, {name: tensor}, sharding or None)
@@ -244,7 +250,8 @@ def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_b
                    "data": {"next_step": step, "samples": step * global_batch},
                    "model": model.spec.to_dict(),
                    **({"scaler": scaler} if scaler is not None else {}),
-                   "scheduler": {"kind": "constant", "lr": lr}}
+                   "scheduler": {"kind": "constant", "lr": lr},
+                   **({"generation": written_by} if written_by is not None else {})}
     rng = torch.get_rng_state()  # a new tensor: already a copy
     rank = view.rank
 
@@ -253,6 +260,8 @@ def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_b
         for block, part, tp_rank, tp_size, specs, tensors, sharding in todo:
             header = {"format": FORMAT, "step": step, "block": block_label(block), "part": part,
                       "tp_rank": tp_rank, "tp_size": tp_size, "tensors": specs}
+            if written_by is not None:
+                header["generation"] = written_by
             if sharding is not None:
                 # Who wrote it: the ring's size and the owner's place in it when saved.
                 header["sharding"] = sharding
@@ -528,11 +537,49 @@ def restore_list(value: str) -> List[str]:
     return paths
 
 
-def restore(view, model, optimizer, paths: List[str], position: Optional[dict] = None, zero=None) -> int:
+def _int_env(name: str) -> Optional[int]:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise CheckpointError(f"{name}: {value!r} is not a generation number; unset it or give an integer") from None
+
+
+def _writing_generation() -> Optional[int]:
+    """The launch this rank runs in (MOTLEY_GENERATION, set by the agent), if any."""
+    return _int_env("MOTLEY_GENERATION")
+
+
+def check_generation(headers: Dict[str, dict], expected: Optional[int]) -> Optional[int]:
+    """The one generation that wrote every file of `headers` (None: their writers recorded
+    none). A step saved by two launches (one lost a node mid-save, the next saved it again) is
+    two copies: files of both, or of another generation than `expected`, are refused."""
+    by_generation: Dict[Optional[int], List[str]] = {}
+    for p, h in headers.items():
+        by_generation.setdefault(h.get("generation"), []).append(p)
+    recorded = sorted(g for g in by_generation if g is not None)
+    if len(by_generation) > 1:
+        named = "; ".join(f"{by_generation[g][0]} by " + (f"generation {g}" if g is not None else "no recorded generation")
+                          for g in sorted(by_generation, key=lambda g: (g is None, g or 0)))
+        raise CheckpointError(f"MOTLEY_CKPT_RESTORE: the files listed were written by more than one launch ({named}); "
+                              f"a step is restored from the files of one generation: list one generation's copy")
+    found = recorded[0] if recorded else None
+    if expected is not None and found is not None and found != expected:
+        raise CheckpointError(f"{RESTORE_GENERATION_ENV} is {expected}, but the files listed were written by generation "
+                              f"{found} (e.g. {by_generation[found][0]}); the restore placed another generation's copy of "
+                              f"the step: restore it again")
+    return found
+
+
+def restore(view, model, optimizer, paths: List[str], position: Optional[dict] = None, zero=None,
+            generation: Optional[int] = None) -> int:
     """Load this rank's model and optimizer state, and its rank file, from exactly `paths`
     (docs/checkpoint.md, "Environment"); returns the step to resume at. Under ZeRO-1 (`zero`)
     every block's model unit is read, and the optimizer units of the blocks the rank owns now,
-    whatever sharding wrote them."""
+    whatever sharding wrote them. Every file must be of one step and one generation: the
+    `generation` given, else $MOTLEY_CKPT_RESTORE_GENERATION's where it is set."""
     from safetensors.torch import load_file
 
     headers = {p: read_header(p) for p in paths}
@@ -540,6 +587,7 @@ def restore(view, model, optimizer, paths: List[str], position: Optional[dict] =
     if len(steps) != 1:
         raise CheckpointError(f"MOTLEY_CKPT_RESTORE: files of steps {sorted(steps)}; list the files of one step")
     step = steps.pop()
+    check_generation(headers, generation if generation is not None else _int_env(RESTORE_GENERATION_ENV))
     units = _units(model, optimizer)
     # The optimizer's state exists only after a step: make it (zeros) so the restore can fill it.
     needed = {(b, "model") for b, _ in units} | {(b, "optimizer") for b, _ in units
@@ -607,4 +655,5 @@ def restore(view, model, optimizer, paths: List[str], position: Optional[dict] =
     return step
 
 
-__all__ = ["CheckpointError", "save", "flush", "finish", "restore", "restore_list", "verify_step", "merge", "param_specs"]
+__all__ = ["CheckpointError", "save", "flush", "finish", "restore", "restore_list", "check_generation", "verify_step", "merge",
+           "param_specs"]

@@ -100,6 +100,9 @@ def test_a_step_resliced_to_tp1_restores_a_tp1_plan(run, tmp_path):
     assert out.returncode == 0, out.stderr
     m = checkpoint.verify_step(str(out_dir))
     assert {u["tp_size"] for u in m["units"]} == {1} and len(m["units"]) == 2 * 6
+    # Every file records the launch that wrote it (the launcher's MOTLEY_GENERATION), the cut
+    # units their sources' (a restore refuses a mix of generations).
+    assert {checkpoint.read_header(p).get("generation") for p in step_files(out_dir)} == {0}
     # The list in a file this time (the other form of MOTLEY_CKPT_RESTORE).
     lst = tmp_path / "restore.json"
     lst.write_text(json.dumps(step_files(out_dir)))

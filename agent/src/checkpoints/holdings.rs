@@ -87,13 +87,15 @@ pub fn scan(roots: &Roots<'_>, cache: &mut ScanCache) -> Vec<CkptHolding> {
             for piece_path in piece_paths(&s.dir) {
                 let Some(stamp) = stamp_of(&piece_path).map(|st| (st, dir_time)) else { continue };
                 if cache.pieces.get(&piece_path).is_none_or(|p| p.stamp != stamp || !p.all_held) {
-                    match motley_checkpoint::manifest::read_json::<Manifest>(&piece_path) {
+                    // Bounded (MAX_PIECE_BYTES): a piece is read whole into memory.
+                    match motley_checkpoint::manifest::read_piece(&piece_path) {
                         Ok(m) => {
                             cache.pieces.insert(piece_path.clone(), read_piece(&m, &s, tier, stamp));
                         }
                         Err(e) => {
                             tracing::warn!("{}: not a manifest piece ({e}); its files are not reported", piece_path.display());
-                            continue;
+                            // Said once: an empty piece stands for it until the file changes.
+                            cache.pieces.insert(piece_path.clone(), Piece { stamp, listed: vec![], held: vec![], all_held: true });
                         }
                     }
                 }
@@ -170,6 +172,55 @@ struct State {
     told: Option<Vec<CkptHolding>>,
     /// The list sent in message `seq`, not yet acknowledged.
     sent: Option<(u64, Vec<CkptHolding>)>,
+    /// What the last report left out to stay within `MAX_REPORT_BYTES`.
+    left_out: Option<String>,
+}
+
+/// The most bytes of holdings one status message carries (docs/recovery.md, "Limits"): the
+/// coordinator takes messages of up to 4 MiB (tonic's default), and one over it would end
+/// every session of the node, its lease and its ranks with it. The rest of the message (ranks,
+/// load, results) has the other MiB.
+pub const MAX_REPORT_BYTES: usize = 3 << 20;
+
+/// One holding's bytes within `AgentStatus.holdings`: its encoding, its tag and length prefix
+/// (at most 5 bytes).
+pub fn encoded_bound(h: &CkptHolding) -> usize {
+    use motley_proto::Message;
+    1 + 5 + h.encoded_len()
+}
+
+/// `list` cut to at most `limit` bytes (`encoded_bound`): whole steps, the newest first (the
+/// one a recovery restores), the oldest left out; and what was left out, to say so.
+pub fn bounded(list: Vec<CkptHolding>, limit: usize) -> (Vec<CkptHolding>, Option<String>) {
+    let total: usize = list.iter().map(encoded_bound).sum();
+    if total <= limit {
+        return (list, None);
+    }
+    // Steps by (step, job, generation), newest first; a step is kept whole or not at all.
+    let mut steps: BTreeMap<(std::cmp::Reverse<u64>, i64, i64), Vec<CkptHolding>> = BTreeMap::new();
+    for h in list {
+        steps.entry((std::cmp::Reverse(h.step), h.job, h.generation)).or_default().push(h);
+    }
+    let (mut kept, mut used, mut dropped, mut files) = (vec![], 0usize, vec![], 0usize);
+    for ((std::cmp::Reverse(step), job, generation), held) in steps {
+        let size: usize = held.iter().map(encoded_bound).sum();
+        if used + size <= limit {
+            used += size;
+            kept.extend(held);
+        } else {
+            files += held.len();
+            dropped.push(format!("job {job} generation {generation} step {step}"));
+        }
+    }
+    let key = |a: &CkptHolding| (a.job, a.generation, a.step, a.file.clone(), a.tier.clone());
+    kept.sort_by_key(key);
+    let what = format!(
+        "checkpoint holdings of {total} bytes exceed the {limit} bytes one report may carry: {files} files of {} steps left out \
+         (oldest first: {}); prune old steps (checkpoint.keep) so the coordinator knows of every copy",
+        dropped.len(),
+        dropped.iter().rev().take(8).cloned().collect::<Vec<_>>().join(", ")
+    );
+    (kept, Some(what))
 }
 
 impl Holdings {
@@ -191,7 +242,16 @@ impl Holdings {
     pub fn report(&self, work_dir: &Path, seq: u64) -> Option<Vec<CkptHolding>> {
         let mut s = self.state.lock().expect("holdings");
         let roots = Roots { disk: work_dir, memory: self.memory.as_deref() };
-        let now = scan(&roots, &mut s.cache);
+        let (now, left_out) = bounded(scan(&roots, &mut s.cache), MAX_REPORT_BYTES);
+        if let Some(what) = left_out {
+            // Said when the list changes, not every scan.
+            if s.left_out.as_ref() != Some(&what) {
+                tracing::warn!("{what}");
+            }
+            s.left_out = Some(what);
+        } else {
+            s.left_out = None;
+        }
         let pending = s.sent.as_ref().map(|(_, l)| l).or(s.told.as_ref());
         if pending == Some(&now) {
             return None;
@@ -234,6 +294,37 @@ mod tests {
         };
         let path = dir.join(motley_checkpoint::manifest::piece_file_name(rank));
         std::fs::write(path, serde_json::to_vec(&piece).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_report_over_the_limit_keeps_the_newest_steps_whole_and_says_what_it_left_out() {
+        let h = |step: u64, file: &str| CkptHolding {
+            job: 7,
+            generation: 1,
+            step,
+            file: file.into(),
+            tier: "disk".into(),
+            crc32c: vec![1; 100],
+            ..Default::default()
+        };
+        let list: Vec<CkptHolding> = [10, 20, 30].iter().flat_map(|&s| [h(s, "a"), h(s, "b")]).collect();
+        let one = encoded_bound(&list[0]);
+        // The bound holds for the real encoding, and so for a whole list's.
+        assert!(one >= prost_len(&list[0]), "{one}");
+        let all = motley_proto::v1::AgentStatus { holdings: list.clone(), ..Default::default() };
+        assert!(6 * one >= motley_proto::Message::encoded_len(&all));
+        assert_eq!(bounded(list.clone(), 6 * one), (list.clone(), None));
+        // Room for two steps and a half: steps 30 and 20 whole, step 10 left out and named.
+        let (kept, what) = bounded(list.clone(), 5 * one);
+        assert_eq!(kept.iter().map(|x| (x.step, x.file.as_str())).collect::<Vec<_>>(), [(20, "a"), (20, "b"), (30, "a"), (30, "b")]);
+        let what = what.unwrap();
+        assert!(what.contains("2 files of 1 steps left out (oldest first: job 7 generation 1 step 10)"), "{what}");
+    }
+
+    /// The encoded length of one holding as an `AgentStatus.holdings` entry.
+    fn prost_len(h: &CkptHolding) -> usize {
+        use motley_proto::{v1::AgentStatus, Message};
+        AgentStatus { holdings: vec![h.clone()], ..Default::default() }.encoded_len()
     }
 
     #[test]

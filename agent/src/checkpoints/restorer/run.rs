@@ -14,12 +14,13 @@ use motley_proto::v1::{MakeUnit, Restore, RestoreFile, RestoreResult};
 
 use super::kept::result_path;
 use super::sources::{rate, CloudSide};
-use super::verify::{entry_of, verifies};
+use super::verify::{blocking, check_ask, entry_of, verifies};
 use super::{launch_list, merge, restore_dir, Restorer, Tally};
 use crate::checkpoints::dataplane::{self, FileKey, Pacer};
 
 /// Files fetched at once: all of them, as the plan's rates assume (each flow is paced to its
-/// share), up to this bound on open connections and files.
+/// share), up to this bound on open connections and files. Their memory is bounded apart: every
+/// buffer they read or write through is within `verify::BUFFER_BUDGET_MIB`.
 const PARALLEL_FILES: usize = 256;
 /// Bytes kept free beyond what a restore writes.
 const FREE_MARGIN: u64 = 64 << 20;
@@ -131,7 +132,8 @@ impl Restorer {
     /// Restore `r`: the free space checked, its files fetched, its units cut, its list written.
     async fn run(&self, r: &Restore, tally: &mut Tally) -> Result<(), String> {
         let work = &self.inner.work_dir;
-        self.check_space(r)?;
+        check_ask(r)?;
+        self.check_space(r).await?;
         // The cloud, and this node's share of its egress for the reads no plan paced.
         let capabilities = r
             .files
@@ -176,13 +178,13 @@ impl Restorer {
     }
 
     /// Whether the work directory's free space holds what restore `r` still has to write.
-    fn check_space(&self, r: &Restore) -> Result<(), String> {
+    async fn check_space(&self, r: &Restore) -> Result<(), String> {
         let work = &self.inner.work_dir;
         // What is missing, against the free space.
         let mut missing = 0u64;
         for f in &r.files {
             let path = restore_dir(work, r.job, f.source_generation, r.step).join(&f.file);
-            if !verifies(&path, &entry_of(f)) {
+            if !verifies(&path, &entry_of(f)).await {
                 missing += f.bytes;
             }
         }
@@ -207,7 +209,7 @@ impl Restorer {
         let dir = restore_dir(&self.inner.work_dir, job, f.source_generation, step);
         let path = dir.join(&f.file);
         let key = FileKey { job, generation: f.source_generation, step, file: f.file.clone() };
-        if verifies(&path, &entry) {
+        if verifies(&path, &entry).await {
             tally.skipped += 1;
             return Ok(path.display().to_string());
         }
@@ -242,11 +244,17 @@ impl Restorer {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
-        file.sync_all().map_err(|e| format!("{}: {e}", tmp.display()))?;
-        std::fs::rename(&tmp, &path).map_err(|e| format!("{}: {e}", path.display()))?;
-        if let Ok(d) = File::open(&dir) {
-            let _ = d.sync_all();
-        }
+        // Flushing a multi-GB file takes seconds: off the async workers.
+        let (tmp2, path2) = (tmp.clone(), path.clone());
+        blocking(move || {
+            file.sync_all().map_err(|e| format!("{}: {e}", tmp2.display()))?;
+            std::fs::rename(&tmp2, &path2).map_err(|e| format!("{}: {e}", path2.display()))?;
+            if let Ok(d) = File::open(&dir) {
+                let _ = d.sync_all();
+            }
+            Ok(())
+        })
+        .await?;
         arrival.complete();
         Ok(path.display().to_string())
     }
@@ -262,15 +270,12 @@ async fn make_unit(work: &Path, r: &Restore, m: &MakeUnit) -> Result<Option<Stri
     };
     let Some(first) = m.sources.first() else { return Ok(None) };
     let out_dir = dir(first);
-    let units = m
-        .sources
-        .iter()
-        .map(|s| Unit::read(&dir(s).join(s)))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("re-slicing {}: {e}", m.file))?;
-    let (out_dir2, sources) = (out_dir.clone(), units);
+    let paths: Vec<PathBuf> = m.sources.iter().map(|s| dir(s).join(s)).collect();
+    let out_dir2 = out_dir.clone();
     let (tp_size, tp_rank, named) = (m.tp_size, m.tp_rank, m.file.clone());
+    // Reading and cutting whole units: on the blocking pool, never an async worker.
     let written = tokio::task::spawn_blocking(move || -> Result<Option<PathBuf>, String> {
+        let sources = paths.iter().map(|p| Unit::read(p)).collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
         let cut = motley_checkpoint::reslice_unit(&sources, tp_size).map_err(|e| e.to_string())?;
         // A unit of replicated tensors stays TP 0 of 1: its source serves every rank. (Only
         // that one: a unit cut for TP 1 from split shards is made like any other.)

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use motley_proto::v1::{FetchSource, RestoreFile};
 
+use super::verify::{blocking, buffer, IO_BUFFER};
 use super::{merge, Restorer, Tally};
 use crate::checkpoints::dataplane::{self, FileKey, Pacer, Peer, Transport};
 
@@ -156,6 +157,8 @@ impl Restorer {
                 // when that fails (a device gone, a port down) or this build has no RDMA.
                 if src.transport == "rdma" && self.inner.rdma {
                     peer.transport = Transport::Rdma;
+                    // A flow receives through one frame (at most a MiB) at a time: its MiB of the budget.
+                    let _buffer = buffer(1).await;
                     match peer.fetch(key, &[(offset, len)], dest).await {
                         Ok(_) => {
                             tally.peer += len;
@@ -165,6 +168,7 @@ impl Restorer {
                     }
                     peer.transport = Transport::Tcp;
                 }
+                let _buffer = buffer(1).await;
                 peer.fetch(key, &[(offset, len)], dest).await.map_err(|e| e.to_string())?;
                 tally.peer += len;
                 Ok(())
@@ -185,11 +189,13 @@ impl Restorer {
                     let n = (offset + len - at).min(CLOUD_PIECE);
                     let pacers: Vec<&Pacer> = std::iter::once(self.inner.nic_in.as_ref()).chain(flow.as_ref()).chain(share).collect();
                     dataplane::take_all(&pacers, n).await;
+                    let _buffer = buffer((CLOUD_PIECE >> 20) as u32).await;
                     let bytes = store.get_range(&object, at..at + n).await.map_err(|e| e.to_string())?;
                     if bytes.len() as u64 != n {
                         return Err(format!("cloud {}: bytes {at}..{} came back {} long", key.file, at + n, bytes.len()));
                     }
-                    dest.write_all_at(&bytes, at).map_err(|e| format!("writing bytes {at}..: {e}"))?;
+                    let dest = dest.try_clone().map_err(|e| format!("the destination file: {e}"))?;
+                    blocking(move || dest.write_all_at(&bytes, at).map_err(|e| format!("writing bytes {at}..: {e}"))).await?;
                     at += n;
                 }
                 tally.cloud += len;
@@ -212,20 +218,31 @@ pub(super) fn describe(s: &FetchSource) -> String {
     }
 }
 
-/// Copy `len` bytes at `offset` of `src` into `dest` at the same offset, paced.
+/// Copy `len` bytes at `offset` of `src` into `dest` at the same offset, paced: one
+/// `IO_BUFFER` piece at a time, each read and written on the blocking pool within the
+/// restore's buffer budget.
 async fn copy_range(src: &Path, offset: u64, len: u64, dest: &File, pacer: Option<Arc<Pacer>>, rate: Option<f64>) -> Result<(), String> {
-    let from =
-        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(src).map_err(|e| format!("{}: {e}", src.display()))?;
+    let path = src.to_path_buf();
+    let from = blocking(move || {
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path).map_err(|e| format!("{}: {e}", path.display()))
+    })
+    .await?;
+    let (from, dest) = (Arc::new(from), Arc::new(dest.try_clone().map_err(|e| format!("the destination file: {e}"))?));
     let flow = rate.map(|r| Arc::new(Pacer::flow(r)));
     let mut at = offset;
     let end = offset + len;
-    let mut buf = vec![0u8; (1 << 20).min(len.max(1) as usize)];
     while at < end {
-        let n = ((end - at) as usize).min(buf.len());
+        let n = ((end - at) as usize).min(IO_BUFFER);
         let pacers: Vec<&Pacer> = pacer.iter().map(|p| p.as_ref()).chain(flow.iter().map(|p| p.as_ref())).collect();
         dataplane::take_all(&pacers, n as u64).await;
-        from.read_exact_at(&mut buf[..n], at).map_err(|e| format!("{} bytes {at}..{}: {e}", src.display(), at + n as u64))?;
-        dest.write_all_at(&buf[..n], at).map_err(|e| format!("writing bytes {at}..: {e}"))?;
+        let _buffer = buffer(1).await;
+        let (from, dest, name) = (from.clone(), dest.clone(), src.display().to_string());
+        blocking(move || {
+            let mut buf = vec![0u8; n];
+            from.read_exact_at(&mut buf, at).map_err(|e| format!("{name} bytes {at}..{}: {e}", at + n as u64))?;
+            dest.write_all_at(&buf, at).map_err(|e| format!("writing bytes {at}..: {e}"))
+        })
+        .await?;
         at += n as u64;
     }
     Ok(())
