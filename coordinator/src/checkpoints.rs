@@ -33,6 +33,9 @@ pub struct StepView {
 pub struct StepGrid {
     #[serde(flatten)]
     pub step: StepView,
+    /// The copies of one generation: the one a restore would take (the newest that holds the
+    /// step whole), else the newest (a step saved by two launches is two copies, never mixed).
+    pub generation: i64,
     pub rows: Vec<GridRow>,
 }
 
@@ -133,14 +136,29 @@ pub async fn grid(store: &Store, job: i64, step: Option<i64>) -> Result<StepGrid
             .ok_or_else(|| CoordinatorError::not_found(format!("checkpoints of job {job}: no node reported any")))?,
     };
     let all = store.holdings(job).await?;
+    let generation = shown_generation(all.iter().filter(|h| h.step == chosen.step));
     let mut rows: BTreeMap<String, GridRow> = BTreeMap::new();
-    for h in all.iter().filter(|h| h.step == chosen.step) {
+    for h in all.iter().filter(|h| h.step == chosen.step && h.generation == generation) {
         let unit = if h.rank >= 0 { format!("rank {}", h.rank) } else { format!("{} {} tp {}/{}", h.block, h.part, h.tp_rank, h.tp_size) };
         let row =
             rows.entry(h.file.clone()).or_insert_with(|| GridRow { file: h.file.clone(), unit, bytes: h.bytes, held: BTreeMap::new() });
         row.held.entry(h.node.clone()).or_default().push(h.tier.clone());
     }
-    Ok(StepGrid { step: chosen, rows: rows.into_values().collect() })
+    Ok(StepGrid { step: chosen, generation, rows: rows.into_values().collect() })
+}
+
+/// Of one step's copies, the generation a restore would take (the newest whose copies with
+/// crcs make the step whole), else the newest reported.
+fn shown_generation<'a>(files: impl Iterator<Item = &'a Holding>) -> i64 {
+    let mut by_generation: BTreeMap<i64, BTreeMap<&str, &Holding>> = BTreeMap::new();
+    for h in files {
+        let g = by_generation.entry(h.generation).or_default();
+        if h.has_crcs() {
+            g.insert(h.file.as_str(), h);
+        }
+    }
+    let whole = by_generation.iter().rev().find(|(_, f)| !f.is_empty() && completeness(&f.values().copied().collect::<Vec<_>>()).is_none());
+    whole.or(by_generation.iter().next_back()).map_or(-1, |(g, _)| *g)
 }
 
 #[cfg(test)]
@@ -183,5 +201,29 @@ mod tests {
         assert_eq!(completeness(&refs), None);
         let without_head: Vec<&Holding> = files.iter().filter(|x| x.block != "head").collect();
         assert!(completeness(&without_head).unwrap().contains("head"), "{:?}", completeness(&without_head));
+    }
+
+    #[test]
+    fn the_grid_shows_the_generation_a_restore_takes() {
+        // Generation 1 whole (with crcs), generation 2 without its rank file: generation 1's
+        // copies; generation 2 whole too: generation 2's; copies without crcs never count.
+        let whole = |generation: i64| -> Vec<Holding> {
+            let mut files = vec![];
+            for block in ["embed", "layer.0", "head"] {
+                for part in ["model", "optimizer"] {
+                    files.push(h(&format!("{block}.{part}"), block, part, (0, 1), -1));
+                }
+            }
+            files.push(h("rank.00000.safetensors", "", "", (0, 0), 0));
+            files.into_iter().map(|x| Holding { generation, chunk_bytes: 16, crc32c: "[1]".into(), ..x }).collect()
+        };
+        let mut two: Vec<Holding> = whole(2);
+        two.retain(|x| x.rank < 0);
+        let all: Vec<Holding> = whole(1).into_iter().chain(two).collect();
+        assert_eq!(shown_generation(all.iter()), 1);
+        let all: Vec<Holding> = whole(1).into_iter().chain(whole(2)).collect();
+        assert_eq!(shown_generation(all.iter()), 2);
+        let no_crcs: Vec<Holding> = whole(3).into_iter().map(|x| Holding { crc32c: "[]".into(), ..x }).chain(whole(1)).collect();
+        assert_eq!(shown_generation(no_crcs.iter()), 1);
     }
 }
