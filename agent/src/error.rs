@@ -59,6 +59,28 @@ pub enum AgentError {
     /// A manifest piece naming a file outside its step directory.
     #[error("{}: lists file {file:?}, which is not a plain name in the step directory; the piece is ignored", path.display())]
     BadFileName { path: PathBuf, file: String },
+    /// A file name from a manifest piece, a restore, a cloud marker or a peer that is not one
+    /// the checkpoint format makes (`safe_fs::check_name`): it could name a file outside its
+    /// step directory.
+    #[error(
+        "file {name:?} is not a checkpoint file name (a unit like layer.00003.model.tp0-2.safetensors, \
+         rank.00000.safetensors, manifest.rank.00000.json or manifest.json; docs/checkpoint.md); refused"
+    )]
+    FileName { name: String },
+    /// A path in a directory a rank can write that goes through a symbolic link or out of the
+    /// directory: the agent, as root, does not follow it (`safe_fs`).
+    #[error("{}: refused: a symbolic link or a path out of its directory, where the agent acts as root; the rank's checkpoints or logs must be plain files and directories", path.display())]
+    Unsafe { path: PathBuf },
+    /// What should be a regular file (a log, a checkpoint file, a marker) is something else.
+    #[error("{}: not a regular file; refused", path.display())]
+    NotAFile { path: PathBuf },
+    /// A file a rank wrote that is larger than the agent reads whole.
+    #[error("{}: over the {limit} bytes the agent reads of such a file; refused", path.display())]
+    TooLarge { path: PathBuf, limit: u64 },
+    /// A directory the agent must own alone (the memory tier's root) that someone else made
+    /// or may write.
+    #[error("{}: {why}; it must be a directory of the agent's own that nobody else can write: remove it (another user may have made it to read the checkpoints), or give --shm-dir another directory", path.display())]
+    NotPrivate { path: PathBuf, why: String },
     /// The checkpoint data plane's RDMA path (feature `rdma`): the device (or that there is
     /// none), the file, what failed and the fix.
     #[error("RDMA ({device}): {message}")]

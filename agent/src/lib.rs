@@ -3,12 +3,13 @@
 //!
 //! | room | holds | may call |
 //! |---|---|---|
-//! | `logs` | the rank logs over HTTP or HTTPS (`logs::tls`) | `workdir`, `error` |
+//! | `logs` | the rank logs over HTTP or HTTPS (`logs::tls`) | `safe_fs`, `workdir`, `error` |
 //! | `profiler` | layer profiling on request | `workdir`, `error` |
-//! | `ranks` | the supervisor (launch, watch, report, stop, adopt), rank files, process groups, the wrapper and its dead-man switch (`lease`), cgroups, users, preemption notices | `checkpoints`, `workdir`, `error` |
-//! | `checkpoints` | checkpoint steps held (`holdings`), their tiers (`tiers`, `cloud`), the data plane (`dataplane`, `rdma`), restores (`restorer`) | `node`, `workdir`, `error` |
+//! | `ranks` | the supervisor (launch, watch, report, stop, adopt), rank files, process groups, the wrapper and its dead-man switch (`lease`), cgroups, users, preemption notices | `checkpoints`, `safe_fs`, `workdir`, `error` |
+//! | `checkpoints` | checkpoint steps held (`holdings`), their tiers (`tiers`, `cloud`), the data plane (`dataplane`, `rdma`), restores (`restorer`) | `node`, `safe_fs`, `workdir`, `error` |
 //! | `node` | hardware discovery (`discover`, `nvml`), the node's load and free space (`load`) | `error` |
-//! | `workdir` | the work directory's layout and how a file in it is written (whole, private) | `error` |
+//! | `workdir` | the work directory's layout and how a file in it is written (whole, private) | `safe_fs`, `error` |
+//! | `safe_fs` | the one rule for what the agent touches as root in a directory a rank can write (handles, no links) and the one check of a checkpoint file name | `error` |
 //! | `error` | the one error type | nothing |
 //!
 //! The binary `motley-agent` (src/bin/motley-agent) wires them to the coordinator; it runs
@@ -20,6 +21,7 @@ pub mod logs;
 pub mod node;
 pub mod profiler;
 pub mod ranks;
+pub mod safe_fs;
 pub mod workdir;
 
 pub use error::{AgentError, Result};

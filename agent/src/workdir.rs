@@ -46,7 +46,8 @@ pub fn create_dirs(dir: &Path) -> Result<()> {
 
 /// Open `path` for writing, created with mode 0600 (and set to 0600 if it was there before:
 /// the mode of an existing file is not changed by `create`). Never through a symbolic link: a
-/// rank running as another user can plant one in its launch directory.
+/// rank running as another user can plant one in its launch directory; nor blocking on a FIFO
+/// planted there (opened non-blocking: without a reader, an error; a regular file does not notice).
 pub fn create_file(path: &Path) -> Result<std::fs::File> {
     let io = |err| AgentError::Io { what: "writing", path: path.to_path_buf(), err };
     let f = std::fs::OpenOptions::new()
@@ -54,7 +55,7 @@ pub fn create_file(path: &Path) -> Result<std::fs::File> {
         .create(true)
         .truncate(true)
         .mode(FILE_MODE)
-        .custom_flags(libc::O_NOFOLLOW)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)
         .map_err(io)?;
     f.set_permissions(std::fs::Permissions::from_mode(FILE_MODE)).map_err(io)?;
@@ -124,26 +125,37 @@ pub fn replace_with_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
     std::fs::rename(&tmp, path).map_err(io)
 }
 
-/// Give `path` (a file or directory the agent made, never followed if it is a link) to the
-/// user a rank runs as.
+/// Give `path` (a file or directory the agent made) to the user a rank runs as: through a
+/// handle opened without following a link (nor blocking on a FIFO), and never a file with
+/// another hard link (the name may be in the rank's directory, where a link to a file of
+/// root's could have taken its place).
 pub fn hand_over(path: &Path, uid: u32, gid: u32) -> Result<()> {
-    std::os::unix::fs::lchown(path, Some(uid), Some(gid)).map_err(|err| AgentError::Io {
-        what: "changing the owner of",
-        path: path.to_path_buf(),
-        err,
-    })
+    let io = |err| AgentError::Io { what: "changing the owner of", path: path.to_path_buf(), err };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(io)?;
+    let meta = f.metadata().map_err(io)?;
+    if !meta.is_dir() && std::os::unix::fs::MetadataExt::nlink(&meta) != 1 {
+        return Err(AgentError::Unsafe { path: path.to_path_buf() });
+    }
+    crate::safe_fs::chown_file(&f, uid, gid, path)
 }
 
 /// Let ranks running as other users reach their launch directory `dir` (under
 /// `WORK_DIR/jobs/JOB/`): the directories from the work directory down to the job's are
-/// made 0711 (passable, not listable).
+/// made 0711 (passable, not listable). Each through a handle opened from the work directory
+/// without following a link (`safe_fs`), never by path: a mode set through a link would open
+/// whatever it points at.
 pub fn open_passage(work_dir: &Path, dir: &Path) -> Result<()> {
+    let root = crate::safe_fs::Dir::open(work_dir)?;
     let mut at = dir.parent();
     while let Some(d) = at.filter(|d| d.starts_with(work_dir)) {
-        let io = |err| AgentError::Io { what: "setting the mode of", path: d.to_path_buf(), err };
-        let mode = std::fs::symlink_metadata(d).map_err(io)?.permissions().mode() & 0o777;
-        if mode != PASS_MODE {
-            std::fs::set_permissions(d, std::fs::Permissions::from_mode(PASS_MODE)).map_err(io)?;
+        let rel = d.strip_prefix(work_dir).unwrap_or(Path::new(""));
+        let handle = if rel.as_os_str().is_empty() { crate::safe_fs::Dir::open(work_dir)? } else { root.dir(rel)? };
+        if handle.own_stat()?.st_mode & 0o777 != PASS_MODE {
+            handle.chmod(PASS_MODE)?;
         }
         at = d.parent();
     }

@@ -668,3 +668,31 @@ async fn restore_cloud_fallbacks_are_held_to_the_nodes_share_of_the_egress() {
     assert!(took >= Duration::from_millis(1900), "3 MiB from the cloud at a 1 MB/s share took only {took:?}");
     assert_eq!(std::fs::read(placed(&dest, UNIT)).unwrap(), unit);
 }
+
+/// Each recovery's copy goes once a newer restore of the job succeeded: the step directories
+/// under `restore/JOB/` it does not read, and older generations' launch lists; its own files,
+/// its launch list and the job's fence stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_removes_what_earlier_restores_of_the_job_left() {
+    let dir = scratch("sweep");
+    let unit = contents(LEN, 21);
+    let (a, dest) = (dir.join("a"), dir.join("dest"));
+    holder(&a, &[(UNIT, &unit)]);
+    let pa = serve_holder(&a).await;
+    // What an earlier recovery (generation 2 from generation 1's step 5) left.
+    let earlier = restore_dir(&dest, JOB, 1, 5);
+    std::fs::create_dir_all(&earlier).unwrap();
+    std::fs::write(earlier.join(UNIT), b"old copy").unwrap();
+    std::fs::write(launch_list(&dest, JOB, 2), b"[]").unwrap();
+    let other_step = restore_dir(&dest, JOB, SOURCE_GEN, STEP - 1);
+    std::fs::create_dir_all(&other_step).unwrap();
+    let r = restorer(&dest);
+    r.start(restore(NEXT_GEN, vec![file(UNIT, &unit, vec![range(0, LEN as u64, peer("a", &pa))], vec![])], vec![], ""));
+    assert_ok(&finished(&r, NEXT_GEN).await);
+    assert!(!earlier.exists() && !dest.join(format!("restore/{JOB}/1")).exists(), "the earlier copy is gone");
+    assert!(!other_step.exists(), "another step of the source generation is gone");
+    assert!(!launch_list(&dest, JOB, 2).exists(), "an older generation's launch list is gone");
+    assert_eq!(std::fs::read(placed(&dest, UNIT)).unwrap(), unit, "this restore's file stays");
+    assert_eq!(launch(&dest, NEXT_GEN), vec![placed(&dest, UNIT).display().to_string()]);
+    assert!(dest.join(format!("restore/{JOB}/newest")).exists(), "the fence stays");
+}

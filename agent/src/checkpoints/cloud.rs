@@ -48,16 +48,33 @@ pub struct Marker {
     pub complete: bool,
 }
 
-/// The marker of `step_dir`, if there is one that parses.
+/// The marker of `step_dir` (`ROOT/jobs/J/G/ckpt/step-S`), if there is one that parses and
+/// is the agent's: the step directory may be the ranks' (a rank that forged one would have the
+/// agent report, and restore from the cloud, files it names), so it is read without following a
+/// link (`safe_fs`), only a regular file of the agent's own uid with no other link counts, and
+/// every name in it must be a checkpoint file name.
 pub fn read_marker(step_dir: &Path) -> Option<Marker> {
-    let bytes = std::fs::read(step_dir.join(MARKER)).ok()?;
-    serde_json::from_slice(&bytes).ok()
+    let dir = crate::safe_fs::open_under(step_dir, 5).ok()?;
+    let f = dir.open_file(MARKER).ok()?;
+    let meta = f.metadata().ok()?;
+    let (uid, links) = (std::os::unix::fs::MetadataExt::uid(&meta), std::os::unix::fs::MetadataExt::nlink(&meta));
+    if uid != crate::safe_fs::euid() || links != 1 {
+        tracing::warn!("{}: not the agent's own marker (uid {uid}, {links} links); ignored", step_dir.join(MARKER).display());
+        return None;
+    }
+    let m: Marker = serde_json::from_reader(std::io::BufReader::new(f)).ok()?;
+    if let Some(e) = m.uploaded.iter().find_map(|n| crate::safe_fs::check_name(n).err()) {
+        tracing::warn!("{}: {e}; the marker is ignored", step_dir.join(MARKER).display());
+        return None;
+    }
+    Some(m)
 }
 
-/// Written through a temporary name, fsynced, renamed, 0600.
+/// Written through a temporary name, fsynced, renamed, 0600, in the step directory reached
+/// without following a link (`safe_fs`).
 pub fn write_marker(step_dir: &Path, m: &Marker) -> Result<()> {
     let text = serde_json::to_vec(m).expect("a marker serializes");
-    crate::workdir::write_atomic(&step_dir.join(MARKER), &text)
+    crate::safe_fs::open_under(step_dir, 5)?.write_atomic(MARKER, &text)
 }
 
 /// An object store and the prefix the URL names in it.
@@ -114,8 +131,13 @@ impl Cloud {
 
     /// Uploads `path` to `key`, checked against `entry` (if given) while it is read.
     pub async fn put_file(&self, path: &Path, key: &Key, entry: Option<&FileEntry>) -> Result<u64> {
+        let f = tokio::fs::File::open(path).await.map_err(|err| AgentError::Io { what: "reading", path: path.to_path_buf(), err })?;
+        self.put_opened(f, path, key, entry).await
+    }
+
+    /// `put_file` of a file already open (`path` names it in messages only).
+    pub async fn put_opened(&self, mut f: tokio::fs::File, path: &Path, key: &Key, entry: Option<&FileEntry>) -> Result<u64> {
         let io = |err| AgentError::Io { what: "reading", path: path.to_path_buf(), err };
-        let mut f = tokio::fs::File::open(path).await.map_err(io)?;
         let len = f.metadata().await.map_err(io)?.len();
         let mut verify = entry.map(Verifier::new);
         let cloud = |op, err| AgentError::Cloud { op, key: key.to_string(), err };
@@ -287,13 +309,18 @@ pub async fn upload_step(
     files.retain(|f| !marker.uploaded.contains(&f.file));
     let sem = Arc::new(tokio::sync::Semaphore::new(CONCURRENCY));
     let mut tasks = tokio::task::JoinSet::new();
+    // The step directory may be the ranks': every file is opened through its handle, never a
+    // link (`safe_fs`), each name the format's.
+    let dir = crate::safe_fs::open_under(step_dir, 5)?;
     for f in files {
+        crate::safe_fs::check_name(&f.file)?;
         let (cloud, sem) = (cloud.clone(), sem.clone());
         let path = step_dir.join(&f.file);
+        let opened = tokio::fs::File::from_std(dir.open_file(&f.file)?);
         tasks.spawn(async move {
             let _slot = sem.acquire_owned().await.expect("the semaphore is never closed");
             let key = cloud.key(job, generation, step, &f.file);
-            cloud.put_file(&path, &key, Some(&f)).await.map(|n| (f.file, n))
+            cloud.put_opened(opened, &path, &key, Some(&f)).await.map(|n| (f.file, n))
         });
     }
     let mut failed = None;
@@ -314,7 +341,7 @@ pub async fn upload_step(
     // The commit order: pieces only once every file they list is up, the manifest last.
     let mut rest: Vec<PathBuf> = pieces.iter().map(|(p, _)| p.clone()).collect();
     let manifest = step_dir.join(motley_checkpoint::manifest::MANIFEST);
-    if manifest.is_file() {
+    if dir.stat(motley_checkpoint::manifest::MANIFEST).is_some() {
         rest.push(manifest);
     }
     for path in rest {
@@ -322,7 +349,8 @@ pub async fn upload_step(
         if marker.uploaded.contains(&name) {
             continue;
         }
-        let n = cloud.put_file(&path, &cloud.key(job, generation, step, &name), None).await?;
+        let opened = tokio::fs::File::from_std(dir.open_file(&name)?);
+        let n = cloud.put_opened(opened, &path, &cloud.key(job, generation, step, &name), None).await?;
         marker.uploaded.push(name);
         (done.files, done.bytes) = (done.files + 1, done.bytes + n);
         write_marker(step_dir, &marker)?;

@@ -20,7 +20,7 @@ use motley_checkpoint::{FileEntry, Manifest};
 use motley_proto::v1::CkptHolding;
 
 use crate::checkpoints::cloud;
-use crate::checkpoints::steps::{piece_paths, plain_name, step_dirs, StepDir};
+use crate::checkpoints::steps::{piece_paths, step_dirs, StepDir};
 
 /// The tiers' roots: the work directory (disk) and the memory root, if ranks write there.
 #[derive(Clone, Debug)]
@@ -102,8 +102,13 @@ pub fn scan(roots: &Roots<'_>, cache: &mut ScanCache) -> Vec<CkptHolding> {
                 seen.insert(piece_path.clone());
                 let p = &cache.pieces[&piece_path];
                 out.extend(p.listed.iter().zip(&p.held).filter(|(_, &h)| h).map(|(x, _)| x.clone()));
+                // Cloud names pass the one name check too (`read_marker` checks them; a piece's
+                // names are the rank's).
                 out.extend(
-                    p.listed.iter().filter(|x| uploaded.contains(&x.file)).map(|x| CkptHolding { tier: "cloud".into(), ..x.clone() }),
+                    p.listed
+                        .iter()
+                        .filter(|x| uploaded.contains(&x.file) && crate::safe_fs::check_name(&x.file).is_ok())
+                        .map(|x| CkptHolding { tier: "cloud".into(), ..x.clone() }),
                 );
             }
         }
@@ -119,7 +124,10 @@ pub fn scan(roots: &Roots<'_>, cache: &mut ScanCache) -> Vec<CkptHolding> {
 /// Every file a piece lists, as a holding of `tier`, and which are in the step directory at
 /// the length the piece says.
 fn read_piece(m: &Manifest, s: &StepDir, tier: &str, stamp: (Stamp, Option<SystemTime>)) -> Piece {
-    let is_held = |f: &FileEntry| plain_name(&f.file) && std::fs::metadata(s.dir.join(&f.file)).is_ok_and(|x| x.len() == f.bytes);
+    let is_held = |f: &FileEntry| {
+        crate::safe_fs::check_name(&f.file).is_ok()
+            && std::fs::symlink_metadata(s.dir.join(&f.file)).is_ok_and(|x| x.is_file() && x.len() == f.bytes)
+    };
     let base = CkptHolding {
         job: s.job,
         generation: s.generation,

@@ -81,9 +81,3 @@ pub fn piece_paths(step_dir: &Path) -> Vec<PathBuf> {
 pub fn piece_files(m: &Manifest) -> impl Iterator<Item = &FileEntry> {
     m.units.iter().map(|u| &u.file).chain(m.ranks.iter().map(|r| &r.file))
 }
-
-/// A name a manifest piece may list: a plain file in the step directory (a piece is written by
-/// the job's ranks, possibly as another user, and the agent copies what it lists).
-pub fn plain_name(file: &str) -> bool {
-    !file.is_empty() && !file.starts_with('.') && !file.contains('/') && !file.contains('\0')
-}

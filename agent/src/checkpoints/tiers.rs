@@ -19,17 +19,19 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{Read, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use motley_checkpoint::{FileEntry, Manifest};
 use motley_proto::v1::Launch;
+use rustix::fs::FileType;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoints::cloud;
 use crate::checkpoints::steps::{self, StepDir};
 use crate::error::{AgentError, Result};
+use crate::safe_fs::{self, Dir};
 use crate::workdir::generation_dir;
 
 pub use crate::node::load::{space, Space};
@@ -40,6 +42,10 @@ pub const KEEP_DEFAULT: usize = 2;
 pub const POLICY: &str = "tiers.json";
 /// The free-space margin: 5% of the file system, at most this.
 pub const MARGIN_MAX: u64 = 1 << 30;
+/// The largest manifest piece, and merged manifest, the tierer reads whole: the format's bounds
+/// (a rank's larger file is not a checkpoint's).
+const PIECE_MAX: u64 = motley_checkpoint::manifest::MAX_PIECE_BYTES;
+const MANIFEST_MAX: u64 = motley_checkpoint::manifest::MAX_MANIFEST_BYTES;
 
 /// What a launch asks of the tiers (its `MOTLEY_CKPT_KEEP` and `MOTLEY_CKPT_CLOUD`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -70,12 +76,6 @@ impl Policy {
     }
 }
 
-/// Sources are opened without following a symbolic link: ranks (maybe another user) own the
-/// memory step directories.
-fn open_source(path: &Path) -> std::io::Result<std::fs::File> {
-    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path)
-}
-
 fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> AgentError {
     let path = path.to_path_buf();
     move |err| AgentError::Io { what, path, err }
@@ -83,76 +83,79 @@ fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> AgentEr
 
 /// A disk copy belongs to whoever owns its memory original, so a rank running as the job's
 /// user can read it back on a restore. Only root can give files away; otherwise they are the
-/// agent's, which is also the ranks'.
-fn own_like(path: &Path, like: &std::fs::Metadata) -> Result<()> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        std::os::unix::fs::lchown(path, Some(like.uid()), Some(like.gid())).map_err(io("changing the owner of", path))?;
+/// agent's, which is also the ranks'. Given through the handle the agent made it with, never
+/// by path (the directory is the rank's: a path could be a link it planted).
+fn own_like(f: Option<&std::fs::File>, dir: Option<&Dir>, like: (u32, u32), path: &Path) -> Result<()> {
+    if safe_fs::euid() == 0 {
+        if let Some(f) = f {
+            safe_fs::chown_file(f, like.0, like.1, path)?;
+        }
+        if let Some(d) = dir {
+            d.chown(like.0, like.1)?;
+        }
     }
     Ok(())
 }
 
-fn make_dir(dir: &Path, like: &std::fs::Metadata) -> Result<()> {
-    if !dir.is_dir() {
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(io("creating", dir))?;
-        own_like(dir, like)?;
+/// The directory `name` in `parent`: made (0700, given like its memory original) or, there
+/// already, a real directory (never a link a rank planted: `safe_fs`).
+fn make_dir(parent: &Dir, name: &str, like: (u32, u32)) -> Result<Dir> {
+    let (dir, made) = parent.create_dir(name, 0o700)?;
+    if made {
+        own_like(None, Some(&dir), like, dir.path())?;
     }
-    Ok(())
+    Ok(dir)
 }
 
-fn sync_dir(dir: &Path) -> Result<()> {
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io("syncing", dir))
-}
-
-/// `dst` through `dst.tmp.PID` (0600), checked chunk by chunk against `entry` (if given) as it
-/// is read from `src`, fsynced, renamed; the caller fsyncs the directory.
-fn copy_file(src: &Path, dst: &Path, entry: Option<&FileEntry>) -> Result<u64> {
-    let mut from = open_source(src).map_err(io("reading", src))?;
-    let meta = from.metadata().map_err(io("reading", src))?;
-    let mut tmp = dst.as_os_str().to_owned();
-    tmp.push(format!(".tmp.{}", std::process::id()));
-    let tmp = PathBuf::from(tmp);
+/// `name` from `from` to `to` through `NAME.tmp.PID` (0600, made new), checked chunk by chunk
+/// against `entry` (if given) as it is read, fsynced, given like its original, renamed; the
+/// caller fsyncs the directory. Both directories are handles: a rank cannot redirect either.
+fn copy_file(from_dir: &Dir, to_dir: &Dir, name: &str, entry: Option<&FileEntry>) -> Result<u64> {
+    let src = from_dir.path().join(name);
+    let mut from = from_dir.open_file(name)?;
+    let meta = from.metadata().map_err(io("reading", &src))?;
+    let tmp = format!("{name}.tmp.{}", std::process::id());
+    let tmp_path = to_dir.path().join(&tmp);
+    to_dir.remove_file(&tmp)?;
     let copied = (|| -> Result<u64> {
-        let mut to = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)
-            .map_err(io("writing", &tmp))?;
+        let mut to = to_dir.create_new(&tmp, 0o600)?;
         let mut verify = entry.map(cloud::Verifier::new);
         let corrupt = |err| AgentError::Corrupt { what: src.display().to_string(), err };
         let mut buf = vec![0u8; 1 << 20];
         let mut n_total = 0;
         loop {
-            let n = from.read(&mut buf).map_err(io("reading", src))?;
+            let n = from.read(&mut buf).map_err(io("reading", &src))?;
             if n == 0 {
                 break;
             }
             if let Some(v) = verify.as_mut() {
                 v.feed(&buf[..n]).map_err(corrupt)?;
             }
-            to.write_all(&buf[..n]).map_err(io("writing", &tmp))?;
+            to.write_all(&buf[..n]).map_err(io("writing", &tmp_path))?;
             n_total += n as u64;
         }
         if let Some(v) = verify {
             v.finish().map_err(corrupt)?;
         }
-        to.sync_all().map_err(io("writing", &tmp))?;
-        own_like(&tmp, &meta)?;
+        to.sync_all().map_err(io("writing", &tmp_path))?;
+        own_like(Some(&to), None, (meta.uid(), meta.gid()), &tmp_path)?;
         Ok(n_total)
     })();
     match copied {
         Ok(n) => {
-            std::fs::rename(&tmp, dst).map_err(io("renaming into", dst))?;
+            to_dir.rename(&tmp, name)?;
             Ok(n)
         }
         Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
+            let _ = to_dir.remove_file(&tmp);
             Err(e)
         }
     }
+}
+
+/// The step directory `s` under `root`, reached without following a link (`safe_fs`).
+fn step_handle(s: &StepDir) -> Result<Dir> {
+    safe_fs::open_under(&s.dir, 5)
 }
 
 /// The ranks of this node in a launch, from the records its ranks left in their launch
@@ -163,16 +166,21 @@ fn local_ranks(disk_gen_dir: &Path) -> BTreeSet<u32> {
     entries.iter().filter_map(|e| e.file_name().to_str()?.strip_prefix("rank-")?.strip_suffix(".json")?.parse().ok()).collect()
 }
 
-/// The pieces of a step directory if the step is whole here (see the module doc), else why not.
-fn whole(dir: &Path, ranks: &BTreeSet<u32>) -> std::result::Result<Vec<(PathBuf, Manifest)>, String> {
+/// The pieces of a step directory if the step is whole here (see the module doc), else why
+/// not. Read through the directory's handle: the pieces and files are the ranks'.
+fn whole(dir: &Dir, ranks: &BTreeSet<u32>) -> std::result::Result<Vec<(PathBuf, Manifest)>, String> {
     let mut pieces = vec![];
-    for path in steps::piece_paths(dir) {
-        let m: Manifest = motley_checkpoint::manifest::read_json(&path).map_err(|e| e.to_string())?;
+    let names = dir.entries().map_err(|e| e.to_string())?;
+    for (name, _) in names.iter().filter(|(n, t)| *t != FileType::Directory && n.starts_with("manifest.rank.") && n.ends_with(".json")) {
+        let path = dir.path().join(name);
+        let bytes = dir.read(name, PIECE_MAX).map_err(|e| e.to_string())?;
+        let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
         for f in steps::piece_files(&m) {
-            if !steps::plain_name(&f.file) {
-                return Err(AgentError::BadFileName { path: path.clone(), file: f.file.clone() }.to_string());
+            if let Err(e) = safe_fs::check_name(&f.file) {
+                return Err(format!("{}: {e}; the piece is ignored", path.display()));
             }
-            let len = std::fs::symlink_metadata(dir.join(&f.file)).ok().filter(|m| m.is_file()).map(|m| m.len());
+            let len =
+                dir.stat(&f.file).filter(|st| FileType::from_raw_mode(st.st_mode) == FileType::RegularFile).map(|st| st.st_size as u64);
             if len != Some(f.bytes) {
                 return Err(format!(
                     "{} is {} (its piece says {} bytes)",
@@ -194,8 +202,25 @@ fn whole(dir: &Path, ranks: &BTreeSet<u32>) -> std::result::Result<Vec<(PathBuf,
     Ok(pieces)
 }
 
-fn same_bytes(a: &Path, b: &Path) -> bool {
-    matches!((std::fs::read(a), std::fs::read(b)), (Ok(x), Ok(y)) if x == y)
+/// `s` whole here: its handle opened and its pieces read.
+fn whole_step(s: &StepDir, ranks: &BTreeSet<u32>) -> std::result::Result<Vec<(PathBuf, Manifest)>, String> {
+    whole(&step_handle(s).map_err(|e| e.to_string())?, ranks)
+}
+
+fn same_bytes(a: &Dir, b: &Dir, name: &str) -> bool {
+    matches!((a.read(name, MANIFEST_MAX), b.read(name, MANIFEST_MAX)), (Ok(x), Ok(y)) if x == y)
+}
+
+/// The step directory `s` and all in it removed, through its parent's handle (the `ckpt`
+/// directory may be a rank's: a link it swapped in is refused, never followed).
+fn remove_step(s: &StepDir) -> Result<()> {
+    let ckpt = s.dir.parent().ok_or_else(|| AgentError::Unsafe { path: s.dir.clone() })?;
+    let name = steps_name(s);
+    safe_fs::open_under(ckpt, 4)?.remove_tree(&name)
+}
+
+fn steps_name(s: &StepDir) -> String {
+    s.dir.file_name().map_or_else(|| motley_checkpoint::manifest::step_dir_name(s.step), |n| n.to_string_lossy().into_owned())
 }
 
 /// How a tier's free space is measured (`space`; a stand-in in tests).
@@ -254,18 +279,24 @@ impl Tierer {
         let policy = Policy::from_envs(l.job, &l.envs);
         let text = serde_json::to_vec(&policy.as_ref().cloned().unwrap_or_default()).expect("a policy serializes");
         crate::workdir::create_dirs(&dir)?;
-        crate::workdir::write_atomic(&dir.join(POLICY), &text)?;
+        // The launch directory may be the rank's: written through its handle (`safe_fs`).
+        safe_fs::open_under(&dir, 3)?.write_atomic(POLICY, &text)?;
         policy.map(|_| ())
     }
 
-    /// The job's policy: its newest generation's here, else the defaults.
+    /// The job's policy: its newest generation's here, else the defaults. Only the agent's own
+    /// file counts (the launch directory may be the rank's, which could forge one).
     pub fn policy(&self, job: i64) -> Policy {
+        let read = |d: &Path| -> Option<Policy> {
+            let f = safe_fs::open_under(d, 3).ok()?.open_file(POLICY).ok()?;
+            let meta = f.metadata().ok()?;
+            if meta.uid() != safe_fs::euid() || meta.nlink() != 1 {
+                return None;
+            }
+            serde_json::from_reader(std::io::BufReader::new(f)).ok()
+        };
         let gens = steps::generation_dirs(&self.work_dir);
-        gens.iter()
-            .rev()
-            .filter(|(j, _, _)| *j == job)
-            .find_map(|(_, _, d)| serde_json::from_slice(&std::fs::read(d.join(POLICY)).ok()?).ok())
-            .unwrap_or_default()
+        gens.iter().rev().filter(|(j, _, _)| *j == job).find_map(|(_, _, d)| read(d)).unwrap_or_default()
     }
 
     /// A restore reads step `step` of `job`: no tier deletes it until as many `unpin`s.
@@ -315,10 +346,9 @@ impl Tierer {
         let mut newest_whole = None;
         let mut on_disk = BTreeSet::new();
         for s in &steps {
-            let Ok(pieces) = whole(&s.dir, &ranks) else { continue };
+            let Ok(pieces) = whole_step(s, &ranks) else { continue };
             newest_whole = Some(s.step);
-            let disk_step = steps::ckpt_dir(&disk_gen).join(motley_checkpoint::manifest::step_dir_name(s.step));
-            match self.copy_step(s, &disk_step, &pieces) {
+            match self.copy_step(s, &disk_gen, &pieces) {
                 Ok(0) => {
                     on_disk.insert(s.step);
                 }
@@ -335,51 +365,61 @@ impl Tierer {
         // too), or, not whole, when a newer whole step shows it was abandoned.
         let Some(newest) = newest_whole else { return };
         for s in steps.iter().filter(|s| s.step < newest && !self.pinned(job, s.step)) {
-            match std::fs::remove_dir_all(&s.dir) {
+            match remove_step(s) {
                 Ok(()) => {
                     let why = if on_disk.contains(&s.step) { "on disk" } else { "not on disk, superseded" };
                     notes.push(format!("job {job} generation {generation} step {}: removed from memory ({why})", s.step));
                 }
-                Err(e) => notes.push(format!("{}: {e}", s.dir.display())),
+                Err(e) => notes.push(e.to_string()),
             }
         }
     }
 
     /// Copies the pieces of a whole memory step that the disk step lacks, each after the files
-    /// it lists, `manifest.json` last. Returns the bytes copied (0: already on disk).
-    fn copy_step(&self, s: &StepDir, disk_step: &Path, pieces: &[(PathBuf, Manifest)]) -> Result<u64> {
-        let name = |p: &Path| p.file_name().map(|n| n.to_owned()).unwrap_or_default();
-        let todo: Vec<&(PathBuf, Manifest)> = pieces.iter().filter(|(p, _)| !same_bytes(p, &disk_step.join(name(p)))).collect();
-        let manifest = s.dir.join(motley_checkpoint::manifest::MANIFEST);
-        let manifest = Some(manifest).filter(|m| m.is_file() && !same_bytes(m, &disk_step.join(motley_checkpoint::manifest::MANIFEST)));
-        if todo.is_empty() && manifest.is_none() {
+    /// it lists, `manifest.json` last, into `DISK_GEN/ckpt/step-S`. Returns the bytes copied
+    /// (0: already on disk). Both sides are the ranks' directories: every file and directory is
+    /// reached through a handle, never a link (`safe_fs`), and only what the agent made here is
+    /// given to the rank's user.
+    fn copy_step(&self, s: &StepDir, disk_gen: &Path, pieces: &[(PathBuf, Manifest)]) -> Result<u64> {
+        let from = step_handle(s)?;
+        let gen = safe_fs::open_under(disk_gen, 3)?;
+        let step_name = motley_checkpoint::manifest::step_dir_name(s.step);
+        let existing = gen.dir_if_any(Path::new("ckpt").join(&step_name))?;
+        let name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let on_disk = |n: &str| existing.as_ref().is_some_and(|d| same_bytes(&from, d, n));
+        let todo: Vec<&(PathBuf, Manifest)> = pieces.iter().filter(|(p, _)| !on_disk(&name(p))).collect();
+        let manifest_name = motley_checkpoint::manifest::MANIFEST;
+        let is_file = |st: Option<rustix::fs::Stat>| st.is_some_and(|st| FileType::from_raw_mode(st.st_mode) == FileType::RegularFile);
+        let manifest = is_file(from.stat(manifest_name)) && !on_disk(manifest_name);
+        if todo.is_empty() && !manifest {
             return Ok(0);
         }
-        let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
-        let need: u64 = todo.iter().map(|(p, m)| size(p) + steps::piece_files(m).map(|f| f.bytes).sum::<u64>()).sum::<u64>()
-            + manifest.as_deref().map_or(0, size);
-        let disk_gen = disk_step.parent().and_then(Path::parent).unwrap_or(&self.work_dir);
+        let size = |n: &str| from.stat(n).map_or(0, |st| st.st_size as u64);
+        let need: u64 = todo.iter().map(|(p, m)| size(&name(p)) + steps::piece_files(m).map(|f| f.bytes).sum::<u64>()).sum::<u64>()
+            + if manifest { size(manifest_name) } else { 0 };
         let sp = (self.space)(disk_gen).map_err(io("measuring the free space of", disk_gen))?;
         let margin = (sp.total / 20).min(MARGIN_MAX);
         if sp.free < need.saturating_add(margin) {
             return Err(AgentError::NoSpace { path: disk_gen.to_path_buf(), job: s.job, step: s.step, need, margin, free: sp.free });
         }
-        let like = std::fs::metadata(&s.dir).map_err(io("reading", &s.dir))?;
-        make_dir(disk_step.parent().expect("a step directory has a parent"), &like)?;
-        make_dir(disk_step, &like)?;
+        let st = from.own_stat()?;
+        let like = (st.st_uid, st.st_gid);
+        let ckpt = make_dir(&gen, "ckpt", like)?;
+        let to = make_dir(&ckpt, &step_name, like)?;
         let mut copied = 0;
         for (path, m) in &todo {
             for f in steps::piece_files(m) {
-                copied += copy_file(&s.dir.join(&f.file), &disk_step.join(&f.file), Some(f))?;
+                safe_fs::check_name(&f.file)?;
+                copied += copy_file(&from, &to, &f.file, Some(f))?;
             }
             // The files are on disk before the piece that lists them names them.
-            sync_dir(disk_step)?;
-            copied += copy_file(path, &disk_step.join(name(path)), None)?;
-            sync_dir(disk_step)?;
+            to.sync()?;
+            copied += copy_file(&from, &to, &name(path), None)?;
+            to.sync()?;
         }
-        if let Some(m) = manifest {
-            copied += copy_file(&m, &disk_step.join(motley_checkpoint::manifest::MANIFEST), None)?;
-            sync_dir(disk_step)?;
+        if manifest {
+            copied += copy_file(&from, &to, manifest_name, None)?;
+            to.sync()?;
         }
         Ok(copied)
     }
@@ -393,7 +433,7 @@ impl Tierer {
         for (job, generation, gen_dir) in steps::generation_dirs(&self.work_dir) {
             let ranks = local_ranks(&gen_dir);
             for s in steps::step_dirs_of(job, generation, &gen_dir) {
-                let is_whole = whole(&s.dir, &ranks).is_ok();
+                let is_whole = whole_step(&s, &ranks).is_ok();
                 by_job.entry(job).or_default().push((s, is_whole));
             }
         }
@@ -413,7 +453,7 @@ impl Tierer {
                 if !is_whole && (in_cloud || at > newest) {
                     continue; // a cloud record, or a step still being written
                 }
-                let done = if in_cloud { strip(&s.dir) } else { std::fs::remove_dir_all(&s.dir).map_err(io("removing", &s.dir)) };
+                let done = if in_cloud { strip(s) } else { remove_step(s) };
                 match done {
                     Ok(()) if *is_whole => notes.push(format!(
                         "job {job} generation {} step {}: removed from disk (keep {keep}){}",
@@ -461,7 +501,7 @@ impl Tierer {
             let key = (s.job, s.generation, s.step);
             self.uploading.lock().expect("uploading").insert(key);
             // Listed before the mark: a prune may have taken it in between.
-            let pieces = if s.dir.is_dir() { whole(&s.dir, &ranks).ok() } else { None };
+            let pieces = whole_step(&s, &ranks).ok();
             if let Some(pieces) = pieces {
                 match cloud::upload_step(cloud, s.job, s.generation, s.step, &s.dir, &pieces).await {
                     Ok(u) => notes.push(format!(
@@ -478,16 +518,15 @@ impl Tierer {
 }
 
 /// A step the cloud holds whole, pruned from disk: every file but its pieces, `manifest.json`
-/// and the marker goes (the node reports its cloud copies from them).
-fn strip(dir: &Path) -> Result<()> {
-    let entries = std::fs::read_dir(dir).map_err(io("listing", dir))?;
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
+/// and the marker goes (the node reports its cloud copies from them), through the step's handle.
+fn strip(s: &StepDir) -> Result<()> {
+    let dir = step_handle(s)?;
+    for (name, _) in dir.entries()? {
         let keep = name == cloud::MARKER
             || name == motley_checkpoint::manifest::MANIFEST
             || (name.starts_with("manifest.rank.") && name.ends_with(".json"));
         if !keep {
-            std::fs::remove_file(e.path()).map_err(io("removing", &e.path()))?;
+            dir.remove_tree(&name)?;
         }
     }
     Ok(())

@@ -55,9 +55,9 @@ async fn log(
             return error(StatusCode::UNAUTHORIZED, "wrong or missing token; send Authorization: Bearer TOKEN (the agent token)".into());
         }
     }
-    let path = rank_file(&generation_dir(&s.work_dir, job, generation), rank, "log");
+    let work_dir = s.work_dir.clone();
     let read = tokio::task::spawn_blocking(move || -> std::io::Result<(u64, Vec<u8>)> {
-        let mut f = std::fs::File::open(&path)?;
+        let mut f = open_log(&work_dir, job, generation, rank)?;
         let size = f.metadata()?.len();
         let mut buf = vec![];
         if q.offset < size {
@@ -76,9 +76,35 @@ async fn log(
         Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {
             error(StatusCode::NOT_FOUND, format!("no log for job {job} generation {generation} rank {rank} on this node"))
         }
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            error(StatusCode::FORBIDDEN, format!("log of job {job} generation {generation} rank {rank}: {e}"))
+        }
         Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("log of job {job} generation {generation} rank {rank}: {e}")),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
+}
+
+/// The log of a rank, opened as the agent (root) in a directory the rank's user owns: through
+/// the launch directory's handle, never a link (`safe_fs`: a rank that replaced its log with a
+/// link to the agent's token file gets a refusal, not the token), a regular file only (a FIFO
+/// would hang the reader), with no other hard link (a link to a file the rank cannot read,
+/// made where the kernel allows it, is not its log).
+fn open_log(work_dir: &std::path::Path, job: i64, generation: i64, rank: i64) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::MetadataExt;
+    let refused = |e: crate::error::AgentError| match e {
+        crate::error::AgentError::Io { err, .. } if err.kind() == std::io::ErrorKind::NotFound => err,
+        e => std::io::Error::new(std::io::ErrorKind::PermissionDenied, e.to_string()),
+    };
+    let name = rank_file(std::path::Path::new(""), rank, "log");
+    let gen = crate::safe_fs::open_under(&generation_dir(work_dir, job, generation), 3).map_err(refused)?;
+    let f = gen.open_file(&name).map_err(refused)?;
+    if f.metadata()?.nlink() != 1 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("{}: has another hard link; refused", gen.path().join(&name).display()),
+        ));
+    }
+    Ok(f)
 }
 
 pub fn router(work_dir: PathBuf, token: Option<String>) -> Router {

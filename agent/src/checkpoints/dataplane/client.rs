@@ -14,7 +14,7 @@ use tokio::net::TcpStream;
 use super::access::{ClientTls, Stream, TLS_SCHEME};
 use super::pace::{take_all, Pacer};
 use super::protocol::{
-    check_file_name, check_ranges, line, read_line, FileKey, FrameHeader, Reply, Request, Transport, FRAME_HEADER_BYTES, FRAME_MAX, VERSION,
+    check_ranges, line, read_line, FileKey, FrameHeader, Reply, Request, Transport, FRAME_HEADER_BYTES, FRAME_MAX, VERSION,
 };
 use crate::error::AgentError;
 
@@ -132,7 +132,7 @@ impl Peer<'_> {
 
     /// The fetch; `expected_len`: the length the file must have at the peer.
     async fn fetch_checked(&self, key: &FileKey, ranges: &[(u64, u64)], dest: &File, expected_len: Option<u64>) -> Result<u64, AgentError> {
-        if let Err(e) = check_file_name(&key.file).and_then(|()| check_ranges(ranges, expected_len)) {
+        if let Err(e) = crate::safe_fs::check_name(&key.file).map_err(|e| e.to_string()).and_then(|()| check_ranges(ranges, expected_len)) {
             return Err(self.error(key, e));
         }
         if self.transport == Transport::Rdma && !cfg!(feature = "rdma") {

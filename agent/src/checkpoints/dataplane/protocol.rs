@@ -1,8 +1,6 @@
 //! The data plane's wire format (see the module doc of `dataplane`): the request line, the
 //! reply line, frame headers, and the checks both ends make on them.
 
-use motley_checkpoint::manifest::{piece_file_name, rank_file_name, unit_file_name, MANIFEST};
-use motley_checkpoint::{Block, Part, UnitKey};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt};
 
@@ -165,51 +163,6 @@ impl FrameHeader {
     }
 }
 
-/// Whether `name` is a file the checkpoint format puts in a step directory (a unit, a rank
-/// file, a manifest piece, the merged manifest), spelled exactly as it spells it. This is what
-/// keeps a request inside the step directory: no `/`, no `..`, no other file of the node.
-pub fn check_file_name(name: &str) -> Result<(), String> {
-    let refuse = || {
-        Err(format!(
-            "file {name:?} is not a checkpoint file name (a unit like layer.00003.model.tp0-2.safetensors, \
-             rank.00000.safetensors, manifest.rank.00000.json or manifest.json; docs/checkpoint.md)"
-        ))
-    };
-    if name.len() > 255 || name.contains('/') || name.contains('\0') || name.contains("..") {
-        return refuse();
-    }
-    if name == MANIFEST {
-        return Ok(());
-    }
-    let number = |s: &str| if s.bytes().all(|b| b.is_ascii_digit()) { s.parse::<u32>().ok() } else { None };
-    let canonical = if let Some(rank) = name.strip_prefix("manifest.rank.").and_then(|s| s.strip_suffix(".json")) {
-        number(rank).map(piece_file_name)
-    } else if let Some(rank) = name.strip_prefix("rank.").and_then(|s| s.strip_suffix(".safetensors")) {
-        number(rank).map(rank_file_name)
-    } else {
-        unit_key(name).map(|k| unit_file_name(&k))
-    };
-    // Parsed and spelled again: only the format's own spelling (zero padding included) passes.
-    if canonical.as_deref() == Some(name) {
-        Ok(())
-    } else {
-        refuse()
-    }
-}
-
-/// `layer.00003.model.tp0-2.safetensors` → its unit key.
-fn unit_key(name: &str) -> Option<UnitKey> {
-    let stem = name.strip_suffix(".safetensors")?;
-    let (rest, tp) = stem.rsplit_once(".tp")?;
-    let (block, part) = rest.rsplit_once('.')?;
-    let (tp_rank, tp_size) = tp.split_once('-')?;
-    let block = match block.strip_prefix("layer.") {
-        Some(l) => Block::Layer(l.parse().ok()?),
-        None => block.parse().ok()?,
-    };
-    Some(UnitKey { block, part: part.parse::<Part>().ok()?, tp_rank: tp_rank.parse().ok()?, tp_size: tp_size.parse().ok()? })
-}
-
 /// Checks ranges before any byte moves: at most `MAX_RANGES`, none empty, none overlapping
 /// another (each byte arrives once), and, given the file's length, none beyond it.
 pub fn check_ranges(ranges: &[(u64, u64)], file_len: Option<u64>) -> Result<(), String> {
@@ -243,36 +196,6 @@ pub fn check_ranges(ranges: &[(u64, u64)], file_len: Option<u64>) -> Result<(), 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn file_names_the_format_makes_pass_and_nothing_else() {
-        for ok in [
-            "layer.00003.model.tp0-2.safetensors",
-            "embed.optimizer.tp0-1.safetensors",
-            "head.model.tp3-4.safetensors",
-            "rank.00012.safetensors",
-            "manifest.rank.00000.json",
-            "manifest.json",
-        ] {
-            assert_eq!(check_file_name(ok), Ok(()), "{ok}");
-        }
-        for bad in [
-            "",
-            "../layer.00003.model.tp0-2.safetensors",
-            "step-00000010/layer.00003.model.tp0-2.safetensors",
-            "layer.3.model.tp0-2.safetensors",
-            "layer.00003.weights.tp0-2.safetensors",
-            "layer.00003.model.tp0-2.safetensors.tmp.77",
-            "rank.1.safetensors",
-            "rank.+0001.safetensors",
-            "manifest.rank.00000.json.tmp.5",
-            "agent.lock",
-            "..",
-        ] {
-            let err = check_file_name(bad).unwrap_err();
-            assert!(err.contains("not a checkpoint file name"), "{bad}: {err}");
-        }
-    }
 
     #[test]
     fn ranges_beyond_the_file_empty_or_overlapping_are_refused() {

@@ -79,11 +79,15 @@ pub fn restore_path(root: &Path, key: &FileKey) -> PathBuf {
 
 impl Resolve for DirResolver {
     fn locate(&self, key: &FileKey) -> Option<Located> {
+        // A name of the format only, and a regular file reached from the root without following
+        // a link at any step (`safe_fs`): a link a rank left in its directory, its `ckpt` or a
+        // `step-*` directory included, must not let a peer read another file of this node.
+        crate::safe_fs::check_name(&key.file).ok()?;
         for root in &self.roots {
+            let Ok(top) = crate::safe_fs::Dir::open(&root.dir) else { continue };
             for path in [ckpt_path(&root.dir, key), restore_path(&root.dir, key)] {
-                // A regular file only: a symbolic link a rank left in its directory must not
-                // let a peer read another file of this node.
-                if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_file()) {
+                let Ok(rel) = path.strip_prefix(&root.dir) else { continue };
+                if top.open_file(rel).is_ok() {
                     return Some(Located { path, read_pacer: root.read_pacer.clone() });
                 }
             }

@@ -13,9 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::access::{Access, DataKey, Stream};
 use super::pace::{take_all, Pacer};
-use super::protocol::{
-    check_file_name, check_ranges, line, read_line, FrameHeader, Reply, Request, Transport, FRAME_HEADER_BYTES, FRAME_MAX, MAX_LINE,
-};
+use super::protocol::{check_ranges, line, read_line, FrameHeader, Reply, Request, Transport, FRAME_HEADER_BYTES, FRAME_MAX, MAX_LINE};
 use super::resolve::{Located, Resolve};
 
 /// How long a peer may take to take one frame, or to wait for a file arriving here, before the
@@ -109,7 +107,7 @@ async fn handle(
     if request.transport == Transport::Rdma && !cfg!(feature = "rdma") {
         return refuse(stream, "this agent was built without RDMA (cargo feature rdma); use tcp".into()).await;
     }
-    if let Err(e) = check_file_name(&key.file).and_then(|()| check_ranges(&request.ranges, None)) {
+    if let Err(e) = crate::safe_fs::check_name(&key.file).map_err(|e| e.to_string()).and_then(|()| check_ranges(&request.ranges, None)) {
         return refuse(stream, format!("file {key}: {e}")).await;
     }
     let located = match find(resolver, &key).await {

@@ -108,6 +108,18 @@ pub fn hand_over(work_dir: &Path, list: &Path, uid: u32, gid: u32) -> std::io::R
     }
     Ok(())
 }
+/// Every file name restore `r` joins to a directory (its files, the units it cuts and their
+/// sources) is one checkpoint file name (`safe_fs::check_name`): a name a forged piece or
+/// cloud marker slipped into the coordinator's plan must not write as root outside the step's
+/// restore directory.
+pub(super) fn check_names(r: &Restore) -> Result<(), String> {
+    let names = r.files.iter().map(|f| &f.file).chain(r.make.iter().flat_map(|m| std::iter::once(&m.file).chain(&m.sources)));
+    for name in names {
+        crate::safe_fs::check_name(name).map_err(|e| format!("refused: the restore of step {} names {e}", r.step))?;
+    }
+    Ok(())
+}
+
 /// Bytes by where they came from, and what was repaired on the way.
 #[derive(Default)]
 struct Tally {
@@ -194,6 +206,50 @@ impl Restorer {
         for (job, generation) in done {
             results.remove(&(job, generation));
             let _ = std::fs::remove_file(kept::result_path(&self.inner.work_dir, job, generation));
+        }
+    }
+}
+
+impl Restorer {
+    /// Restore `r` succeeded: what earlier restores of its job left goes (each recovery would
+    /// otherwise leave a full copy behind): every step directory under `restore/JOB/` this
+    /// restore does not read, and the launch lists of older generations (their ranks were
+    /// replaced by this generation's). Not while a newer generation of the job was asked for
+    /// (that one sweeps).
+    pub(super) fn sweep_older(&self, r: &Restore) {
+        if self.inner.newest.lock().expect("newest").get(&r.job).is_some_and(|&g| g > r.generation) {
+            return;
+        }
+        let used: BTreeSet<i64> = r.files.iter().map(|f| f.source_generation).collect();
+        let job_dir = self.inner.work_dir.join("restore").join(r.job.to_string());
+        let entries = std::fs::read_dir(&job_dir).map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
+        for e in entries {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let stale = if let Ok(g) = name.parse::<i64>() {
+                // A source generation: its steps other than this restore's go.
+                let steps = std::fs::read_dir(e.path()).map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
+                for s in steps.iter().filter(|s| !(used.contains(&g) && s.file_name() == step_dir_name(r.step).as_str())) {
+                    self.remove_restored(&s.path());
+                }
+                let _ = std::fs::remove_dir(e.path()); // only if empty
+                false
+            } else {
+                name.strip_prefix("launch-")
+                    .and_then(|n| n.strip_suffix(".json"))
+                    .and_then(|n| n.parse::<i64>().ok())
+                    .is_some_and(|g| g < r.generation)
+            };
+            if stale {
+                self.remove_restored(&e.path());
+            }
+        }
+    }
+
+    fn remove_restored(&self, path: &Path) {
+        let removed = if path.is_dir() { std::fs::remove_dir_all(path) } else { std::fs::remove_file(path) };
+        match removed {
+            Ok(()) => tracing::info!(node = %self.inner.node, "{}: an earlier restore's copy, removed", path.display()),
+            Err(e) => tracing::warn!(node = %self.inner.node, "{}: {e}; an earlier restore's copy stays", path.display()),
         }
     }
 }

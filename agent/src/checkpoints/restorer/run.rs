@@ -99,6 +99,7 @@ impl Restorer {
         }
         let error = outcome.err().unwrap_or_default();
         if error.is_empty() {
+            self.sweep_older(&r);
             tracing::info!(node = %self.inner.node, job = r.job, generation = r.generation, step = r.step,
                 "restored in {:.2} s (local {} B, peer {} B, cloud {} B)", began.elapsed().as_secs_f64(), tally.local, tally.peer, tally.cloud);
         } else {
@@ -133,6 +134,7 @@ impl Restorer {
     async fn run(&self, r: &Restore, tally: &mut Tally) -> Result<(), String> {
         let work = &self.inner.work_dir;
         check_ask(r)?;
+        super::check_names(r)?;
         self.check_space(r).await?;
         // The cloud, and this node's share of its egress for the reads no plan paced.
         let capabilities = r

@@ -133,11 +133,13 @@ impl Supervisor {
 
     /// Ranks write checkpoints under `root` (the memory tier: `root/jobs/JOB/GENERATION/ckpt`)
     /// rather than in their launch directory; the tierer moves them to disk. A root that
-    /// cannot be made is logged and ranks write on disk. Directories made here are 0711: ranks
-    /// of other users pass through them to their own, which they alone can list.
+    /// cannot be made, or that is not the agent's alone (its default name is predictable: a
+    /// user who made it first could read and change every checkpoint; `safe_fs::private_dir`),
+    /// is logged and ranks write on disk. Directories made here are 0711: ranks of other users
+    /// pass through them to their own, which they alone can list.
     pub fn shm_root(mut self, root: Option<PathBuf>) -> Supervisor {
         self.shm_root = root.filter(|r| {
-            let made = std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), workdir::PASS_MODE).create(r);
+            let made = crate::safe_fs::private_dir(r, workdir::PASS_MODE);
             if let Err(e) = &made {
                 tracing::warn!(node = %self.node, "checkpoint memory tier {}: {e}; ranks write checkpoints on disk", r.display());
             }

@@ -1,0 +1,378 @@
+//! Hostile ranks (docs/state.md): a real agent running as root, jobs running as `nobody`, each
+//! rank a small shell script that attacks what the agent touches as root in the rank's own
+//! directories: a link where the tier copy writes, a link as its log, a memory-tier root made
+//! before the agent, forged cloud markers and restore names. Each attack is refused or has no
+//! effect outside the rank's own directory, and the agent stays live for its other jobs. A
+//! scratch directory stands in for /etc: nothing here touches the real one.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use motley_proto::v1::agent_server::{Agent, AgentServer};
+use motley_proto::v1::{
+    instruction, Ack, AgentStatus, CkptHolding, FetchRange, FetchSource, Instruction, Launch, RankLaunch, RankStatus, RegisterReply,
+    RegisterRequest, Restore, RestoreFile, RestoreResult,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+mod common;
+use common::scratch;
+
+#[derive(Default)]
+struct Seen {
+    logs_url: String,
+    statuses: Vec<RankStatus>,
+    holdings: Vec<CkptHolding>,
+    restores: Vec<RestoreResult>,
+    down: Option<mpsc::Sender<Result<Instruction, Status>>>,
+}
+
+#[derive(Clone, Default)]
+struct Fake(Arc<Mutex<Seen>>);
+
+#[tonic::async_trait]
+impl Agent for Fake {
+    async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
+        self.0.lock().unwrap().logs_url = req.into_inner().logs_url;
+        Ok(Response::new(RegisterReply { epoch: 1, heartbeat_ms: 50, ..Default::default() }))
+    }
+
+    type HeartbeatStream = ReceiverStream<Result<Instruction, Status>>;
+
+    async fn heartbeat(&self, req: Request<Streaming<AgentStatus>>) -> Result<Response<Self::HeartbeatStream>, Status> {
+        let (tx, rx) = mpsc::channel(64);
+        self.0.lock().unwrap().down = Some(tx.clone());
+        let (me, mut up) = (self.clone(), req.into_inner());
+        tokio::spawn(async move {
+            while let Ok(Some(status)) = up.message().await {
+                {
+                    let mut s = me.0.lock().unwrap();
+                    s.statuses.extend(status.ranks);
+                    if status.holdings_sent {
+                        s.holdings = status.holdings;
+                    }
+                    s.restores.extend(status.restores);
+                }
+                let _ = tx.send(Ok(Instruction { kind: Some(instruction::Kind::Ack(Ack { seq: status.seq })) })).await;
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Waits for a condition, bounded only so that a broken agent fails the test instead of
+/// hanging it.
+fn until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(t) = f() {
+            return t;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A root agent on a fake coordinator, its work directory and memory tier in a scratch directory.
+struct Node {
+    _rt: tokio::runtime::Runtime,
+    fake: Fake,
+    agent: Child,
+    dir: PathBuf,
+    work: PathBuf,
+    log: PathBuf,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.agent.kill();
+        let _ = self.agent.wait();
+        // Kept where the test failed, to look at.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+impl Node {
+    /// `None` where the test cannot run: switching to `nobody` needs root (CI runs as root).
+    fn start(name: &str, shm: Option<&Path>) -> Option<Node> {
+        if motley_agent::ranks::users::euid() != 0 {
+            eprintln!("skipped: ranks as another user need a root agent (CI runs as root)");
+            return None;
+        }
+        let dir = scratch(name);
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let fake = Fake::default();
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        rt.spawn(
+            tonic::transport::Server::builder()
+                .add_service(AgentServer::new(fake.clone()))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let (work, log) = (dir.join("work"), dir.join("agent.log"));
+        let shm = shm.map_or_else(|| dir.join("shm"), Path::to_path_buf);
+        std::fs::write(dir.join("agent.toml"), "logs_listen = \"127.0.0.1:0\"\n").unwrap();
+        let inventory = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/nodes/a100.yaml");
+        let err = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let agent = Command::new(env!("CARGO_BIN_EXE_motley-agent"))
+            .args(["--coordinator", &url, "--node", "n0", "--token", "s3cret", "--inventory"])
+            .arg(inventory)
+            .arg("--work-dir")
+            .arg(&work)
+            .arg("--shm-dir")
+            .arg(&shm)
+            .current_dir(&dir)
+            .env("MOTLEY_CONFIG", dir.join("agent.toml"))
+            .env_remove("MOTLEY_WORK_DIR")
+            .stdout(Stdio::null())
+            .stderr(err)
+            .spawn()
+            .unwrap();
+        let node = Node { _rt: rt, fake, agent, dir, work, log };
+        until("the agent's registration", || (!node.fake.0.lock().unwrap().logs_url.is_empty()).then_some(()));
+        Some(node)
+    }
+
+    fn send(&self, kind: instruction::Kind) {
+        let tx = until("an open heartbeat stream", || self.fake.0.lock().unwrap().down.clone().filter(|d| !d.is_closed()));
+        tx.try_send(Ok(Instruction { kind: Some(kind) })).unwrap();
+    }
+
+    /// Job `job` (generation 1, rank 0) as `nobody`, running `run` in its launch directory.
+    fn launch(&self, job: i64, run: &str) {
+        self.send(instruction::Kind::Launch(Launch {
+            user: "nobody".into(),
+            job,
+            generation: 1,
+            run: run.into(),
+            envs: HashMap::new(),
+            plan_json: r#"{"global_batch": 1, "micro_batch": 1, "seq_len": 8, "model": "m", "replicas": []}"#.into(),
+            master_addr: "127.0.0.1".into(),
+            master_port: common::free_port() as u32,
+            world_size: 1,
+            ranks: vec![RankLaunch { rank: 0, local_rank: 0, local_world_size: 1, layer_end: 4, ..Default::default() }],
+        }));
+    }
+
+    /// The exit code of job `job`'s rank 0, once it exited.
+    fn exited(&self, job: i64) -> Option<i64> {
+        until(&format!("job {job} to exit"), || {
+            let s = self.fake.0.lock().unwrap();
+            s.statuses.iter().rev().find(|r| r.job == job && r.rank == 0 && r.state == "exited").map(|r| r.exit_code)
+        })
+    }
+
+    fn agent_log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// GET a rank's log from the agent's log service: (status, body).
+    fn get_log(&self, job: i64) -> (u16, String) {
+        let base = self.fake.0.lock().unwrap().logs_url.clone();
+        let hostport = base.strip_prefix("http://").unwrap().to_string();
+        let mut s = std::net::TcpStream::connect(&hostport).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        write!(s, "GET /logs/{job}/1/0 HTTP/1.1\r\nHost: {hostport}\r\nAuthorization: Bearer s3cret\r\nConnection: close\r\n\r\n").unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        (raw[9..12].parse().unwrap(), raw.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    }
+
+    /// The agent is live and its other jobs untouched: a fresh job runs as nobody and its log
+    /// is served.
+    fn still_serves(&self, job: i64) {
+        self.launch(job, "echo still-here");
+        assert_eq!(self.exited(job), Some(0), "{}", self.agent_log());
+        let (status, body) = self.get_log(job);
+        assert_eq!((status, body.as_str()), (200, "still-here\n"));
+        assert!(self.agent.try_wait_alive(), "the agent is still running");
+    }
+
+    /// A manifest piece of rank 0 listing `files` (name, contents) with their true crcs, as
+    /// JSON a rank can copy.
+    fn piece(&self, step: u64, files: &[(&str, &[u8])]) -> PathBuf {
+        use motley_checkpoint::{Manifest, RankEntry};
+        let ranks = files.iter().map(|(f, b)| RankEntry { rank: 0, file: motley_checkpoint::crc::file_entry(f, b, 1 << 20) }).collect();
+        let m = Manifest { format: motley_checkpoint::FORMAT.into(), step, layers: 4, world_size: 1, units: vec![], ranks };
+        let path = self.dir.join(format!("piece-{step}-{}.json", files.len()));
+        std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        path
+    }
+}
+
+trait Alive {
+    fn try_wait_alive(&self) -> bool;
+}
+
+impl Alive for Child {
+    fn try_wait_alive(&self) -> bool {
+        // Signal 0: whether the process is there, without reaping it.
+        // SAFETY: kill with signal 0 only checks.
+        unsafe { libc::kill(self.id() as i32, 0) == 0 }
+    }
+}
+
+/// A directory standing in for /etc: root's, with a file of root's in it.
+fn fake_etc(node: &Node) -> PathBuf {
+    let etc = node.dir.join("etc");
+    std::fs::create_dir_all(&etc).unwrap();
+    std::fs::set_permissions(&etc, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(etc.join("shadow"), "root:secret\n").unwrap();
+    std::fs::set_permissions(etc.join("shadow"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    etc
+}
+
+fn listing(dir: &Path) -> Vec<(String, u32, u64)> {
+    let mut out: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            let m = e.metadata().unwrap();
+            (e.file_name().to_string_lossy().into_owned(), m.uid(), m.len())
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// The tier copy: a rank links its launch directory's `ckpt/step-00000001` to "/etc" and lists
+/// a file `shadow` in its memory step; another step lists a proper name through the same link.
+/// Neither lands outside the rank's directory nor changes an owner there.
+#[test]
+fn a_rank_cannot_redirect_the_tier_copy() {
+    let Some(node) = Node::start("tiercopy", None) else { return };
+    let etc = fake_etc(&node);
+    let before = listing(&etc);
+    let shadow_piece = node.piece(1, &[("shadow", b"evil1")]);
+    let good_piece = node.piece(2, &[("rank.00000.safetensors", b"evil2")]);
+    let run = format!(
+        r#"set -e
+        mkdir -p ckpt && ln -s {etc} ckpt/step-00000001 && ln -s {etc} ckpt/step-00000002
+        for s in 1 2; do mkdir -p "$MOTLEY_CKPT_DIR/step-0000000$s"; done
+        printf evil1 > "$MOTLEY_CKPT_DIR/step-00000001/shadow"
+        cp {shadow_piece} "$MOTLEY_CKPT_DIR/step-00000001/manifest.rank.00000.json"
+        printf evil2 > "$MOTLEY_CKPT_DIR/step-00000002/rank.00000.safetensors"
+        cp {good_piece} "$MOTLEY_CKPT_DIR/step-00000002/manifest.rank.00000.json""#,
+        etc = etc.display(),
+        shadow_piece = shadow_piece.display(),
+        good_piece = good_piece.display()
+    );
+    node.launch(1, &run);
+    assert_eq!(node.exited(1), Some(0), "{}", node.agent_log());
+    // The tier pass says what it did with step 2; step 1 came first in the same pass.
+    let log = until("the tier pass over step 2", || Some(node.agent_log()).filter(|l| l.contains("generation 1 step 2:")));
+    assert_eq!(listing(&etc), before, "nothing written into, or given away in, the stand-in for /etc");
+    assert!(log.contains("step 2: not moved to disk") && log.contains("symbolic link"), "{log}");
+    assert_eq!(std::fs::read_to_string(etc.join("shadow")).unwrap(), "root:secret\n");
+    assert_eq!(std::fs::metadata(&etc).unwrap().uid(), 0);
+    node.still_serves(2);
+}
+
+/// The log service: a rank replaces its log with a link to the agent's secrets, another with a
+/// FIFO. The service refuses both (never the target's bytes, never a hang) and serves the
+/// other jobs' logs.
+#[test]
+fn a_rank_cannot_read_the_agents_files_through_its_log() {
+    let Some(node) = Node::start("logs", None) else { return };
+    let secret = node.dir.join("agent.env");
+    std::fs::write(&secret, "MOTLEY_TOKEN=s3cret-of-the-agent\n").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    node.launch(1, &format!("rm -f rank-0.log && ln -s {} rank-0.log", secret.display()));
+    node.launch(2, "rm -f rank-0.log && mkfifo rank-0.log");
+    assert_eq!(node.exited(1), Some(0), "{}", node.agent_log());
+    assert_eq!(node.exited(2), Some(0), "{}", node.agent_log());
+    for job in [1, 2] {
+        let (status, body) = node.get_log(job);
+        assert!(!body.contains("s3cret-of-the-agent"), "job {job}: {body}");
+        assert_eq!(status, 403, "job {job}: {body}");
+        assert!(body.contains("refused"), "job {job}: {body}");
+    }
+    node.still_serves(3);
+}
+
+/// The memory tier's root, made first by another user (its default name is predictable): the
+/// agent refuses it, says which directory and what to do, and ranks write their checkpoints on
+/// disk, so nothing of theirs lands in it.
+#[test]
+fn a_memory_root_someone_else_made_is_refused() {
+    let dir = scratch("premade-shm");
+    let shm = dir.join("shm-premade");
+    std::fs::create_dir(&shm).unwrap();
+    std::os::unix::fs::chown(&shm, Some(65534), Some(65534)).ok();
+    std::fs::set_permissions(&shm, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let Some(node) = Node::start("premade", Some(&shm)) else { return };
+    let log = node.agent_log();
+    assert!(log.contains(&shm.display().to_string()) && log.contains("--shm-dir") && log.contains("on disk"), "{log}");
+    node.launch(1, r#"echo "ckpt=$MOTLEY_CKPT_DIR""#);
+    assert_eq!(node.exited(1), Some(0));
+    let (_, body) = node.get_log(1);
+    assert_eq!(body, format!("ckpt={}\n", node.work.join("jobs/1/1/ckpt").display()), "checkpoints go to disk");
+    assert!(std::fs::read_dir(&shm).unwrap().next().is_none(), "nothing of the agent's in the pre-made directory");
+    assert_eq!(std::fs::metadata(&shm).unwrap().permissions().mode() & 0o777, 0o777, "not taken over");
+    node.still_serves(2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Forged restore names: a rank writes a `.cloud.json` claiming its disk step is in the cloud
+/// under names that climb out of the restore directory, and the coordinator (fooled, or
+/// hostile) asks for a restore of such a name. The agent reports no cloud copy and no bad name,
+/// refuses the restore naming the name, and writes nothing outside its directories.
+#[test]
+fn forged_cloud_markers_and_restore_names_have_no_effect() {
+    let Some(node) = Node::start("forged", None) else { return };
+    let piece = node.piece(1, &[("rank.00000.safetensors", b"abcde")]);
+    let marker = r#"{"url":"file:///tmp","uploaded":["../../../../etc/cron.d/x","rank.00000.safetensors","manifest.rank.00000.json"],"complete":true}"#;
+    let run = format!(
+        r#"set -e; d=ckpt/step-00000001; mkdir -p $d
+        printf abcde > $d/rank.00000.safetensors
+        cp {piece} $d/manifest.rank.00000.json
+        printf '%s' '{marker}' > $d/.cloud.json"#,
+        piece = piece.display()
+    );
+    node.launch(1, &run);
+    assert_eq!(node.exited(1), Some(0), "{}", node.agent_log());
+    let held = until("the rank's disk step in the holdings", || {
+        let s = node.fake.0.lock().unwrap();
+        s.holdings.iter().any(|h| h.job == 1 && h.tier == "disk").then(|| s.holdings.clone())
+    });
+    assert!(held.iter().all(|h| h.tier != "cloud" && !h.file.contains('/')), "{held:?}");
+
+    let target = node.dir.join("evil");
+    let bad = "../../../../../evil";
+    let source = FetchSource { kind: "cloud".into(), ..Default::default() };
+    node.send(instruction::Kind::Restore(Restore {
+        job: 1,
+        generation: 2,
+        step: 1,
+        request: 1,
+        timeout_s: 30,
+        cloud_url: format!("file://{}", node.dir.display()),
+        files: vec![RestoreFile {
+            source_generation: 1,
+            file: bad.into(),
+            bytes: 5,
+            chunk_bytes: 5,
+            crc32c: vec![0],
+            ranges: vec![FetchRange { offset: 0, bytes: 5, source: Some(source.clone()), ..Default::default() }],
+            fallbacks: vec![source],
+            copies: 1,
+            ..Default::default()
+        }],
+        ..Default::default()
+    }));
+    let result = until("the restore's result", || node.fake.0.lock().unwrap().restores.iter().find(|r| r.job == 1).cloned());
+    assert!(result.error.contains("not a checkpoint file name") && result.error.contains(bad), "{result:?}");
+    assert!(!target.exists() && !node.work.join("evil").exists(), "nothing written outside the restore directory");
+    node.still_serves(2);
+}
