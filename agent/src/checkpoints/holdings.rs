@@ -329,6 +329,24 @@ mod tests {
         assert!(what.contains("2 files of 1 steps left out (oldest first: job 7 generation 1 step 10)"), "{what}");
     }
 
+    #[test]
+    fn a_piece_over_the_size_limit_is_skipped_and_the_others_reported() {
+        let work = std::env::temp_dir().join(format!("motley-holdings-big-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&work);
+        let gen_dir = work.join("jobs/7/2");
+        write_step(&gen_dir, 4, 0, 100);
+        write_step(&gen_dir, 4, 1, 100);
+        // Rank 1's piece padded (valid JSON) past the limit: refused unread, its files unreported.
+        let piece = ckpt_dir(&gen_dir).join("step-00000004").join(motley_checkpoint::manifest::piece_file_name(1));
+        let mut text = std::fs::read(&piece).unwrap();
+        text.resize(motley_checkpoint::manifest::MAX_PIECE_BYTES as usize + 1, b' ');
+        std::fs::write(&piece, text).unwrap();
+        let list = Holdings::default().report(&work, 1).expect("a list");
+        let files: Vec<&str> = list.iter().map(|x| x.file.as_str()).collect();
+        assert_eq!(files, ["layer.00000.model.tp0-1.safetensors", "rank.00000.safetensors"]);
+        std::fs::remove_dir_all(&work).unwrap();
+    }
+
     /// The encoded length of one holding as an `AgentStatus.holdings` entry.
     fn prost_len(h: &CkptHolding) -> usize {
         use motley_proto::{v1::AgentStatus, Message};
