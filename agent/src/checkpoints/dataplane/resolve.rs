@@ -18,6 +18,22 @@ use super::protocol::FileKey;
 pub struct Located {
     pub path: PathBuf,
     pub read_pacer: Option<Arc<Pacer>>,
+    /// The root it was found under: `open` reaches it from there.
+    root: PathBuf,
+}
+
+impl Located {
+    /// The file, opened beneath its root without following a link at any step (`safe_fs`): a
+    /// rank that swaps its `ckpt` or a step directory for a link once `locate` found the file
+    /// gets a refusal, never another file of this node.
+    pub fn open(&self) -> std::io::Result<std::fs::File> {
+        let refused = |e: crate::error::AgentError| match e {
+            crate::error::AgentError::Io { err, .. } => err,
+            e => std::io::Error::new(std::io::ErrorKind::PermissionDenied, e.to_string()),
+        };
+        let rel = self.path.strip_prefix(&self.root).map_err(std::io::Error::other)?;
+        crate::safe_fs::Dir::open(&self.root).and_then(|d| d.open_file(rel)).map_err(refused)
+    }
 }
 
 /// A file this node is fetching: `done` turns `true` once it is complete under its final name
@@ -88,7 +104,7 @@ impl Resolve for DirResolver {
             for path in [ckpt_path(&root.dir, key), restore_path(&root.dir, key)] {
                 let Ok(rel) = path.strip_prefix(&root.dir) else { continue };
                 if top.open_file(rel).is_ok() {
-                    return Some(Located { path, read_pacer: root.read_pacer.clone() });
+                    return Some(Located { path, read_pacer: root.read_pacer.clone(), root: root.dir.clone() });
                 }
             }
         }
@@ -160,5 +176,43 @@ impl Drop for Arrival {
         if let Some(key) = self.key.take() {
             self.arriving.finish(&key, false);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+
+    use super::*;
+
+    #[test]
+    fn a_step_directory_swapped_for_a_link_after_locate_is_refused() {
+        let root = std::env::temp_dir().join(format!("motley-resolve-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let key = FileKey { job: 1, generation: 1, step: 1, file: "manifest.json".into() };
+        let path = ckpt_path(&root, &key);
+        let step = path.parent().unwrap().to_path_buf();
+        std::fs::create_dir_all(&step).unwrap();
+        std::fs::write(&path, "mine").unwrap();
+        let elsewhere = root.join("elsewhere");
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        std::fs::write(elsewhere.join("manifest.json"), "not the rank's").unwrap();
+        let resolver = DirResolver::new(vec![Root { dir: root.clone(), read_pacer: None }]);
+        let at = resolver.locate(&key).expect("held");
+        let mut text = String::new();
+        at.open().unwrap().read_to_string(&mut text).unwrap();
+        assert_eq!(text, "mine");
+        // The rank swaps its step directory for a link once the file was found.
+        std::fs::rename(&step, root.join("moved")).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &step).unwrap();
+        assert_eq!(at.open().unwrap_err().kind(), std::io::ErrorKind::PermissionDenied);
+        assert!(resolver.locate(&key).is_none(), "not held through a link");
+        // Nor a name outside the format, even where such a file is.
+        std::fs::write(root.join("moved/secret"), "s").unwrap();
+        std::fs::remove_file(&step).unwrap();
+        std::fs::rename(root.join("moved"), &step).unwrap();
+        assert!(resolver.locate(&FileKey { file: "secret".into(), ..key.clone() }).is_none());
+        assert!(resolver.locate(&key).is_some());
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

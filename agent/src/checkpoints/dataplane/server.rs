@@ -3,8 +3,7 @@
 //! TLS wherever the agent has a certificate (docs/recovery.md, "Who may fetch").
 
 use std::fs::File;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::Path;
+use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -114,7 +113,7 @@ async fn handle(
         Ok(l) => l,
         Err(e) => return refuse(stream, format!("file {key}: {e}; fetch it from another holder")).await,
     };
-    let opened = open(&located.path).await;
+    let opened = open(&located).await;
     let (file, file_len) = match opened {
         Ok(f) => f,
         Err(e) => return refuse(stream, format!("file {key}: held here but cannot be read: {e}")).await,
@@ -166,11 +165,12 @@ async fn find(resolver: &dyn Resolve, key: &super::protocol::FileKey) -> Result<
     }
 }
 
-/// Opens a located file without following a symbolic link, and gives its length.
-async fn open(path: &Path) -> std::io::Result<(Arc<File>, u64)> {
-    let path = path.to_path_buf();
+/// Opens a located file without following a symbolic link at any step (`Located::open`), and
+/// gives its length.
+async fn open(located: &Located) -> std::io::Result<(Arc<File>, u64)> {
+    let located = located.clone();
     let opened = tokio::task::spawn_blocking(move || {
-        let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path)?;
+        let file = located.open()?;
         let len = file.metadata()?.len();
         Ok((Arc::new(file), len))
     })

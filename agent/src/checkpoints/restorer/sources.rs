@@ -12,7 +12,7 @@ use motley_proto::v1::{FetchSource, RestoreFile};
 
 use super::verify::{blocking, buffer, IO_BUFFER};
 use super::{merge, Restorer, Tally};
-use crate::checkpoints::dataplane::{self, FileKey, Pacer, Peer, Transport};
+use crate::checkpoints::dataplane::{self, FileKey, Located, Pacer, Peer, Transport};
 
 /// Bytes of one ranged read from the cloud.
 const CLOUD_PIECE: u64 = 8 << 20;
@@ -138,7 +138,7 @@ impl Restorer {
                     return Err(format!("{}: not held on this node", key.file));
                 };
                 let pacer = at.read_pacer.clone().or_else(|| (src.tier == "disk").then(|| self.inner.disk_read.clone()));
-                copy_range(&at.path, offset, len, dest, pacer, rate).await?;
+                copy_range(&at, offset, len, dest, pacer, rate).await?;
                 tally.local += len;
                 Ok(())
             }
@@ -221,12 +221,10 @@ pub(super) fn describe(s: &FetchSource) -> String {
 /// Copy `len` bytes at `offset` of `src` into `dest` at the same offset, paced: one
 /// `IO_BUFFER` piece at a time, each read and written on the blocking pool within the
 /// restore's buffer budget.
-async fn copy_range(src: &Path, offset: u64, len: u64, dest: &File, pacer: Option<Arc<Pacer>>, rate: Option<f64>) -> Result<(), String> {
-    let path = src.to_path_buf();
-    let from = blocking(move || {
-        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path).map_err(|e| format!("{}: {e}", path.display()))
-    })
-    .await?;
+async fn copy_range(src: &Located, offset: u64, len: u64, dest: &File, pacer: Option<Arc<Pacer>>, rate: Option<f64>) -> Result<(), String> {
+    // Through the handle rule (`Located::open`): the rank's directory may have changed since.
+    let (located, path) = (src.clone(), src.path.clone());
+    let from = blocking(move || located.open().map_err(|e| format!("{}: {e}", path.display()))).await?;
     let (from, dest) = (Arc::new(from), Arc::new(dest.try_clone().map_err(|e| format!("the destination file: {e}"))?));
     let flow = rate.map(|r| Arc::new(Pacer::flow(r)));
     let mut at = offset;
@@ -236,7 +234,7 @@ async fn copy_range(src: &Path, offset: u64, len: u64, dest: &File, pacer: Optio
         let pacers: Vec<&Pacer> = pacer.iter().map(|p| p.as_ref()).chain(flow.iter().map(|p| p.as_ref())).collect();
         dataplane::take_all(&pacers, n as u64).await;
         let _buffer = buffer(1).await;
-        let (from, dest, name) = (from.clone(), dest.clone(), src.display().to_string());
+        let (from, dest, name) = (from.clone(), dest.clone(), src.path.display().to_string());
         blocking(move || {
             let mut buf = vec![0u8; n];
             from.read_exact_at(&mut buf, at).map_err(|e| format!("{name} bytes {at}..{}: {e}", at + n as u64))?;
