@@ -33,7 +33,7 @@ impl ServedHosts {
         if name.parse::<IpAddr>().is_ok() || name == "localhost" || name.ends_with(".localhost") {
             return true;
         }
-        self.names.iter().any(|n| *n == name)
+        self.names.contains(&name)
     }
 
     pub fn names(&self) -> &[String] {
