@@ -97,6 +97,30 @@ pub fn launch_list(work_dir: &Path, job: i64, generation: i64) -> PathBuf {
     work_dir.join("restore").join(job.to_string()).join(format!("launch-{generation}.json"))
 }
 
+/// Job `job` ended here (every launch directory of it pruned): the copies its restores left
+/// go (`restore/JOB/SOURCE_GENERATION/` and the launch lists); its fence (`newest`) and
+/// results not yet acknowledged stay. Returns what was removed, for the log.
+pub fn remove_copies(work_dir: &Path, job: i64) -> Vec<String> {
+    let dir = work_dir.join("restore").join(job.to_string());
+    let entries = std::fs::read_dir(&dir).map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
+    let mut removed = vec![];
+    for e in entries {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let done = if name.parse::<i64>().is_ok() {
+            std::fs::remove_dir_all(e.path())
+        } else if name.starts_with("launch-") && name.ends_with(".json") {
+            std::fs::remove_file(e.path())
+        } else {
+            continue;
+        };
+        match done {
+            Ok(()) => removed.push(format!("job {job}: ended, its restored copy {} removed", e.path().display())),
+            Err(err) => tracing::warn!("{}: {err}; a restored copy of an ended job stays", e.path().display()),
+        }
+    }
+    removed
+}
+
 /// Give launch list `list` and every file it names to the rank's user (an agent running as
 /// root restores files as root; ranks run as the job's user and only read them).
 pub fn hand_over(work_dir: &Path, list: &Path, uid: u32, gid: u32) -> std::io::Result<()> {

@@ -313,6 +313,10 @@ impl Supervisor {
                 removed.push(format!("job {job} generation {generation}: ended, files removed ({})", dir.display()));
             }
             let _ = std::fs::remove_dir(&job_dir); // only if empty
+            if !job_dir.exists() {
+                // The job ended here: the copies its restores left go too.
+                removed.extend(crate::checkpoints::restorer::remove_copies(&self.work_dir, job));
+            }
         }
         removed
     }
@@ -364,9 +368,17 @@ mod tests {
         let s = supervisor(&work);
         s.adopt();
         assert!(s.prune(Duration::from_secs(3600)).is_empty(), "nothing is old enough yet");
+        // What a restore for job 1 left: its copy and launch list go with the job, its fence stays.
+        let restored = work.join("restore/1/1/step-00000004");
+        std::fs::create_dir_all(&restored).unwrap();
+        std::fs::write(restored.join("rank.00000.safetensors"), "r").unwrap();
+        std::fs::write(work.join("restore/1/launch-2.json"), "[]").unwrap();
+        std::fs::write(work.join("restore/1/newest"), "2\n").unwrap();
         let removed = s.prune(Duration::ZERO);
-        assert_eq!(removed.len(), 1, "{removed:?}");
+        assert_eq!(removed.len(), 3, "{removed:?}");
         assert!(!told.exists() && !work.join("jobs/1").exists(), "the reported launch and its empty job directory are gone");
+        assert!(!work.join("restore/1/1").exists() && !work.join("restore/1/launch-2.json").exists(), "the restored copy is gone");
+        assert!(work.join("restore/1/newest").exists(), "the fence stays");
         assert!(untold.exists(), "an end not yet reported keeps its files");
         assert_eq!(s.report(1, false).len(), 1, "job 2's end is reported now");
         assert!(s.prune(Duration::ZERO).is_empty() && untold.exists(), "an end sent but not acknowledged keeps its files");
