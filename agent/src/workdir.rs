@@ -47,17 +47,24 @@ pub fn create_dirs(dir: &Path) -> Result<()> {
 /// Open `path` for writing, created with mode 0600 (and set to 0600 if it was there before:
 /// the mode of an existing file is not changed by `create`). Never through a symbolic link: a
 /// rank running as another user can plant one in its launch directory; nor blocking on a FIFO
-/// planted there (opened non-blocking: without a reader, an error; a regular file does not notice).
+/// planted there (opened non-blocking: without a reader, an error; a regular file does not
+/// notice); nor emptying a file with another hard link (one planted there could be a file of
+/// root's): such a name is refused before anything in it changes.
 pub fn create_file(path: &Path) -> Result<std::fs::File> {
     let io = |err| AgentError::Io { what: "writing", path: path.to_path_buf(), err };
     let f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
-        .truncate(true)
+        .truncate(false)
         .mode(FILE_MODE)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)
         .map_err(io)?;
+    let meta = f.metadata().map_err(io)?;
+    if !meta.is_file() || std::os::unix::fs::MetadataExt::nlink(&meta) != 1 {
+        return Err(AgentError::Unsafe { path: path.to_path_buf() });
+    }
+    f.set_len(0).map_err(io)?;
     f.set_permissions(std::fs::Permissions::from_mode(FILE_MODE)).map_err(io)?;
     Ok(f)
 }
@@ -204,5 +211,33 @@ pub fn open_work_dir(dir: &Path) -> Result<(PathBuf, std::fs::File)> {
         Ok(()) => Ok((dir, lock)),
         Err(std::fs::TryLockError::WouldBlock) => Err(AgentError::WorkDirBusy { path: dir }),
         Err(std::fs::TryLockError::Error(err)) => Err(AgentError::Io { what: "locking", path, err }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_planted_link_fifo_or_hard_link_is_never_written_through() {
+        let dir = std::env::temp_dir().join(format!("motley-workdir-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let target = dir.join("root-file");
+        std::fs::write(&target, "keep").unwrap();
+        std::os::unix::fs::symlink(&target, dir.join("sym.log")).unwrap();
+        std::fs::hard_link(&target, dir.join("hard.log")).unwrap();
+        let fifo = std::ffi::CString::new(dir.join("fifo.log").as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        assert!(create_file(&dir.join("sym.log")).is_err());
+        assert!(matches!(create_file(&dir.join("hard.log")), Err(AgentError::Unsafe { .. })));
+        assert!(create_file(&dir.join("fifo.log")).is_err(), "refused at once, not blocked on a reader");
+        assert!(hand_over(&dir.join("hard.log"), 65534, 65534).is_err());
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep");
+        std::fs::write(dir.join("own.log"), "earlier life").unwrap();
+        create_file(&dir.join("own.log")).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.join("own.log")).unwrap(), "", "the agent's own file is emptied");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
