@@ -56,9 +56,6 @@ pub enum AgentError {
         path.display()
     )]
     NoSpace { path: PathBuf, job: i64, step: u64, need: u64, margin: u64, free: u64 },
-    /// A manifest piece naming a file outside its step directory.
-    #[error("{}: lists file {file:?}, which is not a plain name in the step directory; the piece is ignored", path.display())]
-    BadFileName { path: PathBuf, file: String },
     /// A file name from a manifest piece, a restore, a cloud marker or a peer that is not one
     /// the checkpoint format makes (`safe_fs::check_name`): it could name a file outside its
     /// step directory.
