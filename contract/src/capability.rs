@@ -1,7 +1,8 @@
 //! Data-plane capabilities (docs/recovery.md, "Who may fetch"): what a fetching agent shows a
 //! serving agent's data plane instead of any credential of its own. The coordinator mints one
-//! per source generation of each `Restore` it sends, scoped to the job, the generation that
-//! wrote the files, the step and the file names, and valid until an expiry; the serving agent
+//! per file of each `Restore` it sends (`RestoreFile.capability`: one per generation could list
+//! more files than a request line holds), scoped to the job, the generation that wrote the
+//! file, the step and the file name, and valid until an expiry; the serving agent
 //! checks it with the same key. One place for the format, so that the two sides cannot drift.
 //!
 //! The key: 32 random bytes the coordinator generates once and keeps in its database (HA
