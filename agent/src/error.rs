@@ -40,6 +40,17 @@ pub enum AgentError {
         "MOTLEY_CKPT_CLOUD={url}: {message}; give file:///ABSOLUTE/PATH, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or az://CONTAINER/PREFIX"
     )]
     CloudUrl { url: String, message: String },
+    /// A file:// cloud a root agent does not use for a job whose ranks run as another user
+    /// (`checkpoints::file_roots`): uploads to it are skipped, restores from it fail.
+    #[error(
+        "job {job}: checkpoint cloud {url}: refused: {why}; a root agent writes or reads a file:// cloud for a job of another user \
+         only under a directory named by --cloud-file-root (MOTLEY_CLOUD_FILE_ROOT): give the agent one and the job a URL under it, \
+         or use s3://, gs:// or az://. The job's checkpoints stay on this node's tiers"
+    )]
+    CloudFileRefused { url: String, job: i64, why: String },
+    /// A `--cloud-file-root` the agent cannot keep others' links out of.
+    #[error("--cloud-file-root {}: {why}; give an absolute directory of the agent's own user that no one else can write (e.g. chown root DIR && chmod 700 DIR), or drop it from the flag", path.display())]
+    CloudFileRoot { path: PathBuf, why: String },
     /// A cloud scheme whose object store this agent was built without.
     #[error("MOTLEY_CKPT_CLOUD={url}: this motley-agent was built without the {feature} feature; build it with `cargo build -p motley-agent --features {feature}`, or use a file:// URL")]
     CloudFeature { url: String, feature: &'static str },

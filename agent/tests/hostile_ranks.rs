@@ -5,7 +5,6 @@
 //! effect outside the rank's own directory, and the agent stays live for its other jobs. A
 //! scratch directory stands in for /etc: nothing here touches the real one.
 
-use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -104,6 +103,11 @@ impl Drop for Node {
 impl Node {
     /// `None` where the test cannot run: switching to `nobody` needs root (CI runs as root).
     fn start(name: &str, shm: Option<&Path>) -> Option<Node> {
+        Node::start_with(name, shm, &[])
+    }
+
+    /// `start`, the agent given `args` more.
+    fn start_with(name: &str, shm: Option<&Path>, args: &[&str]) -> Option<Node> {
         if motley_agent::ranks::users::euid() != 0 {
             eprintln!("skipped: ranks as another user need a root agent (CI runs as root)");
             return None;
@@ -131,6 +135,7 @@ impl Node {
             .arg(&work)
             .arg("--shm-dir")
             .arg(&shm)
+            .args(args)
             .current_dir(&dir)
             .env("MOTLEY_CONFIG", dir.join("agent.toml"))
             .env_remove("MOTLEY_WORK_DIR")
@@ -150,12 +155,17 @@ impl Node {
 
     /// Job `job` (generation 1, rank 0) as `nobody`, running `run` in its launch directory.
     fn launch(&self, job: i64, run: &str) {
+        self.launch_env(job, run, &[]);
+    }
+
+    /// `launch`, with `envs`.
+    fn launch_env(&self, job: i64, run: &str, envs: &[(&str, &str)]) {
         self.send(instruction::Kind::Launch(Launch {
             user: "nobody".into(),
             job,
             generation: 1,
             run: run.into(),
-            envs: HashMap::new(),
+            envs: envs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             plan_json: r#"{"global_batch": 1, "micro_batch": 1, "seq_len": 8, "model": "m", "replicas": []}"#.into(),
             master_addr: "127.0.0.1".into(),
             master_port: common::free_port() as u32,
@@ -375,4 +385,70 @@ fn forged_cloud_markers_and_restore_names_have_no_effect() {
     assert!(result.error.contains("not a checkpoint file name") && result.error.contains(bad), "{result:?}");
     assert!(!target.exists() && !node.work.join("evil").exists(), "nothing written outside the restore directory");
     node.still_serves(2);
+}
+
+/// A job as nobody naming a file:// cloud outside every --cloud-file-root: nothing is written
+/// there (the agent writes such a cloud as root), the refusal is logged, the step stays on disk
+/// and a restore from that URL fails naming it; a job's URL under the root uploads.
+#[test]
+fn a_file_cloud_outside_the_cloud_file_roots_is_refused() {
+    let scratch_root = scratch("fileroot-cloud");
+    std::fs::set_permissions(&scratch_root, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let root = scratch_root.display().to_string();
+    let Some(node) = Node::start_with("fileroot", None, &["--cloud-file-root", &root]) else { return };
+    let fake = node.dir.join("fake-etc");
+    std::fs::create_dir_all(&fake).unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let piece = node.piece(1, &[("rank.00000.safetensors", b"abcde")]);
+    let run = format!(
+        r#"set -e; d=ckpt/step-00000001; mkdir -p $d
+        printf abcde > $d/rank.00000.safetensors
+        cp {piece} $d/manifest.rank.00000.json"#,
+        piece = piece.display()
+    );
+    let outside = format!("file://{}", fake.display());
+    node.launch_env(1, &run, &[("MOTLEY_CKPT_CLOUD", &outside)]);
+    assert_eq!(node.exited(1), Some(0), "{}", node.agent_log());
+    let refusal = format!("job 1: checkpoint cloud {outside}: refused");
+    let log = until("the refusal in the agent's log", || Some(node.agent_log()).filter(|l| l.contains(&refusal)));
+    assert!(log.contains("--cloud-file-root"), "{log}");
+
+    let inside = format!("file://{root}/ckpts");
+    node.launch_env(2, &run, &[("MOTLEY_CKPT_CLOUD", &inside)]);
+    assert_eq!(node.exited(2), Some(0), "{}", node.agent_log());
+    let held = until("job 2's step in the cloud", || {
+        let s = node.fake.0.lock().unwrap();
+        s.holdings.iter().any(|h| h.job == 2 && h.tier == "cloud").then(|| s.holdings.clone())
+    });
+    // Every pass goes over every job: job 1's step was passed over, never uploaded.
+    assert!(held.iter().any(|h| h.job == 1 && h.tier == "disk") && !held.iter().any(|h| h.job == 1 && h.tier == "cloud"), "{held:?}");
+    assert!(scratch_root.join("ckpts/jobs/2/1/step-00000001/rank.00000.safetensors").is_file());
+    assert_eq!(std::fs::read_dir(&fake).unwrap().count(), 0, "nothing written outside the roots");
+
+    let entry = motley_checkpoint::crc::file_entry("rank.00000.safetensors", b"abcde", 1 << 20);
+    let source = FetchSource { kind: "cloud".into(), ..Default::default() };
+    node.send(instruction::Kind::Restore(Restore {
+        job: 1,
+        generation: 2,
+        step: 1,
+        request: 1,
+        timeout_s: 30,
+        cloud_url: outside.clone(),
+        files: vec![RestoreFile {
+            source_generation: 1,
+            file: entry.file.clone(),
+            bytes: entry.bytes,
+            chunk_bytes: entry.chunk_bytes,
+            crc32c: entry.crc32c.clone(),
+            ranges: vec![FetchRange { offset: 0, bytes: entry.bytes, source: Some(source.clone()), ..Default::default() }],
+            fallbacks: vec![source],
+            copies: 1,
+            ..Default::default()
+        }],
+        ..Default::default()
+    }));
+    let result = until("the restore's result", || node.fake.0.lock().unwrap().restores.iter().find(|r| r.job == 1).cloned());
+    assert!(result.error.contains(&refusal), "{result:?}");
+    node.still_serves(3);
+    let _ = std::fs::remove_dir_all(&scratch_root);
 }

@@ -8,11 +8,12 @@
 //! (free space) and `workdir`: nothing here starts, signals or knows a rank.
 //!
 //! Inside, arrows run: `restorer` -> `tiers`, `dataplane`, `cloud`, `steps`; `tiers` ->
-//! `cloud`, `steps`; `holdings` -> `cloud`, `steps`; `cloud` -> `steps`; `dataplane` ->
+//! `cloud`, `file_roots`, `steps`; `holdings` -> `cloud`, `steps`; `cloud` -> `steps`; `dataplane` ->
 //! `rdma`, `steps`.
 
 pub mod cloud;
 pub mod dataplane;
+pub mod file_roots;
 pub mod holdings;
 #[cfg(feature = "rdma")]
 pub mod rdma;

@@ -52,11 +52,16 @@ const MANIFEST_MAX: u64 = motley_checkpoint::manifest::MAX_MANIFEST_BYTES;
 pub struct Policy {
     pub keep: usize,
     pub cloud: Option<String>,
+    /// Whether the launch's ranks run as the agent's own uid (None: a file from before this
+    /// was recorded): a root agent uses a file:// cloud of another user's job only under a
+    /// `--cloud-file-root` (`file_roots`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks_as_agent: Option<bool>,
 }
 
 impl Default for Policy {
     fn default() -> Policy {
-        Policy { keep: KEEP_DEFAULT, cloud: None }
+        Policy { keep: KEEP_DEFAULT, cloud: None, ranks_as_agent: None }
     }
 }
 
@@ -72,7 +77,7 @@ impl Policy {
         if let Some(url) = &cloud {
             cloud::Cloud::open(url)?;
         }
-        Ok(Policy { keep, cloud })
+        Ok(Policy { keep, cloud, ranks_as_agent: None })
     }
 }
 
@@ -273,15 +278,35 @@ impl Tierer {
 
     /// A launch arrived: its keep and cloud go into its generation directory (`tiers.json`),
     /// where every later pass, also a restarted agent's, reads them. An unusable value is an
-    /// error naming the variable; the launch then keeps the defaults (keep 2, no cloud).
+    /// error naming the variable; the launch then keeps the defaults (keep 2, no cloud). Its
+    /// ranks run as the agent's user where it names none (`launched_as` where that is known).
     pub fn launched(&self, l: &Launch) -> Result<()> {
+        self.launched_as(l, l.user.is_empty())
+    }
+
+    /// `launched`, the launch's ranks running as the agent's own uid or not: a file:// cloud
+    /// the agent may not use for it (`file_roots`) is an error naming the URL and the fix, and
+    /// the launch keeps its keep but no cloud (its checkpoints stay on the tiers).
+    pub fn launched_as(&self, l: &Launch, ranks_as_agent: bool) -> Result<()> {
         let dir = generation_dir(&self.work_dir, l.job, l.generation);
         let policy = Policy::from_envs(l.job, &l.envs);
-        let text = serde_json::to_vec(&policy.as_ref().cloned().unwrap_or_default()).expect("a policy serializes");
+        let refused = match &policy {
+            Ok(Policy { cloud: Some(url), .. }) => crate::checkpoints::file_roots::admit(url, l.job, Some(ranks_as_agent)).err(),
+            _ => None,
+        };
+        let mut kept = policy.as_ref().cloned().unwrap_or_default();
+        if refused.is_some() {
+            kept.cloud = None;
+        }
+        kept.ranks_as_agent = Some(ranks_as_agent);
+        let text = serde_json::to_vec(&kept).expect("a policy serializes");
         crate::workdir::create_dirs(&dir)?;
         // The launch directory may be the rank's: written through its handle (`safe_fs`).
         safe_fs::open_under(&dir, 3)?.write_atomic(POLICY, &text)?;
-        policy.map(|_| ())
+        match refused {
+            Some(e) => Err(e),
+            None => policy.map(|_| ()),
+        }
     }
 
     /// The job's policy: its newest generation's here, else the defaults. Only the agent's own
@@ -485,8 +510,10 @@ impl Tierer {
         let mut clouds: BTreeMap<i64, Option<cloud::Cloud>> = BTreeMap::new();
         for (s, ranks) in todo {
             let cloud = clouds.entry(s.job).or_insert_with(|| {
-                let url = self.policy(s.job).cloud?;
-                match cloud::Cloud::open(&url) {
+                let policy = self.policy(s.job);
+                let url = policy.cloud?;
+                // Checked again here: a policy file an older agent wrote has no ranks_as_agent.
+                match crate::checkpoints::file_roots::admit(&url, s.job, policy.ranks_as_agent).and_then(|_| cloud::Cloud::open(&url)) {
                     Ok(c) => Some(cloud::Cloud { part_bytes: self.part_bytes, ..c }),
                     Err(e) => {
                         notes.push(format!("job {}: {e}", s.job));

@@ -111,6 +111,7 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
             false => tracing::info!(node = %node, "running as root: ranks run as their job's user; jobs that name none are refused"),
         }
     }
+    motley_agent::checkpoints::file_roots::configure(&args.cloud_file_root, args.allow_root_ranks)?;
     if motley_agent::ranks::lease::clear_if_lapsed(&work_dir) {
         tracing::info!(node = %node, "the lease file an earlier agent left had run out; removed (renewed on the first acknowledgement)");
     }

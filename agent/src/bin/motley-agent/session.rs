@@ -263,7 +263,11 @@ async fn heartbeat(
             Ok(Some(i)) => match i.kind {
                 Some(instruction::Kind::Launch(l)) => {
                     // Its checkpoint policy (keep, cloud) first: the tiers apply it to the steps its ranks write.
-                    if let Err(e) = tierer.launched(&l) {
+                    // Whether its ranks run as this agent's own uid: a file:// cloud of another user's job is
+                    // used only under a --cloud-file-root (`file_roots`).
+                    let as_agent = l.user.is_empty()
+                        || matches!(motley_agent::ranks::users::lookup(&l.user), Ok(Some(a)) if a.uid == motley_agent::ranks::users::euid());
+                    if let Err(e) = tierer.launched_as(&l, as_agent) {
                         tracing::warn!(node = %node, job = l.job, "{e}; the launch's checkpoints are kept as by default");
                     }
                     supervisor.launch(l)

@@ -72,6 +72,12 @@ pub(crate) struct Args {
     /// settings and its cloud credentials stay with it (docs/state.md).
     #[arg(long, env = "MOTLEY_RANK_ENV", value_delimiter = ',')]
     pub(crate) rank_env: Vec<String>,
+    /// Directories, comma-separated and absolute, where a root agent keeps a file:// checkpoint
+    /// cloud (`checkpoint.cloud`) for a job whose ranks run as another user; each must be the
+    /// agent's own and writable by no one else. Such a URL elsewhere is refused (its uploads
+    /// skipped, restores from it failed): the agent writes there as root (docs/state.md).
+    #[arg(long, env = "MOTLEY_CLOUD_FILE_ROOT", value_delimiter = ',')]
+    pub(crate) cloud_file_root: Vec<PathBuf>,
     /// A Python (path, or a command on PATH) with motley_torch and torch installed: the agent
     /// then measures layer profiles when the coordinator asks (`python -m motley_torch.profile`,
     /// run as the agent's user on the GPUs the coordinator names). Without it the node is never

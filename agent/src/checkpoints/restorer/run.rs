@@ -143,7 +143,14 @@ impl Restorer {
             .map(|f| (FileKey { job: r.job, generation: f.source_generation, step: r.step, file: f.file.clone() }, f.capability.clone()))
             .collect();
         let share = rate(r.cloud_share_mb_s).map(|b| Arc::new(Pacer::new(b)));
-        let cloud = Arc::new(CloudSide { url: r.cloud_url.clone(), share, capabilities });
+        // A file:// cloud a root agent may not read for this job's user (`file_roots`): its
+        // reads fail with why, the other sources still serve.
+        let ranks_as_agent = self.inner.tierer.as_ref().and_then(|t| t.policy(r.job).ranks_as_agent);
+        let refused = crate::checkpoints::file_roots::admit(&r.cloud_url, r.job, ranks_as_agent).err().map(|e| e.to_string());
+        if let Some(why) = &refused {
+            tracing::warn!(node = %self.inner.node, job = r.job, "restore of generation {}: {why}", r.generation);
+        }
+        let cloud = Arc::new(CloudSide { url: r.cloud_url.clone(), refused, share, capabilities });
         // Files, a few at a time.
         let mut paths: Vec<String> = vec![];
         let mut pending = r.files.iter();

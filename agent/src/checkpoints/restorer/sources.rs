@@ -22,6 +22,8 @@ const CLOUD_PIECE: u64 = 8 << 20;
 /// shown for each file (its `RestoreFile.capability`).
 pub(super) struct CloudSide {
     pub(super) url: String,
+    /// Why this agent does not read `url` for the job (`file_roots`), if it does not.
+    pub(super) refused: Option<String>,
     pub(super) share: Option<Arc<Pacer>>,
     pub(super) capabilities: std::collections::HashMap<FileKey, String>,
 }
@@ -176,6 +178,9 @@ impl Restorer {
             "cloud" => {
                 if cloud.url.is_empty() {
                     return Err(format!("{}: the job has no checkpoint.cloud to fetch from", key.file));
+                }
+                if let Some(why) = &cloud.refused {
+                    return Err(why.clone());
                 }
                 // Ranged reads of a few MiB, each paced through this node's NIC and the flow; the
                 // store (an S3 client, say) opened once per flow.
