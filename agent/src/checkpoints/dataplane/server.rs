@@ -125,7 +125,7 @@ async fn handle(
 
     if request.transport == Transport::Rdma {
         #[cfg(feature = "rdma")]
-        crate::checkpoints::rdma::serve(&mut **stream, &located.path, &request.ranges)
+        crate::checkpoints::rdma::serve(&mut **stream, &file, &located.path, &request.ranges)
             .await
             .map_err(|e| format!("file {key} over RDMA: {e}"))?;
         return Ok(());

@@ -29,11 +29,12 @@ fn peer_err(device: &str, what: &str, why: String) -> AgentError {
 }
 
 /// Holder side. `stream` is the connection (TCP, or TLS over it) of a data-plane request whose JSON header asked
-/// for transport rdma; the header exchange is done. Register the file's bytes (mmap of `path`,
-/// read-only) as a memory region, send the peer over `stream` what it needs for one-sided READs
+/// for transport rdma; the header exchange is done. `file` is the file the data plane opened
+/// (beneath its root, never through a link: `dataplane::resolve::Located::open`); `path` only
+/// names it in errors. Register the file's bytes (mmap of `file`, read-only) as a memory region, send the peer over `stream` what it needs for one-sided READs
 /// (QP number, LID/GID, PSN, the MR's address, length and rkey, and the ranges), wait for the
 /// peer's "done" message, deregister. Errors name the device, the file and the fix.
-pub async fn serve(stream: &mut dyn Stream, path: &Path, ranges: &[(u64, u64)]) -> Result<(), AgentError> {
+pub async fn serve(stream: &mut dyn Stream, file: &File, path: &Path, ranges: &[(u64, u64)]) -> Result<(), AgentError> {
     if ranges.is_empty() {
         return Ok(()); // nothing to read; `fetch` returns at once too
     }
@@ -54,10 +55,6 @@ pub async fn serve(stream: &mut dyn Stream, path: &Path, ranges: &[(u64, u64)]) 
     // The span of the ranges, page-aligned at its start for mmap: the region covers only it.
     let start = ranges.iter().map(|r| r.0).min().unwrap_or(0);
     let end = ranges.iter().map(|r| r.0.saturating_add(r.1)).max().unwrap_or(0);
-    let file = match File::open(path) {
-        Ok(f) => f,
-        Err(e) => return abort(stream, file_err(&device, format!("cannot open the file ({e})"))).await,
-    };
     let file_len = file.metadata().map(|m| m.len()).unwrap_or(0);
     if end > file_len {
         let message = format!("ranges reach byte {end} but the file has {file_len}: ask for ranges inside it");
@@ -193,7 +190,7 @@ mod tests {
             let (src, ranges) = (src.clone(), ranges.clone());
             tokio::spawn(async move {
                 let (mut s, _) = listener.accept().await.unwrap();
-                serve(&mut s, &src, &ranges).await
+                serve(&mut s, &File::open(&src).unwrap(), &src, &ranges).await
             })
         };
         let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
