@@ -81,6 +81,10 @@ pub fn euid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+/// How deep `Dir::remove_tree` goes: a checkpoint step has no directories in it at all, a
+/// launch directory a few levels; a tree deeper than this was made to exhaust the agent.
+pub const MAX_TREE_DEPTH: usize = 32;
+
 /// The directory `path` whose top `depth` components lie in a directory a rank can write:
 /// the part above them is the agent's own (the work directory, the memory tier's root) and is
 /// opened by path, the rest beneath it without following a link. A step directory
@@ -217,6 +221,12 @@ impl Dir {
     /// The directory `name` and everything in it removed, every level through a handle (a
     /// link in it is removed, never followed); absent is fine.
     pub fn remove_tree(&self, name: &str) -> Result<()> {
+        self.remove_tree_within(name, MAX_TREE_DEPTH)
+    }
+
+    /// `remove_tree`, at most `depth` levels down: a rank may nest directories thousands deep
+    /// in its own, and each level costs the blocking thread's stack and a descriptor.
+    fn remove_tree_within(&self, name: &str, depth: usize) -> Result<()> {
         plain(name, &self.path)?;
         match rustix::fs::unlinkat(&self.fd, name, AtFlags::empty()) {
             Ok(()) | Err(Errno::NOENT) => return Ok(()),
@@ -227,9 +237,12 @@ impl Dir {
             Some(d) => d,
             None => return Ok(()),
         };
+        if depth == 0 {
+            return Err(AgentError::Unsafe { path: sub.path.clone() });
+        }
         // Each entry as a tree: a file or link is unlinked at once, a directory emptied first.
         for (child, _) in sub.entries()? {
-            sub.remove_tree(&child)?;
+            sub.remove_tree_within(&child, depth - 1)?;
         }
         match rustix::fs::unlinkat(&self.fd, name, AtFlags::REMOVEDIR) {
             Ok(()) | Err(Errno::NOENT) => Ok(()),

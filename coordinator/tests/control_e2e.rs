@@ -397,6 +397,8 @@ fn requests_for_names_the_coordinator_does_not_serve_are_refused() {
     assert!(body.contains("evil.example") && body.contains("--public-url") && body.contains("motley.example.com"), "{body}");
     // An insecure coordinator answers no read for such a page either (a rank's log is a read).
     assert_eq!(for_host(&c.addr, &rebound, "GET", "/api/v1/nodes", "", "").0, 403);
+    assert_eq!(for_host(&c.addr, &rebound, "GET", "/metrics", "", "").0, 403);
+    assert_eq!(for_host(&c.addr, &rebound, "GET", "/", "", "").0, 403, "nor the dashboard");
     assert_eq!(for_host(&c.addr, &rebound, "POST", "/api/v1/nodes/a100-0/drain", &page, "").0, 403);
     assert_eq!(c.json("GET", "/api/v1/jobs", "", 200), serde_json::json!([]), "nothing was submitted");
     // The names it serves: its --public-url's, localhost, IP literals.

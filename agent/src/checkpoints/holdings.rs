@@ -84,13 +84,23 @@ pub fn scan(roots: &Roots<'_>, cache: &mut ScanCache) -> Vec<CkptHolding> {
                 BTreeSet::new()
             };
             let dir_time = std::fs::metadata(&s.dir).and_then(|m| m.modified()).ok();
+            // The step directory is the rank's: its pieces and files are read and looked at
+            // through a handle that reached it without a link (`safe_fs`), never by path, so a
+            // FIFO cannot hang the scan (and the heartbeat that waits for it) and a linked `ckpt`
+            // does not report another job's files as this one's.
+            let Ok(handle) = crate::safe_fs::open_under(&s.dir, 5) else { continue };
             for piece_path in piece_paths(&s.dir) {
                 let Some(stamp) = stamp_of(&piece_path).map(|st| (st, dir_time)) else { continue };
                 if cache.pieces.get(&piece_path).is_none_or(|p| p.stamp != stamp || !p.all_held) {
                     // Bounded (MAX_PIECE_BYTES): a piece is read whole into memory.
-                    match motley_checkpoint::manifest::read_piece(&piece_path) {
+                    let name = piece_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                    let piece = handle
+                        .read(&name, motley_checkpoint::manifest::MAX_PIECE_BYTES)
+                        .map_err(|e| e.to_string())
+                        .and_then(|bytes| serde_json::from_slice::<Manifest>(&bytes).map_err(|e| e.to_string()));
+                    match piece {
                         Ok(m) => {
-                            cache.pieces.insert(piece_path.clone(), read_piece(&m, &s, tier, stamp));
+                            cache.pieces.insert(piece_path.clone(), read_piece(&m, &s, &handle, tier, stamp));
                         }
                         Err(e) => {
                             tracing::warn!("{}: not a manifest piece ({e}); its files are not reported", piece_path.display());
@@ -123,10 +133,12 @@ pub fn scan(roots: &Roots<'_>, cache: &mut ScanCache) -> Vec<CkptHolding> {
 
 /// Every file a piece lists, as a holding of `tier`, and which are in the step directory at
 /// the length the piece says.
-fn read_piece(m: &Manifest, s: &StepDir, tier: &str, stamp: (Stamp, Option<SystemTime>)) -> Piece {
+fn read_piece(m: &Manifest, s: &StepDir, dir: &crate::safe_fs::Dir, tier: &str, stamp: (Stamp, Option<SystemTime>)) -> Piece {
     let is_held = |f: &FileEntry| {
         crate::safe_fs::check_name(&f.file).is_ok()
-            && std::fs::symlink_metadata(s.dir.join(&f.file)).is_ok_and(|x| x.is_file() && x.len() == f.bytes)
+            && dir.stat(&f.file).is_some_and(|st| {
+                rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile && st.st_size as u64 == f.bytes
+            })
     };
     let base = CkptHolding {
         job: s.job,
@@ -344,6 +356,33 @@ mod tests {
         let list = Holdings::default().report(&work, 1).expect("a list");
         let files: Vec<&str> = list.iter().map(|x| x.file.as_str()).collect();
         assert_eq!(files, ["layer.00000.model.tp0-1.safetensors", "rank.00000.safetensors"]);
+        std::fs::remove_dir_all(&work).unwrap();
+    }
+
+    /// A rank's step directory is read through handles: a FIFO named as a piece is refused
+    /// without hanging the scan, and a `ckpt` linked to another job's checkpoints reports none
+    /// of that job's files as this one's.
+    #[test]
+    fn a_fifo_piece_and_a_linked_ckpt_are_not_followed() {
+        let work = std::env::temp_dir().join(format!("motley-holdings-hostile-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&work);
+        write_step(&work.join("jobs/7/2"), 4, 0, 100);
+        let fifo_step = ckpt_dir(&work.join("jobs/8/1")).join("step-00000004");
+        std::fs::create_dir_all(&fifo_step).unwrap();
+        use std::os::unix::ffi::OsStringExt;
+        let fifo =
+            std::ffi::CString::new(fifo_step.join(motley_checkpoint::manifest::piece_file_name(0)).into_os_string().into_vec()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        let linked = work.join("jobs/9/1");
+        std::fs::create_dir_all(&linked).unwrap();
+        std::os::unix::fs::symlink(ckpt_dir(&work.join("jobs/7/2")), ckpt_dir(&linked)).unwrap();
+        let (done, report) = std::sync::mpsc::channel();
+        let w = work.clone();
+        std::thread::spawn(move || done.send(Holdings::default().report(&w, 1)).unwrap());
+        let list = report.recv_timeout(std::time::Duration::from_secs(60)).expect("the scan ended").expect("a list");
+        let jobs: Vec<i64> = list.iter().map(|x| x.job).collect();
+        assert_eq!(jobs, [7, 7], "job 7's own two files only: {list:?}");
         std::fs::remove_dir_all(&work).unwrap();
     }
 

@@ -121,17 +121,40 @@ pub fn remove_copies(work_dir: &Path, job: i64) -> Vec<String> {
     removed
 }
 
-/// Give launch list `list` and every file it names to the rank's user (an agent running as
-/// root restores files as root; ranks run as the job's user and only read them).
+/// Give every file launch list `list` names to the rank's user (an agent running as root
+/// restores files as root; ranks run as the job's user and only read them). The list stays
+/// the agent's (made readable, 0644): it is read again for each rank of the launch, so a rank
+/// that could rewrite it could name any file of the node for the next hand-over. It is read
+/// only if the agent owns it, and only files of the job's own restore directory (the list's
+/// directory, `restore/JOB/`) are handed over.
 pub fn hand_over(work_dir: &Path, list: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
-    let paths: Vec<String> = serde_json::from_slice(&std::fs::read(list)?).map_err(std::io::Error::other)?;
-    for p in paths.iter().map(PathBuf::from).chain(std::iter::once(list.to_path_buf())) {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+    let refuse = |why: String| std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("{}: {why}", list.display()));
+    let mut f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC).open(list)?;
+    let meta = f.metadata()?;
+    if !meta.is_file() || meta.nlink() != 1 || meta.uid() != crate::safe_fs::euid() {
+        return Err(refuse("not a launch list of the agent's own (a regular file it owns)".into()));
+    }
+    let mut bytes = vec![];
+    std::io::Read::read_to_end(&mut std::io::Read::take(&mut f, 64 << 20), &mut bytes)?;
+    let paths: Vec<String> = serde_json::from_slice(&bytes).map_err(std::io::Error::other)?;
+    let own = list.parent().ok_or_else(|| refuse("has no directory".into()))?;
+    for p in paths.iter().map(PathBuf::from) {
+        let inside = p.strip_prefix(own).is_ok_and(|rel| rel.components().all(|c| matches!(c, std::path::Component::Normal(_))));
+        if !inside {
+            return Err(refuse(format!("names {}, outside the job's restore directory {}", p.display(), own.display())));
+        }
         // Passable (0711, not listable) directories down to it, the file its own.
         crate::workdir::open_passage(work_dir, &p).map_err(std::io::Error::other)?;
         crate::workdir::hand_over(&p, uid, gid).map_err(std::io::Error::other)?;
     }
+    crate::workdir::open_passage(work_dir, list).map_err(std::io::Error::other)?;
+    if meta.mode() & 0o777 != 0o644 {
+        f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    }
     Ok(())
 }
+
 /// Every file name restore `r` joins to a directory (its files, the units it cuts and their
 /// sources) is one checkpoint file name (`safe_fs::check_name`): a name a forged piece or
 /// cloud marker slipped into the coordinator's plan must not write as root outside the step's
@@ -284,4 +307,52 @@ fn merge(into: &mut Tally, t: Tally) {
     into.cloud += t.cloud;
     into.skipped += t.skipped;
     into.repaired.extend(t.repaired);
+}
+
+#[cfg(test)]
+mod hand_over_tests {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    use super::*;
+
+    /// The launch list is read again for each rank of a launch: a list the rank's user could
+    /// rewrite (not the agent's), or one naming a file outside the job's restore directory,
+    /// hands nothing over; the agent's own list gives its files to the user and stays the
+    /// agent's, readable.
+    #[test]
+    fn only_the_agents_own_list_of_the_jobs_own_files_is_handed_over() {
+        if crate::safe_fs::euid() != 0 {
+            eprintln!("skipped: handing files over needs root (CI runs as root)");
+            return;
+        }
+        let work = std::env::temp_dir().join(format!("motley-hand-over-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&work);
+        let list = launch_list(&work, 5, 2);
+        let step = list.parent().unwrap().join("1/step-00000001");
+        std::fs::create_dir_all(&step).unwrap();
+        let file = step.join("rank.00000.safetensors");
+        std::fs::write(&file, b"r").unwrap();
+        let outside = work.join("agent-secret");
+        std::fs::write(&outside, b"s").unwrap();
+        let write_list = |paths: &[&Path]| std::fs::write(&list, serde_json::to_vec(&paths).unwrap()).unwrap();
+
+        write_list(&[&file, &outside]);
+        let err = hand_over(&work, &list, 65534, 65534).unwrap_err().to_string();
+        assert!(err.contains("outside the job's restore directory"), "{err}");
+        write_list(&[&step.join("../../../../agent-secret")]);
+        assert!(hand_over(&work, &list, 65534, 65534).is_err(), "a path with .. is refused");
+        assert_eq!(std::fs::metadata(&outside).unwrap().uid(), 0, "the agent's file stays its own");
+
+        write_list(&[&file]);
+        std::os::unix::fs::chown(&list, Some(65534), Some(65534)).unwrap();
+        let err = hand_over(&work, &list, 65534, 65534).unwrap_err().to_string();
+        assert!(err.contains("not a launch list of the agent's own"), "{err}");
+
+        std::os::unix::fs::chown(&list, Some(0), Some(0)).unwrap();
+        hand_over(&work, &list, 65534, 65534).unwrap();
+        assert_eq!(std::fs::metadata(&file).unwrap().uid(), 65534, "the restored file is the rank's user's");
+        let meta = std::fs::metadata(&list).unwrap();
+        assert_eq!((meta.uid(), meta.permissions().mode() & 0o777), (0, 0o644), "the list stays the agent's, readable");
+        std::fs::remove_dir_all(&work).unwrap();
+    }
 }

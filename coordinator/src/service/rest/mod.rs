@@ -94,7 +94,6 @@ pub fn router(state: AppState) -> Router {
         .route("/leader", get(leader))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token))
         .route_layer(middleware::from_fn(same_origin))
-        .route_layer(middleware::from_fn_with_state(state.clone(), served_host))
         // The API's description is public, like the code it is derived from.
         .route("/openapi.json", get(|| async { Json(openapi::document()) }))
         .method_not_allowed_fallback(wrong_method);
@@ -105,6 +104,9 @@ pub fn router(state: AppState) -> Router {
         .nest("/api/v1", api)
         .merge(ui::routes())
         .fallback(no_route)
+        // Every route, the dashboard and /metrics included: a rebound page reads none of them
+        // from an insecure coordinator.
+        .layer(middleware::from_fn_with_state(state.clone(), served_host))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(middleware::map_response(errors_as_json))
         .with_state(state)
