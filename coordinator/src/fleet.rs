@@ -4,7 +4,7 @@
 //! Rust types: the gRPC adapter (`service::agent`) turns the outbox into a stream; nothing here
 //! touches the database, and nothing here knows jobs' recoveries, notices or profiles (what
 //! those need from a session arrives as facts, `facts`). The bottom of the coordinator's rooms:
-//! it calls none of them.
+//! it calls none of them but the link matrix it carries (`links`), which calls nothing.
 //!
 //! Leases are judged by this process's own continuity: `expire` gives every agent a fresh lease
 //! when it finds that it was not running for more than `PAUSE_INTERVALS` base intervals (a
@@ -88,6 +88,8 @@ pub struct Fleet {
     /// Jobs whose ranks' reports were committed: the job step looks at them next.
     reported: Mutex<std::collections::BTreeSet<i64>>,
     reports: tokio::sync::Notify,
+    /// The live link matrix agents measure (`links`): rebuilt from heartbeats, like leases.
+    pub links: crate::links::Links,
 }
 
 impl Fleet {
@@ -105,6 +107,7 @@ impl Fleet {
             queue: tokio::sync::Notify::new(),
             reported: Mutex::default(),
             reports: tokio::sync::Notify::new(),
+            links: crate::links::Links::new(base),
         })
     }
 

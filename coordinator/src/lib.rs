@@ -32,6 +32,7 @@ pub mod jobspec;
 pub mod launch;
 pub mod leader;
 pub mod life;
+pub mod links;
 pub mod load;
 pub mod metrics;
 pub mod planning;
