@@ -1,0 +1,303 @@
+"""Nodes in network namespaces on shaped links, for the network-change tests and the benchmark.
+
+The topology: two islands, A and B, each a Linux bridge in the root namespace, joined by one
+veth pair that is THE inter-island link. Every node is a namespace with one veth into its
+island's bridge; inside the namespace that interface is called `eth0` (so one
+GLOO_SOCKET_IFNAME and one inventory NIC name serve every node). All addresses are on one /24;
+the root namespace holds .1 on island A's bridge (the coordinator listens there; island B's
+nodes reach it across the inter-island link, as a remote site reaches its control plane).
+
+Links are shaped with `tbf` (this kernel has htb and tbf, not netem): the inter-island link on
+both of its ends (A->B on A's end, B->A on B's), a node's link on both of its ends. `shape_link`
+changes the inter-island rate while a job runs (`tc qdisc replace`).
+
+Every name starts with `mt<pid>` (interfaces are at most 15 characters), so parallel runs never
+clash, and `sweep_stale` removes what a run that was killed left behind (its pid is gone).
+`Net.close` removes every namespace, veth, bridge and qdisc the run made. Processes started in a
+namespace (`Net.argv`) must be ended before `close` (a namespace with live processes lingers
+until they exit; `close` kills what is left in them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Dict, List, Optional
+
+PREFIX_RE = re.compile(r"^mt(\d+)")
+
+
+def _run(*argv: str, check: bool = True, ns: Optional[str] = None) -> subprocess.CompletedProcess:
+    if ns is not None:
+        argv = ("ip", "netns", "exec", ns, *argv)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip()}")
+    return out
+
+
+def requirements() -> Optional[str]:
+    """Why namespaces cannot be made here, or None when they can."""
+    if os.geteuid() != 0:
+        return "the network-change tests make network namespaces, veths, bridges and tc qdiscs: run them as root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the network-change tests need `{tool}` (iproute2) on PATH"
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _namespaces() -> List[str]:
+    out = _run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _links() -> List[str]:
+    out = _run("ip", "-o", "link", "show", check=False).stdout
+    names = []
+    for line in out.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) >= 2:
+            names.append(parts[1].strip().split("@", 1)[0])
+    return names
+
+
+def _kill_in(ns: str):
+    pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
+    for p in pids:
+        try:
+            os.kill(int(p), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+def sweep_stale():
+    """Remove the namespaces and links of runs whose process is gone (a test killed halfway)."""
+    for ns in _namespaces():
+        m = PREFIX_RE.match(ns)
+        if m and not _alive(int(m.group(1))):
+            _kill_in(ns)
+            _run("ip", "netns", "del", ns, check=False)
+    for link in _links():
+        m = PREFIX_RE.match(link)
+        if m and not _alive(int(m.group(1))):
+            _run("ip", "link", "del", link, check=False)
+
+
+def _subnet() -> int:
+    """A 10.213.N.0/24 no route of this machine uses yet."""
+    routes = _run("ip", "-4", "route", "show", check=False).stdout + _run("ip", "-4", "addr", "show", check=False).stdout
+    for n in list(range(os.getpid() % 200 + 20, 250)) + list(range(20, 250)):
+        if f"10.213.{n}." not in routes:
+            return n
+    raise RuntimeError("no free 10.213.N.0/24 subnet")
+
+
+def _tbf(dev: str, mbit: float, ns: Optional[str] = None):
+    """`dev`'s egress held to `mbit` Mbit/s (tbf; its bucket holds at least 5 ms of the rate and
+    a queue of at most 100 ms)."""
+    rate_bytes = mbit * 1e6 / 8
+    burst = max(32 * 1024, int(rate_bytes * 0.005))
+    _run("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
+         "latency", "100ms", ns=ns)
+
+
+def _untbf(dev: str, ns: Optional[str] = None):
+    _run("tc", "qdisc", "del", "dev", dev, "root", check=False, ns=ns)
+
+
+class Net:
+    """Two islands of nodes in namespaces (see the module's doc). `islands`: island name ->
+    node names (island names are one letter). `node_mbit`: each node link's rate (None:
+    unshaped); `link_mbit`: the inter-island link's (None: unshaped)."""
+
+    def __init__(self, islands: Dict[str, List[str]], node_mbit: Optional[float] = None,
+                 link_mbit: Optional[float] = None):
+        why = requirements()
+        if why:
+            raise RuntimeError(why)
+        if len(islands) != 2 or any(len(i) != 1 for i in islands):
+            raise ValueError("two islands, each named by one letter")
+        sweep_stale()
+        self.prefix = f"mt{os.getpid()}"
+        assert len(self.prefix) <= 10, self.prefix
+        self.islands = {k: list(v) for k, v in islands.items()}
+        self.island_of = {n: k for k, v in islands.items() for n in v}
+        self.nodes = [n for v in islands.values() for n in v]
+        self.ns: Dict[str, str] = {}
+        self.ip: Dict[str, str] = {}
+        self.host_if: Dict[str, str] = {}
+        self.bridges: Dict[str, str] = {}
+        self.made_links: List[str] = []
+        self.link_mbit: Optional[float] = None
+        self.closed = False
+        try:
+            self._build(node_mbit, link_mbit)
+        except BaseException:
+            self.close()
+            raise
+
+    def _name(self, tail: str) -> str:
+        name = f"{self.prefix}{tail}"
+        assert len(name) <= 15, name
+        return name
+
+    def _build(self, node_mbit, link_mbit):
+        self.subnet = _subnet()
+        self.gateway = f"10.213.{self.subnet}.1"
+        (a, la), (b, lb) = list(self.islands.items())
+        for isl in (a, b):
+            br = self._name(f"b{isl}")
+            _run("ip", "link", "add", br, "type", "bridge", "forward_delay", "0")
+            self.made_links.append(br)
+            self.bridges[isl] = br
+        # THE inter-island link: x<A> in A's bridge, x<B> in B's.
+        self.xa, self.xb = self._name(f"x{a}"), self._name(f"x{b}")
+        _run("ip", "link", "add", self.xa, "type", "veth", "peer", "name", self.xb)
+        self.made_links.append(self.xa)
+        _run("ip", "link", "set", self.xa, "master", self.bridges[a], "up")
+        _run("ip", "link", "set", self.xb, "master", self.bridges[b], "up")
+        for br in self.bridges.values():
+            _run("ip", "link", "set", br, "up")
+        _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridges[a])
+        for i, node in enumerate(self.nodes):
+            ns = self._name(f"-{node}")
+            _run("ip", "netns", "add", ns)
+            self.ns[node] = ns
+            host, peer = self._name(f"h{i}"), self._name(f"p{i}")
+            _run("ip", "link", "add", host, "type", "veth", "peer", "name", peer)
+            self.made_links.append(host)
+            self.host_if[node] = host
+            _run("ip", "link", "set", peer, "netns", ns)
+            _run("ip", "-n", ns, "link", "set", peer, "name", "eth0")
+            ip = f"10.213.{self.subnet}.{10 + i}"
+            self.ip[node] = ip
+            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "link", "set", host, "master", self.bridges[self.island_of[node]], "up")
+        if node_mbit:
+            self.shape_nodes(node_mbit)
+        if link_mbit:
+            self.shape_link(link_mbit)
+
+    # ---- shaping ---------------------------------------------------------------------------
+
+    def shape_link(self, mbit: Optional[float]):
+        """The inter-island link's rate, both ways (None: unshaped)."""
+        for dev in (self.xa, self.xb):
+            if mbit:
+                _tbf(dev, mbit)
+            else:
+                _untbf(dev)
+        self.link_mbit = mbit
+
+    def shape_nodes(self, mbit: Optional[float]):
+        """Every node link's rate, both ways (None: unshaped)."""
+        for node in self.nodes:
+            if mbit:
+                _tbf(self.host_if[node], mbit)
+                _tbf("eth0", mbit, ns=self.ns[node])
+            else:
+                _untbf(self.host_if[node])
+                _untbf("eth0", ns=self.ns[node])
+
+    def qdiscs(self) -> str:
+        """`tc qdisc show` of the inter-island link's ends (for messages)."""
+        return "\n".join(_run("tc", "qdisc", "show", "dev", d, check=False).stdout.strip() for d in (self.xa, self.xb))
+
+    # ---- running things inside ---------------------------------------------------------------
+
+    def argv(self, node: str, argv: List[str]) -> List[str]:
+        """`argv` run inside `node`'s namespace."""
+        return ["ip", "netns", "exec", self.ns[node], *argv]
+
+    def transfer(self, src: str, dst: str, megabytes: float = 4.0, timeout: float = 60.0) -> float:
+        """Send `megabytes` over TCP from node `src` to node `dst` (a node name, or "root" for the
+        root namespace at the gateway address): the receiver's MB/s."""
+        dst_ip = self.gateway if dst == "root" else self.ip[dst]
+        port = 39000 + os.getpid() % 1000
+        server = textwrap.dedent(f"""
+            import socket, sys, time
+            s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(({dst_ip!r}, {port})); s.listen(1); print("ready", flush=True)
+            c, _ = s.accept(); n = 0; t0 = None
+            while True:
+                b = c.recv(1 << 16)
+                if not b:
+                    break
+                if t0 is None:
+                    t0 = time.monotonic()
+                n += len(b)
+            print(n / max(1e-9, time.monotonic() - t0) / 1e6, flush=True)
+        """)
+        client = textwrap.dedent(f"""
+            import socket
+            c = socket.create_connection(({dst_ip!r}, {port}), timeout=10)
+            chunk, left = b"x" * (1 << 16), int({megabytes} * 1e6)
+            while left > 0:
+                c.sendall(chunk[:left]); left -= len(chunk)
+            c.close()
+        """)
+        srv_argv = [sys.executable, "-c", server] if dst == "root" else self.argv(dst, [sys.executable, "-c", server])
+        cli_argv = [sys.executable, "-c", client] if src == "root" else self.argv(src, [sys.executable, "-c", client])
+        srv = subprocess.Popen(srv_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert srv.stdout.readline().strip() == "ready", srv.stderr.read()
+            subprocess.run(cli_argv, check=True, timeout=timeout, capture_output=True)
+            out, err = srv.communicate(timeout=timeout)
+            return float(out.strip())
+        finally:
+            if srv.poll() is None:
+                srv.kill()
+                srv.wait()
+
+    # ---- cleanup -----------------------------------------------------------------------------
+
+    def close(self):
+        """Remove everything this Net made; safe to call twice, and after a partial build."""
+        if self.closed:
+            return
+        self.closed = True
+        for ns in self.ns.values():
+            _kill_in(ns)
+        time.sleep(0.1)
+        for ns in self.ns.values():
+            _kill_in(ns)
+            _run("ip", "netns", "del", ns, check=False)
+        for link in self.made_links:
+            _run("ip", "link", "del", link, check=False)
+        # Whatever else carries the prefix (a half-made veth).
+        for ns in _namespaces():
+            if ns.startswith(self.prefix + "-"):
+                _kill_in(ns)
+                _run("ip", "netns", "del", ns, check=False)
+        for link in _links():
+            if link.startswith(self.prefix):
+                _run("ip", "link", "del", link, check=False)
+
+    def leftovers(self) -> List[str]:
+        """Namespaces and links of this Net that still exist (empty after `close`)."""
+        return [n for n in _namespaces() if n.startswith(self.prefix + "-")] + \
+               [n for n in _links() if n.startswith(self.prefix)]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
