@@ -153,6 +153,7 @@ fn launch_as(job: i64, generation: i64, run: &str, ranks: &[i64], port: u16, use
                 ..Default::default()
             })
             .collect(),
+        peers: vec![],
     })
 }
 

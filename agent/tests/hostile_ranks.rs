@@ -171,6 +171,7 @@ impl Node {
             master_port: common::free_port() as u32,
             world_size: 1,
             ranks: vec![RankLaunch { rank: 0, local_rank: 0, local_world_size: 1, layer_end: 4, ..Default::default() }],
+            peers: vec![],
         }));
     }
 

@@ -232,6 +232,8 @@ async fn session_inner(
                     holdings: holdings_list,
                     holdings_sent,
                     restores,
+                    links: vec![],
+                    nics: vec![],
                 };
                 if tx.send(status).await.is_err() {
                     return;
