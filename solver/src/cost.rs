@@ -9,6 +9,7 @@ use crate::model::Model;
 use crate::profile::ProfileSet;
 
 pub mod activations;
+pub mod contention;
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 
@@ -357,25 +358,25 @@ impl<'a> CostModel<'a> {
     /// crosses the best link between the two classes. `placement.rs` lays GPUs out the same way.
     pub fn hop_times(&self, kinds: &[StageKind], micro_batch: u32) -> Vec<f64> {
         let bytes = micro_batch as f64 * self.model.seq_len as f64 * self.model.hidden() * self.opts.wire_bytes();
-        same_node_hops(self.cluster, kinds)
-            .iter()
+        let same = same_node_hops(self.cluster, kinds);
+        // Cross-node hops that share a node's NIC divide it (docs/network.md, "Contention in
+        // the cost model"; the dynamic-network paper's eq. 7).
+        let shares = contention::hop_shares(&contention::node_groups(self.cluster, kinds), &same);
+        same.iter()
             .enumerate()
             .map(|(i, &same)| {
                 let (a, b) = (kinds[i].class, kinds[i + 1].class);
                 let bw = if same { self.cluster.intra_bw(a) } else { self.cluster.inter_bw(a, b) };
-                2.0 * bytes / (bw * 1e9)
+                2.0 * bytes / (bw * 1e9) * shares[i]
             })
             .collect()
     }
 
-    /// Seconds of the gradient all-reduce of `params` parameters held by a stage of kind `k`.
+    /// Seconds of the gradient all-reduce of `params` parameters held by a stage of kind `k`,
+    /// its ring alone on the links it crosses (`sync_coefficients` adds the rings it shares
+    /// NICs with).
     pub fn sync_time(&self, ctx: &SyncContext, k: StageKind, params: f64) -> f64 {
-        let n = match ctx.rings {
-            // Stage i of every replica: exactly R * d_i members.
-            Rings::PerStage { .. } => (ctx.replicas * k.dp) as f64,
-            // The members of a layer's ring depend on the other replicas' stages.
-            Rings::Shared { .. } => (ctx.replicas - 1 + k.dp) as f64,
-        };
+        let n = self.ring_members(ctx, k) as f64;
         if n <= 1.0 {
             return 0.0;
         }
@@ -417,6 +418,8 @@ impl<'a> CostModel<'a> {
         let mut exposed: f64 = 0.0;
         let mut optimizer: f64 = 0.0;
         let hops = self.hop_times(kinds, micro_batch);
+        // Rings of stages that share a node's NIC in the sync phase divide it (eq. 7).
+        let ring_shares = self.ring_contention(ctx, kinds);
         for i in 0..p {
             let (first, last) = (i == 0, i + 1 == p);
             let (f, b) = Self::stage_time(&costs[i], layers[i], first, last);
@@ -427,7 +430,7 @@ impl<'a> CostModel<'a> {
             }
             let params = layers[i] as f64 * self.model.layer_params + self.model.ends_params(first, last);
             let extra_params_gpu = costs[i].ends_params_gpu(first, last);
-            exposed = exposed.max(self.sync_time(ctx, kinds[i], params) - pre_bwd);
+            exposed = exposed.max(self.sync_time(ctx, kinds[i], params) * ring_shares[i] - pre_bwd);
             pre_bwd += b;
             // Adam reads and writes ~28 bytes per parameter (fp32 master, m, v; fp16 w, g);
             // ZeRO-1 steps 1/dp of the states. A profile's measured step of one layer replaces
@@ -496,20 +499,7 @@ pub use motley_contract::timeline::pipeline_period;
 /// For each hop of a replica with stages `kinds`: whether both stages are packed into one node
 /// (see `CostModel::hop_times`).
 pub fn same_node_hops(cluster: &Cluster, kinds: &[StageKind]) -> Vec<bool> {
-    let mut node = Vec::with_capacity(kinds.len());
-    let (mut ordinal, mut used) = (0usize, 0u32);
-    for (i, k) in kinds.iter().enumerate() {
-        let gpn = cluster.classes[k.class].gpus_per_node;
-        let g = k.dp * k.tp;
-        let run_starts = i == 0 || kinds[i - 1].class != k.class;
-        if run_starts || used + g > gpn {
-            ordinal += 1;
-            used = 0;
-        }
-        node.push(ordinal);
-        // A stage larger than a node fills whole nodes: the next one starts afresh.
-        used = if g > gpn { gpn } else { used + g };
-    }
+    let node = contention::node_groups(cluster, kinds);
     (0..kinds.len().saturating_sub(1))
         .map(|i| {
             let (a, b) = (kinds[i], kinds[i + 1]);

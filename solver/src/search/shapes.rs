@@ -318,7 +318,7 @@ impl Shape {
 
     /// The Pareto points of this shape under a sync context.
     pub fn frontier(&self, cm: &CostModel, ctx: &SyncContext) -> Vec<Point> {
-        let coef: Vec<f64> = self.kinds.iter().map(|&k| cm.sync_time(ctx, k, 1.0)).collect();
+        let coef: Vec<f64> = cm.sync_coefficients(ctx, &self.kinds);
         let pts = self
             .splits
             .iter()
