@@ -198,14 +198,15 @@ class NetCluster:
 # ---- jobs ----------------------------------------------------------------------------------------
 
 
-def train_job(name: str, model: dict, global_batch: int, steps: int, seed: int, every: int, cloud: Path,
+def train_job(name: str, model: dict, global_batch: int, train_steps: int, seed: int, every: int, cloud: Path,
               **extra) -> dict:
-    """The reference trainer on every rank, checkpointing every `every` steps; gloo over eth0."""
+    """The reference trainer on every rank for `train_steps` steps, checkpointing every `every`
+    steps; gloo over eth0. `extra`: more job-file fields (`steps`, `replan`, ...)."""
     job = {
         "name": name,
         "model": model,
         "global_batch": global_batch,
-        "run": f"{shlex.quote(sys.executable)} -m motley_torch.train --steps {steps} --seed {seed}",
+        "run": f"{shlex.quote(sys.executable)} -m motley_torch.train --steps {train_steps} --seed {seed}",
         "envs": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "python"), "GLOO_SOCKET_IFNAME": "eth0"},
         "checkpoint": {"every": every, "keep": 2, "cloud": f"file://{cloud}"},
     }
@@ -238,7 +239,7 @@ def rank0_losses(work: Path, job: int, generation: int) -> list:
 # ---- the setting the network-change tests and the benchmark share --------------------------------
 #
 # Two islands of two nodes, one declared GPU each. The GPU types are declared as slow as a CPU
-# rank (0.02 TFLOPS), one type per island: the planner groups nodes into classes, and nodes of
+# rank (0.01 TFLOPS), one type per island: the planner groups nodes into classes, and nodes of
 # one class are priced at the slowest link among them, so the islands must be two classes for
 # the planner to see a fast inside and a slow link between. Every link (each node's and the
 # inter-island one) is shaped to RATE_MBIT and declared so; the drop takes the inter-island link
@@ -250,7 +251,7 @@ def rank0_losses(work: Path, job: int, generation: int) -> list:
 ISLANDS = {"A": ["n0", "n1"], "B": ["n2", "n3"]}
 RATE_MBIT = 50.0
 DROP_MBIT = 5.0
-GPU_TFLOPS = 0.02
+GPU_TFLOPS = 0.01
 GLOBAL_BATCH = 16
 MODEL_FILE = Path(__file__).resolve().parent / "data" / "net-tiny.yaml"
 
