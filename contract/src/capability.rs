@@ -13,6 +13,13 @@
 //! [`Grant`], `MAC` is HMAC-SHA256 under the key of [`DOMAIN`] followed by `v1.PAYLOAD`. A
 //! capability seen on the wire lets its holder read those files of that step until it
 //! expires, and nothing else: it is not the agent's coordinator credential.
+//!
+//! Probe tokens (docs/network.md, "Measure (agents)"): the same text under the same key, but
+//! the MAC is over [`PROBE_DOMAIN`] and the payload is a [`ProbeGrant`] naming the probed
+//! node. Agents hold the key, so a probing agent mints its own token for each probe, valid
+//! [`PROBE_EXPIRY_S`]. The two domains differ, so a probe token never verifies as a file
+//! capability nor a file capability as a probe token; a probe token lets its holder make the
+//! named node send at most one probe's bytes per connection until it expires, and nothing else.
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
@@ -25,6 +32,12 @@ pub const KEY_BYTES: usize = 32;
 /// Prefixed to every MAC'd text: this key signs nothing else, and no other use of HMAC-SHA256
 /// under it can be replayed as a capability.
 pub const DOMAIN: &[u8] = b"motley data-plane capability\0";
+/// Prefixed to every MAC'd probe token: a file capability is never a probe token, nor the
+/// reverse.
+pub const PROBE_DOMAIN: &[u8] = b"motley data-plane probe\0";
+/// How long a probe token a probing agent mints lasts: long enough for a probe and any clock
+/// skew between agents of one cluster, short enough that one seen on the wire is soon worthless.
+pub const PROBE_EXPIRY_S: u64 = 60;
 /// The format's version, the text's first field.
 const VERSION: &str = "v1";
 
@@ -40,12 +53,21 @@ pub struct Grant {
     pub expires_unix_s: u64,
 }
 
+/// What a probe token allows: asking `node`'s data plane for probe bytes until `expires_unix_s`
+/// (seconds since the Unix epoch, by the probed node's clock).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeGrant {
+    pub node: String,
+    pub expires_unix_s: u64,
+}
+
 /// Seconds since the Unix epoch now (0 if the clock is before it).
 pub fn now_unix_s() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-fn mac(key: &[u8], signed: &str) -> Result<Hmac<Sha256>, String> {
+fn mac(key: &[u8], domain: &[u8], signed: &str) -> Result<Hmac<Sha256>, String> {
     if key.len() != KEY_BYTES {
         return Err(format!(
             "the data-plane key has {} bytes, not {KEY_BYTES}; the coordinator hands agents its key at registration",
@@ -53,44 +75,71 @@ fn mac(key: &[u8], signed: &str) -> Result<Hmac<Sha256>, String> {
         ));
     }
     let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(key).map_err(|e| format!("data-plane key: {e}"))?;
-    mac.update(DOMAIN);
+    mac.update(domain);
     mac.update(signed.as_bytes());
     Ok(mac)
 }
 
 /// The capability for `grant` under `key` (`KEY_BYTES` long).
 pub fn mint(key: &[u8], grant: &Grant) -> Result<String, String> {
-    // Serializing a struct of plain fields cannot fail.
-    let payload = URL_SAFE_NO_PAD.encode(serde_json::to_vec(grant).map_err(|e| e.to_string())?);
-    let signed = format!("{VERSION}.{payload}");
-    let tag = URL_SAFE_NO_PAD.encode(mac(key, &signed)?.finalize().into_bytes());
-    Ok(format!("{signed}.{tag}"))
+    sign(key, DOMAIN, grant)
 }
 
 /// The grant of `capability` if `key` signed it and it has not expired at `now_unix_s`.
 pub fn verify(key: &[u8], capability: &str, now_unix_s: u64) -> Result<Grant, String> {
-    let not_one =
-        |why: &str| format!("the capability is not one this cluster's coordinator issued ({why}); fetch with the Restore's capability");
-    let mut parts = capability.split('.');
+    let grant: Grant = open(key, DOMAIN, capability, "fetch with the Restore's capability")?;
+    unexpired("capability", grant.expires_unix_s, now_unix_s, "the coordinator issues fresh ones with each Restore")?;
+    Ok(grant)
+}
+
+/// The probe token for `grant` under `key` (`KEY_BYTES` long).
+pub fn mint_probe(key: &[u8], grant: &ProbeGrant) -> Result<String, String> {
+    sign(key, PROBE_DOMAIN, grant)
+}
+
+/// Whether `token` lets its holder probe `node` at `now_unix_s`: signed under `key` as a probe
+/// token, unexpired, naming `node`; else why not.
+pub fn check_probe(key: &[u8], token: &str, now_unix_s: u64, node: &str) -> Result<ProbeGrant, String> {
+    let grant: ProbeGrant = open(key, PROBE_DOMAIN, token, "probe with a token minted under the cluster's data-plane key")?;
+    unexpired("probe token", grant.expires_unix_s, now_unix_s, "the probing agent mints a fresh one for each probe")?;
+    if grant.node != node {
+        return Err(format!("the probe token is for node {:?}, not {node:?}", grant.node));
+    }
+    Ok(grant)
+}
+
+/// `v1.PAYLOAD.MAC` of `payload` under `key` and `domain`.
+fn sign<T: Serialize>(key: &[u8], domain: &[u8], payload: &T) -> Result<String, String> {
+    // Serializing a struct of plain fields cannot fail.
+    let payload = URL_SAFE_NO_PAD.encode(serde_json::to_vec(payload).map_err(|e| e.to_string())?);
+    let signed = format!("{VERSION}.{payload}");
+    let tag = URL_SAFE_NO_PAD.encode(mac(key, domain, &signed)?.finalize().into_bytes());
+    Ok(format!("{signed}.{tag}"))
+}
+
+/// The payload of `text` if `key` signed it under `domain`; `hint`: what to do instead.
+fn open<T: serde::de::DeserializeOwned>(key: &[u8], domain: &[u8], text: &str, hint: &str) -> Result<T, String> {
+    let (what, whose) = if domain == PROBE_DOMAIN { ("probe token", "key") } else { ("capability", "coordinator") };
+    let not_one = |why: &str| format!("the {what} is not one this cluster's {whose} issued ({why}); {hint}");
+    let mut parts = text.split('.');
     let (Some(version), Some(payload), Some(tag), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
         return Err(not_one("not VERSION.PAYLOAD.MAC"));
     };
     if version != VERSION {
-        return Err(format!("capability version {version:?}: this agent knows {VERSION}; run agents of one Motley version"));
+        return Err(format!("{what} version {version:?}: this agent knows {VERSION}; run agents of one Motley version"));
     }
     let tag = URL_SAFE_NO_PAD.decode(tag).map_err(|_| not_one("its MAC is not base64url"))?;
     // Constant-time comparison (hmac's `verify_slice`): a forger learns nothing from timing.
-    mac(key, &format!("{version}.{payload}"))?.verify_slice(&tag).map_err(|_| not_one("bad signature"))?;
+    mac(key, domain, &format!("{version}.{payload}"))?.verify_slice(&tag).map_err(|_| not_one("bad signature"))?;
     let payload = URL_SAFE_NO_PAD.decode(payload).map_err(|_| not_one("its payload is not base64url"))?;
-    let grant: Grant = serde_json::from_slice(&payload).map_err(|e| not_one(&format!("payload: {e}")))?;
-    if grant.expires_unix_s <= now_unix_s {
-        return Err(format!(
-            "the capability expired {} s ago (at {} Unix time); the coordinator issues fresh ones with each Restore",
-            now_unix_s - grant.expires_unix_s,
-            grant.expires_unix_s
-        ));
+    serde_json::from_slice(&payload).map_err(|e| not_one(&format!("payload: {e}")))
+}
+
+fn unexpired(what: &str, expires_unix_s: u64, now_unix_s: u64, hint: &str) -> Result<(), String> {
+    if expires_unix_s <= now_unix_s {
+        return Err(format!("the {what} expired {} s ago (at {expires_unix_s} Unix time); {hint}", now_unix_s - expires_unix_s));
     }
-    Ok(grant)
+    Ok(())
 }
 
 /// Whether `capability` lets its holder read `file` of `step` written by launch `generation`
@@ -158,8 +207,43 @@ mod tests {
         assert!(verify(&KEY, &cap.replacen("v1", "v2", 1), 0).unwrap_err().contains("capability version \"v2\""));
         // A signed payload that is not a grant.
         let signed = format!("v1.{}", URL_SAFE_NO_PAD.encode(b"{\"job\":1}"));
-        let tag = URL_SAFE_NO_PAD.encode(mac(&KEY, &signed).unwrap().finalize().into_bytes());
+        let tag = URL_SAFE_NO_PAD.encode(mac(&KEY, DOMAIN, &signed).unwrap().finalize().into_bytes());
         assert!(verify(&KEY, &format!("{signed}.{tag}"), 0).unwrap_err().contains("payload"));
+    }
+
+    #[test]
+    fn a_probe_token_probes_only_its_node_until_it_expires() {
+        let probe = ProbeGrant { node: "n1".into(), expires_unix_s: 1000 };
+        let token = mint_probe(&KEY, &probe).unwrap();
+        assert!(token.starts_with("v1.") && token.split('.').count() == 3, "{token}");
+        assert_eq!(check_probe(&KEY, &token, 999, "n1").unwrap(), probe);
+        assert!(check_probe(&KEY, &token, 999, "n2").unwrap_err().contains("for node \"n1\", not \"n2\""));
+        assert!(check_probe(&KEY, &token, 1000, "n1").unwrap_err().contains("probe token expired 0 s ago"));
+        assert!(check_probe(&[8; KEY_BYTES], &token, 0, "n1").unwrap_err().contains("bad signature"));
+        // Another node under the first one's MAC is not signed.
+        let other = ProbeGrant { node: "n2".into(), ..probe.clone() };
+        let forged = format!("v1.{}.{}", URL_SAFE_NO_PAD.encode(serde_json::to_vec(&other).unwrap()), token.rsplit('.').next().unwrap());
+        assert!(check_probe(&KEY, &forged, 0, "n2").unwrap_err().contains("bad signature"));
+        for bad in ["", "v1.a", "v1.%%%.AAAA"] {
+            assert!(check_probe(&KEY, bad, 0, "n1").unwrap_err().contains("not one this cluster's key issued"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_probe_token_is_no_capability_and_a_capability_no_probe_token() {
+        // The domains differ: neither verifies as the other, whatever its payload says.
+        let token = mint_probe(&KEY, &ProbeGrant { node: "n1".into(), expires_unix_s: u64::MAX }).unwrap();
+        assert!(verify(&KEY, &token, 0).unwrap_err().contains("bad signature"));
+        let cap = mint(&KEY, &Grant { expires_unix_s: u64::MAX, ..grant() }).unwrap();
+        assert!(check_probe(&KEY, &cap, 0, "n1").unwrap_err().contains("bad signature"));
+        // A probe grant's payload signed under the file domain is still no probe token, and a
+        // file grant's payload signed under the probe domain is no grant of files.
+        let as_file = sign(&KEY, DOMAIN, &ProbeGrant { node: "n1".into(), expires_unix_s: u64::MAX }).unwrap();
+        assert!(check_probe(&KEY, &as_file, 0, "n1").unwrap_err().contains("bad signature"));
+        assert!(verify(&KEY, &as_file, 0).unwrap_err().contains("payload"));
+        let as_probe = sign(&KEY, PROBE_DOMAIN, &Grant { expires_unix_s: u64::MAX, ..grant() }).unwrap();
+        assert!(check_probe(&KEY, &as_probe, 0, "n1").unwrap_err().contains("payload"));
+        assert!(verify(&KEY, &as_probe, 0).unwrap_err().contains("bad signature"));
     }
 
     #[test]
@@ -167,5 +251,6 @@ mod tests {
         assert!(mint(&[1; 16], &grant()).unwrap_err().contains("has 16 bytes, not 32"));
         let cap = mint(&KEY, &grant()).unwrap();
         assert!(verify(&[], &cap, 0).unwrap_err().contains("has 0 bytes"));
+        assert!(mint_probe(&[1; 16], &ProbeGrant { node: "n".into(), expires_unix_s: 1 }).unwrap_err().contains("has 16 bytes"));
     }
 }
