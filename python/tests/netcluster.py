@@ -88,6 +88,8 @@ class NetCluster:
         self.coord = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=clean_env(),
                                       start_new_session=True)
         self.procs.append(self.coord)
+        if hasattr(self.net, "own"):
+            self.net.own(self.coord.pid)
         # "motley-coordinator listening on URL", then "motley-coordinator agents on URL".
         first = self.coord.stdout.readline().strip()
         second = self.coord.stdout.readline().strip()

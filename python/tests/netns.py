@@ -31,6 +31,9 @@ import time
 from typing import Dict, List, Optional
 
 PREFIX_RE = re.compile(r"^mt(\d+)")
+# Processes a run started outside its namespaces (the coordinator), by the run's prefix: a later
+# run's sweep ends them when the run that started them is gone.
+PID_DIR = "/tmp/motley-netns"
 
 
 def _run(*argv: str, check: bool = True, ns: Optional[str] = None) -> subprocess.CompletedProcess:
@@ -53,13 +56,12 @@ def requirements() -> Optional[str]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed but not reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def _namespaces() -> List[str]:
@@ -86,8 +88,36 @@ def _kill_in(ns: str):
             pass
 
 
+def _kill_recorded(prefix: str):
+    path = os.path.join(PID_DIR, f"{prefix}.pids")
+    try:
+        lines = open(path).read().split()
+    except OSError:
+        return
+    for p in lines:
+        try:
+            # Only a process that is still what was recorded (not a reused pid).
+            if "motley" in open(f"/proc/{int(p)}/cmdline", "rb").read().decode(errors="replace"):
+                os.killpg(int(p), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def sweep_stale():
-    """Remove the namespaces and links of runs whose process is gone (a test killed halfway)."""
+    """Remove the namespaces and links of runs whose process is gone (a test killed halfway),
+    and end the processes they started outside their namespaces."""
+    try:
+        recorded = os.listdir(PID_DIR)
+    except OSError:
+        recorded = []
+    for name in recorded:
+        m = PREFIX_RE.match(name)
+        if m and not _alive(int(m.group(1))):
+            _kill_recorded(name[: -len(".pids")])
     for ns in _namespaces():
         m = PREFIX_RE.match(ns)
         if m and not _alive(int(m.group(1))):
@@ -207,21 +237,32 @@ class Net:
                 _untbf(dev)
         self.link_mbit = mbit
 
+    def shape_node(self, node: str, mbit: Optional[float]):
+        """`node`'s link's rate, both ways (None: unshaped)."""
+        if mbit:
+            _tbf(self.host_if[node], mbit)
+            _tbf("eth0", mbit, ns=self.ns[node])
+        else:
+            _untbf(self.host_if[node])
+            _untbf("eth0", ns=self.ns[node])
+
     def shape_nodes(self, mbit: Optional[float]):
         """Every node link's rate, both ways (None: unshaped)."""
         for node in self.nodes:
-            if mbit:
-                _tbf(self.host_if[node], mbit)
-                _tbf("eth0", mbit, ns=self.ns[node])
-            else:
-                _untbf(self.host_if[node])
-                _untbf("eth0", ns=self.ns[node])
+            self.shape_node(node, mbit)
 
     def qdiscs(self) -> str:
         """`tc qdisc show` of the inter-island link's ends (for messages)."""
         return "\n".join(_run("tc", "qdisc", "show", "dev", d, check=False).stdout.strip() for d in (self.xa, self.xb))
 
     # ---- running things inside ---------------------------------------------------------------
+
+    def own(self, pid: int):
+        """Record `pid` (a process group leader started outside the namespaces, e.g. the
+        coordinator) as this run's: a later run's `sweep_stale` ends it if this run was killed."""
+        os.makedirs(PID_DIR, exist_ok=True)
+        with open(os.path.join(PID_DIR, f"{self.prefix}.pids"), "a") as f:
+            f.write(f"{pid}\n")
 
     def argv(self, node: str, argv: List[str]) -> List[str]:
         """`argv` run inside `node`'s namespace."""
@@ -274,6 +315,7 @@ class Net:
         if self.closed:
             return
         self.closed = True
+        _kill_recorded(self.prefix)
         for ns in self.ns.values():
             _kill_in(ns)
         time.sleep(0.1)
