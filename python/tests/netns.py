@@ -139,10 +139,10 @@ def _subnet() -> int:
 
 
 def _tbf(dev: str, mbit: float, ns: Optional[str] = None):
-    """`dev`'s egress held to `mbit` Mbit/s (tbf; its bucket holds at least 5 ms of the rate and
-    a queue of at most 100 ms)."""
+    """`dev`'s egress held to `mbit` Mbit/s (tbf; its bucket holds 5 ms of the rate, 16 KiB at
+    least, and its queue 100 ms)."""
     rate_bytes = mbit * 1e6 / 8
-    burst = max(32 * 1024, int(rate_bytes * 0.005))
+    burst = max(16 * 1024, int(rate_bytes * 0.005))
     _run("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
          "latency", "100ms", ns=ns)
 
