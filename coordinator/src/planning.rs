@@ -2,12 +2,16 @@
 //! ones for a launch, minus the GPUs other launches and profile runs hold), the measured
 //! profiles, the solver within the job's deadline, and the rank numbering. Below the job's
 //! life (`life`): it stores a first launch (`plan_job`) or returns a recovery's plan
-//! (`plan_for_recovery`), and decides nothing else.
+//! (`plan_for_recovery`), and decides nothing else. Links the agents measured between the
+//! offered nodes (`Fleet.links`) are in force where there are any (`Cluster::with_measurements`),
+//! and every plan says which rates it assumed (`PlanReport.network`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
+use motley_solver::bandwidth::{BandwidthSpec, PlanNetwork};
 use motley_solver::hardware::NodeSpec;
 use motley_solver::placement::GpuId;
+use motley_solver::replan::{CurrentPlan, ReplanReport, SwitchPolicy};
 use motley_solver::{Cluster, ClusterSpec, PlanReport, PlanRequest, ProfileSet};
 
 use crate::error::{CoordinatorError, Result};
@@ -28,7 +32,15 @@ pub async fn dry_run(store: &Store, fleet: &Fleet, spec: &JobSpec) -> Result<(Pl
     check_plan_gpus(store, spec).await?;
     let offer = offer(store, spec, None).await?;
     let profiles = crate::profiling::stored_for(store, spec).await?;
-    solve(spec, offer, profiles, deadline(fleet, spec)).await
+    let measured = measured(fleet, &offer);
+    solve(spec, offer, profiles, measured, deadline(fleet, spec)).await
+}
+
+/// The links measured among the offer's nodes, in the `--bandwidth` file's schema; None when
+/// none was.
+fn measured(fleet: &Fleet, offer: &Offer) -> Option<BandwidthSpec> {
+    let names: Vec<String> = offer.nodes.iter().map(|n| n.name.clone()).collect();
+    fleet.links.bandwidth_spec(&names)
 }
 
 /// GPUs no new launch may use: those of every launched job's current launch, those of ranks
@@ -106,7 +118,8 @@ pub async fn plan_job(store: &Store, fleet: &Fleet, id: i64, taken: &Taken) -> R
         Err(e @ CoordinatorError::Database(_)) => return Err(e),
         Err(e) => return fail_planning(store, &job, e).await,
     };
-    match solve(&spec, offer, profiles, deadline(fleet, &spec)).await {
+    let measured = measured(fleet, &offer);
+    match solve(&spec, offer, profiles, measured, deadline(fleet, &spec)).await {
         Ok((report, ranks)) => {
             if !without.is_empty() {
                 let why: Vec<String> = without.iter().map(|(k, r)| format!("{k} ({r})")).collect();
@@ -149,8 +162,67 @@ pub async fn plan_for_recovery(store: &Store, fleet: &Fleet, job: &JobRecord, ta
         return Err(CoordinatorError::Conflict("no free GPU on a live node: nothing to recover onto".into()));
     }
     let profiles = crate::profiling::stored_for(store, &spec).await?;
-    let (report, ranks) = solve(&spec, offer, profiles, deadline(fleet, &spec)).await?;
+    let measured = measured(fleet, &offer);
+    let (report, ranks) = solve(&spec, offer, profiles, measured, deadline(fleet, &spec)).await?;
     Ok((serde_json::to_string(&report).expect("a plan serialises"), ranks))
+}
+
+/// A running job's plan priced on the links measured now beside a plan made afresh on them (the
+/// solver's `replan`, seeded with the running plan), on what a recovery would offer it. Nothing
+/// is stored: the job's life decides whether to switch (`life::network`).
+#[tracing::instrument(skip(store, fleet, taken))]
+pub async fn replan_running(store: &Store, fleet: &Fleet, job: &JobRecord, taken: &Taken) -> Result<ReplanReport> {
+    let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
+    let mut others = taken.clone();
+    for gpus in others.values_mut() {
+        gpus.retain(|_, j| *j != job.id);
+    }
+    let offer = offer(store, &spec, Some((fleet, &others))).await?;
+    let current: CurrentPlan = serde_json::from_str(&store.plan(job.id, job.generation).await?)
+        .map_err(|e| CoordinatorError::Conflict(format!("stored plan: {e}")))?;
+    let current = in_offer_numbers(&current, &offer.real)?;
+    let profiles = crate::profiling::stored_for(store, &spec).await?;
+    let measured = measured(fleet, &offer);
+    let declared = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes: offer.nodes, gpu_types: crate::catalog::declared() })
+        .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
+    let (cluster, _) = with_measurements(&declared, measured);
+    let model = spec.model()?;
+    let (mut opts, mode) = spec.plan_options()?;
+    opts.precision = spec.precision(&cluster);
+    let deadline = deadline(fleet, &spec);
+    let planner = tokio::task::spawn_blocking(move || {
+        let req =
+            PlanRequest { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts, mode, exhaustive: false, seeds: vec![] };
+        // Every faster plan is reported; whether it pays is the caller's to weigh.
+        motley_solver::replan::replan(&req, &current, SwitchPolicy { min_gain: 0.0, horizon: f64::INFINITY })
+    });
+    let planned = tokio::time::timeout(deadline, planner)
+        .await
+        .map_err(|_| CoordinatorError::DeadlineExceeded(format!("re-planning took longer than {} ms", deadline.as_millis())))?;
+    planned
+        .map_err(|e| CoordinatorError::Conflict(format!("planner: {e}")))?
+        .map_err(|e| CoordinatorError::Conflict(format!("re-plan: {e}")))
+}
+
+/// A plan naming real GPU indices, in the offer's numbers (the solver numbers its free GPUs
+/// 0..n); refused naming the first GPU the offer does not hold.
+fn in_offer_numbers(plan: &CurrentPlan, real: &HashMap<String, Vec<u32>>) -> Result<CurrentPlan> {
+    let mut plan = plan.clone();
+    for (ri, r) in plan.replicas.iter_mut().enumerate() {
+        for (si, st) in r.stages.iter_mut().enumerate() {
+            for (gi, g) in st.gpus.iter_mut().enumerate() {
+                let number = real.get(&g.node).and_then(|free| free.iter().position(|&i| i == g.index));
+                let Some(number) = number else {
+                    return Err(CoordinatorError::Conflict(format!(
+                        "plan.replicas[{ri}].stages[{si}].gpus[{gi}]: GPU {}:{} is held by another job, or its node is draining or has no live agent",
+                        g.node, g.index
+                    )));
+                };
+                g.index = number as u32;
+            }
+        }
+    }
+    Ok(plan)
 }
 
 /// `planning` (as a record that it was tried), then `failed` with the reason.
@@ -287,37 +359,19 @@ async fn solve(
     spec: &JobSpec,
     offer: Offer,
     profiles: ProfileSet,
+    measured: Option<BandwidthSpec>,
     deadline: std::time::Duration,
 ) -> Result<(PlanReport, Vec<RankAssignment>)> {
     let Offer { nodes, real, .. } = offer;
     let only_measured = (spec.profiling().mode == ProfilingMode::Only).then(|| (nodes.clone(), profiles.clone()));
-    let cluster = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: crate::catalog::declared() })
+    let declared = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: crate::catalog::declared() })
         .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
+    let (cluster, measured) = with_measurements(&declared, measured);
     let model = spec.model()?;
     let (mut opts, mode) = spec.plan_options()?;
     opts.precision = spec.precision(&cluster);
     // A carried plan names real GPU indices; the solver numbers the offer's free GPUs 0..n.
-    let given = match &spec.plan {
-        None => None,
-        Some(plan) => {
-            let mut plan = plan.clone();
-            for (ri, r) in plan.replicas.iter_mut().enumerate() {
-                for (si, st) in r.stages.iter_mut().enumerate() {
-                    for (gi, g) in st.gpus.iter_mut().enumerate() {
-                        let number = real.get(&g.node).and_then(|free| free.iter().position(|&i| i == g.index));
-                        let Some(number) = number else {
-                            return Err(CoordinatorError::Conflict(format!(
-                                "plan.replicas[{ri}].stages[{si}].gpus[{gi}]: GPU {}:{} is held by another job, or its node is draining or has no live agent",
-                                g.node, g.index
-                            )));
-                        };
-                        g.index = number as u32;
-                    }
-                }
-            }
-            Some(plan)
-        }
-    };
+    let given = spec.plan.as_ref().map(|plan| in_offer_numbers(plan, &real)).transpose()?;
     // The solver is pure CPU work: keep it off the async workers.
     let planner = tokio::task::spawn_blocking(move || {
         let req =
@@ -341,6 +395,7 @@ async fn solve(
     if let Some((nodes, profiles)) = &only_measured {
         crate::profiling::check_measured(&report, nodes, profiles)?;
     }
+    report.network = plan_network(&report, &declared, measured.as_ref());
     let renumber = |g: &mut GpuId| {
         if let Some(i) = real.get(&g.node).and_then(|r| r.get(g.index as usize)) {
             g.index = *i;
@@ -350,6 +405,26 @@ async fn solve(
     report.comm_groups.iter_mut().flat_map(|c| c.gpus.iter_mut()).for_each(&renumber);
     let ranks = ranks_of(&report);
     Ok((report, ranks))
+}
+
+/// `declared` with the measured links in force, and the measurements it took; the declared
+/// cluster alone (logged) when they do not apply.
+fn with_measurements(declared: &Cluster, measured: Option<BandwidthSpec>) -> (Cluster, Option<BandwidthSpec>) {
+    let Some(spec) = measured else { return (declared.clone(), None) };
+    match declared.with_measurements(&spec) {
+        Ok(c) => (c, Some(spec)),
+        Err(e) => {
+            tracing::warn!("planning on the declared links: the measured ones do not apply ({e})");
+            (declared.clone(), None)
+        }
+    }
+}
+
+/// The links between the nodes `report` uses, as it assumed them.
+fn plan_network(report: &PlanReport, declared: &Cluster, measured: Option<&BandwidthSpec>) -> Option<PlanNetwork> {
+    let nodes: BTreeSet<&str> = report.replicas.iter().flat_map(|r| &r.stages).flat_map(|s| &s.gpus).map(|g| g.node.as_str()).collect();
+    let nodes: Vec<&str> = nodes.into_iter().collect();
+    PlanNetwork::of(&nodes, declared, measured).map_err(|e| tracing::warn!("the plan's links: {e}")).ok()
 }
 
 /// Rank numbering: replicas in order, stages in order, GPUs in order (TP fastest); local ranks

@@ -175,3 +175,58 @@ impl Cluster {
         Ok(Cluster { name: self.name.clone(), nodes, classes, measured: link })
     }
 }
+
+/// Where the rates a plan assumed came from: the links measured (some pair at least), or
+/// only the cluster's declared NICs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkSource {
+    Measured,
+    Declared,
+}
+
+/// The links between a plan's nodes as the plan assumed them (`PlanReport.network`): what a
+/// running job's measured links are compared with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanNetwork {
+    pub source: NetworkSource,
+    /// One per pair of distinct nodes the plan uses (`a` < `b`), in name order.
+    pub links: Vec<PlanLink>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanLink {
+    pub a: String,
+    pub b: String,
+    /// GB/s the plan assumed between them.
+    pub gb_per_s: f64,
+    /// Whether that was measured (else the declared NICs' nominal rate).
+    pub measured: bool,
+}
+
+impl PlanNetwork {
+    /// The pairs of `nodes` (names of `declared`'s nodes; unknown ones are skipped) priced as
+    /// a plan made on `declared` with `measured` in force assumed them: a measured pair at its
+    /// measured rate, any other at its classes' nominal rate.
+    pub fn of(nodes: &[&str], declared: &Cluster, measured: Option<&BandwidthSpec>) -> Result<PlanNetwork> {
+        let pairs = match measured {
+            Some(spec) => spec.resolve(declared)?,
+            None => BTreeMap::new(),
+        };
+        let index: HashMap<&str, usize> = declared.nodes.iter().enumerate().map(|(i, n)| (n.name.as_str(), i)).collect();
+        let mut ids: Vec<usize> = nodes.iter().filter_map(|n| index.get(n).copied()).collect();
+        ids.sort_by(|&x, &y| declared.nodes[x].name.cmp(&declared.nodes[y].name));
+        ids.dedup();
+        let mut links = vec![];
+        for (i, &x) in ids.iter().enumerate() {
+            for &y in &ids[i + 1..] {
+                let m = pairs.get(&(x.min(y), x.max(y))).copied();
+                let gb_per_s = m.unwrap_or_else(|| declared.nominal_inter_bw(declared.nodes[x].class, declared.nodes[y].class));
+                let (a, b) = (declared.nodes[x].name.clone(), declared.nodes[y].name.clone());
+                links.push(PlanLink { a, b, gb_per_s, measured: m.is_some() });
+            }
+        }
+        let source = if measured.is_some() { NetworkSource::Measured } else { NetworkSource::Declared };
+        Ok(PlanNetwork { source, links })
+    }
+}

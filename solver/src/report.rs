@@ -104,6 +104,10 @@ pub struct PlanReport {
     pub comm_groups: Vec<CommGroup>,
     pub baselines: BTreeMap<String, BaselineReport>,
     pub search: SearchReport,
+    /// The links between the plan's nodes as the plan assumed them, measured or declared
+    /// (`bandwidth::PlanNetwork`); set by planners that know (the coordinator), absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<crate::bandwidth::PlanNetwork>,
 }
 
 /// Inputs of one planning run.
@@ -337,6 +341,7 @@ fn report_placed(
             exhaustive_oracle: exhaustive,
             lower_bound: stats.lower_bound,
         },
+        network: None,
     }
 }
 
