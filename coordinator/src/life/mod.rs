@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | `submitted`, `planning` | the queue plans it, oldest first, and sends its launch | `queue` |
 //! | `launching` | sends a launch not sent yet; fails one never acknowledged; moves it on from its ranks | `step` |
-//! | `running` | moves it on from its ranks; a failed rank recovers or fails it; scale-up; notices | `step`, `scale`, `notice` |
+//! | `running` | moves it on from its ranks; a failed rank recovers or fails it; scale-up; re-plans on changed links; notices | `step`, `scale`, `network`, `notice` |
 //! | `recovering` | one task: stop, re-plan, restore, relaunch | `recover` |
 //!
 //! The steps are level-triggered: each reads the state again and does what it calls for, so a
@@ -19,6 +19,7 @@
 //! `fleet`, `facts`) never call up into it.
 
 pub mod capabilities;
+pub mod network;
 pub mod notice;
 pub mod queue;
 pub mod recover;
@@ -80,6 +81,8 @@ pub struct Life {
     failed_ranks: Mutex<HashMap<(i64, i64), Instant>>,
     /// Per launch: the live nodes it could use when first seen (`scale`).
     scale: Mutex<HashMap<(i64, i64), ScaleSeen>>,
+    /// Per running launch: the link changes reported and a switch decided (`network`).
+    network: Mutex<network::Memory>,
     /// The last restore request number handed out (see `Restore.request`).
     requests: AtomicI64,
     /// A recovery began: start its task now rather than at the next interval.
@@ -98,6 +101,7 @@ impl Life {
             recovering: Mutex::default(),
             failed_ranks: Mutex::default(),
             scale: Mutex::default(),
+            network: Mutex::default(),
             // Unique across leaders: a new leader's numbers start past the old one's.
             requests: AtomicI64::new(crate::store::now_ms() * 1000),
             kick: tokio::sync::Notify::new(),
@@ -149,7 +153,7 @@ impl Life {
         let budget = match cause {
             RecoveryCause::Preemption => spec.max_preemptions,
             RecoveryCause::Restart => spec.max_restarts,
-            RecoveryCause::ScaleUp => 1, // spends nothing (see `scale`)
+            RecoveryCause::ScaleUp | RecoveryCause::Replan => 1, // spends nothing (see `scale`, `network`)
         };
         if spec.checkpoint.is_none() || budget == 0 {
             return false;
@@ -335,7 +339,8 @@ async fn look_at_launched(life: &Life, launching: &mut HashMap<(i64, i64), Insta
 }
 
 /// Recoveries, for as long as this coordinator leads: every base interval and whenever a
-/// recovery begins, the notices in flight (`notice`), scale-up (`scale`), and a task for every
+/// recovery begins, the notices in flight (`notice`), scale-up (`scale`), re-plans on changed
+/// links (`network`), and a task for every
 /// `recovering` job that has none (a new leader's included).
 pub async fn recoveries(life: Arc<Life>) {
     let mut tick = tokio::time::interval(life.fleet.base);
@@ -359,6 +364,9 @@ pub async fn recoveries(life: Arc<Life>) {
         life.check_notices().await;
         if let Err(e) = life.scale_up(&jobs).await {
             tracing::warn!("scale-up: {e}");
+        }
+        if let Err(e) = life.watch_networks(&jobs).await {
+            tracing::warn!("network: {e}");
         }
         // Early in a term (a failover, a restart) agents are still finding this leader: a
         // recovery planned now would see no live node. Wait, up to the takeover's grace, for the

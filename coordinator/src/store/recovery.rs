@@ -18,6 +18,9 @@ pub enum RecoveryCause {
     /// Nodes came back or were added: the job is planned again onto more GPUs at its next
     /// checkpoint. Spends no budget.
     ScaleUp,
+    /// The job's links changed and a plan for the measured network pays for the switch
+    /// (`life::network`): planned again at its next checkpoint. Spends no budget.
+    Replan,
 }
 
 impl RecoveryCause {
@@ -26,6 +29,7 @@ impl RecoveryCause {
             RecoveryCause::Preemption => "preemptions",
             RecoveryCause::Restart => "restarts",
             RecoveryCause::ScaleUp => "scale-ups",
+            RecoveryCause::Replan => "re-plans",
         }
     }
 }
@@ -74,7 +78,7 @@ impl Store {
                  WHERE id = $4 AND state = $5 AND generation = $6 AND restarts < $7 \
                  AND ($8 = 0 OR EXISTS (SELECT 1 FROM leader WHERE id = 1 AND term = $8))"
             }
-            RecoveryCause::ScaleUp => {
+            RecoveryCause::ScaleUp | RecoveryCause::Replan => {
                 "UPDATE jobs SET state = $1, reason = $2, updated_at_ms = $3 \
                  WHERE id = $4 AND state = $5 AND generation = $6 AND $7 >= 0 \
                  AND ($8 = 0 OR EXISTS (SELECT 1 FROM leader WHERE id = 1 AND term = $8))"
@@ -105,6 +109,7 @@ impl Store {
             }
             RecoveryCause::Restart => format!("job {id}: {} -> recovering (restarts {} of {budget}): {reason}", job.state, spent.restarts),
             RecoveryCause::ScaleUp => format!("job {id}: {} -> recovering (scale-up): {reason}", job.state),
+            RecoveryCause::Replan => format!("job {id}: {} -> recovering (re-plan): {reason}", job.state),
         };
         Self::event(&mut tx, Some(id), Some(generation), "recovering", &message).await?;
         tx.commit().await?;

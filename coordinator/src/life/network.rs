@@ -1,0 +1,333 @@
+//! Networks that change (docs/network.md, "Decide"): a running job whose links moved away from
+//! what its plan assumed is re-planned on the links measured now, and switches to the new plan
+//! at its next complete checkpoint, by the recovery path, when the time the new plan saves over
+//! the work left beats what the switch costs.
+//!
+//! Every base interval, for each `running` job with a complete checkpoint, no carried plan and
+//! `replan` not `off`:
+//!
+//! 1. **Change.** Each link of its plan (`PlanReport.network`) against the live estimate
+//!    (`Fleet.links`): more than `replan.threshold` away, every sample since the deviation
+//!    began deviating, for at least `replan.hold` (by the samples' own times), is a change:
+//!    event `network_changed {link: {a, b, nic_kind}, was, now}`, once per change.
+//! 2. **Weigh.** On a change, the solver's `replan` (`planning::replan_running`): the saving per
+//!    iteration (the running plan priced on the measured links minus the new plan's time) times
+//!    the iterations left (`steps` minus the newest complete step, else `replan.horizon` over
+//!    the iteration time) against the switch (the bytes that move, priced by the solver, plus a
+//!    relaunch: the job's own last recovery, else `RELAUNCH_INTERVALS` base intervals). Event
+//!    `replan_considered {gain_s, cost_s, decision, reason, plan_before, plan_after, at_step}`.
+//!    Within `replan.cooldown` of the last `switch` (read from the durable events, so a new
+//!    leader keeps it) the decision is `keep`.
+//! 3. **Switch.** At the next complete checkpoint step after the decision's, the job recovers
+//!    (`RecoveryCause::Replan`, no budget spent): its ranks stop and the recovery task plans it
+//!    again (on the measured links) and restores that step.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use motley_solver::bandwidth::PlanNetwork;
+use serde_json::{json, Value};
+
+use super::Life;
+use crate::error::Result;
+use crate::job::JobState;
+use crate::jobspec::{JobSpec, ReplanPolicy};
+use crate::links::{LinkKey, Sample};
+use crate::store::{Event, JobRecord, RecoveryCause, Store};
+
+/// A relaunch's cost, in base intervals, for a job that never recovered: a stop (up to 10
+/// intervals), a plan, the restore's start and the ranks' start and first heartbeats.
+pub const RELAUNCH_INTERVALS: u32 = 30;
+
+/// What this leader remembers of a launch (job, generation): the links whose change it
+/// reported, and the newest complete step when it decided to switch.
+#[derive(Debug, Default)]
+pub(super) struct Watched {
+    reported: HashSet<(String, String)>,
+    switch_after: Option<i64>,
+    /// Whether the launch's durable events were read (a switch decided by an earlier leader).
+    resumed: bool,
+}
+
+impl Life {
+    pub(super) async fn watch_networks(&self, jobs: &[JobRecord]) -> Result<()> {
+        {
+            let keep: HashSet<(i64, i64)> = jobs.iter().filter(|j| j.state == JobState::Running).map(|j| (j.id, j.generation)).collect();
+            self.network.lock().expect("network").retain(|k, _| keep.contains(k));
+        }
+        for j in jobs.iter().filter(|j| j.state == JobState::Running) {
+            let Ok(spec) = serde_json::from_str::<JobSpec>(&j.spec) else { continue };
+            let Ok(Some(policy)) = spec.replan() else { continue };
+            if spec.checkpoint.is_none() || spec.plan.is_some() {
+                continue; // nothing to resume from, or a plan the job carries (never re-planned)
+            }
+            let newest = crate::checkpoints::newest_complete(&self.store, j.id).await?;
+            if newest < 0 {
+                continue;
+            }
+            if let Err(e) = self.watch_job(j, &spec, policy, newest, jobs).await {
+                tracing::warn!(job = j.id, "network: {e}");
+            }
+        }
+        Ok(())
+    }
+
+    async fn watch_job(&self, j: &JobRecord, spec: &JobSpec, policy: ReplanPolicy, newest: i64, jobs: &[JobRecord]) -> Result<()> {
+        let (store, fleet) = (&self.store, &*self.fleet);
+        let key = (j.id, j.generation);
+        if !self.network.lock().expect("network").get(&key).is_some_and(|w| w.resumed) {
+            let events = job_events(store, j.id).await?;
+            let pending = pending_switch(&events, j.generation);
+            let mut memory = self.network.lock().expect("network");
+            let w = memory.entry(key).or_default();
+            w.resumed = true;
+            w.switch_after = w.switch_after.or(pending);
+        }
+        let pending = self.network.lock().expect("network").get(&key).and_then(|w| w.switch_after);
+        if let Some(then) = pending {
+            if newest > then {
+                let reason = format!("a plan for the measured links pays for the switch; switching at step {newest}");
+                if store.begin_recovery(j.id, j.generation, RecoveryCause::Replan, 0, &reason).await.is_ok() {
+                    tracing::info!(job = j.id, "{reason}");
+                    crate::launch::stop_job(store, fleet, j.id, j.generation, "re-planning").await;
+                    self.kick.notify_one();
+                }
+            }
+            return Ok(());
+        }
+        let Some(network) = plan_network(&store.plan(j.id, j.generation).await?) else { return Ok(()) };
+        let hold_ms = policy.hold.as_millis() as i64;
+        let mut changes = vec![];
+        for l in &network.links {
+            let live = fleet.links.between(&l.a, &l.b);
+            let changed = live.as_ref().and_then(|v| changed_since(&v.history, l.gb_per_s, v.gb_per_s, policy.threshold, hold_ms));
+            let mut memory = self.network.lock().expect("network");
+            let reported = &mut memory.entry(key).or_default().reported;
+            let pair = (l.a.clone(), l.b.clone());
+            match (changed, live) {
+                (Some(_), Some(v)) => {
+                    if reported.insert(pair) {
+                        changes.push((v.key, l.gb_per_s, v.gb_per_s));
+                    }
+                }
+                _ => {
+                    reported.remove(&pair);
+                }
+            }
+        }
+        if changes.is_empty() {
+            return Ok(());
+        }
+        for (link, was, now) in &changes {
+            let message = change_message(link, *was, *now);
+            store.record_event(Some(j.id), Some(j.generation), "network_changed", &message.to_string()).await?;
+            tracing::info!(job = j.id, "network changed: {message}");
+        }
+        self.consider(j, spec, policy, newest, jobs, &changes).await
+    }
+
+    /// Re-plan the job on the measured links and decide: event `replan_considered`.
+    async fn consider(
+        &self,
+        j: &JobRecord,
+        spec: &JobSpec,
+        policy: ReplanPolicy,
+        newest: i64,
+        jobs: &[JobRecord],
+        changes: &[(LinkKey, f64, f64)],
+    ) -> Result<()> {
+        let (store, fleet) = (&self.store, &*self.fleet);
+        let taken = crate::planning::taken(store, fleet, jobs).await?;
+        let links: Vec<Value> = changes.iter().map(|(k, was, now)| change_message(k, *was, *now)).collect();
+        let report = match crate::planning::replan_running(store, fleet, j, &taken).await {
+            Ok(r) => r,
+            Err(e @ crate::error::CoordinatorError::Database(_)) => return Err(e),
+            Err(e) => {
+                let message = json!({"gain_s": 0.0, "cost_s": 0.0, "decision": "keep", "reason": format!("cannot re-plan: {e}"),
+                    "plan_before": Value::Null, "plan_after": Value::Null, "at_step": newest, "changes": links});
+                store.record_event(Some(j.id), Some(j.generation), "replan_considered", &message.to_string()).await?;
+                return Ok(());
+            }
+        };
+        let events = job_events(store, j.id).await?;
+        let relaunch_s = last_recovery_s(&events).unwrap_or_else(|| (fleet.base * RELAUNCH_INTERVALS).as_secs_f64());
+        let iterations = remaining_iterations(spec.steps, newest, policy.horizon, report.current_now_s);
+        let cooling = cooling(&events, crate::store::now_ms(), policy.cooldown);
+        let w = weigh(report.current_now_s - report.new_iteration_time_s, iterations, report.switch_seconds, relaunch_s, cooling);
+        let message = json!({
+            "gain_s": w.gain_s,
+            "cost_s": w.cost_s,
+            "decision": if w.switch { "switch" } else { "keep" },
+            "reason": w.reason,
+            "plan_before": {"iteration_time_s": report.current_now_s, "planned_s": report.current_planned_s,
+                "shape": shape(&report.current_plan)},
+            "plan_after": {"iteration_time_s": report.new_iteration_time_s, "shape": shape(&report.new_plan)},
+            "switch_s": report.switch_seconds,
+            "relaunch_s": relaunch_s,
+            "iterations_left": iterations,
+            "at_step": newest,
+            "changes": links,
+        });
+        store.record_event(Some(j.id), Some(j.generation), "replan_considered", &message.to_string()).await?;
+        tracing::info!(job = j.id, "re-plan considered: {message}");
+        if w.switch {
+            self.network.lock().expect("network").entry((j.id, j.generation)).or_default().switch_after = Some(newest);
+        }
+        Ok(())
+    }
+}
+
+/// `network_changed`'s message (a contract: `link`, `was`, `now`).
+fn change_message(link: &LinkKey, was: f64, now: f64) -> Value {
+    json!({"link": {"a": link.a, "b": link.b, "nic_kind": link.nic_kind}, "was": was, "now": now})
+}
+
+/// The `network` section of a stored plan, if it has one.
+fn plan_network(plan: &str) -> Option<PlanNetwork> {
+    let v: Value = serde_json::from_str(plan).ok()?;
+    serde_json::from_value(v.get("network")?.clone()).ok()
+}
+
+/// Every event of job `id`, oldest first.
+async fn job_events(store: &Store, id: i64) -> Result<Vec<Event>> {
+    let mut all: Vec<Event> = vec![];
+    loop {
+        let after = all.last().map_or(0, |e| e.seq);
+        let page = store.events(Some(id), after, 1000).await?;
+        let done = page.len() < 1000;
+        all.extend(page);
+        if done {
+            return Ok(all);
+        }
+    }
+}
+
+/// A plan's shape, e.g. `2 x [A100-80G tp1 dp2 L0-12 | A100-80G tp1 dp2 L12-24]`: replicas in
+/// order, runs of equal ones counted.
+pub fn shape(plan: &motley_solver::PlanReport) -> String {
+    let replicas: Vec<String> = plan
+        .replicas
+        .iter()
+        .map(|r| {
+            let stages: Vec<String> =
+                r.stages.iter().map(|s| format!("{} tp{} dp{} L{}-{}", s.gpu, s.tp, s.dp, s.layers[0], s.layers[1])).collect();
+            format!("[{}]", stages.join(" | "))
+        })
+        .collect();
+    let mut out: Vec<String> = vec![];
+    let mut i = 0;
+    while i < replicas.len() {
+        let n = replicas[i..].iter().take_while(|r| **r == replicas[i]).count();
+        out.push(if n > 1 { format!("{n} x {}", replicas[i]) } else { replicas[i].clone() });
+        i += n;
+    }
+    out.join(" + ")
+}
+
+/// Whether a link changed: its estimate `now` is more than `threshold` away from `was` (what
+/// the plan assumed), and so has every sample of `history` (oldest first) since the deviation
+/// began, at least `hold_ms` before the newest sample. The time it began, if so.
+pub fn changed_since(history: &[Sample], was: f64, now: f64, threshold: f64, hold_ms: i64) -> Option<i64> {
+    let deviates = |x: f64| was > 0.0 && (x / was - 1.0).abs() > threshold;
+    if !deviates(now) {
+        return None;
+    }
+    let newest = history.last()?;
+    let run = history.iter().rev().take_while(|s| deviates(s.gb_per_s)).count();
+    let since = history[history.len() - run..].first()?.at_unix_ms;
+    (newest.at_unix_ms - since >= hold_ms).then_some(since)
+}
+
+/// Iterations left: `steps` minus the newest complete step, when the job file says how many;
+/// else the horizon's worth at `iteration_s`.
+pub fn remaining_iterations(steps: Option<u64>, newest: i64, horizon: Duration, iteration_s: f64) -> f64 {
+    match steps {
+        Some(total) => total.saturating_sub(newest.max(0) as u64) as f64,
+        None if iteration_s > 0.0 => horizon.as_secs_f64() / iteration_s,
+        None => 0.0,
+    }
+}
+
+/// A decision: switch iff the gain beats the cost and no switch was made within the cooldown.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Weighing {
+    pub gain_s: f64,
+    pub cost_s: f64,
+    pub switch: bool,
+    pub reason: String,
+}
+
+/// `saved_s` per iteration over `iterations` against the switch (`switch_s` of moving state,
+/// `relaunch_s` of stopping and starting); `cooling`: how long the cooldown has left.
+pub fn weigh(saved_s: f64, iterations: f64, switch_s: f64, relaunch_s: f64, cooling: Option<Duration>) -> Weighing {
+    let gain_s = saved_s.max(0.0) * iterations;
+    let cost_s = switch_s + relaunch_s;
+    let (switch, reason) = if saved_s <= 0.0 {
+        (false, "the running plan is still the fastest found on the measured links".to_string())
+    } else if gain_s <= cost_s {
+        (
+            false,
+            format!("saving {saved_s:.3} s per iteration over {iterations:.0} iterations ({gain_s:.0} s) does not pay for the switch ({cost_s:.0} s)"),
+        )
+    } else if let Some(left) = cooling {
+        (
+            false,
+            format!(
+                "it would pay ({gain_s:.0} s against {cost_s:.0} s), but the last switch was within the cooldown ({}s left)",
+                left.as_secs()
+            ),
+        )
+    } else {
+        (
+            true,
+            format!(
+                "saving {saved_s:.3} s per iteration over {iterations:.0} iterations ({gain_s:.0} s) pays for the switch ({cost_s:.0} s)"
+            ),
+        )
+    };
+    Weighing { gain_s, cost_s, switch, reason }
+}
+
+/// How long the cooldown after the newest `replan_considered` that decided `switch` has left at
+/// `now_ms`; None when it is over or there was none.
+pub fn cooling(events: &[Event], now_ms: i64, cooldown: Duration) -> Option<Duration> {
+    let last = events.iter().filter(|e| e.kind == "replan_considered" && decided_switch(e)).map(|e| e.at_ms).max()?;
+    let left = last + cooldown.as_millis() as i64 - now_ms;
+    (left > 0).then(|| Duration::from_millis(left as u64))
+}
+
+fn decided_switch(e: &Event) -> bool {
+    serde_json::from_str::<Value>(&e.message).is_ok_and(|v| v["decision"] == "switch")
+}
+
+/// A switch decided for launch `generation` that has not begun (an earlier leader's): the step
+/// it waits to pass.
+fn pending_switch(events: &[Event], generation: i64) -> Option<i64> {
+    let e = events.iter().rev().find(|e| e.kind == "replan_considered" && e.generation == Some(generation))?;
+    let v: Value = serde_json::from_str(&e.message).ok()?;
+    (v["decision"] == "switch").then(|| v["at_step"].as_i64()).flatten()
+}
+
+/// Seconds the job's newest recovery took, from its `recovering` event to the next `running`.
+pub fn last_recovery_s(events: &[Event]) -> Option<f64> {
+    let mut last = None;
+    let mut began: Option<i64> = None;
+    for e in events {
+        match e.kind.as_str() {
+            "recovering" => began = Some(e.at_ms),
+            "running" => {
+                if let Some(b) = began.take() {
+                    last = Some((e.at_ms - b).max(0) as f64 / 1000.0);
+                }
+            }
+            _ => {}
+        }
+    }
+    last
+}
+
+/// This leader's memory of the launches it watches.
+pub(super) type Memory = HashMap<(i64, i64), Watched>;
+
+#[cfg(test)]
+mod tests;
