@@ -8,6 +8,7 @@ pub mod inputs;
 pub mod metis;
 pub mod metis_motley;
 pub mod model;
+pub mod net;
 pub mod plan;
 pub mod profile;
 pub mod provision;

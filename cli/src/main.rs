@@ -1,5 +1,5 @@
 //! `motley`, the operator's CLI: `motley plan`, `motley replan`, `motley provision`, `motley metis` and
-//! `motley espresso`, which work offline, and `motley node|job|profile|dev`, which talk to a coordinator.
+//! `motley espresso`, which work offline, and `motley node|job|ckpt|net|profile|dev`, which talk to a coordinator.
 
 use std::process::ExitCode;
 
@@ -36,6 +36,9 @@ enum Command {
     /// A job's checkpoints: which file of which step each node holds (list, show).
     #[command(subcommand)]
     Ckpt(motley::ckpt::CkptCommand),
+    /// The links agents measure between nodes, beside the declared rates: show.
+    #[command(subcommand)]
+    Net(motley::net::NetCommand),
     /// Measured layer profiles on the coordinator: list, show, run, runs.
     #[command(subcommand)]
     Profile(motley::profile::ProfileCommand),
@@ -59,6 +62,7 @@ fn main() -> ExitCode {
         Command::Dev(c) => motley::dev::run(c),
         Command::Model(c) => motley::model::run(c).map(Outcome::from),
         Command::Ckpt(c) => motley::ckpt::run(c).map(Outcome::from),
+        Command::Net(c) => motley::net::run(c).map(Outcome::from),
         Command::Profile(c) => {
             motley::profile::run(c).map(|(text, ok)| Outcome { text, code: if ok { exit::SUCCESS } else { exit::JOB_FAILED } })
         }

@@ -1,7 +1,7 @@
-//! `motley node ...` and `motley job ...`: the coordinator's REST API for people (tables) and
-//! scripts (`-o json`). Coordinator address(es) and token come from flags or `MOTLEY_COORDINATOR`
-//! (a comma-separated list, tried in order) and `MOTLEY_TOKEN`, else `motley-data/token` when a
-//! local coordinator runs in this directory.
+//! `motley node ...` and `motley job ...`, and the client `ckpt`, `profile` and `net` use: the
+//! coordinator's REST API for people (tables) and scripts (`-o json`). Coordinator address(es)
+//! and token come from flags or `MOTLEY_COORDINATOR` (a comma-separated list, tried in order)
+//! and `MOTLEY_TOKEN`, else `motley-data/token` when a local coordinator runs in this directory.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -265,7 +265,7 @@ impl Client {
 
 /// A node name as one URL path segment, percent-encoded: a name such as `../jobs/1` or `a?b`
 /// must reach `/nodes/{name}` (to be refused there), never another route.
-fn path_segment(name: &str) -> String {
+pub(crate) fn path_segment(name: &str) -> String {
     if name == "." || name == ".." {
         return name.replace('.', "%2E");
     }
@@ -300,7 +300,7 @@ fn e(x: &str) -> String {
 }
 
 /// An answer read as the coordinator's view type (motley-contract), or an error naming it.
-fn typed<T: serde::de::DeserializeOwned>(v: &Value, what: &str) -> Result<T, InputError> {
+pub(crate) fn typed<T: serde::de::DeserializeOwned>(v: &Value, what: &str) -> Result<T, InputError> {
     T::deserialize(v).map_err(|err| {
         InputError(format!("the coordinator's {what} does not read as this CLI's ({err}); are the CLI and the coordinator one version?"))
     })

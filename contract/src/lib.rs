@@ -1,8 +1,8 @@
 //! The documents Motley's parts hand each other, as types: the plan document (what
 //! `motley plan -o json` prints, what the coordinator stores and launches, what a rank reads
 //! at `MOTLEY_PLAN`), a rank's groups file (`MOTLEY_NCCL_GROUPS`), and the node and job views
-//! of the API (`views`, with the job's states in `job`). The coordinator, the agent and the
-//! CLI read them through these types, never by indexing untyped JSON. The config files under
+//! of the API (`views`, with the job's states in `job`; the link matrix in `net`). The
+//! coordinator, the agent and the CLI read them through these types, never by indexing untyped JSON. The config files under
 //! `/etc/motley/` have one loader for every binary (`config`). A plan document is drawn as a picture
 //! (SVG) by one pure renderer (`svg`), for the CLI's `--svg` and the coordinator's `plan.svg`;
 //! rank 0's training lines (step, loss, tokens/s, eval loss) are read and drawn by `curves`.
@@ -21,6 +21,7 @@ pub mod config;
 pub mod curves;
 pub mod groups;
 pub mod job;
+pub mod net;
 pub mod plan;
 #[cfg(feature = "serve")]
 pub mod serve;

@@ -49,6 +49,9 @@ struct Lease {
     load: Option<(NodeLoad, Instant)>,
     /// Its agent can measure layer profiles (it registered `can_profile`).
     can_profile: bool,
+    /// Its agent's checkpoint data plane (HOST:PORT or tls://HOST:PORT; empty: none), which
+    /// its peers in a launch probe the link through (`Launch.peers`).
+    data_url: String,
 }
 
 impl Lease {
@@ -191,7 +194,16 @@ impl Fleet {
     pub fn register(&self, node: &str, epoch: i64, address: String, logs_url: String) {
         let old = self.leases().insert(
             node.to_string(),
-            Lease { epoch, address, logs_url, last_seen: Instant::now(), outbox: None, load: None, can_profile: false },
+            Lease {
+                epoch,
+                address,
+                logs_url,
+                last_seen: Instant::now(),
+                outbox: None,
+                load: None,
+                can_profile: false,
+                data_url: String::new(),
+            },
         );
         if let Some(outbox) = old.and_then(|l| l.outbox) {
             let _ = outbox.send(Outbound::Refuse(CoordinatorError::StaleAgent { node: node.to_string(), given: 0, current: epoch }));
@@ -232,6 +244,18 @@ impl Fleet {
         if let Some(l) = self.leases().get_mut(node).filter(|l| l.epoch == epoch) {
             l.can_profile = can;
         }
+    }
+
+    /// The data plane the node's current session registered (empty: it serves none).
+    pub fn set_data_url(&self, node: &str, epoch: i64, url: &str) {
+        if let Some(l) = self.leases().get_mut(node).filter(|l| l.epoch == epoch) {
+            l.data_url = url.to_string();
+        }
+    }
+
+    /// Where the node's agent serves its data plane, if it is in the fleet and serves one.
+    pub fn data_url(&self, node: &str) -> Option<String> {
+        self.leases().get(node).map(|l| l.data_url.clone()).filter(|u| !u.is_empty())
     }
 
     /// The node's agent is live, its stream open, and it can measure layer profiles.

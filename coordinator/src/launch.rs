@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use motley_proto::v1::{Launch, RankLaunch};
+use motley_proto::v1::{Launch, PeerDataPlane, RankLaunch};
 
 use crate::error::CoordinatorError;
 use crate::fleet::Fleet;
@@ -129,6 +129,7 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
             replicas: place.replicas.into(),
         });
     }
+    let plan_nodes: std::collections::BTreeSet<String> = by_node.keys().cloned().collect();
     for (node, mut list) in by_node {
         let n = list.len() as i64;
         for r in &mut list {
@@ -145,6 +146,7 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
             world_size: world,
             ranks: list,
             user: spec.user.clone().unwrap_or_default(),
+            peers: peers(fleet, &plan_nodes, &node),
         };
         if !fleet.send_launch(&node, launch) {
             let reason = format!("node {node} has no live agent to launch on");
@@ -153,6 +155,16 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
         }
     }
     Ok(())
+}
+
+/// The other nodes of a launch with the data plane each registered, which the node probes the
+/// links to while the launch runs (docs/network.md); a node without a data plane is left out.
+fn peers(fleet: &Fleet, nodes: &std::collections::BTreeSet<String>, node: &str) -> Vec<PeerDataPlane> {
+    nodes
+        .iter()
+        .filter(|n| n.as_str() != node)
+        .filter_map(|n| fleet.data_url(n).map(|data_url| PeerDataPlane { node: n.clone(), data_url }))
+        .collect()
 }
 
 /// Where a launch's ranks meet: one of 1,024 ports from the base, by job (jobs whose ids differ

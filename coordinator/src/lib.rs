@@ -12,10 +12,12 @@
 //! | `profiling` | which layer profiles a plan needs; runs sent to agents and their results (durable) | store, fleet |
 //! | `rank_logs` | ranks' logs from their agents; a job's training curves | store, fleet |
 //! | `checkpoints` | the checkpoint-location bitmap as people and recovery read it | store |
+//! | `net` | the live link matrix as people read it: measured links beside the declared rates | store, fleet, catalog |
 //! | `restore_plan` | pure: from the bitmap and a new plan to each agent's restore | nothing stateful |
 //! | `facts` | what agents told: data planes and rates, restore results (in memory) | nothing |
 //! | `catalog` | the GPU types the configuration declares beyond the planner's (set at start-up) | nothing |
-//! | `fleet` | live agents: leases, addresses, load, an outbox of instructions per node (in memory) | nothing |
+//! | `fleet` | live agents: leases, addresses, load, an outbox of instructions per node (in memory) | links |
+//! | `links` | the live link matrix agents measure: per (node, node, NIC kind) a short history (in memory) | nothing |
 //! | `store` | every durable read and write, each job move fenced (state, generation, term) in SQL | the database |
 //! | `leader`, `supervise`, `metrics`, `telemetry`, `tls` | who leads; the leader's tasks; counters; traces; certificates | store, fleet |
 //!
@@ -35,6 +37,7 @@ pub mod life;
 pub mod links;
 pub mod load;
 pub mod metrics;
+pub mod net;
 pub mod planning;
 pub mod profiling;
 pub mod rank_logs;

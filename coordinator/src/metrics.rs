@@ -27,6 +27,13 @@ struct NodeLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LinkLabel {
+    a: String,
+    b: String,
+    nic_kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GpuLabel {
     node: String,
     gpu: String,
@@ -76,10 +83,24 @@ impl Metrics {
             nodes.set(self.store.nodes().await?.len() as i64);
             registry.register("nodes", "Nodes in the inventory", nodes);
             self.register_loads(&mut registry);
+            self.register_links(&mut registry);
         }
         let mut out = String::new();
         encode(&mut out, &registry).expect("writing to a String cannot fail");
         Ok(out)
+    }
+
+    /// The link matrix's estimates (docs/network.md), per measured link.
+    fn register_links(&self, registry: &mut Registry) {
+        let rate = Family::<LinkLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        let latency = Family::<LinkLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        for l in self.fleet.links.links(None) {
+            let label = LinkLabel { a: l.key.a, b: l.key.b, nic_kind: l.key.nic_kind };
+            rate.get_or_create(&label).set(l.gb_per_s);
+            latency.get_or_create(&label).set(l.latency_ms);
+        }
+        registry.register("link_gb_per_s", "A link's measured GB/s (the best of its newest probes)", rate);
+        registry.register("link_latency_ms", "A link's lowest round trip among its newest probes, ms", latency);
     }
 
     /// What live agents reported on their last heartbeat, per node and per GPU.

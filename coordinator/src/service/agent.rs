@@ -56,6 +56,7 @@ impl Agent for AgentService {
         let address = if r.address.is_empty() { "127.0.0.1".to_string() } else { r.address };
         self.fleet.register(&r.node, epoch, address, r.logs_url);
         self.fleet.set_can_profile(&r.node, epoch, r.can_profile);
+        self.fleet.set_data_url(&r.node, epoch, &r.data_url);
         let rates = r.ckpt_rates.unwrap_or_default();
         // The node's RDMA domain (its inventory's), when its agent has a device to READ with.
         let domain = (!r.rdma_device.is_empty())
@@ -89,7 +90,7 @@ impl Agent for AgentService {
         let (to_worker, work) = mpsc::unbounded_channel::<AgentStatus>();
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(forward(out, tx));
-        tokio::spawn(read(inbound, self.fleet.clone(), outbox.clone(), to_worker));
+        tokio::spawn(read(inbound, self.fleet.clone(), self.facts.clone(), outbox.clone(), to_worker));
         tokio::spawn(work_on(work, self.store.clone(), self.fleet.clone(), self.facts.clone(), outbox));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -133,6 +134,7 @@ fn ack(seq: u64) -> Outbound {
 async fn read(
     mut inbound: Streaming<AgentStatus>,
     fleet: Arc<Fleet>,
+    facts: Arc<crate::facts::Facts>,
     outbox: mpsc::UnboundedSender<Outbound>,
     to_worker: mpsc::UnboundedSender<AgentStatus>,
 ) {
@@ -160,6 +162,8 @@ async fn read(
         }
         let first = session.is_none();
         session.get_or_insert_with(|| (status.node.clone(), status.epoch));
+        // Link measurements go to the in-memory matrix here, on receipt (no database).
+        measured(&fleet, &facts, &status);
         if first
             || status.full
             || !status.ranks.is_empty()
@@ -176,6 +180,67 @@ async fn read(
     }
     if let Some((node, epoch)) = session {
         fleet.closed(&node, epoch);
+    }
+}
+
+/// Link samples and NIC rates one message carries, at most: a report above this is cut.
+pub const MAX_LINKS_PER_MESSAGE: usize = 1024;
+pub const MAX_NICS_PER_MESSAGE: usize = 256;
+/// A NIC kind or NIC name longer than this is nonsense, dropped.
+const MAX_NAME: usize = 64;
+
+/// A NIC kind or name an agent reported: short, printable, no spaces.
+fn sane_name(x: &str) -> bool {
+    !x.is_empty() && x.len() <= MAX_NAME && x.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// The agent's clock, but never ahead of ours (a sample from the future would stay the newest
+/// for as long as the agent's clock is ahead); no time at all is now.
+fn at_or_now(at_unix_ms: i64, now: i64) -> i64 {
+    if at_unix_ms <= 0 || at_unix_ms > now {
+        now
+    } else {
+        at_unix_ms
+    }
+}
+
+/// A message's link samples and NIC rates into the link matrix (`Fleet::links`). A sample to a
+/// peer that never registered with this leader (so has no data plane to probe), a node paired
+/// with itself, a kind or name that is not a short token, a rate that is not a number: dropped.
+fn measured(fleet: &Fleet, facts: &crate::facts::Facts, status: &AgentStatus) {
+    if status.links.is_empty() && status.nics.is_empty() {
+        return;
+    }
+    let now = crate::store::now_ms();
+    let mut dropped = 0usize;
+    for l in status.links.iter().take(MAX_LINKS_PER_MESSAGE) {
+        let known = l.peer != status.node && facts.node(&l.peer).is_some();
+        let numbers = l.gb_per_s.is_finite() && l.gb_per_s > 0.0 && l.latency_ms.is_finite() && l.latency_ms >= 0.0;
+        if !(known && numbers && sane_name(&l.nic_kind)) {
+            dropped += 1;
+            continue;
+        }
+        let sample = crate::links::Sample { at_unix_ms: at_or_now(l.at_unix_ms, now), gb_per_s: l.gb_per_s, latency_ms: l.latency_ms };
+        fleet.links.record(&status.node, &l.peer, &l.nic_kind, sample);
+    }
+    for n in status.nics.iter().take(MAX_NICS_PER_MESSAGE) {
+        let rate = |x: f64| x.is_finite() && x >= 0.0;
+        if !sane_name(&n.name) || !sane_name(&n.kind) || !rate(n.tx_gb_per_s) || !rate(n.rx_gb_per_s) {
+            dropped += 1;
+            continue;
+        }
+        fleet.links.record_nic(crate::links::NicView {
+            node: status.node.clone(),
+            name: n.name.clone(),
+            kind: n.kind.clone(),
+            tx_gb_per_s: n.tx_gb_per_s,
+            rx_gb_per_s: n.rx_gb_per_s,
+            at_unix_ms: at_or_now(n.at_unix_ms, now),
+        });
+    }
+    dropped += status.links.len().saturating_sub(MAX_LINKS_PER_MESSAGE) + status.nics.len().saturating_sub(MAX_NICS_PER_MESSAGE);
+    if dropped > 0 {
+        tracing::debug!(node = %status.node, dropped, "link reports dropped (unknown peer, bad name or rate, too many)");
     }
 }
 

@@ -150,8 +150,51 @@ fn profile_run(r: crate::profiling::ProfileRun) -> pb::ProfileRun {
     }
 }
 
+fn network(v: motley_contract::net::NetworkView) -> pb::Network {
+    let links = v
+        .links
+        .into_iter()
+        .map(|l| pb::NetworkLink {
+            a: l.a,
+            b: l.b,
+            nic_kind: l.nic_kind,
+            gb_per_s: l.gb_per_s,
+            latency_ms: l.latency_ms,
+            samples: l.samples,
+            updated_unix_ms: l.updated_unix_ms,
+            declared_gb_per_s: l.declared_gb_per_s,
+            history: l
+                .history
+                .into_iter()
+                .map(|p| pb::LinkPoint { at_unix_ms: p.at_unix_ms, gb_per_s: p.gb_per_s, latency_ms: p.latency_ms })
+                .collect(),
+        })
+        .collect();
+    let nics = v
+        .nics
+        .into_iter()
+        .map(|n| pb::NetworkNic {
+            node: n.node,
+            name: n.name,
+            kind: n.kind,
+            tx_gb_per_s: n.tx_gb_per_s,
+            rx_gb_per_s: n.rx_gb_per_s,
+            at_unix_ms: n.at_unix_ms,
+        })
+        .collect();
+    let bandwidth = v.bandwidth.pairs.into_iter().map(|p| pb::BandwidthPair { a: p.a, b: p.b, gb_per_s: p.gb_per_s }).collect();
+    pb::Network { links, nics, bandwidth }
+}
+
 #[tonic::async_trait]
 impl Control for ControlService {
+    async fn get_network(&self, req: Request<pb::GetNetworkRequest>) -> Reply<pb::Network> {
+        self.admit(&req)?;
+        let node = req.into_inner().node;
+        let v = crate::net::view(&self.store, &self.fleet, Some(node.as_str())).await.map_err(status_of)?;
+        Ok(Response::new(network(v)))
+    }
+
     async fn list_checkpoints(&self, req: Request<pb::JobRef>) -> Reply<pb::CheckpointSteps> {
         self.admit(&req)?;
         let steps = crate::checkpoints::steps(&self.store, req.into_inner().id).await.map_err(status_of)?;

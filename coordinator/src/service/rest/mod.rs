@@ -6,6 +6,7 @@
 mod checkpoints;
 pub mod hosts;
 mod jobs;
+mod net;
 mod nodes;
 pub mod openapi;
 mod profiles;
@@ -90,6 +91,7 @@ pub fn router(state: AppState) -> Router {
         .route("/profiles/runs", get(profiles::runs).post(profiles::run))
         .route("/profiles/runs/{request}", get(profiles::run_state))
         .route("/profiles/{id}", get(profiles::get))
+        .route("/net", get(net::show))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_leader))
         .route("/leader", get(leader))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token))

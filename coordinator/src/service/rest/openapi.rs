@@ -6,13 +6,14 @@ use utoipa::{Modify, OpenApi};
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "Motley coordinator", description = "Control API: nodes, jobs, plans, layer profiles. Every call needs `Authorization: Bearer TOKEN` unless the coordinator runs with --insecure; a standby answers 503 with the leader's URL."),
+    info(title = "Motley coordinator", description = "Control API: nodes, jobs, plans, layer profiles, the link matrix. Every call needs `Authorization: Bearer TOKEN` unless the coordinator runs with --insecure; a standby answers 503 with the leader's URL."),
     paths(
         super::nodes::list, super::nodes::get, super::nodes::declare, super::nodes::remove, super::nodes::drain, super::nodes::undrain,
         super::jobs::list, super::jobs::submit, super::jobs::get, super::jobs::cancel, super::jobs::events,
         super::jobs::plan, super::jobs::plan_svg, super::jobs::dry_run, super::jobs::logs, super::jobs::curves, super::jobs::curves_svg, super::leader,
         super::checkpoints::list, super::checkpoints::grid,
         super::profiles::list, super::profiles::get, super::profiles::run, super::profiles::runs, super::profiles::run_state,
+        super::net::show,
     ),
     modifiers(&Bearer),
     security(("bearer" = []))
