@@ -32,6 +32,10 @@ pub enum AgentError {
     /// every case the bytes from this peer are not to be used: fetch from another holder.
     #[error("checkpoint data plane: peer {peer}, file {file}: {message}")]
     DataPlane { peer: String, file: String, message: String },
+    /// A link probe to a peer's data plane failed (refused, unreachable, stalled, not the
+    /// protocol): no measurement of that link this time.
+    #[error("link probe to {peer}: {message}")]
+    Probe { peer: String, message: String },
     /// A launch's `MOTLEY_CKPT_KEEP` that is not a count of steps.
     #[error("job {job}: MOTLEY_CKPT_KEEP={value}: not a number of checkpoint steps of at least 1; set checkpoint: {{keep: N}} with N >= 1 (default 2)")]
     CkptKeep { job: i64, value: String },

@@ -6,6 +6,7 @@
 //! | `logs` | the rank logs over HTTP or HTTPS (`logs::tls`) | `safe_fs`, `workdir`, `error` |
 //! | `profiler` | layer profiling on request | `workdir`, `error` |
 //! | `ranks` | the supervisor (launch, watch, report, stop, adopt), rank files, process groups, the wrapper and its dead-man switch (`lease`), cgroups, users, preemption notices | `checkpoints`, `safe_fs`, `workdir`, `error` |
+//! | `net` | the links the node's jobs use, measured: NIC counters (`counters`), paced probes over the data plane to the launches' peers (`probe`) | `checkpoints`, `node`, `error` |
 //! | `checkpoints` | checkpoint steps held (`holdings`), their tiers (`tiers`, `cloud`), the data plane (`dataplane`, `rdma`), restores (`restorer`) | `node`, `safe_fs`, `workdir`, `error` |
 //! | `node` | hardware discovery (`discover`, `nvml`), the node's load and free space (`load`) | `error` |
 //! | `workdir` | the work directory's layout and how a file in it is written (whole, private) | `safe_fs`, `error` |
@@ -18,6 +19,7 @@
 pub mod checkpoints;
 pub mod error;
 pub mod logs;
+pub mod net;
 pub mod node;
 pub mod profiler;
 pub mod ranks;

@@ -50,6 +50,28 @@ impl DataKey {
         Ok(())
     }
 
+    /// A probe token for `node`'s data plane, valid `capability::PROBE_EXPIRY_S` from now
+    /// (`dataplane::probe`); none before the first registration.
+    pub fn mint_probe(&self, node: &str) -> Result<String, String> {
+        let Some(secret) = *self.0.read().expect("data-plane key lock") else {
+            return Err("this agent has no data-plane key yet (it gets one when it registers with its coordinator)".into());
+        };
+        let grant =
+            capability::ProbeGrant { node: node.to_string(), expires_unix_s: capability::now_unix_s() + capability::PROBE_EXPIRY_S };
+        capability::mint_probe(&secret, &grant)
+    }
+
+    /// Whether `token` lets its holder probe `node` (this agent's node) now; else why not.
+    pub fn check_probe(&self, token: Option<&str>, node: &str) -> Result<(), String> {
+        let Some(secret) = *self.0.read().expect("data-plane key lock") else {
+            return Err("this agent has no data-plane key yet (it gets one when it registers with its coordinator)".into());
+        };
+        let Some(token) = token.filter(|c| !c.is_empty()) else {
+            return Err("no probe token: a probe shows one minted under the cluster's data-plane key".into());
+        };
+        capability::check_probe(&secret, token, capability::now_unix_s(), node).map(|_| ())
+    }
+
     /// Whether `capability` lets its holder read `key` now; else why not.
     pub fn check(&self, capability: Option<&str>, key: &FileKey) -> Result<(), String> {
         let Some(secret) = *self.0.read().expect("data-plane key lock") else {
@@ -131,7 +153,7 @@ impl ClientTls {
 }
 
 /// What the serving side needs: the key it checks capabilities with, TLS where the agent has
-/// it, and how many connections it serves at once.
+/// it, how many connections it serves at once, and whom probes must name.
 #[derive(Clone, Debug)]
 pub struct Access {
     pub key: DataKey,
@@ -139,11 +161,22 @@ pub struct Access {
     pub tls: Option<Arc<ServerConfig>>,
     /// Connections served at once; more wait, unread, in the listen queue.
     pub max_connections: usize,
+    /// This agent's node: a probe's token must name it. `None`: probes are refused.
+    pub node: Option<String>,
+    /// Paces the probe bytes this server sends (tests, emulated links); `None`: unpaced. Probes
+    /// measure the link, so the node's checkpoint egress pacer does not pace them.
+    pub probe_pacer: Option<Arc<super::pace::Pacer>>,
 }
 
 impl Access {
     pub fn new(key: DataKey, tls: Option<Arc<ServerConfig>>) -> Access {
-        Access { key, tls, max_connections: super::server::MAX_CONNECTIONS }
+        Access { key, tls, max_connections: super::server::MAX_CONNECTIONS, node: None, probe_pacer: None }
+    }
+
+    /// Serve probes whose token names `node`.
+    pub fn with_node(mut self, node: &str) -> Access {
+        self.node = Some(node.to_string());
+        self
     }
 }
 

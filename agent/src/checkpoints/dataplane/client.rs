@@ -262,6 +262,11 @@ impl Peer<'_> {
     /// must match: a TLS agent never falls back to plain TCP (its capabilities would cross the
     /// network in the clear), and a plain one cannot check a TLS peer.
     async fn connect(&self) -> Result<Box<dyn Stream>, String> {
+        self.connect_from().await.map(|(stream, _)| stream)
+    }
+
+    /// `connect`, and the local address of its TCP socket (the NIC a probe crossed here).
+    pub(super) async fn connect_from(&self) -> Result<(Box<dyn Stream>, Option<std::net::SocketAddr>), String> {
         let (tls, hostport) = match (self.addr.strip_prefix(TLS_SCHEME), self.tls) {
             (Some(hostport), Some(tls)) => (Some(tls), hostport),
             (None, None) => (None, self.addr),
@@ -278,10 +283,11 @@ impl Peer<'_> {
             Err(_) => return Err(format!("no connection within {:?}; is the peer reachable?", self.timeout)),
         };
         let _ = tcp.set_nodelay(true);
-        let Some(tls) = tls else { return Ok(Box::new(tcp)) };
+        let local = tcp.local_addr().ok();
+        let Some(tls) = tls else { return Ok((Box::new(tcp), local)) };
         let host = hostport.rsplit_once(':').map_or(hostport, |(host, _)| host);
         match tokio::time::timeout(self.timeout, tls.connect(host, tcp)).await {
-            Ok(connected) => connected,
+            Ok(connected) => connected.map(|stream| (stream, local)),
             Err(_) => Err(format!("no TLS handshake within {:?}; the peer stalled", self.timeout)),
         }
     }

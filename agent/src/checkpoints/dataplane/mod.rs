@@ -37,10 +37,26 @@
 //! (so each requested byte arrives once); anything else ends the fetch with
 //! `AgentError::DataPlane`, and the caller fetches from another holder. A file this node is
 //! still fetching (`Arriving`) is served once complete: the server waits for it.
+//!
+//! ## Probes (`probe`; docs/network.md, "Measure (agents)")
+//!
+//! A request line with a `probe` field asks for bytes that measure the link instead of a file:
+//! `{"v":1,"probe":{"bytes":N},"capability":"TOKEN"}`, on a connection of its own, over TLS
+//! wherever the data plane is. `TOKEN` is a probe token (`motley_contract::capability`,
+//! `mint_probe`): signed under the cluster's data-plane key in the probe domain (so no file
+//! capability is a probe token and no probe token reads a file), naming the probed node, valid
+//! for `capability::PROBE_EXPIRY_S`; agents hold the key and mint one per probe. The server
+//! checks the token first, then `N <= probe::MAX_PROBE_BYTES` (8 MiB), and answers
+//! `{"ok":true,"bytes":N}` followed by exactly `N` bytes (zeros, unframed), then closes; or
+//! `{"ok":false,"error":"..."}` (no or a bad token, another node's, expired, too many bytes, a
+//! data plane started without its node's name). `N` = 0 is a round trip only. Neither end
+//! holds more than 64 KiB of a probe at once. Probe bytes are not charged to the node's
+//! checkpoint egress pacer (they measure the link; `Access::probe_pacer` can pace them).
 
 pub mod access;
 pub mod client;
 pub mod pace;
+pub mod probe;
 pub mod protocol;
 pub mod resolve;
 pub mod server;
@@ -48,6 +64,7 @@ pub mod server;
 pub use access::{Access, ClientTls, DataKey, Stream};
 pub use client::{fetch, fetch_to_path, temporary_path, Peer};
 pub use pace::{take_all, Pacer};
+pub use probe::{Measured, Probe, ProbeFailed, MAX_PROBE_BYTES};
 pub use protocol::{FileKey, Transport};
 pub use resolve::{ckpt_path, restore_path, Arrival, Arriving, DirResolver, Located, Pending, Resolve, Root};
 pub use server::serve;

@@ -73,16 +73,60 @@ impl Request {
     /// so rather than that its fields are wrong.
     pub fn parse(line: &str) -> Result<Request, String> {
         let value: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("request is not JSON: {e}"))?;
+        Request::version(&value)?;
+        serde_json::from_value(value).map_err(|e| format!("request: {e}"))
+    }
+
+    /// Whether a request line's `v` is this agent's version.
+    fn version(value: &serde_json::Value) -> Result<(), String> {
         match value.get("v").and_then(|v| v.as_u64()) {
-            Some(v) if v == u64::from(VERSION) => {}
+            Some(v) if v == u64::from(VERSION) => Ok(()),
             v => {
                 let v = v.map_or_else(|| "absent".to_string(), |v| v.to_string());
-                return Err(format!(
+                Err(format!(
                     "unknown protocol version {v}: this agent speaks data plane version {VERSION}; run agents of one Motley version"
-                ));
+                ))
             }
         }
-        serde_json::from_value(value).map_err(|e| format!("request: {e}"))
+    }
+}
+
+/// A probe's request line: `{"v":1,"probe":{"bytes":N},"capability":"TOKEN"}`
+/// (`dataplane::probe`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeRequest {
+    pub v: u32,
+    pub probe: ProbeAsk,
+    /// A probe token naming the probed node (`motley_contract::capability::mint_probe`).
+    #[serde(default)]
+    pub capability: Option<String>,
+}
+
+/// What a probe asks for: `bytes` payload bytes (0: the reply line only, a round trip).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeAsk {
+    pub bytes: u64,
+}
+
+/// A request line: a fetch of a file's ranges, or a probe.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Asked {
+    Fetch(Request),
+    Probe(ProbeRequest),
+}
+
+impl Asked {
+    /// Parses a request line (the version first, as `Request::parse`): a probe is a line with
+    /// a `probe` field.
+    pub fn parse(line: &str) -> Result<Asked, String> {
+        let value: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("request is not JSON: {e}"))?;
+        if value.get("probe").is_none() {
+            return Request::parse(line).map(Asked::Fetch);
+        }
+        Request::version(&value)?;
+        serde_json::from_value(value).map(Asked::Probe).map_err(|e| format!("probe request: {e}"))
     }
 }
 
@@ -232,6 +276,20 @@ mod tests {
         // The wire has no token: a request line never carries the agent's own credential.
         let line = String::from_utf8(line(&r)).unwrap();
         assert!(line.contains("\"capability\":\"c\"") && !line.contains("token"), "{line}");
+    }
+
+    #[test]
+    fn a_line_with_a_probe_field_is_a_probe_and_any_other_a_fetch() {
+        let probe = Asked::parse(r#"{"v":1,"probe":{"bytes":65536},"capability":"t"}"#).unwrap();
+        let want = ProbeRequest { v: 1, probe: ProbeAsk { bytes: 65536 }, capability: Some("t".into()) };
+        assert_eq!(probe, Asked::Probe(want.clone()));
+        assert_eq!(String::from_utf8(line(&want)).unwrap(), "{\"v\":1,\"probe\":{\"bytes\":65536},\"capability\":\"t\"}\n");
+        let fetch = r#"{"v":1,"job":1,"generation":2,"step":3,"file":"manifest.json","ranges":[[0,5]]}"#;
+        assert!(matches!(Asked::parse(fetch).unwrap(), Asked::Fetch(r) if r.file == "manifest.json"));
+        // A probe of another version, or one that also names a file, is refused.
+        assert!(Asked::parse(r#"{"v":2,"probe":{"bytes":1}}"#).unwrap_err().contains("unknown protocol version 2"));
+        assert!(Asked::parse(r#"{"v":1,"probe":{"bytes":1},"file":"x"}"#).unwrap_err().contains("unknown field"));
+        assert!(Asked::parse(r#"{"v":1,"probe":{"bytes":-1}}"#).unwrap_err().contains("probe request"));
     }
 
     #[tokio::test]

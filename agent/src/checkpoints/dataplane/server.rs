@@ -12,7 +12,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::access::{Access, DataKey, Stream};
 use super::pace::{take_all, Pacer};
-use super::protocol::{check_ranges, line, read_line, FrameHeader, Reply, Request, Transport, FRAME_HEADER_BYTES, FRAME_MAX, MAX_LINE};
+use super::protocol::{check_ranges, line, read_line, Asked, FrameHeader, Reply, Transport, FRAME_HEADER_BYTES, FRAME_MAX, MAX_LINE};
 use super::resolve::{Located, Resolve};
 
 /// How long a peer may take to take one frame, or to wait for a file arriving here, before the
@@ -48,6 +48,7 @@ pub async fn serve(listener: TcpListener, resolver: Arc<dyn Resolve>, access: Ac
             }
         };
         let (resolver, key, egress, acceptor) = (resolver.clone(), access.key.clone(), egress.clone(), acceptor.clone());
+        let probes = (access.node.clone(), access.probe_pacer.clone());
         tokio::spawn(async move {
             let _slot = slot;
             let _ = tcp.set_nodelay(true);
@@ -57,7 +58,7 @@ pub async fn serve(listener: TcpListener, resolver: Arc<dyn Resolve>, access: Ac
                 Ok(Err(e)) => return tracing::debug!("checkpoint data plane: peer {peer}: {e}"),
                 Ok(Ok(opened)) => opened,
             };
-            if let Err(e) = handle(stream, request_line, &*resolver, &key, &egress).await {
+            if let Err(e) = handle(stream, request_line, &*resolver, &key, &egress, probes).await {
                 tracing::warn!("checkpoint data plane: peer {peer}: {e}");
             }
         });
@@ -92,10 +93,12 @@ async fn handle(
     resolver: &dyn Resolve,
     data_key: &DataKey,
     egress: &Pacer,
+    (node, probe_pacer): (Option<String>, Option<Arc<Pacer>>),
 ) -> Result<(), String> {
     let stream = &mut stream;
-    let request = match request_line.and_then(|l| Request::parse(&l)) {
-        Ok(r) => r,
+    let request = match request_line.and_then(|l| Asked::parse(&l)) {
+        Ok(Asked::Fetch(r)) => r,
+        Ok(Asked::Probe(p)) => return super::probe::serve(stream, p, data_key, node.as_deref(), probe_pacer.as_deref()).await,
         Err(e) => return refuse(stream, e).await,
     };
     let key = request.key();
@@ -191,7 +194,7 @@ async fn read_frame(file: Arc<File>, offset: u64, n: usize) -> std::io::Result<V
     read.unwrap_or_else(|e| Err(std::io::Error::other(e)))
 }
 
-async fn send(stream: &mut Box<dyn Stream>, bytes: &[u8]) -> Result<(), String> {
+pub(super) async fn send(stream: &mut Box<dyn Stream>, bytes: &[u8]) -> Result<(), String> {
     // Flushed: over TLS the bytes may otherwise wait in the session's buffer.
     let sent = async {
         stream.write_all(bytes).await?;
@@ -206,7 +209,7 @@ async fn send(stream: &mut Box<dyn Stream>, bytes: &[u8]) -> Result<(), String> 
 
 /// Answers `{"ok":false,"error":...}` and ends the connection; the refusal is the peer's to
 /// report, so it is logged here only at debug level.
-async fn refuse(stream: &mut Box<dyn Stream>, message: String) -> Result<(), String> {
+pub(super) async fn refuse(stream: &mut Box<dyn Stream>, message: String) -> Result<(), String> {
     tracing::debug!("checkpoint data plane: refused: {message}");
     send(stream, &line(&Reply::error(message))).await?;
     let _ = stream.shutdown().await;

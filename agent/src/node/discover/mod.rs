@@ -214,6 +214,49 @@ fn roce_gid_index(port: &Path) -> Option<u32> {
     v2.into_iter().min().map(|(_, i)| i)
 }
 
+/// An RDMA port's kind from its `link_layer`: InfiniBand -> ib, Ethernet -> roce; else the
+/// layer it names.
+fn port_kind(port: &Path) -> std::result::Result<NicKind, String> {
+    match read(&port.join("link_layer")).unwrap_or_default().as_str() {
+        "InfiniBand" => Ok(NicKind::Ib),
+        "Ethernet" => Ok(NicKind::Roce),
+        other => Err(other.to_string()),
+    }
+}
+
+/// One port of an RDMA device, whatever its state: its kind and the device's netdevs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RdmaPort {
+    /// The device (`class/infiniband/DEV`).
+    pub device: String,
+    pub port: u32,
+    pub kind: NicKind,
+    /// The device's netdevs (`DEV/device/net/*`): the RoCE interface, or IPoIB's.
+    pub netdevs: Vec<String>,
+}
+
+/// Every port of every RDMA device sysfs shows whose link layer is InfiniBand or Ethernet, as
+/// the node's NICs are classified (`nics`), active or not.
+pub fn rdma_ports(sysfs: &Path) -> Vec<RdmaPort> {
+    let ib = sysfs.join("class/infiniband");
+    let mut out = vec![];
+    for dev in entries(&ib) {
+        let d = ib.join(&dev);
+        let netdevs = entries(&d.join("device/net"));
+        for p in entries(&d.join("ports")) {
+            let (Ok(port), Ok(kind)) = (p.parse::<u32>(), port_kind(&d.join("ports").join(&p))) else { continue };
+            out.push(RdmaPort { device: dev.clone(), port, kind, netdevs: netdevs.clone() });
+        }
+    }
+    out
+}
+
+/// The kind of the interface `netdev` as the planner names NICs: that of its RDMA device's
+/// first port when it belongs to one (RoCE, IPoIB), else Ethernet.
+pub fn netdev_kind(ports: &[RdmaPort], netdev: &str) -> NicKind {
+    ports.iter().find(|p| p.netdevs.iter().any(|n| n == netdev)).map_or(NicKind::Ethernet, |p| p.kind)
+}
+
 /// Every NIC sysfs shows, with the GPUs close to it.
 fn nics(sysfs: &Path, gpus: &[Gpu], notes: &mut Vec<String>) -> Vec<NicSpec> {
     let gpu_places: Vec<Option<PciPlace>> = gpus
@@ -236,11 +279,9 @@ fn nics(sysfs: &Path, gpus: &[Gpu], notes: &mut Vec<String>) -> Vec<NicSpec> {
                     continue;
                 }
             }
-            let layer = read(&port.join("link_layer")).unwrap_or_default();
-            let kind = match layer.as_str() {
-                "InfiniBand" => NicKind::Ib,
-                "Ethernet" => NicKind::Roce,
-                other => {
+            let kind = match port_kind(&port) {
+                Ok(kind) => kind,
+                Err(other) => {
                     notes.push(format!("{dev} port {p}: skipped, link layer '{other}'"));
                     continue;
                 }

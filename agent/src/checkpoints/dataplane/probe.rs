@@ -1,0 +1,177 @@
+//! Link probes over the data plane (docs/network.md, "Measure (agents)"): a peer asks for up to
+//! `MAX_PROBE_BYTES` bytes with a probe token naming this node and times them. Both ends of
+//! the wire are here; when and how large probes are is `net::probe`'s.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::time::Instant;
+
+use super::access::{ClientTls, DataKey, Stream};
+use super::client::Peer;
+use super::pace::{take_all, Pacer};
+use super::protocol::{line, read_line, ProbeAsk, ProbeRequest, Reply, Transport, VERSION};
+use crate::error::AgentError;
+
+/// The most payload bytes one probe may ask for; a larger probe is refused before any byte.
+pub const MAX_PROBE_BYTES: u64 = 8 << 20;
+/// The chunk the server writes and the client reads: every buffer of a probe is this large at
+/// most, whatever the peer says.
+const CHUNK: usize = 64 << 10;
+/// The payload: zeros (probes measure the link, not the bytes).
+static ZEROS: [u8; CHUNK] = [0; CHUNK];
+
+/// Serves one probe: the token checked (signed under the cluster's key in the probe domain,
+/// unexpired, naming `node`), then the reply line and `bytes` zero bytes, paced by `pacer`.
+pub(super) async fn serve(
+    stream: &mut Box<dyn Stream>,
+    request: ProbeRequest,
+    key: &DataKey,
+    node: Option<&str>,
+    pacer: Option<&Pacer>,
+) -> Result<(), String> {
+    let Some(node) = node else {
+        return super::server::refuse(
+            stream,
+            "probe refused: this data plane serves no probes (it was started without its node's name)".into(),
+        )
+        .await;
+    };
+    if let Err(e) = key.check_probe(request.capability.as_deref(), node) {
+        return super::server::refuse(stream, format!("probe refused: {e}")).await;
+    }
+    let bytes = request.probe.bytes;
+    if bytes > MAX_PROBE_BYTES {
+        return super::server::refuse(stream, format!("probe of {bytes} bytes refused: at most {MAX_PROBE_BYTES} bytes")).await;
+    }
+    super::server::send(stream, &line(&Reply::ok(bytes))).await?;
+    let pacers: Vec<&Pacer> = pacer.into_iter().collect();
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(CHUNK as u64);
+        take_all(&pacers, n).await;
+        super::server::send(stream, &ZEROS[..n as usize]).await.map_err(|e| format!("probe: {e}"))?;
+        left -= n;
+    }
+    stream.shutdown().await.map_err(|e| format!("probe: closing: {e}"))
+}
+
+/// One probe to make: the peer's data plane as it registered it (`HOST:PORT` or
+/// `tls://HOST:PORT`), its token, this agent's TLS client where it has TLS, and the longest
+/// wait to connect and for each read.
+#[derive(Clone, Copy, Debug)]
+pub struct Probe<'a> {
+    pub addr: &'a str,
+    pub token: Option<&'a str>,
+    pub tls: Option<&'a ClientTls>,
+    pub timeout: Duration,
+}
+
+/// What a probe measured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Measured {
+    /// Payload bytes received.
+    pub bytes: u64,
+    /// From the request line sent to the reply line received: one round trip (and the peer's
+    /// token check).
+    pub latency: Duration,
+    /// Payload bytes per second: the bytes after the first read over the time from the first
+    /// read to the last (so the round trip is not counted); when the whole payload came in one
+    /// read, all of it over the time from the request to the last byte (an underestimate by a
+    /// round trip). `None` for a probe of 0 bytes.
+    pub rate_bytes_s: Option<f64>,
+    /// The local address of the probe's TCP socket.
+    pub local: Option<SocketAddr>,
+}
+
+/// A failed probe: why, and how many payload bytes had arrived (a probe that moved none barely
+/// used the link).
+#[derive(Debug)]
+pub struct ProbeFailed {
+    pub error: AgentError,
+    pub moved: u64,
+}
+
+impl std::fmt::Display for ProbeFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl Probe<'_> {
+    /// Asks the peer for `bytes` (at most `MAX_PROBE_BYTES`) and times them.
+    pub async fn run(&self, bytes: u64) -> Result<Measured, ProbeFailed> {
+        let fail = |message: String, moved: u64| ProbeFailed { error: AgentError::Probe { peer: self.addr.to_string(), message }, moved };
+        if bytes > MAX_PROBE_BYTES {
+            return Err(fail(format!("a probe of {bytes} bytes; at most {MAX_PROBE_BYTES}"), 0));
+        }
+        let peer = Peer {
+            addr: self.addr,
+            capability: None,
+            tls: self.tls,
+            transport: Transport::Tcp,
+            pacers: &[],
+            rate_bytes_s: None,
+            timeout: self.timeout,
+        };
+        let (stream, local) = peer.connect_from().await.map_err(|e| fail(e, 0))?;
+        let mut reader = BufReader::new(stream);
+        let request = ProbeRequest { v: VERSION, probe: ProbeAsk { bytes }, capability: self.token.map(Into::into) };
+        let sent = Instant::now();
+        let wrote = async {
+            let stream = reader.get_mut();
+            stream.write_all(&line(&request)).await?;
+            stream.flush().await
+        };
+        self.io(wrote).await.map_err(|e| fail(format!("sending the request: {e}"), 0))?;
+        let reply = self.io(read_line(&mut reader)).await.map_err(|e| fail(format!("reading the reply: {e}"), 0))?;
+        let replied = Instant::now();
+        match reply.as_deref().map(serde_json::from_str::<Reply>) {
+            Some(Ok(Reply { ok: true, bytes: Some(n), .. })) if n == bytes => {}
+            Some(Ok(Reply { ok: true, bytes: offered, .. })) => {
+                return Err(fail(format!("the peer offers {offered:?} bytes for a probe of {bytes}; is it an agent of this version?"), 0))
+            }
+            Some(Ok(Reply { error, .. })) => {
+                return Err(fail(format!("refused: {}", error.unwrap_or_else(|| "no reason given".into())), 0))
+            }
+            Some(Err(e)) => return Err(fail(format!("the reply is not the data plane's: {e}"), 0)),
+            None => return Err(fail("the peer closed the connection without a reply".into(), 0)),
+        }
+        // Payload bytes that came with the reply line count as the first read's.
+        let buffered = reader.buffer().len() as u64;
+        if buffered > bytes {
+            return Err(fail(format!("the peer sent more than the {bytes} bytes asked"), bytes));
+        }
+        reader.consume(buffered as usize);
+        let mut got = buffered;
+        let mut first = (buffered > 0).then_some((replied, buffered));
+        let mut last = replied;
+        let mut buf = vec![0u8; CHUNK.min(bytes as usize)];
+        while got < bytes {
+            let want = (bytes - got).min(CHUNK as u64) as usize;
+            let n = match self.io(reader.read(&mut buf[..want])).await {
+                Ok(0) => return Err(fail(format!("the stream ended after {got} of {bytes} bytes"), got)),
+                Ok(n) => n as u64,
+                Err(e) => return Err(fail(format!("reading the payload: {e}"), got)),
+            };
+            got += n;
+            last = Instant::now();
+            first.get_or_insert((last, got));
+        }
+        let rate_bytes_s = match first {
+            None => None,
+            Some((t0, b0)) if got > b0 && last > t0 => Some((got - b0) as f64 / (last - t0).as_secs_f64()),
+            Some(_) => Some(got as f64 / (last - sent).as_secs_f64().max(1e-9)),
+        };
+        Ok(Measured { bytes: got, latency: replied - sent, rate_bytes_s, local })
+    }
+
+    async fn io<T>(&self, op: impl std::future::Future<Output = std::io::Result<T>>) -> Result<T, String> {
+        match tokio::time::timeout(self.timeout, op).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("nothing for {:?}; the peer stalled", self.timeout)),
+        }
+    }
+}
