@@ -4,7 +4,7 @@
 //! job submitted from the CLI shows up and moves to succeeded with its events; the plan picture
 //! has one block per stage; the training curves draw rank 0's loss lines; a rank's log tail
 //! shows its output; drain from the page reaches the agent; cancel from the page cancels; a
-//! standby sends the page to the leader. Screenshots of each page land in
+//! standby sends the page to the leader; the network page draws the link matrix. Screenshots of each page land in
 //! `CARGO_TARGET_TMPDIR/dashboard-screenshots/` (docs/screenshots/ holds a copy of each).
 //!
 //! Needs `chromium` and `chromium-driver` (`apt-get install -y chromium chromium-driver`;
@@ -400,4 +400,69 @@ printf '%s\n' '{"step": 1, "loss": 2.5, "tokens_per_s": 900, "step_s": 0.5}' '{"
     b.type_into("#token", &format!("{token}\u{E007}"));
     let leader = format!("http://{}", c.addr);
     b.wait("the page on the leader", &format!("return location.origin === '{leader}' && location.hash === '#/jobs'"));
+}
+
+/// The network page draws the link matrix: a cell per measured pair of nodes (both ways) with
+/// its GB/s, coloured by its ratio to the declared rate (the ratio also written out), the
+/// latency and samples in its tooltip; an unmeasured pair says so. Stand-in agents (gRPC)
+/// report the samples, so no probe has to run.
+#[test]
+fn the_network_page_draws_the_link_matrix() {
+    use motley_proto::v1::agent_client::AgentClient;
+    use motley_proto::v1::{AgentStatus, LinkSample, RegisterRequest};
+    let dir = common::temp_dir();
+    let c = Coordinator::start(&dir, &["--heartbeat-ms", "1000"]);
+    let token = c.token.clone().expect("a generated token");
+    let agent_token = c.agent_token.clone().unwrap_or_else(|| token.clone());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ib = r#"{"gpu": "A100-80G", "gpus": 1, "nics": [{"name": "mlx5_0", "kind": "ib", "gbps": 200}], "rdma_domain": "lab"}"#;
+    let grpc = c.grpc_url();
+    // Kept until the test ends: the reporting session's stream.
+    let (_stream, _answers) = rt.block_on(async {
+        let mut agents = AgentClient::connect(grpc).await.unwrap();
+        let mut epoch = 0;
+        for node in ["n0", "n1", "n2"] {
+            let register =
+                RegisterRequest { node: node.into(), inventory_json: ib.into(), token: agent_token.clone(), ..Default::default() };
+            epoch = agents.register(register).await.unwrap().into_inner().epoch;
+        }
+        let at_unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+        let sample = |peer: &str, nic_kind: &str, gb_per_s: f64| LinkSample {
+            peer: peer.into(),
+            nic_kind: nic_kind.into(),
+            gb_per_s,
+            latency_ms: 0.25,
+            at_unix_ms,
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let links = vec![sample("n0", "eth", 1.25), sample("n0", "ib", 20.0)];
+        tx.send(AgentStatus { node: "n2".into(), epoch, seq: 1, full: true, links, ..Default::default() }).await.unwrap();
+        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        request.metadata_mut().insert("authorization", format!("Bearer {agent_token}").parse().unwrap());
+        let answers = agents.heartbeat(request).await.unwrap().into_inner();
+        (tx, answers)
+    });
+    until("the links in the matrix", || (c.json("GET", "/api/v1/net", "", 200)["links"].as_array()?.len() == 2).then_some(()));
+
+    let b = Browser::start(&dir.join("chromium-profile"));
+    b.go(&format!("http://{}/#/net", c.addr));
+    b.wait("the token form", "return !document.getElementById('login').hidden");
+    b.type_into("#token", &format!("{token}\u{E007}"));
+    let cells = b.wait("the matrix's measured cells", "return document.querySelectorAll('#net-matrix td[data-gbps]').length || null");
+    // n0-n2, both ways; the pair's slowest kind (Ethernet) is the cell's.
+    assert_eq!(cells, 2);
+    let cell = b.js("const td = document.querySelector('#net-matrix td[data-a=\"n0\"][data-b=\"n2\"]'); \
+         return td && {text: td.textContent, class: td.className, title: td.title}");
+    assert!(cell["text"].as_str().unwrap().starts_with("1.25 GB/s"), "{cell}");
+    assert!(cell["text"].as_str().unwrap().contains("×0.06 of declared"), "the ratio is written out: {cell}");
+    assert!(cell["class"].as_str().unwrap().contains("r-poor"), "{cell}");
+    let title = cell["title"].as_str().unwrap();
+    assert!(title.contains("eth: 1.25 GB/s (declared 21.25), latency 0.250 ms, 1 samples"), "{title}");
+    assert!(title.contains("ib: 20.00 GB/s"), "every kind in the tooltip: {title}");
+    let mirror = b.js("return document.querySelector('#net-matrix td[data-a=\"n2\"][data-b=\"n0\"]')?.dataset.gbps");
+    assert_eq!(mirror, "1.25");
+    let unmeasured = b.js("return [...document.querySelectorAll('#net-matrix tr[data-node=\"n0\"] td')].map(td => td.textContent)");
+    assert_eq!(unmeasured[1], "—", "n0-n1 was not measured: {unmeasured}");
+    assert_eq!(b.js("return document.getElementById('nav-net').getAttribute('aria-current')"), "page");
+    b.screenshot("network");
 }

@@ -1,4 +1,5 @@
-// Motley's dashboard: nodes, jobs and a job's page, read from the REST API every POLL_MS.
+// Motley's dashboard: nodes, jobs, a job's page and the link matrix, read from the REST API
+// every POLL_MS.
 // Plain JavaScript modules, no build step: what this file says is what the browser runs.
 // Every text from the API goes into the page as text (textContent), never as markup; the
 // plan and training-curve pictures come from the coordinator's own renderers (their text
@@ -76,13 +77,14 @@ function route() {
   const job = hash.match(/^#\/jobs\/(\d+)$/);
   if (job) return { key: `job-${job[1]}`, make: (view) => jobPage(view, Number(job[1])), nav: 'nav-jobs' };
   if (hash === '#/jobs') return { key: 'jobs', make: jobsPage, nav: 'nav-jobs' };
+  if (hash === '#/net') return { key: 'net', make: netPage, nav: 'nav-net' };
   return { key: 'nodes', make: nodesPage, nav: 'nav-nodes' };
 }
 
 function show() {
   if (page) clearTimeout(page.timer);
   const r = route();
-  for (const id of ['nav-nodes', 'nav-jobs']) {
+  for (const id of ['nav-nodes', 'nav-jobs', 'nav-net']) {
     if (id === r.nav) $(id).setAttribute('aria-current', 'page');
     else $(id).removeAttribute('aria-current');
   }
@@ -154,6 +156,65 @@ function nodesPage(view) {
       h('table', { 'aria-label': 'Nodes' },
         h('thead', {}, h('tr', {}, ['Node', 'Agent', 'State', 'GPUs', 'GPU util', 'GPU memory', 'Work dir free', 'Load (1 min)', 'Ranks', 'Action'].map((c) => h('th', { scope: 'col' }, c)))),
         h('tbody', {}, rows)));
+  };
+  return { refresh };
+}
+
+// The measured over the declared rate: at least GOOD is healthy, below FAIR is degraded.
+const GOOD = 0.8;
+const FAIR = 0.5;
+
+function ratioClass(ratio) {
+  if (ratio === null) return 'r-none';
+  return ratio >= GOOD ? 'r-good' : ratio >= FAIR ? 'r-fair' : 'r-poor';
+}
+
+/** The live link matrix (GET /net): a row and a column per node; a cell per measured pair
+ * (its slowest NIC kind, as the planner prices it), coloured by its ratio to the declared
+ * rate, the ratio also written out; the tooltip has every kind's latency and samples. */
+function netPage(view) {
+  const matrix = h('div', { id: 'net-matrix' });
+  const nics = h('div', { id: 'net-nics' });
+  view.append(h('h2', {}, 'Network'),
+    h('p', { class: 'legend' }, 'Measured GB/s between nodes; the colour and the × figure are its ratio to the declared rate: ',
+      h('span', { class: 'r-good' }, `≥ ${GOOD}`), h('span', { class: 'r-fair' }, `≥ ${FAIR}`),
+      h('span', { class: 'r-poor' }, `< ${FAIR}`), h('span', { class: 'r-none' }, 'nothing declared')),
+    matrix, h('h3', {}, 'NICs'), nics);
+  const refresh = async () => {
+    const [net, nodeList] = await Promise.all([api('/net'), api('/nodes')]);
+    const names = [...new Set([...nodeList.map((n) => n.name), ...net.links.flatMap((l) => [l.a, l.b])])].sort();
+    const pair = new Map(); // "a\u0000b" (a < b) -> links of every kind
+    for (const l of net.links) {
+      const k = `${l.a}\u0000${l.b}`;
+      if (!pair.has(k)) pair.set(k, []);
+      pair.get(k).push(l);
+    }
+    const cell = (x, y) => {
+      if (x === y) return h('td', { class: 'self', 'aria-label': `${x} itself` }, '');
+      const links = pair.get(x < y ? `${x}\u0000${y}` : `${y}\u0000${x}`);
+      if (!links) return h('td', { class: 'cell r-none', 'aria-label': `${x} to ${y}: not measured` }, '—');
+      const slow = links.reduce((m, l) => (l.gb_per_s < m.gb_per_s ? l : m));
+      const ratio = slow.declared_gb_per_s ? slow.gb_per_s / slow.declared_gb_per_s : null;
+      const tip = links.map((l) => `${l.nic_kind}: ${l.gb_per_s.toFixed(2)} GB/s` +
+        (l.declared_gb_per_s ? ` (declared ${l.declared_gb_per_s.toFixed(2)})` : ' (nothing declared)') +
+        `, latency ${l.latency_ms.toFixed(3)} ms, ${l.samples} samples, ${Math.max(0, Math.round((Date.now() - l.updated_unix_ms) / 1000))} s ago`);
+      return h('td', {
+        class: `cell ${ratioClass(ratio)}`, 'data-a': x, 'data-b': y, 'data-gbps': slow.gb_per_s,
+        title: `${x} ↔ ${y}\n${tip.join('\n')}`, tabindex: 0,
+      }, `${slow.gb_per_s.toFixed(2)} GB/s`, h('small', {}, ratio === null ? 'declared: —' : `×${ratio.toFixed(2)} of declared`));
+    };
+    replace(matrix, names.length === 0 ? h('p', {}, 'No nodes yet.') :
+      h('table', { class: 'matrix', 'aria-label': 'Link matrix' },
+        h('thead', {}, h('tr', {}, h('td', {}, ''), names.map((n) => h('th', { scope: 'col' }, n)))),
+        h('tbody', {}, names.map((x) => h('tr', { 'data-node': x }, h('th', { scope: 'row' }, x), names.map((y) => cell(x, y)))))),
+      net.links.length === 0 ? h('p', {}, 'No link measured yet: agents probe the links between the nodes of a running launch.') : null);
+    replace(nics, net.nics.length === 0 ? h('p', {}, 'No NIC rates reported yet.') :
+      h('table', { 'aria-label': 'NICs' },
+        h('thead', {}, h('tr', {}, ['Node', 'NIC', 'Kind', 'Sent GB/s', 'Received GB/s', 'Reported'].map((c) => h('th', { scope: 'col' }, c)))),
+        h('tbody', {}, net.nics.map((n) => h('tr', {},
+          h('td', {}, n.node), h('td', {}, n.name), h('td', {}, n.kind),
+          h('td', { class: 'num' }, n.tx_gb_per_s.toFixed(3)), h('td', { class: 'num' }, n.rx_gb_per_s.toFixed(3)),
+          h('td', {}, when(n.at_unix_ms)))))));
   };
   return { refresh };
 }
