@@ -18,6 +18,7 @@ use motley_agent::checkpoints::dataplane::{self, Access, Arriving, ClientTls, Da
 use motley_agent::checkpoints::holdings::Holdings;
 use motley_agent::checkpoints::restorer::Restorer;
 use motley_agent::checkpoints::tiers::Tierer;
+use motley_agent::net::{Meter, Pacing};
 use motley_agent::node::discover::entry_value;
 use motley_agent::profiler::Profiler;
 use motley_agent::ranks::environment::RankEnv;
@@ -140,7 +141,17 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
     let tierer = Arc::new(Tierer::new(work_dir.clone(), supervisor.memory_root()));
     spawn_tier_passes(&tierer, &node, &supervisor);
     let data_key = DataKey::default();
-    let (data_url, restorer) = serve_data_plane(&args, &node, &work_dir, &tierer, supervisor.memory_root(), &data_key).await?;
+    let (data_url, restorer, client_tls) = serve_data_plane(&args, &node, &work_dir, &tierer, supervisor.memory_root(), &data_key).await?;
+    let meter = Arc::new(Meter::new(&node, &settings::sysfs(&args)));
+    let pacing = Pacing { duty: args.probe_duty, target: Duration::from_millis(args.probe_target_ms) };
+    if pacing.enabled() {
+        tracing::info!(node = %node, "link probes to the launches' peers: at most {} of the time on the wire, {} ms each", pacing.duty, args.probe_target_ms);
+    }
+    let running = {
+        let s = supervisor.clone();
+        move || s.running_launches()
+    };
+    tokio::spawn(motley_agent::net::probe::run(meter.clone(), pacing, data_key.clone(), client_tls, running));
     let workers = Workers {
         supervisor: &supervisor,
         profiler: profiler.as_ref(),
@@ -148,6 +159,7 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
         tierer: &tierer,
         restorer: &restorer,
         data_key: &data_key,
+        meter: &meter,
     };
     session::keep_registered(&args, &work_dir, &node, &inventory, (&logs_url, &data_url), workers, &load).await
 }
@@ -225,8 +237,9 @@ fn spawn_tier_passes(tierer: &Arc<Tierer>, node: &str, supervisor: &Supervisor) 
 
 /// The data plane: this node's checkpoint files served to peers, paced to the node's NIC and
 /// disk, to those with a capability `data_key` verifies, over TLS where the agent has a
-/// certificate; and the restorer that fetches a recovery's files through it. The data plane's
-/// address (`tls://HOST:PORT` over TLS).
+/// certificate (and probes whose token names `node`); the restorer that fetches a recovery's
+/// files through it; the data plane's address (`tls://HOST:PORT` over TLS) and the client TLS
+/// of this agent's own connections to peers' data planes.
 async fn serve_data_plane(
     args: &Args,
     node: &str,
@@ -234,7 +247,7 @@ async fn serve_data_plane(
     tierer: &Arc<Tierer>,
     memory_root: Option<PathBuf>,
     data_key: &DataKey,
-) -> anyhow::Result<(String, Restorer)> {
+) -> anyhow::Result<(String, Restorer, Option<ClientTls>)> {
     // The logs' certificate and key; peers are checked against the CA the coordinator is.
     let tls = motley_agent::logs::tls::TlsFiles::from_flags(args.tls_cert.clone(), args.tls_key.clone())?;
     let server_tls = tls.as_ref().map(|files| files.server_config().map(|c| dataplane::access::server_config(&c))).transpose()?;
@@ -264,7 +277,7 @@ async fn serve_data_plane(
     let scheme = if server_tls.is_some() { dataplane::access::TLS_SCHEME } else { "" };
     let data_url = format!("{scheme}{}:{}", args.address, data.local_addr()?.port());
     tracing::info!(node = %node, "checkpoint data plane at {data_url}");
-    tokio::spawn(dataplane::serve(data, resolver.clone(), Access::new(data_key.clone(), server_tls), nic_out));
-    let restorer = Restorer::new(work_dir, node, client_tls, resolver, arriving, nic_in, disk).with_tierer(tierer.clone());
-    Ok((data_url, restorer))
+    tokio::spawn(dataplane::serve(data, resolver.clone(), Access::new(data_key.clone(), server_tls).with_node(node), nic_out));
+    let restorer = Restorer::new(work_dir, node, client_tls.clone(), resolver, arriving, nic_in, disk).with_tierer(tierer.clone());
+    Ok((data_url, restorer, client_tls))
 }

@@ -109,6 +109,8 @@ pub(crate) struct Workers<'a> {
     pub(crate) restorer: &'a Restorer,
     /// The data plane's key, from each registration (in memory only).
     pub(crate) data_key: &'a motley_agent::checkpoints::dataplane::DataKey,
+    /// The links' measurements: the launches' peers in, NIC rates and probe samples out.
+    pub(crate) meter: &'a std::sync::Arc<motley_agent::net::Meter>,
 }
 
 /// One session: register (a new epoch), then heartbeat until the stream breaks.
@@ -182,7 +184,7 @@ async fn session_inner(
     request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().context("token is not a valid header value")?);
     let beat = {
         let (supervisor, node, load, profiler) = (supervisor.clone(), node.to_string(), load.clone(), profiler.cloned());
-        let (holdings, work, restorer) = (holdings.clone(), work_dir.to_path_buf(), restorer.clone());
+        let (holdings, work, restorer, meter) = (holdings.clone(), work_dir.to_path_buf(), restorer.clone(), workers.meter.clone());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             // Every message has its number (1, 2, ...); the first lists every rank.
@@ -221,6 +223,15 @@ async fn session_inner(
                     true => load.borrow().as_ref().filter(|(_, at)| at.elapsed() <= fresh).map(|(l, _)| l.clone()),
                     false => None,
                 };
+                // The links on the interval: probe samples since the last (each sent once), and
+                // the NICs' rates over the interval (sysfs, off the async workers).
+                let (links, nics) = match beat {
+                    true => {
+                        let m = meter.clone();
+                        (meter.take_links(), tokio::task::spawn_blocking(move || m.nic_rates()).await.unwrap_or_default())
+                    }
+                    false => (vec![], vec![]),
+                };
                 let status = AgentStatus {
                     node: node.clone(),
                     epoch,
@@ -232,8 +243,8 @@ async fn session_inner(
                     holdings: holdings_list,
                     holdings_sent,
                     restores,
-                    links: vec![],
-                    nics: vec![],
+                    links,
+                    nics,
                 };
                 if tx.send(status).await.is_err() {
                     return;
@@ -255,7 +266,7 @@ async fn heartbeat(
     interval: Duration,
     workers: Workers<'_>,
 ) -> Ended {
-    let Workers { supervisor, profiler, holdings, tierer, restorer, .. } = workers;
+    let Workers { supervisor, profiler, holdings, tierer, restorer, meter, .. } = workers;
     let mut inbound = match client.heartbeat(request).await {
         Ok(r) => r.into_inner(),
         Err(s) => return heartbeat_refused(&s),
@@ -272,9 +283,15 @@ async fn heartbeat(
                     if let Err(e) = tierer.launched_as(&l, as_agent) {
                         tracing::warn!(node = %node, job = l.job, "{e}; the launch's checkpoints are kept as by default");
                     }
-                    supervisor.launch(l)
+                    let (job, generation, peers) = (l.job, l.generation, l.peers.clone());
+                    supervisor.launch(l);
+                    // Its peers' links are probed while its ranks run.
+                    meter.launched(job, generation, &peers);
                 }
-                Some(instruction::Kind::Stop(s)) => supervisor.stop(s.job, s.generation),
+                Some(instruction::Kind::Stop(s)) => {
+                    meter.stopped(s.job, s.generation);
+                    supervisor.stop(s.job, s.generation)
+                }
                 Some(instruction::Kind::Drain(d)) => mark_draining(work_dir, node, d.draining),
                 Some(instruction::Kind::Profile(p)) => match profiler {
                     Some(profiler) => profiler.start(p),

@@ -101,6 +101,15 @@ pub(crate) struct Args {
     /// The rate checkpoint files are read from this node's disk (MB/s; 0: unpaced).
     #[arg(long, env = "MOTLEY_CKPT_DISK_MB_S", default_value_t = 0.0)]
     pub(crate) ckpt_disk_mb_s: f64,
+    /// The share of time this agent's link probes may hold the wire (docs/network.md,
+    /// "Measure (agents)"): after a probe that took d, the next starts no sooner than
+    /// d * (1/duty - 1) later. 0 disables probing; at most 1.
+    #[arg(long, env = "MOTLEY_PROBE_DUTY", default_value_t = 0.01)]
+    pub(crate) probe_duty: f64,
+    /// How long each link probe should take (ms): probes are sized to it at the link's last
+    /// measured rate, between 64 KiB and 8 MiB.
+    #[arg(long, env = "MOTLEY_PROBE_TARGET_MS", default_value_t = 50)]
+    pub(crate) probe_target_ms: u64,
     #[command(subcommand)]
     pub(crate) command: Option<Command>,
 }
@@ -138,7 +147,24 @@ pub(crate) fn settings() -> anyhow::Result<Args> {
     for (flag, v) in [("ckpt_nic_mb_s", args.ckpt_nic_mb_s), ("ckpt_disk_mb_s", args.ckpt_disk_mb_s)] {
         anyhow::ensure!(v.is_finite() && v >= 0.0, "{flag}: must be a rate in MB/s, 0 (unpaced) or more");
     }
+    anyhow::ensure!(
+        args.probe_duty.is_finite() && (0.0..=1.0).contains(&args.probe_duty),
+        "probe_duty: must be a share of time from 0 (no probes) to 1 (default 0.01)"
+    );
+    anyhow::ensure!(
+        (1..=10_000).contains(&args.probe_target_ms),
+        "probe_target_ms: must be a probe's duration in milliseconds, 1 to 10000 (default 50)"
+    );
     Ok(args)
+}
+
+/// The sysfs root (`--sysfs-root`; empty: /sys).
+pub(crate) fn sysfs(args: &Args) -> PathBuf {
+    if args.sysfs_root.as_os_str().is_empty() {
+        default_sysfs()
+    } else {
+        args.sysfs_root.clone()
+    }
 }
 
 pub(crate) fn node_name(args: &Args) -> String {
@@ -162,8 +188,7 @@ pub(crate) fn inventory_json(path: &Path) -> anyhow::Result<String> {
 /// Discover the node; the entry, and whether the coordinator would take it.
 pub(crate) fn discovered(args: &Args, node: &str) -> (motley_agent::node::discover::Discovered, motley_agent::Result<()>) {
     let (gpus, why) = motley_agent::node::nvml::gpus();
-    let sysfs = if args.sysfs_root.as_os_str().is_empty() { default_sysfs() } else { args.sysfs_root.clone() };
-    let (mut d, checked) = discover(node, &sysfs, &gpus);
+    let (mut d, checked) = discover(node, &sysfs(args), &gpus);
     d.entry.rdma_domain = args.rdma_domain.clone();
     d.notes.extend(why);
     (d, checked)

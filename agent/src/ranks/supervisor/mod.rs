@@ -238,6 +238,11 @@ impl Supervisor {
         self.lock().values().filter(|r| matches!(r.state, State::Running { .. })).count() as u32
     }
 
+    /// The launches (job, generation) with a rank running here (a stop under way included).
+    pub fn running_launches(&self) -> std::collections::BTreeSet<(i64, i64)> {
+        self.lock().iter().filter(|(_, r)| matches!(r.state, State::Running { .. })).map(|(k, _)| (k.0, k.1)).collect()
+    }
+
     /// Resolves once a rank started or ended since the last call (at once if one did).
     pub async fn changed(&self) {
         self.changed.notified().await
