@@ -230,3 +230,28 @@ impl PlanNetwork {
         Ok(PlanNetwork { source, links })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hardware::ClusterSpec;
+
+    #[test]
+    fn a_plans_network_names_each_pair_measured_or_declared() {
+        let node = |n: &str| format!("  - {{name: {n}, gpu: A100-80G, gpus: 1, nics: [{{name: mlx5_0, kind: ib, gbps: 200}}]}}\n");
+        let spec: ClusterSpec = serde_norway::from_str(&format!("name: c\nnodes:\n{}{}{}", node("n0"), node("n1"), node("n2"))).unwrap();
+        let cluster = Cluster::from_spec(&spec).unwrap();
+        let declared = PlanNetwork::of(&["n1", "n0", "x"], &cluster, None).unwrap();
+        assert_eq!(declared.source, NetworkSource::Declared);
+        let nominal = cluster.nominal_inter_bw(0, 0);
+        assert_eq!(declared.links, vec![PlanLink { a: "n0".into(), b: "n1".into(), gb_per_s: nominal, measured: false }]);
+        let measured = BandwidthSpec { pairs: vec![PairSpec { a: "n2".into(), b: "n0".into(), gb_per_s: 2.0 }], ..Default::default() };
+        let net = PlanNetwork::of(&["n0", "n1", "n2"], &cluster, Some(&measured)).unwrap();
+        assert_eq!(net.source, NetworkSource::Measured);
+        let links: Vec<(&str, &str, f64, bool)> = net.links.iter().map(|l| (l.a.as_str(), l.b.as_str(), l.gb_per_s, l.measured)).collect();
+        assert_eq!(links, [("n0", "n1", nominal, false), ("n0", "n2", 2.0, true), ("n1", "n2", nominal, false)]);
+        let json = serde_json::to_value(&net).unwrap();
+        assert_eq!(json["source"], "measured");
+        assert_eq!(json["links"][1], serde_json::json!({"a": "n0", "b": "n2", "gb_per_s": 2.0, "measured": true}));
+    }
+}

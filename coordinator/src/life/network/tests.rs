@@ -109,3 +109,15 @@ fn a_change_message_carries_the_contract_fields() {
     let m = change_message(&LinkKey::new("n1", "n0", "eth"), 10.0, 1.0);
     assert_eq!(m, json!({"link": {"a": "n0", "b": "n1", "nic_kind": "eth"}, "was": 10.0, "now": 1.0}));
 }
+
+#[test]
+fn a_shape_counts_runs_of_equal_replicas() {
+    let plan: CurrentPlan = serde_json::from_value(json!({"global_batch": 8, "micro_batch": 1, "replicas": [
+        {"micro_batches": 2, "stages": [{"layers": [0, 12], "gpu": "A100", "tp": 1, "dp": 2, "gpus": []},
+                                        {"layers": [12, 24], "gpu": "A100", "tp": 1, "dp": 2, "gpus": []}]},
+        {"micro_batches": 2, "stages": [{"layers": [0, 12], "gpu": "A100", "tp": 1, "dp": 2, "gpus": []},
+                                        {"layers": [12, 24], "gpu": "A100", "tp": 1, "dp": 2, "gpus": []}]},
+        {"micro_batches": 4, "stages": [{"layers": [0, 24], "gpu": "V100", "tp": 2, "dp": 1, "gpus": []}]}]}))
+    .unwrap();
+    assert_eq!(shape_of(&plan), "2 x [A100 tp1 dp2 L0-12 | A100 tp1 dp2 L12-24] + [V100 tp2 dp1 L0-24]");
+}
