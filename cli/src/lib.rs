@@ -2,6 +2,7 @@
 //! reach them without spawning the binary.
 
 pub mod ckpt;
+pub mod client;
 pub mod dev;
 pub mod espresso;
 pub mod inputs;
