@@ -1,6 +1,7 @@
 //! Link probes over the data plane (docs/network.md, "Measure (agents)"): a peer asks for up to
-//! `MAX_PROBE_BYTES` bytes with a probe token naming this node and times them. Both ends of
-//! the wire are here; when and how large probes are is `net::probe`'s.
+//! `MAX_PROBE_BYTES` bytes with a probe token naming this node and times them. The asking end
+//! is here (the serving end is `server::serve_probe`); when and how large probes are is
+//! `net::probe`'s.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -8,9 +9,8 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::time::Instant;
 
-use super::access::{ClientTls, DataKey, Stream};
+use super::access::ClientTls;
 use super::client::Peer;
-use super::pace::{take_all, Pacer};
 use super::protocol::{line, read_line, ProbeAsk, ProbeRequest, Reply, Transport, VERSION};
 use crate::error::AgentError;
 
@@ -18,44 +18,9 @@ use crate::error::AgentError;
 pub const MAX_PROBE_BYTES: u64 = 8 << 20;
 /// The chunk the server writes and the client reads: every buffer of a probe is this large at
 /// most, whatever the peer says.
-const CHUNK: usize = 64 << 10;
+pub(super) const CHUNK: usize = 64 << 10;
 /// The payload: zeros (probes measure the link, not the bytes).
-static ZEROS: [u8; CHUNK] = [0; CHUNK];
-
-/// Serves one probe: the token checked (signed under the cluster's key in the probe domain,
-/// unexpired, naming `node`), then the reply line and `bytes` zero bytes, paced by `pacer`.
-pub(super) async fn serve(
-    stream: &mut Box<dyn Stream>,
-    request: ProbeRequest,
-    key: &DataKey,
-    node: Option<&str>,
-    pacer: Option<&Pacer>,
-) -> Result<(), String> {
-    let Some(node) = node else {
-        return super::server::refuse(
-            stream,
-            "probe refused: this data plane serves no probes (it was started without its node's name)".into(),
-        )
-        .await;
-    };
-    if let Err(e) = key.check_probe(request.capability.as_deref(), node) {
-        return super::server::refuse(stream, format!("probe refused: {e}")).await;
-    }
-    let bytes = request.probe.bytes;
-    if bytes > MAX_PROBE_BYTES {
-        return super::server::refuse(stream, format!("probe of {bytes} bytes refused: at most {MAX_PROBE_BYTES} bytes")).await;
-    }
-    super::server::send(stream, &line(&Reply::ok(bytes))).await?;
-    let pacers: Vec<&Pacer> = pacer.into_iter().collect();
-    let mut left = bytes;
-    while left > 0 {
-        let n = left.min(CHUNK as u64);
-        take_all(&pacers, n).await;
-        super::server::send(stream, &ZEROS[..n as usize]).await.map_err(|e| format!("probe: {e}"))?;
-        left -= n;
-    }
-    stream.shutdown().await.map_err(|e| format!("probe: closing: {e}"))
-}
+pub(super) static ZEROS: [u8; CHUNK] = [0; CHUNK];
 
 /// One probe to make: the peer's data plane as it registered it (`HOST:PORT` or
 /// `tls://HOST:PORT`), its token, this agent's TLS client where it has TLS, and the longest

@@ -12,7 +12,10 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::access::{Access, DataKey, Stream};
 use super::pace::{take_all, Pacer};
-use super::protocol::{check_ranges, line, read_line, Asked, FrameHeader, Reply, Transport, FRAME_HEADER_BYTES, FRAME_MAX, MAX_LINE};
+use super::probe::{CHUNK, MAX_PROBE_BYTES, ZEROS};
+use super::protocol::{
+    check_ranges, line, read_line, Asked, FrameHeader, ProbeRequest, Reply, Transport, FRAME_HEADER_BYTES, FRAME_MAX, MAX_LINE,
+};
 use super::resolve::{Located, Resolve};
 
 /// How long a peer may take to take one frame, or to wait for a file arriving here, before the
@@ -98,7 +101,7 @@ async fn handle(
     let stream = &mut stream;
     let request = match request_line.and_then(|l| Asked::parse(&l)) {
         Ok(Asked::Fetch(r)) => r,
-        Ok(Asked::Probe(p)) => return super::probe::serve(stream, p, data_key, node.as_deref(), probe_pacer.as_deref()).await,
+        Ok(Asked::Probe(p)) => return serve_probe(stream, p, data_key, node.as_deref(), probe_pacer.as_deref()).await,
         Err(e) => return refuse(stream, e).await,
     };
     let key = request.key();
@@ -150,6 +153,37 @@ async fn handle(
     stream.shutdown().await.map_err(|e| format!("file {key}: closing: {e}"))
 }
 
+/// Serves one probe: the token checked (signed under the cluster's key in the probe domain,
+/// unexpired, naming `node`), then the reply line and `bytes` zero bytes, paced by `pacer`.
+async fn serve_probe(
+    stream: &mut Box<dyn Stream>,
+    request: ProbeRequest,
+    key: &DataKey,
+    node: Option<&str>,
+    pacer: Option<&Pacer>,
+) -> Result<(), String> {
+    let Some(node) = node else {
+        return refuse(stream, "probe refused: this data plane serves no probes (it was started without its node's name)".into()).await;
+    };
+    if let Err(e) = key.check_probe(request.capability.as_deref(), node) {
+        return refuse(stream, format!("probe refused: {e}")).await;
+    }
+    let bytes = request.probe.bytes;
+    if bytes > MAX_PROBE_BYTES {
+        return refuse(stream, format!("probe of {bytes} bytes refused: at most {MAX_PROBE_BYTES} bytes")).await;
+    }
+    send(stream, &line(&Reply::ok(bytes))).await?;
+    let pacers: Vec<&Pacer> = pacer.into_iter().collect();
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(CHUNK as u64);
+        take_all(&pacers, n).await;
+        send(stream, &ZEROS[..n as usize]).await.map_err(|e| format!("probe: {e}"))?;
+        left -= n;
+    }
+    stream.shutdown().await.map_err(|e| format!("probe: closing: {e}"))
+}
+
 /// The file if held, else, if it is arriving, the file once it has arrived; else why not.
 async fn find(resolver: &dyn Resolve, key: &super::protocol::FileKey) -> Result<Located, String> {
     if let Some(located) = resolver.locate(key) {
@@ -194,7 +228,7 @@ async fn read_frame(file: Arc<File>, offset: u64, n: usize) -> std::io::Result<V
     read.unwrap_or_else(|e| Err(std::io::Error::other(e)))
 }
 
-pub(super) async fn send(stream: &mut Box<dyn Stream>, bytes: &[u8]) -> Result<(), String> {
+async fn send(stream: &mut Box<dyn Stream>, bytes: &[u8]) -> Result<(), String> {
     // Flushed: over TLS the bytes may otherwise wait in the session's buffer.
     let sent = async {
         stream.write_all(bytes).await?;
@@ -209,7 +243,7 @@ pub(super) async fn send(stream: &mut Box<dyn Stream>, bytes: &[u8]) -> Result<(
 
 /// Answers `{"ok":false,"error":...}` and ends the connection; the refusal is the peer's to
 /// report, so it is logged here only at debug level.
-pub(super) async fn refuse(stream: &mut Box<dyn Stream>, message: String) -> Result<(), String> {
+async fn refuse(stream: &mut Box<dyn Stream>, message: String) -> Result<(), String> {
     tracing::debug!("checkpoint data plane: refused: {message}");
     send(stream, &line(&Reply::error(message))).await?;
     let _ = stream.shutdown().await;
