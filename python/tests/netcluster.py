@@ -244,8 +244,8 @@ def rank0_losses(work: Path, job: int, generation: int) -> list:
 # rank (0.01 TFLOPS), one type per island: the planner groups nodes into classes, and nodes of
 # one class are priced at the slowest link among them, so the islands must be two classes for
 # the planner to see a fast inside and a slow link between. Every link (each node's and the
-# inter-island one) is shaped to RATE_MBIT and declared so; the drop takes the inter-island link
-# to DROP_MBIT. The planner then makes a 4-stage pipeline across both islands at RATE_MBIT, and
+# inter-island one) is shaped to RATE_MBIT and declared so (`entries`); the drop takes the
+# inter-island link to DROP_MBIT. The planner then makes a 4-stage pipeline across both islands at RATE_MBIT, and
 # a 2-stage pipeline on island A after the drop (`motley replan` says switch); the ranks agree:
 # the old plan's hop across the islands becomes the bottleneck (test_network_change.py checks
 # both).
@@ -262,9 +262,18 @@ def gpu_types() -> List[dict]:
     return [{"name": f"CPU-{i}", "memory_gib": 4, "tflops": GPU_TFLOPS, "mem_bw_gbps": 20} for i in ISLANDS]
 
 
+# The planner prices Ethernet at 85% of the NIC's line rate (solver/src/hardware.rs,
+# nic_efficiency): a NIC declared at RATE / 0.85 is priced at RATE, what the probes measure of
+# a link shaped to RATE, so a link as shaped is a link as declared (`net show`'s
+# declared_gb_per_s) and only the drop is a change.
+ETHERNET_EFFICIENCY = 0.85
+
+
 def entries(mbit: float = RATE_MBIT) -> Dict[str, dict]:
-    """Each node's inventory: its island's GPU type, one GPU, eth0 declared at `mbit`."""
-    return {n: {"gpu": f"CPU-{i}", "gpus": 1, "nics": [{"name": "eth0", "kind": "ethernet", "gbps": mbit / 1000}]}
+    """Each node's inventory: its island's GPU type, one GPU, eth0 declared so that the planner
+    prices it at `mbit`."""
+    gbps = round(mbit / ETHERNET_EFFICIENCY / 1000, 6)
+    return {n: {"gpu": f"CPU-{i}", "gpus": 1, "nics": [{"name": "eth0", "kind": "ethernet", "gbps": gbps}]}
             for i, nodes in ISLANDS.items() for n in nodes}
 
 

@@ -139,10 +139,11 @@ def _subnet() -> int:
 
 
 def _tbf(dev: str, mbit: float, ns: Optional[str] = None):
-    """`dev`'s egress held to `mbit` Mbit/s (tbf; its bucket holds 5 ms of the rate, 16 KiB at
-    least, and its queue 100 ms)."""
+    """`dev`'s egress held to `mbit` Mbit/s (tbf; its queue holds 100 ms). The bucket is small,
+    1 ms of the rate and 4 KiB at least: a burst at line rate is what a short probe would read
+    as a faster link (three buckets lie on a path between two nodes of different islands)."""
     rate_bytes = mbit * 1e6 / 8
-    burst = max(16 * 1024, int(rate_bytes * 0.005))
+    burst = max(4 * 1024, int(rate_bytes * 0.001))
     _run("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
          "latency", "100ms", ns=ns)
 
