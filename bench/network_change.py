@@ -15,11 +15,12 @@ after the other on fresh namespaces:
             as the job's `plan:`)
 
 Each reports the time from submission to `succeeded` (the coordinator's events), its plans
-and generations, and rank 0's step times before and after the drop. Then the probes' cost:
-the same job with no drop, agents probing (the default duty) and not (`--probe-duty 0`),
-median step time side by side.
+and generations, and rank 0's step times before and after the drop. The agents probe with
+`--probe-duty 0.1` (--probe-duty; the agent's default is 0.01) in all three. Then the probes'
+cost: the same job with no drop and `replan: off`, the agents probing at that duty and not
+(`--probe-duty 0`), median step time side by side.
 
-    bench/network_change.py                    # everything, a table (about 15 minutes here)
+    bench/network_change.py                    # everything, a table (about 12 minutes here)
     bench/network_change.py --steps 400 --only adaptive,static -o json
 
 Needs root and iproute2 (namespaces, veths, bridges, tc), target/ci/motley with
@@ -99,7 +100,7 @@ def run_one(mode: str, args, root: Path) -> dict:
     tmp = root / mode
     tmp.mkdir(parents=True)
     link = nc.DROP_MBIT if mode == "oracle" else nc.RATE_MBIT
-    agent_args = ["--probe-duty", "0"] if mode == "probes-off" else []
+    agent_args = ["--probe-duty", "0" if mode == "probes-off" else str(args.probe_duty)]
     net = Net(nc.ISLANDS, node_mbit=nc.RATE_MBIT, link_mbit=link)
     c = None
     try:
@@ -165,8 +166,6 @@ def run_one(mode: str, args, root: Path) -> dict:
             rec = event_at(events, "recovering")
             out["drop_to_recovering_s"] = round(rec / 1000 - dropped_at, 1) if rec else None
         log(f"{mode}: {out}")
-        if args.keep is None:
-            pass
         return out
     finally:
         if c is not None:
@@ -176,10 +175,12 @@ def run_one(mode: str, args, root: Path) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=1500, help="training steps of the job (default 1500)")
+    p.add_argument("--steps", type=int, default=1000, help="training steps of the job (default 1000)")
     p.add_argument("--every", type=int, default=20, help="checkpoint every N steps (default 20)")
     p.add_argument("--drop-at", type=float, default=0.2, help="the drop, as the fraction of the steps done (0.2)")
     p.add_argument("--hold", default="5s", help="replan.hold (default 5s)")
+    p.add_argument("--probe-duty", type=float, default=0.1,
+                   help="the agents' --probe-duty in every run but probes-off (default 0.1; the agent's own is 0.01)")
     p.add_argument("--probe-steps", type=int, default=400, help="steps of each probe-cost run (default 400)")
     p.add_argument("--only", default="adaptive,static,oracle,probes",
                    help="which runs, comma-separated: adaptive, static, oracle, probes")
@@ -213,6 +214,7 @@ def main():
         summary["probe_step_cost"] = round(on / off - 1, 4)
     doc = {"machine": {"nproc": os.cpu_count(), "uname": os.uname().release},
            "settings": {"steps": args.steps, "every": args.every, "drop_at": args.drop_at, "hold": args.hold,
+                        "probe_duty": args.probe_duty, "probe_steps": args.probe_steps,
                         "rate_mbit": nc.RATE_MBIT, "drop_mbit": nc.DROP_MBIT, "global_batch": nc.GLOBAL_BATCH,
                         "model": nc.model()},
            "runs": results, "summary": summary}
