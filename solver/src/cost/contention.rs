@@ -14,11 +14,11 @@
 //! The phases, as `CostModel::replica_time` prices them:
 //! - the pipeline (warm-up, steady 1F1B, cool-down): the latency term (a micro-batch's trip,
 //!   the warm-up and cool-down) and the period (steady state) use one time per hop. In steady
-//!   1F1B every hop carries a micro-batch each way every period, so every cross-node hop of the
-//!   replica is a concurrent flow; warm-up and cool-down use those same hops and are priced with
-//!   the steady state's shares. A node between two cross-node hops sends one hop's activations
-//!   and the other's gradients in each period, so counting hops per NIC counts flows per
-//!   direction of a full-duplex NIC.
+//!   1F1B every hop carries a micro-batch each way every period, hops of one parity in one half
+//!   of the cycle and the others in the other half (`hop_shares`); warm-up and cool-down use
+//!   the same hops and are priced with the steady state's shares. A hop's activations and
+//!   gradients leave the two ends of one node's NIC in opposite directions, so counting hops
+//!   per NIC counts flows per direction of a full-duplex NIC.
 //! - the gradient sync after the last backward pass: every stage's ring that crosses a NIC is
 //!   a concurrent flow on the NICs of its stage's nodes (rings of stages packed into one node
 //!   share its NIC; in a uniform plan each replica packs alike, so one replica's count is every
@@ -52,15 +52,26 @@ pub(crate) fn node_groups(cluster: &Cluster, kinds: &[StageKind]) -> Vec<usize> 
 /// Per hop of a replica, the number of the replica's concurrent pipeline flows on the most
 /// loaded NIC the hop crosses (1 for a hop inside a node). `same_node[i]`: hop i stays inside
 /// a node (`same_node_hops`).
+///
+/// In steady 1F1B neighbouring stages are in opposite halves of the cycle (one runs a forward
+/// while the next runs a backward), and hop i carries its activations (sent after stage i's
+/// forward) and its gradients (sent after stage i+1's backward) in the same half: the one of
+/// the parity of i. So hops of one parity run at once and never with those of the other: the
+/// two hops of a stage alone in its node take turns, while the hops in and out of a node
+/// holding an even number of stages (a hop's neighbours two apart in parity) meet on its NIC.
 pub(crate) fn hop_shares(groups: &[usize], same_node: &[bool]) -> Vec<f64> {
-    let mut load = vec![0u32; groups.last().map_or(0, |g| g + 1)];
+    let mut load = vec![[0u32; 2]; groups.last().map_or(0, |g| g + 1)];
     for (i, &same) in same_node.iter().enumerate() {
         if !same {
-            load[groups[i]] += 1;
-            load[groups[i + 1]] += 1;
+            load[groups[i]][i % 2] += 1;
+            load[groups[i + 1]][i % 2] += 1;
         }
     }
-    same_node.iter().enumerate().map(|(i, &same)| if same { 1.0 } else { load[groups[i]].max(load[groups[i + 1]]) as f64 }).collect()
+    same_node
+        .iter()
+        .enumerate()
+        .map(|(i, &same)| if same { 1.0 } else { load[groups[i]][i % 2].max(load[groups[i + 1]][i % 2]) as f64 })
+        .collect()
 }
 
 /// Per stage of a replica, the number of concurrent gradient rings on the NICs its own ring
@@ -106,13 +117,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_middle_node_carries_both_its_hops() {
-        // Three stages on three nodes: the middle node sends forward and back.
-        assert_eq!(hop_shares(&[1, 2, 3], &[false, false]), vec![2.0, 2.0]);
+    fn hops_of_one_parity_share_a_node() {
+        // Three stages on three nodes: the middle stage's two hops take turns.
+        assert_eq!(hop_shares(&[1, 2, 3], &[false, false]), vec![1.0, 1.0]);
         // Stages 0 and 1 in one node, stage 2 apart: one flow each side.
         assert_eq!(hop_shares(&[1, 1, 2], &[true, false]), vec![1.0, 1.0]);
-        // Stages 1 and 2 in one node between two cross-node hops: its NIC carries both.
+        // Stages 1 and 2 in one node between two cross-node hops (0 and 2, one parity): its
+        // NIC carries both at once.
         assert_eq!(hop_shares(&[1, 2, 2, 3], &[false, true, false]), vec![2.0, 1.0, 2.0]);
+        // Stages 1-3 in one node: hops 0 and 3 are in opposite halves.
+        assert_eq!(hop_shares(&[1, 2, 2, 2, 3], &[false, true, true, false]), vec![1.0, 1.0, 1.0, 1.0]);
         assert_eq!(hop_shares(&[1], &[]), Vec::<f64>::new());
     }
 
