@@ -89,11 +89,7 @@ pub struct Links {
 impl Links {
     /// A matrix whose history reaches `HISTORY_INTERVALS` base intervals back.
     pub fn new(base: Duration) -> Links {
-        Links {
-            max_age_ms: (base * HISTORY_INTERVALS).as_millis() as i64,
-            links: Mutex::default(),
-            nics: Mutex::default(),
-        }
+        Links { max_age_ms: (base * HISTORY_INTERVALS).as_millis() as i64, links: Mutex::default(), nics: Mutex::default() }
     }
 
     /// `node` measured its link to `peer`. Nonsense (not finite, not positive, a node paired
@@ -122,14 +118,24 @@ impl Links {
         self.nics.lock().expect("nics").insert((nic.node.clone(), nic.name.clone()), nic);
     }
 
+    /// Drop what is older than the history's age at `now_ms`: the links no launch probes any
+    /// more and the NICs of agents that went away (the leader calls it every interval).
+    pub fn forget_before(&self, now_ms: i64) {
+        let oldest = now_ms - self.max_age_ms;
+        let mut links = self.links.lock().expect("links");
+        for history in links.values_mut() {
+            while history.front().is_some_and(|s| s.at_unix_ms < oldest) {
+                history.pop_front();
+            }
+        }
+        links.retain(|_, h| !h.is_empty());
+        self.nics.lock().expect("nics").retain(|_, n| n.at_unix_ms >= oldest);
+    }
+
     /// Every link (of `node`, if given) with its estimate and history, in key order.
     pub fn links(&self, node: Option<&str>) -> Vec<LinkView> {
         let links = self.links.lock().expect("links");
-        links
-            .iter()
-            .filter(|(k, h)| !h.is_empty() && node.is_none_or(|n| k.a == n || k.b == n))
-            .map(|(k, h)| view(k, h))
-            .collect()
+        links.iter().filter(|(k, h)| !h.is_empty() && node.is_none_or(|n| k.a == n || k.b == n)).map(|(k, h)| view(k, h)).collect()
     }
 
     /// One link's view, if it was measured.
@@ -229,6 +235,18 @@ mod tests {
             l.record("n0", "n1", "eth", s(10_000 + i, 1.0));
         }
         assert_eq!(l.link(&LinkKey::new("n0", "n1", "eth")).expect("measured").samples, HISTORY_SAMPLES);
+        l.record_nic(NicView {
+            node: "n0".into(),
+            name: "eth0".into(),
+            kind: "eth".into(),
+            tx_gb_per_s: 0.1,
+            rx_gb_per_s: 0.1,
+            at_unix_ms: 10_000,
+        });
+        l.forget_before(10_000 + 6_000);
+        assert_eq!(l.nics(None).len(), 1);
+        l.forget_before(20_000 + 6_000);
+        assert!(l.links(None).is_empty() && l.nics(None).is_empty());
     }
 
     #[test]

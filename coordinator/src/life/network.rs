@@ -52,6 +52,7 @@ pub(super) struct Watched {
 
 impl Life {
     pub(super) async fn watch_networks(&self, jobs: &[JobRecord]) -> Result<()> {
+        self.fleet.links.forget_before(crate::store::now_ms());
         {
             let keep: HashSet<(i64, i64)> = jobs.iter().filter(|j| j.state == JobState::Running).map(|j| (j.id, j.generation)).collect();
             self.network.lock().expect("network").retain(|k, _| keep.contains(k));
