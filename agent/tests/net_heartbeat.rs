@@ -35,7 +35,7 @@ impl Agent for Fake {
     async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
         let req = req.into_inner();
         self.0.lock().unwrap().registrations.insert(req.node.clone(), req);
-        Ok(Response::new(RegisterReply { epoch: 1, heartbeat_ms: 50, data_plane_key: vec![42; 32], ..Default::default() }))
+        Ok(Response::new(RegisterReply { epoch: 1, heartbeat_ms: 50, data_plane_key: vec![42; 32] }))
     }
 
     type HeartbeatStream = ReceiverStream<Result<Instruction, Status>>;
