@@ -281,13 +281,14 @@ def test_a_drop_a_switch_would_not_pay_for_is_kept(islands: Net, tmp_path: Path)
     c, jid = start(tmp_path, islands, 100_000, {"threshold": 0.3, "hold": "3s", "horizon": "1s", "cooldown": "0s"})
     try:
         islands.shape_link(nc.DROP_MBIT)
-        # The first re-plan may see only a link the pipeline does not cross (still the fastest);
-        # once the crossed link's change is in, a faster plan is found, and it does not pay.
-        kept = c.wait(lambda: [m for m in messages(c, jid, "replan_considered") if "does not pay" in m["reason"]], 90,
-                      why="a re-plan weighed and kept")
-        m = kept[0]
-        assert m["decision"] == "keep" and m["gain_s"] <= m["cost_s"], m
-        assert m["plan_after"]["iteration_time_s"] < m["plan_before"]["iteration_time_s"], m
+        # The first re-plan may see only a link the pipeline does not cross (nothing much
+        # faster); once the crossed link's change is in, a plan under half the running one's
+        # time is found, and with 1 s of work left it does not pay.
+        def weighed():
+            return [m for m in messages(c, jid, "replan_considered")
+                    if m["plan_after"] and m["plan_after"]["iteration_time_s"] < m["plan_before"]["iteration_time_s"] / 2]
+        m = c.wait(weighed, 90, why="a re-plan that finds a much faster plan")[0]
+        assert m["decision"] == "keep" and m["gain_s"] <= m["cost_s"] and "does not pay" in m["reason"], m
         assert messages(c, jid, "network_changed"), "the change was reported"
         newest = newest_complete(c, jid)
         c.wait(lambda: newest_complete(c, jid) >= newest + 2 * EVERY, 60, why="two more checkpoints")
