@@ -219,21 +219,23 @@ def test_a_10x_drop_between_the_islands_switches_the_job_to_one_island_at_its_ne
 
 
 def test_a_drop_shorter_than_hold_changes_nothing(islands: Net, tmp_path: Path):
-    """The inter-island link drops 10x for 3 s, less than the job's hold (10 s): the probes see
+    """The inter-island link drops 10x for 4 s, less than the job's hold (10 s): the probes see
     the drop (a sample in the link's history), yet no change is reported, nothing is
     re-planned and the job runs on in its first generation."""
     c, jid = start(tmp_path, islands, 100_000, {"threshold": 0.3, "hold": "10s", "cooldown": "10m"})
     try:
         t0 = time.time() * 1000
         islands.shape_link(nc.DROP_MBIT)
-        time.sleep(3)
+        time.sleep(4)
         islands.shape_link(nc.RATE_MBIT)
         t1 = time.time() * 1000
         time.sleep(14)
         links = [l for l in c.net_show()["links"] if across(l)]
         low = [s for l in links for s in l["history"] if t0 <= s["at_unix_ms"] <= t1 + 1000 and s["gb_per_s"] < 0.3 * RATE_GB]
         assert low, f"the probes never saw the brief drop: {links}"
-        assert all(l["history"][-1]["gb_per_s"] > 0.7 * RATE_GB for l in links), links
+        # Back: each estimate (the best of the newest samples; a probe beside the training's
+        # traffic reads low) is near the shaped rate again.
+        assert all(l["gb_per_s"] > 0.5 * RATE_GB for l in links), links
         kinds = [e["kind"] for e in c.events(jid)]
         assert "network_changed" not in kinds and "replan_considered" not in kinds, kinds
         job = c.job(jid)
