@@ -9,7 +9,8 @@
 //! 1. **Change.** Each link of its plan (`PlanReport.network`) against the live estimate
 //!    (`Fleet.links`): more than `replan.threshold` away, every sample since the deviation
 //!    began deviating, for at least `replan.hold` (by the samples' own times), is a change:
-//!    event `network_changed {link: {a, b, nic_kind}, was, now}`, once per change.
+//!    event `network_changed {link: {a, b, nic_kind}, was, now}`, once per change (a link
+//!    that moves on past the threshold from the estimate reported is a change again).
 //! 2. **Weigh.** On a change, the solver's `replan` (`planning::replan_running`): the saving per
 //!    iteration (the running plan priced on the measured links minus the new plan's time) times
 //!    the iterations left (`steps` minus the newest complete step, else `replan.horizon` over
@@ -44,7 +45,9 @@ pub const RELAUNCH_INTERVALS: u32 = 30;
 /// reported, and the newest complete step when it decided to switch.
 #[derive(Debug, Default)]
 pub(super) struct Watched {
-    reported: HashSet<(String, String)>,
+    /// Per link (a, b) whose change was reported, the estimate reported: a link that moves on
+    /// past the threshold from there (up 40%, then down ten-fold) is a change again.
+    reported: HashMap<(String, String), f64>,
     switch_after: Option<i64>,
     /// Whether the launch's durable events were read (a switch decided by an earlier leader).
     resumed: bool,
@@ -108,7 +111,12 @@ impl Life {
             let pair = (l.a.clone(), l.b.clone());
             match (changed, live) {
                 (Some(_), Some(v)) => {
-                    if reported.insert(pair) {
+                    // New, or moved on from what was reported for as long as the hold.
+                    let again = reported
+                        .get(&pair)
+                        .is_none_or(|&told| changed_since(&v.history, told, v.gb_per_s, policy.threshold, hold_ms).is_some());
+                    if again {
+                        reported.insert(pair, v.gb_per_s);
                         changes.push((v.key, l.gb_per_s, v.gb_per_s));
                     }
                 }

@@ -121,3 +121,17 @@ fn a_shape_counts_runs_of_equal_replicas() {
     .unwrap();
     assert_eq!(shape_of(&plan), "2 x [A100 tp1 dp2 L0-12 | A100 tp1 dp2 L12-24] + [V100 tp2 dp1 L0-24]");
 }
+
+#[test]
+fn a_link_that_moved_on_from_what_was_reported_is_a_change_again() {
+    // Assumed 10; up to 14 (reported as a change), then down to 1 and held: against the plan it
+    // deviates all along, but against the reported 14 the drop is a change of its own.
+    let mut h: Vec<(i64, f64)> = (0..5).map(|i| (i * 1000, 14.0)).collect();
+    h.extend((5..12).map(|i| (i * 1000, 1.0)));
+    let h = samples(&h);
+    assert_eq!(changed_since(&h, 10.0, 1.0, 0.3, 5_000), Some(0), "deviating from the plan since the rise");
+    assert_eq!(changed_since(&h, 14.0, 1.0, 0.3, 5_000), Some(5_000), "and from what was reported since the drop");
+    // Still near what was reported: not again.
+    let near = samples(&[(0, 14.0), (5000, 13.0), (9000, 14.5)]);
+    assert_eq!(changed_since(&near, 14.0, 14.5, 0.3, 5_000), None);
+}
