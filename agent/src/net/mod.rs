@@ -19,7 +19,7 @@ use motley_proto::v1::{LinkSample, NicRate, PeerDataPlane};
 use tokio::sync::Notify;
 
 pub use counters::Counters;
-pub use probe::{Pacing, MIN_PROBE_BYTES};
+pub use probe::{check_duty, Pacing, MIN_PROBE_BYTES};
 
 /// Samples kept for the next heartbeat at most; older ones are dropped first.
 pub const MAX_PENDING_LINKS: usize = 256;

@@ -4,13 +4,17 @@
 //!
 //! The bound: a probe is sized to take about `target` at the link's last measured rate
 //! (between `MIN_PROBE_BYTES` and `dataplane::MAX_PROBE_BYTES`; `MIN_PROBE_BYTES` when the link
-//! has no rate yet), and after a probe that took `d` no next probe starts, to any peer, before
-//! `d * (1/duty - 1)` has passed. So from each probe's start to the next one's at least
-//! `d / duty` passes, of which the probe held the wire `d`: over any stretch of time, probes
-//! of this agent are on the wire at most `duty` of it (plus the one under way). A probe that
-//! failed before any payload byte arrived (refused, unreachable, no key yet) moved almost
-//! nothing and is charged `min(d, target)` instead, so a dead peer does not stall the others'
-//! probes for long.
+//! has no rate yet), and stops reading `Pacing::limit` (4 x `target`) after its request was
+//! sent, measuring what arrived by then (so a link that dropped 100-fold costs one probe of
+//! 4 x `target`, and the next is sized to the new rate). After a probe charged `c` no next
+//! probe starts, to any peer, before `c * (1/duty - 1)` has passed, so from each probe's start
+//! to the next one's at least `c / duty` passes: a successful probe is charged the time it took
+//! (at most `limit`: its payload moves only after the request), a failed one `target` (between
+//! `target` and `limit` if payload had moved), so over any stretch of time probes of this agent
+//! are on the wire at most `duty` of it (plus the one under way), and a refusing peer is asked
+//! at most once per `target / duty`. A peer whose probe failed is also skipped for a while:
+//! `BACKOFF_FIRST`, doubling on each further failure up to `BACKOFF_MAX`, forgotten on a
+//! success.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -33,11 +37,22 @@ pub const MIN_PROBE_BYTES: u64 = 64 << 10;
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// With no peer to probe, how often the peers are looked at again (also on every launch).
 const IDLE_CHECK: Duration = Duration::from_secs(1);
+/// How long a peer whose probe failed is skipped; doubled on each further failure.
+pub const BACKOFF_FIRST: Duration = Duration::from_secs(1);
+/// The longest a failing peer is skipped.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// The least duty that probes (`--probe-duty`; 0 disables probing).
+pub const MIN_DUTY: f64 = 0.0001;
+/// The most duty.
+pub const MAX_DUTY: f64 = 0.5;
+/// A probe's reading ends this many times its target after its request.
+const LIMIT_TARGETS: u32 = 4;
 
 /// How much probing: the share of time on the wire and each probe's target duration.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Pacing {
-    /// In (0, 1]; 0 (or anything not above 0) disables probing.
+    /// 0 disables probing; else in [`MIN_DUTY`, `MAX_DUTY`] (`check_duty`; the gap treats a
+    /// duty outside it as the nearest bound).
     pub duty: f64,
     pub target: Duration,
 }
@@ -61,13 +76,19 @@ impl Pacing {
         }
     }
 
-    /// The time a probe that took `took` counts for: all of it, but at most `target` when it
-    /// moved no payload byte.
-    pub fn charge(&self, took: Duration, moved: u64) -> Duration {
-        if moved == 0 {
-            took.min(self.target)
-        } else {
-            took
+    /// How long a probe reads after its request: 4 x `target`.
+    pub fn limit(&self) -> Duration {
+        self.target.saturating_mul(LIMIT_TARGETS)
+    }
+
+    /// The time a probe that took `took` counts for: a success all of it up to `limit` (its
+    /// payload moves only after the request, and for at most `limit`); a failure `target`, or
+    /// what it took up to `limit` when payload had moved.
+    pub fn charge(&self, took: Duration, ok: bool, moved: u64) -> Duration {
+        match (ok, moved) {
+            (true, _) => took.min(self.limit()),
+            (false, 0) => self.target,
+            (false, _) => took.clamp(self.target, self.limit()),
         }
     }
 
@@ -76,7 +97,43 @@ impl Pacing {
         if !self.enabled() {
             return Duration::MAX;
         }
-        charge.mul_f64(1.0 / self.duty.min(1.0) - 1.0)
+        charge.mul_f64(1.0 / self.duty.clamp(MIN_DUTY, MAX_DUTY) - 1.0)
+    }
+}
+
+/// Whether `duty` is a valid `--probe-duty`: 0 (no probes) or from `MIN_DUTY` to `MAX_DUTY`.
+pub fn check_duty(duty: f64) -> Result<(), String> {
+    if duty == 0.0 || (MIN_DUTY..=MAX_DUTY).contains(&duty) {
+        Ok(())
+    } else {
+        Err(format!("--probe-duty (probe_duty): must be 0 (no probes) or from {MIN_DUTY} to {MAX_DUTY} (default 0.01), not {duty}"))
+    }
+}
+
+/// The peers whose last probes failed: skipped until `until`, for `period` more on the next
+/// failure.
+#[derive(Debug, Default)]
+struct Backoff {
+    peers: HashMap<String, (Instant, Duration)>,
+}
+
+impl Backoff {
+    fn failed(&mut self, node: &str, now: Instant) {
+        let period = self.peers.get(node).map_or(BACKOFF_FIRST, |(_, p)| (*p * 2).min(BACKOFF_MAX));
+        self.peers.insert(node.to_string(), (now + period, period));
+    }
+
+    fn succeeded(&mut self, node: &str) {
+        self.peers.remove(node);
+    }
+
+    fn ready(&self, node: &str, now: Instant) -> bool {
+        self.peers.get(node).is_none_or(|(until, _)| *until <= now)
+    }
+
+    /// When the first skipped peer may be probed again.
+    fn next_ready(&self) -> Option<Instant> {
+        self.peers.values().map(|(until, _)| *until).min()
     }
 }
 
@@ -105,11 +162,12 @@ pub struct Probed {
 }
 
 /// Probes the meter's peers for ever with `probe` (the data plane in production, a fake in
-/// tests), paced by `pacing`; each success becomes a `LinkSample` in the meter. `running`
+/// tests) given the peer, the bytes and how long to read (`Pacing::limit`), paced by `pacing`;
+/// each success becomes a `LinkSample` in the meter. `running`
 /// says which launches still have ranks here: launches that have none are forgotten first.
 pub async fn probe_loop<P, F>(meter: &Meter, pacing: Pacing, running: impl Fn() -> std::collections::BTreeSet<(i64, i64)>, mut probe: P)
 where
-    P: FnMut(&PeerPlane, u64) -> F,
+    P: FnMut(&PeerPlane, u64, Duration) -> F,
     F: Future<Output = Result<Probed, ProbeFailed>>,
 {
     if !pacing.enabled() {
@@ -117,20 +175,26 @@ where
     }
     let mut rotation = Rotation::default();
     let mut rates: HashMap<String, f64> = HashMap::new();
+    let mut backoff = Backoff::default();
     loop {
         meter.retain_running(&running());
         let peers = meter.peers();
         rates.retain(|node, _| peers.iter().any(|p| p.node == *node));
-        let Some(peer) = rotation.next(&peers) else {
-            let _ = tokio::time::timeout(IDLE_CHECK, meter.peers_changed()).await;
+        backoff.peers.retain(|node, _| peers.iter().any(|p| p.node == *node));
+        let now = Instant::now();
+        let ready: Vec<PeerPlane> = peers.into_iter().filter(|p| backoff.ready(&p.node, now)).collect();
+        let Some(peer) = rotation.next(&ready) else {
+            let wake = backoff.next_ready().map_or(now + IDLE_CHECK, |t| t.min(now + IDLE_CHECK));
+            let _ = tokio::time::timeout_at(wake, meter.peers_changed()).await;
             continue;
         };
         let bytes = pacing.size(rates.get(&peer.node).copied());
         let start = Instant::now();
-        let result = probe(peer, bytes).await;
+        let result = probe(peer, bytes, pacing.limit()).await;
         let took = start.elapsed();
         let charge = match result {
             Ok(Probed { measured, nic_kind }) => {
+                backoff.succeeded(&peer.node);
                 if let Some(rate) = measured.rate_bytes_s {
                     rates.insert(peer.node.clone(), rate);
                 }
@@ -141,11 +205,12 @@ where
                     latency_ms: measured.latency.as_secs_f64() * 1e3,
                     at_unix_ms: super::now_unix_ms(),
                 });
-                took
+                pacing.charge(took, true, measured.bytes)
             }
             Err(failed) => {
                 tracing::debug!(peer = %peer.node, "{failed}");
-                pacing.charge(took, failed.moved)
+                backoff.failed(&peer.node, Instant::now());
+                pacing.charge(took, false, failed.moved)
             }
         };
         tokio::time::sleep(pacing.gap(charge)).await;
@@ -163,7 +228,7 @@ pub async fn run(
     running: impl Fn() -> std::collections::BTreeSet<(i64, i64)>,
 ) {
     let sysfs = meter.sysfs.clone();
-    let probe = |peer: &PeerPlane, bytes: u64| {
+    let probe = |peer: &PeerPlane, bytes: u64, limit: Duration| {
         let (key, tls, sysfs) = (key.clone(), tls.clone(), sysfs.clone());
         let peer = peer.clone();
         async move {
@@ -171,7 +236,7 @@ pub async fn run(
                 |message: String| ProbeFailed { error: crate::error::AgentError::Probe { peer: peer.data_url.clone(), message }, moved: 0 };
             let token = key.mint_probe(&peer.node).map_err(failed)?;
             let probe = Probe { addr: &peer.data_url, token: Some(&token), tls: tls.as_ref(), timeout: PROBE_TIMEOUT };
-            let measured = probe.run(bytes).await?;
+            let measured = probe.run_within(bytes, limit).await?;
             let nic_kind = measured
                 .local
                 .and_then(|a| super::local::interface_of(a.ip()))

@@ -102,12 +102,12 @@ pub(crate) struct Args {
     #[arg(long, env = "MOTLEY_CKPT_DISK_MB_S", default_value_t = 0.0)]
     pub(crate) ckpt_disk_mb_s: f64,
     /// The share of time this agent's link probes may hold the wire (docs/network.md,
-    /// "Measure (agents)"): after a probe that took d, the next starts no sooner than
-    /// d * (1/duty - 1) later. 0 disables probing; at most 1.
+    /// "Measure (agents)"): after a probe charged d, the next starts no sooner than
+    /// d * (1/duty - 1) later. 0 disables probing; else from 0.0001 to 0.5.
     #[arg(long, env = "MOTLEY_PROBE_DUTY", default_value_t = 0.01)]
     pub(crate) probe_duty: f64,
     /// How long each link probe should take (ms): probes are sized to it at the link's last
-    /// measured rate, between 64 KiB and 8 MiB.
+    /// measured rate, between 64 KiB and 8 MiB, and stop reading at 4 times it.
     #[arg(long, env = "MOTLEY_PROBE_TARGET_MS", default_value_t = 50)]
     pub(crate) probe_target_ms: u64,
     #[command(subcommand)]
@@ -147,10 +147,7 @@ pub(crate) fn settings() -> anyhow::Result<Args> {
     for (flag, v) in [("ckpt_nic_mb_s", args.ckpt_nic_mb_s), ("ckpt_disk_mb_s", args.ckpt_disk_mb_s)] {
         anyhow::ensure!(v.is_finite() && v >= 0.0, "{flag}: must be a rate in MB/s, 0 (unpaced) or more");
     }
-    anyhow::ensure!(
-        args.probe_duty.is_finite() && (0.0..=1.0).contains(&args.probe_duty),
-        "probe_duty: must be a share of time from 0 (no probes) to 1 (default 0.01)"
-    );
+    motley_agent::net::check_duty(args.probe_duty).map_err(anyhow::Error::msg)?;
     anyhow::ensure!(
         (1..=10_000).contains(&args.probe_target_ms),
         "probe_target_ms: must be a probe's duration in milliseconds, 1 to 10000 (default 50)"

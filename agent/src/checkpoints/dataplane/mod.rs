@@ -51,7 +51,12 @@
 //! `{"ok":false,"error":"..."}` (no or a bad token, another node's, expired, too many bytes, a
 //! data plane started without its node's name). `N` = 0 is a round trip only. Neither end
 //! holds more than 64 KiB of a probe at once. Probe bytes are not charged to the node's
-//! checkpoint egress pacer (they measure the link; `Access::probe_pacer` can pace them).
+//! checkpoint egress pacer (they measure the link; `Access::probe_pacer` can pace them). The
+//! server closes a probe's connection `server::PROBE_DEADLINE` (10 s) after its request
+//! whether or not all `N` bytes were taken. The asking end may stop reading earlier
+//! (`Probe::run_within`, 4 x the agent's probe target) and measure the bytes received by then;
+//! its rate is the payload bytes received over the time from the request sent to the last of
+//! them (a round trip counted).
 
 pub mod access;
 pub mod client;

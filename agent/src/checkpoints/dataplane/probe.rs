@@ -36,15 +36,17 @@ pub struct Probe<'a> {
 /// What a probe measured.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Measured {
-    /// Payload bytes received.
+    /// Payload bytes received: those asked, or fewer when the probe was cut at its limit
+    /// (`Probe::run_within`).
     pub bytes: u64,
     /// From the request line sent to the reply line received: one round trip (and the peer's
     /// token check).
     pub latency: Duration,
-    /// Payload bytes per second: the bytes after the first read over the time from the first
-    /// read to the last (so the round trip is not counted); when the whole payload came in one
-    /// read, all of it over the time from the request to the last byte (an underestimate by a
-    /// round trip). `None` for a probe of 0 bytes.
+    /// Payload bytes per second: all the payload bytes received over the time from the request
+    /// sent to the last payload byte received. The round trip is counted (an underestimate by
+    /// one round trip of a probe's duration: small at a probe's 50 ms target), so bytes the
+    /// kernel had queued while this task was not running cannot make an absurd rate. `None`
+    /// for a probe of 0 bytes.
     pub rate_bytes_s: Option<f64>,
     /// The local address of the probe's TCP socket.
     pub local: Option<SocketAddr>,
@@ -65,8 +67,22 @@ impl std::fmt::Display for ProbeFailed {
 }
 
 impl Probe<'_> {
-    /// Asks the peer for `bytes` (at most `MAX_PROBE_BYTES`) and times them.
+    /// Asks the peer for `bytes` (at most `MAX_PROBE_BYTES`) and times them, however long they
+    /// take (each read within `timeout`).
     pub async fn run(&self, bytes: u64) -> Result<Measured, ProbeFailed> {
+        self.exchange(bytes, None).await
+    }
+
+    /// Asks the peer for `bytes` (at most `MAX_PROBE_BYTES`) and times them, reading for at
+    /// most `limit` from the request sent: at `limit` the probe stops reading and, if some
+    /// payload had arrived, measures what did (`Measured::bytes` then fewer than asked; the
+    /// rate is a rate all the same); if none had, it fails. Connecting (and the TLS handshake)
+    /// keeps its own bound, `timeout`.
+    pub async fn run_within(&self, bytes: u64, limit: Duration) -> Result<Measured, ProbeFailed> {
+        self.exchange(bytes, Some(limit)).await
+    }
+
+    async fn exchange(&self, bytes: u64, limit: Option<Duration>) -> Result<Measured, ProbeFailed> {
         let fail = |message: String, moved: u64| ProbeFailed { error: AgentError::Probe { peer: self.addr.to_string(), message }, moved };
         if bytes > MAX_PROBE_BYTES {
             return Err(fail(format!("a probe of {bytes} bytes; at most {MAX_PROBE_BYTES}"), 0));
@@ -84,13 +100,14 @@ impl Probe<'_> {
         let mut reader = BufReader::new(stream);
         let request = ProbeRequest { v: VERSION, probe: ProbeAsk { bytes }, capability: self.token.map(Into::into) };
         let sent = Instant::now();
+        let deadline = limit.and_then(|l| sent.checked_add(l));
         let wrote = async {
             let stream = reader.get_mut();
             stream.write_all(&line(&request)).await?;
             stream.flush().await
         };
-        self.io(wrote).await.map_err(|e| fail(format!("sending the request: {e}"), 0))?;
-        let reply = self.io(read_line(&mut reader)).await.map_err(|e| fail(format!("reading the reply: {e}"), 0))?;
+        self.io(wrote, deadline).await.map_err(|e| fail(format!("sending the request: {e}"), 0))?;
+        let reply = self.io(read_line(&mut reader), deadline).await.map_err(|e| fail(format!("reading the reply: {e}"), 0))?;
         let replied = Instant::now();
         match reply.as_deref().map(serde_json::from_str::<Reply>) {
             Some(Ok(Reply { ok: true, bytes: Some(n), .. })) if n == bytes => {}
@@ -103,40 +120,61 @@ impl Probe<'_> {
             Some(Err(e)) => return Err(fail(format!("the reply is not the data plane's: {e}"), 0)),
             None => return Err(fail("the peer closed the connection without a reply".into(), 0)),
         }
-        // Payload bytes that came with the reply line count as the first read's.
+        // Payload bytes that came with the reply line arrived with it.
         let buffered = reader.buffer().len() as u64;
         if buffered > bytes {
             return Err(fail(format!("the peer sent more than the {bytes} bytes asked"), bytes));
         }
         reader.consume(buffered as usize);
         let mut got = buffered;
-        let mut first = (buffered > 0).then_some((replied, buffered));
         let mut last = replied;
         let mut buf = vec![0u8; CHUNK.min(bytes as usize)];
         while got < bytes {
             let want = (bytes - got).min(CHUNK as u64) as usize;
-            let n = match self.io(reader.read(&mut buf[..want])).await {
+            let n = match self.io(reader.read(&mut buf[..want]), deadline).await {
                 Ok(0) => return Err(fail(format!("the stream ended after {got} of {bytes} bytes"), got)),
                 Ok(n) => n as u64,
+                // Cut at the limit: what arrived is the measurement.
+                Err(Stop::Limit) if got > 0 => break,
                 Err(e) => return Err(fail(format!("reading the payload: {e}"), got)),
             };
             got += n;
             last = Instant::now();
-            first.get_or_insert((last, got));
         }
-        let rate_bytes_s = match first {
-            None => None,
-            Some((t0, b0)) if got > b0 && last > t0 => Some((got - b0) as f64 / (last - t0).as_secs_f64()),
-            Some(_) => Some(got as f64 / (last - sent).as_secs_f64().max(1e-9)),
-        };
+        let rate_bytes_s = (got > 0).then(|| got as f64 / (last - sent).as_secs_f64().max(1e-9));
         Ok(Measured { bytes: got, latency: replied - sent, rate_bytes_s, local })
     }
 
-    async fn io<T>(&self, op: impl std::future::Future<Output = std::io::Result<T>>) -> Result<T, String> {
-        match tokio::time::timeout(self.timeout, op).await {
+    /// Runs `op` within `timeout`, and ending by `deadline` where there is one.
+    async fn io<T>(&self, op: impl std::future::Future<Output = std::io::Result<T>>, deadline: Option<Instant>) -> Result<T, Stop> {
+        let stall = Instant::now() + self.timeout;
+        let until = deadline.map_or(stall, |d| d.min(stall));
+        match tokio::time::timeout_at(until, op).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("nothing for {:?}; the peer stalled", self.timeout)),
+            Ok(Err(e)) => Err(Stop::Io(e.to_string())),
+            Err(_) if deadline.is_some_and(|d| d <= stall) => Err(Stop::Limit),
+            Err(_) => Err(Stop::Stalled(self.timeout)),
         }
     }
 }
+
+/// Why an exchange of a probe stopped early.
+#[derive(Debug)]
+enum Stop {
+    Io(String),
+    Stalled(Duration),
+    Limit,
+}
+
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stop::Io(e) => f.write_str(e),
+            Stop::Stalled(t) => write!(f, "nothing for {t:?}; the peer stalled"),
+            Stop::Limit => f.write_str("past the probe's time limit"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -32,6 +32,11 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// and a file open. Beyond it connections wait, unread, in the listen queue, so a peer that
 /// opens thousands costs this agent no more than this many tasks and descriptors.
 pub const MAX_CONNECTIONS: usize = 512;
+/// How long a probe may take, from its request to its last byte taken, before the server
+/// closes the connection: a probe is at most `probe::MAX_PROBE_BYTES` sized to take tens of
+/// milliseconds, so a peer that reads it slower than this is cut rather than holding one of the
+/// `MAX_CONNECTIONS` slots for as long as it trickles.
+pub const PROBE_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Serves every connection `listener` accepts, forever: `access` says which requests are
 /// allowed and whether over TLS; `egress` is the node's NIC pacer, shared by every flow.
@@ -154,7 +159,8 @@ async fn handle(
 }
 
 /// Serves one probe: the token checked (signed under the cluster's key in the probe domain,
-/// unexpired, naming `node`), then the reply line and `bytes` zero bytes, paced by `pacer`.
+/// unexpired, naming `node`), then the reply line and `bytes` zero bytes, paced by `pacer`;
+/// all within `PROBE_DEADLINE` of the request, else the connection is closed where it is.
 async fn serve_probe(
     stream: &mut Box<dyn Stream>,
     request: ProbeRequest,
@@ -172,16 +178,23 @@ async fn serve_probe(
     if bytes > MAX_PROBE_BYTES {
         return refuse(stream, format!("probe of {bytes} bytes refused: at most {MAX_PROBE_BYTES} bytes")).await;
     }
-    send(stream, &line(&Reply::ok(bytes))).await?;
-    let pacers: Vec<&Pacer> = pacer.into_iter().collect();
-    let mut left = bytes;
-    while left > 0 {
-        let n = left.min(CHUNK as u64);
-        take_all(&pacers, n).await;
-        send(stream, &ZEROS[..n as usize]).await.map_err(|e| format!("probe: {e}"))?;
-        left -= n;
+    let served = async {
+        send(stream, &line(&Reply::ok(bytes))).await?;
+        let pacers: Vec<&Pacer> = pacer.into_iter().collect();
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(CHUNK as u64);
+            take_all(&pacers, n).await;
+            send(stream, &ZEROS[..n as usize]).await.map_err(|e| format!("probe: {e}"))?;
+            left -= n;
+        }
+        stream.shutdown().await.map_err(|e| format!("probe: closing: {e}"))
+    };
+    match tokio::time::timeout(PROBE_DEADLINE, served).await {
+        Ok(served) => served,
+        // Dropping the stream (by the caller) closes the connection.
+        Err(_) => Err(format!("probe of {bytes} bytes: not taken within {PROBE_DEADLINE:?}; connection closed")),
     }
-    stream.shutdown().await.map_err(|e| format!("probe: closing: {e}"))
 }
 
 /// The file if held, else, if it is arriving, the file once it has arrived; else why not.
@@ -252,4 +265,63 @@ async fn refuse(stream: &mut Box<dyn Stream>, message: String) -> Result<(), Str
     let (mut unread, mut sink) = ((&mut *stream).take(MAX_LINE as u64 * 4), tokio::io::sink());
     let _ = tokio::time::timeout(Duration::from_secs(1), tokio::io::copy(&mut unread, &mut sink)).await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncReadExt;
+    use tokio::time::Instant;
+
+    use super::*;
+    use crate::checkpoints::dataplane::protocol::ProbeAsk;
+
+    const KEY: [u8; motley_contract::capability::KEY_BYTES] = [7; motley_contract::capability::KEY_BYTES];
+
+    /// Serves a probe of `MAX_PROBE_BYTES` to a reader that takes `per_second` bytes a second
+    /// (0: nothing), on the paused clock; gives how long the server took and what it said.
+    async fn serve_to_slow_reader(per_second: usize) -> (Duration, Result<(), String>, u64) {
+        let key = DataKey::default();
+        key.set(&KEY).unwrap();
+        let token = key.mint_probe("n1").unwrap();
+        let (server, mut client) = tokio::io::duplex(64 << 10);
+        let mut stream: Box<dyn Stream> = Box::new(server);
+        let request =
+            ProbeRequest { v: super::super::protocol::VERSION, probe: ProbeAsk { bytes: MAX_PROBE_BYTES }, capability: Some(token) };
+        let reader = tokio::spawn(async move {
+            let mut got = 0u64;
+            let mut buf = vec![0u8; per_second.max(1)];
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                if per_second == 0 {
+                    continue;
+                }
+                match client.read(&mut buf).await {
+                    Ok(0) | Err(_) => return got,
+                    Ok(n) => got += n as u64,
+                }
+            }
+        });
+        let start = Instant::now();
+        let served = serve_probe(&mut stream, request, &key, Some("n1"), None).await;
+        let took = start.elapsed();
+        drop(stream);
+        let got = if per_second == 0 {
+            reader.abort();
+            0
+        } else {
+            reader.await.unwrap()
+        };
+        (took, served, got)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_too_slow_to_read_is_cut_at_its_deadline() {
+        for per_second in [0, 1 << 10, 64 << 10] {
+            let (took, served, got) = serve_to_slow_reader(per_second).await;
+            assert!(took >= PROBE_DEADLINE && took < PROBE_DEADLINE + Duration::from_secs(1), "{per_second} B/s: {took:?}");
+            let e = served.unwrap_err();
+            assert!(e.contains("not taken within 10s"), "{e}");
+            assert!(got < MAX_PROBE_BYTES, "{per_second} B/s: {got}");
+        }
+    }
 }
