@@ -22,6 +22,8 @@ pub const ESTIMATE_SAMPLES: usize = 3;
 /// Samples older than this many base intervals drop out of the history (10 minutes at the
 /// default 1 s interval): a link no launch uses any more ages out.
 pub const HISTORY_INTERVALS: u32 = 600;
+/// NICs kept per node.
+pub const MAX_NICS_PER_NODE: usize = 64;
 
 /// A link: two nodes (`a` < `b`) and the kind of NIC between them.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, utoipa::ToSchema)]
@@ -113,9 +115,15 @@ impl Links {
         }
     }
 
-    /// `node`'s NIC's achieved rates.
+    /// `node`'s NIC's achieved rates. A node's NICs beyond `MAX_NICS_PER_NODE` names are
+    /// dropped: an agent cannot grow the matrix (or the metrics' labels) without bound.
     pub fn record_nic(&self, nic: NicView) {
-        self.nics.lock().expect("nics").insert((nic.node.clone(), nic.name.clone()), nic);
+        let mut nics = self.nics.lock().expect("nics");
+        let key = (nic.node.clone(), nic.name.clone());
+        if !nics.contains_key(&key) && nics.keys().filter(|(n, _)| *n == nic.node).count() >= MAX_NICS_PER_NODE {
+            return;
+        }
+        nics.insert(key, nic);
     }
 
     /// Drop what is older than the history's age at `now_ms`: the links no launch probes any
@@ -149,9 +157,12 @@ impl Links {
     pub fn between(&self, x: &str, y: &str) -> Option<LinkView> {
         let (a, b) = if x <= y { (x, y) } else { (y, x) };
         let links = self.links.lock().expect("links");
+        // Keys sort by (a, b, kind): the pair's kinds are one range.
+        let from = LinkKey { a: a.to_string(), b: b.to_string(), nic_kind: String::new() };
         links
-            .iter()
-            .filter(|(k, h)| k.a == a && k.b == b && !h.is_empty())
+            .range(from..)
+            .take_while(|(k, _)| k.a == a && k.b == b)
+            .filter(|(_, h)| !h.is_empty())
             .map(|(k, h)| view(k, h))
             .min_by(|p, q| p.gb_per_s.total_cmp(&q.gb_per_s))
     }
@@ -165,22 +176,32 @@ impl Links {
     /// The measured links among `nodes`, in the `--bandwidth` file's schema (pairs), for the
     /// planner (`Cluster::with_measurements`); None when none of them was measured.
     pub fn bandwidth_spec(&self, nodes: &[String]) -> Option<BandwidthSpec> {
-        let mut pairs = vec![];
-        for (i, x) in nodes.iter().enumerate() {
-            for y in &nodes[i + 1..] {
-                if let Some(l) = self.between(x, y) {
-                    pairs.push(PairSpec { a: l.key.a.clone(), b: l.key.b.clone(), gb_per_s: l.gb_per_s });
-                }
+        let wanted: std::collections::HashSet<&str> = nodes.iter().map(String::as_str).collect();
+        // One pass: per pair, its slowest kind's estimate.
+        let mut slowest: BTreeMap<(&str, &str), f64> = BTreeMap::new();
+        let links = self.links.lock().expect("links");
+        for (k, h) in links.iter() {
+            if h.is_empty() || !wanted.contains(k.a.as_str()) || !wanted.contains(k.b.as_str()) {
+                continue;
             }
+            let v = estimate(h);
+            let e = slowest.entry((k.a.as_str(), k.b.as_str())).or_insert(v);
+            *e = e.min(v);
         }
+        let pairs: Vec<PairSpec> =
+            slowest.into_iter().map(|((a, b), gb_per_s)| PairSpec { a: a.to_string(), b: b.to_string(), gb_per_s }).collect();
         (!pairs.is_empty()).then(|| BandwidthSpec { pairs, ..BandwidthSpec::default() })
     }
 }
 
+/// A history's estimate: the best of its newest `ESTIMATE_SAMPLES` samples.
+fn estimate(history: &VecDeque<Sample>) -> f64 {
+    history.iter().rev().take(ESTIMATE_SAMPLES).map(|s| s.gb_per_s).fold(0.0, f64::max)
+}
+
 fn view(key: &LinkKey, history: &VecDeque<Sample>) -> LinkView {
-    let newest = history.iter().rev().take(ESTIMATE_SAMPLES);
-    let gb_per_s = newest.clone().map(|s| s.gb_per_s).fold(0.0, f64::max);
-    let latency_ms = newest.map(|s| s.latency_ms).fold(f64::INFINITY, f64::min);
+    let gb_per_s = estimate(history);
+    let latency_ms = history.iter().rev().take(ESTIMATE_SAMPLES).map(|s| s.latency_ms).fold(f64::INFINITY, f64::min);
     LinkView {
         key: key.clone(),
         gb_per_s,

@@ -64,6 +64,21 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
+def _started(pid: int) -> str:
+    """When `pid` started (/proc/PID/stat's 22nd field, clock ticks since boot); "" if gone."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _made_by(name: str, prefix: str) -> bool:
+    """Whether a namespace or link is of the run with this prefix (`mt<pid>`): the pid whole,
+    so run 123 never takes run 1234's (every name's tail begins with a letter or `-`)."""
+    m = PREFIX_RE.match(name)
+    return bool(m) and f"mt{m.group(1)}" == prefix
+
+
 def _namespaces() -> List[str]:
     out = _run("ip", "netns", "list", check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
@@ -94,10 +109,11 @@ def _kill_recorded(prefix: str):
         lines = open(path).read().split()
     except OSError:
         return
-    for p in lines:
+    for line in lines:
         try:
-            # Only a process that is still what was recorded (not a reused pid).
-            if "motley" in open(f"/proc/{int(p)}/cmdline", "rb").read().decode(errors="replace"):
+            p, started = line.split(":", 1)
+            # Only the process that was recorded: the same pid and start time (not a reused pid).
+            if _started(int(p)) == started and started != "":
                 os.killpg(int(p), signal.SIGKILL)
         except (OSError, ValueError):
             pass
@@ -263,7 +279,7 @@ class Net:
         coordinator) as this run's: a later run's `sweep_stale` ends it if this run was killed."""
         os.makedirs(PID_DIR, exist_ok=True)
         with open(os.path.join(PID_DIR, f"{self.prefix}.pids"), "a") as f:
-            f.write(f"{pid}\n")
+            f.write(f"{pid}:{_started(pid)}\n")
 
     def argv(self, node: str, argv: List[str]) -> List[str]:
         """`argv` run inside `node`'s namespace."""
@@ -327,17 +343,17 @@ class Net:
             _run("ip", "link", "del", link, check=False)
         # Whatever else carries the prefix (a half-made veth).
         for ns in _namespaces():
-            if ns.startswith(self.prefix + "-"):
+            if _made_by(ns, self.prefix):
                 _kill_in(ns)
                 _run("ip", "netns", "del", ns, check=False)
         for link in _links():
-            if link.startswith(self.prefix):
+            if _made_by(link, self.prefix):
                 _run("ip", "link", "del", link, check=False)
 
     def leftovers(self) -> List[str]:
         """Namespaces and links of this Net that still exist (empty after `close`)."""
-        return [n for n in _namespaces() if n.startswith(self.prefix + "-")] + \
-               [n for n in _links() if n.startswith(self.prefix)]
+        return [n for n in _namespaces() if _made_by(n, self.prefix)] + \
+               [n for n in _links() if _made_by(n, self.prefix)]
 
     def __enter__(self):
         return self

@@ -73,10 +73,10 @@ pub fn policy(spec: Option<&ReplanSpec>) -> Result<Option<ReplanPolicy>> {
     };
     let d = ReplanPolicy::default();
     let threshold = settings.threshold.unwrap_or(d.threshold);
-    if !(threshold.is_finite() && threshold > 0.0 && threshold <= 100.0) {
+    if !(threshold.is_finite() && threshold > 0.0 && threshold < 1.0) {
         return Err(CoordinatorError::invalid(
             "replan.threshold",
-            format!("is {threshold}; give the fraction a link may move from what the plan assumed, above 0 (0.3 = 30%)"),
+            format!("is {threshold}; give the fraction a link may move from what the plan assumed, above 0 and below 1 (0.3 = 30%; a drop moves a link by less than 100%)"),
         ));
     }
     let duration = |field: &str, text: &Option<String>, default: Duration, least: Duration| -> Result<Duration> {

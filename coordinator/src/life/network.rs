@@ -42,12 +42,19 @@ use crate::store::{Event, JobRecord, RecoveryCause, Store};
 pub const RELAUNCH_INTERVALS: u32 = 30;
 
 /// What this leader remembers of a launch (job, generation): the links whose change it
-/// reported, and the newest complete step when it decided to switch.
+/// reported, when it first saw each link deviate, the plan's links, and the newest complete
+/// step when it decided to switch.
 #[derive(Debug, Default)]
 pub(super) struct Watched {
     /// Per link (a, b) whose change was reported, the estimate reported: a link that moves on
     /// past the threshold from there (up 40%, then down ten-fold) is a change again.
     reported: HashMap<(String, String), f64>,
+    /// Per link, when this leader first saw it deviate from the plan (and from what was
+    /// reported): a fast link's 64 samples may span less than the hold.
+    first_seen: HashMap<(String, String), i64>,
+    moved_seen: HashMap<(String, String), i64>,
+    /// The plan's `network` section, read once per launch.
+    network: Option<Option<PlanNetwork>>,
     switch_after: Option<i64>,
     /// Whether the launch's durable events were read (a switch decided by an earlier leader).
     resumed: bool,
@@ -88,9 +95,38 @@ impl Life {
             w.resumed = true;
             w.switch_after = w.switch_after.or(pending);
         }
+        let cached = self.network.lock().expect("network").get(&key).and_then(|w| w.network.clone());
+        let network = match cached {
+            Some(n) => n,
+            None => {
+                let n = plan_network(&store.plan(j.id, j.generation).await?);
+                self.network.lock().expect("network").entry(key).or_default().network = Some(n.clone());
+                n
+            }
+        };
+        let Some(network) = network else { return Ok(()) };
         let pending = self.network.lock().expect("network").get(&key).and_then(|w| w.switch_after);
         if let Some(then) = pending {
             if newest > then {
+                // The links may have come back while the job ran to its checkpoint: a
+                // relaunch for nothing is not made.
+                let still = network.links.iter().any(|l| {
+                    fleet
+                        .links
+                        .between(&l.a, &l.b)
+                        .is_some_and(|v| l.gb_per_s > 0.0 && (v.gb_per_s / l.gb_per_s - 1.0).abs() > policy.threshold)
+                });
+                if !still {
+                    let message = json!({"gain_s": 0.0, "cost_s": 0.0, "decision": "keep",
+                        "reason": "the links came back to what the plan assumed before the checkpoint the switch waited for",
+                        "plan_before": Value::Null, "plan_after": Value::Null, "at_step": newest, "changes": []});
+                    store.record_event(Some(j.id), Some(j.generation), "replan_considered", &message.to_string()).await?;
+                    let mut memory = self.network.lock().expect("network");
+                    let w = memory.entry(key).or_default();
+                    w.switch_after = None;
+                    w.reported.clear();
+                    return Ok(());
+                }
                 let reason = format!("a plan for the measured links pays for the switch; switching at step {newest}");
                 if store.begin_recovery(j.id, j.generation, RecoveryCause::Replan, 0, &reason).await.is_ok() {
                     tracing::info!(job = j.id, "{reason}");
@@ -100,29 +136,37 @@ impl Life {
             }
             return Ok(());
         }
-        let Some(network) = plan_network(&store.plan(j.id, j.generation).await?) else { return Ok(()) };
         let hold_ms = policy.hold.as_millis() as i64;
         let mut changes = vec![];
         for l in &network.links {
             let live = fleet.links.between(&l.a, &l.b);
-            let changed = live.as_ref().and_then(|v| changed_since(&v.history, l.gb_per_s, v.gb_per_s, policy.threshold, hold_ms));
             let mut memory = self.network.lock().expect("network");
-            let reported = &mut memory.entry(key).or_default().reported;
+            let w = memory.entry(key).or_default();
             let pair = (l.a.clone(), l.b.clone());
-            match (changed, live) {
-                (Some(_), Some(v)) => {
-                    // New, or moved on from what was reported for as long as the hold.
-                    let again = reported
-                        .get(&pair)
-                        .is_none_or(|&told| changed_since(&v.history, told, v.gb_per_s, policy.threshold, hold_ms).is_some());
-                    if again {
-                        reported.insert(pair, v.gb_per_s);
-                        changes.push((v.key, l.gb_per_s, v.gb_per_s));
-                    }
+            let Some(v) = live else {
+                w.first_seen.remove(&pair);
+                w.moved_seen.remove(&pair);
+                continue;
+            };
+            let newest_at = v.updated_unix_ms;
+            let dev = deviating_since(&v.history, l.gb_per_s, v.gb_per_s, policy.threshold);
+            if !held(&mut w.first_seen, &pair, dev, newest_at, hold_ms) {
+                w.reported.remove(&pair);
+                w.moved_seen.remove(&pair);
+                continue;
+            }
+            // New, or moved on from what was reported for as long as the hold.
+            let again = match w.reported.get(&pair) {
+                None => true,
+                Some(&told) => {
+                    let moved = deviating_since(&v.history, told, v.gb_per_s, policy.threshold);
+                    held(&mut w.moved_seen, &pair, moved, newest_at, hold_ms)
                 }
-                _ => {
-                    reported.remove(&pair);
-                }
+            };
+            if again {
+                w.reported.insert(pair.clone(), v.gb_per_s);
+                w.moved_seen.remove(&pair);
+                changes.push((v.key, l.gb_per_s, v.gb_per_s));
             }
         }
         if changes.is_empty() {
@@ -244,18 +288,52 @@ fn shape_from<'a>(replicas: impl Iterator<Item = Vec<(&'a str, u32, u32, [u32; 2
     out.join(" + ")
 }
 
-/// Whether a link changed: its estimate `now` is more than `threshold` away from `was` (what
-/// the plan assumed), and so has every sample of `history` (oldest first) since the deviation
-/// began, at least `hold_ms` before the newest sample. The time it began, if so.
-pub fn changed_since(history: &[Sample], was: f64, now: f64, threshold: f64, hold_ms: i64) -> Option<i64> {
-    let deviates = |x: f64| was > 0.0 && (x / was - 1.0).abs() > threshold;
+/// When the deviation of a link began, by its samples (oldest first): its estimate `now` is
+/// more than `threshold` away from `was`, and so is every sample since then, on the same side
+/// (a slow, contended link's low and high readings are not one run). With it, whether the run
+/// reaches the oldest sample kept (then it began no later than that, and maybe earlier).
+pub fn deviating_since(history: &[Sample], was: f64, now: f64, threshold: f64) -> Option<(i64, bool)> {
+    if was.is_nan() || was <= 0.0 {
+        return None;
+    }
+    let up = now > was;
+    let deviates = |x: f64| (x / was - 1.0).abs() > threshold && (x > was) == up;
     if !deviates(now) {
         return None;
     }
-    let newest = history.last()?;
     let run = history.iter().rev().take_while(|s| deviates(s.gb_per_s)).count();
     let since = history[history.len() - run..].first()?.at_unix_ms;
+    Some((since, run == history.len()))
+}
+
+/// Whether a link changed: it deviates (`deviating_since`) and has for at least `hold_ms`
+/// before the newest sample, by the samples alone. The time it began, if so.
+pub fn changed_since(history: &[Sample], was: f64, now: f64, threshold: f64, hold_ms: i64) -> Option<i64> {
+    let (since, _) = deviating_since(history, was, now, threshold)?;
+    let newest = history.last()?;
     (newest.at_unix_ms - since >= hold_ms).then_some(since)
+}
+
+/// Whether a deviation `dev` (`deviating_since`) has lasted `hold_ms` at `newest_ms`. Where the
+/// run reaches the oldest sample kept, when this leader first saw it stands in for its start
+/// (`first_seen`, updated here: cleared when the link does not deviate).
+pub fn held(
+    first_seen: &mut HashMap<(String, String), i64>,
+    pair: &(String, String),
+    dev: Option<(i64, bool)>,
+    newest_ms: i64,
+    hold_ms: i64,
+) -> bool {
+    let Some((start, whole)) = dev else {
+        first_seen.remove(pair);
+        return false;
+    };
+    let seen = *first_seen.entry(pair.clone()).or_insert(start);
+    let since = if whole { seen.min(start) } else { start };
+    if !whole {
+        first_seen.insert(pair.clone(), start);
+    }
+    newest_ms - since >= hold_ms
 }
 
 /// Iterations left: `steps` minus the newest complete step, when the job file says how many;

@@ -186,10 +186,10 @@ async fn read(
 /// Link samples and NIC rates one message carries, at most: a report above this is cut.
 pub const MAX_LINKS_PER_MESSAGE: usize = 1024;
 pub const MAX_NICS_PER_MESSAGE: usize = 256;
-/// A NIC kind or NIC name longer than this is nonsense, dropped.
+/// A NIC name longer than this is nonsense, dropped.
 const MAX_NAME: usize = 64;
 
-/// A NIC kind or name an agent reported: short, printable, no spaces.
+/// A NIC name an agent reported: short, printable, no spaces (kinds are `ib`, `roce`, `eth`).
 fn sane_name(x: &str) -> bool {
     !x.is_empty() && x.len() <= MAX_NAME && x.bytes().all(|b| b.is_ascii_graphic())
 }
@@ -216,7 +216,7 @@ fn measured(fleet: &Fleet, facts: &crate::facts::Facts, status: &AgentStatus) {
     for l in status.links.iter().take(MAX_LINKS_PER_MESSAGE) {
         let known = l.peer != status.node && facts.node(&l.peer).is_some();
         let numbers = l.gb_per_s.is_finite() && l.gb_per_s > 0.0 && l.latency_ms.is_finite() && l.latency_ms >= 0.0;
-        if !(known && numbers && sane_name(&l.nic_kind)) {
+        if !(known && numbers && matches!(l.nic_kind.as_str(), "ib" | "roce" | "eth")) {
             dropped += 1;
             continue;
         }
@@ -225,7 +225,7 @@ fn measured(fleet: &Fleet, facts: &crate::facts::Facts, status: &AgentStatus) {
     }
     for n in status.nics.iter().take(MAX_NICS_PER_MESSAGE) {
         let rate = |x: f64| x.is_finite() && x >= 0.0;
-        if !sane_name(&n.name) || !sane_name(&n.kind) || !rate(n.tx_gb_per_s) || !rate(n.rx_gb_per_s) {
+        if !sane_name(&n.name) || !matches!(n.kind.as_str(), "ib" | "roce" | "eth") || !rate(n.tx_gb_per_s) || !rate(n.rx_gb_per_s) {
             dropped += 1;
             continue;
         }

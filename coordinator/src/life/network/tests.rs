@@ -129,9 +129,30 @@ fn a_link_that_moved_on_from_what_was_reported_is_a_change_again() {
     let mut h: Vec<(i64, f64)> = (0..5).map(|i| (i * 1000, 14.0)).collect();
     h.extend((5..12).map(|i| (i * 1000, 1.0)));
     let h = samples(&h);
-    assert_eq!(changed_since(&h, 10.0, 1.0, 0.3, 5_000), Some(0), "deviating from the plan since the rise");
-    assert_eq!(changed_since(&h, 14.0, 1.0, 0.3, 5_000), Some(5_000), "and from what was reported since the drop");
+    // Up, then down: two runs on either side of the plan, not one.
+    assert_eq!(changed_since(&h, 10.0, 1.0, 0.3, 5_000), Some(5_000), "below the plan since the drop");
+    assert_eq!(changed_since(&h, 14.0, 1.0, 0.3, 5_000), Some(5_000), "and below what was reported since the drop");
     // Still near what was reported: not again.
     let near = samples(&[(0, 14.0), (5000, 13.0), (9000, 14.5)]);
     assert_eq!(changed_since(&near, 14.0, 14.5, 0.3, 5_000), None);
+}
+
+#[test]
+fn a_fast_links_deviation_is_held_by_when_it_was_first_seen_when_its_samples_span_less_than_the_hold() {
+    // A fast link: 64 samples a few ms apart, all of them ten-fold down. By the samples alone
+    // the deviation began at the oldest kept (60 ms ago); this leader saw it 70 s ago.
+    let h = samples(&(0..64).map(|i| (100_000 + i, 1.0)).collect::<Vec<_>>());
+    let dev = deviating_since(&h, 10.0, 1.0, 0.3);
+    assert_eq!(dev, Some((100_000, true)));
+    assert_eq!(changed_since(&h, 10.0, 1.0, 0.3, 60_000), None, "the samples alone never hold 60 s");
+    let pair = ("a".to_string(), "b".to_string());
+    let mut seen = HashMap::new();
+    assert!(!held(&mut seen, &pair, Some((30_000, true)), 30_000, 60_000), "first seen at 30 s");
+    assert!(held(&mut seen, &pair, dev, 100_063, 60_000), "70 s after it was first seen");
+    // The link came back: forgotten, and a new deviation starts afresh.
+    assert!(!held(&mut seen, &pair, None, 100_100, 60_000));
+    assert!(!held(&mut seen, &pair, dev, 100_063, 60_000));
+    // Readings on both sides of the plan are not one deviation.
+    let mixed = samples(&[(0, 5.0), (1000, 15.0), (2000, 5.0)]);
+    assert_eq!(deviating_since(&mixed, 10.0, 5.0, 0.3), Some((2000, false)));
 }
