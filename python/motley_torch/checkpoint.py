@@ -225,7 +225,7 @@ def _snapshot(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_batch: int, lr: float,
-               copy: bool, scaler: Optional[dict] = None, zero=None):
+               copy: bool, scaler: Optional[dict] = None, zero=None, hf_source: Optional[str] = None):
     """Collect what step `step` writes (copied into host memory when `copy`) and return the
     function that writes it: the rank's units, its rank file, then its piece."""
     grab = _snapshot if copy else (lambda t: t)
@@ -249,6 +249,7 @@ def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_b
     rank_header = {"format": FORMAT, "step": step, "rank": view.rank, "world_size": view.world_size, "seed": seed,
                    "data": {"next_step": step, "samples": step * global_batch},
                    "model": model.spec.to_dict(),
+                   **({"init_from_hf": hf_source} if hf_source else {}),
                    **({"scaler": scaler} if scaler is not None else {}),
                    "scheduler": {"kind": "constant", "lr": lr},
                    **({"generation": written_by} if written_by is not None else {})}
@@ -419,7 +420,7 @@ class SaveNotice:
 
 
 def save(view, model, optimizer, step: int, directory: str, seed: int, global_batch: int, lr: float,
-         asynchronous: bool = None, scaler: Optional[dict] = None, zero=None) -> str:
+         asynchronous: bool = None, scaler: Optional[dict] = None, zero=None, hf_source: Optional[str] = None) -> str:
     """Checkpoint step `step` (optimizer steps taken) under `directory`/step-S: this rank's units
     (replica 0's first TP group of each stage; all-replicated blocks once, by TP rank 0, as tp
     0-1), its rank file and its manifest piece; global rank 0 writes the merged manifest.json
@@ -438,7 +439,7 @@ def save(view, model, optimizer, step: int, directory: str, seed: int, global_ba
     merge_prev = finish(view, _merge_later=asynchronous)
     sdir = os.path.join(directory, step_dir_name(step))
     write = _write_job(view, model, optimizer, step, sdir, seed, global_batch, lr, copy=asynchronous, scaler=scaler,
-                       zero=zero)
+                       zero=zero, hf_source=hf_source)
     job = write if merge_prev is None else (lambda: (merge_prev(), write()))
     p = _Pending(step, sdir, view.world_size, view.rank)
     _pending = p

@@ -9,6 +9,11 @@ streamed into the shards. The model is the one the rank files recorded (`--model
 for steps written before they did). Every file's crc32c is checked first. A step written across
 nodes (as the agents upload it to the object store) may have its manifest pieces and no
 merged manifest.json: their merge is used, one piece per rank required.
+
+The directory out is whole (hf_out): the tokenizer files and generation_config.json come from
+--tokenizer-from DIR, else from the Hugging Face directory the run started from (--init-from-hf,
+recorded in the rank files), else there is none and it says so; --out must be new or empty
+unless --replace.
 """
 
 from __future__ import annotations
@@ -66,16 +71,43 @@ def step_spec(manifest: dict, sdir: str, model: Optional[str]) -> ModelSpec:
     raise PlanError(f"{sdir}: the rank files do not record the model (written before they did); pass --model")
 
 
-def export(ckpt: str, step: int, out: str, model: Optional[str] = None, max_shard_bytes: Optional[int] = None):
+def step_tokenizer(manifest: dict, sdir: str, given: Optional[str], none: bool) -> Optional[str]:
+    """Where the tokenizer comes from: --tokenizer-from, else the --init-from-hf directory the
+    rank files record (it must still be there: else say how to name another or none), else
+    nowhere (None)."""
+    if none:
+        return None
+    if given:
+        if not os.path.isdir(given):
+            raise PlanError(f"--tokenizer-from: {given} is not a directory")
+        return given
+    for r in manifest["ranks"]:
+        source = read_header(os.path.join(sdir, r["file"])).get("init_from_hf")
+        if source:
+            if not os.path.isdir(source):
+                raise PlanError(f"--tokenizer-from: the run started from {source} (--init-from-hf), which is not "
+                                f"here to copy the tokenizer from; pass --tokenizer-from DIR (a directory with its "
+                                f"tokenizer files) or --no-tokenizer")
+            return source
+    return None
+
+
+def export(ckpt: str, step: int, out: str, model: Optional[str] = None, max_shard_bytes: Optional[int] = None,
+           tokenizer_from: Optional[str] = None, no_tokenizer: bool = False, replace: bool = False) -> str:
+    """Write step `step` of `ckpt` as the Hugging Face directory `out`; returns what was
+    written, in one line."""
     from safetensors import safe_open
 
+    from . import hf_out
     from .hf import MAX_SHARD_BYTES, motley_order, write_hf
 
+    hf_out.check_out_dir(out, replace, "--out")
     sdir = os.path.join(ckpt, step_dir_name(step))
     if not os.path.isdir(sdir):
         raise PlanError(f"--step: {sdir} does not exist; `ls {ckpt}` shows the steps written")
     manifest = step_manifest(sdir)
     spec = step_spec(manifest, sdir, model)
+    tokenizer = step_tokenizer(manifest, sdir, tokenizer_from, no_tokenizer)
     units = _units_by_block(manifest, sdir)
 
     def tensors():
@@ -95,7 +127,11 @@ def export(ckpt: str, step: int, out: str, model: Optional[str] = None, max_shar
             del shards
             yield name, full.float()
 
-    return write_hf(out, spec, tensors(), max_shard_bytes or MAX_SHARD_BYTES)
+    if replace:
+        hf_out.clear_out_dir(out, "--out")
+    names = write_hf(out, spec, tensors(), max_shard_bytes or MAX_SHARD_BYTES)
+    note = "no tokenizer (--no-tokenizer)" if no_tokenizer else hf_out.add_tokenizer(out, tokenizer)
+    return f"wrote {out} ({len(names)} shard{'s' if len(names) != 1 else ''}); {note}"
 
 
 def main(argv=None) -> int:
@@ -106,15 +142,23 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the Hugging Face directory to write")
     p.add_argument("--model", help="the model (file, catalog name or HF directory) when the rank files lack it")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard, GB (default 5)")
+    p.add_argument("--tokenizer-from", metavar="DIR",
+                   help="copy the tokenizer files and generation_config.json from DIR (default: the --init-from-hf "
+                        "directory the run started from, as the rank files record it)")
+    p.add_argument("--no-tokenizer", action="store_true", help="write the weights and config.json alone")
+    p.add_argument("--replace", action="store_true", help="replace the files of a non-empty --out (default: refuse it)")
     a = p.parse_args(argv)
     try:
         if a.max_shard_gb <= 0:
             raise PlanError("--max-shard-gb: must be positive")
-        names = export(a.ckpt, a.step, a.out, a.model, int(a.max_shard_gb * 1e9))
+        if a.tokenizer_from and a.no_tokenizer:
+            raise PlanError("--tokenizer-from, --no-tokenizer: give one of them")
+        said = export(a.ckpt, a.step, a.out, a.model, int(a.max_shard_gb * 1e9), a.tokenizer_from, a.no_tokenizer,
+                      a.replace)
     except (PlanError, CheckpointError, OSError) as e:
         print(f"motley_torch.export: {e}", file=sys.stderr)
         return 2
-    print(f"motley_torch.export: wrote {a.out} ({len(names)} shard{'s' if len(names) != 1 else ''})", file=sys.stderr)
+    print(f"motley_torch.export: {said}", file=sys.stderr)
     return 0
 
 

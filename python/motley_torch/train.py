@@ -3,8 +3,8 @@
 Run by every rank of a job (the job file's `run:`), it trains the plan's GPT on synthetic data
 with the plan's pipeline, tensor and data parallelism; global rank 0 prints one JSON line per
 step, {"step": i, "loss": x}, the global mean loss. With --single-process it trains the same
-model on the same data in one process and prints the same lines (the two agree within 1e-4 in
-fp32), which is how the distributed paths are checked.
+model on the same data in one process and prints the same lines (in fp32 the two agree within
+the rounding their order of sums explains), which is how the distributed paths are checked.
 
     python -m motley_torch.train --steps 20 --seed 1                      # in a rank
     python -m motley_torch.train --single-process --model m.yaml \\
@@ -78,7 +78,13 @@ def parse_args(argv=None):
                         "and TP slices); its config.json is the model when neither --model nor a plan says one")
     p.add_argument("--save-hf", metavar="DIR",
                    help="after the last step, write the model as a Hugging Face directory (config.json, "
-                        "safetensors shards of at most 5 GB, the index)")
+                        "safetensors shards of at most 5 GB, the index, the tokenizer and generation_config.json "
+                        "of --tokenizer-from); DIR must be new or empty unless --replace")
+    p.add_argument("--tokenizer-from", metavar="DIR",
+                   help="--save-hf: copy the tokenizer files and generation_config.json from DIR (default: "
+                        "--init-from-hf's directory)")
+    p.add_argument("--replace", action="store_true",
+                   help="--save-hf: replace the files of a non-empty DIR (default: refuse it)")
     p.add_argument("--data", metavar="PATH",
                    help="train on a tokenized dataset: a Megatron PREFIX (.bin + .idx) or a flat FILE.bin; "
                         "default: synthetic sequences")
@@ -275,10 +281,14 @@ def run_single(args) -> int:
         save_file({k: v.detach().float().cpu() for k, v in model.state_dict().items()},
                   os.path.join(args.save_params, "params.safetensors"))
     if args.save_hf:
+        from . import hf_out
         from .hf import write_hf
 
         state = model.state_dict()
-        write_hf(args.save_hf, spec, ((n, state[n].detach().float().cpu()) for n in _hf_names(spec, state)))
+        names = _hf_names(spec, state)
+        hf_out.prepare(args)
+        write_hf(args.save_hf, spec, ((n, state[n].detach().float().cpu()) for n in names))
+        hf_out.finish(args)
     return 0
 
 
@@ -476,7 +486,8 @@ def run_rank(args) -> int:
 
             checkpoint.save(view, model, opt, step + 1, args.ckpt_dir, seed=args.seed,
                             global_batch=plan.global_batch, lr=args.lr, asynchronous=args.ckpt_async,
-                            scaler=scaler.state() if scaler.enabled else None, zero=zero)
+                            scaler=scaler.state() if scaler.enabled else None, zero=zero,
+                            hf_source=os.path.abspath(args.init_from_hf) if args.init_from_hf else None)
     source.close()
     if args.ckpt_dir:
         from . import checkpoint
@@ -489,7 +500,7 @@ def run_rank(args) -> int:
     if args.save_params:
         save_params_distributed(view, model, args.save_params)
     if args.save_hf:
-        save_hf_distributed(view, model, args.save_hf)
+        save_hf_distributed(view, model, args)
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -539,13 +550,17 @@ def tied_group(view, model: GPTStage) -> Optional[TiedSync]:
     return TiedSync(group, params, names, contributes=view.tp_rank == 0)
 
 
-def save_hf_distributed(view, model: GPTStage, out_dir: str):
+def save_hf_distributed(view, model: GPTStage, args):
     """The stages' full tensors go to staging files in DIR (write_stage_files); rank 0 then
     streams them into the Hugging Face directory (shards of at most 5 GB) and removes the
     staging files. DIR must be one directory for all stages (one host or a shared file system);
     otherwise this fails naming the missing stage file."""
+    from . import hf_out
+
+    out_dir = args.save_hf
     staging = write_stage_files(view, model, out_dir, ".motley-stage{s}.safetensors")
     if view.rank == 0:
+        hf_out.prepare(args, keep={os.path.basename(p) for p in staging})
         from safetensors import safe_open
 
         from .hf import motley_order, write_hf
@@ -569,6 +584,7 @@ def save_hf_distributed(view, model: GPTStage, out_dir: str):
         write_hf(out_dir, view.plan.model, tensors())
         for p in staging:
             os.remove(p)
+        hf_out.finish(args)
 
 
 def write_stage_files(view, model: GPTStage, out_dir: str, pattern: str, grads: bool = False) -> list:
@@ -630,6 +646,9 @@ def main(argv=None) -> int:
         args.ckpt_async = False if args.ckpt_sync else async_default()
         if args.single_process and (args.ckpt_every or args.ckpt_restore):
             raise PlanError("--ckpt-every/--ckpt-restore: checkpoints are written and read by ranks, not --single-process")
+        from . import hf_out
+
+        hf_out.check_args(args)
         return run_single(args) if args.single_process else run_rank(args)
     except (PlanError, CheckpointError) as e:
         print(f"motley_torch.train: {e}", file=sys.stderr, flush=True)

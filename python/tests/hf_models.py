@@ -38,3 +38,18 @@ def load_hf(path: Path):
     import transformers as tf
 
     return tf.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", dtype=torch.float32)
+
+
+def add_tokenizer(path: Path, vocab: int = 96) -> Path:
+    """A word-level tokenizer of `vocab` tokens (<unk>, <s>, </s>, then w3, w4, ...) saved by
+    transformers into the model directory `path` (tokenizer.json, tokenizer_config.json):
+    what a real model directory carries beside its weights."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, vocab)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(path))
+    return path

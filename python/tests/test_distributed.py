@@ -1,22 +1,24 @@
 """Plans from `motley plan`, run as CPU ranks with the agent's environment: per-step losses and
-final parameters equal the single-process run (1e-4, fp32, 20 steps), and every rank's group
+final parameters equal the single-process run within the rounding a different reduction
+order explains (fp32, 20 steps; tolerance.py), and every rank's group
 log is what the plan's comm_groups say for it, in plan order."""
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 
 import pytest
 import yaml
 
 from launcher import DATA, check_ok, groups_for_rank, hand_plan, launch, losses, motley_bin, motley_plan, single_process
+from tolerance import assert_close_rel, assert_steps_close, gradient_ops, layers_of, loss_ops
 
 STEPS = 20
 SEED = 7
 LR = "3e-3"
-TOL = 1e-4
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,15 +44,24 @@ def run_and_compare(plan: dict, model_file: str, tmp_path: Path, tmp_path_factor
     check_ok(results)
     got = losses(results[0].stdout)
     assert len(got) == STEPS, results[0].stdout
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert abs(a - b) <= TOL, f"step {i}: distributed {a}, single process {b}"
+    layers = layers_of(DATA / model_file)
+    # The plan sums the same terms in another order (micro-batches, replicas, TP partial sums).
+    assert_steps_close(got, want, loss_ops(layers), "distributed losses against the single process's")
     assert want[-1] < want[0], "the loss falls"
     for r in results[1:]:
         assert losses(r.stdout) == [], f"rank {r.rank} printed losses"
     p, q = load_file(str(tmp_path / "params" / "params.safetensors")), load_file(str(want_params))
     assert sorted(p) == sorted(q)
-    worst = max((p[k] - q[k]).abs().max().item() for k in p)
-    assert worst <= TOL, f"parameters differ by {worst}"
+    # Each update carries its gradient's relative rounding error (AdamW's normalisation keeps it
+    # relative), and the steps' errors add as a random walk (tolerance.assert_steps_close). The
+    # parameters are compared normwise, against the model's largest (Higham, section 1.2), not
+    # each against its own: the key bias's gradient is zero in exact arithmetic (softmax ignores
+    # a shift common to all keys), so only rounding noise moves it, which AdamW's division by the
+    # noise's own RMS turns into steps of either sign that differ between any two runs.
+    norm = max(t.abs().max().item() for t in q.values())
+    for k in sorted(p):
+        assert_close_rel(p[k], q[k], math.sqrt(STEPS) * gradient_ops(layers), f"parameter {k} after {STEPS} steps",
+                         scale=norm)
     check_group_logs(plan, results)
     check_views(plan, results)
     return results

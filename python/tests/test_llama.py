@@ -1,7 +1,9 @@
-"""The llama family equals transformers (fp32, 1e-5): logits, loss and gradients, for Llama
-(rope_theta and llama3 / linear scaling, GQA, tied and untied heads), Qwen2 (q/k/v biases) and
-Mistral; Hugging Face configs in both spellings; weights in (lazy per-rank slices, sharded
-indexes) and out (--save-hf, loaded back by transformers); bad input named."""
+"""The llama family equals transformers in fp32 (logits, loss and gradients, each within the
+rounding its chain of operations explains: tolerance.py), for Llama (rope_theta and llama3 /
+linear scaling, GQA, tied and untied heads), Qwen2 (q/k/v biases) and Mistral, and a real error
+(a wrong rope_theta, norm epsilon or weight, a dropped bias) fails that margin; Hugging Face
+configs in both spellings; weights in (lazy per-rank slices, sharded indexes) and out
+(--save-hf, loaded back by transformers); bad input named."""
 
 from __future__ import annotations
 
@@ -14,14 +16,14 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from hf_models import load_hf, make_hf  # noqa: E402
+from hf_models import add_tokenizer, load_hf, make_hf  # noqa: E402
 from launcher import PYTHON, python_env  # noqa: E402
+from tolerance import assert_close_rel, excess, forward_ops, gradient_ops, loss_ops  # noqa: E402
 
 from motley_torch.hf import HFError, spec_from_config, write_hf  # noqa: E402
 from motley_torch.model import GPTStage  # noqa: E402
 from motley_torch.plan import ModelSpec, PlanError, load_model  # noqa: E402
 
-TOL = 1e-5
 SEQ = 24
 
 VARIANTS = {
@@ -36,45 +38,86 @@ VARIANTS = {
 }
 
 
-def compare(hf_dir, spec=None, tp_parts=1):
-    """Max |logits| difference, loss difference and max gradient difference (by HF name)."""
-    from motley_torch.hf import hf_name
+class Outputs:
+    """transformers' and Motley's logits, losses and gradients (by HF name) on one batch."""
 
-    ref = load_hf(hf_dir)
-    spec = spec or load_model(str(hf_dir))
-    ours = GPTStage(spec, SEQ, (0, spec.layers))
-    ours.load_hf(str(hf_dir))
-    g = torch.Generator().manual_seed(3)
-    x = torch.randint(0, spec.vocab, (3, SEQ + 1), generator=g)
-    a = ref(x[:, :-1]).logits
-    b = ours(x[:, :-1])
-    la = F.cross_entropy(a.reshape(-1, spec.vocab), x[:, 1:].reshape(-1))
-    lb = F.cross_entropy(b.reshape(-1, spec.vocab), x[:, 1:].reshape(-1))
-    la.backward()
-    lb.backward()
-    theirs = dict(ref.named_parameters())
-    worst = 0.0
-    for name, p in ours.named_parameters():
-        worst = max(worst, (p.grad - theirs[hf_name(name, spec)].grad).abs().max().item())
-    return (a - b).abs().max().item(), abs(la.item() - lb.item()), worst, a.abs().max().item()
+    def __init__(self, hf_dir, spec=None, tamper=None):
+        from motley_torch.hf import hf_name
+
+        ref = load_hf(hf_dir)
+        spec = spec or load_model(str(hf_dir))
+        ours = GPTStage(spec, SEQ, (0, spec.layers))
+        ours.load_hf(str(hf_dir))
+        if tamper is not None:
+            with torch.no_grad():
+                tamper(dict(ours.named_parameters()))
+        g = torch.Generator().manual_seed(3)
+        x = torch.randint(0, spec.vocab, (3, SEQ + 1), generator=g)
+        self.theirs, self.ours = ref(x[:, :-1]).logits, ours(x[:, :-1])
+        la = F.cross_entropy(self.theirs.reshape(-1, spec.vocab), x[:, 1:].reshape(-1))
+        lb = F.cross_entropy(self.ours.reshape(-1, spec.vocab), x[:, 1:].reshape(-1))
+        la.backward()
+        lb.backward()
+        self.loss_theirs, self.loss_ours = la.item(), lb.item()
+        theirs = dict(ref.named_parameters())
+        self.grads = [(n, p.grad, theirs[hf_name(n, spec)].grad) for n, p in ours.named_parameters()]
+        self.layers = spec.layers
+
+    def logits_excess(self) -> float:
+        return excess(self.ours, self.theirs, forward_ops(self.layers))
+
+    def worst_gradient_excess(self) -> float:
+        return max(excess(a, b, gradient_ops(self.layers)) for _, a, b in self.grads)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_loss_and_gradients_equal_transformers(tmp_path, variant):
     kind, over = VARIANTS[variant]
-    d = make_hf(tmp_path / variant, kind, **over)
-    dl, dloss, dg, scale = compare(d)
-    assert scale > 1.0, "the logits are not trivially small"
-    assert dl <= TOL and dloss <= TOL and dg <= TOL, (variant, dl, dloss, dg)
+    out = Outputs(make_hf(tmp_path / variant, kind, **over))
+    assert out.theirs.abs().max().item() > 1.0, "the logits are not trivially small"
+    assert_close_rel(out.ours, out.theirs, forward_ops(out.layers), f"{variant}: logits")
+    assert_close_rel(out.loss_ours, out.loss_theirs, loss_ops(out.layers), f"{variant}: loss")
+    for name, a, b in out.grads:
+        assert_close_rel(a, b, gradient_ops(out.layers), f"{variant}: gradient of {name}")
 
 
-def test_a_wrong_rotary_setting_is_caught(tmp_path):
-    """The comparison can fail: the same weights under another rope_theta differ clearly."""
-    d = make_hf(tmp_path / "m", "llama")
-    spec = load_model(str(d))
-    other = ModelSpec.from_dict(dict(spec.to_dict(), rope_theta=500.0))
-    dl, _, _, _ = compare(d, other)
-    assert dl > 1e-2
+def _perturb_one_matrix(params):
+    """One weight matrix off by 1e-4 of itself, at random: a weight read with a wrong
+    conversion, or a layer's slice shifted by a rounding step of bf16."""
+    w = params["layers.1.mlp.down.weight"]
+    w.mul_(1.0 + 1e-4 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
+
+
+def _respec(**change):
+    return lambda spec: ModelSpec.from_dict(dict(spec.to_dict(), **change))
+
+
+# Each a real error the comparison must catch, with how far past the margin it lands today
+# (logits; tolerance.py's bound = 1): rope_theta 500 for 10000 (about 2e5 times), rope_theta off
+# by 0.1% (about 120 times), RMSNorm's epsilon read as transformers' default 1e-6 instead of the
+# config's 1e-5 (about 70 times), the q/k/v biases dropped (about 2e5 times), one matrix off by
+# 1e-4 of itself (about 18 times). Asserted with a factor 4 to spare.
+REAL_ERRORS = {
+    "rope_theta 500": ("llama", _respec(rope_theta=500.0), None),
+    "rope_theta off by 0.1%": ("llama", _respec(rope_theta=10010.0), None),
+    "norm eps 1e-6 for 1e-5": ("llama", _respec(norm_eps=1e-6), None),
+    "q/k/v biases dropped": ("qwen2", _respec(qkv_bias=False), None),
+    "one matrix off by 1e-4": ("llama", None, _perturb_one_matrix),
+}
+
+
+@pytest.mark.parametrize("error", sorted(REAL_ERRORS))
+def test_a_real_error_fails_the_margin(tmp_path, error):
+    """The margins above are loose enough for rounding and no looser: the same weights under a
+    wrong setting, or with one matrix slightly off, fail them clearly."""
+    kind, respec, tamper = REAL_ERRORS[error]
+    d = make_hf(tmp_path / "m", kind)
+    spec = respec(load_model(str(d))) if respec else None
+    out = Outputs(d, spec, tamper)
+    assert out.logits_excess() > 4.0, (error, out.logits_excess())
+    assert out.worst_gradient_excess() > 4.0, (error, out.worst_gradient_excess())
+    with pytest.raises(AssertionError, match="over the bound"):
+        assert_close_rel(out.ours, out.theirs, forward_ops(out.layers), f"{error}: logits")
 
 
 def test_tp_slices_read_per_rank_equal_the_full_tensors(tmp_path):
@@ -168,31 +211,60 @@ def test_weights_missing_or_misshapen_are_named(tmp_path):
 
 def test_trainer_init_from_hf_then_save_hf_loads_in_transformers(tmp_path):
     """--init-from-hf starts from the weights (step 0's loss is transformers' on that batch),
-    --save-hf writes what transformers loads, with the trained model's logits."""
+    --save-hf writes what transformers loads, with the trained model's logits, and the source's
+    tokenizer and generation config; a second run into the same directory is refused unless
+    --replace."""
+    import transformers as tf
+
     from motley_torch.data import global_batch_tokens
 
-    d = make_hf(tmp_path / "m", "llama", tie_word_embeddings=True)
+    d = add_tokenizer(make_hf(tmp_path / "m", "llama", tie_word_embeddings=True))
     out = tmp_path / "out"
-    cmd = [PYTHON, "-m", "motley_torch.train", "--single-process", "--init-from-hf", str(d), "--global-batch", "4",
-           "--seq-len", "16", "--steps", "3", "--seed", "5", "--save-hf", str(out), "--save-params", str(tmp_path / "p")]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=python_env(OMP_NUM_THREADS="1"), timeout=300)
+
+    def train(steps: int, *extra: str):
+        cmd = [PYTHON, "-m", "motley_torch.train", "--single-process", "--init-from-hf", str(d), "--global-batch", "4",
+               "--seq-len", "16", "--steps", str(steps), "--seed", "5", "--save-hf", str(out), *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, env=python_env(OMP_NUM_THREADS="1"), timeout=300)
+
+    r = train(3, "--save-params", str(tmp_path / "p"))
     assert r.returncode == 0, r.stderr
     lines = [d for d in map(json.loads, r.stdout.splitlines()) if "loss" in d]
     assert [x["step"] for x in lines] == [0, 1, 2]
     assert all(x["tokens_per_s"] > 0 and x["step_s"] > 0 for x in lines)
-    ref = load_hf(d)
+    ref, spec = load_hf(d), load_model(str(d))
     tokens = global_batch_tokens(5, 0, 4, 16, 96)
     want = F.cross_entropy(ref(tokens[:, :-1]).logits.reshape(-1, 96), tokens[:, 1:].reshape(-1)).item()
-    assert abs(lines[0]["loss"] - want) <= TOL
+    assert_close_rel(lines[0]["loss"], want, loss_ops(spec.layers), "step 0's loss against transformers'")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True and cfg["architectures"] == ["LlamaForCausalLM"]
     trained = load_hf(out)
     from safetensors.torch import load_file
 
-    ours = GPTStage(load_model(str(d)), 16, (0, 4))
+    ours = GPTStage(spec, 16, (0, spec.layers))
     ours.load_full_state(load_file(str(tmp_path / "p" / "params.safetensors")))
-    assert (trained(tokens[:, :-1]).logits - ours(tokens[:, :-1])).abs().max().item() <= TOL
-    assert (trained(tokens[:, :-1]).logits - ref(tokens[:, :-1]).logits).abs().max().item() > 1e-3, "it trained"
+    after = trained(tokens[:, :-1]).logits
+    assert_close_rel(ours(tokens[:, :-1]), after, forward_ops(spec.layers), "the --save-hf model's logits in transformers")
+    assert excess(after, ref(tokens[:, :-1]).logits, forward_ops(spec.layers)) > 100, "it trained"
+    # A whole Hugging Face directory: the tokenizer and the generation defaults came along.
+    text = "w5 w17 w3 w95"
+    assert tf.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == \
+        tf.AutoTokenizer.from_pretrained(str(d))(text)["input_ids"] == [5, 17, 3, 95]
+    assert json.loads((out / "generation_config.json").read_text()) == \
+        json.loads((d / "generation_config.json").read_text())
+    assert f"--save-hf: wrote {out}; tokenizer.json, tokenizer_config.json, generation_config.json from {d}" in r.stderr
+
+    # Into the same directory again: refused before training, naming the option to replace it.
+    again = train(3)
+    assert again.returncode == 2 and not again.stdout, again.stderr
+    assert again.stderr.strip().splitlines()[-1].startswith(f"motley_torch.train: --save-hf: {out} is not empty (it "
+                                                            f"holds config.json, generation_config.json, model.safetensors"
+                                                            f" and 2 more); give a new or empty directory, or pass "
+                                                            f"--replace"), again.stderr
+    before = sorted(p.name for p in out.iterdir())
+    (out / "stale.bin").write_bytes(b"x")
+    replaced = train(1, "--replace")
+    assert replaced.returncode == 0, replaced.stderr
+    assert sorted(p.name for p in out.iterdir()) == before, "the old files are replaced, the stale one gone"
 
 
 def test_write_hf_cuts_shards_and_writes_the_index(tmp_path):
@@ -211,7 +283,8 @@ def test_write_hf_cuts_shards_and_writes_the_index(tmp_path):
         assert (tmp_path / "o" / n).stat().st_size <= 60_000 + 10_000
     back = load_hf(tmp_path / "o")
     x = torch.randint(0, 96, (2, 8))
-    assert (back(x).logits - load_hf(d)(x).logits).abs().max().item() <= TOL
+    # The same fp32 values through the same transformers code: equal to the bit.
+    assert torch.equal(back(x).logits, load_hf(d)(x).logits)
 
 
 def test_the_trainer_refuses_bad_hf_input_with_exit_2(tmp_path):

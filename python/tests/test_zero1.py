@@ -14,6 +14,7 @@ import yaml
 from safetensors import safe_open
 
 from launcher import DATA, PYTHON, check_ok, hand_plan, launch, python_env
+from tolerance import EPS_BF16, assert_steps_close, loss_ops
 
 from motley_torch.zero import partition
 
@@ -88,7 +89,8 @@ def test_zero1_gives_the_unsharded_losses_and_divides_the_optimizer_state(tmp_pa
     check_ok(sharded)
     b = steps(sharded[0].stdout)
     assert len(b) == 5
-    assert all(abs(x["loss"] - y["loss"]) <= 1e-4 for x, y in zip(b, single("--steps", "5"))), b
+    assert_steps_close([d["loss"] for d in b], [d["loss"] for d in single("--steps", "5")], loss_ops(4),
+                       f"ZeRO-1 on {plan_name}: losses against the single process's")
     assert all("motley-zero1 on" in r.log for r in sharded)
     if plan_name != "two_replicas":
         return
@@ -98,8 +100,10 @@ def test_zero1_gives_the_unsharded_losses_and_divides_the_optimizer_state(tmp_pa
     check_ok(plain)
     check_ok(late)
     a, c = steps(plain[0].stdout), steps(late[0].stdout)
-    assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a, b)), (a, b)
-    assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(b, c)), (b, c)
+    # Rings of two: a reduce-scatter's a + b is the all-reduce's, and AdamW is elementwise, on a
+    # shard as on the whole tensor: the same bits.
+    assert [d["loss"] for d in b] == [d["loss"] for d in a], (a, b)
+    assert [d["loss"] for d in c] == [d["loss"] for d in b], (b, c)
     before, after = memory(plain), memory(sharded)
     # Every ring's optimizer state is cut into runs of whole blocks: summed over the ranks it
     # is what one copy per ring holds, and no rank keeps everything where its ring has two.
@@ -117,7 +121,11 @@ def test_zero1_in_bf16_keeps_half_weights_and_fp32_masters(tmp_path):
     check_ok(plain)
     check_ok(sharded)
     a, b = steps(plain[0].stdout), steps(sharded[0].stdout)
-    assert all(abs(x["loss"] - y["loss"]) <= 5e-2 for x, y in zip(a, b)), (a, b)
+    # ZeRO-1 keeps bf16 weights where the plain run keeps fp32 ones that autocast rounds per
+    # product: the two differ by one bf16 rounding of what autocast leaves in fp32 (norm gains,
+    # biases), at most one unit roundoff (eps / 2) of the loss per step.
+    assert_steps_close([d["loss"] for d in b], [d["loss"] for d in a], 0.5, "ZeRO-1 bf16 losses against plain bf16's",
+                       eps=EPS_BF16)
     before, after = memory(plain), memory(sharded)
     total = lambda mem, key: sum(m[key] for m in mem.values())  # noqa: E731
     # Every block has two copies (the rings have two members): without ZeRO-1 both hold fp32
@@ -163,7 +171,8 @@ def test_zero1_checkpoints_are_written_by_their_owners_and_restore_onto_another_
     for res in (onto_one, onto_plain):
         resumed = steps(res[0].stdout)
         assert [d["step"] for d in resumed] == [4, 5, 6, 7]
-        assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(resumed, got[4:])), (resumed, got[4:])
+        assert_steps_close([d["loss"] for d in resumed], [d["loss"] for d in got[4:]], loss_ops(4),
+                           "losses after the restore against the uninterrupted run's", steps=range(4, 8))
 
 
 def test_the_plans_zero1_turns_it_on(tmp_path: Path):
