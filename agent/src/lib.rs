@@ -26,4 +26,10 @@ pub mod ranks;
 pub mod safe_fs;
 pub mod workdir;
 
+/// The rule for tests that need root, shared with the integration tests (tests/common).
+#[cfg(test)]
+#[path = "../tests/common/root_only.rs"]
+#[allow(dead_code)]
+pub(crate) mod root_only;
+
 pub use error::{AgentError, Result};

@@ -19,6 +19,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 mod common;
+use common::root_only::Need;
 use common::{free_port, scratch, wait_exit};
 
 #[derive(Default)]
@@ -465,8 +466,7 @@ fn a_refused_node_ends_the_agent_with_a_clear_error() {
 #[test]
 fn ranks_run_as_the_jobs_user() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    if motley_agent::ranks::users::euid() != 0 {
-        eprintln!("skipped: switching users needs root (CI runs as root)");
+    if !common::root_only::can_run("ranks_run_as_the_jobs_user", &[Need::Root, Need::User("nobody")]) {
         return;
     }
     let nobody = motley_agent::ranks::users::lookup("nobody").unwrap().expect("the node has a user nobody");
@@ -544,10 +544,9 @@ fn process_gone(pid: i32) -> bool {
 /// rank's process group but not its cgroup: a stop, and a rank's own end, take it too.
 #[test]
 fn what_a_rank_starts_outside_its_process_group_ends_with_it() {
-    let root = unsafe { libc::geteuid() } == 0;
-    let cgroup2 = std::fs::read_to_string("/proc/self/mountinfo").unwrap().contains(" - cgroup2 ");
-    if !(root && cgroup2) {
-        eprintln!("skipped: ranks get cgroups of their own only from a root agent on a cgroup v2 host");
+    // Ranks get cgroups of their own only from a root agent on a cgroup v2 host.
+    let needs = [Need::Root, Need::CgroupV2, Need::User("nobody")];
+    if !common::root_only::can_run("what_a_rank_starts_outside_its_process_group_ends_with_it", &needs) {
         return;
     }
     let (_rt, fake, url) = serve_fake();

@@ -101,15 +101,15 @@ impl Drop for Node {
 }
 
 impl Node {
-    /// `None` where the test cannot run: switching to `nobody` needs root (CI runs as root).
+    /// `None` where the test cannot run (skipped, or failed under CI as root: `root_only`):
+    /// switching to `nobody` needs root and the user.
     fn start(name: &str, shm: Option<&Path>) -> Option<Node> {
         Node::start_with(name, shm, &[])
     }
 
     /// `start`, the agent given `args` more.
     fn start_with(name: &str, shm: Option<&Path>, args: &[&str]) -> Option<Node> {
-        if motley_agent::ranks::users::euid() != 0 {
-            eprintln!("skipped: ranks as another user need a root agent (CI runs as root)");
+        if !common::root_only::can_run(name, &[common::root_only::Need::Root, common::root_only::Need::User("nobody")]) {
             return None;
         }
         let dir = scratch(name);

@@ -5,7 +5,8 @@
 //! `allow_root_ranks` (a job file alone must never be enough to run code as root on every
 //! node), and so is a job naming a uid-0 account. An agent running as another user cannot
 //! switch users: it runs ranks as itself and refuses a job naming anyone else. A refused rank
-//! is reported exited with `REFUSED` and the reason in its log.
+//! is reported exited with `REFUSED` and the reason in its log, as is one whose user may not
+//! execute the agent's own executable, which runs each rank's wrapper (`wrapper_exe`).
 
 use std::ffi::{CStr, CString};
 

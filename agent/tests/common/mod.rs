@@ -1,6 +1,9 @@
 //! What the agent's integration tests share: a scratch directory per test, a bounded wait
-//! for a process they started, a free port. Each test binary uses some of them only.
+//! for a process they started, a free port, and the rule for tests that need root
+//! (`root_only`). Each test binary uses some of them only.
 #![allow(dead_code)]
+
+pub mod root_only;
 
 use std::path::PathBuf;
 use std::process::{Child, ExitStatus};

@@ -188,7 +188,14 @@ async fn serve_logs(args: &Args, node: &str, work_dir: &Path) -> anyhow::Result<
 /// The supervisor of this node's ranks: each rank under this executable as its wrapper, in its
 /// own cgroup where the host allows, its checkpoints in the memory tier.
 fn supervisor(args: &Args, node: &str, work_dir: &Path) -> anyhow::Result<Supervisor> {
-    let wrapper = std::env::current_exe().context("cannot find this executable (the rank wrapper)")?;
+    // Opened now, as root: ranks of other users run it through this descriptor
+    // (ranks/wrapper_exe.rs), so they need only execute permission on the file itself.
+    let wrapper = motley_agent::ranks::wrapper_exe::WrapperExe::own()?;
+    if motley_agent::ranks::users::euid() == 0 {
+        if let Some(warning) = wrapper.startup_warning() {
+            tracing::warn!(node = %node, "{warning}");
+        }
+    }
     let cgroups = match motley_agent::ranks::cgroup::RankCgroups::detect(node, work_dir) {
         Ok(c) => Some(c),
         Err(why) => {

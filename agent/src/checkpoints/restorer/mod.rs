@@ -321,8 +321,7 @@ mod hand_over_tests {
     /// agent's, readable.
     #[test]
     fn only_the_agents_own_list_of_the_jobs_own_files_is_handed_over() {
-        if crate::safe_fs::euid() != 0 {
-            eprintln!("skipped: handing files over needs root (CI runs as root)");
+        if !crate::root_only::can_run("only_the_agents_own_list_of_the_jobs_own_files_is_handed_over", &[crate::root_only::Need::Root]) {
             return;
         }
         let work = std::env::temp_dir().join(format!("motley-hand-over-{}", std::process::id()));

@@ -30,7 +30,13 @@ impl Supervisor {
         }
         let dir = generation_dir(&self.work_dir, l.job, l.generation);
         let plan = dir.join("plan.json");
-        let who = users::run_as(users::euid(), &l.user, self.allow_root_ranks, &self.node, users::lookup);
+        let who = users::run_as(users::euid(), &l.user, self.allow_root_ranks, &self.node, users::lookup).and_then(|a| {
+            // A user who cannot execute the wrapper would only see it fail to start: say why.
+            match a.as_ref().and_then(|a| self.wrapper.not_runnable_by(a)) {
+                Some(why) => Err(why),
+                None => Ok(a),
+            }
+        });
         let prepared = workdir::create_dirs(&dir)
             .and_then(|_| workdir::replace(&plan, l.plan_json.as_bytes()))
             .and_then(|_| match &who {
@@ -106,7 +112,10 @@ impl Supervisor {
         let files = rank_files(&self.node, l, r, dir, user)?;
         let mut cmd = self.rank_command(l, r, dir, plan, user, &files)?;
         self.confine(&mut cmd, l, r, user)?;
-        let child = cmd.spawn().map_err(|e| format!("{}: {e}", self.wrapper.display()))?;
+        // Last of the child's steps: the wrapper through the agent's descriptor of its own
+        // executable, so the job's user needs no way through the directories above it.
+        self.wrapper.exec_through(&mut cmd)?;
+        let child = cmd.spawn().map_err(|e| format!("the rank wrapper {}: {e}", self.wrapper.path().display()))?;
         let pgid = child.id().map_or(0, |p| p as i32);
         // Not reaped before `watch_child` waits for it, so the pid is still the wrapper's.
         let start = group::start_time(pgid).unwrap_or(0);
@@ -139,13 +148,15 @@ impl Supervisor {
     ) -> Result<tokio::process::Command, String> {
         let out = files.log_file.try_clone().map_err(|e| e.to_string())?;
         let err = files.log_file.try_clone().map_err(|e| e.to_string())?;
-        let mut cmd = tokio::process::Command::new(&self.wrapper);
+        // Named for messages only: `spawn` executes it through its descriptor (`wrapper_exe`).
+        let mut cmd = tokio::process::Command::new(self.wrapper.path());
         cmd.arg("__rank-wrapper").arg(rank_file(dir, r.rank, "exit"));
         cmd.arg("--lease").arg(crate::ranks::lease::path(&self.work_dir));
         cmd.arg("--").arg("sh").arg("-c").arg(&l.run);
         cmd.current_dir(dir).stdin(Stdio::null()).stdout(out).stderr(err);
         // The agent's own settings (its token above all) and cloud credentials are not the
-        // job's business: only the allow-list's variables pass (`environment`).
+        // job's business: only the allow-list's variables pass (`environment`). Cleared
+        // first: the wrapper's exec passes exactly the variables set here (`exec_through`).
         cmd.env_clear();
         cmd.envs(self.rank_env.inherited(std::env::vars_os(), user.is_none()));
         // CUDA numbers GPUs fastest first unless told otherwise; NVML (discovery, the plan's

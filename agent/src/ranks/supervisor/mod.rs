@@ -83,8 +83,8 @@ type Ranks = BTreeMap<Key, Rank>;
 pub struct Supervisor {
     work_dir: PathBuf,
     node: String,
-    /// The program that runs a rank's wrapper (this agent's own executable).
-    wrapper: PathBuf,
+    /// The program that runs a rank's wrapper (this agent's own executable), held open.
+    wrapper: Arc<crate::ranks::wrapper_exe::WrapperExe>,
     ranks: Arc<Mutex<Ranks>>,
     /// The ranks and states each unacknowledged message of this session reported, by seq.
     /// Locked after `ranks` when both are.
@@ -112,11 +112,11 @@ pub struct Supervisor {
 }
 
 impl Supervisor {
-    pub fn new(work_dir: PathBuf, node: String, wrapper: PathBuf) -> Supervisor {
+    pub fn new(work_dir: PathBuf, node: String, wrapper: crate::ranks::wrapper_exe::WrapperExe) -> Supervisor {
         Supervisor {
             work_dir,
             node,
-            wrapper,
+            wrapper: Arc::new(wrapper),
             ranks: Arc::default(),
             in_flight: Arc::default(),
             interval: Arc::new(Mutex::new(Duration::from_secs(1))),
@@ -363,7 +363,7 @@ mod tests {
     }
 
     fn supervisor(work: &Path) -> Supervisor {
-        Supervisor::new(work.to_path_buf(), "n".into(), PathBuf::from("/bin/false"))
+        Supervisor::new(work.to_path_buf(), "n".into(), crate::ranks::wrapper_exe::WrapperExe::open(Path::new("/bin/false")).unwrap())
     }
 
     #[test]
@@ -468,8 +468,9 @@ mod tests {
     /// launch directory) is never adopted: it could name any process group.
     #[test]
     fn a_record_not_owned_by_the_agents_user_is_not_trusted() {
-        if users::euid() != 0 {
-            return; // only root can give a file away
+        // Only root can give a file away.
+        if !crate::root_only::can_run("a_record_not_owned_by_the_agents_user_is_not_trusted", &[crate::root_only::Need::Root]) {
+            return;
         }
         let work = work_dir("forged");
         let dir = finished(&work, 1, false);
@@ -517,11 +518,12 @@ mod tests {
         let b = record("b", 1, i32::MAX, group::boot_id(), 1, &dir);
         rankfiles::write_record(&dir, &b).unwrap();
         std::fs::write(rank_file(&dir, 0, "exit"), "0\n").unwrap();
-        let a = Supervisor::new(work.clone(), "a".into(), PathBuf::from("/bin/false"));
+        let a = Supervisor::new(work.clone(), "a".into(), crate::ranks::wrapper_exe::WrapperExe::open(Path::new("/bin/false")).unwrap());
         let notes = a.adopt();
         assert!(notes.iter().any(|n| n.contains("names node b, not a; not adopted")), "{notes:?}");
         assert!(a.report(1, true).is_empty(), "node a knows no rank");
-        let b_agent = Supervisor::new(work.clone(), "b".into(), PathBuf::from("/bin/false"));
+        let b_agent =
+            Supervisor::new(work.clone(), "b".into(), crate::ranks::wrapper_exe::WrapperExe::open(Path::new("/bin/false")).unwrap());
         b_agent.adopt();
         assert_eq!(b_agent.report(1, true).len(), 1, "node b adopts its own");
         std::fs::remove_dir_all(&work).unwrap();
