@@ -37,6 +37,25 @@ pub enum DevCommand {
     },
 }
 
+/// The variables of the shell that runs `motley dev up` its ranks inherit through the agents
+/// (`--rank-env`), beside what every agent passes (PATH, which picks the `python` a job's `run:`
+/// starts, the locale, TZ, ...): where a rank's Python finds its packages and the rank library
+/// (python/README.md, "What a rank's Python needs"). Only these, never the whole shell: the
+/// agents, root included, still pass nothing else of theirs. A job's own `envs:` win over them.
+pub const SHELL_TO_RANKS: &[&str] = &["PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "CONDA_PREFIX"];
+
+/// The agents' `--rank-env`: the shell's own `MOTLEY_RANK_ENV` (which the flag would
+/// otherwise replace), then `SHELL_TO_RANKS`.
+fn rank_env(shell: Option<&str>) -> String {
+    let mut names: Vec<&str> = shell.unwrap_or_default().split(',').map(str::trim).filter(|n| !n.is_empty()).collect();
+    for n in SHELL_TO_RANKS {
+        if !names.contains(n) {
+            names.push(n);
+        }
+    }
+    names.join(",")
+}
+
 /// Set by Ctrl-C: the watch loop cancels the job, waits for its ranks and returns.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -115,7 +134,13 @@ pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
     let grpc = grpc.trim().rsplit(' ').next().unwrap_or_default().to_string();
     say(&format!("coordinator: REST {rest}, agents {grpc}, state in {}", dir.display()));
 
-    // One agent per node, named as the cluster file expands them.
+    // One agent per node, named as the cluster file expands them, its ranks given what this
+    // shell has for their Python.
+    let rank_env = rank_env(std::env::var("MOTLEY_RANK_ENV").ok().as_deref());
+    let passed: Vec<&str> = SHELL_TO_RANKS.iter().copied().filter(|n| std::env::var_os(n).is_some()).collect();
+    if !passed.is_empty() {
+        say(&format!("ranks inherit this shell's PATH and {} (a job's envs: win)", passed.join(", ")));
+    }
     let mut names = vec![];
     for n in &spec.nodes {
         let mut entry = n.clone();
@@ -130,6 +155,7 @@ pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
             std::fs::write(&file, serde_norway::to_string(&entry).expect("a node entry serialises")).map_err(io)?;
             let agent = Command::new(sibling("motley-agent")?)
                 .arg("--allow-root-ranks")
+                .args(["--rank-env", &rank_env])
                 .process_group(0)
                 .args(["--coordinator", &grpc, "--node", &name, "--inventory"])
                 .arg(&file)
@@ -271,5 +297,14 @@ fn collect_logs(dir: &Path, out: &mut Vec<PathBuf>) {
         } else if p.extension().is_some_and(|x| x == "log") {
             out.push(p);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_agents_pass_the_shells_own_rank_env_and_its_python_variables() {
+        assert_eq!(super::rank_env(None), "PYTHONPATH,PYTHONHOME,VIRTUAL_ENV,CONDA_PREFIX");
+        assert_eq!(super::rank_env(Some("NCCL_*, PYTHONPATH,,")), "NCCL_*,PYTHONPATH,PYTHONHOME,VIRTUAL_ENV,CONDA_PREFIX");
     }
 }

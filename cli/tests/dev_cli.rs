@@ -36,6 +36,11 @@ fn dev_up_runs_the_example_job_to_the_end_and_stops_everything() {
 /// `motley dev up` of this cluster file and job file (written into a fresh directory named
 /// from `prefix`), its state in DIR/state: the directory and the command's output.
 fn dev_up_files(prefix: &str, cluster: &str, job: &str) -> (std::path::PathBuf, std::process::Output) {
+    dev_up_files_with(prefix, cluster, job, &[])
+}
+
+/// `dev_up_files`, from a shell with the variables `env` set (and no MOTLEY_RANK_ENV).
+fn dev_up_files_with(prefix: &str, cluster: &str, job: &str, env: &[(&str, &str)]) -> (std::path::PathBuf, std::process::Output) {
     let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -45,6 +50,8 @@ fn dev_up_files(prefix: &str, cluster: &str, job: &str) -> (std::path::PathBuf, 
     let out = Command::new(env!("CARGO_BIN_EXE_motley"))
         .args(["dev", "up", cluster_file.to_str().unwrap(), job_file.to_str().unwrap(), "--dir", dir.join("state").to_str().unwrap()])
         .current_dir(repo())
+        .env_remove("MOTLEY_RANK_ENV")
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     (dir, out)
@@ -75,6 +82,29 @@ fn dev_up_passes_the_cluster_files_gpu_types_to_the_coordinator() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("1 agents live: toy") && text.contains("job 1 succeeded") && text.contains("toy-ok"), "{text}");
+    assert_eq!(processes_with(dir.join("state").to_str().unwrap()), 0, "coordinator and agents are stopped");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The ranks' Python gets what the shell has (python/README.md, "What a rank's Python needs"):
+/// its PYTHONPATH and VIRTUAL_ENV reach the ranks, a job's own `envs:` win over them, and
+/// nothing else of the shell's does.
+#[test]
+fn dev_up_passes_the_shells_python_variables_to_the_ranks() {
+    let (dir, out) = dev_up_files_with(
+        "motley-dev-python-env",
+        "name: one\nnodes:\n  - {name: solo, gpu: A100-80G, gpus: 2}\n",
+        "name: env\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\n\
+         run: 'echo \"pp=$PYTHONPATH ve=$VIRTUAL_ENV key=$AWS_SECRET_ACCESS_KEY\"'\nenvs: {VIRTUAL_ENV: /from/job}\n",
+        &[("PYTHONPATH", "/from/shell/python"), ("VIRTUAL_ENV", "/from/shell/venv"), ("AWS_SECRET_ACCESS_KEY", "shell-secret")],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("ranks inherit this shell's PATH and PYTHONPATH, VIRTUAL_ENV"), "{text}");
+    for rank in ["rank-0", "rank-1"] {
+        assert!(text.contains(&format!("{rank}: pp=/from/shell/python ve=/from/job key=\n")), "{text}");
+    }
+    assert!(!text.contains("shell-secret"), "{text}");
     assert_eq!(processes_with(dir.join("state").to_str().unwrap()), 0, "coordinator and agents are stopped");
     let _ = std::fs::remove_dir_all(&dir);
 }
