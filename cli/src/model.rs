@@ -2,7 +2,8 @@
 //! file resolves to, with every default filled in (`-o json` is a model file's fields, which
 //! the rank library's trainer and profiler read for a catalog name).
 
-use motley_solver::model::{model_catalog, ModelSpec};
+use motley_solver::model::hf::default_seq_len_reason;
+use motley_solver::model::{model_catalog, params_text, ModelSpec};
 
 use crate::inputs::{load_model, InputError, Output};
 use crate::table::escape;
@@ -25,7 +26,20 @@ pub enum ModelCommand {
 }
 
 fn table(models: &[(ModelSpec, f64)]) -> String {
-    let header = ["model", "family", "layers", "hidden", "heads", "kv heads", "ffn hidden", "mlp", "seq len", "vocab", "parameters"];
+    let header = [
+        "model",
+        "family",
+        "layers",
+        "hidden",
+        "heads",
+        "kv heads",
+        "ffn hidden",
+        "mlp",
+        "seq len",
+        "max positions",
+        "vocab",
+        "parameters",
+    ];
     let rows = models
         .iter()
         .map(|(m, params)| {
@@ -39,12 +53,23 @@ fn table(models: &[(ModelSpec, f64)]) -> String {
                 m.ffn_hidden.map_or_else(String::new, |f| f.to_string()),
                 if m.gated_mlp { "gated (SwiGLU)" } else { "GELU" }.to_string(),
                 m.seq_len.to_string(),
+                m.max_position_embeddings.map_or_else(|| "-".to_string(), |p| p.to_string()),
                 m.vocab.to_string(),
-                format!("{:.2} B", params / 1e9),
+                params_text(*params),
             ]
         })
         .collect();
-    crate::table::simple(header.to_vec(), rows)
+    let mut out = crate::table::simple(header.to_vec(), rows);
+    // A model that states its longest sequence (a Hugging Face config) is not trained at it.
+    if let Some((m, max)) = models.iter().find_map(|(m, _)| m.max_position_embeddings.map(|p| (m, p))) {
+        out.push_str(&format!(
+            "\nseq len {} is the length trained at unless --seq-len (motley plan) or a job file's seq_len says another; \
+             max positions is the longest sequence the model takes. A Hugging Face model's seq len is {}.",
+            m.seq_len,
+            default_seq_len_reason(max, m.sliding_window)
+        ));
+    }
+    out
 }
 
 pub fn run(cmd: ModelCommand) -> Result<String, InputError> {

@@ -24,7 +24,8 @@ pub struct PlanArgs {
     /// Sequences per micro-batch (default: the planner chooses).
     #[arg(long, env = "MOTLEY_MICRO_BATCH")]
     micro_batch: Option<u32>,
-    /// Sequence length (overrides the model's).
+    /// Tokens per sequence the plan trains at (default: the model's seq_len; a Hugging Face
+    /// model's is the smaller of its max_position_embeddings and 4096, `motley model show`).
     #[arg(long)]
     seq_len: Option<u64>,
     /// Measured per-layer profiles (YAML or JSON; format in solver/README.md).
@@ -244,7 +245,7 @@ pub fn run_plan(a: PlanArgs) -> Result<String, InputError> {
 #[derive(clap::Args)]
 pub struct ReplanArgs {
     /// The running plan: `motley plan -o json` output. Its global batch is used (--global-batch
-    /// is ignored).
+    /// is ignored), and its seq_len (a different --seq-len is refused).
     #[arg(long)]
     current: PathBuf,
     /// Smallest speed-up worth a switch (0.05 = 5%).
@@ -257,7 +258,7 @@ pub struct ReplanArgs {
     plan: PlanArgs,
 }
 
-pub fn run_replan(a: ReplanArgs) -> Result<String, InputError> {
+pub fn run_replan(mut a: ReplanArgs) -> Result<String, InputError> {
     if !(a.min_gain >= 0.0 && a.min_gain.is_finite()) {
         return Err(InputError("--min-gain: must be a non-negative fraction (0.05 = 5%)".into()));
     }
@@ -267,6 +268,16 @@ pub fn run_replan(a: ReplanArgs) -> Result<String, InputError> {
     let origin = a.current.display().to_string();
     let text = std::fs::read_to_string(&a.current).map_err(|e| InputError(format!("{origin}: cannot read plan file: {e}")))?;
     let current: CurrentPlan = inputs::parse_yaml(&text, &origin)?;
+    // The running plan's sequence length is the one re-planned for, as its global batch is.
+    match (current.seq_len, a.plan.seq_len) {
+        (Some(running), Some(asked)) if running != asked => {
+            return Err(InputError(format!(
+                "--seq-len: {asked}, but the running plan ({origin}) runs {running}-token sequences; drop --seq-len or give {running}"
+            )))
+        }
+        (Some(running), _) => a.plan.seq_len = Some(running),
+        (None, _) => {}
+    }
     let mut l = load(&a.plan)?;
     l.opts.global_batch = current.global_batch;
     l.opts.micro_batch = None;

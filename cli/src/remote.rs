@@ -451,6 +451,15 @@ fn logs(id: i64, rank: Option<i64>, generation: Option<i64>, follow: bool, remot
     }
 }
 
+/// One event as `motley job watch` prints it: `[kind] generation G: message`, the generation
+/// left out where the event has none (a job's own events before its first launch).
+fn event_line(e: &Value) -> String {
+    match e["generation"].as_i64().filter(|&g| g > 0) {
+        Some(g) => format!("[{}] generation {g}: {}", s(&e["kind"]), s(&e["message"])),
+        None => format!("[{}] {}", s(&e["kind"]), s(&e["message"])),
+    }
+}
+
 /// Poll the job's events (every 200 ms) and print each once, until the job is over; the exit
 /// code says how it ended (`exit::for_job_state`).
 fn watch(id: i64, remote: &Remote) -> Result<Outcome, InputError> {
@@ -468,7 +477,7 @@ fn watch(id: i64, remote: &Remote) -> Result<Outcome, InputError> {
             after = after.max(e["seq"].as_i64().unwrap_or(after));
             let line = match remote.output {
                 Output::Json => e.to_string(),
-                Output::Table => format!("[{}] generation {}: {}", s(&e["kind"]), s(&e["generation"]), s(&e["message"])),
+                Output::Table => event_line(e),
             };
             let _ = writeln!(std::io::stdout().lock(), "{line}");
         }
@@ -526,6 +535,15 @@ mod tests {
         let e = inline_hf_model(text, &job_file).unwrap_err().0;
         assert!(e.contains("job.yaml: model: ") && e.contains("architectures: 'BertModel'"), "{e}");
         std::fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn an_event_without_a_generation_prints_none() {
+        let e = |generation: Value| serde_json::json!({"seq": 3, "kind": "profiling", "generation": generation, "message": "priced by the roofline"});
+        assert_eq!(event_line(&e(Value::Null)), "[profiling] priced by the roofline");
+        assert_eq!(event_line(&e(0.into())), "[profiling] priced by the roofline");
+        assert_eq!(event_line(&e(2.into())), "[profiling] generation 2: priced by the roofline");
+        assert!(!event_line(&e(Value::Null)).contains("generation :"));
     }
 
     #[test]

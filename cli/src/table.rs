@@ -68,6 +68,15 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
         if r.recompute { " | recompute" } else { "" },
         if r.zero1 { " | zero1" } else { "" }
     ));
+    // Planned at the model's own length while it takes longer ones (a Hugging Face model's
+    // default): said, so 4096 is never mistaken for the model's maximum, nor the maximum chosen.
+    if let Some(max) = r.model_spec.max_position_embeddings.filter(|&m| r.seq_len == r.model_spec.seq_len && m > r.seq_len) {
+        out.push_str(&format!(
+            "seq {}: the model's default training length ({}); --seq-len sets another\n",
+            r.seq_len,
+            motley_solver::model::hf::default_seq_len_reason(max, r.model_spec.sliding_window)
+        ));
+    }
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
     t.set_header(vec!["replica", "samples", "stage", "layers", "gpu", "tp", "dp", "gpus", "memory GiB", "time s"]);

@@ -2,8 +2,11 @@
 //!
 //! ```yaml
 //! name: hello
-//! model: gpt3-1.3b            # a catalog name, or a model entry {name, layers, hidden, ...}
+//! model: gpt3-1.3b            # a catalog name, a model entry {name, layers, hidden, ...} or a
+//!                             # Hugging Face model directory
 //! global_batch: 16
+//! seq_len: 2048               # tokens per sequence (optional; default: the model's seq_len, for
+//!                             # a Hugging Face model the smaller of max_position_embeddings and 4096)
 //! resources:
 //!   gpus: 8                   # at most this many GPUs (optional)
 //!   nodes: [a100-0, a100-1]   # only these nodes (optional)
@@ -16,7 +19,7 @@
 //!   tp: 2                     # only this tensor-parallel degree
 //!   max_stages: 4             # longest pipeline
 //!   micro_batch: 2            # sequences per micro-batch
-//!   seq_len: 2048             # overrides the model's
+//!   seq_len: 2048             # as the top-level seq_len (either one; if both, they agree)
 //!   search: exact             # auto | exact | fast
 //!   recompute: true           # full activation recomputation
 //!   zero1: false              # shard optimizer states over a stage's data-parallel GPUs
@@ -163,6 +166,10 @@ pub struct JobSpec {
     pub name: String,
     pub model: ModelRef,
     pub global_batch: u32,
+    /// Tokens per sequence the job trains at (absent: `plan_options.seq_len`, a carried plan's
+    /// `seq_len`, else the model's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<u64>,
     #[serde(default)]
     pub resources: Resources,
     pub run: String,
@@ -357,6 +364,7 @@ impl JobSpec {
         self.model()?;
         self.plan_options()?;
         self.replan()?;
+        self.replan_can_act()?;
         if self.steps == Some(0) {
             return Err(CoordinatorError::invalid("steps", "must be at least 1 (training steps in all); leave it out if unknown"));
         }
@@ -478,9 +486,58 @@ impl JobSpec {
         self.profiling.clone().unwrap_or_default()
     }
 
-    /// The model, from the catalog or the inline entry.
+    /// The model, from the catalog or the inline entry, at the job's sequence length.
     pub fn model(&self) -> Result<Model> {
-        resolve_model(&self.model, self.plan_options.as_ref().and_then(|p| p.seq_len), "plan_options.seq_len")
+        let seq = self.seq_len()?;
+        resolve_model(&self.model, seq.map(|(s, _)| s), seq.map_or("seq_len", |(_, field)| field))
+    }
+
+    /// The sequence length the job asks for and the field that says it: `seq_len`,
+    /// `plan_options.seq_len` or a carried plan's `plan.seq_len` (a plan is run at the length it
+    /// was made for); None: the model's. Two that disagree are refused naming both.
+    pub fn seq_len(&self) -> Result<Option<(u64, &'static str)>> {
+        let given = [
+            ("seq_len", self.seq_len),
+            ("plan_options.seq_len", self.plan_options.as_ref().and_then(|p| p.seq_len)),
+            ("plan.seq_len", self.plan.as_ref().and_then(|p| p.seq_len)),
+        ];
+        let mut chosen: Option<(u64, &'static str)> = None;
+        for (field, value) in given {
+            let Some(v) = value else { continue };
+            match chosen {
+                None => chosen = Some((v, field)),
+                Some((first, named)) if first != v => {
+                    return Err(CoordinatorError::invalid(
+                        field,
+                        format!("is {v} but {named} is {first}; a job trains at one sequence length: make them agree or give one"),
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(chosen)
+    }
+
+    /// `replan:` asked for (not `off`) where it can never act is refused naming what stops it:
+    /// a carried plan is never re-planned, and a switch resumes from a complete checkpoint. An
+    /// absent `replan:` is the default, not a request: such jobs are simply not watched.
+    fn replan_can_act(&self) -> Result<()> {
+        if matches!(self.replan, None | Some(ReplanSpec::Off)) {
+            return Ok(());
+        }
+        if self.plan.is_some() {
+            return Err(CoordinatorError::invalid(
+                "replan",
+                "the job carries its plan (plan:), which is run as given and never re-planned; remove replan, or plan to let the planner choose",
+            ));
+        }
+        if self.checkpoint.is_none() {
+            return Err(CoordinatorError::invalid(
+                "replan",
+                "a re-planned job switches to its new plan at a complete checkpoint, and this job has none (checkpoint:); add checkpoint: {every: STEPS} or remove replan",
+            ));
+        }
+        Ok(())
     }
 }
 

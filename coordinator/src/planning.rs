@@ -119,13 +119,14 @@ pub async fn plan_job(store: &Store, fleet: &Fleet, id: i64, taken: &Taken) -> R
         Err(e) => return fail_planning(store, &job, e).await,
     };
     let measured = measured(fleet, &offer);
+    let wanted = offer.wanted;
     match solve(&spec, offer, profiles, measured, deadline(fleet, &spec)).await {
         Ok((report, ranks)) => {
             if !without.is_empty() {
-                let why: Vec<String> = without.iter().map(|(k, r)| format!("{k} ({r})")).collect();
-                store
-                    .record_event(Some(id), None, "profiling", &format!("priced by the roofline, not measured: {}", why.join("; ")))
-                    .await?;
+                store.record_event(Some(id), None, "profiling", &crate::profiling::roofline_summary(&without)).await?;
+            }
+            if let Some(why) = unused_gpus(&spec, &report, wanted) {
+                store.record_event(Some(id), None, "plan", &why).await?;
             }
             // A job found in `planning` was left there by a coordinator that stopped.
             if job.state != JobState::Planning {
@@ -145,6 +146,30 @@ pub async fn plan_job(store: &Store, fleet: &Fleet, id: i64, taken: &Taken) -> R
         }
         Err(e) => fail_planning(store, &job, e).await,
     }
+}
+
+/// Why a plan leaves GPUs the job may use idle, when it does (a carried plan names its own):
+/// a job asking for 3 GPUs and running on 2 is told why, naming `resources.gpus` and
+/// `global_batch`.
+pub fn unused_gpus(spec: &JobSpec, report: &PlanReport, wanted: u32) -> Option<String> {
+    if spec.plan.is_some() || report.gpus_used >= wanted {
+        return None;
+    }
+    let (used, idle) = (report.gpus_used, wanted - report.gpus_used);
+    let may = match spec.resources.gpus {
+        Some(g) => format!("the {wanted} GPUs it may use (resources.gpus: {g})"),
+        None => format!("the {wanted} GPUs of its nodes"),
+    };
+    let why = if spec.global_batch < wanted {
+        format!(
+            "global_batch is {}: a data-parallel GPU takes at least one whole sequence of each batch, and no faster plan \
+             uses the rest as pipeline stages or tensor-parallel ranks; raise global_batch or lower resources.gpus",
+            spec.global_batch
+        )
+    } else {
+        "the search found no faster plan that uses them".to_string()
+    };
+    Some(format!("the plan uses {used} of {may}; {idle} stay idle: {why}"))
 }
 
 /// Plan a recovering job again on what it can use now: live, active nodes within its

@@ -259,10 +259,14 @@ pub async fn prepare(store: &Store, fleet: &Fleet, job: i64, spec: &JobSpec, off
                         {
                             out.push(format!("{key} (its nodes are busy profiling)"));
                         }
-                        None => without.push((
-                            key,
-                            format!("no live agent of a {gpu_name} node with {tp} free GPUs can profile (start agents with --python)"),
-                        )),
+                        None => {
+                            let why = if offered.iter().any(|(n, _)| n.gpu.eq_ignore_ascii_case(gpu_name) && fleet.can_profile(&n.name)) {
+                                format!("no {gpu_name} node whose agent can profile has {tp} free GPUs")
+                            } else {
+                                format!("no live agent can profile on {gpu_name} nodes (start agents with --python)")
+                            };
+                            without.push((key, why))
+                        }
                     }
                 }
             }
@@ -285,6 +289,36 @@ pub async fn prepare(store: &Store, fleet: &Fleet, job: i64, spec: &JobSpec, off
         ));
     }
     Ok(Prepared::Ready { profiles, without })
+}
+
+/// The `profiling` event of a job priced (in part) by the roofline: one clause per GPU type and
+/// reason, its configurations counted, not one per configuration (a job on a cluster without
+/// profiling agents would otherwise open with a paragraph).
+pub fn roofline_summary(without: &[(ProfileKey, String)]) -> String {
+    let mut groups: Vec<((&str, &str), Vec<&ProfileKey>)> = vec![];
+    for (key, why) in without {
+        let at = (key.gpu.as_str(), why.as_str());
+        match groups.iter_mut().find(|(g, _)| *g == at) {
+            Some((_, keys)) => keys.push(key),
+            None => groups.push((at, vec![key])),
+        }
+    }
+    let clauses: Vec<String> = groups
+        .iter()
+        .map(|((gpu, why), keys)| {
+            let mut tps: Vec<u32> = keys.iter().map(|k| k.tp).collect();
+            tps.sort_unstable();
+            tps.dedup();
+            let tps: Vec<String> = tps.iter().map(u32::to_string).collect();
+            let (low, high) = keys.iter().fold((u32::MAX, 0), |(l, h), k| (l.min(k.micro_batch), h.max(k.micro_batch)));
+            let batches = if low == high { low.to_string() } else { format!("{low}-{high}") };
+            let n = keys.len();
+            let configs = if n == 1 { "1 configuration".to_string() } else { format!("{n} configurations") };
+            format!("{gpu} ({configs}: tp {}, micro-batch {batches}): {why}", tps.join(", "))
+        })
+        .collect();
+    let (seq, dtype) = without.first().map_or((0, ""), |(k, _)| (k.seq_len, k.dtype.as_str()));
+    format!("priced by the roofline, not measured (seq {seq}, {dtype}): {}", clauses.join("; "))
 }
 
 /// The stored profiles a job is planned with, measuring nothing (dry runs).
@@ -534,6 +568,36 @@ mod tests {
         assert_eq!(back, llama.resolved(), "the file is a model file the planner reads back");
         let gpt: serde_json::Value = serde_json::from_str(&profiler_model_json(&ModelSpec::gpt("g", 4, 256, 4, 128, 1024))).unwrap();
         assert_eq!((gpt["family"].as_str(), gpt["ffn_hidden"].as_u64()), (Some("gpt"), Some(1024)));
+    }
+
+    #[test]
+    fn the_roofline_event_is_one_clause_per_gpu_type_and_reason() {
+        let key = |gpu: &str, tp, micro_batch| ProfileKey {
+            gpu: gpu.into(),
+            model_hash: "h".into(),
+            tp,
+            micro_batch,
+            seq_len: 2048,
+            dtype: "fp32".into(),
+        };
+        let none = |gpu: &str| format!("no live agent can profile on {gpu} nodes (start agents with --python)");
+        let mut without = vec![];
+        for tp in [1, 2, 4, 8] {
+            for mb in [1, 2, 4, 8, 16, 32, 64] {
+                without.push((key("A100-80G", tp, mb), none("A100-80G")));
+                without.push((key("V100-32G", tp, mb), none("V100-32G")));
+            }
+        }
+        without.push((key("H800", 8, 1), "no H800 node whose agent can profile has 8 free GPUs".into()));
+        let text = roofline_summary(&without);
+        assert_eq!(
+            text,
+            "priced by the roofline, not measured (seq 2048, fp32): \
+             A100-80G (28 configurations: tp 1, 2, 4, 8, micro-batch 1-64): no live agent can profile on A100-80G nodes (start agents with --python); \
+             V100-32G (28 configurations: tp 1, 2, 4, 8, micro-batch 1-64): no live agent can profile on V100-32G nodes (start agents with --python); \
+             H800 (1 configuration: tp 8, micro-batch 1): no H800 node whose agent can profile has 8 free GPUs"
+        );
+        assert_eq!(text.matches("can profile").count(), 3, "said once per GPU type, not per configuration");
     }
 
     #[test]

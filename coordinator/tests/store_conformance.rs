@@ -674,3 +674,72 @@ conformance!(the_data_plane_key_is_generated_once_and_shared, |url: String| asyn
     assert_eq!(s.data_plane_key(&[3; 32]).await.unwrap(), ka);
     s.close().await;
 });
+
+conformance!(a_launch_is_running_before_the_exits_reported_with_its_start, |url: String| async move {
+    use motley_coordinator::store::RankReport;
+    let s = Store::open(&url).await.unwrap();
+    s.register_node("n0", "{}").await.unwrap();
+    let report =
+        |job: i64, rank: i64, state: &str, exit_code: Option<i64>| RankReport { job, generation: 1, rank, state: state.into(), exit_code };
+    let launched = |name: &'static str, s: Store| async move {
+        let job = s.submit_job(name, "{}").await.unwrap();
+        s.transition(job.id, JobState::Planning, None).await.unwrap();
+        s.start_generation(job.id, "{}", &ranks(&["n0", "n0"])).await.unwrap();
+        job.id
+    };
+    let kinds = |s: Store, id: i64| async move {
+        s.events(Some(id), 0, 100).await.unwrap().into_iter().map(|e| format!("{} {}", e.kind, e.message)).collect::<Vec<_>>()
+    };
+    // Both ranks started and ended between two heartbeats: one report says it all, and the
+    // events tell it in the order it happened.
+    let id = launched("quick", s.clone()).await;
+    let all = vec![
+        report(id, 0, "running", None),
+        report(id, 1, "running", None),
+        report(id, 0, "exited", Some(0)),
+        report(id, 1, "exited", Some(0)),
+    ];
+    s.report_ranks_from(Some(("n0", 1)), all).await.unwrap();
+    assert_eq!(s.job(id).await.unwrap().state, JobState::Running);
+    assert_eq!(
+        kinds(s.clone(), id).await[3..],
+        [
+            format!("rank job {id}: rank 0 running"),
+            format!("rank job {id}: rank 1 running"),
+            format!("running job {id}: launching -> running"),
+            format!("rank job {id}: rank 0 exited (exit code 0)"),
+            format!("rank job {id}: rank 1 exited (exit code 0)"),
+        ]
+    );
+    // The leader's look finds it running already: no second move, no second event.
+    assert!(s.transition(id, JobState::Running, None).await.is_err());
+    s.transition(id, JobState::Succeeded, None).await.unwrap();
+
+    // A start completed by a later report moves there; a rank that exited counts as started.
+    let id = launched("later", s.clone()).await;
+    s.report_ranks_from(Some(("n0", 1)), vec![report(id, 0, "running", None), report(id, 0, "exited", Some(0))]).await.unwrap();
+    assert_eq!(s.job(id).await.unwrap().state, JobState::Launching, "rank 1 has not started");
+    s.report_ranks_from(Some(("n0", 1)), vec![report(id, 1, "running", None), report(id, 1, "exited", Some(0))]).await.unwrap();
+    let events = kinds(s.clone(), id).await;
+    let moved = events.iter().position(|e| e.starts_with("running ")).expect("moved running");
+    assert_eq!(events[moved - 1], format!("rank job {id}: rank 1 running"));
+    assert_eq!(events[moved + 1], format!("rank job {id}: rank 1 exited (exit code 0)"));
+
+    // A failed rank is the leader's to decide on (restart or fail): no move.
+    let id = launched("failing", s.clone()).await;
+    s.report_ranks_from(Some(("n0", 1)), vec![report(id, 0, "exited", Some(1)), report(id, 1, "running", None)]).await.unwrap();
+    assert_eq!(s.job(id).await.unwrap().state, JobState::Launching);
+    assert!(!kinds(s.clone(), id).await.iter().any(|e| e.starts_with("running ")));
+
+    // A coordinator that no longer leads moves nothing; the reports still apply.
+    let term = s.claim_leadership("http://old", "http://old").await.unwrap();
+    s.fence(term);
+    let id = launched("fenced", s.clone()).await;
+    let other = Store::open(&url).await.unwrap();
+    other.claim_leadership("http://new", "http://new").await.unwrap();
+    s.report_ranks_from(Some(("n0", 1)), vec![report(id, 0, "running", None), report(id, 1, "running", None)]).await.unwrap();
+    assert_eq!(s.job(id).await.unwrap().state, JobState::Launching);
+    assert_eq!(s.rank_summary(id, 1).await.unwrap().started, 2);
+    other.close().await;
+    s.close().await;
+});

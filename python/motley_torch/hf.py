@@ -30,6 +30,9 @@ from .plan import ModelSpec, PlanError
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
+# A Hugging Face model's training sequence length unless a plan or --seq-len says another: at
+# most this and its max_position_embeddings (and sliding window).
+DEFAULT_SEQ_LEN = 4096
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_SHARD_BYTES = 5 * 10**9
@@ -108,7 +111,11 @@ def spec_from_config(cfg: dict, name: str, where: str) -> ModelSpec:
         window = cfg.get("sliding_window")
     elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
         window = cfg.get("sliding_window")
-    seq = _cfg_int(cfg, "max_position_embeddings", where, 2048)
+    max_pos = _cfg_int(cfg, "max_position_embeddings", where, 2048)
+    # The length trained at when nothing says otherwise, as the planner's
+    # (solver/src/model/hf.rs DEFAULT_SEQ_LEN): a config says how long a sequence the model can
+    # take, not how long the sequences it is fine-tuned on are.
+    seq = min(max_pos, DEFAULT_SEQ_LEN)
     if window is not None:
         seq = min(seq, _cfg_int(cfg, "sliding_window", where))
     qkv_bias = True if arch == "Qwen2ForCausalLM" else bool(cfg.get("attention_bias", False))
@@ -118,7 +125,7 @@ def spec_from_config(cfg: dict, name: str, where: str) -> ModelSpec:
         "vocab": _cfg_int(cfg, "vocab_size", where), "ffn_hidden": _cfg_int(cfg, "intermediate_size", where),
         "gated_mlp": True, "norm_eps": cfg.get("rms_norm_eps", 1e-6), "rope_theta": theta, "rope_scaling": scaling,
         "qkv_bias": qkv_bias, "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "sliding_window": window,
+        "sliding_window": window, "max_position_embeddings": max_pos,
     }
     return ModelSpec.from_dict(doc, where=where)
 
@@ -149,7 +156,7 @@ def config_from_spec(spec: ModelSpec) -> dict:
         "model_type": "qwen2" if qwen else "llama",
         "hidden_act": "silu", "hidden_size": spec.hidden, "intermediate_size": spec.ffn_hidden,
         "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.hidden // spec.heads, "max_position_embeddings": spec.seq_len, "rms_norm_eps": spec.norm_eps,
+        "head_dim": spec.hidden // spec.heads, "max_position_embeddings": spec.max_position_embeddings or spec.seq_len, "rms_norm_eps": spec.norm_eps,
         "rope_theta": spec.rope_theta, "rope_parameters": rope, "tie_word_embeddings": spec.tie_embeddings,
         "vocab_size": spec.vocab, "torch_dtype": "float32", "initializer_range": 0.02,
     }

@@ -96,6 +96,9 @@ class ModelSpec:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     sliding_window: Optional[int] = None
+    # The longest sequence the model's positions were made for (a Hugging Face config's
+    # max_position_embeddings): a bound on seq_len, not the length trained at.
+    max_position_embeddings: Optional[int] = None
 
     @staticmethod
     def from_dict(d: dict, where: str = "model") -> "ModelSpec":
@@ -109,6 +112,7 @@ class ModelSpec:
         if family not in FAMILIES:
             raise PlanError(f"{where}.family: {family!r} is not a model family; use one of {', '.join(FAMILIES)}")
         sw = d.get("sliding_window")
+        mpe = d.get("max_position_embeddings")
         spec = ModelSpec(
             name=str(d.get("name", "model")),
             layers=_int(d, "layers", where, 1),
@@ -126,7 +130,11 @@ class ModelSpec:
             qkv_bias=bool(d.get("qkv_bias", False)),
             tie_embeddings=bool(d.get("tie_embeddings", False)),
             sliding_window=None if sw is None else _int(d, "sliding_window", where, 1),
+            max_position_embeddings=None if mpe is None else _int(d, "max_position_embeddings", where, 1),
         )
+        if spec.max_position_embeddings is not None and spec.seq_len > spec.max_position_embeddings:
+            raise PlanError(f"{where}.seq_len: {spec.seq_len} is more than max_position_embeddings "
+                            f"{spec.max_position_embeddings}, the longest sequence the model takes")
         if spec.hidden % spec.heads:
             raise PlanError(f"{where}.heads: {spec.heads} does not divide hidden {spec.hidden}")
         if spec.heads % spec.kv_heads:

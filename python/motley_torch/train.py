@@ -103,8 +103,11 @@ def parse_args(argv=None):
                    help="with --data, rank 0 appends {\"step\", \"samples\": [ids]} per step to FILE, the global "
                         "sample ids of the step's batch (default $MOTLEY_SAMPLE_LOG)")
     p.add_argument("--single-process", action="store_true", help="train the whole model in this process")
-    p.add_argument("--global-batch", type=int, help="--single-process: sequences per step")
-    p.add_argument("--seq-len", type=int, help="--single-process: tokens per sequence (default: the model's)")
+    p.add_argument("--global-batch", type=int,
+                   help="--single-process: sequences per step; under a plan, refused unless it is the plan's")
+    p.add_argument("--seq-len", type=int,
+                   help="--single-process: tokens per sequence (default: the model's); under a plan, refused "
+                        "unless it is the plan's")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait")
     p.add_argument("--timings", metavar="FILE", default=os.environ.get("MOTLEY_TIMINGS") or None,
                    help="append per-step, per-micro-batch timings as JSON lines to FILE ({rank} is replaced by "
@@ -302,11 +305,33 @@ def _hf_names(spec: ModelSpec, state) -> list:
     return names
 
 
+def check_flags_against_plan(args):
+    """--seq-len and --global-batch are --single-process's; under a plan (--plan, $MOTLEY_PLAN)
+    the plan's are what every rank runs, so a flag may only repeat them. Checked before the
+    ranks meet: a contradiction is refused naming both values, never silently replaced."""
+    if args.seq_len is None and args.global_batch is None:
+        return
+    path = args.plan or os.environ.get("MOTLEY_PLAN")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (TypeError, OSError, ValueError):
+        return  # no plan to read: joining the job names the problem
+    if not isinstance(doc, dict):
+        return
+    for flag, key, given in (("--seq-len", "seq_len", args.seq_len), ("--global-batch", "global_batch", args.global_batch)):
+        if given is not None and doc.get(key) != given:
+            raise PlanError(f"{flag}: {given}, but the plan ({path}) has {key} {doc.get(key)}; every rank runs the "
+                            f"plan's: drop {flag} or plan for {given}")
+
+
 def _check_model(plan_model: ModelSpec, given: Optional[ModelSpec], ref: str):
     if given is None:
         return
+    # max_position_embeddings bounds the sequence, it shapes nothing: a plan made from a model
+    # file that does not say it runs the Hugging Face weights alike.
     for k, v in plan_model.to_dict().items():
-        if k != "name" and given.to_dict()[k] != v:
+        if k not in ("name", "max_position_embeddings") and given.to_dict()[k] != v:
             raise PlanError(f"--model: {ref} has {k} {given.to_dict()[k]}, the plan's model_spec {v}")
 
 
@@ -324,6 +349,7 @@ def run_rank(args) -> int:
 
     from .feed import StepSource, due_evals, eval_chunks, eval_set
 
+    check_flags_against_plan(args)
     given = load_model(args.model) if args.model else None
     hf_spec = load_model(args.init_from_hf) if args.init_from_hf else None
     view = init(args.plan, model=given or hf_spec, timeout_s=args.timeout)

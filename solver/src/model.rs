@@ -84,6 +84,11 @@ pub struct ModelSpec {
     /// sequence longer than the window is refused. Default none.
     #[serde(default)]
     pub sliding_window: Option<u64>,
+    /// The longest sequence the model's positions were made for (a Hugging Face config's
+    /// `max_position_embeddings`): an upper bound on `seq_len`, not the length trained at.
+    /// Default none (no bound besides the planner's limit).
+    #[serde(default)]
+    pub max_position_embeddings: Option<u64>,
 }
 
 impl ModelSpec {
@@ -106,6 +111,7 @@ impl ModelSpec {
             qkv_bias: false,
             tie_embeddings: false,
             sliding_window: None,
+            max_position_embeddings: None,
         }
     }
 
@@ -270,6 +276,16 @@ impl Model {
     }
 }
 
+/// A parameter count for people: `8.03 B`, `494.03 M`, `1.26 M`, `12.29 K`, `96`.
+pub fn params_text(params: f64) -> String {
+    match params {
+        p if p >= 1e9 => format!("{:.2} B", p / 1e9),
+        p if p >= 1e6 => format!("{:.2} M", p / 1e6),
+        p if p >= 1e3 => format!("{:.2} K", p / 1e3),
+        p => format!("{p:.0}"),
+    }
+}
+
 fn positive(field: &str, v: f64) -> Result<()> {
     if v.is_finite() && v > 0.0 {
         Ok(())
@@ -320,6 +336,18 @@ fn validate_family(spec: &ModelSpec, seq_len: u64) -> Result<()> {
                 ));
             }
         }
+    }
+    match spec.max_position_embeddings {
+        Some(0) => return Err(SolverError::invalid("max_position_embeddings", "must be a positive integer (or null: no bound)")),
+        Some(max) if seq_len > max => {
+            return Err(SolverError::invalid(
+                "seq_len",
+                format!(
+                    "{seq_len} tokens is more than the model's max_position_embeddings ({max}), the longest sequence its positions were made for; use a sequence length of at most {max} (--seq-len or a job's seq_len)"
+                ),
+            ))
+        }
+        _ => {}
     }
     match spec.sliding_window {
         Some(0) => Err(SolverError::invalid("sliding_window", "must be a positive integer (or null: full attention)")),
@@ -436,7 +464,9 @@ mod tests {
             (Family::Gpt, 1e-5, 1e4, None, None)
         );
         let json = serde_json::to_value(&old).unwrap();
-        for k in ["family", "norm_eps", "rope_theta", "rope_scaling", "qkv_bias", "tie_embeddings", "sliding_window"] {
+        for k in
+            ["family", "norm_eps", "rope_theta", "rope_scaling", "qkv_bias", "tie_embeddings", "sliding_window", "max_position_embeddings"]
+        {
             assert!(json.get(k).is_some(), "{k} is printed: {json}");
         }
         assert_eq!(json["family"], "gpt");
@@ -493,5 +523,34 @@ mod tests {
         assert_eq!(Model::new(windowed.clone(), Some(64)).unwrap().seq_len, 64);
         Model::new(ModelSpec { sliding_window: Some(128), ..llama("l") }, None).unwrap();
         assert_eq!(err(ModelSpec { sliding_window: Some(0), ..llama("l") }, Some(1)), "sliding_window");
+    }
+
+    #[test]
+    fn max_position_embeddings_bounds_the_sequence_and_is_not_it() {
+        let bounded = ModelSpec { max_position_embeddings: Some(512), ..llama("l") };
+        // The spec's own seq_len (128) is what is trained; the bound only refuses longer.
+        assert_eq!(Model::new(bounded.clone(), None).unwrap().seq_len, 128);
+        assert_eq!(Model::new(bounded.clone(), Some(512)).unwrap().seq_len, 512);
+        let e = Model::new(bounded.clone(), Some(513)).unwrap_err().to_string();
+        assert!(
+            e.starts_with("seq_len: 513 tokens is more than the model's max_position_embeddings (512)") && e.contains("--seq-len"),
+            "{e}"
+        );
+        assert_eq!(err(ModelSpec { max_position_embeddings: Some(0), ..llama("l") }, None), "max_position_embeddings");
+        // Old model files have no bound.
+        let old: ModelSpec = serde_norway::from_str("{name: g, layers: 2, hidden: 256, heads: 4, seq_len: 128, vocab: 1000}").unwrap();
+        assert_eq!(old.max_position_embeddings, None);
+    }
+
+    #[test]
+    fn parameter_counts_read_in_their_unit() {
+        assert_eq!(params_text(8_030_261_248.0), "8.03 B");
+        assert_eq!(params_text(494_032_768.0), "494.03 M");
+        assert_eq!(params_text(1_260_000.0), "1.26 M");
+        assert_eq!(params_text(12_288.0), "12.29 K");
+        assert_eq!(params_text(96.0), "96");
+        // A tiny model is not "0.00 B".
+        let tiny = Model::new(ModelSpec::gpt("t", 2, 64, 4, 32, 100), None).unwrap();
+        assert!(params_text(tiny.total_params()).ends_with(" K"), "{}", params_text(tiny.total_params()));
     }
 }

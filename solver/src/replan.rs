@@ -22,6 +22,10 @@ use crate::report::{plan, PlanReport, PlanRequest};
 pub struct CurrentPlan {
     pub global_batch: u32,
     pub micro_batch: u32,
+    /// Tokens per sequence the plan was made for, when the document says (`motley plan -o json`
+    /// does): whoever runs the plan runs it at this length or refuses it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<u64>,
     /// What the planner that made the plan priced it at (0 when the document does not say).
     #[serde(default)]
     pub iteration_time_s: f64,
@@ -163,6 +167,16 @@ pub fn replan(req: &PlanRequest, current: &CurrentPlan, policy: SwitchPolicy) ->
     req.opts.validate()?;
     req.cluster.check_precision(req.opts.precision)?;
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
+    // Priced at another length, the running plan's times and memory would not be its own.
+    if let Some(seq) = current.seq_len.filter(|&s| s != req.model.seq_len) {
+        return Err(SolverError::invalid(
+            "seq_len",
+            format!(
+                "the plan runs {seq}-token sequences but re-planning was asked for {}; re-plan at the plan's length",
+                req.model.seq_len
+            ),
+        ));
+    }
     let structure = structure_of(&cm, current)?;
     let now = cm.evaluate(&structure).iteration_time;
     let current_plan = crate::report::priced_as_given(&cm, &structure, current);

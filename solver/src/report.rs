@@ -160,6 +160,13 @@ pub fn given(req: &PlanRequest, doc: &crate::replan::CurrentPlan) -> Result<Plan
             format!("is {} but the job's global_batch is {}; make them agree", doc.global_batch, req.opts.global_batch),
         ));
     }
+    // A plan made for another sequence length is another plan (its memory, its times).
+    if let Some(seq) = doc.seq_len.filter(|&s| s != req.model.seq_len) {
+        return Err(crate::SolverError::invalid(
+            "plan.seq_len",
+            format!("is {seq} but the model is run at {} tokens a sequence; make them agree", req.model.seq_len),
+        ));
+    }
     for (ri, r) in doc.replicas.iter().enumerate() {
         if let Some(samples) = r.samples.filter(|&x| x != r.micro_batches * doc.micro_batch) {
             return Err(crate::SolverError::invalid(

@@ -454,3 +454,37 @@ fn a_plan_file_for_another_cluster_is_refused_with_the_field() {
         assert!(e.contains("is also replicas[0].stages[0].gpus[0]"), "{e}");
     }
 }
+
+/// A plan document says the sequence length it was made for: re-planning or running it at
+/// another length is refused naming both, never priced as if it were the same plan.
+#[test]
+fn a_plan_documents_sequence_length_is_kept_or_refused() {
+    let cluster = Cluster::from_spec(&mixed_cluster(2, 0, 0, "A100-80G", 8)).unwrap();
+    let model = small_model(8);
+    let opts = PlanOptions { global_batch: 16, ..PlanOptions::default() };
+    let before = plan_on(&cluster, &model, &opts, SearchMode::Auto);
+    let doc = serde_json::to_value(&before).unwrap();
+    let current: CurrentPlan = serde_json::from_value(doc.clone()).unwrap();
+    assert_eq!(current.seq_len, Some(1024), "the document's seq_len is read");
+    replan_on(&cluster, &model, &opts, doc.clone()).unwrap();
+    let shorter = Model::new(model.spec.clone(), Some(512)).unwrap();
+    let e = replan_on(&cluster, &shorter, &opts, doc.clone()).unwrap_err().to_string();
+    assert!(e.starts_with("seq_len: the plan runs 1024-token sequences but re-planning was asked for 512"), "{e}");
+    let profiles = ProfileSet::default();
+    let req = PlanRequest {
+        cluster: &cluster,
+        model: &shorter,
+        profiles: &profiles,
+        opts: &opts,
+        mode: SearchMode::Auto,
+        exhaustive: false,
+        seeds: vec![],
+    };
+    let e = motley_solver::report::given(&req, &current).unwrap_err().to_string();
+    assert!(e.starts_with("plan.seq_len: is 1024 but the model is run at 512"), "{e}");
+    // A document without one (an older plan file, a hand-written plan) is run at the model's.
+    let mut bare = doc;
+    bare.as_object_mut().unwrap().remove("seq_len");
+    let bare: CurrentPlan = serde_json::from_value(bare).unwrap();
+    assert_eq!(motley_solver::report::given(&req, &bare).unwrap().seq_len, 512);
+}

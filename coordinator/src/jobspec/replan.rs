@@ -176,7 +176,7 @@ mod tests {
     use super::super::JobSpec;
     use super::*;
 
-    const GOOD: &str = "name: hello\nmodel: gpt3-1.3b\nglobal_batch: 16\nrun: python train.py\n";
+    const GOOD: &str = "name: hello\nmodel: gpt3-1.3b\nglobal_batch: 16\nrun: python train.py\ncheckpoint: {every: 10}\n";
 
     fn parse(extra: &str) -> Result<JobSpec> {
         JobSpec::parse(&format!("{GOOD}{extra}"))

@@ -153,3 +153,72 @@ fn the_user_is_a_posix_user_name() {
     let j = JobSpec::parse(GOOD).unwrap();
     assert!(!serde_json::to_string(&j).unwrap().contains("user"));
 }
+
+const PLAN: &str = "plan: {global_batch: 16, micro_batch: 16, replicas: [{micro_batches: 1, stages: [{layers: [0, 24], gpu: A100-80G, tp: 1, dp: 1, gpus: [{node: a, index: 0}]}]}]}\n";
+
+#[test]
+fn the_sequence_length_is_one_field_or_several_that_agree() {
+    let seq = |extra: &str| JobSpec::parse(&format!("{GOOD}{extra}")).map(|j| j.model().unwrap().seq_len);
+    assert_eq!(seq("").unwrap(), 2048, "the model's");
+    assert_eq!(seq("seq_len: 512\n").unwrap(), 512);
+    assert_eq!(seq("plan_options: {seq_len: 256}\n").unwrap(), 256);
+    assert_eq!(seq("seq_len: 256\nplan_options: {seq_len: 256}\n").unwrap(), 256);
+    let e = seq("seq_len: 512\nplan_options: {seq_len: 256}\n").unwrap_err().to_string();
+    assert!(e.starts_with("plan_options.seq_len: is 256 but seq_len is 512"), "{e}");
+    let e = seq("seq_len: 0\n").unwrap_err().to_string();
+    assert!(e.starts_with("seq_len: "), "{e}");
+    // Stored and read back.
+    let j = JobSpec::parse(&format!("{GOOD}seq_len: 512\n")).unwrap();
+    let back: JobSpec = serde_json::from_str(&serde_json::to_string(&j).unwrap()).unwrap();
+    assert_eq!(back.model().unwrap().seq_len, 512);
+    assert!(!serde_json::to_string(&JobSpec::parse(GOOD).unwrap()).unwrap().contains("seq_len"), "absent stays absent");
+}
+
+#[test]
+fn a_carried_plans_sequence_length_is_run_or_refused_naming_both() {
+    let with_seq = PLAN.replace("micro_batch: 16,", "micro_batch: 16, seq_len: 32,");
+    let j = JobSpec::parse(&format!("{GOOD}{with_seq}")).unwrap();
+    assert_eq!(j.plan.as_ref().unwrap().seq_len, Some(32));
+    assert_eq!(j.model().unwrap().seq_len, 32, "the plan's 32, not the model's 2048");
+    JobSpec::parse(&format!("{GOOD}seq_len: 32\n{with_seq}")).unwrap();
+    let e = JobSpec::parse(&format!("{GOOD}seq_len: 64\n{with_seq}")).unwrap_err().to_string();
+    assert!(e.starts_with("plan.seq_len: is 32 but seq_len is 64"), "{e}");
+    let e = JobSpec::parse(&format!("{GOOD}plan_options: {{seq_len: 64}}\n{with_seq}")).unwrap_err().to_string();
+    assert!(e.starts_with("plan.seq_len: is 32 but plan_options.seq_len is 64"), "{e}");
+    // A plan without one runs at the job's (or the model's) length.
+    assert_eq!(JobSpec::parse(&format!("{GOOD}seq_len: 64\n{PLAN}")).unwrap().model().unwrap().seq_len, 64);
+}
+
+#[test]
+fn a_hugging_face_model_trains_at_the_stated_default_unless_the_job_says() {
+    let dir = std::env::temp_dir().join(format!("motley-hf-seq-{}", std::process::id())).join("Llama-3.1-8B");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0}"#;
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    let job = GOOD.replace("gpt3-1.3b", dir.to_str().unwrap());
+    let m = JobSpec::parse(&job).unwrap().model().unwrap();
+    assert_eq!((m.seq_len, m.spec.max_position_embeddings), (4096, Some(131072)), "not 131072");
+    assert_eq!(JobSpec::parse(&format!("{job}seq_len: 8192\n")).unwrap().model().unwrap().seq_len, 8192);
+    let e = JobSpec::parse(&format!("{job}seq_len: 131073\n")).unwrap_err().to_string();
+    assert!(e.starts_with("seq_len: 131073 tokens is more than the model's max_position_embeddings (131072)"), "{e}");
+    std::fs::remove_dir_all(dir.parent().unwrap()).unwrap();
+}
+
+#[test]
+fn replan_that_can_never_act_is_refused_naming_what_stops_it() {
+    let ckpt = "checkpoint: {every: 10}\n";
+    for replan in ["replan: on\n", "replan: {hold: 5s}\n"] {
+        let e = JobSpec::parse(&format!("{GOOD}{replan}")).unwrap_err().to_string();
+        assert!(e.starts_with("replan: ") && e.contains("(checkpoint:)") && e.contains("add checkpoint"), "{e}");
+        let e = JobSpec::parse(&format!("{GOOD}{ckpt}{PLAN}{replan}")).unwrap_err().to_string();
+        assert!(e.starts_with("replan: ") && e.contains("(plan:)") && e.contains("never re-planned"), "{e}");
+        JobSpec::parse(&format!("{GOOD}{ckpt}{replan}")).unwrap();
+    }
+    // Off, or left to the default, is no request.
+    for fine in ["", "replan: off\n"] {
+        JobSpec::parse(&format!("{GOOD}{fine}")).unwrap();
+        JobSpec::parse(&format!("{GOOD}{ckpt}{PLAN}{fine}")).unwrap();
+    }
+}

@@ -37,6 +37,9 @@ use crate::jobspec::{JobSpec, ReplanPolicy};
 use crate::links::{LinkKey, Sample};
 use crate::store::{Event, JobRecord, RecoveryCause, Store};
 
+/// The event kind that says why a launch's links are not watched.
+pub const UNWATCHED: &str = "replan";
+
 /// A relaunch's cost, in base intervals, for a job that never recovered: a stop (up to 10
 /// intervals), a plan, the restore's start and the ranks' start and first heartbeats.
 pub const RELAUNCH_INTERVALS: u32 = 30;
@@ -58,6 +61,8 @@ pub(super) struct Watched {
     switch_after: Option<i64>,
     /// Whether the launch's durable events were read (a switch decided by an earlier leader).
     resumed: bool,
+    /// Whether the job was told why this launch is not watched (event `replan`).
+    told_unwatched: bool,
 }
 
 impl Life {
@@ -90,10 +95,12 @@ impl Life {
         if !self.network.lock().expect("network").get(&key).is_some_and(|w| w.resumed) {
             let events = job_events(store, j.id).await?;
             let pending = pending_switch(&events, j.generation);
+            let told = events.iter().any(|e| e.kind == UNWATCHED && e.generation == Some(j.generation));
             let mut memory = self.network.lock().expect("network");
             let w = memory.entry(key).or_default();
             w.resumed = true;
             w.switch_after = w.switch_after.or(pending);
+            w.told_unwatched |= told;
         }
         let cached = self.network.lock().expect("network").get(&key).and_then(|w| w.network.clone());
         let network = match cached {
@@ -104,7 +111,27 @@ impl Life {
                 n
             }
         };
-        let Some(network) = network else { return Ok(()) };
+        let network = match network {
+            Some(n) if !n.links.is_empty() => n,
+            other => {
+                // Nothing to watch in this launch; a later one (after a recovery or scale-up
+                // onto more nodes) may have links. A job that asked for `replan:` is told why.
+                let told = self.network.lock().expect("network").get(&key).is_some_and(|w| w.told_unwatched);
+                if spec.replan.is_some() && !told {
+                    let why = match other {
+                        None => "its plan does not say which links it assumed (planned by an older coordinator)",
+                        Some(_) => "it runs on one node: no link between nodes to watch",
+                    };
+                    let message = format!(
+                        "links not watched for re-planning in generation {}: {why}; a later launch over several nodes is watched",
+                        j.generation
+                    );
+                    store.record_event(Some(j.id), Some(j.generation), UNWATCHED, &message).await?;
+                    self.network.lock().expect("network").entry(key).or_default().told_unwatched = true;
+                }
+                return Ok(());
+            }
+        };
         let pending = self.network.lock().expect("network").get(&key).and_then(|w| w.switch_after);
         if let Some(then) = pending {
             if newest > then {

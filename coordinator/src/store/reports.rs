@@ -5,6 +5,7 @@ use sqlx::Row;
 
 use super::{job_in, rank_events, Store};
 use crate::error::{CoordinatorError, Result};
+use crate::job::JobState;
 
 /// One rank's state as an agent reports it.
 #[derive(Debug, Clone, PartialEq)]
@@ -93,20 +94,49 @@ impl Store {
     /// Queued units of reports in one transaction, each with its own result.
     async fn apply_reports(&self, batch: &[QueuedReports]) -> Result<Vec<Result<RanksReported>>> {
         let mut tx = self.pool.begin().await?;
-        let mut events: Vec<(i64, i64, String)> = vec![];
-        let mut generations: std::collections::HashMap<i64, i64> = Default::default();
+        let mut events: Vec<Logged> = vec![];
+        let mut jobs: std::collections::HashMap<i64, (i64, bool)> = Default::default();
+        let term = self.term.load(std::sync::atomic::Ordering::SeqCst);
         let mut results = Vec::with_capacity(batch.len());
         for unit in batch {
             let agent = unit.agent.as_ref().map(|(n, e)| (n.as_str(), *e));
-            match reports_in(&mut tx, agent, &unit.reports, &mut generations, &mut events).await {
+            let mut seen = Seen { jobs: &mut jobs, events: &mut events, term };
+            match reports_in(&mut tx, agent, &unit.reports, &mut seen).await {
                 Err(e @ CoordinatorError::Database(_)) => return Err(e),
                 result => results.push(result),
             }
         }
-        rank_events(&mut tx, &events).await?;
+        // In the order they happened: a launch that started within these reports is `running`
+        // before any of its ranks' later exits.
+        let mut ranks: Vec<(i64, i64, String)> = vec![];
+        for e in events {
+            match e {
+                Logged::Rank(job, generation, message) => ranks.push((job, generation, message)),
+                Logged::Started(job, generation) => {
+                    rank_events(&mut tx, &std::mem::take(&mut ranks)).await?;
+                    let message = format!("job {job}: {} -> {}", JobState::Launching, JobState::Running);
+                    Self::event(&mut tx, Some(job), Some(generation), JobState::Running.as_str(), &message).await?;
+                }
+            }
+        }
+        rank_events(&mut tx, &ranks).await?;
         tx.commit().await?;
         Ok(results)
     }
+}
+
+/// An event of a batch of reports, in order: a rank's, or its launch moving `running`.
+enum Logged {
+    Rank(i64, i64, String),
+    Started(i64, i64),
+}
+
+/// What a batch of reports has learnt so far: per job, its generation and whether it is
+/// `launching`; the events; the term moves are fenced by.
+struct Seen<'a> {
+    jobs: &'a mut std::collections::HashMap<i64, (i64, bool)>,
+    events: &'a mut Vec<Logged>,
+    term: i64,
 }
 
 /// Reports waiting for a group commit, and the lock its writer holds.
@@ -128,8 +158,7 @@ async fn reports_in(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     agent: Option<(&str, i64)>,
     reports: &[RankReport],
-    generations: &mut std::collections::HashMap<i64, i64>,
-    events: &mut Vec<(i64, i64, String)>,
+    seen: &mut Seen<'_>,
 ) -> Result<RanksReported> {
     if let Some((node, epoch)) = agent {
         // A no-op update that locks the node's row (PostgreSQL) while the epoch is checked.
@@ -145,15 +174,22 @@ async fn reports_in(
         }
     }
     let mut out = RanksReported::default();
-    for r in reports {
-        match report_in(tx, agent, r, generations).await? {
+    for (i, r) in reports.iter().enumerate() {
+        match report_in(tx, agent, r, seen.jobs).await? {
             Reported::Changed => {
                 out.jobs.push(r.job);
                 let message = match r.exit_code {
                     Some(c) => format!("job {}: rank {} {} (exit code {c})", r.job, r.rank, r.state),
                     None => format!("job {}: rank {} {}", r.job, r.rank, r.state),
                 };
-                events.push((r.job, r.generation, message));
+                seen.events.push(Logged::Rank(r.job, r.generation, message));
+                // Counted where it matters only: before a report of the job that is not a start
+                // (an exit), and at the end of the unit.
+                let next_starts = reports[i + 1..].iter().find(|n| n.job == r.job).is_some_and(|n| n.state == "running");
+                if !next_starts && seen.jobs.get(&r.job).is_some_and(|j| j.1) && start_running(tx, seen.term, r.job, r.generation).await? {
+                    seen.jobs.insert(r.job, (r.generation, false));
+                    seen.events.push(Logged::Started(r.job, r.generation));
+                }
             }
             Reported::Unchanged => out.jobs.push(r.job),
             Reported::Stale(current) => out.stale.push((r.job, r.generation, current)),
@@ -188,29 +224,66 @@ enum Reported {
     Stale(i64),
 }
 
-/// One report inside `report_ranks_from`'s transaction; `generations` caches each job's.
+/// A launch whose every rank has started (running or exited) and none failed moves
+/// `launching -> running` in the transaction of the report that completed it, so its event
+/// comes before the ranks' later exits (the leader's look at the job, `Life::progress`, would
+/// record it after them). Fenced as every job move is: the state and generation in SQL, and
+/// the leadership term (its row locked, as `Store::check_term` does); a move refused here is
+/// left to that look. Whether it moved.
+async fn start_running(tx: &mut sqlx::Transaction<'_, sqlx::Any>, term: i64, id: i64, generation: i64) -> Result<bool> {
+    let row = sqlx::query(
+        "SELECT COALESCE(SUM(CASE WHEN state = 'running' OR state = 'exited' THEN 0 ELSE 1 END), 0), \
+         COALESCE(SUM(CASE WHEN state = 'lost' OR (state = 'exited' AND (exit_code IS NULL OR exit_code <> 0)) THEN 1 ELSE 0 END), 0) \
+         FROM ranks WHERE job_id = $1 AND generation = $2",
+    )
+    .bind(id)
+    .bind(generation)
+    .fetch_one(&mut **tx)
+    .await?;
+    if row.try_get::<i64, _>(0)? != 0 || row.try_get::<i64, _>(1)? != 0 {
+        return Ok(false);
+    }
+    if term != 0 {
+        let same = sqlx::query("UPDATE leader SET term = term WHERE id = 1 AND term = $1").bind(term).execute(&mut **tx).await?;
+        if same.rows_affected() != 1 {
+            return Ok(false);
+        }
+    }
+    let moved = sqlx::query("UPDATE jobs SET state = $1, updated_at_ms = $2 WHERE id = $3 AND generation = $4 AND state = $5")
+        .bind(JobState::Running.as_str())
+        .bind(super::now_ms())
+        .bind(id)
+        .bind(generation)
+        .bind(JobState::Launching.as_str())
+        .execute(&mut **tx)
+        .await?;
+    Ok(moved.rows_affected() == 1)
+}
+
+/// One report inside `report_ranks_from`'s transaction; `jobs` caches each job's generation
+/// and whether it is launching.
 async fn report_in(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     agent: Option<(&str, i64)>,
     r: &RankReport,
-    generations: &mut std::collections::HashMap<i64, i64>,
+    jobs: &mut std::collections::HashMap<i64, (i64, bool)>,
 ) -> Result<Reported> {
     let (id, generation, rank, state) = (r.job, r.generation, r.rank, r.state.as_str());
     if !["running", "exited", "lost"].contains(&state) {
         return Err(CoordinatorError::invalid("state", format!("'{state}' is not running, exited or lost")));
     }
-    let current = match generations.get(&id) {
-        Some(&g) => g,
+    let current = match jobs.get(&id) {
+        Some(&(g, _)) => g,
         None => {
-            let g = match job_in(tx, id).await {
-                Ok(job) => job.generation,
+            let job = match job_in(tx, id).await {
+                Ok(job) => job,
                 // A job this database never had (restored from a backup, reset): nothing to
                 // apply, and the agent must not be stuck resending it.
                 Err(CoordinatorError::NotFound { .. }) => return Ok(Reported::Unknown),
                 Err(e) => return Err(e),
             };
-            generations.insert(id, g);
-            g
+            jobs.insert(id, (job.generation, job.state == JobState::Launching));
+            job.generation
         }
     };
     if current != generation {

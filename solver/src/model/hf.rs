@@ -9,6 +9,13 @@ use crate::error::{Result, SolverError};
 /// The `architectures` Motley reads: decoders that are a LLaMA layer with options.
 pub const SUPPORTED_ARCHITECTURES: [&str; 3] = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
 
+/// The sequence length a Hugging Face model is trained at when nothing says otherwise (a job's
+/// `seq_len`, `--seq-len`): at most this, and at most the config's `max_position_embeddings`
+/// (and sliding window). A config says how long a sequence the model can take (Llama 3.1:
+/// 131072), not how long the sequences it is fine-tuned on are; planning at the maximum asks for
+/// activations no GPU holds.
+pub const DEFAULT_SEQ_LEN: u64 = 4096;
+
 /// The rotary scalings Motley reads (`rope_type`).
 const SUPPORTED_ROPE_TYPES: &str = "default, linear, llama3";
 
@@ -126,7 +133,7 @@ pub fn spec_from_config(c: &Value, name: &str) -> Result<ModelSpec> {
         layers,
         hidden,
         heads,
-        seq_len: sliding_window.map_or(max_pos, |w| w.min(max_pos)),
+        seq_len: default_seq_len(max_pos, sliding_window),
         vocab,
         ffn_hidden: Some(ffn),
         kv_heads: Some(kv_heads),
@@ -137,7 +144,25 @@ pub fn spec_from_config(c: &Value, name: &str) -> Result<ModelSpec> {
         qkv_bias,
         tie_embeddings: flag(c, "tie_word_embeddings")?,
         sliding_window,
+        max_position_embeddings: Some(max_pos),
     })
+}
+
+/// How [`default_seq_len`] came to its answer, for people: `the smaller of its
+/// max_position_embeddings (131072) and 4096`.
+pub fn default_seq_len_reason(max_position_embeddings: u64, sliding_window: Option<u64>) -> String {
+    match sliding_window {
+        Some(w) => format!(
+            "the smaller of its max_position_embeddings ({max_position_embeddings}), its sliding window ({w}) and {DEFAULT_SEQ_LEN}"
+        ),
+        None => format!("the smaller of its max_position_embeddings ({max_position_embeddings}) and {DEFAULT_SEQ_LEN}"),
+    }
+}
+
+/// The training sequence length of a Hugging Face model no one gave one: the smaller of
+/// [`DEFAULT_SEQ_LEN`], its `max_position_embeddings` and its attention window.
+pub fn default_seq_len(max_position_embeddings: u64, sliding_window: Option<u64>) -> u64 {
+    DEFAULT_SEQ_LEN.min(max_position_embeddings).min(sliding_window.unwrap_or(u64::MAX))
 }
 
 /// `rope_scaling` (older configs) or `rope_parameters` (transformers 5), named `src`.
@@ -208,14 +233,22 @@ mod tests {
         assert_eq!(s.name, "Llama-3.1-8B");
         assert_eq!(
             (s.family, s.layers, s.hidden, s.heads, s.kv_heads, s.ffn_hidden, s.vocab, s.seq_len, s.gated_mlp),
-            (Family::Llama, 32, 4096, 32, Some(8), Some(14336), 128256, 131072, true)
+            (Family::Llama, 32, 4096, 32, Some(8), Some(14336), 128256, DEFAULT_SEQ_LEN, true)
         );
+        // 131072 is how long a sequence the model takes, not how long it is trained on.
+        assert_eq!((s.seq_len, s.max_position_embeddings), (4096, Some(131072)));
         assert_eq!((s.norm_eps, s.rope_theta, s.qkv_bias, s.tie_embeddings, s.sliding_window), (1e-5, 5e5, false, false, None));
         assert_eq!(
             s.rope_scaling,
             Some(RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 })
         );
-        Model::new(s, None).unwrap();
+        assert_eq!(Model::new(s.clone(), None).unwrap().seq_len, 4096);
+        assert_eq!(Model::new(s.clone(), Some(131072)).unwrap().seq_len, 131072, "the maximum, when asked for");
+        assert_eq!(Model::new(s, Some(131073)).unwrap_err().to_string().split(':').next(), Some("seq_len"));
+        // A model made for shorter sequences than the default is trained at its maximum.
+        let mut short = llama31();
+        short["max_position_embeddings"] = json!(2048);
+        assert_eq!(spec_from_config(&short, "m").unwrap().seq_len, 2048);
         // Defaults: kv heads = heads, rms_norm_eps 1e-6, rope_theta 10000, no scaling, untied.
         let mut bare = llama31();
         for k in
@@ -281,7 +314,7 @@ mod tests {
         let mut no_window = c.clone();
         no_window["sliding_window"] = Value::Null;
         let s = spec_from_config(&no_window, "m").unwrap();
-        assert_eq!((s.sliding_window, s.seq_len), (None, 32768));
+        assert_eq!((s.sliding_window, s.seq_len, s.max_position_embeddings), (None, DEFAULT_SEQ_LEN, Some(32768)));
     }
 
     #[test]
@@ -294,15 +327,15 @@ mod tests {
             "use_sliding_window": false, "vocab_size": 151936
         });
         let s = spec_from_config(&c, "Qwen2.5-0.5B").unwrap();
-        assert_eq!((s.qkv_bias, s.tie_embeddings, s.sliding_window, s.seq_len, s.kv_heads), (true, true, None, 32768, Some(2)));
+        assert_eq!((s.qkv_bias, s.tie_embeddings, s.sliding_window, s.seq_len, s.kv_heads), (true, true, None, DEFAULT_SEQ_LEN, Some(2)));
         let m = Model::new(s, None).unwrap();
         // Qwen2.5-0.5B's published count: 494,032,768 parameters (tied head once).
         assert_eq!(m.total_params(), 494_032_768.0);
         let mut windowed = c.clone();
         windowed["use_sliding_window"] = json!(true);
-        windowed["sliding_window"] = json!(4096);
+        windowed["sliding_window"] = json!(1024);
         let s = spec_from_config(&windowed, "m").unwrap();
-        assert_eq!((s.sliding_window, s.seq_len), (Some(4096), 4096));
+        assert_eq!((s.sliding_window, s.seq_len), (Some(1024), 1024), "a window shorter than the default caps it");
     }
 
     #[test]

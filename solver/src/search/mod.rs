@@ -178,20 +178,57 @@ fn search_in(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure], budget_t
     }
 }
 
-/// "Fits nowhere": what the smallest plan needs against what the cluster has.
+/// "Fits nowhere": what the smallest plan needs against what the cluster has, and the fix that
+/// can help. When one sequence's activations are the cause, neither recomputation nor a longer
+/// pipeline splits them (the output head's logits sit whole on every TP rank of the last
+/// stage): only a shorter sequence does, and the message says so.
 pub fn does_not_fit_message(cm: &CostModel) -> String {
+    use crate::cost::{activations, StageKind};
     let gib = 1024f64.powi(3);
-    let state = cm.model.total_params() * 16.0 / gib;
+    let params = cm.model.total_params();
+    let state = params * 16.0 / gib;
     let usable: f64 =
         cm.cluster.nodes.iter().map(|n| n.gpus as f64 * (cm.cluster.classes[n.class].gpu.memory_gib - cm.opts.reserve_gib)).sum();
-    format!(
-        "{} needs at least {:.1} GiB for weights, gradients and Adam states ({:.2}B parameters x 16 bytes) plus activations, \
-         but no plan of at most {} pipeline stages fits in this cluster's {:.1} GiB of usable GPU memory; \
-         add GPUs, pass --recompute, lower --micro-batch or --seq-len, or allow longer pipelines with --max-stages",
+    let seq = cm.model.seq_len;
+    let needs = format!(
+        "{} needs at least {:.1} GiB for weights, gradients and Adam states ({} parameters x 16 bytes) plus activations, \
+         but no plan of at most {} pipeline stages fits in this cluster's {:.1} GiB of usable GPU memory",
         cm.model.spec.name,
         state,
-        cm.model.total_params() / 1e9,
+        crate::model::params_text(params).replace(' ', ""),
         max_stages(cm, 1),
         usable
-    )
+    );
+    // The least any plan keeps of one sequence on one GPU of each class: the last stage with one
+    // layer, recomputed, at the class's widest TP, one sequence per micro-batch.
+    let recomputing = crate::cost::PlanOptions { recompute: true, ..cm.opts.clone() };
+    let least = CostModel { opts: &recomputing, ..*cm };
+    let heads = cm.model.spec.heads;
+    let fits_somewhere = cm.cluster.classes.iter().enumerate().any(|(class, c)| {
+        let tp = (0..=c.gpus_per_node.ilog2()).rev().map(|k| 1u32 << k).find(|t| heads.is_multiple_of(*t)).unwrap_or(1);
+        let lc = least.layer_cost(StageKind { class, tp, dp: 1 }, 1);
+        let activations = CostModel::stage_memory(&lc, 1, false, true, 1, true) - lc.layer_state - lc.head_state;
+        activations <= lc.capacity
+    });
+    let (precision, zero1) = (cm.opts.precision, cm.opts.zero1);
+    let s = seq as f64;
+    let head = s * activations::head_token_bytes(cm.model, precision, zero1) / gib;
+    if !fits_somewhere {
+        return format!(
+            "{needs}; at seq_len {seq} one sequence's activations do not fit on any GPU (the output head's alone are {head:.1} GiB, \
+             whole on every GPU of the last stage), and neither --recompute nor a longer pipeline splits one sequence: \
+             lower --seq-len (a job's seq_len)"
+        );
+    }
+    // Without recomputation, one sequence through every layer and the head.
+    let per_token = activations::layer_token_bytes(cm.model, precision, zero1, s).per_gpu(1.0);
+    let all = (s * per_token * cm.model.layers() as f64) / gib + head;
+    if all > state {
+        return format!(
+            "{needs}; at seq_len {seq} one sequence's activations ({all:.1} GiB through every layer without recomputation) \
+             outweigh the weights and optimizer state: lower --seq-len (a job's seq_len) or --micro-batch, pass --recompute, \
+             add GPUs, or allow longer pipelines with --max-stages"
+        );
+    }
+    format!("{needs}; add GPUs, pass --recompute, lower --micro-batch or --seq-len, or allow longer pipelines with --max-stages")
 }
