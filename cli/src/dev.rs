@@ -194,6 +194,10 @@ pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
     let submitted = client.call("POST", "/jobs", Some(&job_text)).map_err(|e| InputError(format!("{}: {}", job.display(), e.0)))?;
     let id = submitted["id"].as_i64().unwrap_or(0);
     say(&format!("job {id} ({}) submitted", submitted["name"].as_str().unwrap_or("")));
+    // This cluster's own place in the cloud: another run's job 1 is elsewhere (docs/recovery.md).
+    if let Some(url) = submitted["checkpoint_cloud"].as_str() {
+        say(&format!("job {id} checkpoints to {}/GENERATION/step-S", escape(url)));
+    }
     let followed = follow(&client, id, heartbeat_ms, &dir, names.len());
     if followed.is_err() {
         // Whatever went wrong, the ranks must not outlive this command (they run in their own

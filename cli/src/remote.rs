@@ -331,6 +331,9 @@ pub fn run_job(cmd: JobCommand) -> Result<Outcome, InputError> {
             let job: JobView = typed(&v, "job")?;
             render(remote.output, &v, |v| {
                 let mut out = jobs_table(std::slice::from_ref(&job));
+                if let Some(url) = &job.checkpoint_cloud {
+                    out.push_str(&format!("\ncheckpoints: {}/GENERATION/step-S\n", e(url)));
+                }
                 if let Some(ranks) = v["launch"]["ranks"].as_array() {
                     let rows = ranks
                         .iter()
@@ -566,6 +569,7 @@ mod tests {
             created_at_ms: 0,
             updated_at_ms: 0,
             spec: Value::Null,
+            checkpoint_cloud: None,
         };
         let out = jobs_table(&[job("evil\u{1b}]0;owned\u{7}\nsecond line", Some("exit\tcode \u{9b}2J"))]);
         assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");

@@ -102,35 +102,57 @@ fn step_of(v: &Value) -> Option<i64> {
     v.as_i64().or_else(|| v.as_f64().filter(|f| f.is_finite() && f.fract() == 0.0 && f.abs() < 9e15).map(|f| f as i64))
 }
 
+/// What one line of rank 0's log says: a step's point, an evaluation, and how many of its
+/// losses are not finite (see the module's documentation). A later line of the same step
+/// replaces an earlier one's point or evaluation.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LineReading {
+    pub point: Option<StepPoint>,
+    pub eval: Option<EvalPoint>,
+    pub non_finite: u64,
+}
+
+/// One line of rank 0's log read (without its line end).
+pub fn read_line(line: &str) -> LineReading {
+    let mut r = LineReading::default();
+    let line = line.trim();
+    if !line.starts_with('{') {
+        return r;
+    }
+    let Some(o) = object(line) else { return r };
+    let Some(step) = o.get("step").and_then(step_of) else { return r };
+    if o.contains_key("loss") {
+        match finite(o.get("loss")) {
+            Some(loss) => {
+                let (tokens_per_s, step_s) = (finite(o.get("tokens_per_s")), finite(o.get("step_s")));
+                r.point = Some(StepPoint { step, loss, tokens_per_s, step_s });
+            }
+            None => r.non_finite += 1,
+        }
+    }
+    if o.contains_key("eval_loss") {
+        match finite(o.get("eval_loss")) {
+            Some(eval_loss) => r.eval = Some(EvalPoint { step, eval_loss }),
+            None => r.non_finite += 1,
+        }
+    }
+    r
+}
+
 /// Rank 0's log of one generation read into points (see the module's documentation).
 pub fn parse_generation(generation: i64, log: &str) -> GenerationCurves {
     let mut points: BTreeMap<i64, StepPoint> = BTreeMap::new();
     let mut evals: BTreeMap<i64, f64> = BTreeMap::new();
     let mut non_finite = 0;
     for line in log.lines() {
-        let line = line.trim();
-        if !line.starts_with('{') {
-            continue;
+        let r = read_line(line);
+        if let Some(p) = r.point {
+            points.insert(p.step, p);
         }
-        let Some(o) = object(line) else { continue };
-        let Some(step) = o.get("step").and_then(step_of) else { continue };
-        if o.contains_key("loss") {
-            match finite(o.get("loss")) {
-                Some(loss) => {
-                    let (tokens_per_s, step_s) = (finite(o.get("tokens_per_s")), finite(o.get("step_s")));
-                    points.insert(step, StepPoint { step, loss, tokens_per_s, step_s });
-                }
-                None => non_finite += 1,
-            }
+        if let Some(e) = r.eval {
+            evals.insert(e.step, e.eval_loss);
         }
-        if o.contains_key("eval_loss") {
-            match finite(o.get("eval_loss")) {
-                Some(x) => {
-                    evals.insert(step, x);
-                }
-                None => non_finite += 1,
-            }
-        }
+        non_finite += r.non_finite;
     }
     GenerationCurves {
         generation,

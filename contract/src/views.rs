@@ -88,6 +88,11 @@ pub struct JobView {
     /// The job file as stored.
     #[cfg_attr(feature = "utoipa", schema(value_type = Object))]
     pub spec: Value,
+    /// Where the job's checkpoint steps go in its checkpoint cloud: `URL/CLUSTER/jobs/ID`
+    /// (`GEN/step-S/` under it), CLUSTER this cluster's identity; absent when the job file
+    /// names no cloud.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_cloud: Option<String>,
 }
 
 #[cfg(test)]

@@ -23,6 +23,9 @@ pub const RESTORE_STEP_ENV: &str = "MOTLEY_CKPT_RESTORE_STEP";
 /// The launch environment variable naming the generation whose files of that step the ranks
 /// load: they refuse a file another generation wrote (docs/checkpoint.md, "Environment").
 pub const RESTORE_GENERATION_ENV: &str = "MOTLEY_CKPT_RESTORE_GENERATION";
+/// The launch environment variable naming the cloud prefix the agents upload the job's steps
+/// to (`cluster::ClusterIdentity::checkpoint_cloud`).
+pub const CLOUD_ENV: &str = "MOTLEY_CKPT_CLOUD";
 
 /// Move a job, logging a refusal (another move won, or this leader was deposed): true if it moved.
 pub async fn move_job(store: &Store, id: i64, generation: i64, to: JobState, reason: Option<&str>) -> bool {
@@ -88,6 +91,10 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
     let plan = store.plan(id, job.generation).await?;
     let ranks = store.ranks(id, job.generation).await?;
     let mut envs = spec.launch_envs();
+    // The cloud prefix of this cluster's job (`cluster`): never another cluster's job 1.
+    if let Some(url) = store.cluster().checkpoint_cloud(&spec, id) {
+        envs.insert(CLOUD_ENV.into(), url);
+    }
     // A recovery's launch: the agents restored this step for it (their MOTLEY_CKPT_RESTORE).
     if let Some(step) = store.restore_step(id, job.generation).await? {
         envs.insert(RESTORE_STEP_ENV.into(), step.to_string());

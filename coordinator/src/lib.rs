@@ -15,6 +15,7 @@
 //! | `net` | the live link matrix as people read it: measured links beside the declared rates | store, fleet, catalog |
 //! | `restore_plan` | pure: from the bitmap and a new plan to each agent's restore | nothing stateful |
 //! | `facts` | what agents told: data planes and rates, restore results (in memory) | nothing |
+//! | `cluster` | pure: this cluster's identity and the checkpoint-cloud prefix it gives each job | nothing |
 //! | `catalog` | the GPU types the configuration declares beyond the planner's (set at start-up) | nothing |
 //! | `fleet` | live agents: leases, addresses, load, an outbox of instructions per node (in memory) | links |
 //! | `links` | the live link matrix agents measure: per (node, node, NIC kind) a short history (in memory) | nothing |
@@ -25,6 +26,7 @@
 
 pub mod catalog;
 pub mod checkpoints;
+pub mod cluster;
 pub mod control;
 pub mod error;
 pub mod facts;

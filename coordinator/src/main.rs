@@ -314,7 +314,8 @@ async fn main() -> anyhow::Result<()> {
         server.add_service(AgentServer::new(agents)).add_service(ControlServer::new(control)).serve_with_incoming(incoming).await
     };
     let lead = contender.run();
-    let app = router(AppState { store: store.clone(), fleet, life, tokens, role, metrics, agent_roots, hosts });
+    let curves = Default::default();
+    let app = router(AppState { store: store.clone(), fleet, life, tokens, role, metrics, agent_roots, hosts, curves });
     let rest = async move {
         match rest_tls {
             Some(config) => {

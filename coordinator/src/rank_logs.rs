@@ -7,9 +7,13 @@
 //!
 //! Bounded: a chunk is at most [`LOG_CHUNK`] bytes; the curves read at most the last
 //! [`CURVES_TAIL`] bytes of rank 0's log in each of the newest [`CURVES_GENERATIONS`]
-//! generations (the bytes before are counted, `skipped_bytes`, and not drawn).
+//! generations (the bytes before are counted, `skipped_bytes`, and not drawn). What was read
+//! is kept per (job, generation) (`curves::CurvesCache`): a later read fetches only the bytes
+//! written since, and answers what reading the tail afresh would.
 
-use motley_contract::curves::{parse_generation, Curves, GenerationCurves};
+pub mod curves;
+
+use motley_contract::curves::{Curves, GenerationCurves};
 
 use crate::error::CoordinatorError;
 use crate::fleet::Fleet;
@@ -62,10 +66,36 @@ pub async fn locate(
     Ok(LogSource { url, node, token: access.token.clone(), roots: access.roots.clone() })
 }
 
-impl LogSource {
-    /// At most [`LOG_CHUNK`] bytes from `offset`, and the log's size when the agent says it.
-    /// Blocking (run it on a blocking thread).
-    pub fn chunk(&self, offset: u64) -> Result<(Vec<u8>, Option<u64>), CoordinatorError> {
+/// A log read in chunks from an offset, as an agent serves it (`agent/src/logs/`).
+pub trait LogRead: Send + Sync {
+    /// At most [`LOG_CHUNK`] bytes from `offset` (none at or past the end), and the log's size
+    /// when the agent says it. Blocking (run it on a blocking thread).
+    fn chunk(&self, offset: u64) -> Result<(Vec<u8>, Option<u64>), CoordinatorError>;
+
+    /// The last `max` bytes of the log at most, from the start of a line, and how many bytes
+    /// before them were not read. Blocking.
+    fn tail(&self, max: u64) -> Result<(Vec<u8>, u64), CoordinatorError> {
+        // An offset past the end answers nothing but the size.
+        let (_, size) = self.chunk(u64::MAX)?;
+        let size = size.unwrap_or(0);
+        let start = size.saturating_sub(max);
+        let mut bytes = vec![];
+        let mut offset = start;
+        while offset < size {
+            let (chunk, _) = self.chunk(offset)?;
+            if chunk.is_empty() {
+                break;
+            }
+            offset += chunk.len() as u64;
+            bytes.extend(chunk);
+        }
+        bytes.truncate((size - start) as usize);
+        Ok(cut_to_line(bytes, start))
+    }
+}
+
+impl LogRead for LogSource {
+    fn chunk(&self, offset: u64) -> Result<(Vec<u8>, Option<u64>), CoordinatorError> {
         use std::io::Read;
         let node = &self.node;
         let agent: ureq::Agent = ureq::Agent::config_builder()
@@ -101,27 +131,6 @@ impl LogSource {
             ))),
         }
     }
-
-    /// The last `max` bytes of the log at most, from the start of a line, and how many bytes
-    /// before them were not read. Blocking.
-    pub fn tail(&self, max: u64) -> Result<(Vec<u8>, u64), CoordinatorError> {
-        // An offset past the end answers nothing but the size.
-        let (_, size) = self.chunk(u64::MAX)?;
-        let size = size.unwrap_or(0);
-        let start = size.saturating_sub(max);
-        let mut bytes = vec![];
-        let mut offset = start;
-        while offset < size {
-            let (chunk, _) = self.chunk(offset)?;
-            if chunk.is_empty() {
-                break;
-            }
-            offset += chunk.len() as u64;
-            bytes.extend(chunk);
-        }
-        bytes.truncate((size - start) as usize);
-        Ok(cut_to_line(bytes, start))
-    }
 }
 
 /// A tail read from `start`: without the partial line it begins with (unless it is the whole
@@ -137,9 +146,16 @@ fn cut_to_line(mut bytes: Vec<u8>, start: u64) -> (Vec<u8>, u64) {
 
 /// Job `id`'s training curves: rank 0's log of each generation (the newest
 /// [`CURVES_GENERATIONS`]), its last [`CURVES_TAIL`] bytes, read from the agent of the node
-/// that held rank 0 in that generation's launch. A generation whose log cannot be read is
-/// there with the reason (`error`); one whose rank 0 has not written yet is there empty.
-pub async fn curves(store: &Store, fleet: &Fleet, access: &AgentAccess, id: i64) -> Result<(JobRecord, Curves), CoordinatorError> {
+/// that held rank 0 in that generation's launch, only the bytes `cache` has not seen. A
+/// generation whose log cannot be read is there with the reason (`error`); one whose rank 0
+/// has not written yet is there empty.
+pub async fn curves(
+    store: &Store,
+    fleet: &Fleet,
+    access: &AgentAccess,
+    cache: &std::sync::Arc<curves::CurvesCache>,
+    id: i64,
+) -> Result<(JobRecord, Curves), CoordinatorError> {
     let job = store.job(id).await?;
     let first = (job.generation - CURVES_GENERATIONS + 1).max(1);
     let mut sources = vec![];
@@ -151,13 +167,12 @@ pub async fn curves(store: &Store, fleet: &Fleet, access: &AgentAccess, id: i64)
             Err(e) => sources.push((generation, Err(e))),
         }
     }
+    let cache = cache.clone();
     let generations = tokio::task::spawn_blocking(move || {
         sources
             .into_iter()
-            .map(|(generation, src)| match src.and_then(|s| s.tail(CURVES_TAIL)) {
-                Ok((bytes, skipped)) => {
-                    GenerationCurves { skipped_bytes: skipped, ..parse_generation(generation, &String::from_utf8_lossy(&bytes)) }
-                }
+            .map(|(generation, src)| match src.and_then(|s| cache.read(id, generation, &s, CURVES_TAIL)) {
+                Ok(read) => read,
                 // Rank 0 has not started writing.
                 Err(CoordinatorError::NotFound { .. }) => GenerationCurves { generation, ..Default::default() },
                 Err(e) => GenerationCurves { generation, error: Some(e.to_string()), ..Default::default() },

@@ -9,7 +9,7 @@
 //! Each topic's methods are an `impl Store` in a child: `nodes`, `jobs` (jobs, their moves,
 //! launches and plans), `ranks` (a launch's ranks, the GPUs they hold, their summary),
 //! `reports` (agents' rank reports, group-committed), `events`, `checkpoints`, `profiles`,
-//! `recovery`, `secrets` (the data-plane key).
+//! `recovery`, `secrets` (the data-plane key), `cluster` (the cluster's identity).
 
 use serde::{Deserialize, Serialize};
 use sqlx::any::{AnyPoolOptions, AnyRow};
@@ -20,6 +20,7 @@ use crate::error::{CoordinatorError, Result};
 use crate::job::JobState;
 
 mod checkpoints;
+mod cluster;
 mod events;
 mod jobs;
 mod nodes;
@@ -77,6 +78,8 @@ pub struct Store {
     /// The leadership term this process writes under (0: not fenced, e.g. tests); job moves
     /// check it inside their transaction, so a deposed leader's late writes are refused.
     term: std::sync::Arc<std::sync::atomic::AtomicI64>,
+    /// The cluster's identity, read (made, the first time) at open: it never changes.
+    cluster: std::sync::Arc<crate::cluster::ClusterIdentity>,
 }
 
 pub(crate) fn now_ms() -> i64 {
@@ -136,7 +139,8 @@ impl Store {
             sqlx::query("PRAGMA journal_mode=WAL").execute(&pool).await?;
         }
         MIGRATOR.run(&pool).await?;
-        Ok(Store { pool, reports: Default::default(), term: Default::default() })
+        let cluster = std::sync::Arc::new(cluster::load(&pool).await?);
+        Ok(Store { pool, reports: Default::default(), term: Default::default(), cluster })
     }
 
     /// Fence every later job move with this leadership term.

@@ -2,7 +2,8 @@
 //! processes; a job whose rank 0 prints the training lines (`{"step", "loss", "tokens_per_s",
 //! "step_s"}`, `{"step", "eval_loss"}`, with a NaN loss and other output among them) runs,
 //! and `GET /api/v1/jobs/{id}/curves` answers its points, `/curves.svg` draws them; a job not
-//! launched has none; a generation whose agent is gone says why.
+//! launched has none; a generation whose agent is gone says why; curves read while rank 0's log
+//! grows answer what a fresh read would.
 
 mod common;
 
@@ -91,4 +92,50 @@ fn a_jobs_training_lines_come_back_as_points_and_a_picture() {
     let (status, svg) = c.call("GET", &format!("/api/v1/jobs/{id}/curves.svg"), "");
     assert_eq!(status, 200);
     assert!(svg.contains("gen 1: log not read: node node-0") && svg.contains("no steps yet"), "{svg}");
+}
+
+/// Rank 0 prints two steps, waits for a file, then prints a step again and a new one: each read
+/// of the curves while it runs fetches only what was written since the last (the coordinator
+/// keeps what it parsed), and answers what a fresh read of the whole log would.
+#[test]
+fn curves_read_while_the_log_grows_answer_as_a_fresh_read() {
+    let dir = common::temp_dir();
+    let port_base = common::master_port_base();
+    let c = Coordinator::start(&dir, &["--heartbeat-ms", "500", "--master-port-base", &port_base]);
+    let agent_token = c.agent_token.clone().unwrap();
+    let _agent = Agent::new(&c.grpc_url(), "node-0", "examples/nodes/a100.yaml", &dir.join("agent"))
+        .arg("--allow-root-ranks")
+        .args(["--token", &agent_token])
+        .spawn();
+    until("the agent registered", || c.json("GET", "/api/v1/nodes", "", 200)[0]["live"] == true);
+    let go = dir.join("go");
+    let script = dir.join("grow.sh");
+    std::fs::write(
+        &script,
+        format!(
+            r#"[ "$RANK" = 0 ] || exit 0
+printf '%s\n' '{{"step": 1, "loss": 4.5}}' '{{"step": 2, "loss": 4.0}}'
+until [ -e {go} ]; do sleep 0.05; done
+printf '%s\n' 'resumed' '{{"step": 2, "loss": 3.75}}' '{{"step": 3, "loss": 3.5}}'
+"#,
+            go = go.display()
+        ),
+    )
+    .unwrap();
+    let job = format!("name: grow\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {{gpus: 2}}\nrun: 'sh {}'\n", script.display());
+    let id = c.json("POST", "/api/v1/jobs", &job, 201)["id"].as_i64().unwrap();
+    let steps = |curves: &Value| -> Vec<(i64, f64)> {
+        curves["generations"][0]["points"]
+            .as_array()
+            .map(|p| p.iter().map(|p| (p["step"].as_i64().unwrap(), p["loss"].as_f64().unwrap())).collect())
+            .unwrap_or_default()
+    };
+    until("the first two steps drawn", || steps(&c.json("GET", &format!("/api/v1/jobs/{id}/curves"), "", 200)).len() == 2);
+    assert_eq!(steps(&c.json("GET", &format!("/api/v1/jobs/{id}/curves"), "", 200)), [(1, 4.5), (2, 4.0)]);
+    std::fs::write(&go, b"").unwrap();
+    assert_eq!(wait_for_state(&c, id, &["succeeded", "failed"])["state"], "succeeded");
+    let curves = c.json("GET", &format!("/api/v1/jobs/{id}/curves"), "", 200);
+    assert_eq!(steps(&curves), [(1, 4.5), (2, 3.75), (3, 3.5)], "step 2 printed again: its later line; {curves}");
+    assert_eq!(curves["generations"][0]["skipped_bytes"], 0);
+    assert_eq!(c.json("GET", &format!("/api/v1/jobs/{id}/curves"), "", 200), curves, "read again: the same");
 }

@@ -78,7 +78,8 @@ impl Life {
             let built = restore_plan::needs(&files, &doc.placements()).and_then(|needs| {
                 let nodes: BTreeMap<String, NodeInfo> = self.node_infos(&files, &needs);
                 let s = self.settings;
-                let cloud = spec.checkpoint.as_ref().and_then(|c| c.cloud.clone()).unwrap_or_default();
+                // Where the job's launches uploaded (`launch::dispatch`): this cluster's prefix.
+                let cloud = store.cluster().checkpoint_cloud(&spec, id).unwrap_or_default();
                 restore_plan::build(id, next, step, &files, &needs, &nodes, s.cloud_egress_mb_s, &cloud, s.mode, 0)
             });
             let mut built = match built {

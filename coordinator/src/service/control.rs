@@ -12,6 +12,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::cluster::ClusterIdentity;
 use crate::control;
 use crate::fleet::Fleet;
 use crate::leader::Role;
@@ -59,8 +60,9 @@ impl ControlService {
     }
 }
 
-fn job(j: JobRecord) -> pb::Job {
+fn job(cluster: &ClusterIdentity, j: JobRecord) -> pb::Job {
     pb::Job {
+        checkpoint_cloud: cluster.stored_checkpoints(&j.spec, j.id),
         id: j.id,
         name: j.name,
         state: j.state.to_string(),
@@ -277,18 +279,18 @@ impl Control for ControlService {
     async fn submit_job(&self, req: Request<pb::JobFile>) -> Reply<pb::Job> {
         self.admit(&req)?;
         let j = control::submit(&self.store, &self.fleet, &req.into_inner().text).await.map_err(status_of)?;
-        Ok(Response::new(job(j)))
+        Ok(Response::new(job(self.store.cluster(), j)))
     }
 
     async fn list_jobs(&self, req: Request<pb::ListJobsRequest>) -> Reply<pb::JobList> {
         self.admit(&req)?;
         let jobs = self.store.jobs().await.map_err(status_of)?;
-        Ok(Response::new(pb::JobList { jobs: jobs.into_iter().map(|j| job(self.life.annotate(j))).collect() }))
+        Ok(Response::new(pb::JobList { jobs: jobs.into_iter().map(|j| job(self.store.cluster(), self.life.annotate(j))).collect() }))
     }
 
     async fn get_job(&self, req: Request<pb::JobRef>) -> Reply<pb::Job> {
         self.admit(&req)?;
-        Ok(Response::new(job(self.life.annotate(self.store.job(req.into_inner().id).await.map_err(status_of)?))))
+        Ok(Response::new(job(self.store.cluster(), self.life.annotate(self.store.job(req.into_inner().id).await.map_err(status_of)?))))
     }
 
     type WatchJobStream = ReceiverStream<Result<pb::Event, Status>>;
@@ -345,7 +347,7 @@ impl Control for ControlService {
     async fn cancel_job(&self, req: Request<pb::JobRef>) -> Reply<pb::Job> {
         self.admit(&req)?;
         let j = control::cancel(&self.store, &self.fleet, req.into_inner().id, "cancelled by the operator").await.map_err(status_of)?;
-        Ok(Response::new(job(j)))
+        Ok(Response::new(job(self.store.cluster(), j)))
     }
 
     async fn get_plan(&self, req: Request<pb::JobRef>) -> Reply<pb::JobPlan> {
@@ -371,6 +373,12 @@ impl Control for ControlService {
     async fn get_leader(&self, req: Request<pb::LeaderRequest>) -> Reply<pb::Leader> {
         self.authenticate(&req)?;
         let l = self.role.leader();
-        Ok(Response::new(pb::Leader { is_leader: self.role.is_leader(), rest_url: l.rest_url, grpc_url: l.grpc_url, term: l.term }))
+        Ok(Response::new(pb::Leader {
+            is_leader: self.role.is_leader(),
+            rest_url: l.rest_url,
+            grpc_url: l.grpc_url,
+            term: l.term,
+            cluster_id: self.store.cluster().id.clone(),
+        }))
     }
 }

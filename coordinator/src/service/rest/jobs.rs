@@ -10,9 +10,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{ApiResult, AppState};
+use crate::cluster::ClusterIdentity;
 use crate::control;
 use crate::error::CoordinatorError;
-use crate::rank_logs;
+use crate::rank_logs::{self, LogRead};
 use crate::store::{Event, JobRecord, RankAssignment, RankRecord};
 
 pub use motley_contract::curves::Curves;
@@ -37,8 +38,9 @@ pub struct DryRunView {
     pub ranks: Vec<RankAssignment>,
 }
 
-fn view(j: JobRecord) -> JobView {
+fn view(cluster: &ClusterIdentity, j: JobRecord) -> JobView {
     JobView {
+        checkpoint_cloud: cluster.stored_checkpoints(&j.spec, j.id),
         spec: serde_json::from_str(&j.spec).unwrap_or(Value::Null),
         id: j.id,
         name: j.name,
@@ -82,7 +84,7 @@ pub(super) fn bad_query(r: QueryRejection) -> CoordinatorError {
 
 #[utoipa::path(get, path = "/api/v1/jobs", tag = "jobs", responses((status = 200, body = [JobView])))]
 pub async fn list(State(s): State<AppState>) -> ApiResult<Vec<JobView>> {
-    Ok(Json(s.store.jobs().await?.into_iter().map(|j| view(s.life.annotate(j))).collect()))
+    Ok(Json(s.store.jobs().await?.into_iter().map(|j| view(s.store.cluster(), s.life.annotate(j))).collect()))
 }
 
 /// The body is the job file (YAML or JSON). Planning starts in the background; watch the
@@ -92,20 +94,20 @@ pub async fn list(State(s): State<AppState>) -> ApiResult<Vec<JobView>> {
 pub async fn submit(State(s): State<AppState>, body: Bytes) -> Result<(StatusCode, Json<JobView>), CoordinatorError> {
     let text = std::str::from_utf8(&body).map_err(|_| CoordinatorError::invalid("body", "the job file must be UTF-8 text"))?;
     let job = control::submit(&s.store, &s.fleet, text).await?;
-    Ok((StatusCode::CREATED, Json(view(job))))
+    Ok((StatusCode::CREATED, Json(view(s.store.cluster(), job))))
 }
 
 #[utoipa::path(get, path = "/api/v1/jobs/{id}", tag = "jobs",
     responses((status = 200, body = JobView), (status = 404, body = super::ErrorBody)))]
 pub async fn get(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<JobView> {
-    Ok(Json(view(s.life.annotate(s.store.job(parse_id("id", &id)?).await?))))
+    Ok(Json(view(s.store.cluster(), s.life.annotate(s.store.job(parse_id("id", &id)?).await?))))
 }
 
 #[utoipa::path(post, path = "/api/v1/jobs/{id}/cancel", tag = "jobs",
     responses((status = 200, body = JobView), (status = 409, body = super::ErrorBody)))]
 pub async fn cancel(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<JobView> {
     let job = control::cancel(&s.store, &s.fleet, parse_id("id", &id)?, "cancelled by the operator").await?;
-    Ok(Json(view(job)))
+    Ok(Json(view(s.store.cluster(), job)))
 }
 
 /// The job's events after `?after=SEQ` (default 0), oldest first, at most 1000.
@@ -198,7 +200,7 @@ fn access(s: &AppState) -> rank_logs::AgentAccess {
 #[utoipa::path(get, path = "/api/v1/jobs/{id}/curves", tag = "jobs",
     responses((status = 200, body = Curves), (status = 404, body = super::ErrorBody)))]
 pub async fn curves(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<Curves> {
-    let (_, curves) = rank_logs::curves(&s.store, &s.fleet, &access(&s), parse_id("id", &id)?).await?;
+    let (_, curves) = rank_logs::curves(&s.store, &s.fleet, &access(&s), &s.curves, parse_id("id", &id)?).await?;
     Ok(Json(curves))
 }
 
@@ -208,7 +210,7 @@ pub async fn curves(State(s): State<AppState>, Path(id): Path<String>) -> ApiRes
 #[utoipa::path(get, path = "/api/v1/jobs/{id}/curves.svg", tag = "jobs",
     responses((status = 200, body = String, content_type = "image/svg+xml"), (status = 404, body = super::ErrorBody)))]
 pub async fn curves_svg(State(s): State<AppState>, Path(id): Path<String>) -> Result<Response, CoordinatorError> {
-    let (job, curves) = rank_logs::curves(&s.store, &s.fleet, &access(&s), parse_id("id", &id)?).await?;
+    let (job, curves) = rank_logs::curves(&s.store, &s.fleet, &access(&s), &s.curves, parse_id("id", &id)?).await?;
     Ok(svg_response(motley_contract::curves::curves_svg(&curves, &format!("job {}: {}", job.id, job.name))))
 }
 

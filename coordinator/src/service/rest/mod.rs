@@ -39,6 +39,8 @@ pub struct AppState {
     pub agent_roots: ureq::tls::RootCerts,
     /// The names this coordinator answers to (`hosts`): a request for another is refused.
     pub hosts: std::sync::Arc<hosts::ServedHosts>,
+    /// The training curves read so far, per job and generation (`rank_logs::curves`).
+    pub curves: std::sync::Arc<crate::rank_logs::curves::CurvesCache>,
 }
 
 /// Every error answer's body.
@@ -245,10 +247,19 @@ pub struct LeaderView {
     pub rest_url: String,
     pub grpc_url: String,
     pub term: i64,
+    /// This cluster's identity (made once, kept in its database): its jobs' checkpoint-cloud
+    /// prefixes carry it (`URL/CLUSTER/jobs/JOB/GEN/step-S`).
+    pub cluster_id: String,
 }
 
 #[utoipa::path(get, path = "/api/v1/leader", tag = "leader", responses((status = 200, body = LeaderView)))]
 async fn leader(State(s): State<AppState>) -> ApiResult<LeaderView> {
     let l = s.role.leader();
-    Ok(Json(LeaderView { is_leader: s.role.is_leader(), rest_url: l.rest_url, grpc_url: l.grpc_url, term: l.term }))
+    Ok(Json(LeaderView {
+        is_leader: s.role.is_leader(),
+        rest_url: l.rest_url,
+        grpc_url: l.grpc_url,
+        term: l.term,
+        cluster_id: s.store.cluster().id.clone(),
+    }))
 }

@@ -10,8 +10,8 @@ import { api, AuthError, setToken, token } from './api.js';
 
 const POLL_MS = 1500;
 const LOG_KEEP = 64 * 1024;
-// The training curves are redrawn this often while the job runs (each read fetches rank 0's
-// log tails through the coordinator), and once more when it ends.
+// The training curves are redrawn this often while the job runs (the coordinator keeps what it
+// parsed of rank 0's logs and fetches only what was written since), and once more when it ends.
 const CURVES_MS = 5000;
 const OVER = ['succeeded', 'failed', 'cancelled'];
 
