@@ -109,7 +109,10 @@ impl Node {
 
     /// `start`, the agent given `args` more.
     fn start_with(name: &str, shm: Option<&Path>, args: &[&str]) -> Option<Node> {
-        if !common::root_only::can_run(name, &[common::root_only::Need::Root, common::root_only::Need::User("nobody")]) {
+        if !common::root_only::can_run(
+            &format!("the hostile-rank test on node '{name}'"),
+            &[common::root_only::Need::Root, common::root_only::Need::User("nobody")],
+        ) {
             return None;
         }
         let dir = scratch(name);

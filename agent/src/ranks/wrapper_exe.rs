@@ -127,8 +127,8 @@ impl WrapperExe {
             }
         }
         let exec = Exec::new(self.file.as_raw_fd(), argv, envp);
-        // SAFETY: the closure makes one system call on memory prepared before the fork (no
-        // allocation, no locks); on success it does not return.
+        // SAFETY: the closure makes two system calls on memory prepared before the fork (no
+        // allocation, no locks); on success the second does not return.
         unsafe {
             cmd.pre_exec(move || exec.run());
         }
