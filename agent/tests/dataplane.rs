@@ -10,17 +10,25 @@ use std::time::Duration;
 use motley_agent::checkpoints::dataplane::protocol::{FrameHeader, Reply};
 use motley_agent::checkpoints::dataplane::{
     access, ckpt_path, fetch, fetch_to_path, restore_path, serve, temporary_path, Access, Arriving, ClientTls, DataKey, DirResolver,
-    FileKey, Pacer, Peer, Root, Transport,
+    FileKey, Issued, Pacer, Peer, Root, Transport,
 };
 use motley_agent::AgentError;
-use motley_contract::capability::{mint, now_unix_s, Grant, KEY_BYTES};
+use motley_contract::capability::{mint, node_key, now_unix_s, probe_key, Grant, KEY_BYTES};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
 mod common;
 use common::scratch;
 
-const KEY: [u8; KEY_BYTES] = [42; KEY_BYTES];
+/// The cluster key of the coordinator these data planes' keys come from.
+const CLUSTER: [u8; KEY_BYTES] = [42; KEY_BYTES];
+/// The node every server here stands for.
+const HOLDER: &str = "holder";
+
+/// The holder's own key, as the coordinator derives it and mints its capabilities with.
+fn own() -> [u8; KEY_BYTES] {
+    node_key(&CLUSTER, HOLDER).unwrap()
+}
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 fn key(file: &str) -> FileKey {
@@ -45,14 +53,20 @@ fn grant(with: &[u8], key: &FileKey, files: &[&str], expires: u64) -> String {
 
 /// The capability a coordinator would put into a Restore for `key`'s file.
 fn cap(key: &FileKey) -> String {
-    grant(&KEY, key, &[&key.file], now_unix_s() + 3600)
+    grant(&own(), key, &[&key.file], now_unix_s() + 3600)
 }
 
-/// A server holding the cluster key, over `tls` if given.
-fn access(tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>) -> Access {
+/// The keys a coordinator of `CLUSTER` gives node `node` at registration.
+fn issued(node: &str) -> DataKey {
     let key = DataKey::default();
-    key.set(&KEY).unwrap();
-    Access::new(key, tls)
+    let (node_key, probe_key) = (node_key(&CLUSTER, node).unwrap(), probe_key(&CLUSTER).unwrap());
+    key.set(Issued { node_key: &node_key, probe_key: &probe_key, base: Duration::from_secs(1) }).unwrap();
+    key
+}
+
+/// The holder's server, over `tls` if given.
+fn access(tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>) -> Access {
+    Access::new(issued(HOLDER), tls)
 }
 
 async fn start_with(resolver: DirResolver, access: Access) -> String {
@@ -124,10 +138,13 @@ async fn fetches_without_a_capability_for_exactly_the_file_are_refused() {
         (None, "no capability"),
         (Some("v1.e30.AAAA".to_string()), "bad signature"),
         (Some(grant(&[1; KEY_BYTES], &key(UNIT), &[UNIT], later)), "bad signature"),
+        // Minted for another node's files, or under the cluster key the nodes never hold.
+        (Some(grant(&node_key(&CLUSTER, "other").unwrap(), &key(UNIT), &[UNIT], later)), "bad signature"),
+        (Some(grant(&CLUSTER, &key(UNIT), &[UNIT], later)), "bad signature"),
         (Some(cap(&other_job)), "the capability is for job 8, not job 7"),
         (Some(cap(&FileKey { generation: 1, ..key(UNIT) })), "generation 1, not generation 2"),
         (Some(cap(&FileKey { step: 20, ..key(UNIT) })), "step 20, not step 10"),
-        (Some(grant(&KEY, &key(UNIT), &[UNIT], now_unix_s() - 1)), "the capability expired"),
+        (Some(grant(&own(), &key(UNIT), &[UNIT], now_unix_s() - 1)), "the capability expired"),
         (Some(cap(&key("manifest.json"))), &format!("does not list file \"{UNIT}\"")),
     ];
     for (capability, want) in cases {
@@ -182,7 +199,7 @@ async fn the_server_refuses_other_versions_rdma_and_names_outside_the_step_direc
     // server's own name check still refuses them.
     let bad_names = ["../../../agent.lock", "step-00000010/manifest.json", "layer.00003.model.tp0-2.safetensors.tmp.9"];
     let listed: Vec<&str> = [UNIT].into_iter().chain(bad_names).collect();
-    let c = grant(&KEY, &key(UNIT), &listed, now_unix_s() + 3600);
+    let c = grant(&own(), &key(UNIT), &listed, now_unix_s() + 3600);
     let req = |v: u32, file: &str, transport: &str| {
         format!(
             r#"{{"v":{v},"capability":"{c}","job":7,"generation":2,"step":10,"file":"{file}","ranges":[[0,10]],"rate_bytes_s":null,"transport":"{transport}"}}"#

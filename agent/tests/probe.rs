@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use motley_agent::checkpoints::dataplane::protocol::Reply;
-use motley_agent::checkpoints::dataplane::{access, serve, Access, ClientTls, DataKey, DirResolver, Pacer, Probe, MAX_PROBE_BYTES};
+use motley_agent::checkpoints::dataplane::{access, serve, Access, ClientTls, DataKey, DirResolver, Issued, Pacer, Probe, MAX_PROBE_BYTES};
 use motley_agent::net::{probe, Meter, Pacing};
 use motley_agent::AgentError;
-use motley_contract::capability::{mint, mint_probe, now_unix_s, Grant, ProbeGrant, KEY_BYTES};
+use motley_contract::capability::{mint, mint_probe, node_key, now_unix_s, probe_key, Grant, ProbeGrant, KEY_BYTES};
 use motley_proto::v1::PeerDataPlane;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -23,24 +23,26 @@ use common::scratch;
 const KEY: [u8; KEY_BYTES] = [42; KEY_BYTES];
 const TIMEOUT: Duration = Duration::from_secs(10);
 
-fn data_key() -> DataKey {
+/// The keys a coordinator of cluster key `KEY` gives node `node` at registration.
+fn data_key(node: &str) -> DataKey {
     let key = DataKey::default();
-    key.set(&KEY).unwrap();
+    let (node_key, probe_key) = (node_key(&KEY, node).unwrap(), probe_key(&KEY).unwrap());
+    key.set(Issued { node_key: &node_key, probe_key: &probe_key, base: Duration::from_secs(1) }).unwrap();
     key
 }
 
-/// A data plane of node `node` holding the cluster key (no files), over `tls` if given, its
-/// probe bytes paced by `pacer` if given.
+/// A data plane of node `node` holding its keys (no files), over `tls` if given, its probe
+/// bytes paced by `pacer` if given.
 async fn start(node: &str, tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>, pacer: Option<Pacer>) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let access = Access { probe_pacer: pacer.map(Arc::new), ..Access::new(data_key(), tls).with_node(node) };
+    let access = Access { probe_pacer: pacer.map(Arc::new), ..Access::new(data_key(node), tls).with_node(node) };
     tokio::spawn(serve(listener, Arc::new(DirResolver::new(vec![])), access, Arc::new(Pacer::unlimited())));
     addr
 }
 
 fn token(node: &str) -> String {
-    mint_probe(&KEY, &ProbeGrant { node: node.into(), expires_unix_s: now_unix_s() + 60 }).unwrap()
+    mint_probe(&probe_key(&KEY).unwrap(), &ProbeGrant { node: node.into(), expires_unix_s: now_unix_s() + 60 }).unwrap()
 }
 
 fn probe<'a>(addr: &'a str, token: Option<&'a str>) -> Probe<'a> {
@@ -101,12 +103,19 @@ async fn probes_without_the_right_token_or_beyond_the_bound_are_refused() {
     let n2 = token("n2");
     let err = refused(probe(&addr, Some(&n2)).run(1 << 16).await.unwrap_err());
     assert!(err.contains("for node \"n2\", not \"n1\""), "{err}");
-    let old = mint_probe(&KEY, &ProbeGrant { node: "n1".into(), expires_unix_s: now_unix_s() - 5 }).unwrap();
+    let old = mint_probe(&probe_key(&KEY).unwrap(), &ProbeGrant { node: "n1".into(), expires_unix_s: now_unix_s() - 5 }).unwrap();
+    // A token under the cluster key itself, or under a node's key, is not one under the probe key.
+    for wrong in [KEY, node_key(&KEY, "n1").unwrap()] {
+        let t = mint_probe(&wrong, &ProbeGrant { node: "n1".into(), expires_unix_s: now_unix_s() + 60 }).unwrap();
+        assert!(refused(probe(&addr, Some(&t)).run(1 << 16).await.unwrap_err()).contains("bad signature"));
+    }
     assert!(refused(probe(&addr, Some(&old)).run(1 << 16).await.unwrap_err()).contains("probe token expired"));
-    // A file capability under the cluster key is no probe token.
-    let file =
-        mint(&KEY, &Grant { job: 1, generation: 1, step: 1, files: vec!["manifest.json".into()], expires_unix_s: u64::MAX }).unwrap();
-    assert!(refused(probe(&addr, Some(&file)).run(1 << 16).await.unwrap_err()).contains("bad signature"));
+    // A file capability, under the node's key or the probe key, is no probe token.
+    let grant = Grant { job: 1, generation: 1, step: 1, files: vec!["manifest.json".into()], expires_unix_s: u64::MAX };
+    for k in [node_key(&KEY, "n1").unwrap(), probe_key(&KEY).unwrap()] {
+        let file = mint(&k, &grant).unwrap();
+        assert!(refused(probe(&addr, Some(&file)).run(1 << 16).await.unwrap_err()).contains("bad signature"));
+    }
     // Nor does a probe token read a file.
     let t = token("n1");
     let line = format!(
@@ -123,7 +132,7 @@ async fn probes_without_the_right_token_or_beyond_the_bound_are_refused() {
     // A data plane that does not know its node serves no probes.
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let anonymous = listener.local_addr().unwrap().to_string();
-    tokio::spawn(serve(listener, Arc::new(DirResolver::new(vec![])), Access::new(data_key(), None), Arc::new(Pacer::unlimited())));
+    tokio::spawn(serve(listener, Arc::new(DirResolver::new(vec![])), Access::new(data_key("n1"), None), Arc::new(Pacer::unlimited())));
     assert!(refused(probe(&anonymous, Some(&t)).run(1 << 16).await.unwrap_err()).contains("serves no probes"));
 }
 
@@ -170,7 +179,7 @@ async fn the_agents_probe_loop_samples_its_launchs_peers_and_nothing_of_a_dead_o
     // A busy duty so that a second of real time sees several probes.
     let pacing = Pacing { duty: 0.5, target: Duration::from_millis(5) };
     let running = || BTreeSet::from([(1, 1)]);
-    let _ = tokio::time::timeout(Duration::from_secs(1), probe::run(meter.clone(), pacing, data_key(), None, running)).await;
+    let _ = tokio::time::timeout(Duration::from_secs(1), probe::run(meter.clone(), pacing, data_key("n0"), None, running)).await;
     let samples = meter.take_links();
     for node in ["n1", "n2"] {
         let of: Vec<_> = samples.iter().filter(|s| s.peer == node).collect();

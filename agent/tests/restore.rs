@@ -12,10 +12,11 @@ use std::time::Duration;
 
 use motley_agent::checkpoints::cloud::Cloud;
 use motley_agent::checkpoints::dataplane::protocol::{line, FrameHeader, Reply};
-use motley_agent::checkpoints::dataplane::{ckpt_path, serve, Access, Arriving, DataKey, DirResolver, FileKey, Pacer, Root};
+use motley_agent::checkpoints::dataplane::{ckpt_path, serve, Access, Arriving, DataKey, DirResolver, FileKey, Issued, Pacer, Root};
 use motley_agent::checkpoints::restorer::{launch_list, restore_dir, Restorer};
 use motley_checkpoint::crc::file_entry;
 use motley_checkpoint::{shard_full, Block, Dtype, Layout, Part, TensorSpec, Unit, UnitKey};
+use motley_contract::capability;
 use motley_proto::v1::{FetchRange, FetchSource, MakeUnit, Restore, RestoreFile, RestoreResult};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
@@ -56,12 +57,15 @@ fn resolver(work: &Path) -> DirResolver {
     DirResolver::new(vec![Root { dir: work.to_path_buf(), read_pacer: None }])
 }
 
-/// A data plane serving `work`; its address.
+/// A data plane serving `work`, the node named as `work`'s last component, with the keys its
+/// coordinator gives that node; its address.
 async fn serve_holder(work: &Path) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
+    let node = work.file_name().unwrap().to_str().unwrap();
+    let (node_key, probe_key) = (capability::node_key(&DATA_KEY, node).unwrap(), capability::probe_key(&DATA_KEY).unwrap());
     let key = DataKey::default();
-    key.set(&DATA_KEY).unwrap();
+    key.set(Issued { node_key: &node_key, probe_key: &probe_key, base: Duration::from_secs(1) }).unwrap();
     tokio::spawn(serve(listener, Arc::new(resolver(work)), Access::new(key, None), Arc::new(Pacer::unlimited())));
     addr
 }
@@ -92,27 +96,20 @@ fn range(offset: u64, bytes: u64, source: FetchSource) -> FetchRange {
     FetchRange { offset, bytes, source: Some(source), rate_mb_s: 0.0 }
 }
 
-/// The cluster's data-plane key the holders check capabilities with.
-const DATA_KEY: [u8; motley_contract::capability::KEY_BYTES] = [5; motley_contract::capability::KEY_BYTES];
+/// The cluster's data-plane key: each holder checks capabilities with its own key derived from it.
+const DATA_KEY: [u8; capability::KEY_BYTES] = [5; capability::KEY_BYTES];
 
-/// `name` as the manifest has it (its good crcs), fetched as `ranges` say, with the capability
-/// a coordinator would give it.
+/// `name` as the manifest has it (its good crcs), fetched as `ranges` say, each peer source
+/// with the capability a coordinator would give it (under that peer's own key).
 fn file(name: &str, bytes: &[u8], ranges: Vec<FetchRange>, fallbacks: Vec<FetchSource>) -> RestoreFile {
-    let e = file_entry(name, bytes, CHUNK);
-    let expires_unix_s = motley_contract::capability::now_unix_s() + 3600;
-    let grant =
-        motley_contract::capability::Grant { job: JOB, generation: SOURCE_GEN, step: STEP, files: vec![name.into()], expires_unix_s };
-    RestoreFile {
-        capability: motley_contract::capability::mint(&DATA_KEY, &grant).unwrap(),
-        source_generation: SOURCE_GEN,
-        file: name.into(),
-        bytes: e.bytes,
-        chunk_bytes: e.chunk_bytes,
-        crc32c: e.crc32c,
-        ranges,
-        fallbacks,
-        copies: 0,
-    }
+    let (e, file) = (file_entry(name, bytes, CHUNK), name.to_string());
+    let (bytes, chunk_bytes, crc32c, source_generation) = (e.bytes, e.chunk_bytes, e.crc32c, SOURCE_GEN);
+    let mut f = RestoreFile { source_generation, file, bytes, chunk_bytes, crc32c, ranges, fallbacks, copies: 0 };
+    let expires_unix_s = capability::now_unix_s() + 3600;
+    let grant = capability::Grant { job: JOB, generation: SOURCE_GEN, step: STEP, files: vec![name.into()], expires_unix_s };
+    let sources = f.ranges.iter_mut().filter_map(|r| r.source.as_mut()).chain(f.fallbacks.iter_mut()).filter(|s| s.kind == "peer");
+    sources.for_each(|s| s.capability = capability::mint(&capability::node_key(&DATA_KEY, &s.node).unwrap(), &grant).unwrap());
+    f
 }
 
 fn restore(generation: i64, files: Vec<RestoreFile>, make: Vec<MakeUnit>, cloud_url: &str) -> Restore {

@@ -1,7 +1,10 @@
-//! The data plane's key end to end: the real coordinator generates and stores it, hands it to a
-//! real agent at registration, and that agent's data plane then serves a checkpoint file to a
-//! request with a capability minted under the stored key, and refuses one without (or under
-//! another key). docs/recovery.md, "Who may fetch".
+//! The data plane's keys end to end: the real coordinator generates and stores the cluster key,
+//! hands a real agent the key derived for its node at registration, and that agent's data plane
+//! then serves a checkpoint file to a request with a capability minted under its node's key,
+//! and refuses one without, under another node's key or under the cluster key itself.
+//! docs/recovery.md, "Who may fetch". And the holdings report's per-job share: one job's ranks
+//! writing a piece of nearly the whole report under a huge step number leave another job's
+//! holdings in the bitmap (docs/recovery.md, "Limits").
 
 mod common;
 
@@ -9,7 +12,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 
 use common::{scratch, Agent, Coordinator};
-use motley_contract::capability::{mint, now_unix_s, Grant, KEY_BYTES};
+use motley_contract::capability::{mint, node_key, now_unix_s, probe_key, Grant, KEY_BYTES};
 use sqlx::Connection;
 
 /// The key the coordinator stored (migration 0010), from its SQLite database.
@@ -60,15 +63,67 @@ fn an_agent_serves_a_file_to_a_capability_under_the_coordinators_stored_key_only
     assert_eq!(key.len(), KEY_BYTES);
     let grant = Grant { job: 7, generation: 2, step: 10, files: vec!["manifest.json".into()], expires_unix_s: now_unix_s() + 600 };
     // The agent may have registered a moment before its key is in place: ask until served.
-    let capability = mint(&key, &grant).unwrap();
+    let capability = mint(&node_key(&key, "node-0").unwrap(), &grant).unwrap();
     let served = common::until("the agent took the coordinator's key", || {
         let reply = ask(&data, Some(&capability));
         (reply["ok"] == true).then_some(reply)
     });
     assert_eq!(served["bytes"], 6);
-    let forged = mint(&[0; KEY_BYTES], &grant).unwrap();
-    let refused = ask(&data, Some(&forged));
-    assert!(refused["error"].as_str().unwrap().contains("bad signature"), "{refused}");
+    // Another node's key (what root on that node could sign with), the cluster key the agents
+    // never get, the probe key every agent has, and a key of no cluster: all refused.
+    for other in [node_key(&key, "node-1").unwrap().to_vec(), key.clone(), probe_key(&key).unwrap().to_vec(), vec![0; KEY_BYTES]] {
+        let refused = ask(&data, Some(&mint(&other, &grant).unwrap()));
+        assert!(refused["error"].as_str().unwrap().contains("bad signature"), "{refused}");
+    }
     let refused = ask(&data, None);
     assert!(refused["error"].as_str().unwrap().contains("no capability"), "{refused}");
+}
+
+/// Job 1's ranks wrote step 4 (about 60 KB of holdings); job 2's ranks write a piece listing
+/// 62 empty units of 10,000 chunk crcs each (about 3.1 of the report's 3 MiB) in a step
+/// directory numbered 2^62. Job 1's step stays in the bitmap: the report is shared per job, and
+/// job 2 can only lose its own (before, the newest step across all jobs went first, and job 1's
+/// holdings were evicted from the coordinator's rows for the node).
+#[test]
+fn a_huge_step_of_one_job_leaves_another_jobs_holdings_in_the_bitmap() {
+    use motley_checkpoint::manifest::{piece_file_name, step_dir_name, unit_file_name};
+    use motley_checkpoint::{Block, FileEntry, Manifest, Part, UnitEntry, UnitKey, FORMAT};
+    let dir = scratch("holdings_share");
+    let c = Coordinator::start(&dir.join("coordinator"), &["--insecure"]);
+    // Two jobs no node can run (more GPUs than the cluster has): queued, their checkpoints kept.
+    let spec = "name: held\nmodel: gpt3-1.3b\nglobal_batch: 32\nresources: {gpus: 64}\nrun: 'true'\n";
+    let (one, two) = (
+        c.json("POST", "/api/v1/jobs", spec, 201)["id"].as_i64().unwrap(),
+        c.json("POST", "/api/v1/jobs", spec, 201)["id"].as_i64().unwrap(),
+    );
+    let work = dir.join("agent");
+    let piece = |step: u64, units: u32, crcs: usize, step_dir: &std::path::Path| {
+        std::fs::create_dir_all(step_dir).unwrap();
+        let units = (0..units)
+            .map(|i| {
+                let key = UnitKey { block: Block::Layer(i), part: Part::Model, tp_rank: 0, tp_size: 1 };
+                let file = unit_file_name(&key);
+                std::fs::write(step_dir.join(&file), b"").unwrap();
+                UnitEntry {
+                    key,
+                    file: FileEntry { file, bytes: 0, chunk_bytes: 16 << 20, crc32c: vec![u32::MAX; crcs] },
+                    tensors: Default::default(),
+                }
+            })
+            .collect();
+        let m = Manifest { format: FORMAT.into(), step, layers: 62, world_size: 1, units, ranks: vec![] };
+        std::fs::write(step_dir.join(piece_file_name(0)), serde_json::to_vec(&m).unwrap()).unwrap();
+    };
+    piece(4, 1, 12_000, &work.join(format!("jobs/{one}/1/ckpt/{}", step_dir_name(4))));
+    let huge = 1u64 << 62;
+    piece(huge, 62, 10_000, &work.join(format!("jobs/{two}/1/ckpt/{}", step_dir_name(huge))));
+    let _agent = Agent::new(&c.grpc_url(), "node-0", "examples/nodes/a100.yaml", &work).spawn();
+    // The report reaches the bitmap: job 2's step is its own to lose, job 1's stays.
+    let steps = common::until("job 1's step in the bitmap", || {
+        let (status, body) = c.call("GET", &format!("/api/v1/jobs/{one}/checkpoints"), "");
+        (status == 200 && body.contains("\"step\":4")).then_some(body)
+    });
+    assert!(steps.contains("\"files\":1"), "{steps}");
+    let (_, theirs) = c.call("GET", &format!("/api/v1/jobs/{two}/checkpoints"), "");
+    assert_eq!(theirs, "[]", "job 2's step is over its share of the report");
 }

@@ -215,6 +215,7 @@ impl Restoring<'_> {
                 data_url: self.rates(&t.from).data_url,
                 tier: if t.relay { "relay".into() } else { format!("{:?}", t.tier).to_lowercase() },
                 transport: self.transport(&t.from, &t.to),
+                capability: String::new(), // signed by the recovery when it sends the restore
             },
         }
     }
@@ -252,7 +253,6 @@ impl Restoring<'_> {
                 ranges: planned,
                 fallbacks,
                 copies,
-                capability: String::new(), // signed by the recovery when it sends them
             });
         }
         list
@@ -273,6 +273,7 @@ impl Restoring<'_> {
                         data_url: self.rates(n).data_url,
                         tier: tier.clone(),
                         transport: self.transport(n, node),
+                        capability: String::new(), // as above
                     }
                 }
             })

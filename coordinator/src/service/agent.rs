@@ -34,7 +34,8 @@ pub struct AgentService {
     pub tokens: Tokens,
     /// Only the leader takes agents; a standby names the leader.
     pub role: Arc<crate::leader::Role>,
-    /// Handed to each agent at registration: it checks peers' capabilities with it.
+    /// Each agent gets the key derived from it for its node at registration, and checks peers'
+    /// capabilities with that.
     pub data_plane_key: crate::life::DataPlaneKey,
 }
 
@@ -73,10 +74,15 @@ impl Agent for AgentService {
                 mem_copy_mb_s: rates.mem_copy_mb_s,
             },
         );
+        // The node's own key only (docs/recovery.md, "Who may fetch"): it signs for no other
+        // node's files, and the cluster key never leaves the coordinators.
+        let node_key = self.data_plane_key.for_node(&r.node).map_err(status_of)?;
+        let probe_key = self.data_plane_key.for_probes().map_err(status_of)?;
         Ok(Response::new(RegisterReply {
             epoch,
             heartbeat_ms: self.fleet.base.as_millis() as u64,
-            data_plane_key: self.data_plane_key.0.to_vec(),
+            data_plane_key: node_key.to_vec(),
+            probe_key: probe_key.to_vec(),
         }))
     }
 

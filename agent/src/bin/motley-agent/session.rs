@@ -6,6 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
+use motley_agent::checkpoints::dataplane::access::Issued;
 use motley_agent::checkpoints::holdings::Holdings;
 use motley_agent::checkpoints::restorer::Restorer;
 use motley_agent::checkpoints::tiers::Tierer;
@@ -107,7 +108,7 @@ pub(crate) struct Workers<'a> {
     pub(crate) holdings: &'a std::sync::Arc<Holdings>,
     pub(crate) tierer: &'a std::sync::Arc<Tierer>,
     pub(crate) restorer: &'a Restorer,
-    /// The data plane's key, from each registration (in memory only).
+    /// The data plane's keys, from each registration (in memory only).
     pub(crate) data_key: &'a motley_agent::checkpoints::dataplane::DataKey,
     /// The links' measurements: the launches' peers in, NIC rates and probe samples out.
     pub(crate) meter: &'a std::sync::Arc<motley_agent::net::Meter>,
@@ -161,11 +162,13 @@ async fn session_inner(
     };
     let (mut client, reply) = register(&args.coordinator, ca.as_deref(), request).await?;
     let epoch = reply.epoch;
-    // Until the first one, the data plane refuses every request; a later one replaces it.
-    if let Err(e) = workers.data_key.set(&reply.data_plane_key) {
+    let interval = Duration::from_millis(reply.heartbeat_ms.max(10));
+    // Until the first one, the data plane refuses every request; a later one replaces it (the
+    // previous keys accepted beside it for a while: `DataKey::set`).
+    let issued = Issued { node_key: &reply.data_plane_key, probe_key: &reply.probe_key, base: interval };
+    if let Err(e) = workers.data_key.set(issued) {
         tracing::warn!(node = %node, "{e}; peers' fetches from this node are refused");
     }
-    let interval = Duration::from_millis(reply.heartbeat_ms.max(10));
     tracing::info!(node = %node, epoch, "registered; heartbeat every {} ms", interval.as_millis());
     // A lease that ran out while this agent was cut off must not stop the ranks a launch of
     // this session starts before its first acknowledgement renews it.

@@ -8,8 +8,10 @@
 //! `motley-data/1`) wherever the agent has a certificate, and then only over TLS: its
 //! `data_url` is `tls://HOST:PORT`, a plain-TCP client fails the handshake, and its own
 //! fetches never fall back to plain TCP. A server takes at most `server::MAX_CONNECTIONS`
-//! connections at once (the rest wait, unread, in the listen queue), and each must bring its
-//! handshake and request line within `server::REQUEST_TIMEOUT`.
+//! connections at once (the rest wait, unread, in the listen queue), at most
+//! `server::MAX_PER_SOURCE` of them from one source address (one more from it is closed at
+//! once), and each must bring its handshake and request line within two base intervals, 1 to
+//! 10 s (`DataKey::request_deadline`), or it is closed.
 //!
 //! 1. The client sends one JSON line (at most 64 KiB, newline-terminated), then nothing until
 //!    the reply:
@@ -18,11 +20,12 @@
 //!    spelled as docs/checkpoint.md spells it (a unit, `rank.RRRRR.safetensors`,
 //!    `manifest.rank.RRRRR.json`, `manifest.json`); ranges are non-empty, do not overlap, at
 //!    most 1024; `rate_bytes_s` the flow's planned rate (null: unpaced but for the server's
-//!    own pacers); `capability` the file's capability from its `RestoreFile` (never the agent's
-//!    own token: docs/recovery.md, "Who may fetch"). The server checks it against the cluster's
-//!    data-plane key before anything else: signed by the coordinator, not expired, and for this
-//!    job, generation, step and file; a server without the key (not yet registered) refuses
-//!    every request.
+//!    own pacers); `capability` the file's capability for this server from its `FetchSource`
+//!    (never the agent's own token: docs/recovery.md, "Who may fetch"). The server checks it
+//!    against its own node's data-plane key before anything else (and its previous key, for a
+//!    while after the key changed): signed by the coordinator for this node, not expired, and
+//!    for this job, generation, step and file; a server without a key (not yet registered)
+//!    refuses every request.
 //! 2. The server answers one JSON line: `{"ok":true,"bytes":FILE_LEN}`, or
 //!    `{"ok":false,"error":"..."}` naming the file and why (not held here, a range beyond the
 //!    file's length, no or a wrong capability, unknown version, no RDMA) and closes the
@@ -43,9 +46,10 @@
 //! A request line with a `probe` field asks for bytes that measure the link instead of a file:
 //! `{"v":1,"probe":{"bytes":N},"capability":"TOKEN"}`, on a connection of its own, over TLS
 //! wherever the data plane is. `TOKEN` is a probe token (`motley_contract::capability`,
-//! `mint_probe`): signed under the cluster's data-plane key in the probe domain (so no file
-//! capability is a probe token and no probe token reads a file), naming the probed node, valid
-//! for `capability::PROBE_EXPIRY_S`; agents hold the key and mint one per probe. The server
+//! `mint_probe`): signed under the cluster's probe key in the probe domain (so no file
+//! capability is a probe token and no probe token reads a file: files are checked under the
+//! node's own key only), naming the probed node, valid for `capability::PROBE_EXPIRY_S`; every
+//! agent holds the probe key and mints one per probe. The server
 //! checks the token first, then `N <= probe::MAX_PROBE_BYTES` (8 MiB), and answers
 //! `{"ok":true,"bytes":N}` followed by exactly `N` bytes (zeros, unframed), then closes; or
 //! `{"ok":false,"error":"..."}` (no or a bad token, another node's, expired, too many bytes, a
@@ -66,7 +70,7 @@ pub mod protocol;
 pub mod resolve;
 pub mod server;
 
-pub use access::{Access, ClientTls, DataKey, Stream};
+pub use access::{Access, ClientTls, DataKey, Issued, Stream};
 pub use client::{fetch, fetch_to_path, temporary_path, Peer};
 pub use pace::{take_all, Pacer};
 pub use probe::{Measured, Probe, ProbeFailed, MAX_PROBE_BYTES};

@@ -1,8 +1,11 @@
 //! Serves checkpoint files to peers: one task per connection, one request per connection, at
-//! most `Access::max_connections` at once; each request allowed by its capability only, over
-//! TLS wherever the agent has a certificate (docs/recovery.md, "Who may fetch").
+//! most `Access::max_connections` at once and `Access::max_per_source` from one address, each
+//! given `DataKey::request_deadline` to bring its request line; each request allowed by its
+//! capability only, over TLS wherever the agent has a certificate (docs/recovery.md, "Who may
+//! fetch").
 
 use std::fs::File;
+use std::net::IpAddr;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,17 +24,23 @@ use super::resolve::{Located, Resolve};
 /// How long a peer may take to take one frame, or to wait for a file arriving here, before the
 /// connection is dropped: a stalled peer must not hold a file open forever.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-/// How long a new connection may take for its TLS handshake and request line together. A
-/// client sends its line as soon as it is connected; this is the TLS handshake bound of the
-/// agent's other TLS service (`motley_contract::serve`), and a third of the 30 s the restorer
-/// waits on a peer, so a connection that says nothing gives its slot back long before honest
-/// fetches queued behind it give up.
+/// The longest a new connection may take for its TLS handshake and request line together
+/// (`DataKey::request_deadline`: two base intervals, within 1 s and this). A client sends its
+/// line as soon as it is connected; this is the TLS handshake bound of the agent's other TLS
+/// service (`motley_contract::serve`), and a third of the 30 s the restorer waits on a peer.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections served at once (`Access::max_connections`): a restoring node opens at most a
 /// few hundred at a time (`restorer::run`'s bound on files in flight), and each holds a socket
 /// and a file open. Beyond it connections wait, unread, in the listen queue, so a peer that
 /// opens thousands costs this agent no more than this many tasks and descriptors.
 pub const MAX_CONNECTIONS: usize = 512;
+/// Connections one source address may hold at once (`Access::max_per_source`): a restoring
+/// agent has at most 128 connections open, one per MiB of its restore buffers
+/// (`restorer::verify::BUFFER_BUDGET_MIB`), and a probing one a single connection. A peer
+/// that opens more (a rank that can reach the port, connecting and saying nothing) holds a
+/// quarter of `MAX_CONNECTIONS` at most, and its connections beyond it are closed at once
+/// rather than queued, so the other nodes' restores are still served.
+pub const MAX_PER_SOURCE: usize = 128;
 /// How long a probe may take, from its request to its last byte taken, before the server
 /// closes the connection: a probe is at most `probe::MAX_PROBE_BYTES` sized to take tens of
 /// milliseconds, so a peer that reads it slower than this is cut rather than holding one of the
@@ -42,6 +51,7 @@ pub const PROBE_DEADLINE: Duration = Duration::from_secs(10);
 /// allowed and whether over TLS; `egress` is the node's NIC pacer, shared by every flow.
 pub async fn serve(listener: TcpListener, resolver: Arc<dyn Resolve>, access: Access, egress: Arc<Pacer>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(access.max_connections.max(1)));
+    let sources = Sources::default();
     let acceptor = access.tls.clone().map(tokio_rustls::TlsAcceptor::from);
     loop {
         // A slot before the connection is taken: nothing of a connection beyond the bound is read.
@@ -55,14 +65,20 @@ pub async fn serve(listener: TcpListener, resolver: Arc<dyn Resolve>, access: Ac
                 continue;
             }
         };
+        // Closed unread (its slot given back at once) when its address holds its share already.
+        let Some(share) = sources.take(peer.ip(), access.max_per_source.max(1)) else {
+            tracing::debug!("checkpoint data plane: peer {peer}: its address holds {} connections already; closed", access.max_per_source);
+            continue;
+        };
+        let deadline = access.key.request_deadline();
         let (resolver, key, egress, acceptor) = (resolver.clone(), access.key.clone(), egress.clone(), acceptor.clone());
         let probes = (access.node.clone(), access.probe_pacer.clone());
         tokio::spawn(async move {
-            let _slot = slot;
+            let (_slot, _share) = (slot, share);
             let _ = tcp.set_nodelay(true);
-            let opened = tokio::time::timeout(REQUEST_TIMEOUT, open_request(tcp, acceptor)).await;
+            let opened = tokio::time::timeout(deadline, open_request(tcp, acceptor)).await;
             let (stream, request_line) = match opened {
-                Err(_) => return tracing::debug!("checkpoint data plane: peer {peer}: no request within {REQUEST_TIMEOUT:?}"),
+                Err(_) => return tracing::debug!("checkpoint data plane: peer {peer}: no request within {deadline:?}; closed"),
                 Ok(Err(e)) => return tracing::debug!("checkpoint data plane: peer {peer}: {e}"),
                 Ok(Ok(opened)) => opened,
             };
@@ -70,6 +86,43 @@ pub async fn serve(listener: TcpListener, resolver: Arc<dyn Resolve>, access: Ac
                 tracing::warn!("checkpoint data plane: peer {peer}: {e}");
             }
         });
+    }
+}
+
+/// The connections each source address holds now.
+#[derive(Clone, Default)]
+struct Sources(Arc<std::sync::Mutex<std::collections::HashMap<IpAddr, usize>>>);
+
+/// One connection of `ip`'s, given back when dropped.
+struct SourceShare {
+    sources: Sources,
+    ip: IpAddr,
+}
+
+impl Sources {
+    /// A share for one more connection from `ip` (an IPv4 address mapped into IPv6 counted as
+    /// itself), unless it holds `max` already.
+    fn take(&self, ip: IpAddr, max: usize) -> Option<SourceShare> {
+        let ip = ip.to_canonical();
+        let mut held = self.0.lock().expect("data-plane sources lock");
+        let n = held.entry(ip).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(SourceShare { sources: self.clone(), ip })
+    }
+}
+
+impl Drop for SourceShare {
+    fn drop(&mut self) {
+        let mut held = self.sources.0.lock().expect("data-plane sources lock");
+        if let Some(n) = held.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.ip);
+            }
+        }
     }
 }
 
@@ -158,7 +211,7 @@ async fn handle(
     stream.shutdown().await.map_err(|e| format!("file {key}: closing: {e}"))
 }
 
-/// Serves one probe: the token checked (signed under the cluster's key in the probe domain,
+/// Serves one probe: the token checked (signed under the cluster's probe key in the probe domain,
 /// unexpired, naming `node`), then the reply line and `bytes` zero bytes, paced by `pacer`;
 /// all within `PROBE_DEADLINE` of the request, else the connection is closed where it is.
 async fn serve_probe(
@@ -281,7 +334,9 @@ mod tests {
     /// (0: nothing), on the paused clock; gives how long the server took and what it said.
     async fn serve_to_slow_reader(per_second: usize) -> (Duration, Result<(), String>, u64) {
         let key = DataKey::default();
-        key.set(&KEY).unwrap();
+        let probe_key = motley_contract::capability::probe_key(&KEY).unwrap();
+        let node_key = motley_contract::capability::node_key(&KEY, "n1").unwrap();
+        key.set(super::super::access::Issued { node_key: &node_key, probe_key: &probe_key, base: Duration::from_secs(1) }).unwrap();
         let token = key.mint_probe("n1").unwrap();
         let (server, mut client) = tokio::io::duplex(64 << 10);
         let mut stream: Box<dyn Stream> = Box::new(server);

@@ -137,11 +137,6 @@ impl Restorer {
         super::check_names(r)?;
         self.check_space(r).await?;
         // The cloud, and this node's share of its egress for the reads no plan paced.
-        let capabilities = r
-            .files
-            .iter()
-            .map(|f| (FileKey { job: r.job, generation: f.source_generation, step: r.step, file: f.file.clone() }, f.capability.clone()))
-            .collect();
         let share = rate(r.cloud_share_mb_s).map(|b| Arc::new(Pacer::new(b)));
         // A file:// cloud a root agent may not read for this job's user (`file_roots`): its
         // reads fail with why, the other sources still serve.
@@ -150,7 +145,7 @@ impl Restorer {
         if let Some(why) = &refused {
             tracing::warn!(node = %self.inner.node, job = r.job, "restore of generation {}: {why}", r.generation);
         }
-        let cloud = Arc::new(CloudSide { url: r.cloud_url.clone(), refused, share, capabilities });
+        let cloud = Arc::new(CloudSide { url: r.cloud_url.clone(), refused, share });
         // Files, a few at a time.
         let mut paths: Vec<String> = vec![];
         let mut pending = r.files.iter();

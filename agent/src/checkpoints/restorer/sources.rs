@@ -18,14 +18,12 @@ use crate::checkpoints::dataplane::{self, FileKey, Located, Pacer, Peer, Transpo
 const CLOUD_PIECE: u64 = 8 << 20;
 
 /// The job's object store for one restore, and the node's share of its egress (see
-/// `Restore.cloud_share_mb_s`) that unplanned reads are held to together; and what peers are
-/// shown for each file (its `RestoreFile.capability`).
+/// `Restore.cloud_share_mb_s`) that unplanned reads are held to together.
 pub(super) struct CloudSide {
     pub(super) url: String,
     /// Why this agent does not read `url` for the job (`file_roots`), if it does not.
     pub(super) refused: Option<String>,
     pub(super) share: Option<Arc<Pacer>>,
-    pub(super) capabilities: std::collections::HashMap<FileKey, String>,
 }
 
 /// Bytes `offset..offset + bytes` of a file were written by this source (later ones over earlier).
@@ -148,7 +146,8 @@ impl Restorer {
                 let pacers = [self.inner.nic_in.clone()];
                 let mut peer = Peer {
                     addr: &src.data_url,
-                    capability: cloud.capabilities.get(key).map(String::as_str),
+                    // Minted for this peer's files under its own key: no other peer takes it.
+                    capability: Some(src.capability.as_str()).filter(|c| !c.is_empty()),
                     tls: self.inner.tls.as_ref(),
                     transport: Transport::Tcp,
                     pacers: &pacers,

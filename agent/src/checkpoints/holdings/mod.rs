@@ -22,6 +22,9 @@ use motley_proto::v1::CkptHolding;
 use crate::checkpoints::cloud;
 use crate::checkpoints::steps::{piece_paths, step_dirs, StepDir};
 
+mod share;
+pub use share::{bounded, encoded_bound, MAX_REPORT_BYTES};
+
 /// The tiers' roots: the work directory (disk) and the memory root, if ranks write there.
 #[derive(Clone, Debug)]
 pub struct Roots<'a> {
@@ -97,7 +100,8 @@ pub fn scan(roots: &Roots<'_>, cache: &mut ScanCache) -> Vec<CkptHolding> {
                     let piece = handle
                         .read(&name, motley_checkpoint::manifest::MAX_PIECE_BYTES)
                         .map_err(|e| e.to_string())
-                        .and_then(|bytes| serde_json::from_slice::<Manifest>(&bytes).map_err(|e| e.to_string()));
+                        .and_then(|bytes| serde_json::from_slice::<Manifest>(&bytes).map_err(|e| e.to_string()))
+                        .and_then(|m| same_step(m, s.step));
                     match piece {
                         Ok(m) => {
                             cache.pieces.insert(piece_path.clone(), read_piece(&m, &s, &handle, tier, stamp));
@@ -131,8 +135,18 @@ pub fn scan(roots: &Roots<'_>, cache: &mut ScanCache) -> Vec<CkptHolding> {
     out
 }
 
-/// Every file a piece lists, as a holding of `tier`, and which are in the step directory at
-/// the length the piece says.
+/// The piece if it is one of step `step` (its directory's): the step a holding is reported
+/// under is the directory's, never what a rank wrote into the piece, and a piece that names
+/// another step is not this step's (docs/checkpoint.md, "Files on disk").
+fn same_step(m: Manifest, step: u64) -> Result<Manifest, String> {
+    if m.step != step {
+        return Err(format!("it names step {}, but it is in the directory of step {step}", m.step));
+    }
+    Ok(m)
+}
+
+/// Every file a piece lists, as a holding of `tier` and of its directory's step, and which are
+/// in the step directory at the length the piece says.
 fn read_piece(m: &Manifest, s: &StepDir, dir: &crate::safe_fs::Dir, tier: &str, stamp: (Stamp, Option<SystemTime>)) -> Piece {
     let is_held = |f: &FileEntry| {
         crate::safe_fs::check_name(&f.file).is_ok()
@@ -143,7 +157,7 @@ fn read_piece(m: &Manifest, s: &StepDir, dir: &crate::safe_fs::Dir, tier: &str, 
     let base = CkptHolding {
         job: s.job,
         generation: s.generation,
-        step: m.step,
+        step: s.step,
         tier: tier.into(),
         rank: -1,
         layers: m.layers,
@@ -196,53 +210,6 @@ struct State {
     left_out: Option<String>,
 }
 
-/// The most bytes of holdings one status message carries (docs/recovery.md, "Limits"): the
-/// coordinator takes messages of up to 4 MiB (tonic's default), and one over it would end
-/// every session of the node, its lease and its ranks with it. The rest of the message (ranks,
-/// load, results) has the other MiB.
-pub const MAX_REPORT_BYTES: usize = 3 << 20;
-
-/// One holding's bytes within `AgentStatus.holdings`: its encoding, its tag and length prefix
-/// (at most 5 bytes).
-pub fn encoded_bound(h: &CkptHolding) -> usize {
-    use motley_proto::Message;
-    1 + 5 + h.encoded_len()
-}
-
-/// `list` cut to at most `limit` bytes (`encoded_bound`): whole steps, the newest first (the
-/// one a recovery restores), the oldest left out; and what was left out, to say so.
-pub fn bounded(list: Vec<CkptHolding>, limit: usize) -> (Vec<CkptHolding>, Option<String>) {
-    let total: usize = list.iter().map(encoded_bound).sum();
-    if total <= limit {
-        return (list, None);
-    }
-    // Steps by (step, job, generation), newest first; a step is kept whole or not at all.
-    let mut steps: BTreeMap<(std::cmp::Reverse<u64>, i64, i64), Vec<CkptHolding>> = BTreeMap::new();
-    for h in list {
-        steps.entry((std::cmp::Reverse(h.step), h.job, h.generation)).or_default().push(h);
-    }
-    let (mut kept, mut used, mut dropped, mut files) = (vec![], 0usize, vec![], 0usize);
-    for ((std::cmp::Reverse(step), job, generation), held) in steps {
-        let size: usize = held.iter().map(encoded_bound).sum();
-        if used + size <= limit {
-            used += size;
-            kept.extend(held);
-        } else {
-            files += held.len();
-            dropped.push(format!("job {job} generation {generation} step {step}"));
-        }
-    }
-    let key = |a: &CkptHolding| (a.job, a.generation, a.step, a.file.clone(), a.tier.clone());
-    kept.sort_by_key(key);
-    let what = format!(
-        "checkpoint holdings of {total} bytes exceed the {limit} bytes one report may carry: {files} files of {} steps left out \
-         (oldest first: {}); prune old steps (checkpoint.keep) so the coordinator knows of every copy",
-        dropped.len(),
-        dropped.iter().rev().take(8).cloned().collect::<Vec<_>>().join(", ")
-    );
-    (kept, Some(what))
-}
-
 impl Holdings {
     /// Holdings of the work directory and of the memory root ranks write to
     /// (`Supervisor::memory_root`).
@@ -290,134 +257,4 @@ impl Holdings {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::checkpoints::steps::ckpt_dir;
-    use motley_checkpoint::{Block, FileEntry, Part, RankEntry, UnitEntry, UnitKey, FORMAT};
-
-    fn write_step(gen_dir: &Path, step: u64, rank: u32, bytes: u64) {
-        let dir = ckpt_dir(gen_dir).join(motley_checkpoint::manifest::step_dir_name(step));
-        std::fs::create_dir_all(&dir).unwrap();
-        let key = UnitKey { block: Block::Layer(rank), part: Part::Model, tp_rank: 0, tp_size: 1 };
-        let unit = motley_checkpoint::manifest::unit_file_name(&key);
-        std::fs::write(dir.join(&unit), vec![7u8; bytes as usize]).unwrap();
-        let rank_file = motley_checkpoint::manifest::rank_file_name(rank);
-        std::fs::write(dir.join(&rank_file), b"r").unwrap();
-        let entry = |file: &str, bytes| FileEntry { file: file.into(), bytes, chunk_bytes: 16 << 20, crc32c: vec![] };
-        let piece = Manifest {
-            format: FORMAT.into(),
-            step,
-            layers: 2,
-            world_size: 2,
-            units: vec![UnitEntry { key, file: entry(&unit, bytes), tensors: Default::default() }],
-            ranks: vec![RankEntry { rank, file: entry(&rank_file, 1) }],
-        };
-        let path = dir.join(motley_checkpoint::manifest::piece_file_name(rank));
-        std::fs::write(path, serde_json::to_vec(&piece).unwrap()).unwrap();
-    }
-
-    #[test]
-    fn a_report_over_the_limit_keeps_the_newest_steps_whole_and_says_what_it_left_out() {
-        let h = |step: u64, file: &str| CkptHolding {
-            job: 7,
-            generation: 1,
-            step,
-            file: file.into(),
-            tier: "disk".into(),
-            crc32c: vec![1; 100],
-            ..Default::default()
-        };
-        let list: Vec<CkptHolding> = [10, 20, 30].iter().flat_map(|&s| [h(s, "a"), h(s, "b")]).collect();
-        let one = encoded_bound(&list[0]);
-        // The bound holds for the real encoding, and so for a whole list's.
-        assert!(one >= prost_len(&list[0]), "{one}");
-        let all = motley_proto::v1::AgentStatus { holdings: list.clone(), ..Default::default() };
-        assert!(6 * one >= motley_proto::Message::encoded_len(&all));
-        assert_eq!(bounded(list.clone(), 6 * one), (list.clone(), None));
-        // Room for two steps and a half: steps 30 and 20 whole, step 10 left out and named.
-        let (kept, what) = bounded(list.clone(), 5 * one);
-        assert_eq!(kept.iter().map(|x| (x.step, x.file.as_str())).collect::<Vec<_>>(), [(20, "a"), (20, "b"), (30, "a"), (30, "b")]);
-        let what = what.unwrap();
-        assert!(what.contains("2 files of 1 steps left out (oldest first: job 7 generation 1 step 10)"), "{what}");
-    }
-
-    #[test]
-    fn a_piece_over_the_size_limit_is_skipped_and_the_others_reported() {
-        let work = std::env::temp_dir().join(format!("motley-holdings-big-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&work);
-        let gen_dir = work.join("jobs/7/2");
-        write_step(&gen_dir, 4, 0, 100);
-        write_step(&gen_dir, 4, 1, 100);
-        // Rank 1's piece padded (valid JSON) past the limit: refused unread, its files unreported.
-        let piece = ckpt_dir(&gen_dir).join("step-00000004").join(motley_checkpoint::manifest::piece_file_name(1));
-        let mut text = std::fs::read(&piece).unwrap();
-        text.resize(motley_checkpoint::manifest::MAX_PIECE_BYTES as usize + 1, b' ');
-        std::fs::write(&piece, text).unwrap();
-        let list = Holdings::default().report(&work, 1).expect("a list");
-        let files: Vec<&str> = list.iter().map(|x| x.file.as_str()).collect();
-        assert_eq!(files, ["layer.00000.model.tp0-1.safetensors", "rank.00000.safetensors"]);
-        std::fs::remove_dir_all(&work).unwrap();
-    }
-
-    /// A rank's step directory is read through handles: a FIFO named as a piece is refused
-    /// without hanging the scan, and a `ckpt` linked to another job's checkpoints reports none
-    /// of that job's files as this one's.
-    #[test]
-    fn a_fifo_piece_and_a_linked_ckpt_are_not_followed() {
-        let work = std::env::temp_dir().join(format!("motley-holdings-hostile-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&work);
-        write_step(&work.join("jobs/7/2"), 4, 0, 100);
-        let fifo_step = ckpt_dir(&work.join("jobs/8/1")).join("step-00000004");
-        std::fs::create_dir_all(&fifo_step).unwrap();
-        use std::os::unix::ffi::OsStringExt;
-        let fifo =
-            std::ffi::CString::new(fifo_step.join(motley_checkpoint::manifest::piece_file_name(0)).into_os_string().into_vec()).unwrap();
-        // SAFETY: a valid NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
-        let linked = work.join("jobs/9/1");
-        std::fs::create_dir_all(&linked).unwrap();
-        std::os::unix::fs::symlink(ckpt_dir(&work.join("jobs/7/2")), ckpt_dir(&linked)).unwrap();
-        let (done, report) = std::sync::mpsc::channel();
-        let w = work.clone();
-        std::thread::spawn(move || done.send(Holdings::default().report(&w, 1)).unwrap());
-        let list = report.recv_timeout(std::time::Duration::from_secs(60)).expect("the scan ended").expect("a list");
-        let jobs: Vec<i64> = list.iter().map(|x| x.job).collect();
-        assert_eq!(jobs, [7, 7], "job 7's own two files only: {list:?}");
-        std::fs::remove_dir_all(&work).unwrap();
-    }
-
-    /// The encoded length of one holding as an `AgentStatus.holdings` entry.
-    fn prost_len(h: &CkptHolding) -> usize {
-        use motley_proto::{v1::AgentStatus, Message};
-        AgentStatus { holdings: vec![h.clone()], ..Default::default() }.encoded_len()
-    }
-
-    #[test]
-    fn files_a_piece_lists_whole_are_reported_once_until_they_change() {
-        let work = std::env::temp_dir().join(format!("motley-holdings-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&work);
-        let gen_dir = work.join("jobs/7/2");
-        write_step(&gen_dir, 4, 0, 100);
-        let h = Holdings::default();
-        let first = h.report(&work, 1).expect("the first list");
-        let files: Vec<&str> = first.iter().map(|x| x.file.as_str()).collect();
-        assert_eq!(files, ["layer.00000.model.tp0-1.safetensors", "rank.00000.safetensors"]);
-        assert_eq!((first[0].job, first[0].generation, first[0].step, first[0].bytes), (7, 2, 4, 100));
-        assert_eq!((first[0].block.as_str(), first[0].part.as_str(), first[0].rank, first[1].rank), ("layer.0", "model", -1, 0));
-        assert!(h.report(&work, 2).is_none(), "sent, not yet acknowledged: not again");
-        h.ack(1);
-        assert!(h.report(&work, 3).is_none(), "told");
-        // A unit the piece lists at another length (half-written): not held.
-        write_step(&gen_dir, 8, 1, 50);
-        let unit = ckpt_dir(&gen_dir).join("step-00000008/layer.00001.model.tp0-1.safetensors");
-        std::fs::write(&unit, [0u8; 10]).unwrap();
-        let next = h.report(&work, 4).expect("changed");
-        assert_eq!(next.len(), 3, "{next:?}");
-        assert!(next.iter().all(|x| x.file != "layer.00001.model.tp0-1.safetensors"));
-        // A new session sends the whole list again.
-        h.ack(4);
-        h.new_session();
-        assert_eq!(h.report(&work, 1).unwrap().len(), 3);
-        std::fs::remove_dir_all(&work).unwrap();
-    }
-}
+mod tests;
