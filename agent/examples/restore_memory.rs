@@ -198,7 +198,6 @@ fn main() {
             ranges: vec![FetchRange { offset: 0, bytes: len, source: Some(local.clone()), rate_mb_s: 0.0 }],
             fallbacks: vec![local],
             copies: 1,
-            ..Default::default()
         }],
         timeout_s: 600,
         request: 1,
