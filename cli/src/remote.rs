@@ -332,7 +332,7 @@ pub fn run_job(cmd: JobCommand) -> Result<Outcome, InputError> {
             render(remote.output, &v, |v| {
                 let mut out = jobs_table(std::slice::from_ref(&job));
                 if let Some(url) = &job.checkpoint_cloud {
-                    out.push_str(&format!("\ncheckpoints: {}/GENERATION/step-S\n", e(url)));
+                    out.push_str(&format!("\ncheckpoints: {}/GENERATION/step-S", e(url)));
                 }
                 if let Some(ranks) = v["launch"]["ranks"].as_array() {
                     let rows = ranks

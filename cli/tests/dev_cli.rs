@@ -161,3 +161,30 @@ fn ctrl_c_cancels_the_job_and_leaves_no_process_behind() {
     assert_eq!(processes_with(&marker), 0, "no rank is left behind");
     assert_eq!(processes_with(dir.join("state").to_str().unwrap()), 0, "coordinator and agents are stopped");
 }
+
+/// Two runs checkpointing to one cloud say where their job 1 goes: each under its own cluster's
+/// identity, never the same place (docs/recovery.md, "Where checkpoint bytes live").
+#[test]
+fn two_dev_ups_sharing_a_cloud_put_their_job_1_apart() {
+    let cloud = std::env::temp_dir().join(format!("motley-dev-cloud-{}", std::process::id()));
+    let job = format!(
+        "name: saver\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {{gpus: 2}}\ncheckpoint: {{every: 100, cloud: 'file://{}'}}\nrun: 'true'\n",
+        cloud.display()
+    );
+    let mut places = vec![];
+    for run in ["motley-dev-cloud-a", "motley-dev-cloud-b"] {
+        let (dir, out) = dev_up_files(run, "name: one\nnodes:\n  - {name: solo, gpu: A100-80G, gpus: 2}\n", &job);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        let line = text.lines().find(|l| l.contains("job 1 checkpoints to")).unwrap_or_else(|| panic!("{text}"));
+        let place = line.rsplit(' ').next().unwrap().to_string();
+        let cluster = place
+            .strip_prefix(&format!("file://{}/", cloud.display()))
+            .and_then(|p| p.strip_suffix("/jobs/1/GENERATION/step-S"))
+            .unwrap_or_else(|| panic!("{line}"));
+        assert!(cluster.len() == 16 && cluster.bytes().all(|b| b.is_ascii_hexdigit()), "{line}");
+        places.push(place);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    assert_ne!(places[0], places[1], "each run is its own cluster");
+}

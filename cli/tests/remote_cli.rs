@@ -155,8 +155,16 @@ fn operators_manage_nodes_and_jobs_from_the_cli() {
     assert!(row.contains("yes") && row.contains("iB"), "live, with its free disk: {row}");
     // Only the node with a live agent may run it; its ranks sleep until cancelled.
     let job = std::env::temp_dir().join(format!("motley-cli-job-{}.yaml", rand_suffix()));
-    std::fs::write(&job, "name: sleeper\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2, nodes: [a100-2]}\nrun: sleep 600\n")
-        .unwrap();
+    let cloud = std::env::temp_dir().join(format!("motley-cli-cloud-{}", rand_suffix()));
+    std::fs::write(
+        &job,
+        format!(
+            "name: sleeper\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {{gpus: 2, nodes: [a100-2]}}\nrun: sleep 600\n\
+             checkpoint: {{every: 1000, cloud: 'file://{}'}}\n",
+            cloud.display()
+        ),
+    )
+    .unwrap();
     let submitted = ok(&c, &["job", "submit", job.to_str().unwrap(), "-o", "json"]);
     let id = serde_json::from_str::<serde_json::Value>(&submitted).unwrap()["id"].as_i64().unwrap().to_string();
     let start = Instant::now();
@@ -173,6 +181,11 @@ fn operators_manage_nodes_and_jobs_from_the_cli() {
     }
     let shown = ok(&c, &["job", "show", &id]);
     assert!(shown.contains("running") && shown.contains("layers"), "{shown}");
+    // Where its steps go: under this cluster's identity in the cloud.
+    let shown_json = ok(&c, &["job", "show", &id, "-o", "json"]);
+    let place = serde_json::from_str::<serde_json::Value>(&shown_json).unwrap()["checkpoint_cloud"].as_str().unwrap().to_string();
+    assert!(place.starts_with(&format!("file://{}/", cloud.display())) && place.ends_with(&format!("/jobs/{id}")), "{place}");
+    assert!(shown.contains(&format!("checkpoints: {place}/GENERATION/step-S")), "{shown}");
     // A node with ranks of an unfinished job cannot be removed; one without can, once.
     let out = motley(&c, &["node", "remove", "a100-2"]);
     assert_eq!(out.status.code(), Some(2));
