@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from launcher import DATA, REPO, motley_bin, single_process
-from tolerance import assert_steps_close, layers_of, loss_ops
+from tolerance import assert_steps_close, layers_of
 
 CLUSTER = DATA / "dev-2x1.yaml"
 MODEL = DATA / "tiny-dev.yaml"
@@ -119,7 +119,7 @@ def test_train_tiny_through_dev_up(tmp_path: Path):
     assert (gb, seq) == (spec["global_batch"], model["seq_len"])
     want = single_process(str(MODEL), gb, seq, STEPS, SEED)
     got = [x for _, x in from_log]
-    assert_steps_close(got, want, loss_ops(layers_of(MODEL)), "losses through dev up against the single process's")
+    assert_steps_close(got, want, layers_of(MODEL), "losses through dev up against the single process's")
     assert want[-1] < want[0], "the loss falls"
 
 
@@ -160,7 +160,7 @@ def test_profiles_measured_by_agents_through_dev_up(tmp_path: Path):
     got = [x for _, x in step_losses(rank0[0].read_text())]
     want = single_process(str(MODEL), spec["global_batch"], 16, STEPS, SEED)
     assert len(got) == STEPS, report
-    assert_steps_close(got, want, loss_ops(layers_of(MODEL)), "losses through dev up against the single process's")
+    assert_steps_close(got, want, layers_of(MODEL), "losses through dev up against the single process's")
 
 
 def test_checkpoints_reach_the_bitmap_through_dev_up(tmp_path: Path):

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from launcher import DATA, check_ok, groups_for_rank, hand_plan, launch, losses, motley_bin, motley_plan, single_process
-from tolerance import assert_close_rel, assert_steps_close, gradient_ops, layers_of, loss_ops
+from tolerance import assert_close_rel, assert_steps_close, gradient_ops, layers_of
 
 STEPS = 20
 SEED = 7
@@ -46,14 +46,14 @@ def run_and_compare(plan: dict, model_file: str, tmp_path: Path, tmp_path_factor
     assert len(got) == STEPS, results[0].stdout
     layers = layers_of(DATA / model_file)
     # The plan sums the same terms in another order (micro-batches, replicas, TP partial sums).
-    assert_steps_close(got, want, loss_ops(layers), "distributed losses against the single process's")
+    assert_steps_close(got, want, layers, "distributed losses against the single process's")
     assert want[-1] < want[0], "the loss falls"
     for r in results[1:]:
         assert losses(r.stdout) == [], f"rank {r.rank} printed losses"
     p, q = load_file(str(tmp_path / "params" / "params.safetensors")), load_file(str(want_params))
     assert sorted(p) == sorted(q)
     # Each update carries its gradient's relative rounding error (AdamW's normalisation keeps it
-    # relative), and the steps' errors add as a random walk (tolerance.assert_steps_close). The
+    # relative), and the steps' errors add as a random walk (tolerance.step_ops). The
     # parameters are compared normwise, against the model's largest (Higham, section 1.2), not
     # each against its own: the key bias's gradient is zero in exact arithmetic (softmax ignores
     # a shift common to all keys), so only rounding noise moves it, which AdamW's division by the

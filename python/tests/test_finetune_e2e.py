@@ -24,7 +24,7 @@ pytest.importorskip("tokenizers")
 
 from launcher import DATA, PYTHON, REPO, eval_losses, losses, python_env  # noqa: E402
 from test_dev_up import dev_up, rank_logs  # noqa: E402
-from tolerance import assert_steps_close, loss_ops  # noqa: E402
+from tolerance import assert_steps_close  # noqa: E402
 
 CLUSTER = DATA / "dev-asym.yaml"
 STEPS, SEED = 30, 1
@@ -87,9 +87,9 @@ def test_finetune_a_hf_llama_on_real_text_through_dev_up(tmp_path: Path):
     one = run([PYTHON, "-m", "motley_torch.train", "--single-process", *train.split(), "--global-batch", "32"])
     want, want_eval = losses(one.stdout), eval_losses(one.stdout)
     layers = plan["model_spec"]["layers"]
-    assert_steps_close(got, want, loss_ops(layers), "losses through dev up against the single process's")
+    assert_steps_close(got, want, layers, "losses through dev up against the single process's")
     assert [s for s, _ in got_eval] == [s for s, _ in want_eval], (got_eval, want_eval)
-    assert_steps_close([a for _, a in got_eval], [b for _, b in want_eval], loss_ops(layers),
+    assert_steps_close([a for _, a in got_eval], [b for _, b in want_eval], layers,
                        "eval losses through dev up against the single process's", steps=[s for s, _ in got_eval])
 
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())

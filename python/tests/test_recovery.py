@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from launcher import DATA, REPO, free_port, motley_bin, single_process
-from tolerance import assert_steps_close, layers_of, loss_ops
+from tolerance import assert_steps_close, layers_of
 
 MODEL = DATA / "tiny-dev.yaml"
 STEPS = 300
@@ -260,7 +260,7 @@ def test_a_lost_node_recovers_from_peers_and_the_cloud_with_the_same_losses(tmp_
         after = rank0_losses(tmp_path, jid, 2)
         assert after and after[0][0] == step, (step, after[:3])
         reference = single_process(str(MODEL), GLOBAL_BATCH, spec["seq_len"], STEPS, SEED)
-        assert_steps_close([x for _, x in after], [reference[s] for s, _ in after], loss_ops(layers_of(MODEL)),
+        assert_steps_close([x for _, x in after], [reference[s] for s, _ in after], layers_of(MODEL),
                            "losses after the restore against the uninterrupted run's", steps=[s for s, _ in after])
         assert after[-1][0] == STEPS - 1
     finally:
@@ -373,7 +373,7 @@ def test_a_preemption_notice_saves_now_and_recovers_from_that_step(tmp_path: Pat
         after = rank0_losses(tmp_path, jid, 2)
         assert after and after[0][0] == step, (step, after[:3])
         reference = single_process(str(MODEL), GLOBAL_BATCH, spec["seq_len"], STEPS, SEED)
-        assert_steps_close([x for _, x in after], [reference[s] for s, _ in after], loss_ops(layers_of(MODEL)),
+        assert_steps_close([x for _, x in after], [reference[s] for s, _ in after], layers_of(MODEL),
                            "losses after the restore against the uninterrupted run's", steps=[s for s, _ in after])
     finally:
         c.close()
@@ -407,7 +407,7 @@ def test_a_node_that_joins_takes_the_job_up_at_its_next_checkpoint(tmp_path: Pat
         after = rank0_losses(tmp_path, jid, 2)
         assert after and after[0][0] == step, (step, after[:3])
         reference = single_process(str(MODEL), GLOBAL_BATCH, spec["seq_len"], STEPS, SEED)
-        assert_steps_close([x for _, x in after], [reference[s] for s, _ in after], loss_ops(layers_of(MODEL)),
+        assert_steps_close([x for _, x in after], [reference[s] for s, _ in after], layers_of(MODEL),
                            "losses after the restore against the uninterrupted run's", steps=[s for s, _ in after])
     finally:
         c.close()

@@ -13,7 +13,7 @@ import numpy as np
 import yaml
 
 from launcher import DATA, PYTHON, check_ok, eval_losses, hand_plan, launch, losses, python_env
-from tolerance import assert_steps_close, layers_of, loss_ops
+from tolerance import assert_steps_close, layers_of
 
 MODEL = DATA / "tiny-llama.yaml"
 SEED, GB = 3, 8
@@ -70,12 +70,12 @@ def test_restore_onto_another_replica_count_continues_the_sample_order(tmp_path)
     layers = layers_of(MODEL)
     # Plan a (two replicas), then plan b (two stages) from a's step 2, against one process:
     # the same sums in other orders.
-    assert_steps_close(la + lb[2:], ls, loss_ops(layers), "losses of plans a then b against the single process's")
+    assert_steps_close(la + lb[2:], ls, layers, "losses of plans a then b against the single process's")
     ea, eb, es = dict(eval_losses(ra[0].stdout)), dict(eval_losses(rb[0].stdout)), dict(eval_losses(one.stdout))
     assert sorted(ea) == [0, 2, 4] and sorted(eb) == [2, 4, 6] and sorted(es) == [0, 2, 4, 6]
-    assert_steps_close([ea[k] for k in (0, 2, 4)], [es[k] for k in (0, 2, 4)], loss_ops(layers),
+    assert_steps_close([ea[k] for k in (0, 2, 4)], [es[k] for k in (0, 2, 4)], layers,
                        "plan a's eval losses", steps=(0, 2, 4))
-    assert_steps_close([eb[k] for k in (2, 4, 6)], [es[k] for k in (2, 4, 6)], loss_ops(layers),
+    assert_steps_close([eb[k] for k in (2, 4, 6)], [es[k] for k in (2, 4, 6)], layers,
                        "plan b's eval losses", steps=(2, 4, 6))
     assert es[6] < es[0], "the eval loss falls"
 

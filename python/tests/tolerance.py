@@ -137,24 +137,43 @@ def assert_close_rel(actual: Values, expected: Values, ops: float, what: str, ep
     return ratio
 
 
-def assert_steps_close(actual: Sequence[Number], expected: Sequence[Number], ops_per_step: float, what: str,
-                       eps: float = EPS32, steps: Optional[Sequence[int]] = None) -> float:
-    """Per-step losses of two training runs whose steps differ by rounding alone (`steps`: the
-    step of each pair, default 0, 1, ...; an eval loss at step k counts as step k: the
-    parameters after k updates). Step i's loss carries the rounding of its own forward pass
-    (ops_per_step: loss_ops) and the parameters' differences from every earlier step's update:
-    AdamW divides each update by the gradient's running RMS, so a relative error in a gradient
-    is the same relative error in the update, neither damped nor amplified. The steps' rounding
-    errors are independent, of either sign, and add as a random walk does, by the square root
-    of their number (Higham, section 2.8, the statistical rule of thumb sqrt(n) u): step i's
-    bound is sqrt(i + 1) * ops_per_step * eps * |loss i|. Returns the largest difference in
-    units of its step's bound."""
+def step_ops(step: int, layers: int) -> float:
+    """The rounding steps on the way to a training run's loss at `step`, against another run of
+    the same maths in another order: the loss's own forward chain (loss_ops), and the
+    parameters' drift, each of the `step` earlier updates carrying its gradient's rounding
+    (gradient_ops; AdamW divides an update by the gradient's running RMS, so a relative error
+    in a gradient is the same relative error in the update, neither damped nor amplified). The
+    updates' errors are independent, of either sign, and add as a random walk does, by the
+    square root of their number (Higham, section 2.8, the statistical rule of thumb sqrt(n) u)."""
+    return loss_ops(layers) + math.sqrt(step) * gradient_ops(layers)
+
+
+def assert_steps_close(actual: Sequence[Number], expected: Sequence[Number], layers: int, what: str,
+                       steps: Optional[Sequence[int]] = None) -> float:
+    """Per-step fp32 losses of two training runs of a `layers`-block model whose steps differ by
+    rounding alone, step i's within step_ops(i, layers) * eps * |loss i| (`steps`: the step of
+    each pair, default 0, 1, ...; an eval loss at step k counts as step k: the parameters after
+    k updates). Returns the largest difference in units of its step's bound."""
+    return _steps_close(actual, expected, lambda i: step_ops(i, layers), what, EPS32, steps)
+
+
+def assert_half_steps_close(actual: Sequence[Number], expected: Sequence[Number], what: str, eps: float,
+                            steps: Optional[Sequence[int]] = None) -> float:
+    """Per-step losses of runs in a half type (eps: EPS_BF16 or EPS_FP16), against fp32 or the
+    same type in another order: a half rounding moves a product's input by at most one unit
+    roundoff u = eps / 2, and the loss, a mean over the batch's tokens of their log-softmax,
+    averages those roundings; so at most one u of the loss for the step's own forward pass and
+    one per earlier update, adding as a random walk: (1 + sqrt(i)) * u * |loss i| at step i."""
+    return _steps_close(actual, expected, lambda i: 0.5 * (1 + math.sqrt(i)), what, eps, steps)
+
+
+def _steps_close(actual, expected, ops_at, what: str, eps: float, steps) -> float:
     if len(actual) != len(expected):
         raise AssertionError(f"{what}: {len(actual)} steps against {len(expected)}")
     steps = list(range(len(actual))) if steps is None else list(steps)
     worst = 0.0
     for i, a, e in zip(steps, actual, expected):
-        worst = max(worst, assert_close_rel(a, e, math.sqrt(i + 1) * ops_per_step, f"{what}, step {i}", eps))
+        worst = max(worst, assert_close_rel(a, e, ops_at(i), f"{what}, step {i}", eps))
     return worst
 
 
