@@ -169,7 +169,8 @@ pub fn unused_gpus(spec: &JobSpec, report: &PlanReport, wanted: u32) -> Option<S
     } else {
         "the search found no faster plan that uses them".to_string()
     };
-    Some(format!("the plan uses {used} of {may}; {idle} stay idle: {why}"))
+    let stay = if idle == 1 { "stays" } else { "stay" };
+    Some(format!("the plan uses {used} of {may}; {idle} {stay} idle: {why}"))
 }
 
 /// Plan a recovering job again on what it can use now: live, active nodes within its

@@ -263,7 +263,7 @@ pub async fn prepare(store: &Store, fleet: &Fleet, job: i64, spec: &JobSpec, off
                             let why = if offered.iter().any(|(n, _)| n.gpu.eq_ignore_ascii_case(gpu_name) && fleet.can_profile(&n.name)) {
                                 format!("no {gpu_name} node whose agent can profile has {tp} free GPUs")
                             } else {
-                                format!("no live agent can profile on {gpu_name} nodes (start agents with --python)")
+                                format!("no live agent of the {gpu_name} nodes can profile (start agents with --python)")
                             };
                             without.push((key, why))
                         }
@@ -580,7 +580,7 @@ mod tests {
             seq_len: 2048,
             dtype: "fp32".into(),
         };
-        let none = |gpu: &str| format!("no live agent can profile on {gpu} nodes (start agents with --python)");
+        let none = |gpu: &str| format!("no live agent of the {gpu} nodes can profile (start agents with --python)");
         let mut without = vec![];
         for tp in [1, 2, 4, 8] {
             for mb in [1, 2, 4, 8, 16, 32, 64] {
@@ -593,8 +593,8 @@ mod tests {
         assert_eq!(
             text,
             "priced by the roofline, not measured (seq 2048, fp32): \
-             A100-80G (28 configurations: tp 1, 2, 4, 8, micro-batch 1-64): no live agent can profile on A100-80G nodes (start agents with --python); \
-             V100-32G (28 configurations: tp 1, 2, 4, 8, micro-batch 1-64): no live agent can profile on V100-32G nodes (start agents with --python); \
+             A100-80G (28 configurations: tp 1, 2, 4, 8, micro-batch 1-64): no live agent of the A100-80G nodes can profile (start agents with --python); \
+             V100-32G (28 configurations: tp 1, 2, 4, 8, micro-batch 1-64): no live agent of the V100-32G nodes can profile (start agents with --python); \
              H800 (1 configuration: tp 8, micro-batch 1): no H800 node whose agent can profile has 8 free GPUs"
         );
         assert_eq!(text.matches("can profile").count(), 3, "said once per GPU type, not per configuration");

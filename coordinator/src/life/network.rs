@@ -122,10 +122,8 @@ impl Life {
                         None => "its plan does not say which links it assumed (planned by an older coordinator)",
                         Some(_) => "it runs on one node: no link between nodes to watch",
                     };
-                    let message = format!(
-                        "links not watched for re-planning in generation {}: {why}; a later launch over several nodes is watched",
-                        j.generation
-                    );
+                    let message =
+                        format!("this launch's links are not watched for re-planning: {why}; a later launch over several nodes is");
                     store.record_event(Some(j.id), Some(j.generation), UNWATCHED, &message).await?;
                     self.network.lock().expect("network").entry(key).or_default().told_unwatched = true;
                 }
