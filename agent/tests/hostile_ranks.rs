@@ -381,7 +381,6 @@ fn forged_cloud_markers_and_restore_names_have_no_effect() {
             ranges: vec![FetchRange { offset: 0, bytes: 5, source: Some(source.clone()), ..Default::default() }],
             fallbacks: vec![source],
             copies: 1,
-            ..Default::default()
         }],
         ..Default::default()
     }));
@@ -447,7 +446,6 @@ fn a_file_cloud_outside_the_cloud_file_roots_is_refused() {
             ranges: vec![FetchRange { offset: 0, bytes: entry.bytes, source: Some(source.clone()), ..Default::default() }],
             fallbacks: vec![source],
             copies: 1,
-            ..Default::default()
         }],
         ..Default::default()
     }));
