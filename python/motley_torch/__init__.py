@@ -7,7 +7,9 @@
 See python/README.md.
 """
 
-from .plan import ModelSpec, Plan, PlanError, load_model
+from .model_source import load_model
+from .plan import Plan
+from .spec import ModelSpec, PlanError
 
 __all__ = ["init", "RankView", "Plan", "PlanError", "ModelSpec", "load_model",
            "ColumnParallelLinear", "RowParallelLinear", "one_f_one_b", "Pipeline", "allreduce_gradients"]

@@ -24,7 +24,8 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from .checkpoint import CheckpointError, block_label, block_of, read_header, step_dir_name, step_manifest
-from .plan import ModelSpec, PlanError, load_model
+from .model_source import load_model
+from .spec import ModelSpec, PlanError
 
 
 def _units_by_block(manifest: dict, sdir: str) -> Dict[str, Tuple[int, List[str]]]:

@@ -144,7 +144,7 @@ def check_nccl() -> dict:
 # with the profiler's own timer (CUDA events), model and settings.
 DEPTHS_CHILD = r"""
 import json, sys, types
-from motley_torch.plan import load_model
+from motley_torch.model_source import load_model
 from motley_torch.profile import Ctx, time_blocks
 a = types.SimpleNamespace(tp=1, micro_batch=int(sys.argv[3]), warmup=5, runs=20, dtype=sys.argv[4])
 spec = load_model(sys.argv[1])

@@ -26,7 +26,7 @@ import os
 import re
 from typing import Dict, Iterable, List, Tuple
 
-from .plan import ModelSpec, PlanError
+from .spec import ModelSpec, PlanError
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")

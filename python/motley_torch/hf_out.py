@@ -12,7 +12,7 @@ import sys
 from typing import Iterable, List
 
 from .hf import HFError
-from .plan import PlanError
+from .spec import PlanError
 
 # What a Hugging Face model directory holds besides config.json and the weights, by the names
 # transformers' AutoTokenizer and GenerationConfig read: the tokenizer in whichever format the

@@ -25,7 +25,7 @@ from typing import BinaryIO, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .plan import PlanError
+from .spec import PlanError
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER_BYTES = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document-index count

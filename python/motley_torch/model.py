@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from .plan import ModelSpec, PlanError
+from .spec import ModelSpec, PlanError
 from .tp import ColumnParallelLinear, RowParallelLinear
 
 

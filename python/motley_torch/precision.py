@@ -22,7 +22,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .plan import PlanError
+from .spec import PlanError
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CHOICES = ("auto", "bf16", "fp16", "fp32")

@@ -85,7 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_spec(ref: str):
     """The model spec of a model file (or, when `ref` does not look like a path, a catalog
     name resolved by `motley model show`)."""
-    from .plan import PlanError, load_model
+    from .model_source import load_model
+    from .spec import PlanError
 
     looks_like_path = os.sep in ref or ref.endswith((".yaml", ".yml", ".json"))
     if looks_like_path and not os.path.isfile(ref) and not os.path.isdir(ref):
@@ -295,7 +296,7 @@ def optimizer_and_fixed(ctx: Ctx) -> Tuple[float, int, int]:
     m = ctx.blocks(1)
     x = ctx.randn(ctx.args.micro_batch, ctx.seq, ctx.spec.hidden)
     m(x).float().square().mean().backward()
-    # The trainer's optimizer (train.make_optimizer), state in the parameter dtype.
+    # The trainer's optimizer (stage_init.make_optimizer), state in the parameter dtype.
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     times = []
     for i in range(ctx.args.warmup + ctx.args.runs):

@@ -27,7 +27,7 @@ unsharded run's.
 With `--dtype bf16|fp16` the model's own parameters are stored in that type (the forward runs
 on them under autocast) and only the owner keeps an fp32 master, so a rank holds 2 bytes of
 weights per parameter, its gradients, and 12/dp of master and optimizer state. With fp32 the
-master is the parameter itself. A tied embedding/head (`train.TiedSync`) is outside ZeRO: every
+master is the parameter itself. A tied embedding/head (`gradient_sync.TiedSync`) is outside ZeRO: every
 holder keeps its master and optimizer state.
 """
 
