@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The bytes one transformer layer of the rank runtime saves for backward, counted tensor by
-tensor (motley_torch.saved), for the layouts the cost model prices
+tensor (motley_torch.tools.saved), for the layouts the cost model prices
 (solver/src/cost/activations.rs): fp32; bf16 under autocast over fp32 weights; bf16 weights
 (ZeRO-1 in half precision). Per token, in units of h bytes, and the fixed bytes per layer
 parameter (autocast's half copies of fp32 weights).
@@ -17,7 +17,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from motley_torch.plan import ModelSpec  # noqa: E402
-from motley_torch.saved import layer_token_bytes  # noqa: E402
+from motley_torch.tools.saved import layer_token_bytes  # noqa: E402
 
 
 def main() -> int:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Checkpoint save stall (docs/checkpoint.md): how long `motley_torch.checkpoint.save` holds up the rank
+"""Checkpoint save stall (docs/checkpoint.md): how long `motley_torch.components.checkpoint.save` holds up the rank
 that calls it, against a plain memory copy of the same bytes and against the old synchronous
 save.
 
-For the reference trainer's model (motley_torch.model.GPTStage, fp32 on the CPU, AdamW state
+For the reference trainer's model (motley_torch.models.transformer.GPTStage, fp32 on the CPU, AdamW state
 present) at a few widths, in one process (a gloo world of 1, the whole model as one TP-1 stage,
 so this rank writes every unit):
 
@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from motley_torch import checkpoint  # noqa: E402
-from motley_torch.model import GPTStage  # noqa: E402
+from motley_torch.models.transformer import GPTStage  # noqa: E402
 from motley_torch.plan import ModelSpec  # noqa: E402
 
 LAYERS, HEADS, SEQ, VOCAB = 4, 4, 128, 1024

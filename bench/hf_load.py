@@ -56,7 +56,7 @@ def child_transformers(d: str) -> dict:
 def child_motley(d: str, layers: str, tp_rank: int, tp_size: int) -> dict:
     import torch
 
-    from motley_torch.model import GPTStage
+    from motley_torch.models.transformer import GPTStage
     from motley_torch.plan import load_model
 
     torch.set_num_threads(1)

@@ -26,7 +26,7 @@ PKG = os.path.join(os.path.dirname(HERE), "python")
 
 CHILD = r"""
 import sys, time
-from motley_torch.prepare import prepare
+from motley_torch.components.prepare import prepare
 tok, out, chunk, workers = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 t = time.monotonic()
 r = prepare(tok, [out + ".jsonl"], out, chunk_bytes=int(chunk * 2**20), workers=workers, progress=None, summary=None)

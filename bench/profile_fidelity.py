@@ -118,7 +118,7 @@ def main() -> int:
         entry = yaml.safe_load(f)["profiles"][0]
     prof_blocks = {b["layers"]: b for b in entry["blocks"]}
 
-    from motley_torch import profile as prof
+    from motley_torch.tools import profile as prof
 
     spec = prof.load_spec(model)
     args = SimpleNamespace(micro_batch=a.micro_batch, warmup=a.warmup, runs=a.runs, dtype="fp32", tp=1,

@@ -15,7 +15,7 @@ and written once, as TP 0 of 1. Only replica 0's first TP group of each stage wr
 
 No torch: the safetensors files are written by hand (a rank of a 16-GPU emulated cluster on a
 2-core machine must start in milliseconds); names, crcs and the atomic write follow
-python/motley_torch/checkpoint.py.
+python/motley_torch/components/checkpoint.py.
 """
 
 import argparse
@@ -52,7 +52,7 @@ def elements(p, scale):
     return -(-n // GRAIN) * GRAIN
 
 
-# ---- the format's names, crcs and atomic writes (as motley_torch.checkpoint) --------------------
+# ---- the format's names, crcs and atomic writes (as motley_torch.components.checkpoint) --------------------
 
 def step_dir_name(step):
     return f"step-{step:08d}"

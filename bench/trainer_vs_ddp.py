@@ -47,8 +47,8 @@ def ddp_worker(steps: int, out: str) -> int:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from motley_torch.data import global_batch_tokens
-    from motley_torch.model import GPTStage
+    from motley_torch.components.data import global_batch_tokens
+    from motley_torch.models.transformer import GPTStage
     from motley_torch.plan import ModelSpec
 
     torch.set_num_threads(1)

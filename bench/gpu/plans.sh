@@ -9,7 +9,7 @@ out="${1:?usage: bench/gpu/plans.sh OUT_DIR}"
 bin="${MOTLEY_BIN:-$here/../../target/ci/motley}"
 mkdir -p "$out"
 model="$out/gpu-check-llama.json"
-PYTHONPATH="$here/../../python" python3 -c 'import json, sys; from motley_torch.gpu_check import MODEL; json.dump(MODEL, open(sys.argv[1], "w"))' "$model"
+PYTHONPATH="$here/../../python" python3 -c 'import json, sys; from motley_torch.tools.gpu_check import MODEL; json.dump(MODEL, open(sys.argv[1], "w"))' "$model"
 for precision in bf16 fp32; do
   for mb in 4 8; do
     for z in "" "--zero1"; do

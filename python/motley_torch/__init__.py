@@ -20,15 +20,15 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # torch is imported lazily: the plan helpers work without it.
     if name in ("init", "RankView", "RankEnvError"):
-        from . import dist
+        from .distributed import groups
 
-        return getattr(dist, name)
+        return getattr(groups, name)
     if name in ("ColumnParallelLinear", "RowParallelLinear"):
-        from . import tp
+        from .models import tp
 
         return getattr(tp, name)
     if name in ("one_f_one_b", "Pipeline", "allreduce_gradients"):
-        from . import schedule
+        from .distributed import pipeline
 
-        return getattr(schedule, name)
+        return getattr(pipeline, name)
     raise AttributeError(f"module 'motley_torch' has no attribute {name!r}")

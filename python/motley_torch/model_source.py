@@ -9,7 +9,7 @@ import os
 import subprocess
 from typing import Optional
 
-from .hf import is_hf_model, spec_from_hf
+from .models.hf import is_hf_model, spec_from_hf
 from .spec import ModelSpec, PlanError
 
 

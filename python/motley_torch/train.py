@@ -34,11 +34,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import CheckpointError
-from .progress import emit, emit_eval, log_samples, memory_line
+from .components.checkpoint import CheckpointError
+from .components.progress import emit, emit_eval, log_samples, memory_line
 from .spec import PlanError
-from .stage_files import hf_names
-from .stage_init import build_stage, init_weights, make_optimizer, resolve_spec, save_file
+from .components.stage_files import hf_names
+from .components.stage_init import build_stage, init_weights, make_optimizer, resolve_spec, save_file
 
 
 def parse_args(argv=None):
@@ -126,13 +126,13 @@ def parse_args(argv=None):
 def run_single(args) -> int:
     import time
 
-    from .feed import StepSource, due_evals, eval_chunks, eval_set, split_inputs_targets
+    from .components.feed import StepSource, due_evals, eval_chunks, eval_set, split_inputs_targets
 
     if not args.global_batch or args.global_batch < 1:
         raise PlanError("--global-batch: required with --single-process (a positive integer)")
     spec = resolve_spec(args)
     seq = args.seq_len or spec.seq_len
-    from .precision import LossScaler, autocast, resolve
+    from .components.precision import LossScaler, autocast, resolve
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = resolve(args.dtype, None, device)
@@ -192,8 +192,8 @@ def run_single(args) -> int:
         save_file({k: v.detach().float().cpu() for k, v in model.state_dict().items()},
                   os.path.join(args.save_params, "params.safetensors"))
     if args.save_hf:
-        from . import hf_out
-        from .hf import write_hf
+        from .models import hf_out
+        from .models.hf import write_hf
 
         state = model.state_dict()
         names = hf_names(spec, state)
@@ -217,12 +217,12 @@ def main(argv=None) -> int:
             raise PlanError("--ckpt-every: must be >= 0 (0: never)")
         if args.ckpt_every and not args.ckpt_dir:
             raise PlanError("--ckpt-every: needs --ckpt-dir or MOTLEY_CKPT_DIR (where to write)")
-        from .checkpoint import async_default
+        from .components.checkpoint import async_default
 
         args.ckpt_async = False if args.ckpt_sync else async_default()
         if args.single_process and (args.ckpt_every or args.ckpt_restore):
             raise PlanError("--ckpt-every/--ckpt-restore: checkpoints are written and read by ranks, not --single-process")
-        from . import hf_out
+        from .models import hf_out
 
         hf_out.check_args(args)
         if args.single_process:

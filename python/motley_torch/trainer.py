@@ -18,13 +18,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .data import rank_micro_batches
-from .gradient_sync import gradient_sync
+from .components.data import rank_micro_batches
+from .distributed.gradient_sync import gradient_sync
 from .model_source import load_model
-from .progress import emit, emit_eval, log_samples, memory_line
+from .components.progress import emit, emit_eval, log_samples, memory_line
 from .spec import ModelSpec, PlanError
-from .stage_files import save_hf_distributed, save_params_distributed
-from .stage_init import build_stage, init_weights, make_optimizer
+from .components.stage_files import save_hf_distributed, save_params_distributed
+from .components.stage_init import build_stage, init_weights, make_optimizer
 
 
 def check_flags_against_plan(args):
@@ -73,10 +73,10 @@ class Trainer:
     then `run()` trains from the restored step (or 0) to --steps."""
 
     def __init__(self, args):
-        from .dist import init
-        from .feed import StepSource, due_evals, eval_set
-        from .precision import HALF, LossScaler, autocast, resolve
-        from .schedule import Pipeline
+        from .distributed.groups import init
+        from .components.feed import StepSource, due_evals, eval_set
+        from .components.precision import HALF, LossScaler, autocast, resolve
+        from .distributed.pipeline import Pipeline
 
         self.args = args
         check_flags_against_plan(args)
@@ -114,7 +114,7 @@ class Trainer:
         self.start = 0
         position = {"samples": 0}
         if args.ckpt_restore:
-            from . import checkpoint
+            from .components import checkpoint
 
             self.start = checkpoint.restore(view, model, self.sync.optimizer,
                                             checkpoint.restore_list(args.ckpt_restore), position=position,
@@ -128,7 +128,7 @@ class Trainer:
         # of the step at which any of them saw it (one integer all-reduced per step).
         self.notice = None
         if args.ckpt_dir:
-            from . import checkpoint
+            from .components import checkpoint
 
             self.notice = checkpoint.SaveNotice.from_env()
         self.tfile = None
@@ -146,7 +146,7 @@ class Trainer:
         return float(t.item())
 
     def evaluate(self, at: int):
-        from .feed import eval_chunks
+        from .components.feed import eval_chunks
 
         total = 0.0
         for chunk in eval_chunks(self.evals, self.plan.global_batch):
@@ -159,7 +159,7 @@ class Trainer:
 
     def step(self, step: int):
         """One step, and its timings line under --timings."""
-        from .schedule import StepTimings, clock
+        from .distributed.pipeline import StepTimings, clock
 
         view, plan, pipe, sync, scaler = self.view, self.plan, self.pipe, self.sync, self.scaler
         timed = self.tfile is not None
@@ -221,7 +221,7 @@ class Trainer:
         self.pipe.timings = None
 
     def save(self, step: int):
-        from . import checkpoint
+        from .components import checkpoint
 
         args = self.args
         checkpoint.save(self.view, self.model, self.sync.optimizer, step, args.ckpt_dir, seed=args.seed,
@@ -244,7 +244,7 @@ class Trainer:
                 self.save(step + 1)
         self.source.close()
         if args.ckpt_dir:
-            from . import checkpoint
+            from .components import checkpoint
 
             # Wait for the last checkpoint's writer, agree that every rank's writes succeeded
             # (else CheckpointError: exit 2), write its manifest.json.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from motley_torch.plan import ModelSpec
-from motley_torch.saved import layer_token_bytes
+from motley_torch.tools.saved import layer_token_bytes
 
 LLAMA = ModelSpec.from_dict({"name": "count", "family": "llama", "layers": 1, "hidden": 1024, "heads": 16,
                              "kv_heads": 8, "ffn_hidden": 2816, "seq_len": 512, "vocab": 1000, "gated_mlp": True})

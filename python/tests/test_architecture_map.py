@@ -45,10 +45,23 @@ def test_every_rust_room_named_on_the_map_exists():
 def test_every_python_module_is_on_the_map_and_every_room_named_is_a_module():
     pkg = os.path.join(REPO, "python", "motley_torch")
     modules = {f[:-3] for f in os.listdir(pkg) if f.endswith(".py") and f != "__init__.py"}
-    modules |= {d for d in os.listdir(pkg) if os.path.isfile(os.path.join(pkg, d, "__init__.py"))}
+    packages = {d + "/" for d in os.listdir(pkg) if os.path.isfile(os.path.join(pkg, d, "__init__.py"))}
     named = set(section("The rank library"))
-    assert not named - modules, f"docs/architecture.md names modules motley_torch lacks: {sorted(named - modules)}"
-    assert not modules - named, f"modules of motley_torch missing from docs/architecture.md: {sorted(modules - named)}"
+    rooms = modules | packages
+    assert not named - rooms, f"docs/architecture.md names rooms motley_torch lacks: {sorted(named - rooms)}"
+    assert not rooms - named, f"rooms of motley_torch missing from docs/architecture.md: {sorted(rooms - named)}"
+    # Each package's row names every module in it.
+    rows = {}
+    with open(MAP) as f:
+        for line in f:
+            first = line.split("|")[1] if line.startswith("| `") else ""
+            for p in packages:
+                if f"`{p}`" in first:
+                    rows[p] = line
+    for p in packages:
+        inside = {f[:-3] for f in os.listdir(os.path.join(pkg, p)) if f.endswith(".py") and f != "__init__.py"}
+        unnamed = sorted(m for m in inside if f"`{m}`" not in rows[p])
+        assert not unnamed, f"docs/architecture.md: the row of motley_torch/{p} does not name {unnamed}"
 
 
 def test_every_crate_and_top_level_room_is_on_the_map():

@@ -17,7 +17,7 @@ import yaml
 from launcher import DATA, REPO, check_ok, hand_plan, launch, losses
 from tolerance import assert_steps_close, layers_of
 
-from motley_torch import checkpoint
+from motley_torch.components import checkpoint
 
 STEPS, EVERY, SEED = 6, 3, 3
 LAYERS = layers_of(DATA / "tiny4.yaml")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from motley_torch import checkpoint
+from motley_torch.components import checkpoint
 
 
 def write(path, step: int, generation, rank: bool = False) -> str:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from motley_torch.data import (DataError, TrainBatches, epoch_permutation, eval_tokens, main as data_main,
+from motley_torch.components.data import (DataError, TrainBatches, epoch_permutation, eval_tokens, main as data_main,
                                open_tokens)
 from motley_torch.plan import PlanError
 
@@ -429,7 +429,7 @@ def test_errors_in_the_prefetch_thread_surface_in_next(tmp_path):
 MEM_CHILD = r"""
 import json, random, sys
 from tokenizers import Tokenizer
-from motley_torch.prepare import prepare
+from motley_torch.components.prepare import prepare
 tok, out, mb = sys.argv[1], sys.argv[2], float(sys.argv[3])
 words = sorted(w[1:] for w in Tokenizer.from_file(tok).get_vocab() if w.startswith("\u0120") and w[1:].isalpha())[:200]
 rng = random.Random(0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from motley_torch.gpu_check import MODEL, _stage_of, eq5, mfu, peak_tflops, render, train_flops_per_token
+from motley_torch.tools.gpu_check import MODEL, _stage_of, eq5, mfu, peak_tflops, render, train_flops_per_token
 
 SCRIPT = Path(__file__).resolve().parent.parent / "gpu-check"
 

@@ -1,4 +1,4 @@
-"""A Hugging Face directory out is a whole one and replaces nothing unasked (motley_torch.hf_out):
+"""A Hugging Face directory out is a whole one and replaces nothing unasked (motley_torch.models.hf_out):
 a non-empty directory is refused naming the option and --replace; --replace replaces a model
 directory's files but never a tree; Motley's own temporaries do not make a directory non-empty;
 the tokenizer files and generation_config.json are copied, links followed."""
@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from motley_torch.hf import HFError
-from motley_torch.hf_out import TOKENIZER_FILES, add_tokenizer, check_out_dir, clear_out_dir, copy_tokenizer
+from motley_torch.models.hf import HFError
+from motley_torch.models.hf_out import TOKENIZER_FILES, add_tokenizer, check_out_dir, clear_out_dir, copy_tokenizer
 
 
 def test_a_new_or_empty_directory_is_taken(tmp_path):

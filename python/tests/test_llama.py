@@ -20,8 +20,8 @@ from hf_models import add_tokenizer, load_hf, make_hf  # noqa: E402
 from launcher import PYTHON, python_env  # noqa: E402
 from tolerance import assert_close_rel, excess, forward_ops, gradient_ops, loss_ops  # noqa: E402
 
-from motley_torch.hf import HFError, spec_from_config, write_hf  # noqa: E402
-from motley_torch.model import GPTStage  # noqa: E402
+from motley_torch.models.hf import HFError, spec_from_config, write_hf  # noqa: E402
+from motley_torch.models.transformer import GPTStage  # noqa: E402
 from motley_torch.plan import ModelSpec, PlanError, load_model  # noqa: E402
 
 SEQ = 24
@@ -42,7 +42,7 @@ class Outputs:
     """transformers' and Motley's logits, losses and gradients (by HF name) on one batch."""
 
     def __init__(self, hf_dir, spec=None, tamper=None):
-        from motley_torch.hf import hf_name
+        from motley_torch.models.hf import hf_name
 
         ref = load_hf(hf_dir)
         spec = spec or load_model(str(hf_dir))
@@ -216,7 +216,7 @@ def test_trainer_init_from_hf_then_save_hf_loads_in_transformers(tmp_path):
     --replace."""
     import transformers as tf
 
-    from motley_torch.data import global_batch_tokens
+    from motley_torch.components.data import global_batch_tokens
 
     d = add_tokenizer(make_hf(tmp_path / "m", "llama", tie_word_embeddings=True))
     out = tmp_path / "out"
@@ -273,7 +273,7 @@ def test_write_hf_cuts_shards_and_writes_the_index(tmp_path):
     m = GPTStage(spec, 8, (0, spec.layers))
     m.load_hf(str(d))
     state = m.state_dict()
-    from motley_torch.hf import motley_order
+    from motley_torch.models.hf import motley_order
 
     names = write_hf(str(tmp_path / "o"), spec, ((n, state[n]) for n in motley_order(spec)), max_shard_bytes=60_000)
     assert len(names) > 2 and names[0] == f"model-00001-of-{len(names):05d}.safetensors"

@@ -22,8 +22,8 @@ from launcher import PYTHON, check_ok, hand_plan, launch, losses, python_env  # 
 from tolerance import (assert_close_rel, assert_steps_close, forward_ops, gradient_ops, loss_ops,  # noqa: E402
                        tp_gradient_ops)
 
-from motley_torch.data import global_batch_tokens  # noqa: E402
-from motley_torch.hf import hf_name  # noqa: E402
+from motley_torch.components.data import global_batch_tokens  # noqa: E402
+from motley_torch.models.hf import hf_name  # noqa: E402
 from motley_torch.plan import load_model  # noqa: E402
 
 SEED, SEQ, STEPS = 11, 16, 2
@@ -103,7 +103,7 @@ def run_plan(name: str, replicas, global_batch: int, micro_batch: int, tmp_path:
 def trained_logits(spec, params: Path, tokens):
     from safetensors.torch import load_file
 
-    from motley_torch.model import GPTStage
+    from motley_torch.models.transformer import GPTStage
 
     m = GPTStage(spec, SEQ, (0, spec.layers))
     m.load_full_state(load_file(str(params)))

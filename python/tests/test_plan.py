@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from launcher import DATA, groups_for_rank, hand_plan, python_env, ranks_of
-from motley_torch.data import global_batch_tokens, rank_micro_batches
+from motley_torch.components.data import global_batch_tokens, rank_micro_batches
 from motley_torch.plan import ModelSpec, Plan, PlanError, group_entries_for_gpu, load_model
 
 SPEC = dict(name="t", layers=4, hidden=32, heads=4, seq_len=8, vocab=64)
@@ -116,7 +116,7 @@ def test_a_rank_with_a_bad_environment_exits_naming_the_variable(tmp_path):
     (dict(plan="{}"), "MOTLEY_PLAN"),
 ])
 def test_init_names_the_variable_at_fault(tmp_path, monkeypatch, bad, var):
-    from motley_torch.dist import RankEnvError, init
+    from motley_torch.distributed.groups import RankEnvError, init
 
     doc = asym()
     plan = tmp_path / "plan.json"
@@ -138,7 +138,7 @@ def test_init_names_the_variable_at_fault(tmp_path, monkeypatch, bad, var):
 
 
 def test_nccl_config_carries_the_net_name_and_the_per_communicator_fields():
-    from motley_torch.dist import _refused, nccl_options
+    from motley_torch.distributed.groups import _refused, nccl_options
 
     opts, fields, warn = nccl_options("IB", {"NCCL_IB_TC": "106", "NCCL_NET": "IB"}, "motley-dp-7")
     assert warn is None
@@ -156,7 +156,7 @@ def test_hop_pairs_when_dp_goes_from_two_to_three():
         dict(layers=[2, 4], tp=1, dp=3, gpus=[("b", 0), ("b", 1), ("b", 2)])])])
     plan = Plan(doc)
     assert plan.hop_pairs(0, 0) == [(0, 0, (0, 2)), (0, 1, (2, 3)), (1, 1, (3, 4)), (1, 2, (4, 6))]
-    from motley_torch.dist import hop_peers
+    from motley_torch.distributed.groups import hop_peers
 
     assert hop_peers(plan, 0, 0) == [(0, 2), (0, 3), (1, 3), (1, 4)]
     assert plan.rank_samples(3) == [(2, 4), (8, 10)]

@@ -17,7 +17,7 @@ from launcher import DATA, PYTHON, check_ok, hand_plan, launch, python_env
 from tolerance import EPS_BF16, EPS_FP16, assert_half_steps_close, assert_steps_close
 
 from motley_torch.plan import PlanError
-from motley_torch.precision import LossScaler, resolve
+from motley_torch.components.precision import LossScaler, resolve
 
 MODEL = DATA / "tiny-llama.yaml"
 SPEC = yaml.safe_load(MODEL.read_text())
@@ -152,7 +152,7 @@ def test_recompute_gives_the_same_losses_on_a_tp2_pipeline(tmp_path):
 
 
 def test_recompute_runs_every_block_forward_again_in_backward(monkeypatch):
-    from motley_torch.model import Block, GPTStage
+    from motley_torch.models.transformer import Block, GPTStage
     from motley_torch.plan import ModelSpec
 
     spec = ModelSpec.from_dict(SPEC)

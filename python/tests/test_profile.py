@@ -16,7 +16,7 @@ import yaml
 
 from launcher import DATA, REPO, python_env
 
-from motley_torch import profile as prof
+from motley_torch.tools import profile as prof
 from motley_torch.plan import ModelSpec
 
 PY = sys.executable

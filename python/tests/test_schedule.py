@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from motley_torch.schedule import one_f_one_b
+from motley_torch.distributed.pipeline import one_f_one_b
 
 
 def test_1f1b_order_of_a_four_stage_pipeline():

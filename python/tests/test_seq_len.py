@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from launcher import PYTHON, hand_plan, motley_bin, python_env
-from motley_torch.hf import DEFAULT_SEQ_LEN, config_from_spec, spec_from_config
+from motley_torch.models.hf import DEFAULT_SEQ_LEN, config_from_spec, spec_from_config
 from motley_torch.plan import ModelSpec, PlanError
 
 LLAMA31 = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,

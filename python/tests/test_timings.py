@@ -10,7 +10,7 @@ import yaml
 
 from launcher import DATA, check_ok, hand_plan, launch, losses
 
-from motley_torch.schedule import one_f_one_b
+from motley_torch.distributed.pipeline import one_f_one_b
 
 PHASES = ("recv", "compute", "send")
 STEP_PHASES = ("finish", "grad_sync", "optimizer", "loss_sync")

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from launcher import DATA, PYTHON, check_ok, hand_plan, launch, python_env
 from tolerance import EPS_BF16, assert_half_steps_close, assert_steps_close
 
-from motley_torch.zero import partition
+from motley_torch.distributed.zero import partition
 
 MODEL = DATA / "tiny-llama.yaml"
 SPEC = yaml.safe_load(MODEL.read_text())

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from motley_torch.model import Block
+from motley_torch.models.transformer import Block
 from motley_torch.plan import ModelSpec
-from motley_torch.tp import ColumnParallelLinear, RowParallelLinear
+from motley_torch.models.tp import ColumnParallelLinear, RowParallelLinear
 
 # (Run as a script: its directory, python/tests, is first on sys.path.)
 from tolerance import assert_close_rel, forward_ops, gradient_ops, tp_forward_ops, tp_gradient_ops
@@ -59,7 +59,7 @@ def main():
     close(row.bias.grad, ref2.bias.grad, "row bias gradient", 3 * 2 * LINEAR)
     # A whole block (attention with GQA + SwiGLU) sharded vs unsharded from the same seed.
     spec = ModelSpec("t", 2, 16, 4, 6, 32, 32, 2, True)
-    from motley_torch.model import GPTStage
+    from motley_torch.models.transformer import GPTStage
 
     full = GPTStage(spec, 6, (0, 2))
     full.init_from_seed(3)

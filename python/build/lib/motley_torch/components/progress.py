@@ -1,0 +1,47 @@
+"""The lines a training run prints on stdout, read by the coordinator's curves, `motley job
+logs`, the benches and the tests (a contract: docs/trainer.md): one per step, one per
+evaluation, one memory line after the first step.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+
+
+def emit(step: int, loss: float, tokens: int = 0, step_s: float = 0.0, loss_scale: float = 1.0,
+         skipped: bool = False):
+    """One progress line: the global mean loss, tokens per second, the step's wall seconds, the
+    loss scale the step ran with and whether an overflow skipped its update."""
+    print(json.dumps({"step": step, "loss": loss, "tokens_per_s": round(tokens / step_s, 3) if step_s > 0 else 0.0,
+                      "step_s": round(step_s, 6), "loss_scale": loss_scale, "skipped": skipped}), flush=True)
+
+
+def memory_line(model, opt, device, masters=()) -> str:
+    """{"memory": {...}}, MB: what the rank's parameters (with ZeRO-1's fp32 masters kept beside
+    half-precision parameters), gradients and optimizer state hold and its peak (CUDA:
+    max_memory_allocated; CPU: the process's peak RSS)."""
+    import resource
+
+    def mb(ts):
+        return round(sum(t.numel() * t.element_size() for t in ts) / 2**20, 3)
+
+    params = list(model.parameters())
+    params += [m for m in masters if not any(m is p for p in params)]
+    state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    peak = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return json.dumps({"memory": {"params_mb": mb(params), "grads_mb": mb([p.grad for p in params if p.grad is not None]),
+                                  "optimizer_mb": mb(state), "peak_mb": round(peak, 3), "device": device.type}})
+
+
+def emit_eval(step: int, loss: float):
+    print(json.dumps({"step": step, "eval_loss": loss}), flush=True)
+
+
+def log_samples(path: Optional[str], step: int, ids):
+    if path and ids:
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "samples": list(ids)}) + "\n")

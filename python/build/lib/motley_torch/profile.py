@@ -1,0 +1,11 @@
+"""`python -m motley_torch.profile`: the layer profiler (Motley's profiles file, `motley plan --profiles`)
+(`motley_torch.tools.profile`; this module is only its command-line entry point)."""
+
+import sys
+
+from .tools import profile as _impl
+
+main = _impl.main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""A rank's training run under a plan (`python -m motley_torch.train` in a rank; `train.py`
+parses the flags): the plan's stage of the model, its pipeline, its one gradient-sync seam
+(`gradient_sync`), loss scaling, evaluation, checkpoints, preemption notices and per-step
+timings. `Trainer.step` is one step:
+
+    pipeline forward/backward over the rank's micro-batches -> the pipeline's last sends
+    -> gradient sync (the plan's way) -> loss scaler -> optimizer -> the global loss line
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .components.data import rank_micro_batches
+from .distributed.gradient_sync import gradient_sync
+from .model_source import load_model
+from .components.progress import emit, emit_eval, log_samples, memory_line
+from .spec import ModelSpec, PlanError
+from .components.stage_files import save_hf_distributed, save_params_distributed
+from .components.stage_init import build_stage, init_weights, make_optimizer
+
+
+def check_flags_against_plan(args):
+    """--seq-len and --global-batch are --single-process's; under a plan (--plan, $MOTLEY_PLAN)
+    the plan's are what every rank runs, so a flag may only repeat them. Checked before the
+    ranks meet: a contradiction is refused naming both values, never silently replaced."""
+    if args.seq_len is None and args.global_batch is None:
+        return
+    path = args.plan or os.environ.get("MOTLEY_PLAN")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (TypeError, OSError, ValueError):
+        return  # no plan to read: joining the job names the problem
+    if not isinstance(doc, dict):
+        return
+    for flag, key, given in (("--seq-len", "seq_len", args.seq_len), ("--global-batch", "global_batch", args.global_batch)):
+        if given is not None and doc.get(key) != given:
+            raise PlanError(f"{flag}: {given}, but the plan ({path}) has {key} {doc.get(key)}; every rank runs the "
+                            f"plan's: drop {flag} or plan for {given}")
+
+
+def check_model(plan_model: ModelSpec, given: Optional[ModelSpec], ref: str):
+    if given is None:
+        return
+    # max_position_embeddings bounds the sequence, it shapes nothing: a plan made from a model
+    # file that does not say it runs the Hugging Face weights alike.
+    for k, v in plan_model.to_dict().items():
+        if k not in ("name", "max_position_embeddings") and given.to_dict()[k] != v:
+            raise PlanError(f"--model: {ref} has {k} {given.to_dict()[k]}, the plan's model_spec {v}")
+
+
+def timings_path(pattern: str, rank: int) -> str:
+    return pattern.replace("{rank}", str(rank)) if "{rank}" in pattern else f"{pattern}.rank{rank}"
+
+
+def agree_any(flag: bool, view) -> bool:
+    """True on every rank when it is True on any (one all-reduce MAX over the world)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=view.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+class Trainer:
+    """One rank's run: built from the flags and the plan (joining the job's process groups),
+    then `run()` trains from the restored step (or 0) to --steps."""
+
+    def __init__(self, args):
+        from .distributed.groups import init
+        from .components.feed import StepSource, due_evals, eval_set
+        from .components.precision import HALF, LossScaler, autocast, resolve
+        from .distributed.pipeline import Pipeline
+
+        self.args = args
+        check_flags_against_plan(args)
+        given = load_model(args.model) if args.model else None
+        hf_spec = load_model(args.init_from_hf) if args.init_from_hf else None
+        view = self.view = init(args.plan, model=given or hf_spec, timeout_s=args.timeout)
+        plan = self.plan = view.plan
+        print("motley-view " + json.dumps(view.summary(), sort_keys=True), file=sys.stderr, flush=True)
+        check_model(plan.model, given, args.model)
+        check_model(plan.model, hf_spec, f"--init-from-hf {args.init_from_hf}")
+        spec, seq = plan.model, plan.seq_len
+        self.seq = seq
+        precision = resolve(args.dtype, plan.precision, view.device)
+        print(f"motley-precision {precision} (asked {args.dtype}, plan {plan.precision})", file=sys.stderr, flush=True)
+        self.scaler = LossScaler(precision == "fp16", args.initial_loss_scale, args.loss_scale_window)
+        tp_pg = view.tp_group.pg if view.tp_group is not None else None
+        model = self.model = build_stage(args, spec, seq, view.layers, group=tp_pg, tp_rank=view.tp_rank,
+                                         tp_size=view.tp_size)
+        init_weights(model, args)
+        model.to(device=view.device)
+        model.recompute = args.recompute or plan.recompute
+        if model.recompute:
+            print("motley-recompute on", file=sys.stderr, flush=True)
+        self.sync = gradient_sync(view, model, zero1=args.zero1 or plan.zero1, overlap=not args.no_overlap,
+                                  bucket_mb=args.bucket_mb, half=HALF.get(precision),
+                                  make_optimizer=lambda ps: make_optimizer(ps, args), save_grads=bool(args.save_grads))
+        if self.sync.zero is not None:
+            print(f"motley-zero1 on: {len(self.sync.zero.master)} of {len(list(model.parameters()))} parameters "
+                  f"stepped here", file=sys.stderr, flush=True)
+        # Activations cross stages in fp32 (the residual stream's type under autocast).
+        self.pipe = Pipeline(view, model, spec.hidden, seq, dtype=torch.float32)
+        self.pipe.autocast = autocast(precision, view.device)
+        self.scale = 1.0 / (plan.global_batch * seq)
+        self.reports_loss = view.is_last_stage and view.tp_rank == 0
+        self.start = 0
+        position = {"samples": 0}
+        if args.ckpt_restore:
+            from .components import checkpoint
+
+            self.start = checkpoint.restore(view, model, self.sync.optimizer,
+                                            checkpoint.restore_list(args.ckpt_restore), position=position,
+                                            zero=self.sync.zero)
+            self.scaler.load(position.get("scaler"), "MOTLEY_CKPT_RESTORE")
+            print(f"motley-restore step {self.start} samples {position['samples']}", file=sys.stderr, flush=True)
+        self.source = StepSource(args, spec.vocab, seq, plan.global_batch, samples_consumed=position["samples"])
+        self.evals = eval_set(args, spec.vocab, seq)
+        self.due = set(due_evals(self.start, args.steps, args.eval_every)) if self.evals is not None else set()
+        # A preemption notice (the agent's MOTLEY_CKPT_NOTICE) makes every rank save at the end
+        # of the step at which any of them saw it (one integer all-reduced per step).
+        self.notice = None
+        if args.ckpt_dir:
+            from .components import checkpoint
+
+            self.notice = checkpoint.SaveNotice.from_env()
+        self.tfile = None
+        if args.timings:
+            path = timings_path(args.timings, view.rank)
+            if os.path.dirname(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.tfile = open(path, "a")
+
+    def _global_sum(self, value: float) -> float:
+        view = self.view
+        t = torch.tensor([value if self.reports_loss else 0.0],
+                         dtype=torch.float64 if view.backend == "gloo" else torch.float32, device=view.device)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def evaluate(self, at: int):
+        from .components.feed import eval_chunks
+
+        total = 0.0
+        for chunk in eval_chunks(self.evals, self.plan.global_batch):
+            micro = rank_micro_batches(self.plan, self.view.rank, chunk)
+            micro = [(x.clamp(min=0), y) for x, y in micro]
+            total += self.pipe.evaluate(micro)
+        total = self._global_sum(total)
+        if self.view.rank == 0:
+            emit_eval(at, total / (self.evals.shape[0] * self.seq))
+
+    def step(self, step: int):
+        """One step, and its timings line under --timings."""
+        from .distributed.pipeline import StepTimings, clock
+
+        view, plan, pipe, sync, scaler = self.view, self.plan, self.pipe, self.sync, self.scaler
+        timed = self.tfile is not None
+        marks = []
+
+        def mark():
+            if timed:
+                marks.append(clock())
+
+        t_step = time.perf_counter()
+        if timed:
+            pipe.timings = StepTimings()
+        mark()
+        tokens = self.source.tokens(step)
+        if view.rank == 0:
+            log_samples(self.args.sample_log, step, self.source.ids)
+        micro = rank_micro_batches(plan, view.rank, tokens)
+        used = scaler.factor()
+        sync.start_step(len(micro))
+        local = pipe.step(micro, self.scale * used) / used
+        mark()
+        pipe.finish()
+        mark()
+        sync.finish()
+        skipped = scaler.step(sync.stepped(), agree=lambda flag: agree_any(flag, view))
+        if self.args.save_grads and step == self.start:
+            save_params_distributed(view, self.model, self.args.save_grads, grads=True)
+        mark()
+        if not skipped:
+            sync.optimizer.step()
+        if step == self.start:
+            print(memory_line(self.model, sync.optimizer, view.device, sync.masters()), flush=True)
+        sync.optimizer.zero_grad(set_to_none=True)
+        sync.end_step(skipped)
+        mark()
+        # The global mean loss: every sample's scaled loss is summed once (TP rank 0 of the
+        # last stages), over the whole world, so rank 0 has it whatever stage it holds.
+        loss = self._global_sum(local)
+        if view.rank == 0:
+            emit(step, loss, plan.global_batch * self.seq, time.perf_counter() - t_step, used, skipped)
+        mark()
+        if timed:
+            self._write_timings(step, marks)
+
+    def _write_timings(self, step: int, marks):
+        view = self.view
+        c0, c1, c2, c3, c4, c5 = marks
+        rec = {"step": step, "rank": view.rank, "replica": view.replica, "stage": view.stage,
+               "pp_size": view.pp_size, "tp_rank": view.tp_rank, "layers": list(view.layers),
+               "start_s": c0[0], "end_s": c5[0], "step_ms": (c5[0] - c0[0]) * 1e3,
+               "step_cpu_ms": (c5[1] - c0[1]) * 1e3, "pipeline_ms": (c1[0] - c0[0]) * 1e3}
+        for name, a, b in (("finish", c1, c2), ("grad_sync", c2, c3), ("optimizer", c3, c4), ("loss_sync", c4, c5)):
+            rec[f"{name}_ms"] = (b[0] - a[0]) * 1e3
+            rec[f"{name}_cpu_ms"] = (b[1] - a[1]) * 1e3
+        rec["ops"] = self.pipe.timings.ops
+        rec["data_wait_ms"] = self.source.wait_s * 1e3
+        self.tfile.write(json.dumps(rec) + "\n")
+        self.tfile.flush()
+        self.pipe.timings = None
+
+    def save(self, step: int):
+        from .components import checkpoint
+
+        args = self.args
+        checkpoint.save(self.view, self.model, self.sync.optimizer, step, args.ckpt_dir, seed=args.seed,
+                        global_batch=self.plan.global_batch, lr=args.lr, asynchronous=args.ckpt_async,
+                        scaler=self.scaler.state() if self.scaler.enabled else None, zero=self.sync.zero,
+                        hf_source=os.path.abspath(args.init_from_hf) if args.init_from_hf else None)
+
+    def run(self) -> int:
+        args, view = self.args, self.view
+        if self.start in self.due:
+            self.evaluate(self.start)
+        for step in range(self.start, args.steps):
+            self.step(step)
+            noticed = self.notice is not None and self.notice.due(view)
+            if noticed:
+                print(f"motley-notice {self.notice.handled}: saving step {step + 1}", file=sys.stderr, flush=True)
+            if step + 1 in self.due:
+                self.evaluate(step + 1)
+            if noticed or (args.ckpt_dir and args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0):
+                self.save(step + 1)
+        self.source.close()
+        if args.ckpt_dir:
+            from .components import checkpoint
+
+            # Wait for the last checkpoint's writer, agree that every rank's writes succeeded
+            # (else CheckpointError: exit 2), write its manifest.json.
+            checkpoint.finish(view)
+        if self.tfile is not None:
+            self.tfile.close()
+        if args.save_params:
+            save_params_distributed(view, self.model, args.save_params)
+        if args.save_hf:
+            save_hf_distributed(view, self.model, args)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+
+
+def run_rank(args) -> int:
+    return Trainer(args).run()

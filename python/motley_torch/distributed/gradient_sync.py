@@ -1,0 +1,168 @@
+"""The step's one gradient-synchronisation seam.
+
+After a step's last backward, every gradient must be the sum over its layer segment's dp ring
+(the per-layer rings of `RankView.segments`, Espresso's eq. 8-9), and a tied embedding/head
+matrix the sum over every rank holding a copy; the optimizer then steps what the sync leaves
+on this rank. The trainer (`trainer.Trainer`) calls only the four methods of `GradientSync`;
+each way of synchronising is a class of its own, so a new one is a new class, not another
+branch in the step:
+
+- `AllReduce`: once the backward is over, one all-reduce per segment
+  (`schedule.allreduce_gradients`) (`--no-overlap`).
+- `Overlapped`: buckets all-reduced from the backward's hooks as soon as they are final,
+  while the earlier layers still run backward (`grad_sync.OverlappedReducer`; the default).
+- `ZeroOneSync`: each bucket reduced onto the rank that owns its blocks, which steps their fp32
+  masters and broadcasts them back (`zero.ZeroOne`; `--zero1` or the plan's `zero1`).
+
+Every way adds the same elements, so the losses equal the single process's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..spec import PlanError
+
+
+class TiedSync:
+    """Sums the gradient of a tied embedding/head matrix over every rank that holds a copy (the
+    first and last stages of every replica), with each TP group counted once (its TP ranks hold
+    identical, replicated gradients), replacing the per-layer rings for those tensors. Used
+    when a replica has more than one stage; with one stage the head is the embedding."""
+
+    def __init__(self, group, params, names, contributes: bool):
+        self.group, self.params, self.names, self.contributes = group, params, set(names), contributes
+
+    def sync(self):
+        for p in self.params:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            flat = g.clone() if self.contributes else torch.zeros_like(g)
+            dist.all_reduce(flat, group=self.group)
+            p.grad = flat
+
+
+def tied_group(view, model) -> Optional[TiedSync]:
+    """The tied-matrix group (every rank creates it, in the same order), or None."""
+    plan = view.plan
+    if not plan.model.tie_embeddings or all(len(r.stages) == 1 for r in plan.replicas):
+        return None
+    holders = sorted({rk for r in plan.replicas for st in (r.stages[0], r.stages[-1]) for rk in st.ranks})
+    group = dist.new_group(holders)
+    if view.rank not in holders:
+        return None
+    params = model.tied_weights()
+    names = [n for n, p in model.named_parameters() if any(p is q for q in params)]
+    return TiedSync(group, params, names, contributes=view.tp_rank == 0)
+
+
+class GradientSync:
+    """One way to make a step's gradients global. `optimizer` steps `stepped()`; `zero` is the
+    ZeRO-1 state a checkpoint saves and restores (None unless sharded)."""
+
+    zero = None
+
+    def __init__(self, optimizer, tied: Optional[TiedSync]):
+        self.optimizer, self.tied = optimizer, tied
+
+    def start_step(self, micro_batches: int):
+        """Before the step's first backward, which runs over this many micro-batches."""
+
+    def finish(self):
+        """After the step's last backward (and the pipeline's last send): every gradient this
+        rank steps is the global sum."""
+        self._sync_segments()
+        if self.tied is not None:
+            self.tied.sync()
+
+    def _sync_segments(self):
+        raise NotImplementedError
+
+    def stepped(self) -> Sequence[torch.nn.Parameter]:
+        """What the loss scaler checks and the optimizer steps."""
+        raise NotImplementedError
+
+    def masters(self) -> Sequence[torch.nn.Parameter]:
+        """Tensors held beside the model's parameters (the memory line counts them)."""
+        return ()
+
+    def end_step(self, skipped: bool):
+        """After the optimizer (or after an overflow skipped it)."""
+
+
+class AllReduce(GradientSync):
+    def __init__(self, view, model, synced, optimizer, tied: Optional[TiedSync]):
+        super().__init__(optimizer, tied)
+        self.view, self.model, self.synced = view, model, synced
+
+    def _sync_segments(self):
+        from .pipeline import allreduce_gradients
+
+        allreduce_gradients(self.view, self.synced, self.model.segment_of)
+
+    def stepped(self):
+        return self.model.parameters()
+
+
+class Overlapped(AllReduce):
+    def __init__(self, view, model, synced, optimizer, tied: Optional[TiedSync], bucket_mb: float):
+        super().__init__(view, model, synced, optimizer, tied)
+        from .overlap import OverlappedReducer
+
+        self.reducer = OverlappedReducer(view, synced, model.segment_of, bucket_mb)
+
+    def start_step(self, micro_batches: int):
+        self.reducer.start_step(micro_batches)
+
+    def _sync_segments(self):
+        self.reducer.finish()
+
+
+class ZeroOneSync(GradientSync):
+    def __init__(self, zero, tied: Optional[TiedSync]):
+        super().__init__(zero.optimizer, tied)
+        self.zero = zero
+
+    def start_step(self, micro_batches: int):
+        self.zero.start_step(micro_batches)
+
+    def _sync_segments(self):
+        self.zero.finish_gradients()
+
+    def finish(self):
+        super().finish()
+        if self.tied is not None:
+            # Outside ZeRO: every holder steps its own master of the tied matrix.
+            self.zero.tied_gradients(self.tied.params)
+
+    def stepped(self):
+        return self.zero.masters()
+
+    def masters(self):
+        return self.zero.masters()
+
+    def end_step(self, skipped: bool):
+        self.zero.finish_step(skipped)
+
+
+def gradient_sync(view, model, *, zero1: bool, overlap: bool, bucket_mb: float, half: Optional[torch.dtype],
+                  make_optimizer: Callable[[object], object], save_grads: bool = False) -> GradientSync:
+    """The plan's and flags' way for this rank. Every rank calls it in the same order: the tied
+    group is a new process group."""
+    tied = tied_group(view, model)
+    synced = [(n, p) for n, p in model.named_parameters() if tied is None or n not in tied.names]
+    if zero1:
+        from .zero import ZeroOne
+
+        if save_grads:
+            raise PlanError("--save-grads: not with ZeRO-1 (--zero1 or the plan's zero1): each gradient lives "
+                            "only on its owner; drop one of them")
+        tied_params: List[torch.nn.Parameter] = tied.params if tied is not None else []
+        zero = ZeroOne(view, model, synced, tied_params, half, make_optimizer, bucket_mb, overlap=overlap)
+        return ZeroOneSync(zero, tied)
+    optimizer = make_optimizer(model.parameters())
+    if overlap:
+        return Overlapped(view, model, synced, optimizer, tied, bucket_mb)
+    return AllReduce(view, model, synced, optimizer, tied)

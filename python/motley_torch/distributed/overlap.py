@@ -1,0 +1,130 @@
+"""Gradient synchronisation overlapped with the backward pass (Espresso's eq. 8-9: only what
+is left after the earlier stages' backward is exposed).
+
+Each layer segment's gradients are SUM-reduced over the segment's dp ring (the ring holds every
+GPU with the same layers and TP shard, `RankView.segments`), in buckets of at most `bucket_mb`
+MiB. A parameter's gradient is final once the step's last micro-batch has gone backward
+through it (`register_post_accumulate_grad_hook` counts the accumulations); a bucket is
+launched (an asynchronous all-reduce, in fp32) as soon as every gradient in it is final, while
+the backward of the earlier layers and micro-batches goes on. `finish()` waits for the buckets
+and writes the sums back. Buckets are cut in reverse parameter order (the order the backward
+pass finishes them), the same on every member of a ring, so every member launches the same
+buckets in the same order. The sums are those of `schedule.allreduce_gradients` (the same
+elements added), so the losses still equal the single process's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .pipeline import segment_params
+
+
+class _Bucket:
+    def __init__(self, group, params: List[torch.nn.Parameter], owner: Optional[int] = None):
+        self.group, self.params, self.owner = group, params, owner
+        self.ready = 0
+        self.work = None
+        self.flat: Optional[torch.Tensor] = None
+
+
+class HookedBuckets:
+    """Buckets of parameters, each launched (`_launch`, the subclass's collective) from
+    `register_post_accumulate_grad_hook` as soon as the step's last micro-batch has gone
+    backward through every parameter in it. `start_step(0)` launches nothing from the hooks
+    (the caller launches after the backward pass)."""
+
+    def __init__(self):
+        self.buckets: List[_Bucket] = []
+        self.bucket_of: Dict[torch.nn.Parameter, _Bucket] = {}
+        self.counts: Dict[torch.nn.Parameter, int] = {}
+        self.expected = 0
+        self.launched: List[_Bucket] = []
+
+    def _add(self, group, params, owner: Optional[int] = None):
+        b = _Bucket(group, params, owner)
+        self.buckets.append(b)
+        for p in params:
+            self.bucket_of[p] = b
+
+    def _register_hooks(self):
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def start_step(self, micro_batches: int):
+        """Before the step's first backward: each gradient is final after this many."""
+        self.expected = micro_batches
+        self.counts = {}
+        self.launched = []
+        for b in self.buckets:
+            b.ready, b.work, b.flat = 0, None, None
+
+    def _hook(self, p: torch.nn.Parameter):
+        if not self.expected:
+            return
+        c = self.counts.get(p, 0) + 1
+        self.counts[p] = c
+        if c == self.expected:
+            b = self.bucket_of[p]
+            b.ready += 1
+            if b.ready == len(b.params):
+                self._launch(b)
+
+    def _launch_rest(self):
+        """Launch, in bucket order, what no hook did."""
+        for b in self.buckets:
+            if b.work is None:
+                self._launch(b)
+
+    def _launch(self, b: _Bucket):
+        raise NotImplementedError
+
+
+class OverlappedReducer(HookedBuckets):
+    def __init__(self, view, named_params, segment_of: Callable[[str], int], bucket_mb: float):
+        if bucket_mb <= 0:
+            raise ValueError("bucket_mb must be positive")
+        super().__init__()
+        limit = int(bucket_mb * 2**20)
+        by_seg = segment_params(view, named_params, segment_of)
+        for i, params in sorted(by_seg.items()):
+            seg = view.segments[i]
+            if seg.group is None:
+                continue
+            cur, size = [], 0
+            for p in reversed(params):
+                n = p.numel() * 4
+                if cur and size + n > limit:
+                    self._add(seg.group.pg, cur)
+                    cur, size = [], 0
+                cur.append(p)
+                size += n
+            if cur:
+                self._add(seg.group.pg, cur)
+        self._register_hooks()
+
+    def _launch(self, b: _Bucket):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        b.flat = torch.cat([g.reshape(-1).float() for g in grads])
+        b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=b.group, async_op=True)
+        self.launched.append(b)
+
+    def finish(self):
+        """After the step's last backward: launch what no hook did (in bucket order), wait for
+        every bucket, write the sums into the gradients."""
+        self._launch_rest()
+        for b in self.launched:
+            b.work.wait()
+            off = 0
+            for p in b.params:
+                n = p.numel()
+                g = b.flat[off : off + n].view_as(p).to(p.dtype)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                off += n
+            b.work, b.flat = None, None
