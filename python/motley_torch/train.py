@@ -19,7 +19,7 @@ step and the loss all-reduce, and the step's wall time. Without it no timing cod
 --ckpt-dir DIR --ckpt-every N (or $MOTLEY_CKPT_DIR, $MOTLEY_CKPT_EVERY) write a checkpoint after
 every N-th step, and at the end of the step at which a preemption notice ($MOTLEY_CKPT_NOTICE,
 written by the agent) is seen; --ckpt-restore LIST (or $MOTLEY_CKPT_RESTORE) resumes from exactly the
-files listed (docs/checkpoint.md; motley_torch.checkpoint). A save stalls the step only for
+files listed (docs/checkpoint.md; motley_torch.components.checkpoint). A save stalls the step only for
 copying the state to host memory; a background thread writes the files (--ckpt-sync or
 $MOTLEY_CKPT_ASYNC=0: written in the step, as before). A failed write ends the run with exit 2
 at the next checkpoint or at the end.

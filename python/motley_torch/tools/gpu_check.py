@@ -33,6 +33,9 @@ import sys
 import tempfile
 from typing import List, Optional
 
+# python/, which holds motley_torch: what a child Python needs on its path.
+PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 # Dense tensor-core peak TFLOPS per precision (vendor datasheets; fp32 without TF32).
 PEAKS = {
     "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
@@ -87,7 +90,7 @@ def render(rows: List[dict]) -> str:
 
 
 def _py(args: List[str], env=None, timeout=1800) -> subprocess.CompletedProcess:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = PYTHON_DIR
     e = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (here, os.environ.get("PYTHONPATH")) if x))
     e.update(env or {})
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=e, timeout=timeout)
@@ -145,7 +148,7 @@ def check_nccl() -> dict:
 DEPTHS_CHILD = r"""
 import json, sys, types
 from motley_torch.model_source import load_model
-from motley_torch.profile import Ctx, time_blocks
+from motley_torch.tools.profile import Ctx, time_blocks
 a = types.SimpleNamespace(tp=1, micro_batch=int(sys.argv[3]), warmup=5, runs=20, dtype=sys.argv[4])
 spec = load_model(sys.argv[1])
 ctx = Ctx(a, spec, int(sys.argv[2]), 0, None)
@@ -189,7 +192,7 @@ def check_profile(model_file: str, seq: int, micro_batch: int = 8) -> dict:
 def check_memory(plan_file: str, seq: int) -> List[dict]:
     """A plan from `motley plan` for this machine's GPUs, run for 2 steps: every rank's peak
     allocated memory (its memory line) against the stage's memory_gib_per_gpu."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    sys.path.insert(0, os.path.join(PYTHON_DIR, "tests"))
     from pathlib import Path
 
     from launcher import launch
@@ -232,7 +235,7 @@ def _stage_of(plan: dict, rank: int) -> dict:
 def check_multi_gpu(model_file: str, precision: str, seq: int) -> List[dict]:
     """dp 2 and pp 2 plans on GPUs 0 and 1 through the tests' launcher (the agent's rank
     environment), against the single process."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    sys.path.insert(0, os.path.join(PYTHON_DIR, "tests"))
     from pathlib import Path
 
     from launcher import hand_plan, launch

@@ -481,7 +481,7 @@ def run_rank0(args, spec, seq: int) -> dict:
     timeout = datetime.timedelta(seconds=args.timeout)
     store = dist.TCPStore("127.0.0.1", 0, args.tp, True, wait_for_workers=False, timeout=timeout)
     env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parent.parent)
+    pkg_root = str(Path(__file__).resolve().parents[2])  # python/, which holds motley_torch
     env["PYTHONPATH"] = os.pathsep.join(x for x in (pkg_root, env.get("PYTHONPATH")) if x)
     procs = [subprocess.Popen(_worker_argv(args, store.port, r), env=env, stdout=subprocess.DEVNULL)
              for r in range(1, args.tp)]
