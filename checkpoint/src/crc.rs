@@ -1,10 +1,22 @@
-//! crc32c per chunk of a file, as the manifest records it.
+//! crc32c per chunk of a file, as the manifest records it: a file's entry (name, size, chunk
+//! crcs), made from bytes and checked against bytes or a file. Below the manifest: it calls
+//! nothing of this crate but `error`.
 
 use std::io::Read;
 use std::path::Path;
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{io, CkptError, Result};
-use crate::manifest::FileEntry;
+
+/// A file of the step: its name in the step directory, its bytes, a crc32c per chunk.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    pub file: String,
+    pub bytes: u64,
+    pub chunk_bytes: u64,
+    pub crc32c: Vec<u32>,
+}
 
 /// One crc32c (Castagnoli) per `chunk` bytes of `bytes` (the last chunk may be shorter; an empty
 /// file has no chunk).

@@ -9,9 +9,10 @@ pub mod layout;
 pub mod manifest;
 pub mod unit;
 
+pub use crc::FileEntry;
 pub use error::{CkptError, Result};
 pub use layout::{reslice, reslice_rank, shard_full, unshard, Layout, TensorSpec};
-pub use manifest::{Block, FileEntry, Manifest, Part, RankEntry, UnitEntry, UnitKey, CHUNK_BYTES, FORMAT};
+pub use manifest::{Block, Manifest, Part, RankEntry, UnitEntry, UnitKey, CHUNK_BYTES, FORMAT};
 /// Element types, as safetensors names them (`F32`, `BF16`, ...).
 pub use safetensors::Dtype;
 pub use unit::{reslice_step, reslice_unit, write_atomic, Unit};

@@ -8,6 +8,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::crc::{verify_file, FileEntry};
 use crate::error::{io, CkptError, Result};
 use crate::layout::TensorSpec;
 
@@ -134,15 +135,6 @@ pub fn rank_file_name(rank: u32) -> String {
 /// `manifest.rank.00003.json`: the piece of the manifest one rank wrote.
 pub fn piece_file_name(rank: u32) -> String {
     format!("manifest.rank.{rank:05}.json")
-}
-
-/// A file of the step: its name in the step directory, its bytes, a crc32c per chunk.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileEntry {
-    pub file: String,
-    pub bytes: u64,
-    pub chunk_bytes: u64,
-    pub crc32c: Vec<u32>,
 }
 
 /// One unit in the manifest: which, its file, and every tensor's global spec.
@@ -280,7 +272,7 @@ impl Manifest {
     /// Every file's size and chunk crcs, read from `step_dir`.
     pub fn verify(&self, step_dir: &Path) -> Result<()> {
         for f in self.units.iter().map(|u| &u.file).chain(self.ranks.iter().map(|r| &r.file)) {
-            crate::crc::verify_file(&step_dir.join(&f.file), f)?;
+            verify_file(&step_dir.join(&f.file), f)?;
         }
         Ok(())
     }

@@ -7,6 +7,7 @@ pub mod dev;
 pub mod espresso;
 pub mod inputs;
 pub mod metis;
+pub mod metis_inputs;
 pub mod metis_motley;
 pub mod model;
 pub mod net;

@@ -8,7 +8,7 @@ use motley_solver::{PlanOptions, PlanRequest, SearchMode};
 use serde_json::json;
 
 use crate::inputs::InputError;
-use crate::metis::Loaded;
+use crate::metis_inputs::Loaded;
 
 fn opts(loaded: &Loaded) -> PlanOptions {
     PlanOptions { global_batch: loaded.settings.global_batch, ..PlanOptions::default() }

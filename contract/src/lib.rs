@@ -9,8 +9,9 @@
 //! The data plane's capabilities (what a fetching agent shows a serving one) are minted and
 //! checked by `capability`, the coordinator's and the agents' one format.
 //!
-//! The solver writes the plan document (`motley_solver::report::PlanReport`; the solver uses
-//! nothing of ours), and `cli/tests/plan_cli.rs` reads every plan it makes back through
+//! The solver writes the plan document (`motley_solver::report::PlanReport`; of this crate the
+//! solver uses only `timeline`, for the 1F1B period its cost model prices with, not the
+//! document types), and `cli/tests/plan_cli.rs` reads every plan it makes back through
 //! `PlanDocument`, which keeps the two in step. Field names are a contract (docs/plan.md):
 //! fields may be added, never renamed. Readers ignore fields they do not know, so a newer
 //! writer never breaks an older reader.

@@ -10,6 +10,7 @@ pub mod calibration;
 pub mod cost;
 pub mod error;
 pub mod espresso;
+pub mod given_plan;
 pub mod hardware;
 pub mod limits;
 pub mod metis;

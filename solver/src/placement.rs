@@ -8,10 +8,14 @@
 //! stage. Only when no such room is left does a run fall back to TP group by TP group (each
 //! still inside one node). Hops the model priced inside a node that placement had to split are
 //! counted and reported, never hidden.
+//!
+//! Also here: `CostModel::check_structure`, a plan's whole check (its layers and batch, from
+//! `plan`, then whether the cluster's nodes hold it). Calls `plan`, `cost` and `hardware`.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 
+use crate::cost::CostModel;
 use crate::hardware::Cluster;
 use crate::plan::PlanStructure;
 
@@ -84,6 +88,17 @@ impl Room {
         self.free[node] = f - count;
         self.by_class[class].insert((f - count, node));
         cluster.nodes[node].gpus - f
+    }
+}
+
+impl<'a> CostModel<'a> {
+    /// Why a plan is not a plan of this cluster and model, if it is not.
+    pub fn check_structure(&self, plan: &PlanStructure) -> Result<(), String> {
+        self.check_layers_and_batch(plan)?;
+        if !fits(self.cluster, plan) {
+            return Err("the plan needs more GPUs (whole TP groups inside one node) than the cluster has".into());
+        }
+        Ok(())
     }
 }
 

@@ -1,5 +1,6 @@
-//! The plan: replicas of pipelines of stages, how it is priced as a whole, and where its GPUs
-//! physically are.
+//! The plan: replicas of pipelines of stages, how it is priced as a whole, and whether its
+//! layers and batch add up. Below `placement` (where its GPUs physically are, and whether the
+//! cluster holds it): calls only `cost`.
 
 use crate::cost::{CostModel, LayerCost, StageKind};
 
@@ -63,7 +64,8 @@ pub struct Evaluation {
 
 impl<'a> CostModel<'a> {
     /// Price a whole plan. Structural validity (layers cover the model, batch adds up, GPUs
-    /// exist) is checked by `check_structure`.
+    /// exist) is checked by `check_structure` (placement.rs, since it asks whether the cluster's
+    /// nodes hold the plan).
     pub fn evaluate(&self, plan: &PlanStructure) -> Evaluation {
         let gpus = plan.gpus_per_class(self.cluster.classes.len());
         let ctx = self.sync_context(plan.replicas.len() as u32, &gpus, plan.is_uniform());
@@ -95,16 +97,8 @@ impl<'a> CostModel<'a> {
         out
     }
 
-    /// Why a plan is not a plan of this cluster and model, if it is not.
-    pub fn check_structure(&self, plan: &PlanStructure) -> Result<(), String> {
-        self.check_layers_and_batch(plan)?;
-        if !crate::placement::fits(self.cluster, plan) {
-            return Err("the plan needs more GPUs (whole TP groups inside one node) than the cluster has".into());
-        }
-        Ok(())
-    }
-
-    /// Everything `check_structure` checks but whether the cluster's nodes hold the plan.
+    /// Everything `check_structure` (placement.rs) checks but whether the cluster's nodes hold
+    /// the plan.
     pub fn check_layers_and_batch(&self, plan: &PlanStructure) -> Result<(), String> {
         if plan.replicas.is_empty() {
             return Err("a plan needs at least one replica".into());

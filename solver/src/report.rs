@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use crate::baselines::{best_baseline, Baseline};
 use crate::cost::{CostModel, PlanOptions};
 use crate::error::Result;
+use crate::given_plan::{structure_of, CurrentPlan};
 use crate::hardware::Cluster;
 use crate::model::{Model, ModelSpec};
 use crate::network::{comm_groups, CommGroup};
@@ -151,7 +152,7 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
 /// Refused, with the field named, unless every GPU exists once with the stage's GPU type, each
 /// TP group is inside one node, every replica holds every layer once in contiguous stages,
 /// the samples add up to the global batch, and every stage fits in its GPUs' memory.
-pub fn given(req: &PlanRequest, doc: &crate::replan::CurrentPlan) -> Result<PlanReport> {
+pub fn given(req: &PlanRequest, doc: &CurrentPlan) -> Result<PlanReport> {
     req.opts.validate()?;
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
     if doc.global_batch != req.opts.global_batch {
@@ -189,7 +190,7 @@ pub fn given(req: &PlanRequest, doc: &crate::replan::CurrentPlan) -> Result<Plan
         crate::SolverError::InvalidInput { field, message } => crate::SolverError::InvalidInput { field: format!("plan.{field}"), message },
         other => other,
     };
-    let structure = crate::replan::structure_of(&cm, doc).map_err(named)?;
+    let structure = structure_of(&cm, doc).map_err(named)?;
     let eval = cm.evaluate(&structure);
     cm.cluster.check_precision(cm.opts.precision)?;
     for (ri, r) in structure.replicas.iter().enumerate() {
@@ -208,9 +209,9 @@ pub fn given(req: &PlanRequest, doc: &crate::replan::CurrentPlan) -> Result<Plan
     Ok(report)
 }
 
-/// The report of a plan document's `structure` (from `replan::structure_of`) on the document's
+/// The report of a plan document's `structure` (from `given_plan::structure_of`) on the document's
 /// own GPUs in its own order, priced by `cm` without any check (search mode "given").
-pub(crate) fn priced_as_given(cm: &CostModel, structure: &PlanStructure, doc: &crate::replan::CurrentPlan) -> PlanReport {
+pub(crate) fn priced_as_given(cm: &CostModel, structure: &PlanStructure, doc: &CurrentPlan) -> PlanReport {
     let t = cm.evaluate(structure).iteration_time;
     let gpus: Vec<Vec<Vec<GpuId>>> = doc.replicas.iter().map(|r| r.stages.iter().map(|s| s.gpus.clone()).collect()).collect();
     let placement = crate::placement::Placement { gpus, split_hops: 0 };

@@ -1,7 +1,9 @@
 //! Metis's cost model (`HeteroCostEstimator.get_cost` and the `LayerLoadBalancer` memory
 //! check), reproduced term by term so a plan costs here what it costs in Metis's own code.
 //! The formulas are in `solver/README.md` ("Metis's cost model"); the quirks it keeps by
-//! default are switches in [`Quirks`].
+//! default are switches in [`Quirks`]. A plan (`plan.rs`, the JSON form) is checked against
+//! the inputs here (`MetisPlan::validate`) before it is priced. Calls `input`, `plan` and
+//! `error`.
 
 use serde::Serialize;
 
@@ -356,6 +358,57 @@ impl<'a> MetisModel<'a> {
         let cost_ms = terms.execution_ms + terms.fb_sync_ms + terms.update_ms + terms.dp_ms + terms.pp_ms + terms.batch_generator_ms;
         let fits = terms.stage_memory_mb.iter().zip(&terms.stage_capacity_mb).all(|(m, c)| c - m >= 0.0);
         Ok(MetisCost { cost_ms, fits, terms })
+    }
+}
+
+impl MetisPlan {
+    /// Check the plan against the inputs; return its rank layout and micro-batch count.
+    pub fn validate(&self, m: &MetisModel) -> Result<(Layout, u32)> {
+        let bad = |f: &str, why: String| Err(SolverError::invalid(format!("plan.{f}"), why));
+        let mut order = vec![];
+        for (i, name) in self.node_sequence.iter().enumerate() {
+            match m.profiles.type_index(&name.to_ascii_uppercase()) {
+                Some(t) if m.cluster.types[t].gpus > 0 && !order.contains(&t) => order.push(t),
+                _ => return bad(&format!("node_sequence[{i}]"), format!("{name} is not a GPU type of the cluster, or is repeated")),
+            }
+        }
+        if order.len() != m.cluster.present().len() {
+            return bad(
+                "node_sequence",
+                format!(
+                    "must list every GPU type of the cluster once: {:?}",
+                    m.cluster.present().iter().map(|&t| &m.profiles.types[t]).collect::<Vec<_>>()
+                ),
+            );
+        }
+        let s = self.device_groups.len();
+        if s == 0 || self.strategies.len() != s || self.layer_partition.len() != s + 1 {
+            return bad("device_groups", "needs one group per stage, one [dp, tp] per stage and stages + 1 layer boundaries".into());
+        }
+        let total: u32 = self.device_groups.iter().sum();
+        if total != m.cluster.total_gpus() {
+            return bad("device_groups", format!("sum to {total} GPUs but the cluster has {}", m.cluster.total_gpus()));
+        }
+        for (i, (g, [dp, tp])) in self.device_groups.iter().zip(&self.strategies).enumerate() {
+            if dp * tp != *g || *dp == 0 {
+                return bad(&format!("strategies[{i}]"), format!("dp x tp = {dp} x {tp} must equal the stage's {g} GPUs"));
+            }
+        }
+        let l = m.settings.layers;
+        let p = &self.layer_partition;
+        if p[0] != 0 || p[s] != l || p.windows(2).any(|w| w[1] <= w[0]) {
+            return bad("layer_partition", format!("must rise strictly from 0 to the model's {l} layers"));
+        }
+        let gbs = m.settings.global_batch;
+        if self.batches == 0 || !gbs.is_multiple_of(self.batches) {
+            return bad("batches", format!("must divide the global batch {gbs}"));
+        }
+        for (i, [dp, _]) in self.strategies.iter().enumerate() {
+            if gbs / dp / self.batches == 0 {
+                return bad(&format!("strategies[{i}]"), format!("dp {dp} x {} micro-batches exceeds the global batch", self.batches));
+            }
+        }
+        Ok((Layout::by_type_sequence(m.cluster, &order), self.batches))
     }
 }
 

@@ -1,6 +1,7 @@
 //! Who may use the data plane, and over what (docs/recovery.md, "Who may fetch"): this node's
 //! own data-plane key it checks capabilities with, the cluster's probe key, how many
 //! connections one peer may hold, and TLS on both ends wherever the agent has a certificate.
+//! Below `server`, `client` and `probe`; calls `limits`, `pace` and `protocol`.
 
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -13,6 +14,7 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
 use tokio_rustls::rustls::{self, ClientConfig, RootCertStore, ServerConfig};
 
+use super::limits::{MAX_CONNECTIONS, MAX_PER_SOURCE, REQUEST_TIMEOUT};
 use super::protocol::FileKey;
 use crate::error::AgentError;
 
@@ -113,12 +115,12 @@ impl DataKey {
     }
 
     /// How long a new connection may take for its TLS handshake and request line: two base
-    /// intervals, within 1 to 10 s (`server::REQUEST_TIMEOUT`). A client sends its line as soon
+    /// intervals, within 1 to 10 s (`limits::REQUEST_TIMEOUT`). A client sends its line as soon
     /// as it is connected, so a connection that has said nothing by then holds its slot for
     /// nothing.
     pub fn request_deadline(&self) -> Duration {
         let base = self.0.read().expect("data-plane key lock").base.unwrap_or(DEFAULT_BASE);
-        (base * 2).clamp(Duration::from_secs(1), super::server::REQUEST_TIMEOUT)
+        (base * 2).clamp(Duration::from_secs(1), REQUEST_TIMEOUT)
     }
 
     /// A probe token for `node`'s data plane, valid `capability::PROBE_EXPIRY_S` from now
@@ -242,7 +244,7 @@ pub struct Access {
     pub tls: Option<Arc<ServerConfig>>,
     /// Connections served at once; more wait, unread, in the listen queue.
     pub max_connections: usize,
-    /// Connections one source address may hold at once (`server::MAX_PER_SOURCE`); one more
+    /// Connections one source address may hold at once (`limits::MAX_PER_SOURCE`); one more
     /// from it is closed at once, so no one peer holds every slot.
     pub max_per_source: usize,
     /// This agent's node: a probe's token must name it. `None`: probes are refused.
@@ -254,14 +256,7 @@ pub struct Access {
 
 impl Access {
     pub fn new(key: DataKey, tls: Option<Arc<ServerConfig>>) -> Access {
-        Access {
-            key,
-            tls,
-            max_connections: super::server::MAX_CONNECTIONS,
-            max_per_source: super::server::MAX_PER_SOURCE,
-            node: None,
-            probe_pacer: None,
-        }
+        Access { key, tls, max_connections: MAX_CONNECTIONS, max_per_source: MAX_PER_SOURCE, node: None, probe_pacer: None }
     }
 
     /// Serve probes whose token names `node`.

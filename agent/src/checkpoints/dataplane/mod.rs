@@ -7,9 +7,9 @@
 //! One TCP connection per request; over TLS (the agent's `--tls-cert`/`--tls-key`, ALPN
 //! `motley-data/1`) wherever the agent has a certificate, and then only over TLS: its
 //! `data_url` is `tls://HOST:PORT`, a plain-TCP client fails the handshake, and its own
-//! fetches never fall back to plain TCP. A server takes at most `server::MAX_CONNECTIONS`
+//! fetches never fall back to plain TCP. A server takes at most `limits::MAX_CONNECTIONS`
 //! connections at once (the rest wait, unread, in the listen queue), at most
-//! `server::MAX_PER_SOURCE` of them from one source address (one more from it is closed at
+//! `limits::MAX_PER_SOURCE` of them from one source address (one more from it is closed at
 //! once), and each must bring its handshake and request line within two base intervals, 1 to
 //! 10 s (`DataKey::request_deadline`), or it is closed.
 //!
@@ -64,6 +64,7 @@
 
 pub mod access;
 pub mod client;
+pub mod limits;
 pub mod pace;
 pub mod probe;
 pub mod protocol;
@@ -72,8 +73,9 @@ pub mod server;
 
 pub use access::{Access, ClientTls, DataKey, Issued, Stream};
 pub use client::{fetch, fetch_to_path, temporary_path, Peer};
+pub use limits::MAX_PROBE_BYTES;
 pub use pace::{take_all, Pacer};
-pub use probe::{Measured, Probe, ProbeFailed, MAX_PROBE_BYTES};
+pub use probe::{Measured, Probe, ProbeFailed};
 pub use protocol::{FileKey, Transport};
 pub use resolve::{ckpt_path, restore_path, Arrival, Arriving, DirResolver, Located, Pending, Resolve, Root};
 pub use server::serve;

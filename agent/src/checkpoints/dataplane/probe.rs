@@ -1,7 +1,8 @@
 //! Link probes over the data plane (docs/network.md, "Measure (agents)"): a peer asks for up to
 //! `MAX_PROBE_BYTES` bytes with a probe token naming this node and times them. The asking end
 //! is here (the serving end is `server::serve_probe`); when and how large probes are is
-//! `net::probe`'s.
+//! `net::probe`'s. Calls `access`, `client` (the connection a fetch makes), `limits` and
+//! `protocol`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -11,16 +12,9 @@ use tokio::time::Instant;
 
 use super::access::ClientTls;
 use super::client::Peer;
+use super::limits::{MAX_PROBE_BYTES, PROBE_CHUNK};
 use super::protocol::{line, read_line, ProbeAsk, ProbeRequest, Reply, Transport, VERSION};
 use crate::error::AgentError;
-
-/// The most payload bytes one probe may ask for; a larger probe is refused before any byte.
-pub const MAX_PROBE_BYTES: u64 = 8 << 20;
-/// The chunk the server writes and the client reads: every buffer of a probe is this large at
-/// most, whatever the peer says.
-pub(super) const CHUNK: usize = 64 << 10;
-/// The payload: zeros (probes measure the link, not the bytes).
-pub(super) static ZEROS: [u8; CHUNK] = [0; CHUNK];
 
 /// One probe to make: the peer's data plane as it registered it (`HOST:PORT` or
 /// `tls://HOST:PORT`), its token, this agent's TLS client where it has TLS, and the longest
@@ -128,9 +122,9 @@ impl Probe<'_> {
         reader.consume(buffered as usize);
         let mut got = buffered;
         let mut last = replied;
-        let mut buf = vec![0u8; CHUNK.min(bytes as usize)];
+        let mut buf = vec![0u8; PROBE_CHUNK.min(bytes as usize)];
         while got < bytes {
-            let want = (bytes - got).min(CHUNK as u64) as usize;
+            let want = (bytes - got).min(PROBE_CHUNK as u64) as usize;
             let n = match self.io(reader.read(&mut buf[..want]), deadline).await {
                 Ok(0) => return Err(fail(format!("the stream ended after {got} of {bytes} bytes"), got)),
                 Ok(n) => n as u64,

@@ -2,7 +2,8 @@
 //! most `Access::max_connections` at once and `Access::max_per_source` from one address, each
 //! given `DataKey::request_deadline` to bring its request line; each request allowed by its
 //! capability only, over TLS wherever the agent has a certificate (docs/recovery.md, "Who may
-//! fetch").
+//! fetch"). Its bounds shared with `access` and `probe` are `limits`'; the asking end of a
+//! probe is `probe`. Calls `access`, `limits`, `pace`, `protocol`, `resolve`.
 
 use std::fs::File;
 use std::net::IpAddr;
@@ -14,8 +15,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::access::{Access, DataKey, Stream};
+use super::limits::{MAX_PROBE_BYTES, PROBE_CHUNK, PROBE_ZEROS};
 use super::pace::{take_all, Pacer};
-use super::probe::{CHUNK, MAX_PROBE_BYTES, ZEROS};
 use super::protocol::{
     check_ranges, line, read_line, Asked, FrameHeader, ProbeRequest, Reply, Transport, FRAME_HEADER_BYTES, FRAME_MAX, MAX_LINE,
 };
@@ -24,27 +25,10 @@ use super::resolve::{Located, Resolve};
 /// How long a peer may take to take one frame, or to wait for a file arriving here, before the
 /// connection is dropped: a stalled peer must not hold a file open forever.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-/// The longest a new connection may take for its TLS handshake and request line together
-/// (`DataKey::request_deadline`: two base intervals, within 1 s and this). A client sends its
-/// line as soon as it is connected; this is the TLS handshake bound of the agent's other TLS
-/// service (`motley_contract::serve`), and a third of the 30 s the restorer waits on a peer.
-pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections served at once (`Access::max_connections`): a restoring node opens at most a
-/// few hundred at a time (`restorer::run`'s bound on files in flight), and each holds a socket
-/// and a file open. Beyond it connections wait, unread, in the listen queue, so a peer that
-/// opens thousands costs this agent no more than this many tasks and descriptors.
-pub const MAX_CONNECTIONS: usize = 512;
-/// Connections one source address may hold at once (`Access::max_per_source`): a restoring
-/// agent has at most 128 connections open, one per MiB of its restore buffers
-/// (`restorer::verify::BUFFER_BUDGET_MIB`), and a probing one a single connection. A peer
-/// that opens more (a rank that can reach the port, connecting and saying nothing) holds a
-/// quarter of `MAX_CONNECTIONS` at most, and its connections beyond it are closed at once
-/// rather than queued, so the other nodes' restores are still served.
-pub const MAX_PER_SOURCE: usize = 128;
 /// How long a probe may take, from its request to its last byte taken, before the server
-/// closes the connection: a probe is at most `probe::MAX_PROBE_BYTES` sized to take tens of
+/// closes the connection: a probe is at most `limits::MAX_PROBE_BYTES` sized to take tens of
 /// milliseconds, so a peer that reads it slower than this is cut rather than holding one of the
-/// `MAX_CONNECTIONS` slots for as long as it trickles.
+/// `limits::MAX_CONNECTIONS` slots for as long as it trickles.
 pub const PROBE_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Serves every connection `listener` accepts, forever: `access` says which requests are
@@ -236,9 +220,9 @@ async fn serve_probe(
         let pacers: Vec<&Pacer> = pacer.into_iter().collect();
         let mut left = bytes;
         while left > 0 {
-            let n = left.min(CHUNK as u64);
+            let n = left.min(PROBE_CHUNK as u64);
             take_all(&pacers, n).await;
-            send(stream, &ZEROS[..n as usize]).await.map_err(|e| format!("probe: {e}"))?;
+            send(stream, &PROBE_ZEROS[..n as usize]).await.map_err(|e| format!("probe: {e}"))?;
             left -= n;
         }
         stream.shutdown().await.map_err(|e| format!("probe: closing: {e}"))

@@ -17,8 +17,10 @@
 //!
 //! This file holds the restorer's state and what the coordinator exchanges with it (reports,
 //! acknowledgements); `run` orchestrates one restore, `sources` fetches bytes, `verify` checks
-//! them, `kept` is what survives an agent restart.
+//! them (and has a corrupt chunk fetched again by `sources`), `budget` is the memory and the
+//! blocking threads both work through, `kept` is what survives an agent restart.
 
+mod budget;
 mod kept;
 mod run;
 mod sources;

@@ -12,15 +12,16 @@ use std::time::{Duration, Instant};
 use motley_checkpoint::Unit;
 use motley_proto::v1::{MakeUnit, Restore, RestoreFile, RestoreResult};
 
+use super::budget::blocking;
 use super::kept::result_path;
 use super::sources::{rate, CloudSide};
-use super::verify::{blocking, check_ask, entry_of, verifies};
+use super::verify::{check_ask, entry_of, verifies};
 use super::{launch_list, merge, restore_dir, Restorer, Tally};
 use crate::checkpoints::dataplane::{self, FileKey, Pacer};
 
 /// Files fetched at once: all of them, as the plan's rates assume (each flow is paced to its
 /// share), up to this bound on open connections and files. Their memory is bounded apart: every
-/// buffer they read or write through is within `verify::BUFFER_BUDGET_MIB`.
+/// buffer they read or write through is within `budget::BUFFER_BUDGET_MIB`.
 const PARALLEL_FILES: usize = 256;
 /// Bytes kept free beyond what a restore writes.
 const FREE_MARGIN: u64 = 64 << 20;

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use motley_proto::v1::{FetchSource, RestoreFile};
 
-use super::verify::{blocking, buffer, IO_BUFFER};
+use super::budget::{blocking, buffer, IO_BUFFER};
 use super::{merge, Restorer, Tally};
 use crate::checkpoints::dataplane::{self, FileKey, Located, Pacer, Peer, Transport};
 

@@ -2,12 +2,8 @@
 //! the ask gives no crcs for is refused, docs/recovery.md step 6), read through one fixed
 //! buffer off the async workers, so a multi-GB unit costs neither its size in memory nor a
 //! worker thread the heartbeat needs; and, for a copy assembled from several sources, the first
-//! corrupt chunk fetched again from a holder that did not send it.
-//!
-//! Memory: every buffer a restore reads or writes file bytes through (a local copy's piece, a
-//! cloud piece, a peer flow's frame, a verification pass) takes its MiB from one budget of
-//! `BUFFER_BUDGET_MIB` for the whole agent, so the files in flight cost at most that much,
-//! however many and however large.
+//! corrupt chunk fetched again from a holder that did not send it (through `sources`). Its
+//! buffers are `budget`'s.
 
 use std::fs::File;
 use std::io::Read;
@@ -15,29 +11,11 @@ use std::path::{Path, PathBuf};
 
 use motley_checkpoint::FileEntry;
 use motley_proto::v1::{FetchSource, Restore, RestoreFile};
-use tokio::sync::{Semaphore, SemaphorePermit};
 
+use super::budget::{blocking, buffer, IO_BUFFER};
 use super::sources::{describe, CloudSide, Sent};
 use super::{Restorer, Tally};
 use crate::checkpoints::dataplane::FileKey;
-
-/// MiB of file buffers all restores of this agent hold at once (docs/recovery.md, "Limits").
-pub const BUFFER_BUDGET_MIB: u32 = 128;
-/// The buffer a verification pass or a local copy reads through (MiB): a chunk's crc is
-/// accumulated across reads, whatever the manifest's chunk size.
-pub(super) const IO_BUFFER: usize = 1 << 20;
-
-static BUFFERS: Semaphore = Semaphore::const_new(BUFFER_BUDGET_MIB as usize);
-
-/// Take `mib` MiB of the agent's restore buffer budget until the permit drops.
-pub(super) async fn buffer(mib: u32) -> SemaphorePermit<'static> {
-    BUFFERS.acquire_many(mib.min(BUFFER_BUDGET_MIB)).await.expect("the buffer budget is never closed")
-}
-
-/// Run blocking file work on tokio's blocking pool, never on an async worker.
-pub(super) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, String> + Send + 'static) -> Result<T, String> {
-    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| Err(format!("a file task ended: {e}")))
-}
 
 /// Refuse an ask a restore cannot carry out safely: files of more than one generation (a step
 /// is restored as one generation wrote it), or a file without a crc32c for every chunk (every
