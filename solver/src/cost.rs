@@ -100,7 +100,7 @@ impl PlanOptions {
     }
 
     /// Bytes of weights, gradients and optimizer state per parameter on one GPU, as the rank
-    /// runtime holds them (`python/motley_torch/zero.py`). Without ZeRO-1: fp32 weights, fp32
+    /// runtime holds them (`python/motley_torch/distributed/zero.py`). Without ZeRO-1: fp32 weights, fp32
     /// gradients and AdamW's two fp32 moments, 16, plus in bf16/fp16 the half copy autocast
     /// makes of each weight and keeps for the step (`schedule.Pipeline.step`), 18 (as
     /// Megatron-LM's mixed precision without a distributed optimizer). With it: the weights in

@@ -1,6 +1,6 @@
-//! Bytes of activations the rank runtime (`python/motley_torch/model.py`) keeps for the
+//! Bytes of activations the rank runtime (`python/motley_torch/models/transformer.py`) keeps for the
 //! backward pass, per token, as counted tensor by tensor with
-//! `torch.autograd.graph.saved_tensors_hooks` (`motley_torch.saved`; `bench/activation_bytes.py`
+//! `torch.autograd.graph.saved_tensors_hooks` (`motley_torch.tools.saved`; `bench/activation_bytes.py`
 //! prints the counts, and the tests here and in `python/tests/test_activation_bytes.py` hold
 //! the estimate and the runtime to the same numbers). Korthikanti et al.'s 34·h bytes per token assume every
 //! tensor in 16 bits and one cast of each input; the runtime differs:
