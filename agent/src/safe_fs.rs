@@ -10,7 +10,7 @@
 //! And the one check of a file name that comes from a manifest piece, a restore, a cloud marker
 //! or a peer: `check_name`.
 
-use std::ffi::OsStr;
+use std::ffi::{CString, OsStr};
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
@@ -75,15 +75,22 @@ pub struct Dir {
     path: PathBuf,
 }
 
+/// How a file is written under a temporary name first (`Dir::write_renamed`, `write_once`).
+#[derive(Debug, Clone, Copy)]
+pub struct Temp {
+    pub mode: u32,
+    /// Given to this (uid, gid) before it takes its name: whoever reads it by name never finds
+    /// it still the agent's.
+    pub owner: Option<(u32, u32)>,
+    /// Fsynced, file and directory: records, exit codes and markers must survive a power loss.
+    pub durable: bool,
+}
+
 /// The agent's effective uid: what it made is its own.
 pub fn euid() -> u32 {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() }
 }
-
-/// How deep `Dir::remove_tree` goes: a checkpoint step has no directories in it at all, a
-/// launch directory a few levels; a tree deeper than this was made to exhaust the agent.
-pub const MAX_TREE_DEPTH: usize = 32;
 
 /// The directory `path` whose top `depth` components lie in a directory a rank can write:
 /// the part above them is the agent's own (the work directory, the memory tier's root) and is
@@ -97,6 +104,15 @@ pub fn open_under(path: &Path, depth: usize) -> Result<Dir> {
     let root: PathBuf = parts[..split].iter().collect();
     let rel: PathBuf = parts[split..].iter().collect();
     Dir::open(&root)?.dir(rel)
+}
+
+/// The tree at `path` removed (`Dir::remove_tree`): its parent is a directory of the agent's
+/// own (the memory tier's `jobs/JOB`), opened by path; the tree itself a rank's.
+pub fn remove_tree_at(path: &Path) -> Result<()> {
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return Err(AgentError::Unsafe { path: path.to_path_buf() });
+    };
+    Dir::open(parent)?.remove_tree(name)
 }
 
 impl Dir {
@@ -180,18 +196,98 @@ impl Dir {
     /// `bytes` under `name`, whole or not at all: a new temporary file (mode 0600, the agent's),
     /// fsynced, renamed over `name`, the directory fsynced.
     pub fn write_atomic(&self, name: &str, bytes: &[u8]) -> Result<()> {
-        let tmp = format!(".{name}.tmp-{}", std::process::id());
-        self.remove_file(&tmp)?;
-        let io = |err| AgentError::Io { what: "writing", path: self.at(Path::new(name)), err };
-        let written = self.create_new(&tmp, 0o600).and_then(|mut f| {
-            std::io::Write::write_all(&mut f, bytes).map_err(io)?;
-            f.sync_all().map_err(io)
-        });
-        if let Err(e) = written.and_then(|()| self.rename(&tmp, name)) {
+        self.write_renamed(name, bytes, &Temp { mode: 0o600, owner: None, durable: true })
+    }
+
+    /// `bytes` under `name`, whole or not at all, as `temp` says: a new temporary file renamed
+    /// over `name` (a link there is replaced, not followed); the directory fsynced if durable.
+    pub fn write_renamed(&self, name: &str, bytes: &[u8], temp: &Temp) -> Result<()> {
+        let tmp = self.write_temp(name, bytes, temp)?;
+        if let Err(e) = self.rename(&tmp, name) {
             let _ = self.remove_file(&tmp);
             return Err(e);
         }
-        self.sync()
+        if temp.durable {
+            self.sync()?;
+        }
+        Ok(())
+    }
+
+    /// `bytes` under `name` unless something is there (then nothing changes; `false`): a new
+    /// temporary file, fsynced, linked to `name`, the directory fsynced.
+    pub fn write_once(&self, name: &str, bytes: &[u8], temp: &Temp) -> Result<bool> {
+        plain(name, &self.path)?;
+        let tmp = self.write_temp(name, bytes, temp)?;
+        let linked = rustix::fs::linkat(&self.fd, tmp.as_str(), &self.fd, name, AtFlags::empty());
+        let _ = self.remove_file(&tmp);
+        match linked {
+            Ok(()) => self.sync().map(|()| true),
+            Err(Errno::EXIST) => Ok(false),
+            Err(e) => Err(fail("writing", &self.at(Path::new(name)), e)),
+        }
+    }
+
+    /// The temporary file `.NAME.tmp-PID` made new (whatever had the name is unlinked first,
+    /// and one that appears again is an error: a rank may plant a file of its own there, and
+    /// what the agent writes must never land in it), `bytes` in it, its mode and owner set
+    /// through its handle, fsynced if durable. Its name, to rename or link.
+    fn write_temp(&self, name: &str, bytes: &[u8], temp: &Temp) -> Result<String> {
+        plain(name, &self.path)?;
+        let tmp = format!(".{name}.tmp-{}", std::process::id());
+        self.remove_file(&tmp)?;
+        let path = self.at(Path::new(name));
+        let io = |err| AgentError::Io { what: "writing", path: path.clone(), err };
+        let written = self.create_new(&tmp, temp.mode).and_then(|mut f| {
+            // Set through the handle: the umask must not narrow it, nor anyone widen it.
+            rustix::fs::fchmod(&f, Mode::from_raw_mode(temp.mode)).map_err(|e| fail("writing", &path, e))?;
+            if let Some((uid, gid)) = temp.owner {
+                chown_file(&f, uid, gid, &path)?;
+            }
+            std::io::Write::write_all(&mut f, bytes).map_err(io)?;
+            if temp.durable {
+                f.sync_all().map_err(io)?;
+            }
+            Ok(())
+        });
+        if let Err(e) = written {
+            let _ = self.remove_file(&tmp);
+            return Err(e);
+        }
+        Ok(tmp)
+    }
+
+    /// The regular file `name` opened for writing and emptied, made (mode `mode`) if absent:
+    /// for a file the agent writes again under the same name (a log). Never through a link,
+    /// never a FIFO (opened without blocking, then refused), never a file with another hard
+    /// link (one planted could be a file of root's): such a name is refused before anything
+    /// in it changes.
+    pub fn create_or_empty(&self, name: &str, mode: u32) -> Result<File> {
+        plain(name, &self.path)?;
+        let path = self.at(Path::new(name));
+        let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::NONBLOCK;
+        let fd = self.open_beneath(Path::new(name), flags, Mode::from_raw_mode(mode))?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| fail("writing", &path, e))?;
+        if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile || st.st_nlink != 1 {
+            return Err(AgentError::Unsafe { path });
+        }
+        rustix::fs::ftruncate(&fd, 0).map_err(|e| fail("writing", &path, e))?;
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode)).map_err(|e| fail("writing", &path, e))?;
+        rustix::fs::fcntl_setfl(&fd, OFlags::empty()).map_err(|e| fail("writing", &path, e))?;
+        Ok(File::from(fd))
+    }
+
+    /// The file or directory `name` given to `uid`:`gid` through a handle opened without
+    /// following a link or blocking on a FIFO; never a file with another hard link (a link to
+    /// a file of root's could have taken the name's place).
+    pub fn chown_entry(&self, name: &str, uid: u32, gid: u32) -> Result<()> {
+        plain(name, &self.path)?;
+        let path = self.at(Path::new(name));
+        let fd = self.open_beneath(Path::new(name), OFlags::RDONLY | OFlags::NONBLOCK, Mode::empty())?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| fail("changing the owner of", &path, e))?;
+        if FileType::from_raw_mode(st.st_mode) != FileType::Directory && st.st_nlink != 1 {
+            return Err(AgentError::Unsafe { path });
+        }
+        chown_fd(&fd, uid, gid, &path)
     }
 
     /// A new file `name` (mode `mode`), made here and now: never one that was there, never
@@ -219,33 +315,73 @@ impl Dir {
     }
 
     /// The directory `name` and everything in it removed, every level through a handle (a
-    /// link in it is removed, never followed); absent is fine.
+    /// link in it is removed, never followed); absent is fine. Any depth, without recursion
+    /// and with three descriptors at most: a rank may nest directories thousands deep in its
+    /// own (docs/state.md), and neither the agent's stack nor its descriptors may grow with it.
+    /// Back up is through `..` of the directory just emptied, checked to be the directory the
+    /// walk came down from (device and inode): a rank that moves a directory out of the tree
+    /// while it is walked (into /tmp, say) stops the walk with `Unsafe` instead of leading it
+    /// into another directory.
     pub fn remove_tree(&self, name: &str) -> Result<()> {
-        self.remove_tree_within(name, MAX_TREE_DEPTH)
-    }
-
-    /// `remove_tree`, at most `depth` levels down: a rank may nest directories thousands deep
-    /// in its own, and each level costs the blocking thread's stack and a descriptor.
-    fn remove_tree_within(&self, name: &str, depth: usize) -> Result<()> {
         plain(name, &self.path)?;
         match rustix::fs::unlinkat(&self.fd, name, AtFlags::empty()) {
             Ok(()) | Err(Errno::NOENT) => return Ok(()),
             Err(Errno::ISDIR) | Err(Errno::PERM) => {}
             Err(e) => return Err(fail("removing", &self.at(Path::new(name)), e)),
         }
-        let sub = match self.dir_if_any(name)? {
-            Some(d) => d,
-            None => return Ok(()),
-        };
-        if depth == 0 {
-            return Err(AgentError::Unsafe { path: sub.path.clone() });
+        let Some(top) = self.dir_if_any(name)? else { return Ok(()) };
+        let id = |st: &Stat| (st.st_dev, st.st_ino);
+        // The (device, inode) of each directory from this one down to the one the walk is in,
+        // and the name of each below this one in its parent.
+        let mut ids = vec![id(&self.own_stat()?), id(&top.own_stat()?)];
+        let mut names = vec![CString::new(name).map_err(|_| AgentError::Unsafe { path: self.at(Path::new(name)) })?];
+        let mut cur = top.fd;
+        let shown = |names: &[CString]| names.iter().fold(self.path.clone(), |p, n| p.join(OsStr::from_bytes(n.as_bytes())));
+        loop {
+            // Empty `cur` of its files; the first directory found is walked into.
+            if let Some(sub) = empty_files(&cur).map_err(|e| fail("removing", &shown(&names), e))? {
+                let rel = Path::new(OsStr::from_bytes(sub.as_bytes()));
+                let fd = rustix::fs::openat2(&cur, rel, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty(), RESOLVE);
+                names.push(sub);
+                match fd {
+                    Ok(fd) => {
+                        ids.push(id(&rustix::fs::fstat(&fd).map_err(|e| fail("removing", &shown(&names), e))?));
+                        cur = fd;
+                    }
+                    // Gone since it was listed: look again.
+                    Err(Errno::NOENT) => {
+                        names.pop();
+                    }
+                    Err(e) => return Err(fail("removing", &shown(&names), e)),
+                }
+                continue;
+            }
+            // `cur` is empty: up to its parent, which must be the one the walk came from.
+            let up = rustix::fs::openat(&cur, "..", OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
+                .map_err(|e| fail("removing", &shown(&names), e))?;
+            let st = rustix::fs::fstat(&up).map_err(|e| fail("removing", &shown(&names), e))?;
+            ids.pop();
+            if ids.last() != Some(&id(&st)) {
+                return Err(AgentError::Unsafe { path: shown(&names) });
+            }
+            let gone = names.pop().expect("a name for each directory below the top");
+            match rustix::fs::unlinkat(&up, gone.as_c_str(), AtFlags::REMOVEDIR) {
+                Ok(()) | Err(Errno::NOENT) => {}
+                Err(e) => return Err(fail("removing", &shown(&names).join(OsStr::from_bytes(gone.as_bytes())), e)),
+            }
+            if names.is_empty() {
+                return Ok(());
+            }
+            cur = up;
         }
-        // Each entry as a tree: a file or link is unlinked at once, a directory emptied first.
-        for (child, _) in sub.entries()? {
-            sub.remove_tree_within(&child, depth - 1)?;
-        }
+    }
+
+    /// The empty directory `name` removed: `true`; `false` where it is absent or not empty.
+    pub fn remove_dir(&self, name: &str) -> Result<bool> {
+        plain(name, &self.path)?;
         match rustix::fs::unlinkat(&self.fd, name, AtFlags::REMOVEDIR) {
-            Ok(()) | Err(Errno::NOENT) => Ok(()),
+            Ok(()) => Ok(true),
+            Err(Errno::NOENT) | Err(Errno::NOTEMPTY) | Err(Errno::EXIST) => Ok(false),
             Err(e) => Err(fail("removing", &self.at(Path::new(name)), e)),
         }
     }
@@ -305,6 +441,33 @@ pub fn chown_file(f: &File, uid: u32, gid: u32, path: &Path) -> Result<()> {
 fn chown_fd(fd: impl AsFd, uid: u32, gid: u32, path: &Path) -> Result<()> {
     let (u, g) = (rustix::fs::Uid::from_raw(uid), rustix::fs::Gid::from_raw(gid));
     rustix::fs::fchown(fd, Some(u), Some(g)).map_err(|e| fail("changing the owner of", path, e))
+}
+
+/// Every file, link and other non-directory in `dir` unlinked; the name of the first
+/// directory in it, if any (names that are not UTF-8 too: a rank may make any). Listed again
+/// until a listing unlinks nothing: one that unlinks as it goes may pass over a name.
+fn empty_files(dir: &OwnedFd) -> std::result::Result<Option<CString>, Errno> {
+    loop {
+        let mut unlinked = false;
+        // A handle of its own: listing moves its offset.
+        let fd = rustix::fs::openat(dir, ".", OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
+        for e in rustix::fs::Dir::new(fd)? {
+            let e = e?;
+            let name = e.file_name();
+            if name.to_bytes() == b"." || name.to_bytes() == b".." {
+                continue;
+            }
+            match rustix::fs::unlinkat(dir, name, AtFlags::empty()) {
+                Ok(()) => unlinked = true,
+                Err(Errno::NOENT) => {}
+                Err(Errno::ISDIR) | Err(Errno::PERM) => return Ok(Some(name.to_owned())),
+                Err(e) => return Err(e),
+            }
+        }
+        if !unlinked {
+            return Ok(None);
+        }
+    }
 }
 
 /// One name in a directory, not a path.

@@ -154,3 +154,40 @@ fn a_file_is_read_whole_only_within_its_limit_and_written_whole() {
     assert_eq!(root.read("piece.json", 10).unwrap(), b"new");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A tree nested `depth` directories deep under `dir/name`, a file, a FIFO, a link to `outside`
+/// and a name that is not UTF-8 every hundred levels; made through handles (its paths are far
+/// longer than PATH_MAX).
+pub(crate) fn deep_tree(dir: &Path, name: &str, depth: usize, outside: &Path) {
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    let mut cur = rustix::fs::open(dir, flags, Mode::empty()).unwrap();
+    for level in 0..depth {
+        let sub = if level == 0 { name } else { "d" };
+        rustix::fs::mkdirat(&cur, sub, Mode::from_raw_mode(0o755)).unwrap();
+        cur = rustix::fs::openat(&cur, sub, flags, Mode::empty()).unwrap();
+        if level % 100 == 0 {
+            let wr = OFlags::WRONLY | OFlags::CREATE | OFlags::CLOEXEC;
+            drop(rustix::fs::openat(&cur, "f", wr, Mode::from_raw_mode(0o644)).unwrap());
+            drop(rustix::fs::openat(&cur, c"\xff\xfe", wr, Mode::empty()).unwrap());
+            rustix::fs::mknodat(&cur, "fifo", FileType::Fifo, Mode::from_raw_mode(0o600), 0).unwrap();
+            rustix::fs::symlinkat(outside, &cur, "link").unwrap();
+            rustix::fs::mkdirat(&cur, "side", Mode::from_raw_mode(0o755)).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_tree_thousands_of_levels_deep_is_removed_without_recursion_or_following_links() {
+    let dir = scratch("deep");
+    let outside = dir.join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(outside.join("keep"), "k").unwrap();
+    deep_tree(&dir, "tree", 6000, &outside);
+    let root = Dir::open(&dir).unwrap();
+    // On a thread with a small stack: one frame per level would overflow it.
+    let handle = std::thread::Builder::new().stack_size(64 << 10).spawn(move || root.remove_tree("tree")).unwrap();
+    handle.join().unwrap().unwrap();
+    assert!(!dir.join("tree").exists());
+    assert_eq!(std::fs::read_to_string(outside.join("keep")).unwrap(), "k", "the links' target stays");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

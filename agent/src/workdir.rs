@@ -13,11 +13,11 @@
 //! launch directory by name but list nothing; the lease file (a deadline, no secret) is 0644
 //! so the rank's wrapper can read it.
 
-use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::error::{AgentError, Result};
+use crate::safe_fs::{Dir, Temp};
 
 pub fn generation_dir(work_dir: &Path, job: i64, generation: i64) -> PathBuf {
     work_dir.join("jobs").join(job.to_string()).join(generation.to_string())
@@ -44,54 +44,24 @@ pub fn create_dirs(dir: &Path) -> Result<()> {
     })
 }
 
-/// Open `path` for writing, created with mode 0600 (and set to 0600 if it was there before:
-/// the mode of an existing file is not changed by `create`). Never through a symbolic link: a
-/// rank running as another user can plant one in its launch directory; nor blocking on a FIFO
-/// planted there (opened non-blocking: without a reader, an error; a regular file does not
-/// notice); nor emptying a file with another hard link (one planted there could be a file of
-/// root's): such a name is refused before anything in it changes.
-pub fn create_file(path: &Path) -> Result<std::fs::File> {
-    let io = |err| AgentError::Io { what: "writing", path: path.to_path_buf(), err };
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(FILE_MODE)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-        .map_err(io)?;
-    let meta = f.metadata().map_err(io)?;
-    if !meta.is_file() || std::os::unix::fs::MetadataExt::nlink(&meta) != 1 {
-        return Err(AgentError::Unsafe { path: path.to_path_buf() });
-    }
-    f.set_len(0).map_err(io)?;
-    f.set_permissions(std::fs::Permissions::from_mode(FILE_MODE)).map_err(io)?;
-    Ok(f)
-}
-
-fn temp_for(path: &Path) -> PathBuf {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
-}
-
-/// The temporary file for `path`, written (mode 0600) and, if `durable`, on disk.
-fn write_temp(path: &Path, bytes: &[u8], durable: bool) -> Result<PathBuf> {
-    let tmp = temp_for(path);
-    let io = |err| AgentError::Io { what: "writing", path: path.to_path_buf(), err };
-    let mut f = create_file(&tmp)?;
-    f.write_all(bytes).map_err(io)?;
-    if durable {
-        f.sync_all().map_err(io)?;
-    }
-    Ok(tmp)
-}
-
-/// The directory entry of a renamed or linked file survives a power loss only once its
-/// directory is on disk too.
-fn sync_dir(path: &Path) -> Result<()> {
+/// The directory of `path` (opened without following a link as its last step) and the name
+/// in it: every file the agent writes is written through its directory's handle (`safe_fs`),
+/// since that directory may be a rank's (its launch directory: docs/state.md).
+fn parent_of(path: &Path) -> Result<(Dir, String)> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let io = |err| AgentError::Io { what: "syncing", path: dir.to_path_buf(), err };
-    std::fs::File::open(dir).map_err(io)?.sync_all().map_err(io)
+    let name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| AgentError::Unsafe { path: path.to_path_buf() })?;
+    Ok((Dir::open(dir)?, name.to_string()))
+}
+
+/// Open `path` for writing, created with mode 0600 (and set to 0600 if it was there before),
+/// emptied: for the agent's own log, written again under the same name. Never through a
+/// symbolic link (a rank running as another user can plant one in its launch directory), nor
+/// blocking on a FIFO planted there, nor emptying a file with another hard link (one planted
+/// there could be a file of root's): such a name is refused before anything in it changes
+/// (`safe_fs::Dir::create_or_empty`).
+pub fn create_file(path: &Path) -> Result<std::fs::File> {
+    let (dir, name) = parent_of(path)?;
+    dir.create_or_empty(&name, FILE_MODE)
 }
 
 /// Write `bytes` to `path` atomically and durably (file and directory fsync'd: records, exit
@@ -101,17 +71,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// `write_atomic`, the file given to `owner` (uid, gid) before it takes its name: whoever reads
-/// it by name never finds it still the agent's.
+/// it by name never finds it still the agent's. The temporary file is made new, never one a
+/// rank planted under its name (`safe_fs::Dir::write_renamed`).
 pub fn write_atomic_owned(path: &Path, bytes: &[u8], owner: Option<(u32, u32)>) -> Result<()> {
-    let tmp = write_temp(path, bytes, true)?;
-    if let Some((uid, gid)) = owner {
-        if let Err(e) = hand_over(&tmp, uid, gid) {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
-        }
-    }
-    std::fs::rename(&tmp, path).map_err(|err| AgentError::Io { what: "writing", path: path.to_path_buf(), err })?;
-    sync_dir(path)
+    let (dir, name) = parent_of(path)?;
+    dir.write_renamed(&name, bytes, &Temp { mode: FILE_MODE, owner, durable: true })
 }
 
 /// Write `bytes` to `path` atomically, without waiting for the disk: for files rewritten
@@ -124,12 +88,8 @@ pub fn replace(path: &Path, bytes: &[u8]) -> Result<()> {
 /// `replace`, the file with `mode` (set before it takes the name, so it is never readable by
 /// more than `mode` says, nor by fewer).
 pub fn replace_with_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
-    let tmp = write_temp(path, bytes, false)?;
-    let io = |err| AgentError::Io { what: "writing", path: path.to_path_buf(), err };
-    if mode != FILE_MODE {
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(io)?;
-    }
-    std::fs::rename(&tmp, path).map_err(io)
+    let (dir, name) = parent_of(path)?;
+    dir.write_renamed(&name, bytes, &Temp { mode, owner: None, durable: false })
 }
 
 /// Give `path` (a file or directory the agent made) to the user a rank runs as: through a
@@ -137,17 +97,8 @@ pub fn replace_with_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
 /// another hard link (the name may be in the rank's directory, where a link to a file of
 /// root's could have taken its place).
 pub fn hand_over(path: &Path, uid: u32, gid: u32) -> Result<()> {
-    let io = |err| AgentError::Io { what: "changing the owner of", path: path.to_path_buf(), err };
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(io)?;
-    let meta = f.metadata().map_err(io)?;
-    if !meta.is_dir() && std::os::unix::fs::MetadataExt::nlink(&meta) != 1 {
-        return Err(AgentError::Unsafe { path: path.to_path_buf() });
-    }
-    crate::safe_fs::chown_file(&f, uid, gid, path)
+    let (dir, name) = parent_of(path)?;
+    dir.chown_entry(&name, uid, gid)
 }
 
 /// Let ranks running as other users reach their launch directory `dir` (under
@@ -156,11 +107,11 @@ pub fn hand_over(path: &Path, uid: u32, gid: u32) -> Result<()> {
 /// without following a link (`safe_fs`), never by path: a mode set through a link would open
 /// whatever it points at.
 pub fn open_passage(work_dir: &Path, dir: &Path) -> Result<()> {
-    let root = crate::safe_fs::Dir::open(work_dir)?;
+    let root = Dir::open(work_dir)?;
     let mut at = dir.parent();
     while let Some(d) = at.filter(|d| d.starts_with(work_dir)) {
         let rel = d.strip_prefix(work_dir).unwrap_or(Path::new(""));
-        let handle = if rel.as_os_str().is_empty() { crate::safe_fs::Dir::open(work_dir)? } else { root.dir(rel)? };
+        let handle = if rel.as_os_str().is_empty() { Dir::open(work_dir)? } else { root.dir(rel)? };
         if handle.own_stat()?.st_mode & 0o777 != PASS_MODE {
             handle.chmod(PASS_MODE)?;
         }
@@ -172,16 +123,8 @@ pub fn open_passage(work_dir: &Path, dir: &Path) -> Result<()> {
 /// Write `bytes` to `path` atomically unless it exists (then nothing changes): for the agent's
 /// own exit code of a rank it had to kill, which must not overwrite the wrapper's.
 pub fn write_once(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = write_temp(path, bytes, true)?;
-    let linked = std::fs::hard_link(&tmp, path);
-    let _ = std::fs::remove_file(&tmp);
-    match linked {
-        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
-            Err(AgentError::Io { what: "writing", path: path.to_path_buf(), err: e })
-        }
-        Err(_) => Ok(()),
-        Ok(()) => sync_dir(path),
-    }
+    let (dir, name) = parent_of(path)?;
+    dir.write_once(&name, bytes, &Temp { mode: FILE_MODE, owner: None, durable: true }).map(drop)
 }
 
 /// The agent's work directory, ready: created (0700), its mode tightened if it was looser,
@@ -238,6 +181,47 @@ mod tests {
         std::fs::write(dir.join("own.log"), "earlier life").unwrap();
         create_file(&dir.join("own.log")).unwrap();
         assert_eq!(std::fs::read_to_string(dir.join("own.log")).unwrap(), "", "the agent's own file is emptied");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A rank can write in its launch directory, so it can make the agent's temporary name
+    /// (`.NAME.tmp-PID`) first: a file of its own (kept open, to change what the agent writes
+    /// after the rename), a link or a FIFO. The agent's file is made new all the same.
+    #[test]
+    fn a_planted_temporary_is_never_reused() {
+        use std::io::{Read, Seek};
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::temp_dir().join(format!("motley-workdir-tmp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = |name: &str| dir.join(format!(".{name}.tmp-{}", std::process::id()));
+        let mut planted = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(tmp("rank-0.exit")).unwrap();
+        std::fs::set_permissions(tmp("rank-0.exit"), std::fs::Permissions::from_mode(0o666)).unwrap();
+        if crate::safe_fs::euid() == 0 {
+            std::os::unix::fs::chown(tmp("rank-0.exit"), Some(65534), Some(65534)).unwrap();
+        }
+        let target = dir.join("root-file");
+        std::fs::write(&target, "keep").unwrap();
+        std::os::unix::fs::symlink(&target, tmp("rank-0.reported")).unwrap();
+        let fifo = std::ffi::CString::new(tmp("lease").as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
+
+        write_atomic(&dir.join("rank-0.exit"), b"137\n").unwrap();
+        write_atomic(&dir.join("rank-0.reported"), b"").unwrap();
+        replace_with_mode(&dir.join("lease"), b"{}", 0o644).unwrap();
+        write_once(&dir.join("rank-1.exit"), b"0\n").unwrap();
+
+        let (mine, theirs) = (std::fs::metadata(dir.join("rank-0.exit")).unwrap(), planted.metadata().unwrap());
+        assert_ne!(mine.ino(), theirs.ino(), "the exit code is in a file of the agent's, not in the planted one");
+        assert_eq!((mine.uid(), mine.mode() & 0o777), (crate::safe_fs::euid(), FILE_MODE));
+        let mut seen = String::new();
+        planted.rewind().unwrap();
+        planted.read_to_string(&mut seen).unwrap();
+        assert_eq!(seen, "", "nothing written into the planted file");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep", "nothing written through the planted link");
+        assert_eq!(std::fs::metadata(dir.join("lease")).unwrap().mode() & 0o777, 0o644);
+        assert_eq!(std::fs::read_to_string(dir.join("rank-1.exit")).unwrap(), "0\n");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

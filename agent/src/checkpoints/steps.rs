@@ -21,11 +21,14 @@ pub struct StepDir {
     pub dir: PathBuf,
 }
 
-/// The entries of `dir` that are directories (not through a symbolic link: a rank running as
-/// another user owns its checkpoint directory and could plant one pointing anywhere).
-fn sub_dirs(dir: &Path) -> Vec<PathBuf> {
-    let entries = std::fs::read_dir(dir).map(|r| r.flatten().collect::<Vec<_>>()).unwrap_or_default();
-    entries.into_iter().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())).map(|e| e.path()).collect()
+/// The entries of `dir` that are directories, listed through its handle (not through a
+/// symbolic link: a rank running as another user owns its checkpoint directory and could
+/// plant one pointing anywhere). `dir`'s last `depth` components are in a rank's directory
+/// (`safe_fs::open_under`); 0: it is all the agent's (`ROOT/jobs`, `ROOT/jobs/JOB`).
+fn sub_dirs(dir: &Path, depth: usize) -> Vec<PathBuf> {
+    let handle = if depth == 0 { crate::safe_fs::Dir::open(dir) } else { crate::safe_fs::open_under(dir, depth) };
+    let entries = handle.and_then(|h| h.entries()).unwrap_or_default();
+    entries.into_iter().filter(|(_, t)| *t == rustix::fs::FileType::Directory).map(|(n, _)| dir.join(n)).collect()
 }
 
 fn number<T: std::str::FromStr>(p: &Path) -> Option<T> {
@@ -35,9 +38,9 @@ fn number<T: std::str::FromStr>(p: &Path) -> Option<T> {
 /// The generation directories under `root/jobs`: (job, generation, dir), sorted.
 pub fn generation_dirs(root: &Path) -> Vec<(i64, i64, PathBuf)> {
     let mut out = vec![];
-    for job_dir in sub_dirs(&root.join("jobs")) {
+    for job_dir in sub_dirs(&root.join("jobs"), 0) {
         let Some(job) = number::<i64>(&job_dir) else { continue };
-        for gen_dir in sub_dirs(&job_dir) {
+        for gen_dir in sub_dirs(&job_dir, 0) {
             if let Some(generation) = number::<i64>(&gen_dir) {
                 out.push((job, generation, gen_dir));
             }
@@ -49,7 +52,8 @@ pub fn generation_dirs(root: &Path) -> Vec<(i64, i64, PathBuf)> {
 
 /// The step directories of one generation directory, oldest first.
 pub fn step_dirs_of(job: i64, generation: i64, gen_dir: &Path) -> Vec<StepDir> {
-    let mut out: Vec<StepDir> = sub_dirs(&ckpt_dir(gen_dir))
+    // `ckpt` is in the launch directory, which is the rank's.
+    let mut out: Vec<StepDir> = sub_dirs(&ckpt_dir(gen_dir), 1)
         .into_iter()
         .filter_map(|dir| {
             let step = dir.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok()?;
@@ -65,13 +69,14 @@ pub fn step_dirs(root: &Path) -> Vec<StepDir> {
     generation_dirs(root).into_iter().flat_map(|(j, g, d)| step_dirs_of(j, g, &d)).collect()
 }
 
-/// The manifest pieces in `step_dir` (paths, sorted).
+/// The manifest pieces in `step_dir` (paths, sorted), listed through its handle
+/// (`ROOT/jobs/JOB/GEN/ckpt/step-S`: its last two components are the rank's).
 pub fn piece_paths(step_dir: &Path) -> Vec<PathBuf> {
-    let mut out: Vec<PathBuf> = std::fs::read_dir(step_dir)
-        .map(|r| r.flatten().map(|e| e.path()).collect::<Vec<_>>())
-        .unwrap_or_default()
+    let entries = crate::safe_fs::open_under(step_dir, 2).and_then(|d| d.entries()).unwrap_or_default();
+    let mut out: Vec<PathBuf> = entries
         .into_iter()
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|f| f.starts_with("manifest.rank.") && f.ends_with(".json")))
+        .filter(|(f, t)| *t != rustix::fs::FileType::Directory && f.starts_with("manifest.rank.") && f.ends_with(".json"))
+        .map(|(f, _)| step_dir.join(f))
         .collect();
     out.sort();
     out

@@ -167,8 +167,8 @@ fn step_handle(s: &StepDir) -> Result<Dir> {
 /// directory (`rank-R.json`): each writes a piece. Empty if there are none (then the pieces
 /// present are all there is to go by).
 fn local_ranks(disk_gen_dir: &Path) -> BTreeSet<u32> {
-    let entries = std::fs::read_dir(disk_gen_dir).map(|r| r.flatten().collect::<Vec<_>>()).unwrap_or_default();
-    entries.iter().filter_map(|e| e.file_name().to_str()?.strip_prefix("rank-")?.strip_suffix(".json")?.parse().ok()).collect()
+    let entries = safe_fs::open_under(disk_gen_dir, 3).and_then(|d| d.entries()).unwrap_or_default();
+    entries.iter().filter_map(|(name, _)| name.strip_prefix("rank-")?.strip_suffix(".json")?.parse().ok()).collect()
 }
 
 /// The pieces of a step directory if the step is whole here (see the module doc), else why
@@ -361,7 +361,8 @@ impl Tierer {
         let disk_gen = generation_dir(&self.work_dir, job, generation);
         if !disk_gen.is_dir() {
             // The launch's directory was pruned (its ranks ended long ago): so goes its memory.
-            if std::fs::remove_dir_all(mem_gen).is_ok() {
+            // Through handles, any depth, links not followed: its `ckpt/` is the rank's.
+            if safe_fs::remove_tree_at(mem_gen).is_ok() {
                 notes.push(format!("job {job} generation {generation}: launch pruned, its memory checkpoints removed"));
             }
             return;

@@ -11,13 +11,13 @@
 //! launch directory (the rank's user, 0600). A newer notice replaces an older one; the ranks
 //! save once per notice number.
 
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use motley_proto::v1::SaveNow;
 
 use crate::error::{AgentError, Result};
 use crate::ranks::users;
+use crate::safe_fs::{self, Dir, Temp};
 use crate::workdir;
 
 /// The environment variable naming the notice file.
@@ -25,36 +25,47 @@ pub const ENV: &str = "MOTLEY_CKPT_NOTICE";
 
 /// The notice file of the launch in `dir` (`WORK_DIR/jobs/JOB/GEN`).
 pub fn path(dir: &Path) -> PathBuf {
-    dir.join("notice.json")
+    dir.join(NAME)
 }
+
+const NAME: &str = "notice.json";
+
+/// The most of a notice file the agent reads: the two numbers it writes.
+const NOTICE_LIMIT: u64 = 4096;
 
 /// Put notice `s` where the ranks of its launch look. Refused when the launch has no
 /// directory here (never launched on this node, or pruned) or the notice is older than the
-/// one there.
+/// one there. The launch directory is the rank's: the notice there is read and written through
+/// its handle (`safe_fs`; docs/state.md), so a link, a FIFO or a huge file planted under its
+/// name is refused (and replaced), never followed, waited on or read whole.
 pub fn write(work_dir: &Path, s: &SaveNow) -> Result<PathBuf> {
     let dir = workdir::generation_dir(work_dir, s.job, s.generation);
-    let meta = std::fs::metadata(&dir).map_err(|err| AgentError::Io { what: "finding the launch directory", path: dir.clone(), err })?;
-    let file = path(&dir);
-    if let Some(newer) = read(&file).filter(|&n| n > s.notice) {
+    let launch = match safe_fs::open_under(&dir, 3) {
+        Err(AgentError::Io { err, .. }) => return Err(AgentError::Io { what: "finding the launch directory", path: dir, err }),
+        other => other?,
+    };
+    let meta = launch.own_stat()?;
+    if let Some(newer) = read(&launch).filter(|&n| n > s.notice) {
         return Err(AgentError::StaleNotice { job: s.job, generation: s.generation, given: s.notice, newer });
     }
     let body = serde_json::json!({"notice": s.notice, "deadline_unix_ms": s.deadline_unix_ms}).to_string();
     // The rank runs as the launch directory's owner: the notice is theirs before it has its name.
-    let owner = (meta.uid() != users::euid()).then(|| (meta.uid(), meta.gid()));
-    workdir::write_atomic_owned(&file, body.as_bytes(), owner)?;
-    Ok(file)
+    let owner = (meta.st_uid != users::euid()).then_some((meta.st_uid, meta.st_gid));
+    launch.write_renamed(NAME, body.as_bytes(), &Temp { mode: workdir::FILE_MODE, owner, durable: true })?;
+    Ok(path(&dir))
 }
 
-/// The notice number in `file`, if it holds one.
-fn read(file: &Path) -> Option<i64> {
-    let text = std::fs::read_to_string(file).ok()?;
-    serde_json::from_str::<serde_json::Value>(&text).ok()?["notice"].as_i64()
+/// The notice number in the launch directory's notice file, if it holds one (a file that is
+/// not a regular one, or too large, holds none).
+fn read(launch: &Dir) -> Option<i64> {
+    let bytes = launch.read(NAME, NOTICE_LIMIT).ok()?;
+    serde_json::from_slice::<serde_json::Value>(&bytes).ok()?["notice"].as_i64()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
     fn notice(n: i64) -> SaveNow {
         SaveNow { job: 3, generation: 2, notice: n, deadline_unix_ms: n + 60_000 }
@@ -77,7 +88,7 @@ mod tests {
         write(work, &notice(9)).unwrap();
         let err = write(work, &notice(7)).unwrap_err().to_string();
         assert!(err.contains("notice 9 is newer"), "{err}");
-        assert_eq!(read(&file), Some(9));
+        assert_eq!(read(&Dir::open(file.parent().unwrap()).unwrap()), Some(9));
         let names: Vec<_> = std::fs::read_dir(file.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "no temporary file left: {names:?}");
         // A launch directory handed to the rank's user: the notice is theirs (as root, as agents
@@ -90,6 +101,43 @@ mod tests {
             let meta = std::fs::metadata(&file).unwrap();
             assert_eq!((meta.uid(), meta.gid()), (65534, 65534));
         }
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// The rank's own launch directory: it makes `notice.json` a FIFO, a link to /dev/zero
+    /// (endless) or to a large file of root's. Each is refused without a wait or a whole read,
+    /// and the notice takes its name all the same; the link's target is untouched.
+    #[test]
+    fn a_planted_notice_fifo_or_link_neither_hangs_nor_fills_the_agent() {
+        let root = std::env::temp_dir().join(format!("motley-notice-planted-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let big = root.join("big");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(&big, vec![b'{'; 8 << 20]).unwrap();
+        for (job, plant) in [(1, "fifo"), (2, "/dev/zero"), (3, "big")] {
+            let dir = workdir::generation_dir(&root, job, 1);
+            std::fs::create_dir_all(&dir).unwrap();
+            match plant {
+                "fifo" => {
+                    let fifo = std::ffi::CString::new(path(&dir).as_os_str().as_encoded_bytes()).unwrap();
+                    // SAFETY: a valid NUL-terminated path.
+                    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
+                }
+                "big" => std::os::unix::fs::symlink(&big, path(&dir)).unwrap(),
+                target => std::os::unix::fs::symlink(target, path(&dir)).unwrap(),
+            }
+            // Bounded by the test alone: today a FIFO would block here for good.
+            let (tx, rx) = std::sync::mpsc::channel();
+            let work = root.clone();
+            std::thread::spawn(move || {
+                tx.send(write(&work, &SaveNow { job, generation: 1, notice: 4, deadline_unix_ms: 9 }).map_err(|e| e.to_string()))
+            });
+            let written = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("the notice does not hang on a planted file");
+            let file = written.unwrap();
+            let meta = std::fs::symlink_metadata(&file).unwrap();
+            assert!(meta.is_file() && meta.len() < 100, "{plant}: the notice replaced it");
+        }
+        assert_eq!(std::fs::metadata(&big).unwrap().len(), 8 << 20, "the link's target is untouched");
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

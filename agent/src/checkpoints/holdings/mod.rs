@@ -34,9 +34,15 @@ pub struct Roots<'a> {
 
 type Stamp = (u64, Option<SystemTime>);
 
-fn stamp_of(path: &Path) -> Option<Stamp> {
-    let meta = std::fs::metadata(path).ok()?;
-    Some((meta.len(), meta.modified().ok()))
+/// `name`'s length and modification time in the step directory `dir`, through its handle and
+/// not following a link (the step is the rank's).
+fn stamp_of(dir: &crate::safe_fs::Dir, name: &str) -> Option<Stamp> {
+    let st = dir.stat(name)?;
+    Some((st.st_size as u64, Some(mtime(&st))))
+}
+
+fn mtime(st: &rustix::fs::Stat) -> SystemTime {
+    SystemTime::UNIX_EPOCH + std::time::Duration::new(st.st_mtime.max(0) as u64, st.st_mtime_nsec as u32)
 }
 
 /// A manifest piece as last read: its length and modification time, every file it lists (as a
@@ -69,10 +75,15 @@ pub fn scan(roots: &Roots<'_>, cache: &mut ScanCache) -> Vec<CkptHolding> {
     let tiers = [(Some(roots.disk), "disk"), (roots.memory, "memory")];
     for (root, tier) in tiers.into_iter().filter_map(|(r, t)| Some((r?, t))) {
         for s in step_dirs(root) {
+            // The step directory is the rank's: its pieces and files are read and looked at
+            // through a handle that reached it without a link (`safe_fs`), never by path, so a
+            // FIFO cannot hang the scan (and the heartbeat that waits for it) and a linked `ckpt`
+            // does not report another job's files as this one's.
+            let Ok(handle) = crate::safe_fs::open_under(&s.dir, 5) else { continue };
             // The cloud copies this disk step's marker records (memory steps are not uploaded).
             let uploaded = if tier == "disk" {
                 let marker = s.dir.join(cloud::MARKER);
-                match stamp_of(&marker) {
+                match stamp_of(&handle, cloud::MARKER) {
                     Some(stamp) => {
                         if cache.markers.get(&marker).is_none_or(|(st, _)| *st != stamp) {
                             let files = cloud::read_marker(&s.dir).map(|m| m.uploaded.into_iter().collect()).unwrap_or_default();
@@ -86,17 +97,12 @@ pub fn scan(roots: &Roots<'_>, cache: &mut ScanCache) -> Vec<CkptHolding> {
             } else {
                 BTreeSet::new()
             };
-            let dir_time = std::fs::metadata(&s.dir).and_then(|m| m.modified()).ok();
-            // The step directory is the rank's: its pieces and files are read and looked at
-            // through a handle that reached it without a link (`safe_fs`), never by path, so a
-            // FIFO cannot hang the scan (and the heartbeat that waits for it) and a linked `ckpt`
-            // does not report another job's files as this one's.
-            let Ok(handle) = crate::safe_fs::open_under(&s.dir, 5) else { continue };
+            let dir_time = handle.own_stat().ok().map(|st| mtime(&st));
             for piece_path in piece_paths(&s.dir) {
-                let Some(stamp) = stamp_of(&piece_path).map(|st| (st, dir_time)) else { continue };
+                let name = piece_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let Some(stamp) = stamp_of(&handle, &name).map(|st| (st, dir_time)) else { continue };
                 if cache.pieces.get(&piece_path).is_none_or(|p| p.stamp != stamp || !p.all_held) {
                     // Bounded (MAX_PIECE_BYTES): a piece is read whole into memory.
-                    let name = piece_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
                     let piece = handle
                         .read(&name, motley_checkpoint::manifest::MAX_PIECE_BYTES)
                         .map_err(|e| e.to_string())

@@ -77,8 +77,10 @@ impl Supervisor {
     /// code and record on disk so that a restarted agent reports the same end. Best effort:
     /// the launch directory itself may be what failed.
     fn did_not_start(&self, job: i64, generation: i64, rank: i64, dir: &Path, code: i64, why: &str) {
-        for ext in ["reported", "stopping"] {
-            let _ = std::fs::remove_file(rank_file(dir, rank, ext));
+        if let Ok(d) = crate::safe_fs::open_under(dir, 3) {
+            for ext in ["reported", "stopping"] {
+                let _ = d.remove_file(&format!("rank-{rank}.{ext}"));
+            }
         }
         let log = rank_file(dir, rank, "log");
         let line = format!("motley-agent: rank {rank} of job {job} generation {generation} not started on node {}: {why}\n", self.node);
@@ -292,8 +294,10 @@ struct RankFiles {
 fn rank_files(node: &str, l: &Launch, r: &RankLaunch, dir: &Path, user: Option<&users::Account>) -> Result<RankFiles, String> {
     // Files of an earlier agent life for the same key (a coordinator whose database was
     // reset hands out job ids again) must not describe this rank.
+    // Through the launch directory's handle: it is the rank's user's (docs/state.md).
+    let launch = crate::safe_fs::open_under(dir, 3).map_err(|e| e.to_string())?;
     for ext in ["exit", "reported", "json", "stopping"] {
-        let _ = std::fs::remove_file(rank_file(dir, r.rank, ext));
+        launch.remove_file(&format!("rank-{}.{ext}", r.rank)).map_err(|e| e.to_string())?;
     }
     let doc = motley_contract::PlanDocument::from_json(&l.plan_json).map_err(|e| format!("the launch's plan document: {e}"))?;
     let gpu = u32::try_from(r.gpu).map_err(|_| format!("the launch's GPU index {} is not a GPU index", r.gpu))?;

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use crate::ranks::rankfiles;
 use crate::ranks::{group, GRACE_INTERVALS};
+use crate::safe_fs::Dir;
 use crate::workdir::{self, generation_dir, rank_file};
 
 /// How often an adopted rank (not this agent's child, so no wait(2)) is looked at.
@@ -207,7 +208,7 @@ impl Supervisor {
             // A stop the earlier agent began (it died before the grace ended) is finished here.
             let stopping = rank_file(&dir, r.rank, "stopping").exists();
             let ours = !self.boot_id.is_empty() && r.boot_id == self.boot_id && group::is_rank_group(r.pgid, r.start_time);
-            let state = match rankfiles::read_exit(&dir, r.rank) {
+            let state = match rankfiles::read_exit(&dir, r.rank).code(&self.node) {
                 Some(code) => State::Exited(code),
                 None if ours => State::Running { pgid: r.pgid, start: r.start_time, stopping },
                 None => {
@@ -262,7 +263,7 @@ impl Supervisor {
     /// A rank this agent started: wait(2) for its wrapper; the exit file has the code.
     async fn watch_child(self, key: Key, mut child: tokio::process::Child, dir: PathBuf) {
         let status = child.wait().await;
-        let code = rankfiles::read_exit(&dir, key.2).unwrap_or_else(|| match status {
+        let code = rankfiles::read_exit_off(&dir, key.2).await.code(&self.node).unwrap_or_else(|| match status {
             Ok(s) => s.code().map_or_else(|| 128 + std::os::unix::process::ExitStatusExt::signal(&s).unwrap_or(0) as i64, i64::from),
             Err(_) => -1,
         });
@@ -272,12 +273,12 @@ impl Supervisor {
     /// A rank an earlier agent started: poll its exit file and its process group.
     async fn watch_adopted(self, key: Key, pgid: i32, dir: PathBuf) {
         loop {
-            if let Some(code) = rankfiles::read_exit(&dir, key.2) {
+            if let Some(code) = rankfiles::read_exit_off(&dir, key.2).await.code(&self.node) {
                 return self.finish(key, State::Exited(code));
             }
             if !group::group_alive(pgid) {
                 // The wrapper writes before it exits: look once more, then it is lost.
-                let end = rankfiles::read_exit(&dir, key.2).map_or(State::Lost, State::Exited);
+                let end = rankfiles::read_exit_off(&dir, key.2).await.code(&self.node).map_or(State::Lost, State::Exited);
                 return self.finish(key, end);
             }
             tokio::time::sleep(ADOPTED_POLL).await;
@@ -289,42 +290,55 @@ impl Supervisor {
     /// a long-lived agent's disk and memory grow with every job it ever ran. Returns what was
     /// removed, for the log.
     pub fn prune(&self, keep: Duration) -> Vec<String> {
-        let numbered = |dir: &Path| -> Vec<(i64, PathBuf)> {
-            let entries = std::fs::read_dir(dir).map(|d| d.filter_map(|e| e.ok()).collect::<Vec<_>>()).unwrap_or_default();
-            entries.into_iter().filter_map(|e| Some((e.file_name().to_str()?.parse().ok()?, e.path()))).collect()
-        };
         let mut removed = vec![];
-        for (job, job_dir) in numbered(&self.work_dir.join("jobs")) {
-            for (generation, dir) in numbered(&job_dir) {
+        // Every level through handles, every launch directory removed with `remove_tree` (any
+        // depth, links not followed): ranks own their launch directories (docs/state.md).
+        let Ok(Some(jobs)) = Dir::open(&self.work_dir).and_then(|w| w.dir_if_any("jobs")) else { return removed };
+        for (job, job_name) in numbered(&jobs) {
+            let Ok(job_dir) = jobs.dir(&job_name) else { continue };
+            for (generation, name) in numbered(&job_dir) {
+                let dir = generation_dir(&self.work_dir, job, generation);
                 let mut ranks = self.lock();
                 let busy = ranks
                     .iter()
                     .any(|(k, r)| k.0 == job && k.1 == generation && (matches!(r.state, State::Running { .. }) || !r.settled()));
-                if busy || !rankfiles::untouched_for(&dir, keep) {
+                if busy || !job_dir.dir(&name).is_ok_and(|d| rankfiles::untouched_for(&d, keep)) {
                     continue;
                 }
                 // Under the rank lock: a launch of this generation cannot slip in between.
-                if let Err(e) = std::fs::remove_dir_all(&dir) {
+                if let Err(e) = job_dir.remove_tree(&name) {
                     tracing::warn!(node = %self.node, "{}: {e}", dir.display());
                     continue;
                 }
                 // Its checkpoints in the memory tier go with it (the disk and cloud keep theirs).
                 if let Some(mem) = &self.shm_root {
-                    let _ = std::fs::remove_dir_all(mem.join("jobs").join(job.to_string()).join(generation.to_string()));
-                    let _ = std::fs::remove_dir(mem.join("jobs").join(job.to_string()));
+                    let mem_job = Dir::open(mem).and_then(|m| m.dir_if_any(Path::new("jobs").join(&job_name)));
+                    if let Ok(Some(mem_job)) = mem_job {
+                        if let Err(e) = mem_job.remove_tree(&name) {
+                            tracing::warn!(node = %self.node, "{}: {e}", mem_job.path().join(&name).display());
+                        }
+                        drop(mem_job);
+                        let _ = Dir::open(mem).and_then(|m| m.dir("jobs")).and_then(|j| j.remove_dir(&job_name));
+                    }
                 }
                 ranks.retain(|k, _| !(k.0 == job && k.1 == generation));
                 self.pruned.lock().expect("pruned lock").insert((job, generation));
                 removed.push(format!("job {job} generation {generation}: ended, files removed ({})", dir.display()));
             }
-            let _ = std::fs::remove_dir(&job_dir); // only if empty
-            if !job_dir.exists() {
-                // The job ended here: the copies its restores left go too.
+            drop(job_dir);
+            // Only if empty; then the job ended here: the copies its restores left go too.
+            if jobs.remove_dir(&job_name).unwrap_or(false) {
                 removed.extend(crate::checkpoints::restorer::remove_copies(&self.work_dir, job));
             }
         }
         removed
     }
+}
+
+/// The entries of `dir` named by a number (jobs, generations), with their names.
+fn numbered(dir: &Dir) -> Vec<(i64, String)> {
+    let entries = dir.entries().unwrap_or_default();
+    entries.into_iter().filter(|(_, t)| *t == rustix::fs::FileType::Directory).filter_map(|(n, _)| Some((n.parse().ok()?, n))).collect()
 }
 
 #[cfg(test)]
