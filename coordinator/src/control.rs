@@ -1,5 +1,6 @@
-//! The control operations behind both APIs (REST and gRPC): they validate, call the store,
-//! the planner and the job's life, and know nothing of HTTP or protobuf.
+//! The changes behind the operations both APIs serve (`api`): they validate, call the store,
+//! the planner and the job's life, and know nothing of HTTP or protobuf. The agents' gRPC
+//! service declares nodes through here too.
 
 use motley_solver::hardware::NodeSpec;
 use motley_solver::{Cluster, ClusterSpec, PlanReport};

@@ -24,6 +24,7 @@
 //!
 //! One error type (`error`) maps to both a gRPC and an HTTP status.
 
+pub mod api;
 pub mod catalog;
 pub mod checkpoints;
 pub mod cluster;

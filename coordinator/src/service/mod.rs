@@ -1,7 +1,8 @@
 //! The edges: REST (`rest`), the gRPC control service (`control`) and the agents' gRPC service
-//! (`agent`). Each translates requests and streams into calls of the domain rooms (`control`
-//! operations, `fleet`, `lifecycle`, `store`) and their errors into status codes; none holds
-//! domain logic. The credentials they check are here.
+//! (`agent`). REST and Control translate requests into the operations (`api`) and their
+//! response types into JSON or messages; the agents' service into `store`, `fleet` and
+//! `facts`. Errors become status codes here; none holds domain logic. The credentials they
+//! check are here.
 
 pub mod agent;
 pub mod control;

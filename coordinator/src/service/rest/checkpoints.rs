@@ -11,7 +11,7 @@ use crate::checkpoints::{StepGrid, StepView};
 #[utoipa::path(get, path = "/api/v1/jobs/{id}/checkpoints", tag = "checkpoints",
     responses((status = 200, body = [StepView]), (status = 404, body = super::ErrorBody)))]
 pub async fn list(State(s): State<AppState>, Path(id): Path<i64>) -> ApiResult<Vec<StepView>> {
-    Ok(Json(crate::checkpoints::steps(&s.store, id).await?))
+    Ok(Json(s.ops().checkpoints(id).await?))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -24,5 +24,5 @@ pub struct GridQuery {
 #[utoipa::path(get, path = "/api/v1/jobs/{id}/checkpoints/grid", tag = "checkpoints", params(GridQuery),
     responses((status = 200, body = StepGrid), (status = 404, body = super::ErrorBody)))]
 pub async fn grid(State(s): State<AppState>, Path(id): Path<i64>, Query(q): Query<GridQuery>) -> ApiResult<StepGrid> {
-    Ok(Json(crate::checkpoints::grid(&s.store, id, q.step).await?))
+    Ok(Json(s.ops().checkpoint_grid(id, q.step).await?))
 }

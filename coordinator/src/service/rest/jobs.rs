@@ -6,51 +6,16 @@ use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde::Deserialize;
 
 use super::{ApiResult, AppState};
-use crate::cluster::ClusterIdentity;
-use crate::control;
+use crate::api::{DryRunView, Job, PlanView};
 use crate::error::CoordinatorError;
 use crate::rank_logs::{self, LogRead};
-use crate::store::{Event, JobRecord, RankAssignment, RankRecord};
+use crate::store::Event;
 
 pub use motley_contract::curves::Curves;
-pub use motley_contract::views::JobView;
-
-/// The plan and ranks of a job's current launch.
-#[derive(Serialize, utoipa::ToSchema)]
-pub struct PlanView {
-    pub job: i64,
-    pub generation: i64,
-    /// `motley plan -o json`'s document.
-    #[schema(value_type = Object)]
-    pub plan: Value,
-    pub ranks: Vec<RankRecord>,
-}
-
-/// A dry run's plan and the ranks it would launch.
-#[derive(Serialize, utoipa::ToSchema)]
-pub struct DryRunView {
-    #[schema(value_type = Object)]
-    pub plan: Value,
-    pub ranks: Vec<RankAssignment>,
-}
-
-fn view(cluster: &ClusterIdentity, j: JobRecord) -> JobView {
-    JobView {
-        checkpoint_cloud: cluster.stored_checkpoints(&j.spec, j.id),
-        spec: serde_json::from_str(&j.spec).unwrap_or(Value::Null),
-        id: j.id,
-        name: j.name,
-        state: j.state,
-        generation: j.generation,
-        reason: j.reason,
-        created_at_ms: j.created_at_ms,
-        updated_at_ms: j.updated_at_ms,
-    }
-}
+use motley_contract::views::JobView;
 
 fn parse_id(what: &str, id: &str) -> Result<i64, CoordinatorError> {
     id.parse().map_err(|_| CoordinatorError::invalid(what, format!("'{id}' is not a number")))
@@ -83,31 +48,29 @@ pub(super) fn bad_query(r: QueryRejection) -> CoordinatorError {
 }
 
 #[utoipa::path(get, path = "/api/v1/jobs", tag = "jobs", responses((status = 200, body = [JobView])))]
-pub async fn list(State(s): State<AppState>) -> ApiResult<Vec<JobView>> {
-    Ok(Json(s.store.jobs().await?.into_iter().map(|j| view(s.store.cluster(), s.life.annotate(j))).collect()))
+pub async fn list(State(s): State<AppState>) -> ApiResult<Vec<Job>> {
+    Ok(Json(s.ops().jobs().await?))
 }
 
 /// The body is the job file (YAML or JSON). Planning starts in the background; watch the
 /// job's events for its progress.
 #[utoipa::path(post, path = "/api/v1/jobs", tag = "jobs", request_body(content = String, content_type = "application/yaml"),
     responses((status = 201, body = JobView), (status = 400, body = super::ErrorBody)))]
-pub async fn submit(State(s): State<AppState>, body: Bytes) -> Result<(StatusCode, Json<JobView>), CoordinatorError> {
-    let text = std::str::from_utf8(&body).map_err(|_| CoordinatorError::invalid("body", "the job file must be UTF-8 text"))?;
-    let job = control::submit(&s.store, &s.fleet, text).await?;
-    Ok((StatusCode::CREATED, Json(view(s.store.cluster(), job))))
+pub async fn submit(State(s): State<AppState>, body: Bytes) -> Result<(StatusCode, Json<Job>), CoordinatorError> {
+    let text = super::text(&body, "the job file must be UTF-8 text")?;
+    Ok((StatusCode::CREATED, Json(s.ops().submit(text).await?)))
 }
 
 #[utoipa::path(get, path = "/api/v1/jobs/{id}", tag = "jobs",
     responses((status = 200, body = JobView), (status = 404, body = super::ErrorBody)))]
-pub async fn get(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<JobView> {
-    Ok(Json(view(s.store.cluster(), s.life.annotate(s.store.job(parse_id("id", &id)?).await?))))
+pub async fn get(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<Job> {
+    Ok(Json(s.ops().job(parse_id("id", &id)?).await?))
 }
 
 #[utoipa::path(post, path = "/api/v1/jobs/{id}/cancel", tag = "jobs",
     responses((status = 200, body = JobView), (status = 409, body = super::ErrorBody)))]
-pub async fn cancel(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<JobView> {
-    let job = control::cancel(&s.store, &s.fleet, parse_id("id", &id)?, "cancelled by the operator").await?;
-    Ok(Json(view(s.store.cluster(), job)))
+pub async fn cancel(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<Job> {
+    Ok(Json(s.ops().cancel(parse_id("id", &id)?).await?))
 }
 
 /// The job's events after `?after=SEQ` (default 0), oldest first, at most 1000.
@@ -120,15 +83,13 @@ pub async fn events(
 ) -> ApiResult<Vec<Event>> {
     let id = parse_id("id", &id)?;
     let after = query.map_err(bad_query)?.after;
-    s.store.job(id).await?;
-    Ok(Json(s.store.events(Some(id), after, 1000).await?))
+    Ok(Json(s.ops().events(id, after).await?))
 }
 
 #[utoipa::path(get, path = "/api/v1/jobs/{id}/plan", tag = "jobs",
     responses((status = 200, body = PlanView), (status = 404, body = super::ErrorBody)))]
 pub async fn plan(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<PlanView> {
-    let (job, plan, ranks) = control::current_plan(&s.store, parse_id("id", &id)?).await?;
-    Ok(Json(PlanView { job: job.id, generation: job.generation, plan: serde_json::from_str(&plan).unwrap_or(Value::Null), ranks }))
+    Ok(Json(s.ops().plan(parse_id("id", &id)?).await?))
 }
 
 /// The current plan drawn (SVG, `motley_contract::svg`): a row per replica with its stages
@@ -136,9 +97,9 @@ pub async fn plan(State(s): State<AppState>, Path(id): Path<String>) -> ApiResul
 #[utoipa::path(get, path = "/api/v1/jobs/{id}/plan.svg", tag = "jobs",
     responses((status = 200, body = String, content_type = "image/svg+xml"), (status = 404, body = super::ErrorBody)))]
 pub async fn plan_svg(State(s): State<AppState>, Path(id): Path<String>) -> Result<Response, CoordinatorError> {
-    let (job, plan, _) = control::current_plan(&s.store, parse_id("id", &id)?).await?;
-    let svg = motley_contract::svg::plan_svg_json(&plan)
-        .map_err(|e| CoordinatorError::Conflict(format!("job {}'s stored plan does not read as a plan document: {e}", job.id)))?;
+    let plan = s.ops().plan(parse_id("id", &id)?).await?;
+    let svg = motley_contract::svg::plan_svg_json(&plan.plan_json)
+        .map_err(|e| CoordinatorError::Conflict(format!("job {}'s stored plan does not read as a plan document: {e}", plan.job)))?;
     Ok(svg_response(svg))
 }
 
@@ -146,9 +107,8 @@ pub async fn plan_svg(State(s): State<AppState>, Path(id): Path<String>) -> Resu
 #[utoipa::path(post, path = "/api/v1/plan", tag = "plan", request_body(content = String, content_type = "application/yaml"),
     responses((status = 200, body = DryRunView), (status = 400, body = super::ErrorBody), (status = 409, body = super::ErrorBody)))]
 pub async fn dry_run(State(s): State<AppState>, body: Bytes) -> ApiResult<DryRunView> {
-    let text = std::str::from_utf8(&body).map_err(|_| CoordinatorError::invalid("body", "the job file must be UTF-8 text"))?;
-    let (report, ranks) = control::dry_run(&s.store, &s.fleet, text).await?;
-    Ok(Json(DryRunView { plan: serde_json::to_value(report).expect("a plan serialises"), ranks }))
+    let text = super::text(&body, "the job file must be UTF-8 text")?;
+    Ok(Json(s.ops().dry_run(text).await?))
 }
 
 /// A rank's output from byte `?offset=N` (default 0), or its last `?tail=N` bytes at most

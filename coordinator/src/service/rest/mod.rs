@@ -1,7 +1,8 @@
 //! REST (axum) for the control operations under `/api/v1/...`, plus `/live`, `/ready`,
-//! `/metrics` and the OpenAPI document at `/api/v1/openapi.json`. A thin edge: it translates
-//! requests and `CoordinatorError`s (one JSON body, the status from `http_status`) and
-//! delegates to `control` and the store. The dashboard (`ui`) is served at `/` and `/ui/...`.
+//! `/metrics` and the OpenAPI document at `/api/v1/openapi.json`. A thin edge: it reads paths,
+//! queries and bodies, calls the operation (`api`), answers its response type as JSON, and
+//! turns `CoordinatorError`s into one JSON body with the status from `http_status`. The
+//! dashboard (`ui`) is served at `/` and `/ui/...`.
 
 mod checkpoints;
 pub mod hosts;
@@ -20,6 +21,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Serialize;
 
+use crate::api::{LeaderView, Operations};
 use crate::error::CoordinatorError;
 use crate::metrics::Metrics;
 use crate::store::Store;
@@ -41,6 +43,18 @@ pub struct AppState {
     pub hosts: std::sync::Arc<hosts::ServedHosts>,
     /// The training curves read so far, per job and generation (`rank_logs::curves`).
     pub curves: std::sync::Arc<crate::rank_logs::curves::CurvesCache>,
+}
+
+impl AppState {
+    fn ops(&self) -> Operations<'_> {
+        Operations { store: &self.store, fleet: &self.fleet, life: &self.life, role: &self.role }
+    }
+}
+
+/// A request body that must be text (a job file, a node entry, a profile run); `what` says
+/// what it must be when it is not UTF-8.
+fn text<'b>(body: &'b [u8], what: &str) -> Result<&'b str, CoordinatorError> {
+    std::str::from_utf8(body).map_err(|_| CoordinatorError::invalid("body", what))
 }
 
 /// Every error answer's body.
@@ -240,26 +254,7 @@ async fn metrics(State(s): State<AppState>) -> Response {
     }
 }
 
-/// Who leads (answered by standbys too).
-#[derive(Serialize, utoipa::ToSchema)]
-pub struct LeaderView {
-    pub is_leader: bool,
-    pub rest_url: String,
-    pub grpc_url: String,
-    pub term: i64,
-    /// This cluster's identity (made once, kept in its database): its jobs' checkpoint-cloud
-    /// prefixes carry it (`URL/CLUSTER/jobs/JOB/GEN/step-S`).
-    pub cluster_id: String,
-}
-
 #[utoipa::path(get, path = "/api/v1/leader", tag = "leader", responses((status = 200, body = LeaderView)))]
 async fn leader(State(s): State<AppState>) -> ApiResult<LeaderView> {
-    let l = s.role.leader();
-    Ok(Json(LeaderView {
-        is_leader: s.role.is_leader(),
-        rest_url: l.rest_url,
-        grpc_url: l.grpc_url,
-        term: l.term,
-        cluster_id: s.store.cluster().id.clone(),
-    }))
+    Ok(Json(s.ops().leader()))
 }

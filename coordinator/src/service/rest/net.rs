@@ -6,6 +6,7 @@ use axum::Json;
 use serde::Deserialize;
 
 use super::{ApiResult, AppState};
+use crate::api::Network;
 use motley_contract::net::NetworkView;
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -18,7 +19,7 @@ pub struct NetQuery {
 /// achieved rates, and the measured pairs in `motley replan --bandwidth`'s schema.
 #[utoipa::path(get, path = "/api/v1/net", tag = "network", params(NetQuery),
     responses((status = 200, body = NetworkView), (status = 400, body = super::ErrorBody)))]
-pub async fn show(State(s): State<AppState>, query: Result<Query<NetQuery>, QueryRejection>) -> ApiResult<NetworkView> {
+pub async fn show(State(s): State<AppState>, query: Result<Query<NetQuery>, QueryRejection>) -> ApiResult<Network> {
     let q = query.map_err(super::jobs::bad_query)?;
-    Ok(Json(crate::net::view(&s.store, &s.fleet, q.node.as_deref()).await?))
+    Ok(Json(s.ops().network(q.node.as_deref()).await?))
 }

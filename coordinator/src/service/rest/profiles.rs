@@ -17,13 +17,13 @@ pub struct ListQuery {
 
 #[utoipa::path(get, path = "/api/v1/profiles", tag = "profiles", params(ListQuery), responses((status = 200, body = [ProfileRecord])))]
 pub async fn list(State(s): State<AppState>, Query(q): Query<ListQuery>) -> ApiResult<Vec<ProfileRecord>> {
-    Ok(Json(s.store.profiles(q.model_hash.as_deref()).await?))
+    Ok(Json(s.ops().profiles(q.model_hash.as_deref()).await?))
 }
 
 #[utoipa::path(get, path = "/api/v1/profiles/{id}", tag = "profiles",
     responses((status = 200, body = ProfileRecord), (status = 404, body = super::ErrorBody)))]
 pub async fn get(State(s): State<AppState>, Path(id): Path<i64>) -> ApiResult<ProfileRecord> {
-    Ok(Json(s.store.profile(id).await?))
+    Ok(Json(s.ops().profile(id).await?))
 }
 
 /// Measure one profile now on a live agent that can profile; answers the run (202), whose
@@ -32,22 +32,19 @@ pub async fn get(State(s): State<AppState>, Path(id): Path<i64>) -> ApiResult<Pr
 #[utoipa::path(post, path = "/api/v1/profiles/runs", tag = "profiles", request_body = RunRequest,
     responses((status = 202, body = ProfileRun), (status = 400, body = super::ErrorBody), (status = 409, body = super::ErrorBody)))]
 pub async fn run(State(s): State<AppState>, body: axum::body::Bytes) -> Result<(StatusCode, Json<ProfileRun>), crate::CoordinatorError> {
-    let text = std::str::from_utf8(&body).map_err(|_| crate::CoordinatorError::invalid("body", "must be UTF-8 JSON or YAML"))?;
-    let req: RunRequest = crate::jobspec::parse_yaml(serde_norway::Deserializer::from_str(text), "profile run")?;
-    Ok((StatusCode::ACCEPTED, Json(crate::profiling::run_now(&s.store, &s.fleet, &req).await?)))
+    let text = super::text(&body, "must be UTF-8 JSON or YAML")?;
+    Ok((StatusCode::ACCEPTED, Json(s.ops().run_profile(text).await?)))
 }
 
 /// The runs sent to agents (durable: a new leader knows them; ended ones are kept for a
 /// while), newest first.
 #[utoipa::path(get, path = "/api/v1/profiles/runs", tag = "profiles", responses((status = 200, body = [ProfileRun])))]
 pub async fn runs(State(s): State<AppState>) -> ApiResult<Vec<ProfileRun>> {
-    Ok(Json(crate::profiling::runs(&s.store, &s.fleet).await?))
+    Ok(Json(s.ops().profile_runs().await?))
 }
 
 #[utoipa::path(get, path = "/api/v1/profiles/runs/{request}", tag = "profiles",
     responses((status = 200, body = ProfileRun), (status = 404, body = super::ErrorBody)))]
 pub async fn run_state(State(s): State<AppState>, Path(request): Path<i64>) -> ApiResult<ProfileRun> {
-    crate::profiling::run(&s.store, &s.fleet, request).await?.map(Json).ok_or_else(|| {
-        crate::CoordinatorError::not_found(format!("profile run {request} (ended runs are kept for a while: motley profile runs)"))
-    })
+    Ok(Json(s.ops().profile_run(request).await?))
 }
