@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-from motley_torch.plan import ModelSpec  # noqa: E402
+from motley_torch.spec import ModelSpec  # noqa: E402
 from motley_torch.tools.saved import layer_token_bytes  # noqa: E402
 
 

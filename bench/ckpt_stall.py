@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 
 from motley_torch import checkpoint  # noqa: E402
 from motley_torch.models.transformer import GPTStage  # noqa: E402
-from motley_torch.plan import ModelSpec  # noqa: E402
+from motley_torch.spec import ModelSpec  # noqa: E402
 
 LAYERS, HEADS, SEQ, VOCAB = 4, 4, 128, 1024
 

@@ -57,7 +57,7 @@ def child_motley(d: str, layers: str, tp_rank: int, tp_size: int) -> dict:
     import torch
 
     from motley_torch.models.transformer import GPTStage
-    from motley_torch.plan import load_model
+    from motley_torch.model_source import load_model
 
     torch.set_num_threads(1)
     before = rss_mb()  # the interpreter with torch imported: the baseline

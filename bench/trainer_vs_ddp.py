@@ -49,7 +49,7 @@ def ddp_worker(steps: int, out: str) -> int:
 
     from motley_torch.components.data import global_batch_tokens
     from motley_torch.models.transformer import GPTStage
-    from motley_torch.plan import ModelSpec
+    from motley_torch.spec import ModelSpec
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

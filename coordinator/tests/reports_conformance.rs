@@ -3,68 +3,32 @@
 //! `store_conformance.rs` runs the rest of the store: a launch whose ranks all started moves
 //! `running` in the same commit, its event before the ranks' later exits.
 
+mod common;
+
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use motley_coordinator::{JobState, RankAssignment, Store};
-use sqlx::Connection;
 
-static NEXT: AtomicUsize = AtomicUsize::new(0);
-
-fn unique(prefix: &str) -> String {
-    format!(
-        "{prefix}_{}_{}_{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed),
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() % 1_000_000_000_000
-    )
+fn run<F: Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap().block_on(f)
 }
 
-fn server() -> String {
-    std::env::var("MOTLEY_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-/// Run `body` with a fresh store URL on SQLite.
-async fn on_sqlite<F, Fut>(body: F)
-where
-    F: FnOnce(String) -> Fut,
-    Fut: Future<Output = ()>,
-{
-    let dir = std::env::temp_dir().join(unique("motley_store"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let url = format!("sqlite://{}", dir.join("state.db").display());
-    body(url).await;
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Run `body` with a fresh database on the PostgreSQL server, dropped afterwards.
-async fn on_postgres<F, Fut>(body: F)
-where
-    F: FnOnce(String) -> Fut,
-    Fut: Future<Output = ()>,
-{
-    let admin_url = server();
-    // Only digits and underscores after a fixed prefix: safe to splice into DDL.
-    let db = unique("motley_test");
-    let mut admin = sqlx::PgConnection::connect(&admin_url).await.expect("PostgreSQL on 127.0.0.1:5432 (see the README) must be up");
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}"))).execute(&mut admin).await.unwrap();
-    let base = admin_url.rsplit_once('/').map_or(admin_url.as_str(), |(b, _)| b).to_string();
-    body(format!("{base}/{db}")).await;
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))).execute(&mut admin).await.unwrap();
-}
-
-/// One test, twice: `name_sqlite` and `name_postgres`.
+/// One test, twice: `name::sqlite` (a temporary file) and `name::postgres` (a fresh database,
+/// `common::TestDb`, dropped after).
 macro_rules! conformance {
     ($name:ident, $body:expr) => {
         mod $name {
             use super::*;
-            #[tokio::test]
-            async fn sqlite() {
-                on_sqlite($body).await;
+            #[test]
+            fn sqlite() {
+                let dir = common::temp_dir();
+                run($body(format!("sqlite://{}", dir.join("state.db").display())));
+                let _ = std::fs::remove_dir_all(&dir);
             }
-            #[tokio::test]
-            async fn postgres() {
-                on_postgres($body).await;
+            #[test]
+            fn postgres() {
+                let db = common::TestDb::create("motley_test");
+                run($body(db.url.clone()));
             }
         }
     };

@@ -4,9 +4,7 @@ point)."""
 
 import sys
 
-from .components import data as _impl
-
-main = _impl.main
+from .components.data import main
 
 if __name__ == "__main__":
     sys.exit(main())

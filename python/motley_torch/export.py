@@ -3,9 +3,7 @@
 
 import sys
 
-from .components import export as _impl
-
-main = _impl.main
+from .components.export import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
-from .model_source import load_model  # noqa: F401  (the package's entry points name it here)
-from .spec import ModelSpec, PlanError, _int, _need  # noqa: F401
+from .spec import ModelSpec, PlanError, _int, _need
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from motley_torch.plan import ModelSpec
+from motley_torch.spec import ModelSpec
 from motley_torch.tools.saved import layer_token_bytes
 
 LLAMA = ModelSpec.from_dict({"name": "count", "family": "llama", "layers": 1, "hidden": 1024, "heads": 16,

@@ -28,7 +28,7 @@ from launcher import DATA, check_ok, hand_plan, launch, losses
 
 from motley_torch.components import checkpoint
 from motley_torch.models.transformer import GPTStage
-from motley_torch.plan import ModelSpec
+from motley_torch.spec import ModelSpec
 
 KW = dict(seed=7, global_batch=4, lr=1e-3)
 

@@ -15,7 +15,7 @@ import torch
 
 from motley_torch.components.data import (DataError, TrainBatches, epoch_permutation, eval_tokens, main as data_main,
                                open_tokens)
-from motley_torch.plan import PlanError
+from motley_torch.spec import PlanError
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -22,7 +22,8 @@ from tolerance import assert_close_rel, excess, forward_ops, gradient_ops, loss_
 
 from motley_torch.models.hf import HFError, spec_from_config, write_hf  # noqa: E402
 from motley_torch.models.transformer import GPTStage  # noqa: E402
-from motley_torch.plan import ModelSpec, PlanError, load_model  # noqa: E402
+from motley_torch.model_source import load_model  # noqa: E402
+from motley_torch.spec import ModelSpec, PlanError  # noqa: E402
 
 SEQ = 24
 

@@ -24,7 +24,7 @@ from tolerance import (assert_close_rel, assert_steps_close, forward_ops, gradie
 
 from motley_torch.components.data import global_batch_tokens  # noqa: E402
 from motley_torch.models.hf import hf_name  # noqa: E402
-from motley_torch.plan import load_model  # noqa: E402
+from motley_torch.model_source import load_model  # noqa: E402
 
 SEED, SEQ, STEPS = 11, 16, 2
 MODELS = {

@@ -10,7 +10,9 @@ import torch
 
 from launcher import DATA, groups_for_rank, hand_plan, python_env, ranks_of
 from motley_torch.components.data import global_batch_tokens, rank_micro_batches
-from motley_torch.plan import ModelSpec, Plan, PlanError, group_entries_for_gpu, load_model
+from motley_torch.model_source import load_model
+from motley_torch.plan import Plan, group_entries_for_gpu
+from motley_torch.spec import ModelSpec, PlanError
 
 SPEC = dict(name="t", layers=4, hidden=32, heads=4, seq_len=8, vocab=64)
 

@@ -16,7 +16,7 @@ import yaml
 from launcher import DATA, PYTHON, check_ok, hand_plan, launch, python_env
 from tolerance import EPS_BF16, EPS_FP16, assert_half_steps_close, assert_steps_close
 
-from motley_torch.plan import PlanError
+from motley_torch.spec import PlanError
 from motley_torch.components.precision import LossScaler, resolve
 
 MODEL = DATA / "tiny-llama.yaml"
@@ -153,7 +153,7 @@ def test_recompute_gives_the_same_losses_on_a_tp2_pipeline(tmp_path):
 
 def test_recompute_runs_every_block_forward_again_in_backward(monkeypatch):
     from motley_torch.models.transformer import Block, GPTStage
-    from motley_torch.plan import ModelSpec
+    from motley_torch.spec import ModelSpec
 
     spec = ModelSpec.from_dict(SPEC)
     seen = []

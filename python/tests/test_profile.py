@@ -17,7 +17,7 @@ import yaml
 from launcher import DATA, REPO, python_env
 
 from motley_torch.tools import profile as prof
-from motley_torch.plan import ModelSpec
+from motley_torch.spec import ModelSpec
 
 PY = sys.executable
 FIELDS = ("gpu", "tp", "micro_batch", "fwd_ms", "bwd_ms", "act_mib", "model", "model_hash", "seq_len", "dtype",

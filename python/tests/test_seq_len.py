@@ -10,7 +10,7 @@ import pytest
 
 from launcher import PYTHON, hand_plan, motley_bin, python_env
 from motley_torch.models.hf import DEFAULT_SEQ_LEN, config_from_spec, spec_from_config
-from motley_torch.plan import ModelSpec, PlanError
+from motley_torch.spec import ModelSpec, PlanError
 
 LLAMA31 = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 96,

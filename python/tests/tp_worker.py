@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from motley_torch.models.transformer import Block
-from motley_torch.plan import ModelSpec
+from motley_torch.spec import ModelSpec
 from motley_torch.models.tp import ColumnParallelLinear, RowParallelLinear
 
 # (Run as a script: its directory, python/tests, is first on sys.path.)

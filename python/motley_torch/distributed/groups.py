@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..plan import CommGroup, Plan, PlanError, RankPlace, Stage
+from ..plan import CommGroup, Plan, RankPlace, Stage
+from ..spec import PlanError
 
 # ncclConfig_t fields a group's NCCL settings carry per communicator (the env variable NCCL
 # reads for the same thing once per process); net_name comes from the group's `nccl_net`.
