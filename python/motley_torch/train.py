@@ -32,13 +32,13 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from .components.checkpoint import CheckpointError
 from .components.progress import emit, emit_eval, log_samples, memory_line
 from .spec import PlanError
 from .components.stage_files import hf_names
-from .components.stage_init import build_stage, init_weights, make_optimizer, resolve_spec, save_file
+from .components.mfu import device_peak, train_flops_per_token
+from .components.stage_init import build_stage, compile_stage, init_weights, make_optimizer, resolve_spec, save_file
 
 
 def parse_args(argv=None):
@@ -56,6 +56,11 @@ def parse_args(argv=None):
                    help="compute type: fp32 master weights and AdamW state, forward under autocast in bf16/fp16 "
                         "(fp16 with one dynamic loss scale for the job); auto (default): the plan's precision on "
                         "CUDA, fp32 on the CPU")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile every transformer block and the loss: auto (default) on CUDA, off on the CPU")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="also capture the compiled blocks with CUDA graphs (torch.compile mode reduce-overhead); "
+                        "pays where a step is launch-bound (small hidden sizes on fast GPUs)")
     p.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16: the first loss scale (2^16)")
     p.add_argument("--loss-scale-window", type=int, default=2000,
                    help="fp16: clean steps in a row after which the scale doubles (2000)")
@@ -142,7 +147,10 @@ def run_single(args) -> int:
     init_weights(model, args)
     model.to(device=device)
     model.recompute = args.recompute
+    compile_stage(model, args, device)
     opt = make_optimizer(model.parameters(), args)
+    flops = train_flops_per_token(spec, seq)
+    peak = device_peak(device, precision)
     source = StepSource(args, spec.vocab, seq, args.global_batch)
     evals = eval_set(args, spec.vocab, seq)
     due = set(due_evals(0, args.steps, args.eval_every)) if evals is not None else set()
@@ -153,9 +161,7 @@ def run_single(args) -> int:
             for chunk in eval_chunks(evals, args.global_batch):
                 inputs, targets = split_inputs_targets(chunk)
                 with amp():
-                    logits = model(inputs.to(device))
-                total += float(F.cross_entropy(logits.float().reshape(-1, spec.vocab), targets.to(device).reshape(-1),
-                                               reduction="sum", ignore_index=-100))
+                    total += float(model.loss(inputs.to(device), targets.to(device)))
         emit_eval(step, total / (evals.shape[0] * seq))
 
     if 0 in due:
@@ -165,11 +171,10 @@ def run_single(args) -> int:
             t0 = time.perf_counter()
             tokens = source.tokens(step).to(device)
             log_samples(args.sample_log, step, source.ids)
-            with amp():
-                logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, spec.vocab), tokens[:, 1:].reshape(-1), reduction="sum")
-            loss = loss / (args.global_batch * seq)
             used = scaler.factor()
+            with amp():
+                loss = model.loss(tokens[:, :-1], tokens[:, 1:], grad_scale=used / (args.global_batch * seq))
+            loss = loss / (args.global_batch * seq)
             (loss * used).backward()
             skipped = scaler.step(model.parameters())
             if args.save_grads and step == 0:
@@ -182,7 +187,7 @@ def run_single(args) -> int:
                 print(memory_line(model, opt, device), flush=True)
             opt.zero_grad(set_to_none=True)
             value = float(loss.detach())
-            emit(step, value, args.global_batch * seq, time.perf_counter() - t0, used, skipped)
+            emit(step, value, args.global_batch * seq, time.perf_counter() - t0, used, skipped, flops, peak)
             if step + 1 in due:
                 evaluate(step + 1)
     finally:

@@ -24,7 +24,8 @@ from .model_source import load_model
 from .components.progress import emit, emit_eval, log_samples, memory_line
 from .spec import ModelSpec, PlanError
 from .components.stage_files import save_hf_distributed, save_params_distributed
-from .components.stage_init import build_stage, init_weights, make_optimizer
+from .components.mfu import device_peak, train_flops_per_token
+from .components.stage_init import build_stage, compile_stage, init_weights, make_optimizer
 
 
 def check_flags_against_plan(args):
@@ -100,6 +101,7 @@ class Trainer:
         model.recompute = args.recompute or plan.recompute
         if model.recompute:
             print("motley-recompute on", file=sys.stderr, flush=True)
+        compile_stage(model, args, view.device)
         self.sync = gradient_sync(view, model, zero1=args.zero1 or plan.zero1, overlap=not args.no_overlap,
                                   bucket_mb=args.bucket_mb, half=HALF.get(precision),
                                   make_optimizer=lambda ps: make_optimizer(ps, args), save_grads=bool(args.save_grads))
@@ -110,6 +112,8 @@ class Trainer:
         self.pipe = Pipeline(view, model, spec.hidden, seq, dtype=torch.float32)
         self.pipe.autocast = autocast(precision, view.device)
         self.scale = 1.0 / (plan.global_batch * seq)
+        self.flops_per_token = train_flops_per_token(spec, seq)
+        self.peak_tflops = self._world_peak(device_peak(view.device, precision))
         self.reports_loss = view.is_last_stage and view.tp_rank == 0
         self.start = 0
         position = {"samples": 0}
@@ -137,6 +141,14 @@ class Trainer:
             if os.path.dirname(path):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
             self.tfile = open(path, "a")
+
+    def _world_peak(self, mine):
+        """The summed peak TFLOPS of every GPU of the job (the MFU's denominator: a mixed
+        cluster's GPUs each count their own), or None when any rank's is unknown."""
+        t = torch.tensor([mine or 0.0, 0.0 if mine else 1.0], dtype=torch.float64 if self.view.backend == "gloo"
+                         else torch.float32, device=self.view.device)
+        dist.all_reduce(t)
+        return float(t[0]) if float(t[1]) == 0 else None
 
     def _global_sum(self, value: float) -> float:
         view = self.view
@@ -199,7 +211,8 @@ class Trainer:
         # last stages), over the whole world, so rank 0 has it whatever stage it holds.
         loss = self._global_sum(local)
         if view.rank == 0:
-            emit(step, loss, plan.global_batch * self.seq, time.perf_counter() - t_step, used, skipped)
+            emit(step, loss, plan.global_batch * self.seq, time.perf_counter() - t_step, used, skipped,
+                 self.flops_per_token, self.peak_tflops)
         mark()
         if timed:
             self._write_timings(step, marks)

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from motley_torch.tools.gpu_check import MODEL, _stage_of, eq5, mfu, peak_tflops, render, train_flops_per_token
+from motley_torch.components.mfu import mfu, peak_tflops, train_flops_per_token
+from motley_torch.spec import ModelSpec
+from motley_torch.tools.gpu_check import MODEL, _stage_of, eq5, render
 
 SCRIPT = Path(__file__).resolve().parent.parent / "gpu-check"
 
@@ -23,7 +25,8 @@ def test_peaks_by_device_name():
 
 
 def test_flops_per_token_and_mfu():
-    spec = {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn_hidden": 14336, "vocab": 128256}
+    spec = ModelSpec.from_dict({"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn_hidden": 14336,
+                                "vocab": 128256, "seq_len": 8192, "gated_mlp": True, "family": "llama"})
     f = train_flops_per_token(spec, 8192)
     params = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 128256 * 4096
     assert f == 6 * params + 12 * 32 * 4096 * 8192
@@ -31,7 +34,18 @@ def test_flops_per_token_and_mfu():
     assert 4.5e10 < f < 6e10
     assert mfu(1000.0, 1e12, 989.0) == pytest.approx(1000 * 1e12 / 989e12)
     assert mfu(1000.0, 1e12, None) is None and mfu(0.0, 1e12, 989.0) is None
-    assert train_flops_per_token(MODEL, 512) > 0
+    assert train_flops_per_token(ModelSpec.from_dict(MODEL), 512) > 0
+    # A GELU MLP has two matrices, not three.
+    gelu = ModelSpec.from_dict({"hidden": 64, "layers": 2, "heads": 4, "ffn_hidden": 256, "vocab": 100, "seq_len": 8})
+    assert train_flops_per_token(gelu, 8) == 6 * (2 * (4 * 64 * 64 + 2 * 64 * 256) + 100 * 64) + 12 * 2 * 64 * 8
+
+
+def test_peak_override(monkeypatch):
+    monkeypatch.setenv("MOTLEY_PEAK_TFLOPS", "12.5")
+    assert peak_tflops("cpu", "fp32") == 12.5
+    monkeypatch.setenv("MOTLEY_PEAK_TFLOPS", "fast")
+    with pytest.raises(Exception, match="MOTLEY_PEAK_TFLOPS"):
+        peak_tflops("cpu", "fp32")
 
 
 def test_render_lists_every_check():

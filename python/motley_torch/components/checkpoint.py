@@ -638,6 +638,8 @@ def restore(view, model, optimizer, paths: List[str], position: Optional[dict] =
                     raise CheckpointError(f"{chosen[(b, 'optimizer')]}: no tensor {key}")
                 st[k] = opt[key].to(dtype=p.dtype, device=p.device).clone()
             st["step"] = opt[f"{name}.step"].float().reshape(()).clone()
+            if optimizer.defaults.get("fused"):
+                st["step"] = st["step"].to(p.device)  # the fused kernel reads it on the device
             optimizer.state[p] = st
     rank_files = {h["rank"]: p for p, h in headers.items() if "block" not in h}
     if not rank_files:

@@ -17,16 +17,48 @@ from ..spec import ModelSpec, PlanError
 def make_optimizer(params, args):
     """AdamW with its state made at once (zeros, as its first step would make them): the first
     step's peak memory is then every later step's (the memory line and the cost model compare
-    it), and a stage that does not fit fails before training rather than after a step."""
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    it), and a stage that does not fit fails before training rather than after a step.
+
+    On CUDA the fused kernel (one launch for every tensor, `fused=True`), elsewhere the
+    multi-tensor one (`foreach=True`): the same AdamW maths as the per-parameter loop, without
+    its Python and launch cost per parameter."""
+    params = list(params)
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    kind = {"fused": True} if fused else {"foreach": True}
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay, **kind)
     for group in opt.param_groups:
         for p in group["params"]:
             st = opt.state[p]
             if not st:
-                st["step"] = torch.tensor(0.0)
+                # As AdamW's own first step makes it: a device scalar for the fused kernel.
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if fused else torch.tensor(0.0)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return opt
+
+
+COMPILE_CHOICES = ("auto", "on", "off")
+
+
+def compile_stage(model: GPTStage, args, device) -> bool:
+    """--compile: `auto` compiles on CUDA (where launch and elementwise costs decide the step)
+    and not on the CPU (where compiling costs more than a short run gains). --cuda-graphs also
+    captures the compiled blocks with CUDA graphs (mode reduce-overhead)."""
+    choice = getattr(args, "compile", "auto") or "auto"
+    if choice not in COMPILE_CHOICES:
+        raise PlanError(f"--compile: {choice!r}; use one of {', '.join(COMPILE_CHOICES)}")
+    on = choice == "on" or (choice == "auto" and device.type == "cuda")
+    graphs = bool(getattr(args, "cuda_graphs", False))
+    if graphs and not (on and device.type == "cuda"):
+        raise PlanError("--cuda-graphs: captures compiled blocks on a CUDA device; use it with --compile on|auto "
+                        "on a GPU, or drop it")
+    if on:
+        model.compile_blocks("reduce-overhead" if graphs else None)
+    import sys
+
+    print(f"motley-compile {'on' if on else 'off'}{' (cuda graphs)' if graphs else ''} (asked {choice})",
+          file=sys.stderr, flush=True)
+    return on
 
 
 def resolve_spec(args) -> ModelSpec:

@@ -30,7 +30,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .groups import RankView
 
@@ -129,7 +128,7 @@ class Pipeline:
         v = self.v
         order = one_f_one_b(v.pp_size, v.stage, len(micro))
         saved: Dict[int, tuple] = {}
-        total = 0.0
+        total: Optional[torch.Tensor] = None
         tm = self.timings
         for what, k in order:
             if tm is not None:
@@ -146,16 +145,19 @@ class Pipeline:
                     x = x_in
                 if tm is not None:
                     t1 = clock()
-                with self.autocast():
-                    out = self.model(x)
                 if v.is_last_stage:
                     tgt = micro[k][1].to(v.device)
-                    loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), tgt.reshape(-1), reduction="sum")
+                    with self.autocast():
+                        loss = self.model.loss(x, tgt, grad_scale=loss_scale)
                     out = loss * loss_scale
-                    total += float(out.detach())
+                    # Summed on the device: a float() here would make the host wait for every
+                    # micro-batch's kernels before launching the next.
+                    total = out.detach() if total is None else total + out.detach()
                     if tm is not None:
                         t2 = clock()
                 else:
+                    with self.autocast():
+                        out = self.model(x)
                     if tm is not None:
                         t2 = clock()
                     for dst, (a, b) in self.send_to:
@@ -183,7 +185,7 @@ class Pipeline:
                         self._send(x_in.grad[a - off : b - off], src, v.pp_prev_group)
             if tm is not None:
                 tm.record(what, k, t0, t1, t2, clock())
-        return total
+        return float(total) if total is not None else 0.0
 
     def evaluate(self, micro: List[Tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward only, every micro-batch in order (no 1F1B: nothing waits on a backward):
@@ -199,13 +201,12 @@ class Pipeline:
                     parts = [self._recv((b - a, self.seq_len, self.hidden), src, v.pp_prev_group)
                              for src, (a, b) in self.recv_from]
                     x = torch.cat(parts) if len(parts) > 1 else parts[0]
-                with self.autocast():
-                    out = self.model(x)
                 if v.is_last_stage:
-                    tgt = targets.to(v.device)
-                    total += float(F.cross_entropy(out.float().reshape(-1, out.shape[-1]), tgt.reshape(-1),
-                                                   reduction="sum", ignore_index=-100))
+                    with self.autocast():
+                        total += float(self.model.loss(x, targets.to(v.device)))
                 else:
+                    with self.autocast():
+                        out = self.model(x)
                     for dst, (a, b) in self.send_to:
                         self._send(out[a - self.my_lo : b - self.my_lo], dst, v.pp_next_group)
         self.finish()

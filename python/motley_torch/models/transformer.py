@@ -93,13 +93,20 @@ class Rotary(nn.Module):
         self.cache: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, s: int, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            # Inside a compiled block the few flops are fused into the block's kernels; a
+            # Python cache would only break the graph.
+            return self._compute(s, device, dtype)
         key = (s, str(device), dtype)
         if key not in self.cache:
-            pos = torch.arange(s, dtype=torch.float32, device=device)
-            freqs = torch.outer(pos, self.inv.to(device))
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.cache = {key: (emb.cos().to(dtype), emb.sin().to(dtype))}
+            self.cache = {key: self._compute(s, device, dtype)}
         return self.cache[key]
+
+    def _compute(self, s: int, device, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(s, dtype=torch.float32, device=device)
+        freqs = torch.outer(pos, self.inv.to(device))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -180,6 +187,7 @@ class GPTStage(nn.Module):
         self.spec, self.seq_len, self.l0, self.l1 = m, seq_len, layers[0], layers[1]
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.recompute = False
+        self.compiled = False
         self.first = self.l0 == 0
         self.last = self.l1 == m.layers
         self.llama = m.family == "llama"
@@ -197,9 +205,37 @@ class GPTStage(nn.Module):
             if not self.tied_here:
                 self.head = nn.Linear(m.hidden, m.vocab, bias=False)
 
+    def compile_blocks(self, mode: Optional[str] = None):
+        """torch.compile each block in place (names and parameters unchanged), as torchtitan
+        does per block: a stage's blocks share one shape, so they compile once and the
+        elementwise work (norms, rotary, SwiGLU, residual adds) fuses around the matmuls.
+        `mode="reduce-overhead"` also captures them with CUDA graphs."""
+        for blk in self.layers.values():
+            blk.compile(mode=mode, dynamic=False)
+        self.compiled = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens [b, s] on the first stage, hidden states [b, s, hidden] after; logits
         [b, s, vocab] out of the last stage, hidden states out of the others."""
+        x = self._body(x)
+        if self.last:
+            x = F.linear(x, self.head_weight())
+        return x
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.tied_here else self.head.weight
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
+        """The last stage: the summed token cross-entropy (fp32) of its input, without ever
+        holding the micro-batch's full logits (head_loss.linear_cross_entropy; `grad_scale`:
+        the gradient its backward will bring)."""
+        from .head_loss import linear_cross_entropy
+
+        return linear_cross_entropy(self._body(x), self.head_weight(), targets, compiled=self.compiled,
+                                    grad_scale=grad_scale)
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        """Embeddings (first stage), the blocks, the final norm (last stage)."""
         if self.first:
             s = x.shape[1]
             x = self.embed(x)
@@ -214,7 +250,6 @@ class GPTStage(nn.Module):
                 x = blk(x)
         if self.last:
             x = self.ln_f(x)
-            x = F.linear(x, self.embed.weight) if self.tied_here else self.head(x)
         return x
 
     def tied_weights(self) -> list:

@@ -31,52 +31,16 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import List, Optional
+from typing import List
+
+from ..components.mfu import mfu, peak_tflops, train_flops_per_token
+from ..spec import ModelSpec
 
 # python/, which holds motley_torch: what a child Python needs on its path.
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Dense tensor-core peak TFLOPS per precision (vendor datasheets; fp32 without TF32).
-PEAKS = {
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H800": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "A800": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
-    "A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
-    "V100": {"fp16": 125.0, "fp32": 15.7},
-    "T4": {"fp16": 65.0, "fp32": 8.1},
-}
-
 MODEL = {"name": "gpu-check-llama", "family": "llama", "layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 8,
          "ffn_hidden": 2816, "seq_len": 512, "vocab": 32000, "gated_mlp": True}
-
-
-def peak_tflops(device_name: str, precision: str) -> Optional[float]:
-    """The datasheet peak of the first table entry whose name is in the device's name."""
-    up = device_name.upper()
-    for key in sorted(PEAKS, key=len, reverse=True):
-        if key in up:
-            return PEAKS[key].get(precision)
-    return None
-
-
-def train_flops_per_token(spec: dict, seq_len: int) -> float:
-    """Model FLOPs of one trained token: 6 x parameters (forward 2, backward 4) plus attention's
-    QK^T and AV (12 x layers x hidden x seq_len, causal masking not discounted), the
-    convention of Megatron-LM's and PaLM's MFU."""
-    h, layers, ffn, vocab = spec["hidden"], spec["layers"], spec["ffn_hidden"], spec["vocab"]
-    kv = spec.get("kv_heads", spec["heads"]) * h // spec["heads"]
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn
-    params = layers * per_layer + vocab * h  # the head's matrix; the embedding lookup is no matmul
-    return 6.0 * params + 12.0 * layers * h * seq_len
-
-
-def mfu(tokens_per_s: float, flops_per_token: float, peak: Optional[float]) -> Optional[float]:
-    if not peak or tokens_per_s <= 0:
-        return None
-    return tokens_per_s * flops_per_token / (peak * 1e12)
 
 
 def render(rows: List[dict]) -> str:
@@ -111,7 +75,8 @@ def check_training(model_file: str, precision: str, steps: int, seq: int, device
     finite = all(d["loss"] == d["loss"] and abs(d["loss"]) != float("inf") for d in taken)
     falls = bool(taken) and taken[-1]["loss"] < taken[0]["loss"]
     tps = sorted(d["tokens_per_s"] for d in lines[2:])[len(lines[2:]) // 2] if len(lines) > 2 else 0.0
-    u = mfu(tps, train_flops_per_token(MODEL, seq), peak_tflops(device_name, precision))
+    u = mfu(tps, train_flops_per_token(ModelSpec.from_dict(dict(MODEL, seq_len=seq)), seq),
+            peak_tflops(device_name, precision))
     detail = f"loss {taken[0]['loss']:.3f} -> {taken[-1]['loss']:.3f}" if taken else "every step skipped"
     skipped = sum(1 for d in lines if d.get("skipped"))
     if skipped:

@@ -1,0 +1,126 @@
+"""The last stage's head and loss without the full logits.
+
+`sum over tokens of cross_entropy(hidden @ W^T, target)` is computed a chunk of tokens at a
+time: each chunk's logits (in the compute type, then fp32 for the softmax, as the unfused
+`F.cross_entropy(logits.float(), ...)` does) give the chunk's loss and, right away, the
+gradients of the summed loss with respect to the chunk's hidden states and to W; the logits
+are then dropped. At most one chunk's `[tokens, vocab]` is ever alive, instead of the whole
+micro-batch's in fp32 plus its half copy and its gradient (with a 128k vocabulary the largest
+activation of the last stage). The backward pass only scales the kept gradients by the
+incoming gradient (the loss scale over the batch's tokens), so no matmul is recomputed: the
+FLOPs are those of the unfused head (forward, data and weight gradients), the technique of
+Liger-Kernel's fused linear cross-entropy.
+
+Targets of `ignore_index` (-100, padding) count for nothing, as in `F.cross_entropy`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+IGNORE = -100
+# Bytes of fp32 logits one chunk may hold.
+CHUNK_BYTES = 512 * 2**20
+
+
+def chunk_tokens(tokens: int, vocab: int, budget: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk: as many as `budget` bytes of fp32 logits hold (at least 128)."""
+    return min(tokens, max(128, budget // (4 * vocab)))
+
+
+def _softmax_grad(logits: torch.Tensor, targets: torch.Tensor):
+    """(summed cross-entropy, d loss / d logits) of fp32 logits [n, vocab]."""
+    keep = targets != IGNORE
+    safe = torch.where(keep, targets, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, safe[:, None])[:, 0]
+    loss = torch.where(keep, lse - picked, 0.0).sum()
+    grad = torch.exp(logits - lse[:, None])
+    grad.scatter_add_(1, safe[:, None], torch.full_like(picked, -1.0)[:, None])
+    grad.mul_(keep[:, None])
+    return loss, grad
+
+
+def _loss_only(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    keep = targets != IGNORE
+    picked = logits.gather(1, torch.where(keep, targets, 0)[:, None])[:, 0]
+    return torch.where(keep, torch.logsumexp(logits, dim=-1) - picked, 0.0).sum()
+
+
+_compiled_softmax_grad = None
+
+
+def softmax_grad(logits: torch.Tensor, targets: torch.Tensor, compiled: bool):
+    """`_softmax_grad`, fused into one kernel by torch.compile when `compiled` (the trainer's
+    --compile): the chunk's logits are read twice instead of five times."""
+    global _compiled_softmax_grad
+    if not compiled:
+        return _softmax_grad(logits, targets)
+    if _compiled_softmax_grad is None:
+        _compiled_softmax_grad = torch.compile(_softmax_grad, dynamic=False)
+    return _compiled_softmax_grad(logits, targets)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, compute_dtype, chunk, compiled, need, grad_scale):
+        shape = hidden.shape
+        h = hidden.reshape(-1, shape[-1])
+        t = targets.reshape(-1)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_h = torch.empty_like(h) if need and hidden.requires_grad else None
+            grad_w = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                      if need and weight.requires_grad else None)
+            for a in range(0, h.shape[0], chunk):
+                hc = h[a : a + chunk].to(compute_dtype)
+                logits = (hc @ w.t()).float()
+                if not need:
+                    total += _loss_only(logits, t[a : a + chunk])
+                    continue
+                loss, g = softmax_grad(logits, t[a : a + chunk], compiled)
+                del logits
+                total += loss
+                # Scaled before the cast to the half type, as the unfused head's logit
+                # gradient is: fp16 loss scaling then sees the same overflows.
+                g = (g * grad_scale).to(compute_dtype)
+                if grad_h is not None:
+                    grad_h[a : a + chunk] = g @ w
+                if grad_w is not None:
+                    grad_w += (g.t() @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.shape = shape
+        ctx.weight_dtype = weight.dtype
+        ctx.grad_scale = grad_scale
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        # 1.0 exactly when the caller's backward brings the gradient it announced.
+        factor = grad_out / ctx.grad_scale
+        gh = (grad_h * factor).reshape(ctx.shape) if grad_h is not None else None
+        gw = (grad_w * factor).to(ctx.weight_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk: Optional[int] = None, compiled: bool = False, grad_scale: float = 1.0) -> torch.Tensor:
+    """sum(cross_entropy(hidden @ weight^T, targets)) in fp32, chunked. The logits' type is
+    autocast's when autocast is on (as the unfused head computes them), else the weight's.
+    `grad_scale`: the gradient the backward pass will bring to this sum (the loss scale over
+    the batch's tokens); the kept gradients are computed at that scale (any other still gives
+    the right gradient, rescaled)."""
+    if not grad_scale > 0:
+        raise ValueError(f"grad_scale {grad_scale} must be positive")
+    dev = hidden.device.type
+    compute = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    tokens = hidden.numel() // hidden.shape[-1]
+    n = chunk or chunk_tokens(tokens, weight.shape[0])
+    # Inside a Function's forward grad mode is always off: whether a backward will follow is
+    # decided here.
+    need = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, compute, n, compiled, need, float(grad_scale))

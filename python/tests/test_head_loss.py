@@ -1,0 +1,79 @@
+"""The chunked head loss (models/head_loss.py) against the unfused head: F.linear then
+F.cross_entropy on the float logits, in every precision the trainer runs, with padding targets,
+chunks that do not divide the tokens, a loss scale, and no gradient under no_grad. On CUDA too
+where there is one (python/gpu-check's machine)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from motley_torch.models.head_loss import chunk_tokens, linear_cross_entropy
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# fp32: the same sums in another order. Half: the logit gradient is rounded to the half type
+# before the matmuls on both sides, but the weight gradient is summed over chunks in fp32 here
+# and in the half type by the unfused matmul: a few half-type ulps of the largest value.
+TOL = {None: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def unfused(h, w, t, dtype, dev):
+    ctx = torch.autocast(dev, dtype=dtype) if dtype else contextlib.nullcontext()
+    with ctx:
+        logits = F.linear(h, w)
+    return F.cross_entropy(logits.float().reshape(-1, w.shape[0]), t.reshape(-1), reduction="sum", ignore_index=-100)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
+def test_equals_the_unfused_head(dev, dtype):
+    if dev == "cpu" and dtype == torch.float16:
+        pytest.skip("fp16 matmuls are the GPU's (the trainer's CPU fp16 runs autocast's CPU kernels, tested in "
+                    "test_precision)")
+    torch.manual_seed(0)
+    scale = 0.37
+    h = torch.randn(3, 50, 32, device=dev, requires_grad=True)
+    w = torch.randn(1000, 32, device=dev, requires_grad=True)
+    t = torch.randint(0, 1000, (3, 50), device=dev)
+    t[0, :5] = -100
+    want = unfused(h, w, t, dtype, dev)
+    (want * scale).backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    ctx = torch.autocast(dev, dtype=dtype) if dtype else contextlib.nullcontext()
+    with ctx:
+        got = linear_cross_entropy(h, w, t, chunk=40, grad_scale=scale)
+    assert got.dtype == torch.float32
+    (got * scale).backward()
+    tol = TOL[dtype]
+    assert float(got) == pytest.approx(float(want), rel=1e-5 if dtype is None else 1e-3)
+    assert (h.grad - gh).abs().max().item() <= tol * gh.abs().max().item()
+    assert (w.grad - gw).abs().max().item() <= tol * gw.abs().max().item()
+
+
+def test_other_backward_scales_and_no_grad():
+    torch.manual_seed(1)
+    h = torch.randn(2, 9, 16, requires_grad=True)
+    w = torch.randn(70, 16, requires_grad=True)
+    t = torch.randint(0, 70, (2, 9))
+    (unfused(h, w, t, None, "cpu") * 5.0).backward()
+    gh = h.grad.clone()
+    h.grad = w.grad = None
+    # Announced 1.0, brought 5.0: still the right gradient.
+    (linear_cross_entropy(h, w, t, chunk=4) * 5.0).backward()
+    assert (h.grad - gh).abs().max().item() <= 1e-5 * gh.abs().max().item()
+    with torch.no_grad():
+        v = linear_cross_entropy(h, w, t, chunk=4)
+    assert not v.requires_grad
+    assert float(v) == pytest.approx(float(unfused(h, w, t, None, "cpu")), rel=1e-6)
+    with pytest.raises(ValueError, match="grad_scale"):
+        linear_cross_entropy(h, w, t, grad_scale=0.0)
+
+
+def test_chunks_hold_at_most_the_budget():
+    assert chunk_tokens(16384, 128256) == 1046  # 512 MiB of fp32 logits
+    assert chunk_tokens(100, 32000) == 100  # never more than the tokens
+    assert chunk_tokens(10**6, 10**9) == 128  # never fewer than 128
