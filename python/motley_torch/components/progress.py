@@ -1,5 +1,5 @@
 """The lines a training run prints on stdout, read by the coordinator's curves, `motley job
-logs`, the benches and the tests (a contract: docs/trainer.md): one per step, one per
+logs`, the benches and the tests (a contract: python/README.md, "The reference trainer"): one per step, one per
 evaluation, one memory line after the first step.
 """
 

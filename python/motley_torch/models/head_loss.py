@@ -30,37 +30,41 @@ def chunk_tokens(tokens: int, vocab: int, budget: int = CHUNK_BYTES) -> int:
     return min(tokens, max(128, budget // (4 * vocab)))
 
 
-def _softmax_grad(logits: torch.Tensor, targets: torch.Tensor):
-    """(summed cross-entropy, d loss / d logits) of fp32 logits [n, vocab]."""
+def _softmax_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype):
+    """(summed cross-entropy in fp32, `scale` x d loss / d logits in `out_dtype`) of logits
+    [n, vocab] (any float type; the softmax is taken in fp32)."""
+    x = logits.float()
     keep = targets != IGNORE
     safe = torch.where(keep, targets, 0)
-    lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(1, safe[:, None])[:, 0]
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, safe[:, None])[:, 0]
     loss = torch.where(keep, lse - picked, 0.0).sum()
-    grad = torch.exp(logits - lse[:, None])
-    grad.scatter_add_(1, safe[:, None], torch.full_like(picked, -1.0)[:, None])
-    grad.mul_(keep[:, None])
-    return loss, grad
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == safe[:, None]
+    grad = (torch.exp(x - lse[:, None]) - onehot.float()) * (keep[:, None] * scale)
+    return loss, grad.to(out_dtype)
 
 
 def _loss_only(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    x = logits.float()
     keep = targets != IGNORE
-    picked = logits.gather(1, torch.where(keep, targets, 0)[:, None])[:, 0]
-    return torch.where(keep, torch.logsumexp(logits, dim=-1) - picked, 0.0).sum()
+    picked = x.gather(1, torch.where(keep, targets, 0)[:, None])[:, 0]
+    return torch.where(keep, torch.logsumexp(x, dim=-1) - picked, 0.0).sum()
 
 
 _compiled_softmax_grad = None
 
 
-def softmax_grad(logits: torch.Tensor, targets: torch.Tensor, compiled: bool):
-    """`_softmax_grad`, fused into one kernel by torch.compile when `compiled` (the trainer's
-    --compile): the chunk's logits are read twice instead of five times."""
+def softmax_grad(logits, targets, scale, out_dtype, compiled: bool):
+    """`_softmax_grad`, fused by torch.compile when `compiled` (the trainer's --compile): the
+    chunk's logits are read twice and its gradient written once, in the half type, instead of
+    the half logits, their fp32 copy and every intermediate going through memory. The scale is
+    a tensor so a changing loss scale recompiles nothing."""
     global _compiled_softmax_grad
     if not compiled:
-        return _softmax_grad(logits, targets)
+        return _softmax_grad(logits, targets, scale, out_dtype)
     if _compiled_softmax_grad is None:
         _compiled_softmax_grad = torch.compile(_softmax_grad, dynamic=False)
-    return _compiled_softmax_grad(logits, targets)
+    return _compiled_softmax_grad(logits, targets, scale, out_dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -75,18 +79,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty_like(h) if need and hidden.requires_grad else None
             grad_w = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
                       if need and weight.requires_grad else None)
+            # Scaled before the cast to the half type, as the unfused head's logit gradient is:
+            # fp16 loss scaling then sees the same overflows.
+            scale = torch.tensor(grad_scale, dtype=torch.float32, device=hidden.device)
             for a in range(0, h.shape[0], chunk):
                 hc = h[a : a + chunk].to(compute_dtype)
-                logits = (hc @ w.t()).float()
+                logits = hc @ w.t()
                 if not need:
                     total += _loss_only(logits, t[a : a + chunk])
                     continue
-                loss, g = softmax_grad(logits, t[a : a + chunk], compiled)
+                loss, g = softmax_grad(logits, t[a : a + chunk], scale, compute_dtype, compiled)
                 del logits
                 total += loss
-                # Scaled before the cast to the half type, as the unfused head's logit
-                # gradient is: fp16 loss scaling then sees the same overflows.
-                g = (g * grad_scale).to(compute_dtype)
                 if grad_h is not None:
                     grad_h[a : a + chunk] = g @ w
                 if grad_w is not None:
