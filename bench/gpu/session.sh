@@ -17,7 +17,7 @@ export PYTHONPATH="$repo/python${GPU_DEPS:+:$GPU_DEPS}${PYTHONPATH:+:$PYTHONPATH
   nproc
 } > "$out/env.txt" 2>&1
 cd "$repo"
-timeout 60 python3 -m pytest -q -p no:cacheprovider python/tests/test_head_loss.py > "$out/tests.txt" 2>&1
+timeout 60 python3 -m pytest -q -p no:cacheprovider python/tests/test_head_loss.py python/tests/test_runtime_speed.py -k "not compiled_blocks and not mfu_is_reported and not flags" > "$out/tests.txt" 2>&1
 echo "tests rc=$?" >> "$out/tests.txt"
 timeout "${MFU_TIMEOUT:-300}" python3 bench/gpu/mfu.py -o json --models "${MFU_MODELS:-gpu-check,llama-1b}" \
   --variants "${MFU_VARIANTS:-motley,baseline,motley-eager}" > "$out/mfu.json" 2> "$out/mfu.err"

@@ -114,7 +114,7 @@ DEPTHS_CHILD = r"""
 import json, sys, types
 from motley_torch.model_source import load_model
 from motley_torch.tools.profile import Ctx, time_blocks
-a = types.SimpleNamespace(tp=1, micro_batch=int(sys.argv[3]), warmup=5, runs=20, dtype=sys.argv[4])
+a = types.SimpleNamespace(tp=1, micro_batch=int(sys.argv[3]), warmup=5, runs=20, dtype=sys.argv[4], compile="auto")
 spec = load_model(sys.argv[1])
 ctx = Ctx(a, spec, int(sys.argv[2]), 0, None)
 print(json.dumps({n: sum(time_blocks(ctx, n)) for n in (3, 5, 6, 7)}))

@@ -76,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=5, metavar="R", help="timed runs; the median is kept (default 5)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="fp32", help="parameter and activation type (default fp32)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds the TP ranks wait for each other")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="time the blocks compiled as the trainer runs them (its --compile; auto: on for CUDA)")
     # Internal: the extra TP ranks this command starts for tp > 1.
     p.add_argument("--worker-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -184,6 +186,9 @@ class Ctx:
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.timer = Timer(self.device)
+        # The trainer's --compile rule (stage_init.compile_stage), so a profile times what runs.
+        choice = getattr(args, "compile", "off")
+        self.compiled = choice == "on" or (choice == "auto" and self.device.type == "cuda")
         self.gen = torch.Generator(device="cpu").manual_seed(1234)
 
     def randn(self, *shape, requires_grad=False):
@@ -210,7 +215,11 @@ class Ctx:
 
         torch.manual_seed(1000 + n)
         m = nn.Sequential(*[Block(self.spec, self.group, self.rank, self.tp) for _ in range(n)])
-        return m.to(device=self.device, dtype=self.dtype)
+        m = m.to(device=self.device, dtype=self.dtype)
+        if self.compiled:
+            for blk in m:
+                blk.compile(dynamic=False)
+        return m
 
 
 def median_fwd_bwd(ctx: Ctx, make_fwd: Callable[[], object], bwd: Callable[[object], None],
@@ -266,15 +275,16 @@ def time_embedding(ctx: Ctx) -> Tuple[float, float]:
 
 
 def time_head(ctx: Ctx) -> Tuple[float, float]:
-    """The last stage's extra: final LN + head + the trainer's token-summed cross-entropy."""
+    """The last stage's extra: final LN + head + the trainer's token-summed cross-entropy (its
+    chunked head loss, models/head_loss.py)."""
     import torch
-    import torch.nn.functional as F
 
     from ..models.transformer import GPTStage
 
     torch.manual_seed(8)
     L = ctx.spec.layers
     head = GPTStage(ctx.spec, ctx.seq, (L, L)).to(device=ctx.device, dtype=ctx.dtype)
+    head.compiled = ctx.compiled
     b, s = ctx.args.micro_batch, ctx.seq
     x = ctx.randn(b, s, ctx.spec.hidden, requires_grad=True)
     tgt = torch.randint(0, ctx.spec.vocab, (b * s,), generator=ctx.gen).to(ctx.device)
@@ -282,8 +292,7 @@ def time_head(ctx: Ctx) -> Tuple[float, float]:
 
     def fwd():
         x.grad = None
-        logits = head(x)
-        return F.cross_entropy(logits.float().reshape(-1, ctx.spec.vocab), tgt, reduction="sum") * scale
+        return head.loss(x, tgt, grad_scale=scale) * scale
 
     return median_fwd_bwd(ctx, fwd, lambda loss: loss.backward(), _zero_grads(head), collective=False)
 
@@ -437,7 +446,7 @@ def _setup_device(args, rank: int):
 def _worker_argv(args, port: int, rank: int) -> List[str]:
     a = [sys.executable, "-m", "motley_torch.profile", "--model", os.path.abspath(args.model), "--tp", str(args.tp),
          "--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup), "--runs", str(args.runs),
-         "--dtype", args.dtype, "--timeout", str(args.timeout), "--worker-rank", str(rank), "--store-port", str(port)]
+         "--dtype", args.dtype, "--compile", args.compile, "--timeout", str(args.timeout), "--worker-rank", str(rank), "--store-port", str(port)]
     if args.seq_len is not None:
         a += ["--seq-len", str(args.seq_len)]
     if args.gpu is not None:
