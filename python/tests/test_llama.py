@@ -1,9 +1,9 @@
 """The llama family equals transformers in fp32 (logits, loss and gradients, each within the
 rounding its chain of operations explains: tolerance.py), for Llama (rope_theta and llama3 /
-linear scaling, GQA, tied and untied heads), Qwen2 (q/k/v biases) and Mistral, and a real error
-(a wrong rope_theta, norm epsilon or weight, a dropped bias) fails that margin; Hugging Face
-configs in both spellings; weights in (lazy per-rank slices, sharded indexes) and out
-(--save-hf, loaded back by transformers); bad input named."""
+linear scaling, GQA, tied and untied heads, attention_bias: q/k/v and o biases), Qwen2 (q/k/v
+biases) and Mistral, and a real error (a wrong rope_theta, norm epsilon or weight, a dropped
+bias) fails that margin; Hugging Face configs in both spellings; weights in (lazy per-rank
+slices, sharded indexes) and out (--save-hf, loaded back by transformers); bad input named."""
 
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ SEQ = 24
 VARIANTS = {
     "llama-gqa": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    # transformers' LlamaAttention: q_proj, k_proj, v_proj and o_proj all take
+    # bias=config.attention_bias (modeling_llama.py).
+    "llama-attention-bias": ("llama", {"attention_bias": True}),
     "llama3-scaling": ("llama", {"rope_theta": 500000.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16}}),
@@ -163,7 +166,13 @@ def test_both_config_spellings_give_one_spec():
     assert old.family == "llama" and old.gated_mlp and old.kv_heads == 4 and old.norm_eps == 1e-6
     q = spec_from_config(base_config(architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
                                      sliding_window=16), "q", "c")
-    assert q.qkv_bias and q.sliding_window is None
+    assert q.qkv_bias and not q.o_bias and q.sliding_window is None
+    biased = spec_from_config(base_config(attention_bias=True), "b", "c")
+    assert biased.qkv_bias and biased.o_bias, "Llama's attention_bias biases q, k, v and o"
+    assert not old.qkv_bias and not old.o_bias
+    # Mistral's attention has no biases whatever the config says (modeling_mistral.py).
+    m = spec_from_config(base_config(architectures=["MistralForCausalLM"], attention_bias=True), "m", "c")
+    assert not m.qkv_bias and not m.o_bias
 
 
 @pytest.mark.parametrize("over,needle", [
@@ -268,8 +277,45 @@ def test_trainer_init_from_hf_then_save_hf_loads_in_transformers(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == before, "the old files are replaced, the stale one gone"
 
 
-def test_write_hf_cuts_shards_and_writes_the_index(tmp_path):
-    d = make_hf(tmp_path / "m", "qwen2")
+def test_an_attention_bias_llama_trains_and_saves_as_llama(tmp_path):
+    """--init-from-hf of a Llama with attention_bias starts from all its biases (o_proj's too:
+    step 0's loss is transformers'), trains them, and --save-hf writes a LlamaForCausalLM with
+    attention_bias true whose logits in transformers are the trained model's."""
+    from safetensors.torch import load_file
+
+    from motley_torch.components.data import global_batch_tokens
+
+    kind, over = VARIANTS["llama-attention-bias"]
+    d = make_hf(tmp_path / "m", kind, **over)
+    out, params = tmp_path / "out", tmp_path / "p"
+    cmd = [PYTHON, "-m", "motley_torch.train", "--single-process", "--init-from-hf", str(d), "--global-batch", "4",
+           "--seq-len", "16", "--steps", "2", "--seed", "5", "--save-hf", str(out), "--save-params", str(params)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=python_env(OMP_NUM_THREADS="1"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    first = next(x for x in map(json.loads, r.stdout.splitlines()) if x.get("step") == 0 and "loss" in x)
+    ref, spec = load_hf(d), load_model(str(d))
+    tokens = global_batch_tokens(5, 0, 4, 16, spec.vocab)
+    want = F.cross_entropy(ref(tokens[:, :-1]).logits.reshape(-1, spec.vocab), tokens[:, 1:].reshape(-1)).item()
+    assert_close_rel(first["loss"], want, loss_ops(spec.layers), "step 0's loss against transformers'")
+    assert spec.o_bias
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["architectures"], cfg["model_type"], cfg["attention_bias"]) == (["LlamaForCausalLM"], "llama", True)
+    trained = load_hf(out)
+    bias = "model.layers.0.self_attn.o_proj.bias"
+    assert not torch.equal(trained.get_parameter(bias), ref.get_parameter(bias)), "the o bias trained"
+    ours = GPTStage(spec, 16, (0, spec.layers))
+    ours.load_full_state(load_file(str(params / "params.safetensors")))
+    assert_close_rel(ours(tokens[:, :-1]), trained(tokens[:, :-1]).logits, forward_ops(spec.layers),
+                     "the --save-hf model's logits in transformers")
+
+
+@pytest.mark.parametrize("variant,arch", [("qwen2-bias", "Qwen2ForCausalLM"),
+                                          ("llama-attention-bias", "LlamaForCausalLM")])
+def test_write_hf_cuts_shards_and_writes_the_index(tmp_path, variant, arch):
+    """Written back, the weights load in transformers as the architecture they came from (Llama's
+    attention_bias biases o as well as q/k/v: never Qwen2's config, which has no o bias)."""
+    kind, over = VARIANTS[variant]
+    d = make_hf(tmp_path / "m", kind, **over)
     spec = load_model(str(d))
     m = GPTStage(spec, 8, (0, spec.layers))
     m.load_hf(str(d))
@@ -282,6 +328,13 @@ def test_write_hf_cuts_shards_and_writes_the_index(tmp_path):
     assert set(index["weight_map"].values()) == set(names)
     for n in names:
         assert (tmp_path / "o" / n).stat().st_size <= 60_000 + 10_000
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert cfg["architectures"] == [arch]
+    assert cfg.get("attention_bias", False) is (arch == "LlamaForCausalLM"), cfg
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        assert set(index["weight_map"]) == set(f.keys()), "every tensor written back, under its own name"
     back = load_hf(tmp_path / "o")
     x = torch.randint(0, 96, (2, 8))
     # The same fp32 values through the same transformers code: equal to the bit.
@@ -299,7 +352,7 @@ def test_the_trainer_refuses_bad_hf_input_with_exit_2(tmp_path):
     assert r.stderr.strip().splitlines()[-1].startswith(f"motley_torch.train: {d}/config.json: architectures"), r.stderr
 
 
-@pytest.mark.parametrize("variant", ["llama3-scaling", "qwen2-bias", "llama-tied"])
+@pytest.mark.parametrize("variant", ["llama3-scaling", "qwen2-bias", "llama-tied", "llama-attention-bias"])
 def test_the_rank_library_and_motley_read_a_config_alike(tmp_path, variant):
     """config.json is mapped twice (the rank library reads it without the motley binary, which
     ranks may not have; the planner in Rust): both give the same spec."""

@@ -118,13 +118,17 @@ def spec_from_config(cfg: dict, name: str, where: str) -> ModelSpec:
     seq = min(max_pos, DEFAULT_SEQ_LEN)
     if window is not None:
         seq = min(seq, _cfg_int(cfg, "sliding_window", where))
-    qkv_bias = True if arch == "Qwen2ForCausalLM" else bool(cfg.get("attention_bias", False))
+    # Llama's attention_bias biases q, k, v and o alike (modeling_llama.py's LlamaAttention);
+    # Qwen2 biases q, k and v always and o never (modeling_qwen2.py); Mistral's attention has no
+    # bias whatever its config says (modeling_mistral.py).
+    attention_bias = arch == "LlamaForCausalLM" and bool(cfg.get("attention_bias", False))
+    qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
     doc = {
         "name": name, "family": "llama", "layers": _cfg_int(cfg, "num_hidden_layers", where), "hidden": hidden,
         "heads": heads, "kv_heads": _cfg_int(cfg, "num_key_value_heads", where, heads), "seq_len": seq,
         "vocab": _cfg_int(cfg, "vocab_size", where), "ffn_hidden": _cfg_int(cfg, "intermediate_size", where),
         "gated_mlp": True, "norm_eps": cfg.get("rms_norm_eps", 1e-6), "rope_theta": theta, "rope_scaling": scaling,
-        "qkv_bias": qkv_bias, "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "qkv_bias": qkv_bias, "o_bias": attention_bias, "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "sliding_window": window, "max_position_embeddings": max_pos,
     }
     return ModelSpec.from_dict(doc, where=where)
@@ -142,11 +146,16 @@ def spec_from_hf(ref: str) -> ModelSpec:
 
 
 def config_from_spec(spec: ModelSpec) -> dict:
-    """A LlamaForCausalLM (or Qwen2ForCausalLM, for q/k/v biases) config.json of the spec, in
-    transformers 5's spelling, which older readers of `rope_theta` also get."""
+    """A LlamaForCausalLM (attention_bias: q/k/v and o biases) or Qwen2ForCausalLM (q/k/v
+    biases, none on o) config.json of the spec, in transformers 5's spelling, which older
+    readers of `rope_theta` also get."""
     if spec.family != "llama":
         raise HFError(f"model.family: {spec.family}; only family llama exports to Hugging Face")
-    qwen = spec.qkv_bias
+    if spec.o_bias and not spec.qkv_bias:
+        raise HFError("model.o_bias: an attention output bias without q/k/v biases has no Hugging Face "
+                      "architecture (Llama's attention_bias biases all four, Qwen2 q/k/v only); it cannot be "
+                      "exported")
+    qwen = spec.qkv_bias and not spec.o_bias
     rope = {"rope_theta": spec.rope_theta, "rope_type": "default"}
     if spec.rope_scaling:
         rope.update({k: v for k, v in spec.rope_scaling.items() if k != "type"})
@@ -166,7 +175,7 @@ def config_from_spec(spec: ModelSpec) -> dict:
         cfg["use_sliding_window"] = False
         cfg["sliding_window"] = None
     else:
-        cfg["attention_bias"] = False
+        cfg["attention_bias"] = spec.o_bias
         cfg["mlp_bias"] = False
     return cfg
 
@@ -179,7 +188,7 @@ _LAYER_MAP = {
     "attn.q.weight": "self_attn.q_proj.weight", "attn.k.weight": "self_attn.k_proj.weight",
     "attn.v.weight": "self_attn.v_proj.weight", "attn.o.weight": "self_attn.o_proj.weight",
     "attn.q.bias": "self_attn.q_proj.bias", "attn.k.bias": "self_attn.k_proj.bias",
-    "attn.v.bias": "self_attn.v_proj.bias",
+    "attn.v.bias": "self_attn.v_proj.bias", "attn.o.bias": "self_attn.o_proj.bias",
     "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
     "mlp.down.weight": "mlp.down_proj.weight",
 }
@@ -414,8 +423,10 @@ def motley_order(spec: ModelSpec) -> List[str]:
         names.append(p + "attn.v.weight")
         if spec.qkv_bias:
             names.append(p + "attn.v.bias")
-        names += [p + "attn.o.weight", p + "ln2.weight", p + "mlp.gate.weight", p + "mlp.up.weight",
-                  p + "mlp.down.weight"]
+        names.append(p + "attn.o.weight")
+        if spec.o_bias:
+            names.append(p + "attn.o.bias")
+        names += [p + "ln2.weight", p + "mlp.gate.weight", p + "mlp.up.weight", p + "mlp.down.weight"]
     names.append("ln_f.weight")
     if not spec.tie_embeddings:
         names.append("head.weight")
