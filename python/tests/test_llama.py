@@ -3,7 +3,8 @@ rounding its chain of operations explains: tolerance.py), for Llama (rope_theta 
 linear scaling, GQA, tied and untied heads, attention_bias: q/k/v and o biases), Qwen2 (q/k/v
 biases) and Mistral, and a real error (a wrong rope_theta, norm epsilon or weight, a dropped
 bias) fails that margin; Hugging Face configs in both spellings; weights in (lazy per-rank
-slices, sharded indexes) and out (--save-hf, loaded back by transformers); bad input named."""
+slices, sharded indexes, every tensor of the checkpoint used or the load refused) and out
+(--save-hf, loaded back by transformers); bad input named."""
 
 from __future__ import annotations
 
@@ -92,6 +93,14 @@ def _perturb_one_matrix(params):
     w.mul_(1.0 + 1e-4 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
 
 
+def _drop_biases(params):
+    """Every bias zeroed: what a model computes when it leaves its checkpoint's biases out (a
+    spec without them is no longer a way to get there: the load refuses the biases unused)."""
+    for name, p in params.items():
+        if name.endswith(".bias"):
+            p.zero_()
+
+
 def _respec(**change):
     return lambda spec: ModelSpec.from_dict(dict(spec.to_dict(), **change))
 
@@ -105,7 +114,7 @@ REAL_ERRORS = {
     "rope_theta 500": ("llama", _respec(rope_theta=500.0), None),
     "rope_theta off by 0.1%": ("llama", _respec(rope_theta=10010.0), None),
     "norm eps 1e-6 for 1e-5": ("llama", _respec(norm_eps=1e-6), None),
-    "q/k/v biases dropped": ("qwen2", _respec(qkv_bias=False), None),
+    "q/k/v biases dropped": ("qwen2", None, _drop_biases),
     "one matrix off by 1e-4": ("llama", None, _perturb_one_matrix),
 }
 
@@ -217,6 +226,74 @@ def test_weights_missing_or_misshapen_are_named(tmp_path):
     e = make_hf(tmp_path / "n", "llama")
     with pytest.raises(HFError, match=r"model.embed_tokens.weight has shape \[96, 64\], the model spec needs \[100, 64\]"):
         GPTStage(wrong, 8, (0, 1)).load_hf(str(e))
+
+
+def _add_tensors(path, extra):
+    """Rewrite the safetensors file `path` with the tensors `extra` (name -> tensor) added."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    tensors.update(extra)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_a_tensor_the_model_does_not_use_is_refused_naming_it(tmp_path):
+    """Every tensor of the checkpoint is read, or the load is refused naming the ones left: a
+    tensor dropped silently trains another model than the weights'. Each rank answers for the
+    tensors of its own layers and ends, and every rank for those of no layer of the model."""
+    d = make_hf(tmp_path / "m", "llama")
+    spec = load_model(str(d))
+    _add_tensors(d / "model.safetensors", {"model.layers.3.mlp.down_proj.bias": torch.ones(64),
+                                           "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)})
+    want = (r"the weights hold 1 tensor the model does not use: model\.layers\.3\.mlp\.down_proj\.bias; "
+            r"config\.json does not describe these weights")
+    with pytest.raises(HFError, match=want):
+        GPTStage(spec, 8, (0, spec.layers)).load_hf(str(d))
+    with pytest.raises(HFError, match=want):
+        GPTStage(spec, 8, (2, 4)).load_hf(str(d))
+    # Layers 0 and 1 use every tensor of theirs (a rotary inv_freq buffer is no weight).
+    GPTStage(spec, 8, (0, 2), tp_rank=1, tp_size=2).load_hf(str(d))
+
+    # A layer the model does not have is every rank's to refuse; so is a head beside a tied one.
+    t = make_hf(tmp_path / "t", "llama", tie_word_embeddings=True)
+    tied = load_model(str(t))
+    _add_tensors(t / "model.safetensors", {"model.layers.9.mlp.up_proj.weight": torch.ones(2, 2),
+                                           "lm_head.weight": torch.ones(96, 64)})
+    with pytest.raises(HFError, match=r"the weights hold 1 tensor the model does not use: "
+                                      r"model\.layers\.9\.mlp\.up_proj\.weight;"):
+        GPTStage(tied, 8, (0, 1)).load_hf(str(t))
+    with pytest.raises(HFError, match=r"2 tensors the model does not use: lm_head\.weight, "
+                                      r"model\.layers\.9\.mlp\.up_proj\.weight;"):
+        GPTStage(tied, 8, (3, 4)).load_hf(str(t))
+    # A head equal to the embedding is the tied head transformers reads too (it unties unequal
+    # ones).
+    u = make_hf(tmp_path / "u", "llama", tie_word_embeddings=True)
+    from safetensors.torch import load_file
+
+    _add_tensors(u / "model.safetensors", {"lm_head.weight": load_file(str(u / "model.safetensors"))[
+        "model.embed_tokens.weight"].clone()})
+    GPTStage(tied, 8, (3, 4)).load_hf(str(u))
+
+    # Llama weights with attention biases under a config that declares none: the biases named,
+    # and the fix. Also in a shard the index does not list, which transformers would load.
+    b = make_hf(tmp_path / "b", "llama", attention_bias=True, max_shard_size="40KB")
+    cfg = json.loads((b / "config.json").read_text())
+    (b / "config.json").write_text(json.dumps(dict(cfg, attention_bias=False)))
+    with pytest.raises(HFError) as e:
+        GPTStage(load_model(str(b)), 8, (0, 1)).load_hf(str(b))
+    msg = str(e.value)
+    assert msg.startswith(f"{b}: the weights hold 4 tensors the model does not use: "
+                          f"model.layers.0.self_attn.k_proj.bias, model.layers.0.self_attn.o_proj.bias, "
+                          f"model.layers.0.self_attn.q_proj.bias, model.layers.0.self_attn.v_proj.bias; "), msg
+    assert "attention_bias" in msg, msg
+    (b / "config.json").write_text(json.dumps(cfg))
+    index = json.loads((b / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    _add_tensors(b / shard, {"model.layers.1.mlp.up_proj.bias": torch.ones(96)})
+    with pytest.raises(HFError, match=r"the weights hold 1 tensor the model does not use: "
+                                      r"model\.layers\.1\.mlp\.up_proj\.bias;"):
+        GPTStage(load_model(str(b)), 8, (1, 2)).load_hf(str(b))
+    GPTStage(load_model(str(b)), 8, (0, 1)).load_hf(str(b))
 
 
 def test_trainer_init_from_hf_then_save_hf_loads_in_transformers(tmp_path):

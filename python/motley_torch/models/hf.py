@@ -293,6 +293,79 @@ def _read_rows(f, base: int, row_bytes: int, r0: int, r1: int, col0: int, col1: 
         r += k
 
 
+# What transformers' checkpoints may hold that is no weight: each layer's rotary inverse
+# frequencies, which older transformers versions saved as a buffer beside the weights and which
+# the config determines (Motley computes them from rope_theta and rope_scaling, as transformers
+# itself now does: modeling_llama.py's LlamaRotaryEmbedding registers inv_freq with
+# persistent=False).
+_NOT_WEIGHTS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_SHOWN = 8
+
+
+def check_all_used(directory: str, spec: ModelSpec, names: Iterable[str], layers: range, first: bool, last: bool):
+    """Refuse a checkpoint holding a tensor the model does not use: dropped, it would leave
+    Motley training another model than the weights' (a bias the config does not declare). A
+    rank reads only its part, so it answers for the tensors of its `layers`, of the embedding
+    when `first` and of the final norm and head when `last` (`names`: its parameters, whose
+    tensors it reads), and, like every rank, for those of no layer the model has. Names only:
+    the shards' headers, every shard's (transformers loads each tensor of each shard, listed
+    in the index or not)."""
+    files = weight_files(directory)
+    held = set(files)
+    for path in sorted(set(files.values())):
+        held.update(_header(path)[0])
+    used = {hf_name(n, spec) for n in names}
+    left = []
+    for name in sorted(held - used):
+        if _NOT_WEIGHTS.match(name):
+            continue
+        m = _HF_LAYER.match(name)
+        if m:
+            ours = int(m.group(1)) in layers or int(m.group(1)) >= spec.layers
+        elif name.startswith("model.embed_tokens."):
+            ours = first
+        elif name.startswith(("model.norm.", "lm_head.")):
+            ours = last
+        else:
+            ours = True
+        if ours and not (name == "lm_head.weight" and spec.tie_embeddings
+                         and _same_tensor(files, name, "model.embed_tokens.weight")):
+            left.append(name)
+    if left:
+        shown = ", ".join(left[:_SHOWN]) + (f" and {len(left) - _SHOWN} more" if len(left) > _SHOWN else "")
+        raise HFError(f"{directory}: the weights hold {len(left)} tensor{'s' if len(left) != 1 else ''} the model "
+                      f"does not use: {shown}; config.json does not describe these weights, and Motley uses every "
+                      f"tensor or refuses (one left out trains another model than the weights'): declare them in "
+                      f"config.json (attention_bias: true for Llama's q/k/v/o biases, num_hidden_layers for more "
+                      f"layers, tie_word_embeddings: false for a head of its own), or remove them from the weights")
+
+
+def _same_tensor(files: Dict[str, str], a: str, b: str) -> bool:
+    """Whether tensors `a` and `b` hold the same bytes (dtype and shape too), read 16 MiB at a
+    time. transformers ties a head to the embedding when the config says so and a checkpoint
+    holding both holds them equal, and unties them otherwise (modeling_utils.py, tie_weights)."""
+    if a not in files or b not in files:
+        return False
+    (ha, base_a), (hb, base_b) = _header(files[a]), _header(files[b])
+    ia, ib = ha.get(a), hb.get(b)
+    if ia is None or ib is None or (ia.get("dtype"), ia.get("shape")) != (ib.get("dtype"), ib.get("shape")):
+        return False
+    (a0, a1), (b0, b1) = ia["data_offsets"], ib["data_offsets"]
+    if a1 - a0 != b1 - b0:
+        return False
+    with open(files[a], "rb") as fa, open(files[b], "rb") as fb:
+        fa.seek(base_a + a0)
+        fb.seek(base_b + b0)
+        left = a1 - a0
+        while left:
+            n = min(left, 16 << 20)
+            if fa.read(n) != fb.read(n):
+                return False
+            left -= n
+    return True
+
+
 def read_rank_into(directory: str, spec: ModelSpec, wanted: Iterable[Tuple[str, Tuple[int, ...], tuple, object]]):
     """Fill each wanted parameter with its part of the Hugging Face weights: `wanted` is
     (motley name, full shape, (axis, start, end) of this rank's part or None for all of it,

@@ -281,9 +281,12 @@ class GPTStage(nn.Module):
         """This stage's parameters, at this TP rank, from a Hugging Face safetensors checkpoint
         (`model.safetensors` or the index and its shards): each rank reads only its layers'
         tensors and, of those, only its rows (column-split) or columns (row-split), so no
-        process holds the whole model (hf.read_rank_into)."""
-        from .hf import read_rank_into
+        process holds the whole model (hf.read_rank_into). First, before any byte is read: every
+        tensor of its layers and ends in the checkpoint is one it uses (hf.check_all_used)."""
+        from .hf import check_all_used, read_rank_into
 
+        names = [name for name, *_ in self.full_params()]
+        check_all_used(directory, self.spec, names, range(self.l0, self.l1), self.first, self.last)
         wanted, staged = [], []
         for name, p, tp_mod, attr in self.full_params():
             full = self.full_shape(name, p, tp_mod)
