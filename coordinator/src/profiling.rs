@@ -47,7 +47,9 @@ pub fn profiler_model_json(spec: &ModelSpec) -> String {
 
 /// What the hash covers, keys sorted, no spaces, non-ASCII escaped: the nine fields a gpt model
 /// has always had (defaults filled in), so existing gpt profiles keep their hash, plus for the
-/// llama family `family` and `qkv_bias`. No floats (Python and Rust print them differently).
+/// llama family `family` and `qkv_bias`, and `o_bias` when true (so a model without one keeps
+/// its hash). No floats (Python and Rust print them differently). The rank library's
+/// `motley_torch.tools.profile.canonical_spec` is the same.
 pub fn canonical_json(spec: &ModelSpec) -> String {
     let mut m: BTreeMap<&str, serde_json::Value> = BTreeMap::new();
     m.insert("name", spec.name.clone().into());
@@ -62,6 +64,9 @@ pub fn canonical_json(spec: &ModelSpec) -> String {
     if spec.family == motley_solver::model::Family::Llama {
         m.insert("family", "llama".into());
         m.insert("qkv_bias", spec.qkv_bias.into());
+        if spec.o_bias {
+            m.insert("o_bias", true.into());
+        }
     }
     ascii(serde_json::to_string(&m).expect("a map of plain values serialises"))
 }
@@ -557,6 +562,14 @@ mod tests {
         // python: sha256 of json.dumps of the dict above, sort_keys, separators (",", ":").
         assert_eq!(model_hash(&llama), "8b396086592d24194f0cf4acb2e7892e4af268fc0e90389b534c47d428284bce");
         assert_ne!(model_hash(&llama), model_hash(&ModelSpec { qkv_bias: true, ..llama.clone() }));
+        // o_bias is hashed only when true (every earlier llama keeps its hash above); pinned to
+        // python's hash of the same dict (motley_torch.tools.profile.model_hash).
+        let biased = ModelSpec { qkv_bias: true, o_bias: true, ..llama.clone() };
+        assert_eq!(
+            canonical_json(&biased),
+            r#"{"family":"llama","ffn_hidden":14336,"gated_mlp":true,"heads":32,"hidden":4096,"kv_heads":8,"layers":32,"name":"llama3-8b","o_bias":true,"qkv_bias":true,"seq_len":8192,"vocab":128256}"#
+        );
+        assert_eq!(model_hash(&biased), "24d65f4561181c2b79c6e2865b34d4b5e86c87c752e6038ae41e39d205577153");
         let file: serde_json::Value = serde_json::from_str(&profiler_model_json(&llama)).unwrap();
         assert_eq!(
             (file["family"].as_str(), file["rope_theta"].as_f64(), file["norm_eps"].as_f64()),

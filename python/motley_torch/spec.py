@@ -71,7 +71,8 @@ class ModelSpec:
     """The model spec (`motley model show -o json`). family `gpt`: learned positions, LayerNorm,
     GELU (or SwiGLU when gated_mlp) with biases; family `llama`: RMSNorm (norm_eps), rotary
     embeddings (rope_theta, rope_scaling), grouped-query attention, SwiGLU, no biases but
-    q/k/v's when qkv_bias (Qwen2). tie_embeddings: the head is the token embedding's matrix."""
+    q/k/v's when qkv_bias (Qwen2) and the attention output's when o_bias (Llama's
+    attention_bias sets both). tie_embeddings: the head is the token embedding's matrix."""
 
     name: str
     layers: int
@@ -87,6 +88,7 @@ class ModelSpec:
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None
     qkv_bias: bool = False
+    o_bias: bool = False
     tie_embeddings: bool = False
     sliding_window: Optional[int] = None
     # The longest sequence the model's positions were made for (a Hugging Face config's
@@ -121,6 +123,7 @@ class ModelSpec:
             rope_theta=_float(d, "rope_theta", where, 10000.0),
             rope_scaling=_rope_scaling(d.get("rope_scaling"), where),
             qkv_bias=bool(d.get("qkv_bias", False)),
+            o_bias=bool(d.get("o_bias", False)),
             tie_embeddings=bool(d.get("tie_embeddings", False)),
             sliding_window=None if sw is None else _int(d, "sliding_window", where, 1),
             max_position_embeddings=None if mpe is None else _int(d, "max_position_embeddings", where, 1),
@@ -141,8 +144,9 @@ class ModelSpec:
         else:
             if spec.rope_scaling is not None:
                 raise PlanError(f"{where}.rope_scaling: only family llama has rotary embeddings; remove it")
-            if spec.qkv_bias:
-                raise PlanError(f"{where}.qkv_bias: family gpt has biases everywhere already; remove it")
+            for field in ("qkv_bias", "o_bias"):
+                if getattr(spec, field):
+                    raise PlanError(f"{where}.{field}: family gpt has biases everywhere already; remove it")
         return spec
 
     def to_dict(self) -> dict:

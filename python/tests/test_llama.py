@@ -1,8 +1,9 @@
 """The llama family equals transformers in fp32 (logits, loss and gradients, each within the
 rounding its chain of operations explains: tolerance.py), for Llama (rope_theta and llama3 /
-linear scaling, GQA, tied and untied heads), Qwen2 (q/k/v biases) and Mistral, and a real error
-(a wrong rope_theta, norm epsilon or weight, a dropped bias) fails that margin; Hugging Face
-configs in both spellings; weights in (lazy per-rank slices, sharded indexes) and out
+linear scaling, GQA, tied and untied heads, attention_bias: q/k/v and o biases), Qwen2 (q/k/v
+biases) and Mistral, and a real error (a wrong rope_theta, norm epsilon or weight, a dropped
+bias) fails that margin; Hugging Face configs in both spellings; weights in (lazy per-rank
+slices, sharded indexes, every tensor of the checkpoint used or the load refused) and out
 (--save-hf, loaded back by transformers); bad input named."""
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ SEQ = 24
 VARIANTS = {
     "llama-gqa": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    # transformers' LlamaAttention: q_proj, k_proj, v_proj and o_proj all take
+    # bias=config.attention_bias (modeling_llama.py).
+    "llama-attention-bias": ("llama", {"attention_bias": True}),
     "llama3-scaling": ("llama", {"rope_theta": 500000.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16}}),
@@ -89,6 +93,14 @@ def _perturb_one_matrix(params):
     w.mul_(1.0 + 1e-4 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
 
 
+def _drop_biases(params):
+    """Every bias zeroed: what a model computes when it leaves its checkpoint's biases out (a
+    spec without them is no longer a way to get there: the load refuses the biases unused)."""
+    for name, p in params.items():
+        if name.endswith(".bias"):
+            p.zero_()
+
+
 def _respec(**change):
     return lambda spec: ModelSpec.from_dict(dict(spec.to_dict(), **change))
 
@@ -102,7 +114,7 @@ REAL_ERRORS = {
     "rope_theta 500": ("llama", _respec(rope_theta=500.0), None),
     "rope_theta off by 0.1%": ("llama", _respec(rope_theta=10010.0), None),
     "norm eps 1e-6 for 1e-5": ("llama", _respec(norm_eps=1e-6), None),
-    "q/k/v biases dropped": ("qwen2", _respec(qkv_bias=False), None),
+    "q/k/v biases dropped": ("qwen2", None, _drop_biases),
     "one matrix off by 1e-4": ("llama", None, _perturb_one_matrix),
 }
 
@@ -163,7 +175,13 @@ def test_both_config_spellings_give_one_spec():
     assert old.family == "llama" and old.gated_mlp and old.kv_heads == 4 and old.norm_eps == 1e-6
     q = spec_from_config(base_config(architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
                                      sliding_window=16), "q", "c")
-    assert q.qkv_bias and q.sliding_window is None
+    assert q.qkv_bias and not q.o_bias and q.sliding_window is None
+    biased = spec_from_config(base_config(attention_bias=True), "b", "c")
+    assert biased.qkv_bias and biased.o_bias, "Llama's attention_bias biases q, k, v and o"
+    assert not old.qkv_bias and not old.o_bias
+    # Mistral's attention has no biases whatever the config says (modeling_mistral.py).
+    m = spec_from_config(base_config(architectures=["MistralForCausalLM"], attention_bias=True), "m", "c")
+    assert not m.qkv_bias and not m.o_bias
 
 
 @pytest.mark.parametrize("over,needle", [
@@ -208,6 +226,74 @@ def test_weights_missing_or_misshapen_are_named(tmp_path):
     e = make_hf(tmp_path / "n", "llama")
     with pytest.raises(HFError, match=r"model.embed_tokens.weight has shape \[96, 64\], the model spec needs \[100, 64\]"):
         GPTStage(wrong, 8, (0, 1)).load_hf(str(e))
+
+
+def _add_tensors(path, extra):
+    """Rewrite the safetensors file `path` with the tensors `extra` (name -> tensor) added."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    tensors.update(extra)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_a_tensor_the_model_does_not_use_is_refused_naming_it(tmp_path):
+    """Every tensor of the checkpoint is read, or the load is refused naming the ones left: a
+    tensor dropped silently trains another model than the weights'. Each rank answers for the
+    tensors of its own layers and ends, and every rank for those of no layer of the model."""
+    d = make_hf(tmp_path / "m", "llama")
+    spec = load_model(str(d))
+    _add_tensors(d / "model.safetensors", {"model.layers.3.mlp.down_proj.bias": torch.ones(64),
+                                           "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)})
+    want = (r"the weights hold 1 tensor the model does not use: model\.layers\.3\.mlp\.down_proj\.bias; "
+            r"config\.json does not describe these weights")
+    with pytest.raises(HFError, match=want):
+        GPTStage(spec, 8, (0, spec.layers)).load_hf(str(d))
+    with pytest.raises(HFError, match=want):
+        GPTStage(spec, 8, (2, 4)).load_hf(str(d))
+    # Layers 0 and 1 use every tensor of theirs (a rotary inv_freq buffer is no weight).
+    GPTStage(spec, 8, (0, 2), tp_rank=1, tp_size=2).load_hf(str(d))
+
+    # A layer the model does not have is every rank's to refuse; so is a head beside a tied one.
+    t = make_hf(tmp_path / "t", "llama", tie_word_embeddings=True)
+    tied = load_model(str(t))
+    _add_tensors(t / "model.safetensors", {"model.layers.9.mlp.up_proj.weight": torch.ones(2, 2),
+                                           "lm_head.weight": torch.ones(96, 64)})
+    with pytest.raises(HFError, match=r"the weights hold 1 tensor the model does not use: "
+                                      r"model\.layers\.9\.mlp\.up_proj\.weight;"):
+        GPTStage(tied, 8, (0, 1)).load_hf(str(t))
+    with pytest.raises(HFError, match=r"2 tensors the model does not use: lm_head\.weight, "
+                                      r"model\.layers\.9\.mlp\.up_proj\.weight;"):
+        GPTStage(tied, 8, (3, 4)).load_hf(str(t))
+    # A head equal to the embedding is the tied head transformers reads too (it unties unequal
+    # ones).
+    u = make_hf(tmp_path / "u", "llama", tie_word_embeddings=True)
+    from safetensors.torch import load_file
+
+    _add_tensors(u / "model.safetensors", {"lm_head.weight": load_file(str(u / "model.safetensors"))[
+        "model.embed_tokens.weight"].clone()})
+    GPTStage(tied, 8, (3, 4)).load_hf(str(u))
+
+    # Llama weights with attention biases under a config that declares none: the biases named,
+    # and the fix. Also in a shard the index does not list, which transformers would load.
+    b = make_hf(tmp_path / "b", "llama", attention_bias=True, max_shard_size="40KB")
+    cfg = json.loads((b / "config.json").read_text())
+    (b / "config.json").write_text(json.dumps(dict(cfg, attention_bias=False)))
+    with pytest.raises(HFError) as e:
+        GPTStage(load_model(str(b)), 8, (0, 1)).load_hf(str(b))
+    msg = str(e.value)
+    assert msg.startswith(f"{b}: the weights hold 4 tensors the model does not use: "
+                          f"model.layers.0.self_attn.k_proj.bias, model.layers.0.self_attn.o_proj.bias, "
+                          f"model.layers.0.self_attn.q_proj.bias, model.layers.0.self_attn.v_proj.bias; "), msg
+    assert "attention_bias" in msg, msg
+    (b / "config.json").write_text(json.dumps(cfg))
+    index = json.loads((b / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    _add_tensors(b / shard, {"model.layers.1.mlp.up_proj.bias": torch.ones(96)})
+    with pytest.raises(HFError, match=r"the weights hold 1 tensor the model does not use: "
+                                      r"model\.layers\.1\.mlp\.up_proj\.bias;"):
+        GPTStage(load_model(str(b)), 8, (1, 2)).load_hf(str(b))
+    GPTStage(load_model(str(b)), 8, (0, 1)).load_hf(str(b))
 
 
 def test_trainer_init_from_hf_then_save_hf_loads_in_transformers(tmp_path):
@@ -268,8 +354,45 @@ def test_trainer_init_from_hf_then_save_hf_loads_in_transformers(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == before, "the old files are replaced, the stale one gone"
 
 
-def test_write_hf_cuts_shards_and_writes_the_index(tmp_path):
-    d = make_hf(tmp_path / "m", "qwen2")
+def test_an_attention_bias_llama_trains_and_saves_as_llama(tmp_path):
+    """--init-from-hf of a Llama with attention_bias starts from all its biases (o_proj's too:
+    step 0's loss is transformers'), trains them, and --save-hf writes a LlamaForCausalLM with
+    attention_bias true whose logits in transformers are the trained model's."""
+    from safetensors.torch import load_file
+
+    from motley_torch.components.data import global_batch_tokens
+
+    kind, over = VARIANTS["llama-attention-bias"]
+    d = make_hf(tmp_path / "m", kind, **over)
+    out, params = tmp_path / "out", tmp_path / "p"
+    cmd = [PYTHON, "-m", "motley_torch.train", "--single-process", "--init-from-hf", str(d), "--global-batch", "4",
+           "--seq-len", "16", "--steps", "2", "--seed", "5", "--save-hf", str(out), "--save-params", str(params)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=python_env(OMP_NUM_THREADS="1"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    first = next(x for x in map(json.loads, r.stdout.splitlines()) if x.get("step") == 0 and "loss" in x)
+    ref, spec = load_hf(d), load_model(str(d))
+    tokens = global_batch_tokens(5, 0, 4, 16, spec.vocab)
+    want = F.cross_entropy(ref(tokens[:, :-1]).logits.reshape(-1, spec.vocab), tokens[:, 1:].reshape(-1)).item()
+    assert_close_rel(first["loss"], want, loss_ops(spec.layers), "step 0's loss against transformers'")
+    assert spec.o_bias
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["architectures"], cfg["model_type"], cfg["attention_bias"]) == (["LlamaForCausalLM"], "llama", True)
+    trained = load_hf(out)
+    bias = "model.layers.0.self_attn.o_proj.bias"
+    assert not torch.equal(trained.get_parameter(bias), ref.get_parameter(bias)), "the o bias trained"
+    ours = GPTStage(spec, 16, (0, spec.layers))
+    ours.load_full_state(load_file(str(params / "params.safetensors")))
+    assert_close_rel(ours(tokens[:, :-1]), trained(tokens[:, :-1]).logits, forward_ops(spec.layers),
+                     "the --save-hf model's logits in transformers")
+
+
+@pytest.mark.parametrize("variant,arch", [("qwen2-bias", "Qwen2ForCausalLM"),
+                                          ("llama-attention-bias", "LlamaForCausalLM")])
+def test_write_hf_cuts_shards_and_writes_the_index(tmp_path, variant, arch):
+    """Written back, the weights load in transformers as the architecture they came from (Llama's
+    attention_bias biases o as well as q/k/v: never Qwen2's config, which has no o bias)."""
+    kind, over = VARIANTS[variant]
+    d = make_hf(tmp_path / "m", kind, **over)
     spec = load_model(str(d))
     m = GPTStage(spec, 8, (0, spec.layers))
     m.load_hf(str(d))
@@ -282,6 +405,13 @@ def test_write_hf_cuts_shards_and_writes_the_index(tmp_path):
     assert set(index["weight_map"].values()) == set(names)
     for n in names:
         assert (tmp_path / "o" / n).stat().st_size <= 60_000 + 10_000
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert cfg["architectures"] == [arch]
+    assert cfg.get("attention_bias", False) is (arch == "LlamaForCausalLM"), cfg
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        assert set(index["weight_map"]) == set(f.keys()), "every tensor written back, under its own name"
     back = load_hf(tmp_path / "o")
     x = torch.randint(0, 96, (2, 8))
     # The same fp32 values through the same transformers code: equal to the bit.
@@ -299,7 +429,7 @@ def test_the_trainer_refuses_bad_hf_input_with_exit_2(tmp_path):
     assert r.stderr.strip().splitlines()[-1].startswith(f"motley_torch.train: {d}/config.json: architectures"), r.stderr
 
 
-@pytest.mark.parametrize("variant", ["llama3-scaling", "qwen2-bias", "llama-tied"])
+@pytest.mark.parametrize("variant", ["llama3-scaling", "qwen2-bias", "llama-tied", "llama-attention-bias"])
 def test_the_rank_library_and_motley_read_a_config_alike(tmp_path, variant):
     """config.json is mapped twice (the rank library reads it without the motley binary, which
     ranks may not have; the planner in Rust): both give the same spec."""

@@ -30,6 +30,7 @@ SEED, SEQ, STEPS = 11, 16, 2
 MODELS = {
     "llama-gqa": ("llama", {}),
     "qwen2-bias": ("qwen2", {}),
+    "llama-attention-bias": ("llama", {"attention_bias": True}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "llama3-tied": ("llama", {"tie_word_embeddings": True, "rope_theta": 500000.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -193,6 +194,19 @@ def test_one_stage_tp4_with_qkv_biases(tmp_path, tmp_path_factory):
     run_plan("qwen2-bias", [dict(micro_batches=2, stages=[
         dict(layers=[0, 4], tp=4, dp=1, gpus=[("a", i) for i in range(4)])])], 4, 2, tmp_path,
         tmp_path_factory.getbasetemp())
+
+
+def test_two_stages_tp2_with_attention_biases(tmp_path, tmp_path_factory):
+    """Llama's attention_bias under TP: q/k/v biases split with their rows, o's whole on every
+    rank and added once, after the row-parallel all-reduce (tp.py); its gradient equals
+    transformers' on each rank, and --save-hf writes a Llama with attention_bias that
+    transformers loads."""
+    _, spec = run_plan("llama-attention-bias", [dict(micro_batches=2, stages=[
+        dict(layers=[0, 2], tp=2, dp=1, gpus=[("a", 0), ("a", 1)]),
+        dict(layers=[2, 4], tp=2, dp=1, gpus=[("a", 2), ("a", 3)])])], 4, 2, tmp_path,
+        tmp_path_factory.getbasetemp(), extra=["--save-hf", str(tmp_path / "hf")])
+    assert spec.o_bias
+    check_hf_dir(tmp_path / "hf", spec, tmp_path / "p" / "params.safetensors")
 
 
 def test_asymmetric_replicas_dp_changing_across_a_hop_tied_head(tmp_path, tmp_path_factory):

@@ -150,6 +150,18 @@ def test_model_hash_stable_and_changes(run, tmp_path):
         assert prof.model_hash(prof.load_spec(str(f))) != h, change
 
 
+def test_a_llama_hash_covers_o_bias_only_when_set():
+    """o_bias joins the hashed fields only when true: every model hashed before it keeps its
+    hash (the same rule as coordinator/src/profiling.rs canonical_json, whose test pins it)."""
+    llama = ModelSpec.from_dict(yaml.safe_load((DATA / "tiny-llama.yaml").read_text()))
+    assert prof.canonical_spec(llama) == dict(name="tiny-llama", layers=4, hidden=32, heads=4, seq_len=16, vocab=64,
+                                              ffn_hidden=64, kv_heads=2, gated_mlp=True, family="llama",
+                                              qkv_bias=False)
+    biased = ModelSpec.from_dict(dict(llama.to_dict(), qkv_bias=True, o_bias=True))
+    assert prof.canonical_spec(biased) == dict(prof.canonical_spec(llama), qkv_bias=True, o_bias=True)
+    assert prof.model_hash(biased) != prof.model_hash(ModelSpec.from_dict(dict(biased.to_dict(), o_bias=False)))
+
+
 @pytest.mark.parametrize("args,flag", [
     (["--model", "no/such/model.yaml", "--tp", "1", "--micro-batch", "1"], "--model"),
     (["--model", "{tiny}", "--tp", "3", "--micro-batch", "1"], "--tp"),

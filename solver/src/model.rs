@@ -77,6 +77,10 @@ pub struct ModelSpec {
     /// Biases on the q, k and v projections only (llama family, as Qwen2); default false.
     #[serde(default)]
     pub qkv_bias: bool,
+    /// A bias on the attention output projection (llama family; Llama's `attention_bias` sets
+    /// it and `qkv_bias`); default false.
+    #[serde(default)]
+    pub o_bias: bool,
     /// The output head shares the token embedding's matrix; default false.
     #[serde(default)]
     pub tie_embeddings: bool,
@@ -109,6 +113,7 @@ impl ModelSpec {
             rope_theta: default_rope_theta(),
             rope_scaling: None,
             qkv_bias: false,
+            o_bias: false,
             tie_embeddings: false,
             sliding_window: None,
             max_position_embeddings: None,
@@ -226,11 +231,12 @@ impl Model {
                 let mlp_bias = if spec.gated_mlp { 0.0 } else { ffn as f64 + h };
                 (2.0 * h + 2.0 * kv_dim + mlp_bias + 4.0 * h, table + s * h, 2.0 * h)
             }
-            // Two RMSNorm weights, q/k/v biases when the model has them; rotary positions (no
-            // table); a final RMSNorm.
+            // Two RMSNorm weights, q/k/v and o biases when the model has them; rotary positions
+            // (no table); a final RMSNorm.
             Family::Llama => {
                 let qkv_bias = if spec.qkv_bias { h + 2.0 * kv_dim } else { 0.0 };
-                (2.0 * h + qkv_bias, table, h)
+                let o_bias = if spec.o_bias { h } else { 0.0 };
+                (2.0 * h + qkv_bias + o_bias, table, h)
             }
         };
         Ok(Model {
@@ -310,6 +316,12 @@ fn validate_family(spec: &ModelSpec, seq_len: u64) -> Result<()> {
                 return Err(SolverError::invalid(
                     "qkv_bias",
                     "family gpt has biases on every projection already; remove qkv_bias (it is for family llama)",
+                ));
+            }
+            if spec.o_bias {
+                return Err(SolverError::invalid(
+                    "o_bias",
+                    "family gpt has biases on every projection already; remove o_bias (it is for family llama)",
                 ));
             }
         }
@@ -445,6 +457,8 @@ mod tests {
         assert_eq!(m.tied_params, 0.0);
         let biased = Model::new(ModelSpec { qkv_bias: true, ..spec.clone() }, None).unwrap();
         assert_eq!(biased.layer_params, matmul + 2.0 * h + h + 2.0 * kv);
+        let o_biased = Model::new(ModelSpec { qkv_bias: true, o_bias: true, ..spec.clone() }, None).unwrap();
+        assert_eq!(o_biased.layer_params, biased.layer_params + h);
         // A tied head: counted once in all, once by a stage holding both ends, and a copy on
         // each end of a pipeline.
         let tied = Model::new(ModelSpec { tie_embeddings: true, ..spec }, None).unwrap();
@@ -464,9 +478,17 @@ mod tests {
             (Family::Gpt, 1e-5, 1e4, None, None)
         );
         let json = serde_json::to_value(&old).unwrap();
-        for k in
-            ["family", "norm_eps", "rope_theta", "rope_scaling", "qkv_bias", "tie_embeddings", "sliding_window", "max_position_embeddings"]
-        {
+        for k in [
+            "family",
+            "norm_eps",
+            "rope_theta",
+            "rope_scaling",
+            "qkv_bias",
+            "o_bias",
+            "tie_embeddings",
+            "sliding_window",
+            "max_position_embeddings",
+        ] {
             assert!(json.get(k).is_some(), "{k} is printed: {json}");
         }
         assert_eq!(json["family"], "gpt");
@@ -497,6 +519,7 @@ mod tests {
         let linear = Some(RopeScaling::Linear { factor: 2.0 });
         assert_eq!(err(ModelSpec { rope_scaling: linear.clone(), ..ModelSpec::gpt("g", 2, 256, 4, 128, 1000) }, None), "rope_scaling");
         assert_eq!(err(ModelSpec { qkv_bias: true, ..ModelSpec::gpt("g", 2, 256, 4, 128, 1000) }, None), "qkv_bias");
+        assert_eq!(err(ModelSpec { o_bias: true, ..ModelSpec::gpt("g", 2, 256, 4, 128, 1000) }, None), "o_bias");
         assert_eq!(err(ModelSpec { gated_mlp: false, ..llama("l") }, None), "gated_mlp");
         assert_eq!(err(ModelSpec { norm_eps: 0.0, ..llama("l") }, None), "norm_eps");
         assert_eq!(err(ModelSpec { rope_theta: -1.0, ..llama("l") }, None), "rope_theta");

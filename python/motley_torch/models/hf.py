@@ -118,13 +118,17 @@ def spec_from_config(cfg: dict, name: str, where: str) -> ModelSpec:
     seq = min(max_pos, DEFAULT_SEQ_LEN)
     if window is not None:
         seq = min(seq, _cfg_int(cfg, "sliding_window", where))
-    qkv_bias = True if arch == "Qwen2ForCausalLM" else bool(cfg.get("attention_bias", False))
+    # Llama's attention_bias biases q, k, v and o alike (modeling_llama.py's LlamaAttention);
+    # Qwen2 biases q, k and v always and o never (modeling_qwen2.py); Mistral's attention has no
+    # bias whatever its config says (modeling_mistral.py).
+    attention_bias = arch == "LlamaForCausalLM" and bool(cfg.get("attention_bias", False))
+    qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
     doc = {
         "name": name, "family": "llama", "layers": _cfg_int(cfg, "num_hidden_layers", where), "hidden": hidden,
         "heads": heads, "kv_heads": _cfg_int(cfg, "num_key_value_heads", where, heads), "seq_len": seq,
         "vocab": _cfg_int(cfg, "vocab_size", where), "ffn_hidden": _cfg_int(cfg, "intermediate_size", where),
         "gated_mlp": True, "norm_eps": cfg.get("rms_norm_eps", 1e-6), "rope_theta": theta, "rope_scaling": scaling,
-        "qkv_bias": qkv_bias, "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "qkv_bias": qkv_bias, "o_bias": attention_bias, "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "sliding_window": window, "max_position_embeddings": max_pos,
     }
     return ModelSpec.from_dict(doc, where=where)
@@ -142,11 +146,16 @@ def spec_from_hf(ref: str) -> ModelSpec:
 
 
 def config_from_spec(spec: ModelSpec) -> dict:
-    """A LlamaForCausalLM (or Qwen2ForCausalLM, for q/k/v biases) config.json of the spec, in
-    transformers 5's spelling, which older readers of `rope_theta` also get."""
+    """A LlamaForCausalLM (attention_bias: q/k/v and o biases) or Qwen2ForCausalLM (q/k/v
+    biases, none on o) config.json of the spec, in transformers 5's spelling, which older
+    readers of `rope_theta` also get."""
     if spec.family != "llama":
         raise HFError(f"model.family: {spec.family}; only family llama exports to Hugging Face")
-    qwen = spec.qkv_bias
+    if spec.o_bias and not spec.qkv_bias:
+        raise HFError("model.o_bias: an attention output bias without q/k/v biases has no Hugging Face "
+                      "architecture (Llama's attention_bias biases all four, Qwen2 q/k/v only); it cannot be "
+                      "exported")
+    qwen = spec.qkv_bias and not spec.o_bias
     rope = {"rope_theta": spec.rope_theta, "rope_type": "default"}
     if spec.rope_scaling:
         rope.update({k: v for k, v in spec.rope_scaling.items() if k != "type"})
@@ -166,7 +175,7 @@ def config_from_spec(spec: ModelSpec) -> dict:
         cfg["use_sliding_window"] = False
         cfg["sliding_window"] = None
     else:
-        cfg["attention_bias"] = False
+        cfg["attention_bias"] = spec.o_bias
         cfg["mlp_bias"] = False
     return cfg
 
@@ -179,7 +188,7 @@ _LAYER_MAP = {
     "attn.q.weight": "self_attn.q_proj.weight", "attn.k.weight": "self_attn.k_proj.weight",
     "attn.v.weight": "self_attn.v_proj.weight", "attn.o.weight": "self_attn.o_proj.weight",
     "attn.q.bias": "self_attn.q_proj.bias", "attn.k.bias": "self_attn.k_proj.bias",
-    "attn.v.bias": "self_attn.v_proj.bias",
+    "attn.v.bias": "self_attn.v_proj.bias", "attn.o.bias": "self_attn.o_proj.bias",
     "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
     "mlp.down.weight": "mlp.down_proj.weight",
 }
@@ -282,6 +291,79 @@ def _read_rows(f, base: int, row_bytes: int, r0: int, r1: int, col0: int, col1: 
             rows = torch.frombuffer(buf, dtype=torch.uint8).view(k, row_bytes)[:, col0:col1]
             flat[r - r0 : r - r0 + k].copy_(rows.contiguous().view(src_dtype).view(k, want // elem))
         r += k
+
+
+# What transformers' checkpoints may hold that is no weight: each layer's rotary inverse
+# frequencies, which older transformers versions saved as a buffer beside the weights and which
+# the config determines (Motley computes them from rope_theta and rope_scaling, as transformers
+# itself now does: modeling_llama.py's LlamaRotaryEmbedding registers inv_freq with
+# persistent=False).
+_NOT_WEIGHTS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_SHOWN = 8
+
+
+def check_all_used(directory: str, spec: ModelSpec, names: Iterable[str], layers: range, first: bool, last: bool):
+    """Refuse a checkpoint holding a tensor the model does not use: dropped, it would leave
+    Motley training another model than the weights' (a bias the config does not declare). A
+    rank reads only its part, so it answers for the tensors of its `layers`, of the embedding
+    when `first` and of the final norm and head when `last` (`names`: its parameters, whose
+    tensors it reads), and, like every rank, for those of no layer the model has. Names only:
+    the shards' headers, every shard's (transformers loads each tensor of each shard, listed
+    in the index or not)."""
+    files = weight_files(directory)
+    held = set(files)
+    for path in sorted(set(files.values())):
+        held.update(_header(path)[0])
+    used = {hf_name(n, spec) for n in names}
+    left = []
+    for name in sorted(held - used):
+        if _NOT_WEIGHTS.match(name):
+            continue
+        m = _HF_LAYER.match(name)
+        if m:
+            ours = int(m.group(1)) in layers or int(m.group(1)) >= spec.layers
+        elif name.startswith("model.embed_tokens."):
+            ours = first
+        elif name.startswith(("model.norm.", "lm_head.")):
+            ours = last
+        else:
+            ours = True
+        if ours and not (name == "lm_head.weight" and spec.tie_embeddings
+                         and _same_tensor(files, name, "model.embed_tokens.weight")):
+            left.append(name)
+    if left:
+        shown = ", ".join(left[:_SHOWN]) + (f" and {len(left) - _SHOWN} more" if len(left) > _SHOWN else "")
+        raise HFError(f"{directory}: the weights hold {len(left)} tensor{'s' if len(left) != 1 else ''} the model "
+                      f"does not use: {shown}; config.json does not describe these weights, and Motley uses every "
+                      f"tensor or refuses (one left out trains another model than the weights'): declare them in "
+                      f"config.json (attention_bias: true for Llama's q/k/v/o biases, num_hidden_layers for more "
+                      f"layers, tie_word_embeddings: false for a head of its own), or remove them from the weights")
+
+
+def _same_tensor(files: Dict[str, str], a: str, b: str) -> bool:
+    """Whether tensors `a` and `b` hold the same bytes (dtype and shape too), read 16 MiB at a
+    time. transformers ties a head to the embedding when the config says so and a checkpoint
+    holding both holds them equal, and unties them otherwise (modeling_utils.py, tie_weights)."""
+    if a not in files or b not in files:
+        return False
+    (ha, base_a), (hb, base_b) = _header(files[a]), _header(files[b])
+    ia, ib = ha.get(a), hb.get(b)
+    if ia is None or ib is None or (ia.get("dtype"), ia.get("shape")) != (ib.get("dtype"), ib.get("shape")):
+        return False
+    (a0, a1), (b0, b1) = ia["data_offsets"], ib["data_offsets"]
+    if a1 - a0 != b1 - b0:
+        return False
+    with open(files[a], "rb") as fa, open(files[b], "rb") as fb:
+        fa.seek(base_a + a0)
+        fb.seek(base_b + b0)
+        left = a1 - a0
+        while left:
+            n = min(left, 16 << 20)
+            if fa.read(n) != fb.read(n):
+                return False
+            left -= n
+    return True
 
 
 def read_rank_into(directory: str, spec: ModelSpec, wanted: Iterable[Tuple[str, Tuple[int, ...], tuple, object]]):
@@ -414,8 +496,10 @@ def motley_order(spec: ModelSpec) -> List[str]:
         names.append(p + "attn.v.weight")
         if spec.qkv_bias:
             names.append(p + "attn.v.bias")
-        names += [p + "attn.o.weight", p + "ln2.weight", p + "mlp.gate.weight", p + "mlp.up.weight",
-                  p + "mlp.down.weight"]
+        names.append(p + "attn.o.weight")
+        if spec.o_bias:
+            names.append(p + "attn.o.bias")
+        names += [p + "ln2.weight", p + "mlp.gate.weight", p + "mlp.up.weight", p + "mlp.down.weight"]
     names.append("ln_f.weight")
     if not spec.tie_embeddings:
         names.append("head.weight")

@@ -5,9 +5,10 @@ with `heads` query and `kv_heads` key/value heads; MLP with GELU, or SwiGLU when
 final LN and an output head. Family `llama` (Llama, Mistral, Qwen2 as transformers computes
 them): token embedding, pre-RMSNorm blocks with rotary embeddings (HF's rotate-half form,
 `rope_theta`, `rope_scaling` linear or llama3), grouped-query attention and a SwiGLU MLP, no
-biases but q/k/v's when `qkv_bias`, final RMSNorm and the head. `tie_embeddings`: the head is
-the embedding's matrix (one parameter when one stage holds both; with pipeline stages the last
-stage holds a copy whose gradient the trainer sums with the embedding's, as Megatron does).
+biases but q/k/v's when `qkv_bias` and the attention output's when `o_bias`, final RMSNorm and
+the head. `tie_embeddings`: the head is the embedding's matrix (one parameter when one stage
+holds both; with pipeline stages the last stage holds a copy whose gradient the trainer sums
+with the embedding's, as Megatron does).
 Attention and MLP matrices are Megatron-split over the TP group
 (q/k/v and the MLP's first matrices by columns, the attention output and the MLP's last matrix
 by rows); embeddings, norms and the head are replicated on every TP rank.
@@ -134,7 +135,8 @@ class Block(nn.Module):
         self.attn.q = ColumnParallelLinear(h, m.heads * hd, bias=qkv_bias, **kw)
         self.attn.k = ColumnParallelLinear(h, m.kv_heads * hd, bias=qkv_bias, **kw)
         self.attn.v = ColumnParallelLinear(h, m.kv_heads * hd, bias=qkv_bias, **kw)
-        self.attn.o = RowParallelLinear(m.heads * hd, h, bias=not self.llama, **kw)
+        # Row-parallel: its bias is added once, after the partial sums' all-reduce (tp.py).
+        self.attn.o = RowParallelLinear(m.heads * hd, h, bias=m.o_bias if self.llama else True, **kw)
         if self.llama:
             self.rotary = Rotary(m)
         self.ln2 = norm()
@@ -314,9 +316,12 @@ class GPTStage(nn.Module):
         """This stage's parameters, at this TP rank, from a Hugging Face safetensors checkpoint
         (`model.safetensors` or the index and its shards): each rank reads only its layers'
         tensors and, of those, only its rows (column-split) or columns (row-split), so no
-        process holds the whole model (hf.read_rank_into)."""
-        from .hf import read_rank_into
+        process holds the whole model (hf.read_rank_into). First, before any byte is read: every
+        tensor of its layers and ends in the checkpoint is one it uses (hf.check_all_used)."""
+        from .hf import check_all_used, read_rank_into
 
+        names = [name for name, *_ in self.full_params()]
+        check_all_used(directory, self.spec, names, range(self.l0, self.l1), self.first, self.last)
         wanted, staged = [], []
         for name, p, tp_mod, attr in self.full_params():
             full = self.full_shape(name, p, tp_mod)

@@ -105,14 +105,17 @@ def load_spec(ref: str):
 def canonical_spec(spec) -> dict:
     """What the hash covers: the nine shape fields, defaults filled in (ffn_hidden 4*hidden,
     kv_heads heads, gated_mlp false), plus `family` and `qkv_bias` for family llama (so a gpt
-    model's hash is what it always was). No floats: Python and Rust print them differently, and
-    norm_eps or the rotary settings change no time or memory."""
+    model's hash is what it always was) and `o_bias` when true (so a model without one keeps its
+    hash). No floats: Python and Rust print them differently, and norm_eps or the rotary
+    settings change no time or memory. coordinator/src/profiling.rs canonical_json is the same."""
     d = spec.to_dict()
     out = {k: d[k] for k in ("name", "layers", "hidden", "heads", "seq_len", "vocab", "ffn_hidden",
                              "kv_heads", "gated_mlp")}
     if d.get("family", "gpt") != "gpt":
         out["family"] = d["family"]
         out["qkv_bias"] = d["qkv_bias"]
+        if d.get("o_bias"):
+            out["o_bias"] = True
     return out
 
 

@@ -121,7 +121,11 @@ pub fn spec_from_config(c: &Value, name: &str) -> Result<ModelSpec> {
         None => None,
         Some((src, s)) => rope(src, s)?,
     };
-    let qkv_bias = arch == "Qwen2ForCausalLM" || flag(c, "attention_bias")?;
+    // Llama's attention_bias biases q, k, v and o alike (transformers' modeling_llama.py);
+    // Qwen2 biases q, k and v always and o never (modeling_qwen2.py); Mistral's attention has no
+    // bias whatever its config says (modeling_mistral.py).
+    let attention_bias = arch == "LlamaForCausalLM" && flag(c, "attention_bias")?;
+    let qkv_bias = arch == "Qwen2ForCausalLM" || attention_bias;
     let sliding_window = match arch {
         "MistralForCausalLM" => uint(c, "sliding_window")?,
         "Qwen2ForCausalLM" if flag(c, "use_sliding_window")? => uint(c, "sliding_window")?,
@@ -142,6 +146,7 @@ pub fn spec_from_config(c: &Value, name: &str) -> Result<ModelSpec> {
         rope_theta,
         rope_scaling,
         qkv_bias,
+        o_bias: attention_bias,
         tie_embeddings: flag(c, "tie_word_embeddings")?,
         sliding_window,
         max_position_embeddings: Some(max_pos),
@@ -263,8 +268,29 @@ mod tests {
         bare["attention_bias"] = json!(true);
         let s = spec_from_config(&bare, "m").unwrap();
         assert_eq!((s.rope_scaling, s.tie_embeddings, s.qkv_bias), (Some(RopeScaling::Linear { factor: 2.0 }), true, true));
+        assert!(s.o_bias, "Llama's attention_bias biases o too");
         bare["rope_scaling"] = json!({"rope_type": "default"});
         assert_eq!(spec_from_config(&bare, "m").unwrap().rope_scaling, None);
+    }
+
+    #[test]
+    fn llama_attention_bias_is_q_k_v_and_o_biases_and_only_llama_has_it() {
+        let plain = spec_from_config(&llama31(), "m").unwrap();
+        assert_eq!((plain.qkv_bias, plain.o_bias), (false, false));
+        let mut c = llama31();
+        c["attention_bias"] = json!(true);
+        let s = spec_from_config(&c, "m").unwrap();
+        assert_eq!((s.qkv_bias, s.o_bias), (true, true));
+        // Per layer: q (hidden), k and v (1024 each: 8 of 32 heads), o (hidden).
+        let per_layer = Model::new(s.clone(), None).unwrap().layer_params - Model::new(plain, None).unwrap().layer_params;
+        assert_eq!(per_layer, 4096.0 + 2.0 * 1024.0 + 4096.0);
+        // What a plan made from such a directory says (its model_spec): o_bias with the rest.
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!((json["qkv_bias"].as_bool(), json["o_bias"].as_bool()), (Some(true), Some(true)));
+        // Mistral's attention has no bias, whatever its config says.
+        c["architectures"] = json!(["MistralForCausalLM"]);
+        let m = spec_from_config(&c, "m").unwrap();
+        assert_eq!((m.qkv_bias, m.o_bias), (false, false));
     }
 
     #[test]
@@ -328,6 +354,7 @@ mod tests {
         });
         let s = spec_from_config(&c, "Qwen2.5-0.5B").unwrap();
         assert_eq!((s.qkv_bias, s.tie_embeddings, s.sliding_window, s.seq_len, s.kv_heads), (true, true, None, DEFAULT_SEQ_LEN, Some(2)));
+        assert!(!s.o_bias, "Qwen2's o_proj has no bias");
         let m = Model::new(s, None).unwrap();
         // Qwen2.5-0.5B's published count: 494,032,768 parameters (tied head once).
         assert_eq!(m.total_params(), 494_032_768.0);
