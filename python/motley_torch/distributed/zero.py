@@ -27,8 +27,10 @@ unsharded run's.
 With `--dtype bf16|fp16` the model's own parameters are stored in that type (the forward runs
 on them under autocast) and only the owner keeps an fp32 master, so a rank holds 2 bytes of
 weights per parameter, its gradients, and 12/dp of master and optimizer state. With fp32 the
-master is the parameter itself. A tied embedding/head (`gradient_sync.TiedSync`) is outside ZeRO: every
-holder keeps its master and optimizer state.
+master is the parameter itself. A tied embedding/head held by two stages
+(`gradient_sync.TiedSync`) is outside ZeRO: every holder keeps its master and optimizer state.
+On a one-stage replica the tied head is the embedding, and its block goes to the embedding's
+owner.
 """
 
 from __future__ import annotations
@@ -105,12 +107,23 @@ class ZeroOne(HookedBuckets):
             sizes[b] = sizes.get(b, 0) + (0 if id(p) in tied_ids else p.numel())
         self.block_owner: Dict[object, int] = {}  # block -> owning global rank (in its ring)
         self.ring_of: Dict[object, tuple] = {}  # block -> (ring size, owner's index in the ring)
+        # A tied head on the embedding's stage is the embedding (`GPTStage.tied_here`): its `head`
+        # unit holds `embed.weight` (docs/checkpoint.md), written from the embedding's master, so
+        # the head block goes with the embedding to the embedding's owner. Only when the
+        # embedding is sharded, i.e. every replica has one stage (else it is tied, outside ZeRO),
+        # so every member of the ring cuts its blocks alike.
+        with_embed = (getattr(model, "tied_here", False) and id(model.embed.weight) not in tied_ids
+                      and name_block["embed.weight"][0] == self._segment(model.segment_of("head.weight")))
         for seg, sizes in seg_blocks.items():
             members = view.segments[seg].ranks if view.segments[seg].group is not None else [view.rank]
-            blocks = sorted(sizes, key=block_order)
-            for b, part in zip(blocks, partition([sizes[b] for b in blocks], len(members))):
+            merged = with_embed and seg == name_block["embed.weight"][0]
+            blocks = sorted((b for b in sizes if not (merged and b == "head")), key=block_order)
+            cut = [sizes[b] + (sizes["head"] if merged and b == "embed" else 0) for b in blocks]
+            for b, part in zip(blocks, partition(cut, len(members))):
                 self.block_owner[b] = members[part]
                 self.ring_of[b] = (len(members), part)
+            if merged:
+                self.block_owner["head"], self.ring_of["head"] = self.block_owner["embed"], self.ring_of["embed"]
         # fp32 masters of what this rank updates: its blocks' sharded parameters and the tied ones.
         self.master: Dict[torch.nn.Parameter, torch.nn.Parameter] = {}
         self.local: List[torch.nn.Parameter] = []  # sharded, but the rank is its ring alone
