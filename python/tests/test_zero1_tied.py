@@ -1,18 +1,22 @@
 """ZeRO-1 with a tied embedding/head (tiny-llama ties them) on CPU ranks (gloo): checkpoints of
-one-stage replicas, where the head is the embedding, save and restore (python/README.md,
-"ZeRO-1"; docs/checkpoint.md, "ZeRO-1")."""
+one-stage replicas, where the head is the embedding, save and restore; the tied gradient of
+multi-stage replicas is summed in fp32 under half weights (python/README.md, "ZeRO-1";
+docs/checkpoint.md, "ZeRO-1")."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors import safe_open
+from safetensors.torch import load_file
 
-from launcher import DATA, check_ok, hand_plan, launch
-from test_zero1 import LAYERS, SPEC, single, steps
+from launcher import DATA, HERE, check_ok, hand_plan, launch, python_env
+from test_zero1 import LAYERS, SPEC, single, steps, two_replicas
 from tolerance import assert_steps_close
 
 assert yaml.safe_load((DATA / "tiny-llama.yaml").read_text())["tie_embeddings"], "these tests need a tied model"
@@ -62,3 +66,26 @@ def test_zero1_checkpoints_a_tied_one_stage_model_and_restores_it(tmp_path, dp):
     assert [d["step"] for d in resumed] == [3, 4, 5]
     # The same plan from the fp32 masters and moments: the same sums, the same bits.
     assert [d["loss"] for d in resumed] == [d["loss"] for d in got[3:]], (got, resumed)
+
+
+def test_zero1_sums_the_tied_gradient_in_fp32_under_bf16(tmp_path):
+    """Two replicas of two stages, bf16 weights: each of the 4 holders of the tied matrix has a
+    bf16 gradient; its master's gradient is their fp32 sum (within fp32's rounding of 4 terms),
+    not a bf16 sum, which rounds to 8 significant bits."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), python_env()["PYTHONPATH"]]), "MOTLEY_PROBE_DIR": str(probe)}
+    res = launch(two_replicas(), ["--steps", "1", "--seed", "4", "--dtype", "bf16", "--zero1"], tmp_path / "run",
+                 module="zero_probe", extra_env=env)
+    check_ok(res)
+    got = [load_file(str(p)) for p in sorted(probe.iterdir())]
+    assert len(got) == 4, "the first and last stage of each replica hold the tied matrix"
+    before = [t for g in got for k, t in g.items() if k.startswith("before.")]
+    assert len(before) == 4 and all(not torch.equal(t, before[0]) for t in before[1:])
+    want = torch.stack(before).sum(0, dtype=torch.float64)
+    bound = 3 * 2.0**-24 * torch.stack(before).abs().sum(0, dtype=torch.float64)  # (n - 1) u sum |g|
+    for g in got:
+        (after,) = [t for k, t in g.items() if k.startswith("after.")]
+        assert after.dtype == torch.float32
+        excess = ((after.double() - want).abs() - bound).max().item()
+        assert excess <= 0, f"the tied gradient is not the fp32 sum: off by {excess:.3g} beyond fp32 rounding"

@@ -28,9 +28,9 @@ With `--dtype bf16|fp16` the model's own parameters are stored in that type (the
 on them under autocast) and only the owner keeps an fp32 master, so a rank holds 2 bytes of
 weights per parameter, its gradients, and 12/dp of master and optimizer state. With fp32 the
 master is the parameter itself. A tied embedding/head held by two stages
-(`gradient_sync.TiedSync`) is outside ZeRO: every holder keeps its master and optimizer state.
-On a one-stage replica the tied head is the embedding, and its block goes to the embedding's
-owner.
+(`gradient_sync.TiedSync`, summed in fp32) is outside ZeRO: every holder keeps its master and
+optimizer state. On a one-stage replica the tied head is the embedding, and its block goes to the
+embedding's owner.
 """
 
 from __future__ import annotations
@@ -204,10 +204,12 @@ class ZeroOne(HookedBuckets):
         for p in self.local:
             self._to_master(p)
 
-    def tied_gradients(self, params: Sequence[torch.nn.Parameter]):
-        """After the tied matrix's own sum: its gradient to its master."""
-        for p in params:
-            self._to_master(p)
+    def tied_gradients(self, params: Sequence[torch.nn.Parameter], sums: Sequence[torch.Tensor]):
+        """After the tied matrix's own sum (`TiedSync.sums`, fp32): the sums to the masters."""
+        for p, g in zip(params, sums):
+            self.master[p].grad = g
+            if self.master[p] is not p:
+                p.grad = None
 
     def _to_master(self, p: torch.nn.Parameter):
         m = self.master[p]
