@@ -1,7 +1,7 @@
 """ZeRO-1 with a tied embedding/head (tiny-llama ties them) on CPU ranks (gloo): checkpoints of
 one-stage replicas, where the head is the embedding, save and restore; the tied gradient of
-multi-stage replicas is summed in fp32 under half weights (python/README.md, "ZeRO-1";
-docs/checkpoint.md, "ZeRO-1")."""
+multi-stage replicas is summed in fp32 under half weights; and --save-params / --save-hf with
+half weights write the fp32 masters (python/README.md, "ZeRO-1"; docs/checkpoint.md, "ZeRO-1")."""
 
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from launcher import DATA, HERE, check_ok, hand_plan, launch, python_env
-from test_zero1 import LAYERS, SPEC, single, steps, two_replicas
+from test_zero1 import LAYERS, SPEC, single, steps, tp2, two_replicas
 from tolerance import assert_steps_close
+
+from motley_torch.models.hf import hf_name
+from motley_torch.spec import ModelSpec
 
 assert yaml.safe_load((DATA / "tiny-llama.yaml").read_text())["tie_embeddings"], "these tests need a tied model"
 
@@ -89,3 +92,46 @@ def test_zero1_sums_the_tied_gradient_in_fp32_under_bf16(tmp_path):
         assert after.dtype == torch.float32
         excess = ((after.double() - want).abs() - bound).max().item()
         assert excess <= 0, f"the tied gradient is not the fp32 sum: off by {excess:.3g} beyond fp32 rounding"
+
+
+def unit_tensors(sdir: Path) -> dict:
+    """Full model tensors of a checkpoint's model units (TP shards joined along their split)."""
+    parts = {}
+    for name, h in headers(sdir).items():
+        if h["part"] != "model":
+            continue
+        data = load_file(str(sdir / name))
+        for t, spec in h["tensors"].items():
+            parts.setdefault(t, []).append((h["tp_rank"], spec["layout"], data[t]))
+    out = {}
+    for t, shards in parts.items():
+        shards.sort(key=lambda s: s[0])
+        layout = shards[0][1]
+        out[t] = torch.cat([s[2] for s in shards], layout["axis"]) if layout["kind"] == "split" else shards[0][2]
+    return out
+
+
+@pytest.mark.parametrize("plan_name", ["two_replicas", "tp2"])
+def test_zero1_in_bf16_exports_the_fp32_masters(tmp_path, plan_name):
+    """--save-params and --save-hf after a ZeRO-1 run in bf16 hold the fp32 masters (those the
+    last checkpoint's model units hold), not their bf16 copies."""
+    plan = {"two_replicas": two_replicas, "tp2": tp2}[plan_name]()
+    ckpt, params, hf = tmp_path / "ckpt", tmp_path / "params", tmp_path / "hf"
+    res = launch(plan, ["--steps", "3", "--seed", "4", "--dtype", "bf16", "--zero1", "--bucket-mb", "0.01",
+                        "--ckpt-dir", str(ckpt), "--ckpt-every", "3", "--ckpt-sync", "--save-params", str(params),
+                        "--save-hf", str(hf)], tmp_path / "run")
+    check_ok(res)
+    masters = unit_tensors(ckpt / "step-00000003")
+    saved = load_file(str(params / "params.safetensors"))
+    spec = ModelSpec.from_dict(SPEC)
+    with safe_open(str(hf / "model.safetensors"), framework="pt") as f:
+        exported = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(saved) <= set(masters), (sorted(saved), sorted(masters))
+    moved = 0
+    for name, t in saved.items():
+        m = masters[name]
+        assert m.dtype == torch.float32
+        moved += int((m.bfloat16().float() != m).sum())
+        assert torch.equal(t, m), f"--save-params {name}: not the fp32 master"
+        assert torch.equal(exported[hf_name(name, spec)], m), f"--save-hf {name}: not the fp32 master"
+    assert moved > 0, "three AdamW steps leave masters that bf16 cannot hold"

@@ -30,7 +30,7 @@ weights per parameter, its gradients, and 12/dp of master and optimizer state. W
 master is the parameter itself. A tied embedding/head held by two stages
 (`gradient_sync.TiedSync`, summed in fp32) is outside ZeRO: every holder keeps its master and
 optimizer state. On a one-stage replica the tied head is the embedding, and its block goes to the
-embedding's owner.
+embedding's owner. `--save-params` / `--save-hf` export the masters (`export_masters`).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class ZeroOne(HookedBuckets):
         if bucket_mb <= 0:
             raise ValueError("bucket_mb must be positive")
         super().__init__()
-        self.view, self.model, self.overlap = view, model, overlap
+        self.view, self.model, self.overlap, self.half = view, model, overlap, half
         limit = int(bucket_mb * 2**20)
         tied_ids = {id(p) for p in tied}
         # Blocks of each segment (all of the rank's parameters, tied ones too, so that every
@@ -251,6 +251,35 @@ class ZeroOne(HookedBuckets):
                         n = p.numel()
                         p.copy_(flat[off:off + n].view(p.shape))
                         off += n
+
+    def export_masters(self, writes: bool) -> Optional[Dict[str, torch.Tensor]]:
+        """Collective over every ring (every rank calls it, after the last step): the fp32
+        masters, by parameter name, on the CPU of a rank that `writes` the stage's full tensors
+        (`--save-params`, `--save-hf`), so the export is the masters, not the half weights
+        (python/README.md, "ZeRO-1"); None elsewhere, and with fp32 weights, which are the
+        masters. Each bucket's owner broadcasts its masters over the ring, one bucket at a time."""
+        if self.half is None:
+            return None
+        names = {p: n for n, p in self.model.named_parameters()}
+        out: Dict[str, torch.Tensor] = {}
+        me = self.view.rank
+        for b in self.buckets:
+            if b.owner == me:
+                flat = torch.cat([self.master[p].detach().reshape(-1) for p in b.params])
+            else:
+                flat = torch.empty(sum(p.numel() for p in b.params), dtype=torch.float32, device=b.params[0].device)
+            dist.broadcast(flat, src=b.owner, group=b.group)
+            if writes:
+                off = 0
+                for p in b.params:
+                    out[names[p]] = flat[off:off + p.numel()].view(p.shape).cpu()
+                    off += p.numel()
+        if not writes:
+            return None
+        # The rest: masters kept here (rings of one member, the tied matrix's holders).
+        for p, m in self.master.items():
+            out.setdefault(names[p], m.detach().cpu())
+        return out
 
     def memory(self) -> dict:
         """Bytes of masters kept beside the model's parameters, and of master gradients."""
