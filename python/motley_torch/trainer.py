@@ -265,9 +265,9 @@ class Trainer:
         if self.tfile is not None:
             self.tfile.close()
         if args.save_params:
-            save_params_distributed(view, self.model, args.save_params)
+            save_params_distributed(view, self.model, args.save_params, zero=self.sync.zero)
         if args.save_hf:
-            save_hf_distributed(view, self.model, args)
+            save_hf_distributed(view, self.model, args, zero=self.sync.zero)
         dist.barrier()
         dist.destroy_process_group()
         return 0

@@ -23,15 +23,15 @@ def hf_names(spec: ModelSpec, state) -> list:
     return names
 
 
-def save_hf_distributed(view, model: GPTStage, args):
+def save_hf_distributed(view, model: GPTStage, args, zero=None):
     """The stages' full tensors go to staging files in DIR (write_stage_files); rank 0 then
     streams them into the Hugging Face directory (shards of at most 5 GB) and removes the
     staging files. DIR must be one directory for all stages (one host or a shared file system);
-    otherwise this fails naming the missing stage file."""
+    otherwise this fails naming the missing stage file. `zero`: as write_stage_files."""
     from ..models import hf_out
 
     out_dir = args.save_hf
-    staging = write_stage_files(view, model, out_dir, ".motley-stage{s}.safetensors")
+    staging = write_stage_files(view, model, out_dir, ".motley-stage{s}.safetensors", zero=zero)
     if view.rank == 0:
         hf_out.prepare(args, keep={os.path.basename(p) for p in staging})
         from safetensors import safe_open
@@ -60,18 +60,22 @@ def save_hf_distributed(view, model: GPTStage, args):
         hf_out.finish(args)
 
 
-def write_stage_files(view, model: GPTStage, out_dir: str, pattern: str, grads: bool = False) -> list:
+def write_stage_files(view, model: GPTStage, out_dir: str, pattern: str, grads: bool = False, zero=None) -> list:
     """Every rank calls this: replica 0's first TP group of every stage gathers its stage's full
     tensors (or gradients) and its TP rank 0 writes them to DIR/pattern ({s}: the stage); after
     a barrier, returns the paths of all stages' files (on this node only when DIR is not
-    shared)."""
+    shared). Under ZeRO-1 (`zero`: a zero.ZeroOne) with half weights the parameters written are
+    the fp32 masters, gathered from their owners, as a checkpoint's model units hold them
+    (docs/checkpoint.md, "ZeRO-1"), not their bf16/fp16 copies."""
     import torch.distributed as dist
 
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, pattern.format(s=s)) for s in range(view.pp_size)]
-    if view.replica == 0 and view.stage_dp_rank == 0:
+    writes = view.replica == 0 and view.stage_dp_rank == 0
+    values = zero.export_masters(writes) if zero is not None and not grads else None
+    if writes:
         tp_pg = view.tp_group.pg if view.tp_group is not None else None
-        full = model.gather_full(tp_pg, grads=grads)
+        full = model.gather_full(tp_pg, grads=grads, values=values)
         if view.tp_rank == 0:
             save_file(full, paths[view.stage])
         del full
@@ -79,12 +83,12 @@ def write_stage_files(view, model: GPTStage, out_dir: str, pattern: str, grads: 
     return paths
 
 
-def save_params_distributed(view, model: GPTStage, out_dir: str, grads: bool = False):
+def save_params_distributed(view, model: GPTStage, out_dir: str, grads: bool = False, zero=None):
     """The stages' full tensors (write_stage_files: DIR/params-stage{s}.safetensors); rank 0
     then merges them into DIR/params.safetensors (when DIR is shared, as on one host;
-    otherwise the stage files stay where they were written)."""
+    otherwise the stage files stay where they were written). `zero`: as write_stage_files."""
     stem = "grads" if grads else "params"
-    parts = write_stage_files(view, model, out_dir, stem + "-stage{s}.safetensors", grads=grads)
+    parts = write_stage_files(view, model, out_dir, stem + "-stage{s}.safetensors", grads=grads, zero=zero)
     if view.rank == 0:
         from safetensors.torch import load_file
 

@@ -36,12 +36,25 @@ class TiedSync:
     def __init__(self, group, params, names, contributes: bool):
         self.group, self.params, self.names, self.contributes = group, params, set(names), contributes
 
-    def sync(self):
+    def sums(self) -> List[torch.Tensor]:
+        """Each tied parameter's gradient summed over the holders, in fp32 like every other
+        gradient (the rings reduce fp32 buckets): under ZeRO-1 with half weights the local
+        gradients are bf16/fp16, whose sum in that type would round, or overflow in fp16
+        (python/README.md, "ZeRO-1")."""
+        out = []
         for p in self.params:
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            flat = g.clone() if self.contributes else torch.zeros_like(g)
+            if self.contributes and p.grad is not None:
+                flat = p.grad.detach().to(torch.float32, copy=True)
+            else:
+                flat = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             dist.all_reduce(flat, group=self.group)
-            p.grad = flat
+            out.append(flat)
+        return out
+
+    def sync(self):
+        """The sums as the parameters' gradients (fp32 parameters: without ZeRO-1 they are)."""
+        for p, g in zip(self.params, self.sums()):
+            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
 
 
 def tied_group(view, model) -> Optional[TiedSync]:
@@ -132,10 +145,11 @@ class ZeroOneSync(GradientSync):
         self.zero.finish_gradients()
 
     def finish(self):
-        super().finish()
+        self._sync_segments()
         if self.tied is not None:
-            # Outside ZeRO: every holder steps its own master of the tied matrix.
-            self.zero.tied_gradients(self.tied.params)
+            # Outside ZeRO: every holder steps its own master of the tied matrix, which takes
+            # the fp32 sum as it is (never rounded to the half weights' type).
+            self.zero.tied_gradients(self.tied.params, self.tied.sums())
 
     def stepped(self):
         return self.zero.masters()

@@ -27,8 +27,10 @@ unsharded run's.
 With `--dtype bf16|fp16` the model's own parameters are stored in that type (the forward runs
 on them under autocast) and only the owner keeps an fp32 master, so a rank holds 2 bytes of
 weights per parameter, its gradients, and 12/dp of master and optimizer state. With fp32 the
-master is the parameter itself. A tied embedding/head (`gradient_sync.TiedSync`) is outside ZeRO: every
-holder keeps its master and optimizer state.
+master is the parameter itself. A tied embedding/head held by two stages
+(`gradient_sync.TiedSync`, summed in fp32) is outside ZeRO: every holder keeps its master and
+optimizer state. On a one-stage replica the tied head is the embedding, and its block goes to the
+embedding's owner. `--save-params` / `--save-hf` export the masters (`export_masters`).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class ZeroOne(HookedBuckets):
         if bucket_mb <= 0:
             raise ValueError("bucket_mb must be positive")
         super().__init__()
-        self.view, self.model, self.overlap = view, model, overlap
+        self.view, self.model, self.overlap, self.half = view, model, overlap, half
         limit = int(bucket_mb * 2**20)
         tied_ids = {id(p) for p in tied}
         # Blocks of each segment (all of the rank's parameters, tied ones too, so that every
@@ -105,12 +107,23 @@ class ZeroOne(HookedBuckets):
             sizes[b] = sizes.get(b, 0) + (0 if id(p) in tied_ids else p.numel())
         self.block_owner: Dict[object, int] = {}  # block -> owning global rank (in its ring)
         self.ring_of: Dict[object, tuple] = {}  # block -> (ring size, owner's index in the ring)
+        # A tied head on the embedding's stage is the embedding (`GPTStage.tied_here`): its `head`
+        # unit holds `embed.weight` (docs/checkpoint.md), written from the embedding's master, so
+        # the head block goes with the embedding to the embedding's owner. Only when the
+        # embedding is sharded, i.e. every replica has one stage (else it is tied, outside ZeRO),
+        # so every member of the ring cuts its blocks alike.
+        with_embed = (getattr(model, "tied_here", False) and id(model.embed.weight) not in tied_ids
+                      and name_block["embed.weight"][0] == self._segment(model.segment_of("head.weight")))
         for seg, sizes in seg_blocks.items():
             members = view.segments[seg].ranks if view.segments[seg].group is not None else [view.rank]
-            blocks = sorted(sizes, key=block_order)
-            for b, part in zip(blocks, partition([sizes[b] for b in blocks], len(members))):
+            merged = with_embed and seg == name_block["embed.weight"][0]
+            blocks = sorted((b for b in sizes if not (merged and b == "head")), key=block_order)
+            cut = [sizes[b] + (sizes["head"] if merged and b == "embed" else 0) for b in blocks]
+            for b, part in zip(blocks, partition(cut, len(members))):
                 self.block_owner[b] = members[part]
                 self.ring_of[b] = (len(members), part)
+            if merged:
+                self.block_owner["head"], self.ring_of["head"] = self.block_owner["embed"], self.ring_of["embed"]
         # fp32 masters of what this rank updates: its blocks' sharded parameters and the tied ones.
         self.master: Dict[torch.nn.Parameter, torch.nn.Parameter] = {}
         self.local: List[torch.nn.Parameter] = []  # sharded, but the rank is its ring alone
@@ -191,10 +204,12 @@ class ZeroOne(HookedBuckets):
         for p in self.local:
             self._to_master(p)
 
-    def tied_gradients(self, params: Sequence[torch.nn.Parameter]):
-        """After the tied matrix's own sum: its gradient to its master."""
-        for p in params:
-            self._to_master(p)
+    def tied_gradients(self, params: Sequence[torch.nn.Parameter], sums: Sequence[torch.Tensor]):
+        """After the tied matrix's own sum (`TiedSync.sums`, fp32): the sums to the masters."""
+        for p, g in zip(params, sums):
+            self.master[p].grad = g
+            if self.master[p] is not p:
+                p.grad = None
 
     def _to_master(self, p: torch.nn.Parameter):
         m = self.master[p]
@@ -236,6 +251,35 @@ class ZeroOne(HookedBuckets):
                         n = p.numel()
                         p.copy_(flat[off:off + n].view(p.shape))
                         off += n
+
+    def export_masters(self, writes: bool) -> Optional[Dict[str, torch.Tensor]]:
+        """Collective over every ring (every rank calls it, after the last step): the fp32
+        masters, by parameter name, on the CPU of a rank that `writes` the stage's full tensors
+        (`--save-params`, `--save-hf`), so the export is the masters, not the half weights
+        (python/README.md, "ZeRO-1"); None elsewhere, and with fp32 weights, which are the
+        masters. Each bucket's owner broadcasts its masters over the ring, one bucket at a time."""
+        if self.half is None:
+            return None
+        names = {p: n for n, p in self.model.named_parameters()}
+        out: Dict[str, torch.Tensor] = {}
+        me = self.view.rank
+        for b in self.buckets:
+            if b.owner == me:
+                flat = torch.cat([self.master[p].detach().reshape(-1) for p in b.params])
+            else:
+                flat = torch.empty(sum(p.numel() for p in b.params), dtype=torch.float32, device=b.params[0].device)
+            dist.broadcast(flat, src=b.owner, group=b.group)
+            if writes:
+                off = 0
+                for p in b.params:
+                    out[names[p]] = flat[off:off + p.numel()].view(p.shape).cpu()
+                    off += p.numel()
+        if not writes:
+            return None
+        # The rest: masters kept here (rings of one member, the tied matrix's holders).
+        for p, m in self.master.items():
+            out.setdefault(names[p], m.detach().cpu())
+        return out
 
     def memory(self) -> dict:
         """Bytes of masters kept beside the model's parameters, and of master gradients."""

@@ -345,14 +345,20 @@ class GPTStage(nn.Module):
                 p.copy_(host)
             del host
 
-    def gather_full(self, tp_group, grads: bool = False) -> Dict[str, torch.Tensor]:
+    def gather_full(self, tp_group, grads: bool = False,
+                    values: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
         """Full (unsharded) fp32 CPU tensors of this stage's parameters (or their gradients):
-        TP shards are all-gathered over `tp_group` (every TP rank of the stage must call this)."""
+        TP shards are all-gathered over `tp_group` (every TP rank of the stage must call this).
+        `values`: this rank's shard of each parameter to use instead of the parameter (ZeRO-1's
+        fp32 masters, `zero.ZeroOne.export_masters`)."""
         import torch.distributed as dist
 
         out = {}
         for name, p, tp_mod, attr in self.full_params():
-            t = p.detach() if not grads else (p.grad.detach() if p.grad is not None else torch.zeros_like(p))
+            if values is not None:
+                t = values[name].to(p.device)
+            else:
+                t = p.detach() if not grads else (p.grad.detach() if p.grad is not None else torch.zeros_like(p))
             if tp_mod is not None and self.tp_size > 1 and not (isinstance(tp_mod, RowParallelLinear) and attr == "bias"):
                 parts = [torch.empty_like(t) for _ in range(self.tp_size)]
                 dist.all_gather(parts, t.contiguous(), group=tp_group)
