@@ -77,3 +77,16 @@ def test_chunks_hold_at_most_the_budget():
     assert chunk_tokens(16384, 128256) == 1046  # 512 MiB of fp32 logits
     assert chunk_tokens(100, 32000) == 100  # never more than the tokens
     assert chunk_tokens(10**6, 10**9) == 128  # never fewer than 128
+
+
+def test_the_planner_prices_the_same_chunks():
+    """solver/src/cost/activations.rs prices the head's peak with this module's chunk budget."""
+    import os
+    import re
+
+    from motley_torch.models.head_loss import CHUNK_BYTES
+
+    src = open(os.path.join(os.path.dirname(__file__), "..", "..", "solver", "src", "cost", "activations.rs")).read()
+    m = re.search(r"pub const HEAD_CHUNK_BYTES: f64 = ([0-9.]+) \* 1024\.0 \* 1024\.0;", src)
+    assert m, "HEAD_CHUNK_BYTES not found in activations.rs"
+    assert float(m.group(1)) * 2**20 == CHUNK_BYTES

@@ -299,7 +299,7 @@ impl<'a> CostModel<'a> {
             tied_state: tied_params_gpu * opt_bytes_per_param,
             // The loss's peak over the micro-batch, whole on every TP rank (the head is
             // replicated).
-            head_act: s * m * activations::head_token_bytes(self.model, precision, zero1),
+            head_act: activations::head_bytes(self.model, precision, zero1, s * m),
             capacity: (gpu.memory_gib - self.opts.reserve_gib) * GIB,
             layer_params_gpu,
             embed_params_gpu,

@@ -68,17 +68,29 @@ pub fn layer_token_bytes(model: &Model, precision: Precision, zero1: bool, seq: 
     TokenBytes { replicated: rep_h * h + attention.0, split: split_h * h + mlp + attention.1 }
 }
 
-/// Peak bytes of the head per token of the last micro-batch, whole on every TP rank: the
-/// final norm's saves, and at the loss's backward three fp32 tensors of the vocabulary's
-/// width at once (the log-softmax the loss kept, the gradient into it, the gradient out of
-/// it), 12 bytes per vocabulary entry in any precision (measured on an H200 with
-/// `python/gpu-check --plan`, BENCHMARKS.md).
-pub fn head_token_bytes(model: &Model, precision: Precision, zero1: bool) -> f64 {
+/// Fp32 logits one chunk of the head's loss may hold (`CHUNK_BYTES` of
+/// `python/motley_torch/models/head_loss.py`).
+pub const HEAD_CHUNK_BYTES: f64 = 512.0 * 1024.0 * 1024.0;
+
+/// Tokens per chunk of the head's loss for a micro-batch of `tokens` (head_loss.chunk_tokens).
+pub fn head_chunk_tokens(tokens: f64, vocab: f64) -> f64 {
+    tokens.min((HEAD_CHUNK_BYTES / (4.0 * vocab)).floor().max(128.0))
+}
+
+/// Peak bytes of the head and loss over a micro-batch of `tokens`, whole on every TP rank.
+/// The runtime never holds the micro-batch's logits (`models/head_loss.py`): a chunk of tokens
+/// at a time, it keeps per token the final norm's saves and the gradient into the head's input
+/// (in the stream's type), for the micro-batch the fp32 weight-gradient accumulator (vocabulary
+/// x hidden), and for one chunk its logits and their gradient in the compute type (the fused,
+/// compiled kernel of a GPU run; the CPU's eager kernels are not priced).
+pub fn head_bytes(model: &Model, precision: Precision, zero1: bool, tokens: f64) -> f64 {
     let h = model.spec.hidden as f64;
     let v = model.spec.vocab as f64;
-    let (_, half_weights) = layout(precision, zero1);
+    let (half, half_weights) = layout(precision, zero1);
     let norm = if half_weights { 6.0 } else { 8.0 } * h;
-    norm + 12.0 * v
+    let kept = if half_weights { 2.0 } else { 4.0 } * h;
+    let chunk = head_chunk_tokens(tokens, v) * v * if half { 4.0 } else { 8.0 };
+    tokens * (norm + kept) + 4.0 * v * h + chunk
 }
 
 #[cfg(test)]
@@ -89,6 +101,23 @@ mod tests {
     /// The counts `bench/activation_bytes.py` makes on the runtime (h 1024, 16 heads, 8 KV
     /// heads, ffn 2816), in h bytes per token of one layer; `tests/test_activation_bytes.py`
     /// holds the runtime to the same numbers.
+    /// A 128k vocabulary at 8,192 tokens: the chunked loss holds one chunk of 1,046 tokens'
+    /// logits and gradient, not 12 bytes per token and vocabulary entry (11.8 GiB).
+    #[test]
+    fn the_head_holds_one_chunk_of_logits() {
+        let mut spec = model_by_name("llama-7b").unwrap();
+        spec.hidden = 2048;
+        spec.vocab = 128_256;
+        let m = Model::new(spec, None).unwrap();
+        assert_eq!(head_chunk_tokens(8192.0, 128_256.0), 1046.0);
+        assert_eq!(head_chunk_tokens(100.0, 32_000.0), 100.0, "never more than the micro-batch");
+        let want = 8192.0 * (8.0 + 4.0) * 2048.0 + 4.0 * 128_256.0 * 2048.0 + 1046.0 * 128_256.0 * 4.0;
+        assert_eq!(head_bytes(&m, Precision::Bf16, false, 8192.0), want);
+        assert!(head_bytes(&m, Precision::Bf16, false, 8192.0) < 2.0 * 1024f64.powi(3));
+        let fp32 = head_bytes(&m, Precision::Fp32, false, 8192.0);
+        assert_eq!(fp32 - want, 1046.0 * 128_256.0 * 4.0, "fp32 logits and gradient: 8 bytes a chunk entry");
+    }
+
     #[test]
     fn the_estimate_is_the_runtimes_count() {
         let mut spec = model_by_name("llama-7b").unwrap();

@@ -212,7 +212,7 @@ pub fn does_not_fit_message(cm: &CostModel) -> String {
     });
     let (precision, zero1) = (cm.opts.precision, cm.opts.zero1);
     let s = seq as f64;
-    let head = s * activations::head_token_bytes(cm.model, precision, zero1) / gib;
+    let head = activations::head_bytes(cm.model, precision, zero1, s) / gib;
     if !fits_somewhere {
         return format!(
             "{needs}; at seq_len {seq} one sequence's activations do not fit on any GPU (the output head's alone are {head:.1} GiB, \
