@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a session with one lent GPU runs, in one go, writing everything under OUT (default
 # ./gpu-out): the environment, the CUDA tests, bench/gpu/mfu.py (Motley beside the baseline) and
-# python/gpu-check. Each part has its own time limit so a slow one cannot eat the others'.
+# python/gpu-check. Each part has its own time limit so a slow one cannot eat the others' (60 +
+# 300 + 240 s at most: one device call of 600 s; gpu-check compiles its blocks once per precision).
 #   bench/gpu/session.sh [OUT]      (MFU_VARIANTS, MFU_MODELS, GPU_CHECK_STEPS override)
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -22,5 +23,5 @@ echo "tests rc=$?" >> "$out/tests.txt"
 timeout "${MFU_TIMEOUT:-300}" python3 bench/gpu/mfu.py -o json --models "${MFU_MODELS:-gpu-check,llama-1b}" \
   --variants "${MFU_VARIANTS:-motley,baseline,motley-eager}" > "$out/mfu.json" 2> "$out/mfu.err"
 echo "mfu rc=$?" >> "$out/mfu.err"
-timeout "${GPU_CHECK_TIMEOUT:-110}" python/gpu-check -o json --steps "${GPU_CHECK_STEPS:-12}" > "$out/gpu-check.json" 2> "$out/gpu-check.err"
+timeout "${GPU_CHECK_TIMEOUT:-240}" python/gpu-check -o json --steps "${GPU_CHECK_STEPS:-12}" > "$out/gpu-check.json" 2> "$out/gpu-check.err"
 echo "gpu-check rc=$?" >> "$out/gpu-check.err"

@@ -169,6 +169,8 @@ def run_single(args) -> int:
     try:
         for step in range(args.steps):
             t0 = time.perf_counter()
+            if args.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()  # see Trainer.step
             tokens = source.tokens(step).to(device)
             log_samples(args.sample_log, step, source.ids)
             used = scaler.factor()

@@ -182,6 +182,10 @@ class Trainer:
                 marks.append(clock())
 
         t_step = time.perf_counter()
+        if self.args.cuda_graphs:
+            # CUDA graphs reuse their output buffers: a new step's graphs may overwrite the
+            # last step's, never this step's (torch.compile's cudagraph trees).
+            torch.compiler.cudagraph_mark_step_begin()
         if timed:
             pipe.timings = StepTimings()
         mark()

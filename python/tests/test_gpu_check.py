@@ -87,3 +87,14 @@ def test_without_cuda_it_says_so_and_exits_0():
     r = subprocess.run([str(SCRIPT), "-o", "json"], capture_output=True, text=True, timeout=120,
                        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and json.loads(r.stdout) == {"cuda": False, "checks": []}
+
+
+def test_fp16_is_held_to_ninety_percent_of_bf16():
+    from motley_torch.tools.gpu_check import fp16_against_bf16
+
+    rows = [{"precision": "bf16", "tokens_per_s": 1000.0}, {"precision": "fp16", "tokens_per_s": 905.0}]
+    assert fp16_against_bf16(rows)[0]["ok"] is True
+    rows[1]["tokens_per_s"] = 850.0
+    got = fp16_against_bf16(rows)[0]
+    assert got["ok"] is False and "85.0%" in got["detail"]
+    assert fp16_against_bf16(rows[:1]) == [], "nothing to compare without both"

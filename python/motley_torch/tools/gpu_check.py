@@ -64,9 +64,11 @@ def _losses(stdout: str) -> List[dict]:
     return [d for d in (json.loads(x) for x in stdout.splitlines() if x.startswith("{")) if "loss" in d]
 
 
-def check_training(model_file: str, precision: str, steps: int, seq: int, device_name: str, batch: int = 32) -> dict:
+def check_training(model_file: str, precision: str, steps: int, seq: int, device_name: str, batch: int = 32,
+                   compile_: str = "auto") -> dict:
     r = _py(["-m", "motley_torch.train", "--single-process", "--model", model_file, "--global-batch", str(batch),
-             "--seq-len", str(seq), "--steps", str(steps), "--seed", "1", "--lr", "3e-4", "--dtype", precision])
+             "--seq-len", str(seq), "--steps", str(steps), "--seed", "1", "--lr", "3e-4", "--dtype", precision,
+             "--compile", compile_])
     row = {"check": "train llama", "precision": precision}
     if r.returncode != 0:
         return dict(row, ok=False, detail=r.stderr.strip().splitlines()[-1][:200] if r.stderr.strip() else "failed")
@@ -82,6 +84,17 @@ def check_training(model_file: str, precision: str, steps: int, seq: int, device
     if skipped:
         detail += f", {skipped} steps skipped (loss scale)"
     return dict(row, ok=finite and falls, tokens_per_s=tps, mfu=u, detail=detail)
+
+
+def fp16_against_bf16(rows: List[dict]) -> List[dict]:
+    """fp16 with loss scaling must train within 10% of bf16's tokens/s (the scaler's overflow
+    checks and unscaling are its only extra work)."""
+    by = {r["precision"]: r for r in rows if r.get("tokens_per_s")}
+    if "bf16" not in by or "fp16" not in by:
+        return []
+    ratio = by["fp16"]["tokens_per_s"] / by["bf16"]["tokens_per_s"]
+    return [{"check": "fp16 speed against bf16", "ok": ratio >= 0.9, "precision": "fp16",
+             "detail": f"{100 * ratio:.1f}% of bf16's tokens/s (goal 90% or more)"}]
 
 
 NCCL_CHILD = r"""
@@ -230,6 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="the trainer's --compile for the training checks (auto: compiled blocks on CUDA)")
     p.add_argument("--plan", action="append", default=[], metavar="FILE",
                    help="also run this plan (motley plan -o json, for this machine's GPUs) and check every rank's "
                         "peak memory against the plan's memory_gib_per_gpu (within 10%%); repeatable")
@@ -246,7 +261,8 @@ def main(argv=None) -> int:
         with open(model_file, "w") as f:
             json.dump(dict(MODEL, seq_len=a.seq_len), f)
         precisions = (["bf16"] if torch.cuda.is_bf16_supported() else []) + ["fp16", "fp32"]
-        rows = [check_training(model_file, pr, a.steps, a.seq_len, name) for pr in precisions]
+        rows = [check_training(model_file, pr, a.steps, a.seq_len, name, compile_=a.compile) for pr in precisions]
+        rows += fp16_against_bf16(rows)
         rows.append(check_nccl())
         rows.append(check_profile(model_file, a.seq_len))
         if torch.cuda.device_count() >= 2:
