@@ -16,7 +16,8 @@ Systems:
   defaults on CUDA (`--compile auto`: compiled blocks, fused AdamW, the chunked head loss);
 - `baseline`: transformers' LlamaForCausalLM (SDPA attention) under `torch.compile`, AdamW
   `fused=True`, bf16 autocast, `F.cross_entropy` on the float logits, the same batches;
-- `motley-eager` (`--compile off`) and `motley-cudagraphs` (`--cuda-graphs`) on request.
+- `motley-eager` (`--compile off`), `motley-cudagraphs` (`--cuda-graphs`) and `motley-zero1`
+  (`--zero1`: bf16 weights beside fp32 masters) on request.
 Each system's tokens/s is the median over the steps after the first `--skip` (compilation and
 warm-up), its MFU components.mfu's (6 N + 12 L H S FLOPs per token over the GPU's dense bf16
 peak), its peak the CUDA allocator's maximum. `-o json`: one line per (model, system)
@@ -136,7 +137,10 @@ def summarise(model_name: str, system: str, got: dict, skip: int) -> dict:
             "loss_last": got["steps"][-1]["loss"] if got["steps"] else None}
 
 
-VARIANTS = {"motley": [], "motley-eager": ["--compile", "off"], "motley-cudagraphs": ["--cuda-graphs"]}
+# motley-zero1: ZeRO-1 on the one rank keeps the weights in bf16 beside fp32 masters, so the
+# forward casts no weight (one cast per step, after the optimizer).
+VARIANTS = {"motley": [], "motley-eager": ["--compile", "off"], "motley-cudagraphs": ["--cuda-graphs"],
+            "motley-zero1": ["--zero1"]}
 
 
 def main(argv=None) -> int:
