@@ -60,12 +60,15 @@ fn a_hugging_face_model_is_planned_at_its_stated_default() {
     let v = json(&[&base[..], &["--seq-len", "2048"]].concat());
     assert_eq!(v["seq_len"], 2048);
     assert!(!text(&[&base[..], &["--seq-len", "2048"]].concat()).contains("default training length"), "an asked-for length is no default");
-    // Asked for the maximum: the sequence is the cause, and the advice says so.
+    // Asked for the maximum: the sequence is the cause, and the advice says so; recomputed it
+    // fits (the head's loss holds one chunk of logits, not the sequence's).
     let out = motley(&[&base[..], &["--seq-len", "131072"]].concat());
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("does not fit") && err.contains("at seq_len 131072") && err.contains("lower --seq-len"), "{err}");
-    assert!(!err.contains("with --max-stages"), "{err}");
+    assert!(err.contains("pass --recompute"), "{err}");
+    let v = json(&[&base[..], &["--seq-len", "131072", "--recompute"]].concat());
+    assert_eq!(v["seq_len"], 131072);
     let out = motley(&[&base[..], &["--seq-len", "131073"]].concat());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.code() == Some(2) && err.contains("max_position_embeddings (131072)"), "{err}");

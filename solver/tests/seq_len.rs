@@ -23,8 +23,12 @@ fn llama31_8b() -> serde_json::Value {
 }
 
 fn plan_on(cluster: &Cluster, model: &Model) -> motley_solver::Result<motley_solver::PlanReport> {
+    plan_with(cluster, model, false)
+}
+
+fn plan_with(cluster: &Cluster, model: &Model, recompute: bool) -> motley_solver::Result<motley_solver::PlanReport> {
     let profiles = ProfileSet::default();
-    let opts = PlanOptions { global_batch: 64, ..PlanOptions::default() };
+    let opts = PlanOptions { global_batch: 64, recompute, ..PlanOptions::default() };
     plan(&PlanRequest { cluster, model, profiles: &profiles, opts: &opts, mode: SearchMode::Fast, exhaustive: false, seeds: vec![] })
 }
 
@@ -36,12 +40,27 @@ fn a_hugging_face_model_is_planned_at_the_default_not_its_maximum() {
     assert_eq!((report.seq_len, report.model_spec.max_position_embeddings), (4096, Some(131072)));
 }
 
+/// At its maximum of 131072 tokens Llama 3.1 8B's sequence fits once recomputed: the head's loss
+/// holds one chunk of logits, not the sequence's (solver/src/cost/activations.rs), so the advice
+/// offers --recompute, and with it the lab plans.
 #[test]
-fn a_sequence_no_gpu_holds_asks_for_a_shorter_one_not_recomputation() {
+fn the_longest_sequence_is_planned_recomputed() {
     let spec = spec_from_config(&llama31_8b(), "Llama-3.1-8B").unwrap();
     let long = Model::new(spec, Some(131072)).unwrap();
-    let Err(SolverError::DoesNotFit(m)) = plan_on(&lab(), &long) else { panic!("131072 tokens a sequence fits nowhere") };
-    assert!(m.contains("at seq_len 131072") && m.contains("lower --seq-len"), "{m}");
+    let Err(SolverError::DoesNotFit(m)) = plan_on(&lab(), &long) else { panic!("131072 tokens do not fit unrecomputed") };
+    assert!(m.contains("at seq_len 131072") && m.contains("pass --recompute"), "{m}");
+    let report = plan_with(&lab(), &long, true).expect("recomputed, 131072 tokens fit the lab");
+    assert_eq!(report.seq_len, 131072);
+}
+
+/// A sequence whose one recomputed layer holds more than any GPU: only a shorter one helps.
+#[test]
+fn a_sequence_no_gpu_holds_asks_for_a_shorter_one_not_recomputation() {
+    let mut spec = spec_from_config(&llama31_8b(), "Llama-3.1-8B").unwrap();
+    spec.max_position_embeddings = None;
+    let long = Model::new(spec, Some(1 << 21)).unwrap();
+    let Err(SolverError::DoesNotFit(m)) = plan_with(&lab(), &long, true) else { panic!("2M tokens a sequence fit nowhere") };
+    assert!(m.contains("at seq_len 2097152") && m.contains("lower --seq-len"), "{m}");
     assert!(m.contains("neither --recompute nor a longer pipeline"), "{m}");
     assert!(!m.contains("with --max-stages") && !m.contains("add GPUs"), "no fix that cannot help is offered: {m}");
     assert!(m.contains("8.03B parameters"), "{m}");
