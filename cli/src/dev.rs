@@ -103,6 +103,34 @@ pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
     // the job's ranks through the coordinator before the agents and the coordinator go.
     ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst)).map_err(|e| InputError(format!("cannot handle Ctrl-C: {e}")))?;
     let mut procs = Procs(vec![]);
+    let (rest, grpc) = start_coordinator(&spec, &dir, heartbeat_ms, &mut procs)?;
+    say(&format!("coordinator: REST {rest}, agents {grpc}, state in {}", dir.display()));
+
+    let names = start_agents(&spec, &dir, &grpc, &mut procs)?;
+    let client = Client::local(&rest)?;
+    wait_for_agents(&client, &names)?;
+    say(&format!("{} agents live: {}", names.len(), names.join(", ")));
+
+    let submitted = client.call("POST", "/jobs", Some(&job_text)).map_err(|e| InputError(format!("{}: {}", job.display(), e.0)))?;
+    let id = submitted["id"].as_i64().unwrap_or(0);
+    say(&format!("job {id} ({}) submitted", submitted["name"].as_str().unwrap_or("")));
+    // This cluster's own place in the cloud: another run's job 1 is elsewhere (docs/recovery.md).
+    if let Some(url) = submitted["checkpoint_cloud"].as_str() {
+        say(&format!("job {id} checkpoints to {}/GENERATION/step-S", escape(url)));
+    }
+    let followed = follow(&client, id, heartbeat_ms, &dir, names.len());
+    if followed.is_err() {
+        // Whatever went wrong, the ranks must not outlive this command (they run in their own
+        // process groups, which killing the agents does not reach).
+        let _ = client.call("POST", &format!("/jobs/{id}/cancel"), None);
+        wait_for_ranks(&client, id, heartbeat_ms);
+    }
+    followed
+}
+
+/// Start the coordinator (into `procs`) and read the REST and gRPC addresses it prints.
+fn start_coordinator(spec: &ClusterSpec, dir: &Path, heartbeat_ms: u64, procs: &mut Procs) -> Result<(String, String), InputError> {
+    let io = |e: std::io::Error| InputError(format!("{}: {e}", dir.display()));
     let mut coordinator = Command::new(sibling("motley-coordinator")?);
     coordinator
         .process_group(0)
@@ -132,8 +160,12 @@ pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
     }
     let rest = rest.trim().rsplit(' ').next().unwrap_or_default().to_string();
     let grpc = grpc.trim().rsplit(' ').next().unwrap_or_default().to_string();
-    say(&format!("coordinator: REST {rest}, agents {grpc}, state in {}", dir.display()));
+    Ok((rest, grpc))
+}
 
+/// Start one agent per node of the cluster file (into `procs`); the nodes' names.
+fn start_agents(spec: &ClusterSpec, dir: &Path, grpc: &str, procs: &mut Procs) -> Result<Vec<String>, InputError> {
+    let io = |e: std::io::Error| InputError(format!("{}: {e}", dir.display()));
     // One agent per node, named as the cluster file expands them, its ranks given what this
     // shell has for their Python.
     let rank_env = rank_env(std::env::var("MOTLEY_RANK_ENV").ok().as_deref());
@@ -157,7 +189,7 @@ pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
                 .arg("--allow-root-ranks")
                 .args(["--rank-env", &rank_env])
                 .process_group(0)
-                .args(["--coordinator", &grpc, "--node", &name, "--inventory"])
+                .args(["--coordinator", grpc, "--node", &name, "--inventory"])
                 .arg(&file)
                 .arg("--work-dir")
                 .arg(dir.join("agents").join(&name))
@@ -173,7 +205,11 @@ pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
             names.push(name);
         }
     }
-    let client = Client::local(&rest)?;
+    Ok(names)
+}
+
+/// Wait until every agent is live: an error after 30 s, or on Ctrl-C.
+fn wait_for_agents(client: &Client, names: &[String]) -> Result<(), InputError> {
     let start = Instant::now();
     loop {
         let nodes = client.call("GET", "/nodes", None)?;
@@ -189,23 +225,7 @@ pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    say(&format!("{} agents live: {}", names.len(), names.join(", ")));
-
-    let submitted = client.call("POST", "/jobs", Some(&job_text)).map_err(|e| InputError(format!("{}: {}", job.display(), e.0)))?;
-    let id = submitted["id"].as_i64().unwrap_or(0);
-    say(&format!("job {id} ({}) submitted", submitted["name"].as_str().unwrap_or("")));
-    // This cluster's own place in the cloud: another run's job 1 is elsewhere (docs/recovery.md).
-    if let Some(url) = submitted["checkpoint_cloud"].as_str() {
-        say(&format!("job {id} checkpoints to {}/GENERATION/step-S", escape(url)));
-    }
-    let followed = follow(&client, id, heartbeat_ms, &dir, names.len());
-    if followed.is_err() {
-        // Whatever went wrong, the ranks must not outlive this command (they run in their own
-        // process groups, which killing the agents does not reach).
-        let _ = client.call("POST", &format!("/jobs/{id}/cancel"), None);
-        wait_for_ranks(&client, id, heartbeat_ms);
-    }
-    followed
+    Ok(())
 }
 
 /// Stream the job's events and its ranks' output until it is over (or Ctrl-C cancels it).

@@ -334,7 +334,8 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
     }
     let limits = SpaceLimits { quotas: quotas.clone(), max_stages: a.max_stages, dps: a.dp.clone() };
     let (placer_gpus, peaks) = l.placer_view();
-    let size = Search { est: &l.estimator, placer_gpus: &placer_gpus, table_peaks: &peaks, limits: &limits }.space_size();
+    let search = Search { est: &l.estimator, placer_gpus: &placer_gpus, table_peaks: &peaks, limits: &limits };
+    let size = search.space_size();
     if size > 2e7 {
         return Err(InputError(format!(
             "--quota: about {size:.0} allocations are too many to list; lower the quotas (--quota NAME=N) or the pipeline depth (--max-stages)"
@@ -342,60 +343,12 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
     }
     let start = std::time::Instant::now();
     let (best, fastest, counters_json, method) = match a.method {
-        Method::Exact => {
-            let s = Search { est: &l.estimator, placer_gpus: &placer_gpus, table_peaks: &peaks, limits: &limits };
-            if a.space == SpaceArg::Full && a.exhaustive {
-                return Err(InputError("--exhaustive: the oracle lists the placer space only; drop --space full or --exhaustive".into()));
-            }
-            let o = if a.exhaustive {
-                s.exhaustive()
-            } else if a.space == SpaceArg::Full {
-                s.run_full()
-            } else {
-                s.run()
-            };
-            let c = &o.counters;
-            let counters = json!({
-                "allocations": c.allocations,
-                "placed": c.placed,
-                "time_pruned": c.time_pruned,
-                "cost_pruned": c.cost_pruned,
-                "space": if a.space == SpaceArg::Full { "full" } else { "placer" },
-                "proven_optimal": !c.budget_cut,
-            });
-            (
-                o.best,
-                o.fastest,
-                counters,
-                if a.exhaustive {
-                    "exhaustive"
-                } else if a.space == SpaceArg::Full {
-                    "exact-full"
-                } else {
-                    "exact"
-                },
-            )
-        }
-        Method::Espresso => {
-            let r = espresso::allocator::replay(&l.estimator, &placer_gpus, &peaks, &quotas);
-            let c = &r.counters;
-            let counters = json!({
-                "allocations": c.placed,
-                "placed": c.placed,
-                "heap_pops": c.pops,
-                "bound_calls": c.bound_calls,
-                "cost_pruned": c.cost_pruned,
-                "memory_test_cuts": c.memory_cuts,
-                "time_pruned": c.time_pruned,
-                "proven_optimal": false,
-            });
-            (r.best, r.fastest, counters, "espresso")
-        }
+        Method::Exact => search_exact(&a, &search)?,
+        Method::Espresso => search_espresso(&l, &placer_gpus, &peaks, &quotas),
     };
     let cpu_s = start.elapsed().as_secs_f64();
     let Some(best) = best else {
-        let fastest =
-            fastest.or_else(|| Search { est: &l.estimator, placer_gpus: &placer_gpus, table_peaks: &peaks, limits: &limits }.fastest());
+        let fastest = fastest.or_else(|| search.fastest());
         return Err(no_plan_error(&l, &quotas, fastest.as_ref()));
     };
     let mut out = plan_json(&l, &best.order, &best.layers, best.dp, &best.estimate);
@@ -403,21 +356,14 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
         l.table.names.iter().zip(&best.counts).filter(|(_, &c)| c > 0).map(|(n, &c)| (n.clone(), json!(c * best.dp))).collect();
     out["allocation"] = Value::Object(alloc);
     out["gpus"] = json!(best.counts.iter().sum::<u32>() * best.dp);
-    let mut search = counters_json;
-    search["method"] = json!(method);
-    search["seconds"] = json!(cpu_s);
-    search["quotas"] = json!(l.table.names.iter().zip(&quotas).map(|(n, q)| (n.clone(), json!(q))).collect::<serde_json::Map<_, _>>());
-    search["max_stages"] =
+    let mut search_json = counters_json;
+    search_json["method"] = json!(method);
+    search_json["seconds"] = json!(cpu_s);
+    search_json["quotas"] = json!(l.table.names.iter().zip(&quotas).map(|(n, q)| (n.clone(), json!(q))).collect::<serde_json::Map<_, _>>());
+    search_json["max_stages"] =
         json!(if a.max_stages == 0 { l.estimator.job.model_layer.unwrap_or(l.estimator.job.num_layers) } else { a.max_stages });
-    out["search"] = search;
-    // The cheapest plan on one GPU type only (Sia-style), in the same space and estimator.
-    let homogeneous = (0..quotas.len())
-        .filter_map(|t| {
-            let only: Vec<u32> = quotas.iter().enumerate().map(|(i, &q)| if i == t { q } else { 0 }).collect();
-            let lim = SpaceLimits { quotas: only, ..limits.clone() };
-            Search { est: &l.estimator, placer_gpus: &placer_gpus, table_peaks: &peaks, limits: &lim }.run().best
-        })
-        .min_by(|a, b| a.estimate.cost.total_cmp(&b.estimate.cost));
+    out["search"] = search_json;
+    let homogeneous = cheapest_homogeneous(&search, &quotas);
     out["homogeneous"] = match &homogeneous {
         Some(h) => {
             let mut v = plan_json(&l, &h.order, &h.layers, h.dp, &h.estimate);
@@ -428,31 +374,104 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
     };
     Ok(match a.inputs.output {
         Output::Json => serde_json::to_string_pretty(&out).unwrap(),
-        Output::Table => {
-            let s = &out["search"];
-            let homogeneous = match &homogeneous {
-                Some(h) => format!(
-                    "\ncheapest on one GPU type: {} x {} (dp {}), ${:.8} per iteration: the mix saves {:.1}%",
-                    h.order.len(),
-                    l.estimator.gpus[h.order[0]].name,
-                    h.dp,
-                    h.estimate.cost,
-                    (1.0 - best.estimate.cost / h.estimate.cost) * 100.0
-                ),
-                None => "\nno plan on one GPU type meets the SLO".to_string(),
-            };
-            format!(
-                "{}\nsearch {}: {} allocations in the space, {} placed, {:.3} s{}{}",
-                plan_table(&l, &best.order, &best.layers, best.dp, &best.estimate),
-                method,
-                s["allocations"],
-                s["placed"],
-                cpu_s,
-                if method == "espresso" { " (Espresso's own search, replayed: not exact)" } else { " (optimal in the declared space)" },
-                homogeneous
-            )
-        }
+        Output::Table => search_table(&l, &best, homogeneous.as_ref(), &out["search"], method, cpu_s),
     })
+}
+
+/// What a search found: the cheapest plan meeting the SLO, the fastest plan seen, the
+/// search's counters (`-o json`'s `search`) and the method's name.
+type Searched = (Option<espresso::EspressoPlan>, Option<espresso::EspressoPlan>, Value, &'static str);
+
+/// `--method exact`: branch and bound over the placer's space or the full one, or the oracle
+/// (`--exhaustive`).
+fn search_exact(a: &SearchArgs, s: &Search) -> Result<Searched, InputError> {
+    if a.space == SpaceArg::Full && a.exhaustive {
+        return Err(InputError("--exhaustive: the oracle lists the placer space only; drop --space full or --exhaustive".into()));
+    }
+    let o = if a.exhaustive {
+        s.exhaustive()
+    } else if a.space == SpaceArg::Full {
+        s.run_full()
+    } else {
+        s.run()
+    };
+    let c = &o.counters;
+    let counters = json!({
+        "allocations": c.allocations,
+        "placed": c.placed,
+        "time_pruned": c.time_pruned,
+        "cost_pruned": c.cost_pruned,
+        "space": if a.space == SpaceArg::Full { "full" } else { "placer" },
+        "proven_optimal": !c.budget_cut,
+    });
+    let method = if a.exhaustive {
+        "exhaustive"
+    } else if a.space == SpaceArg::Full {
+        "exact-full"
+    } else {
+        "exact"
+    };
+    Ok((o.best, o.fastest, counters, method))
+}
+
+/// `--method espresso`: Espresso's own allocator, replayed.
+fn search_espresso(l: &Loaded, placer_gpus: &[EstimatorGpu], peaks: &[f64], quotas: &[u32]) -> Searched {
+    let r = espresso::allocator::replay(&l.estimator, placer_gpus, peaks, quotas);
+    let c = &r.counters;
+    let counters = json!({
+        "allocations": c.placed,
+        "placed": c.placed,
+        "heap_pops": c.pops,
+        "bound_calls": c.bound_calls,
+        "cost_pruned": c.cost_pruned,
+        "memory_test_cuts": c.memory_cuts,
+        "time_pruned": c.time_pruned,
+        "proven_optimal": false,
+    });
+    (r.best, r.fastest, counters, "espresso")
+}
+
+/// The cheapest plan on one GPU type only (Sia-style), in the same space and estimator.
+fn cheapest_homogeneous(search: &Search, quotas: &[u32]) -> Option<espresso::EspressoPlan> {
+    (0..quotas.len())
+        .filter_map(|t| {
+            let only: Vec<u32> = quotas.iter().enumerate().map(|(i, &q)| if i == t { q } else { 0 }).collect();
+            let lim = SpaceLimits { quotas: only, ..search.limits.clone() };
+            Search { limits: &lim, ..*search }.run().best
+        })
+        .min_by(|a, b| a.estimate.cost.total_cmp(&b.estimate.cost))
+}
+
+/// `-o table`: the plan, what the search did, and how the mix compares with one GPU type.
+fn search_table(
+    l: &Loaded,
+    best: &espresso::EspressoPlan,
+    homogeneous: Option<&espresso::EspressoPlan>,
+    s: &Value,
+    method: &str,
+    cpu_s: f64,
+) -> String {
+    let homogeneous = match homogeneous {
+        Some(h) => format!(
+            "\ncheapest on one GPU type: {} x {} (dp {}), ${:.8} per iteration: the mix saves {:.1}%",
+            h.order.len(),
+            l.estimator.gpus[h.order[0]].name,
+            h.dp,
+            h.estimate.cost,
+            (1.0 - best.estimate.cost / h.estimate.cost) * 100.0
+        ),
+        None => "\nno plan on one GPU type meets the SLO".to_string(),
+    };
+    format!(
+        "{}\nsearch {}: {} allocations in the space, {} placed, {:.3} s{}{}",
+        plan_table(l, &best.order, &best.layers, best.dp, &best.estimate),
+        method,
+        s["allocations"],
+        s["placed"],
+        cpu_s,
+        if method == "espresso" { " (Espresso's own search, replayed: not exact)" } else { " (optimal in the declared space)" },
+        homogeneous
+    )
 }
 
 /// Nothing meets the SLO: say how fast it can go and what that costs, or how much memory the

@@ -276,6 +276,42 @@ impl JobSpec {
     }
 
     pub fn validate(&self) -> Result<()> {
+        self.validate_name()?;
+        self.validate_sizes()?;
+        self.validate_restarts()?;
+        if self.global_batch == 0 {
+            return Err(CoordinatorError::invalid("global_batch", "must be at least 1"));
+        }
+        if self.run.trim().is_empty() {
+            return Err(CoordinatorError::invalid("run", "the command each rank runs must not be empty"));
+        }
+        if let Some(user) = &self.user {
+            user_name(user).map_err(|e| CoordinatorError::invalid("user", e))?;
+        }
+        if self.plan_timeout_s == Some(0) || self.plan_timeout_s.is_some_and(|s| s > 3600) {
+            return Err(CoordinatorError::invalid("plan_timeout_s", "must be between 1 and 3600 seconds"));
+        }
+        if self.resources.gpus == Some(0) {
+            return Err(CoordinatorError::invalid("resources.gpus", "must be at least 1; leave it out to allow any number"));
+        }
+        self.validate_env_names()?;
+        self.model()?;
+        self.plan_options()?;
+        self.replan()?;
+        self.replan_can_act()?;
+        if self.steps == Some(0) {
+            return Err(CoordinatorError::invalid("steps", "must be at least 1 (training steps in all); leave it out if unknown"));
+        }
+        self.validate_checkpoint()?;
+        self.validate_profiling()?;
+        if let Some(plan) = &self.plan {
+            self.validate_plan(plan)?;
+        }
+        Ok(())
+    }
+
+    /// The name: present, of bounded length, printable.
+    fn validate_name(&self) -> Result<()> {
         if self.name.trim().is_empty() {
             return Err(CoordinatorError::invalid("name", "a job needs a name"));
         }
@@ -285,6 +321,11 @@ impl JobSpec {
         if self.name.chars().any(char::is_control) {
             return Err(CoordinatorError::invalid("name", "must not hold control characters (newlines, escapes)"));
         }
+        Ok(())
+    }
+
+    /// The bounds on what a job stores: the command, its variables, its nodes.
+    fn validate_sizes(&self) -> Result<()> {
         if self.run.len() > MAX_RUN_BYTES {
             return Err(CoordinatorError::invalid(
                 "run",
@@ -324,6 +365,10 @@ impl JobSpec {
         for (i, n) in self.resources.nodes.iter().enumerate() {
             crate::validate::node_name(n).map_err(|e| CoordinatorError::invalid(format!("resources.nodes[{i}]"), e))?;
         }
+        Ok(())
+    }
+
+    fn validate_restarts(&self) -> Result<()> {
         // A relaunch resumes from a checkpoint: without one it would start over.
         if self.checkpoint.is_none() {
             for (field, n) in [("max_restarts", self.max_restarts), ("max_preemptions", self.max_preemptions)] {
@@ -335,21 +380,11 @@ impl JobSpec {
                 }
             }
         }
-        if self.global_batch == 0 {
-            return Err(CoordinatorError::invalid("global_batch", "must be at least 1"));
-        }
-        if self.run.trim().is_empty() {
-            return Err(CoordinatorError::invalid("run", "the command each rank runs must not be empty"));
-        }
-        if let Some(user) = &self.user {
-            user_name(user).map_err(|e| CoordinatorError::invalid("user", e))?;
-        }
-        if self.plan_timeout_s == Some(0) || self.plan_timeout_s.is_some_and(|s| s > 3600) {
-            return Err(CoordinatorError::invalid("plan_timeout_s", "must be between 1 and 3600 seconds"));
-        }
-        if self.resources.gpus == Some(0) {
-            return Err(CoordinatorError::invalid("resources.gpus", "must be at least 1; leave it out to allow any number"));
-        }
+        Ok(())
+    }
+
+    /// Variable names: valid, and none of those the agent sets for every rank.
+    fn validate_env_names(&self) -> Result<()> {
         for key in self.envs.keys() {
             let ok = !key.is_empty()
                 && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
@@ -361,13 +396,10 @@ impl JobSpec {
                 return Err(CoordinatorError::invalid(format!("envs.{key}"), "is set by the agent for every rank; remove it"));
             }
         }
-        self.model()?;
-        self.plan_options()?;
-        self.replan()?;
-        self.replan_can_act()?;
-        if self.steps == Some(0) {
-            return Err(CoordinatorError::invalid("steps", "must be at least 1 (training steps in all); leave it out if unknown"));
-        }
+        Ok(())
+    }
+
+    fn validate_checkpoint(&self) -> Result<()> {
         if let Some(c) = &self.checkpoint {
             if c.every == 0 {
                 return Err(CoordinatorError::invalid("checkpoint.every", "must be at least 1 (steps between checkpoints)"));
@@ -379,6 +411,10 @@ impl JobSpec {
                 cloud_url(url).map_err(|e| CoordinatorError::invalid("checkpoint.cloud", e))?;
             }
         }
+        Ok(())
+    }
+
+    fn validate_profiling(&self) -> Result<()> {
         if let Some(dtype) = self.profiling.as_ref().and_then(|p| p.dtype.as_deref()) {
             if !PROFILE_DTYPES.contains(&dtype) {
                 return Err(CoordinatorError::invalid(
@@ -391,35 +427,38 @@ impl JobSpec {
                 ));
             }
         }
-        if let Some(plan) = &self.plan {
-            if plan.global_batch != self.global_batch {
+        Ok(())
+    }
+
+    /// A plan the job carries: it agrees with the job, is not searched, and has GPUs.
+    fn validate_plan(&self, plan: &CurrentPlan) -> Result<()> {
+        if plan.global_batch != self.global_batch {
+            return Err(CoordinatorError::invalid(
+                "plan.global_batch",
+                format!("is {} but the job's global_batch is {}; make them agree", plan.global_batch, self.global_batch),
+            ));
+        }
+        let pinned = self.plan_options.clone().unwrap_or_default();
+        for (name, set) in [
+            ("tp", pinned.tp.is_some()),
+            ("max_stages", pinned.max_stages.is_some()),
+            ("micro_batch", pinned.micro_batch.is_some()),
+            ("search", pinned.search.is_some()),
+        ] {
+            if set {
                 return Err(CoordinatorError::invalid(
-                    "plan.global_batch",
-                    format!("is {} but the job's global_batch is {}; make them agree", plan.global_batch, self.global_batch),
+                    format!("plan_options.{name}"),
+                    "a job that carries its plan is not searched; drop one of the two",
                 ));
             }
-            let pinned = self.plan_options.clone().unwrap_or_default();
-            for (name, set) in [
-                ("tp", pinned.tp.is_some()),
-                ("max_stages", pinned.max_stages.is_some()),
-                ("micro_batch", pinned.micro_batch.is_some()),
-                ("search", pinned.search.is_some()),
-            ] {
-                if set {
-                    return Err(CoordinatorError::invalid(
-                        format!("plan_options.{name}"),
-                        "a job that carries its plan is not searched; drop one of the two",
-                    ));
-                }
-            }
-            let stages: usize = plan.replicas.iter().map(|r| r.stages.len()).sum();
-            if plan.replicas.is_empty() || stages == 0 {
-                return Err(CoordinatorError::invalid("plan.replicas", "a plan needs at least one replica with stages"));
-            }
-            let gpus: usize = plan.replicas.iter().flat_map(|r| &r.stages).map(|s| s.gpus.len()).sum();
-            if gpus as u64 > motley_solver::limits::MAX_GPUS {
-                return Err(CoordinatorError::invalid("plan", format!("names {gpus} GPUs; at most {}", motley_solver::limits::MAX_GPUS)));
-            }
+        }
+        let stages: usize = plan.replicas.iter().map(|r| r.stages.len()).sum();
+        if plan.replicas.is_empty() || stages == 0 {
+            return Err(CoordinatorError::invalid("plan.replicas", "a plan needs at least one replica with stages"));
+        }
+        let gpus: usize = plan.replicas.iter().flat_map(|r| &r.stages).map(|s| s.gpus.len()).sum();
+        if gpus as u64 > motley_solver::limits::MAX_GPUS {
+            return Err(CoordinatorError::invalid("plan", format!("names {gpus} GPUs; at most {}", motley_solver::limits::MAX_GPUS)));
         }
         Ok(())
     }

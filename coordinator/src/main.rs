@@ -152,14 +152,7 @@ async fn main() -> anyhow::Result<()> {
     let args = config::parse::<Args>("/etc/motley/coordinator.toml")?;
     let telemetry =
         motley_coordinator::telemetry::init("motley-coordinator", args.otlp_endpoint.as_deref()).map_err(|e| anyhow::anyhow!("{e}"))?;
-    // Everything this process creates (the database and its journal, tokens) is the service
-    // user's alone: job specs carry their envs.
-    // SAFETY: umask(2) only sets this process's file-creation mask.
-    unsafe {
-        libc::umask(0o077);
-    }
-    std::fs::create_dir_all(&args.data_dir).with_context(|| format!("--data-dir: cannot create {}", args.data_dir.display()))?;
-    private(&args.data_dir)?;
+    create_data_dir(&args.data_dir)?;
     let url = args.database_url.clone().unwrap_or_else(|| format!("sqlite://{}", args.data_dir.join("coordinator.db").display()));
     let hosts = Arc::new(served_hosts(&args)?);
     anyhow::ensure!((10..=3_600_000).contains(&args.heartbeat_ms), "--heartbeat-ms: must be between 10 and 3600000 (one hour)");
@@ -168,92 +161,29 @@ async fn main() -> anyhow::Result<()> {
     // transactions are cut.
     let idle_in_transaction = (base * leader::STALE_LEADER_INTERVALS).max(std::time::Duration::from_secs(5));
     let store = Store::open_bounded(&url, idle_in_transaction).await.map_err(|e| anyhow::anyhow!("{e}"))?;
-    // The data plane's key: fresh random bytes, kept only if the database has none yet (a
-    // standby and a restart get the one stored first).
-    let mut candidate = [0u8; motley_contract::capability::KEY_BYTES];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut candidate))
-        .context("reading /dev/urandom")?;
-    let data_plane_key = store.data_plane_key(&candidate).await.map_err(|e| anyhow::anyhow!("{e}"))?;
-    let data_plane_key = motley_coordinator::life::DataPlaneKey::from_slice(&data_plane_key).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let tokens = Tokens {
-        operator: token(&args, args.token.as_ref(), "--token", "token")?,
-        agent: token(&args, args.agent_token.as_ref(), "--agent-token", "agent-token")?,
-    };
-    anyhow::ensure!(
-        tokens.operator.is_none() || tokens.operator != tokens.agent,
-        "--agent-token: must differ from --token (a GPU node's credential must not open the control API)"
-    );
+    let data_plane_key = data_plane_key(&store).await?;
+    let tokens = tokens(&args)?;
     anyhow::ensure!((1..=3_600_000).contains(&args.plan_timeout_ms), "--plan-timeout-ms: must be between 1 and 3600000 (one hour)");
     let tls = TlsFiles::from_flags(args.tls_cert.clone(), args.tls_key.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
     // Read and checked before anything listens: a bad certificate is a start-up error.
     let rest_tls = tls.as_ref().map(TlsFiles::server_config).transpose().map_err(|e| anyhow::anyhow!("{e}"))?;
-    let grpc_tls = match &tls {
-        Some(files) => {
-            let (cert, key) = files.pem().map_err(|e| anyhow::anyhow!("{e}"))?;
-            Some(tonic::transport::ServerTlsConfig::new().identity(tonic::transport::Identity::from_pem(cert, key)))
-        }
-        None => None,
-    };
-    let agent_roots = match &args.agent_ca_cert {
-        None => ureq::tls::RootCerts::WebPki,
-        Some(path) => {
-            let pem = std::fs::read(path).with_context(|| format!("--agent-ca-cert: cannot read {}", path.display()))?;
-            let certs = ureq::tls::parse_pem(&pem)
-                .filter_map(|item| match item {
-                    Ok(ureq::tls::PemItem::Certificate(c)) => Some(Ok(c)),
-                    Ok(_) => None,
-                    Err(e) => Some(Err(e)),
-                })
-                .collect::<Result<Vec<_>, _>>()
-                .with_context(|| format!("--agent-ca-cert: {} is not PEM", path.display()))?;
-            anyhow::ensure!(
-                !certs.is_empty(),
-                "--agent-ca-cert: no certificate in {}; give the CA that signed the agents' --tls-cert",
-                path.display()
-            );
-            ureq::tls::RootCerts::new_with_certs(&certs)
-        }
-    };
+    let grpc_tls = grpc_tls(tls.as_ref())?;
+    let agent_roots = agent_roots(args.agent_ca_cert.as_deref())?;
     let scheme = if tls.is_some() { "https" } else { "http" };
-    anyhow::ensure!(
-        u32::from(args.master_port_base) >= 1024 && u32::from(args.master_port_base) + 1024 <= 65536,
-        "--master-port-base: must be between 1024 and 64512 (1,024 ports from it are used)"
-    );
-    anyhow::ensure!(
-        args.cloud_egress_mb_s.is_finite() && args.cloud_egress_mb_s > 0.0,
-        "--cloud-egress-mb-s: must be a rate above 0 MB/s (e.g. 1200)"
-    );
+    check_ports_and_egress(&args)?;
     if let Some(path) = &args.gpu_types {
-        let text = std::fs::read_to_string(path).with_context(|| format!("--gpu-types: cannot read {}", path.display()))?;
-        let types = motley_coordinator::catalog::read(&text, "--gpu-types").map_err(|e| anyhow::anyhow!("{e}"))?;
-        tracing::info!("{} GPU types declared in {}", types.len(), path.display());
-        motley_coordinator::catalog::declare(types).map_err(|e| anyhow::anyhow!("{e}"))?;
+        declare_gpu_types(path)?;
     }
     let fleet = Fleet::new(base, args.master_port_base, std::time::Duration::from_millis(args.plan_timeout_ms));
     let facts = Arc::new(Facts::default());
-    let settings = motley_coordinator::life::Settings {
-        cloud_egress_mb_s: args.cloud_egress_mb_s,
-        mode: match args.restore_mode {
-            RestoreMode::Planned => motley_coordinator::restore_plan::Mode::Planned,
-            RestoreMode::CloudOnly => motley_coordinator::restore_plan::Mode::CloudOnly,
-        },
-        data_plane_key: Some(data_plane_key),
-    };
-    let life = Life::new(store.clone(), fleet.clone(), facts.clone(), settings);
+    let life = Life::new(store.clone(), fleet.clone(), facts.clone(), restore_settings(&args, data_plane_key));
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("--listen: cannot bind {}", args.listen))?;
     let addr = listener.local_addr()?;
     let grpc = tokio::net::TcpListener::bind(args.grpc_listen)
         .await
         .with_context(|| format!("--grpc-listen: cannot bind {}", args.grpc_listen))?;
     let grpc_addr = grpc.local_addr()?;
-    let rest_host = args.advertise_host.clone().unwrap_or_else(|| advertised_host(addr.ip()));
-    let grpc_host = args.advertise_host.clone().unwrap_or_else(|| advertised_host(grpc_addr.ip()));
-    let me = LeaderInfo {
-        term: 0,
-        rest_url: format!("{scheme}://{rest_host}:{}", addr.port()),
-        grpc_url: format!("{scheme}://{grpc_host}:{}", grpc_addr.port()),
-    };
+    let me = leader_info(&args, scheme, addr, grpc_addr);
     let role = Arc::new(Role::default());
     // The leader's tasks, handed to the supervisor below once leadership is won.
     let (led, leading) = tokio::sync::oneshot::channel();
@@ -266,67 +196,28 @@ async fn main() -> anyhow::Result<()> {
             role: role.clone(),
             me,
             on_lead: Some(move |_term| {
-                let (lost, lost_nodes) = tokio::sync::mpsc::unbounded_channel();
-                let _ = led.send(vec![
-                    ("lease clock", tokio::spawn(motley_coordinator::life::lease_clock(fleet.clone(), lost))),
-                    ("lease watcher", tokio::spawn(motley_coordinator::life::watch(life.clone(), lost_nodes))),
-                    ("job queue", tokio::spawn(motley_coordinator::life::queue::run(life.clone()))),
-                    ("recovery", tokio::spawn(motley_coordinator::life::recoveries(life.clone()))),
-                    ("takeover", tokio::spawn(motley_coordinator::life::takeover::resume(life))),
-                ]);
+                let _ = led.send(spawn_leader_tasks(fleet, life));
             }),
         }
     };
-    let supervised = async move {
-        let Ok(tasks) = leading.await else { return std::future::pending().await };
-        let why = motley_coordinator::supervise::watch(tasks, &["takeover"]).await;
-        tracing::error!("{why}; stepping down");
-        Err::<(), _>(anyhow::anyhow!("{why}"))
-    };
+    let supervised = supervise_leader(leading);
     // The first round before the addresses are printed: a lone coordinator serves as leader
     // from its first request.
     contender.step().await.context("leadership")?;
     if !role.is_leader() {
         tracing::info!(leader = %role.leader().rest_url, "standing by");
     }
-    // A closed stdout (a supervisor that read the addresses and left) must not stop the service.
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "motley-coordinator listening on {scheme}://{addr}");
-    let _ = writeln!(out, "motley-coordinator agents on {scheme}://{grpc_addr}");
-    let _ = out.flush();
-    drop(out);
+    print_addresses(scheme, addr, grpc_addr);
     let metrics = Metrics::new(store.clone(), fleet.clone(), role.clone());
     let agents =
         AgentService { store: store.clone(), fleet: fleet.clone(), facts, tokens: tokens.clone(), role: role.clone(), data_plane_key };
     let control =
         ControlService { store: store.clone(), fleet: fleet.clone(), life: life.clone(), role: role.clone(), tokens: tokens.clone() };
-    // Agents and the control API share the gRPC port.
-    let grpc_server = async move {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
-        // Keepalives on the agents' streams: a peer that vanished without closing is dropped
-        // within a lease, with its heartbeat task.
-        let mut server = tonic::transport::Server::builder()
-            .http2_keepalive_interval(Some(base))
-            .http2_keepalive_timeout(Some(base * motley_coordinator::fleet::LEASE_INTERVALS));
-        if let Some(config) = grpc_tls {
-            server = server.tls_config(config)?;
-        }
-        server.add_service(AgentServer::new(agents)).add_service(ControlServer::new(control)).serve_with_incoming(incoming).await
-    };
+    let grpc_server = serve_grpc(grpc, base, grpc_tls, agents, control);
     let lead = contender.run();
     let curves = Default::default();
     let app = router(AppState { store: store.clone(), fleet, life, tokens, role, metrics, agent_roots, hosts, curves });
-    let rest = async move {
-        match rest_tls {
-            Some(config) => {
-                tokio::select! {
-                    r = motley_coordinator::tls::serve_rest(listener, app, config) => r,
-                    _ = shutdown() => Ok(()),
-                }
-            }
-            None => axum::serve(listener, app).with_graceful_shutdown(shutdown()).await,
-        }
-    };
+    let rest = serve_rest(listener, app, rest_tls);
     let result = tokio::select! {
         r = rest => r.context("REST service"),
         r = grpc_server => r.context("gRPC service"),
@@ -336,6 +227,185 @@ async fn main() -> anyhow::Result<()> {
     store.close().await;
     telemetry.shutdown();
     result
+}
+
+/// Create the data directory, and make everything this process creates (the database and its
+/// journal, tokens) the service user's alone: job specs carry their envs.
+fn create_data_dir(dir: &std::path::Path) -> anyhow::Result<()> {
+    // SAFETY: umask(2) only sets this process's file-creation mask.
+    unsafe {
+        libc::umask(0o077);
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("--data-dir: cannot create {}", dir.display()))?;
+    private(dir)
+}
+
+/// The operators' and the agents' tokens, which must differ.
+fn tokens(args: &Args) -> anyhow::Result<Tokens> {
+    let tokens = Tokens {
+        operator: token(args, args.token.as_ref(), "--token", "token")?,
+        agent: token(args, args.agent_token.as_ref(), "--agent-token", "agent-token")?,
+    };
+    anyhow::ensure!(
+        tokens.operator.is_none() || tokens.operator != tokens.agent,
+        "--agent-token: must differ from --token (a GPU node's credential must not open the control API)"
+    );
+    Ok(tokens)
+}
+
+fn check_ports_and_egress(args: &Args) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        u32::from(args.master_port_base) >= 1024 && u32::from(args.master_port_base) + 1024 <= 65536,
+        "--master-port-base: must be between 1024 and 64512 (1,024 ports from it are used)"
+    );
+    anyhow::ensure!(
+        args.cloud_egress_mb_s.is_finite() && args.cloud_egress_mb_s > 0.0,
+        "--cloud-egress-mb-s: must be a rate above 0 MB/s (e.g. 1200)"
+    );
+    Ok(())
+}
+
+/// How recoveries restore (--restore-mode, --cloud-egress-mb-s) and the key their
+/// capabilities are signed with.
+fn restore_settings(args: &Args, data_plane_key: motley_coordinator::life::DataPlaneKey) -> motley_coordinator::life::Settings {
+    motley_coordinator::life::Settings {
+        cloud_egress_mb_s: args.cloud_egress_mb_s,
+        mode: match args.restore_mode {
+            RestoreMode::Planned => motley_coordinator::restore_plan::Mode::Planned,
+            RestoreMode::CloudOnly => motley_coordinator::restore_plan::Mode::CloudOnly,
+        },
+        data_plane_key: Some(data_plane_key),
+    }
+}
+
+/// What this coordinator publishes when it leads: the addresses it listens on, under
+/// --advertise-host when given.
+fn leader_info(args: &Args, scheme: &str, addr: SocketAddr, grpc_addr: SocketAddr) -> LeaderInfo {
+    let rest_host = args.advertise_host.clone().unwrap_or_else(|| advertised_host(addr.ip()));
+    let grpc_host = args.advertise_host.clone().unwrap_or_else(|| advertised_host(grpc_addr.ip()));
+    LeaderInfo {
+        term: 0,
+        rest_url: format!("{scheme}://{rest_host}:{}", addr.port()),
+        grpc_url: format!("{scheme}://{grpc_host}:{}", grpc_addr.port()),
+    }
+}
+
+/// Watch the leader's tasks once leadership is won: one that ends (but the takeover) makes
+/// this coordinator step down. Never ends while it does not lead.
+async fn supervise_leader(leading: tokio::sync::oneshot::Receiver<Vec<(&'static str, tokio::task::JoinHandle<()>)>>) -> anyhow::Result<()> {
+    let Ok(tasks) = leading.await else { return std::future::pending().await };
+    let why = motley_coordinator::supervise::watch(tasks, &["takeover"]).await;
+    tracing::error!("{why}; stepping down");
+    Err::<(), _>(anyhow::anyhow!("{why}"))
+}
+
+/// The data plane's key: fresh random bytes, kept only if the database has none yet (a
+/// standby and a restart get the one stored first).
+async fn data_plane_key(store: &Store) -> anyhow::Result<motley_coordinator::life::DataPlaneKey> {
+    let mut candidate = [0u8; motley_contract::capability::KEY_BYTES];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut candidate))
+        .context("reading /dev/urandom")?;
+    let data_plane_key = store.data_plane_key(&candidate).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    motley_coordinator::life::DataPlaneKey::from_slice(&data_plane_key).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// gRPC's TLS identity: the same certificate and key as REST's.
+fn grpc_tls(tls: Option<&TlsFiles>) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
+    match tls {
+        Some(files) => {
+            let (cert, key) = files.pem().map_err(|e| anyhow::anyhow!("{e}"))?;
+            Ok(Some(tonic::transport::ServerTlsConfig::new().identity(tonic::transport::Identity::from_pem(cert, key))))
+        }
+        None => Ok(None),
+    }
+}
+
+/// The roots the agents' log-service certificates are checked against: --agent-ca-cert's, or
+/// the public web roots.
+fn agent_roots(ca_cert: Option<&std::path::Path>) -> anyhow::Result<ureq::tls::RootCerts> {
+    let Some(path) = ca_cert else { return Ok(ureq::tls::RootCerts::WebPki) };
+    let pem = std::fs::read(path).with_context(|| format!("--agent-ca-cert: cannot read {}", path.display()))?;
+    let certs = ureq::tls::parse_pem(&pem)
+        .filter_map(|item| match item {
+            Ok(ureq::tls::PemItem::Certificate(c)) => Some(Ok(c)),
+            Ok(_) => None,
+            Err(e) => Some(Err(e)),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("--agent-ca-cert: {} is not PEM", path.display()))?;
+    anyhow::ensure!(
+        !certs.is_empty(),
+        "--agent-ca-cert: no certificate in {}; give the CA that signed the agents' --tls-cert",
+        path.display()
+    );
+    Ok(ureq::tls::RootCerts::new_with_certs(&certs))
+}
+
+/// Add --gpu-types' GPU types to the planner's catalog.
+fn declare_gpu_types(path: &std::path::Path) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("--gpu-types: cannot read {}", path.display()))?;
+    let types = motley_coordinator::catalog::read(&text, "--gpu-types").map_err(|e| anyhow::anyhow!("{e}"))?;
+    tracing::info!("{} GPU types declared in {}", types.len(), path.display());
+    motley_coordinator::catalog::declare(types).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// The leader's tasks, started when leadership is won and handed to the supervisor.
+fn spawn_leader_tasks(fleet: Arc<Fleet>, life: Arc<Life>) -> Vec<(&'static str, tokio::task::JoinHandle<()>)> {
+    let (lost, lost_nodes) = tokio::sync::mpsc::unbounded_channel();
+    vec![
+        ("lease clock", tokio::spawn(motley_coordinator::life::lease_clock(fleet.clone(), lost))),
+        ("lease watcher", tokio::spawn(motley_coordinator::life::watch(life.clone(), lost_nodes))),
+        ("job queue", tokio::spawn(motley_coordinator::life::queue::run(life.clone()))),
+        ("recovery", tokio::spawn(motley_coordinator::life::recoveries(life.clone()))),
+        ("takeover", tokio::spawn(motley_coordinator::life::takeover::resume(life))),
+    ]
+}
+
+/// The two addresses on stdout, the first lines a supervisor reads.
+fn print_addresses(scheme: &str, addr: SocketAddr, grpc_addr: SocketAddr) {
+    // A closed stdout (a supervisor that read the addresses and left) must not stop the service.
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "motley-coordinator listening on {scheme}://{addr}");
+    let _ = writeln!(out, "motley-coordinator agents on {scheme}://{grpc_addr}");
+    let _ = out.flush();
+}
+
+/// Agents and the control API share the gRPC port.
+async fn serve_grpc(
+    grpc: tokio::net::TcpListener,
+    base: std::time::Duration,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    agents: AgentService,
+    control: ControlService,
+) -> Result<(), tonic::transport::Error> {
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc);
+    // Keepalives on the agents' streams: a peer that vanished without closing is dropped
+    // within a lease, with its heartbeat task.
+    let mut server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(base))
+        .http2_keepalive_timeout(Some(base * motley_coordinator::fleet::LEASE_INTERVALS));
+    if let Some(config) = tls {
+        server = server.tls_config(config)?;
+    }
+    server.add_service(AgentServer::new(agents)).add_service(ControlServer::new(control)).serve_with_incoming(incoming).await
+}
+
+/// The REST API, over TLS when it has a certificate, until Ctrl-C or SIGTERM.
+async fn serve_rest(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+) -> std::io::Result<()> {
+    match tls {
+        Some(config) => {
+            tokio::select! {
+                r = motley_coordinator::tls::serve_rest(listener, app, config) => r,
+                _ = shutdown() => Ok(()),
+            }
+        }
+        None => axum::serve(listener, app).with_graceful_shutdown(shutdown()).await,
+    }
 }
 
 /// Make the data directory the service user's alone (0700), and its files 0600: an earlier
