@@ -285,123 +285,148 @@ pub const DEFAULT_PCIE_SWITCH_GBIT: f64 = 256.0;
 /// Nodes that declare no NIC are assumed to have this much plain Ethernet, Gbit/s.
 pub const DEFAULT_ETHERNET_GBIT: f64 = 10.0;
 
+/// The GPU catalogue, with the cluster file's own `gpu_types` (checked) added or overriding
+/// by lower-cased name.
+fn gpu_types_of(spec: &ClusterSpec) -> Result<BTreeMap<String, GpuType>> {
+    let mut types: BTreeMap<String, GpuType> = gpu_catalog().into_iter().map(|g| (g.name.to_ascii_lowercase(), g)).collect();
+    for (i, g) in spec.gpu_types.iter().enumerate() {
+        let f = |x: &str| format!("gpu_types[{i}].{x}");
+        for (name, v) in [("memory_gib", g.memory_gib), ("tflops", g.tflops), ("mem_bw_gbps", g.mem_bw_gbps)] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(SolverError::invalid(f(name), format!("must be a positive number, got {v}")));
+            }
+        }
+        for (name, v) in [("bf16_tflops", g.bf16_tflops), ("fp32_tflops", g.fp32_tflops)] {
+            if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                return Err(SolverError::invalid(
+                    f(name),
+                    format!("must be a positive number of TFLOPS, got {v}; remove it to use tflops"),
+                ));
+            }
+        }
+        if !(g.nvlink_gbps.is_finite() && g.nvlink_gbps >= 0.0) {
+            return Err(SolverError::invalid(f("nvlink_gbps"), "must be 0 or a positive number"));
+        }
+        types.insert(g.name.to_ascii_lowercase(), g.clone());
+    }
+    Ok(types)
+}
+
+/// The node and GPU totals of the entries within the limits.
+fn check_sizes(spec: &ClusterSpec) -> Result<()> {
+    // Sizes first, before anything is expanded: a `count` typo must not allocate.
+    let (mut total_nodes, mut total_gpus) = (0u64, 0u64);
+    for (i, n) in spec.nodes.iter().enumerate() {
+        let f = |x: &str| format!("nodes[{i}].{x}");
+        let count = n.count.unwrap_or(1) as u64;
+        limits::at_most(f("count"), count, MAX_NODES, "nodes a cluster may have")?;
+        limits::at_most(f("gpus"), n.gpus as u64, MAX_GPUS_PER_NODE as u64, "GPUs a node may have")?;
+        total_nodes += count;
+        total_gpus += count * n.gpus as u64;
+        if total_nodes > MAX_NODES {
+            return Err(SolverError::invalid(
+                f("count"),
+                format!("the entries up to this one declare {total_nodes} nodes, more than the {MAX_NODES} a cluster may have; fix the counts, or plan part of the cluster"),
+            ));
+        }
+        if total_gpus > MAX_GPUS {
+            return Err(SolverError::invalid(
+                f("gpus"),
+                format!("the entries up to this one declare {total_gpus} GPUs, more than the {MAX_GPUS} a cluster may have; fix the counts, or plan part of the cluster"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Node entry `i` checked, as its class (no nodes yet, bandwidth bucket 0).
+fn node_class(i: usize, n: &NodeSpec, types: &BTreeMap<String, GpuType>) -> Result<NodeClass> {
+    let f = |x: &str| format!("nodes[{i}].{x}");
+    if n.name.trim().is_empty() {
+        return Err(SolverError::invalid(f("name"), "must not be empty"));
+    }
+    let gpu = types.get(&n.gpu.to_ascii_lowercase()).cloned().ok_or_else(|| {
+        let known: Vec<String> = gpu_catalog().into_iter().map(|g| g.name).collect();
+        SolverError::invalid(
+            f("gpu"),
+            format!("unknown GPU type '{}'; use one of {} or declare it under gpu_types", n.gpu, known.join(", ")),
+        )
+    })?;
+    if n.gpus == 0 {
+        return Err(SolverError::invalid(f("gpus"), "must be at least 1 (zero GPUs in a node)"));
+    }
+    if n.count.unwrap_or(1) == 0 {
+        return Err(SolverError::invalid(f("count"), "must be at least 1; remove the entry instead"));
+    }
+    let switch_gbit = n.pcie_switch_gbit.unwrap_or(DEFAULT_PCIE_SWITCH_GBIT);
+    if !(switch_gbit.is_finite() && switch_gbit > 0.0) {
+        return Err(SolverError::invalid(f("pcie_switch_gbit"), "must be a positive rate in Gbit/s (PCIe 4.0 x16 is 256)"));
+    }
+    check_nics(i, n)?;
+    let mut nic_gbps = multi_edge_gbit(&n.nics, switch_gbit);
+    nic_gbps.entry(NicKind::Ethernet).or_insert(DEFAULT_ETHERNET_GBIT);
+    if let Some(p) = n.price_per_gpu_hour {
+        if !(p.is_finite() && p >= 0.0) {
+            return Err(SolverError::invalid(f("price_per_gpu_hour"), "must be a non-negative number"));
+        }
+    }
+    let intra = n.intra.unwrap_or(if gpu.nvlink_gbps > 0.0 { IntraLink::Nvlink } else { IntraLink::Pcie });
+    if intra == IntraLink::Nvlink && gpu.nvlink_gbps <= 0.0 {
+        return Err(SolverError::invalid(f("intra"), format!("{} has no NVLink (nvlink_gbps is 0); use intra: pcie", gpu.name)));
+    }
+    Ok(NodeClass {
+        gpu: gpu.clone(),
+        gpus_per_node: n.gpus,
+        intra,
+        nic_gbps,
+        nics: n.nics.clone(),
+        rdma_domain: n.rdma_domain.clone().unwrap_or_else(|| "default".to_string()),
+        bw_bucket: 0,
+        nodes: vec![],
+    })
+}
+
+/// The NICs of node entry `i`: rates, names, GPUs, RoCE-only fields, ports, no duplicates.
+fn check_nics(i: usize, n: &NodeSpec) -> Result<()> {
+    for (j, nic) in n.nics.iter().enumerate() {
+        let nf = |x: &str| format!("nodes[{i}].nics[{j}].{x}");
+        if !(nic.gbps.is_finite() && nic.gbps > 0.0) {
+            return Err(SolverError::invalid(nf("gbps"), "must be a positive line rate in Gbit/s"));
+        }
+        if nic.name.trim().is_empty() {
+            return Err(SolverError::invalid(nf("name"), "must name the device (mlx5_0) or interface (eth0)"));
+        }
+        if let Some(&g) = nic.gpus.iter().find(|&&g| g >= n.gpus) {
+            return Err(SolverError::invalid(nf("gpus"), format!("GPU {g} does not exist; the node has GPUs 0..{}", n.gpus)));
+        }
+        if nic.gid_index.is_some() && nic.kind != NicKind::Roce {
+            return Err(SolverError::invalid(nf("gid_index"), "only RoCE NICs have a GID index; remove it or set kind: roce"));
+        }
+        if nic.port == Some(0) {
+            return Err(SolverError::invalid(nf("port"), "HCA ports are numbered from 1; remove it to use port 1"));
+        }
+        if n.nics[..j].iter().any(|o| o.name == nic.name && o.port.unwrap_or(1) == nic.port.unwrap_or(1)) {
+            return Err(SolverError::invalid(nf("name"), format!("'{}' is declared twice on this node", nic.name)));
+        }
+    }
+    Ok(())
+}
+
 impl Cluster {
     /// Validate a cluster file and group its nodes into classes.
     pub fn from_spec(spec: &ClusterSpec) -> Result<Cluster> {
-        let mut types: BTreeMap<String, GpuType> = gpu_catalog().into_iter().map(|g| (g.name.to_ascii_lowercase(), g)).collect();
-        for (i, g) in spec.gpu_types.iter().enumerate() {
-            let f = |x: &str| format!("gpu_types[{i}].{x}");
-            for (name, v) in [("memory_gib", g.memory_gib), ("tflops", g.tflops), ("mem_bw_gbps", g.mem_bw_gbps)] {
-                if !(v.is_finite() && v > 0.0) {
-                    return Err(SolverError::invalid(f(name), format!("must be a positive number, got {v}")));
-                }
-            }
-            for (name, v) in [("bf16_tflops", g.bf16_tflops), ("fp32_tflops", g.fp32_tflops)] {
-                if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
-                    return Err(SolverError::invalid(
-                        f(name),
-                        format!("must be a positive number of TFLOPS, got {v}; remove it to use tflops"),
-                    ));
-                }
-            }
-            if !(g.nvlink_gbps.is_finite() && g.nvlink_gbps >= 0.0) {
-                return Err(SolverError::invalid(f("nvlink_gbps"), "must be 0 or a positive number"));
-            }
-            types.insert(g.name.to_ascii_lowercase(), g.clone());
-        }
+        let types = gpu_types_of(spec)?;
         if spec.nodes.is_empty() {
             return Err(SolverError::invalid("nodes", "the cluster has no nodes; add at least one entry under nodes:"));
         }
-        // Sizes first, before anything is expanded: a `count` typo must not allocate.
-        let (mut total_nodes, mut total_gpus) = (0u64, 0u64);
-        for (i, n) in spec.nodes.iter().enumerate() {
-            let f = |x: &str| format!("nodes[{i}].{x}");
-            let count = n.count.unwrap_or(1) as u64;
-            limits::at_most(f("count"), count, MAX_NODES, "nodes a cluster may have")?;
-            limits::at_most(f("gpus"), n.gpus as u64, MAX_GPUS_PER_NODE as u64, "GPUs a node may have")?;
-            total_nodes += count;
-            total_gpus += count * n.gpus as u64;
-            if total_nodes > MAX_NODES {
-                return Err(SolverError::invalid(
-                    f("count"),
-                    format!("the entries up to this one declare {total_nodes} nodes, more than the {MAX_NODES} a cluster may have; fix the counts, or plan part of the cluster"),
-                ));
-            }
-            if total_gpus > MAX_GPUS {
-                return Err(SolverError::invalid(
-                    f("gpus"),
-                    format!("the entries up to this one declare {total_gpus} GPUs, more than the {MAX_GPUS} a cluster may have; fix the counts, or plan part of the cluster"),
-                ));
-            }
-        }
+        check_sizes(spec)?;
         let mut nodes = Vec::new();
         let mut classes: Vec<NodeClass> = Vec::new();
         let mut seen = BTreeSet::new();
         for (i, n) in spec.nodes.iter().enumerate() {
             let f = |x: &str| format!("nodes[{i}].{x}");
-            if n.name.trim().is_empty() {
-                return Err(SolverError::invalid(f("name"), "must not be empty"));
-            }
-            let gpu = types.get(&n.gpu.to_ascii_lowercase()).cloned().ok_or_else(|| {
-                let known: Vec<String> = gpu_catalog().into_iter().map(|g| g.name).collect();
-                SolverError::invalid(
-                    f("gpu"),
-                    format!("unknown GPU type '{}'; use one of {} or declare it under gpu_types", n.gpu, known.join(", ")),
-                )
-            })?;
-            if n.gpus == 0 {
-                return Err(SolverError::invalid(f("gpus"), "must be at least 1 (zero GPUs in a node)"));
-            }
+            let class = node_class(i, n, &types)?;
             let count = n.count.unwrap_or(1);
-            if count == 0 {
-                return Err(SolverError::invalid(f("count"), "must be at least 1; remove the entry instead"));
-            }
-            let switch_gbit = n.pcie_switch_gbit.unwrap_or(DEFAULT_PCIE_SWITCH_GBIT);
-            if !(switch_gbit.is_finite() && switch_gbit > 0.0) {
-                return Err(SolverError::invalid(f("pcie_switch_gbit"), "must be a positive rate in Gbit/s (PCIe 4.0 x16 is 256)"));
-            }
-            for (j, nic) in n.nics.iter().enumerate() {
-                let nf = |x: &str| format!("nodes[{i}].nics[{j}].{x}");
-                if !(nic.gbps.is_finite() && nic.gbps > 0.0) {
-                    return Err(SolverError::invalid(nf("gbps"), "must be a positive line rate in Gbit/s"));
-                }
-                if nic.name.trim().is_empty() {
-                    return Err(SolverError::invalid(nf("name"), "must name the device (mlx5_0) or interface (eth0)"));
-                }
-                if let Some(&g) = nic.gpus.iter().find(|&&g| g >= n.gpus) {
-                    return Err(SolverError::invalid(nf("gpus"), format!("GPU {g} does not exist; the node has GPUs 0..{}", n.gpus)));
-                }
-                if nic.gid_index.is_some() && nic.kind != NicKind::Roce {
-                    return Err(SolverError::invalid(nf("gid_index"), "only RoCE NICs have a GID index; remove it or set kind: roce"));
-                }
-                if nic.port == Some(0) {
-                    return Err(SolverError::invalid(nf("port"), "HCA ports are numbered from 1; remove it to use port 1"));
-                }
-                if n.nics[..j].iter().any(|o| o.name == nic.name && o.port.unwrap_or(1) == nic.port.unwrap_or(1)) {
-                    return Err(SolverError::invalid(nf("name"), format!("'{}' is declared twice on this node", nic.name)));
-                }
-            }
-            let mut nic_gbps = multi_edge_gbit(&n.nics, switch_gbit);
-            nic_gbps.entry(NicKind::Ethernet).or_insert(DEFAULT_ETHERNET_GBIT);
-            if let Some(p) = n.price_per_gpu_hour {
-                if !(p.is_finite() && p >= 0.0) {
-                    return Err(SolverError::invalid(f("price_per_gpu_hour"), "must be a non-negative number"));
-                }
-            }
-            let intra = n.intra.unwrap_or(if gpu.nvlink_gbps > 0.0 { IntraLink::Nvlink } else { IntraLink::Pcie });
-            if intra == IntraLink::Nvlink && gpu.nvlink_gbps <= 0.0 {
-                return Err(SolverError::invalid(f("intra"), format!("{} has no NVLink (nvlink_gbps is 0); use intra: pcie", gpu.name)));
-            }
-            let class = NodeClass {
-                gpu: gpu.clone(),
-                gpus_per_node: n.gpus,
-                intra,
-                nic_gbps,
-                nics: n.nics.clone(),
-                rdma_domain: n.rdma_domain.clone().unwrap_or_else(|| "default".to_string()),
-                bw_bucket: 0,
-                nodes: vec![],
-            };
             let ci = match classes.iter().position(|c| same_class(c, &class)) {
                 Some(ci) => ci,
                 None => {

@@ -187,17 +187,7 @@ pub fn search_metis_space(m: &MetisModel, view: &MotleyView, opts: &PlanOptions,
     let mut tasks = vec![];
     for batches in (1..=gbs).filter(|d| gbs.is_multiple_of(*d)) {
         let micro_batch = gbs / batches;
-        // Least GPU-seconds per sequence of a block, per class, over all kinds this
-        // micro-batch allows.
-        let mut class_work = vec![f64::INFINITY; view.cluster.classes.len()];
-        for (c, w) in class_work.iter_mut().enumerate() {
-            for &tp in &pow2 {
-                for &dp in pow2.iter().filter(|&&dp| dp * tp <= n && micro_batch.is_multiple_of(dp)) {
-                    let lc = cm.layer_cost(StageKind { class: c, tp, dp }, micro_batch);
-                    *w = w.min((lc.fwd + lc.bwd) * (dp * tp) as f64 / micro_batch as f64);
-                }
-            }
-        }
+        let class_work = class_work(&cm, view, &pow2, n, micro_batch);
         let block_work = class_work.iter().cloned().fold(f64::INFINITY, f64::min);
         for order in &orders {
             for stages in 1..=(n as usize).min(blocks as usize) {
@@ -206,34 +196,16 @@ pub fn search_metis_space(m: &MetisModel, view: &MotleyView, opts: &PlanOptions,
                 if sizes.is_empty() {
                     continue;
                 }
-                let mut fillable = vec![vec![false; n as usize + 1]; stages + 1];
-                fillable[0][0] = true;
-                for k in 1..=stages {
-                    for rem in 0..=n as usize {
-                        fillable[k][rem] = sizes.iter().any(|&g| g as usize <= rem && fillable[k - 1][rem - g as usize]);
-                    }
-                }
+                let fillable = fillable(&sizes, stages, n);
                 if !fillable[stages][n as usize] {
                     continue;
                 }
                 let layout = Layout::by_type_sequence(m.cluster, order);
                 let speed: Vec<f64> =
                     (0..n).map(|r| view.class_of_type[layout.type_of(r)].map_or(0.0, |c| block_work / class_work[c])).collect();
-                let mut capacity_suffix = vec![0.0; n as usize + 1];
-                let mut run_end = vec![n; n as usize];
-                for r in (0..n as usize).rev() {
-                    capacity_suffix[r] = capacity_suffix[r + 1] + speed[r];
-                    if r + 1 < n as usize && speed[r + 1] == speed[r] {
-                        run_end[r] = run_end[r + 1];
-                    } else {
-                        run_end[r] = r as u32 + 1;
-                    }
-                }
+                let (capacity_suffix, run_end) = capacity_and_runs(&speed, n);
                 let hop_bytes = micro_batch as f64 * view.model.seq_len as f64 * view.model.hidden() * 2.0;
-                let fastest_link = (0..view.cluster.classes.len())
-                    .flat_map(|a| (0..view.cluster.classes.len()).map(move |b| (a, b)))
-                    .map(|(a, b)| view.cluster.intra_bw(a).max(view.cluster.inter_bw(a, b)))
-                    .fold(0.0, f64::max);
+                let fastest_link = fastest_link(view);
                 let w = Walk {
                     min_hop: 2.0 * hop_bytes / (fastest_link * 1e9),
                     hop_bytes,
@@ -281,20 +253,75 @@ pub fn search_metis_space(m: &MetisModel, view: &MotleyView, opts: &PlanOptions,
         }
         if w.best < best {
             best = w.best;
-            let mut partition = vec![0];
-            let path = &w.best_path;
-            for (i, &(_, _, _, b)) in path.iter().enumerate() {
-                partition.push(if i + 1 == path.len() { m.settings.layers } else { b as usize + 1 });
-            }
-            best_plan = Some(MetisPlan {
-                node_sequence: order.iter().map(|&t| m.profiles.types[t].clone()).collect(),
-                device_groups: path.iter().map(|x| x.1).collect(),
-                strategies: path.iter().map(|x| [x.2.dp, x.2.tp]).collect(),
-                batches,
-                layer_partition: partition,
-            });
+            best_plan = Some(metis_plan(m, &order, &w.best_path, batches));
         }
     }
     out.best = best_plan.and_then(|p| view.price(m, opts, &p).ok().map(|c| (p, c)));
     out
+}
+
+/// Least GPU-seconds per sequence of a block, per class, over all kinds this micro-batch
+/// allows.
+fn class_work(cm: &CostModel<'_>, view: &MotleyView, pow2: &[u32], n: u32, micro_batch: u32) -> Vec<f64> {
+    let mut class_work = vec![f64::INFINITY; view.cluster.classes.len()];
+    for (c, w) in class_work.iter_mut().enumerate() {
+        for &tp in pow2 {
+            for &dp in pow2.iter().filter(|&&dp| dp * tp <= n && micro_batch.is_multiple_of(dp)) {
+                let lc = cm.layer_cost(StageKind { class: c, tp, dp }, micro_batch);
+                *w = w.min((lc.fwd + lc.bwd) * (dp * tp) as f64 / micro_batch as f64);
+            }
+        }
+    }
+    class_work
+}
+
+/// `fillable[k][rem]`: `k` stages of the allowed `sizes` hold exactly `rem` GPUs.
+fn fillable(sizes: &[u32], stages: usize, n: u32) -> Vec<Vec<bool>> {
+    let mut fillable = vec![vec![false; n as usize + 1]; stages + 1];
+    fillable[0][0] = true;
+    for k in 1..=stages {
+        for rem in 0..=n as usize {
+            fillable[k][rem] = sizes.iter().any(|&g| g as usize <= rem && fillable[k - 1][rem - g as usize]);
+        }
+    }
+    fillable
+}
+
+/// Suffix sums of the ranks' `speed`, and for each rank the first rank after its run of
+/// equal speed (`Walk::capacity_suffix`, `Walk::run_end`).
+fn capacity_and_runs(speed: &[f64], n: u32) -> (Vec<f64>, Vec<u32>) {
+    let mut capacity_suffix = vec![0.0; n as usize + 1];
+    let mut run_end = vec![n; n as usize];
+    for r in (0..n as usize).rev() {
+        capacity_suffix[r] = capacity_suffix[r + 1] + speed[r];
+        if r + 1 < n as usize && speed[r + 1] == speed[r] {
+            run_end[r] = run_end[r + 1];
+        } else {
+            run_end[r] = r as u32 + 1;
+        }
+    }
+    (capacity_suffix, run_end)
+}
+
+/// The fastest link between any two classes (or within one), GB/s.
+fn fastest_link(view: &MotleyView) -> f64 {
+    (0..view.cluster.classes.len())
+        .flat_map(|a| (0..view.cluster.classes.len()).map(move |b| (a, b)))
+        .map(|(a, b)| view.cluster.intra_bw(a).max(view.cluster.inter_bw(a, b)))
+        .fold(0.0, f64::max)
+}
+
+/// A walk's best path as Metis's plan of node sequence `order`.
+fn metis_plan(m: &MetisModel<'_>, order: &[usize], path: &[(u32, u32, StageKind, u32)], batches: u32) -> MetisPlan {
+    let mut partition = vec![0];
+    for (i, &(_, _, _, b)) in path.iter().enumerate() {
+        partition.push(if i + 1 == path.len() { m.settings.layers } else { b as usize + 1 });
+    }
+    MetisPlan {
+        node_sequence: order.iter().map(|&t| m.profiles.types[t].clone()).collect(),
+        device_groups: path.iter().map(|x| x.1).collect(),
+        strategies: path.iter().map(|x| [x.2.dp, x.2.tp]).collect(),
+        batches,
+        layer_partition: partition,
+    }
 }

@@ -141,21 +141,7 @@ async fn session_inner(
 ) -> Result<std::convert::Infallible, Ended> {
     let Workers { supervisor, profiler, holdings, restorer, .. } = workers;
     let token = args.token.clone().unwrap_or_default();
-    let request = RegisterRequest {
-        node: node.to_string(),
-        inventory_json: inventory.to_string(),
-        token: token.clone(),
-        address: args.address.clone(),
-        logs_url: logs_url.to_string(),
-        can_profile: profiler.is_some(),
-        data_url: data_url.to_string(),
-        rdma_device: motley_agent::checkpoints::restorer::rdma_device().unwrap_or_default(),
-        ckpt_rates: Some(motley_proto::v1::CkptRates {
-            disk_read_mb_s: args.ckpt_disk_mb_s,
-            nic_mb_s: args.ckpt_nic_mb_s,
-            mem_copy_mb_s: 0.0,
-        }),
-    };
+    let request = register_request(args, node, inventory, (logs_url, data_url), &token, profiler.is_some());
     let ca = match &args.ca_cert {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("--ca-cert: cannot read {}", p.display()))?),
         None => None,
@@ -185,79 +171,118 @@ async fn session_inner(
     let (tx, rx) = tokio::sync::mpsc::channel::<AgentStatus>(16);
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
     request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().context("token is not a valid header value")?);
-    let beat = {
-        let (supervisor, node, load, profiler) = (supervisor.clone(), node.to_string(), load.clone(), profiler.cloned());
-        let (holdings, work, restorer, meter) = (holdings.clone(), work_dir.to_path_buf(), restorer.clone(), workers.meter.clone());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            // Every message has its number (1, 2, ...); the first lists every rank.
-            let mut seq = 0;
-            loop {
-                // On the interval (the lease), and at once when ranks started or ended.
-                let beat = tokio::select! {
-                    _ = tick.tick() => true,
-                    _ = supervisor.changed() => false,
-                    _ = async { match &profiler { Some(p) => p.changed().await, None => std::future::pending().await } } => false,
-                    _ = restorer.changed() => false,
-                };
-                let full = seq == 0;
-                let ranks = supervisor.report(seq + 1, full);
-                let profiles = profiler.as_ref().map(|p| p.report(seq + 1)).unwrap_or_default();
-                let restores = restorer.report(seq + 1);
-                // Checkpoint files are looked for on the interval (and with every other message).
-                let held = match beat || full || !ranks.is_empty() || !profiles.is_empty() || !restores.is_empty() {
-                    true => {
-                        let (h, w, s) = (holdings.clone(), work.clone(), seq + 1);
-                        tokio::task::spawn_blocking(move || h.report(&w, s)).await.unwrap_or(None)
-                    }
-                    false => None,
-                };
-                if !beat && !full && ranks.is_empty() && profiles.is_empty() && restores.is_empty() {
-                    continue;
-                }
-                let (holdings_sent, holdings_list) = match held {
-                    Some(list) => (true, list),
-                    None => (false, vec![]),
-                };
-                seq += 1;
-                // A fresh sample only (a stalled sampler's old one would mislead).
-                let fresh = interval.max(motley_agent::node::load::SAMPLE_EVERY) * 3;
-                let load = match beat {
-                    true => load.borrow().as_ref().filter(|(_, at)| at.elapsed() <= fresh).map(|(l, _)| l.clone()),
-                    false => None,
-                };
-                // The links on the interval: probe samples since the last (each sent once), and
-                // the NICs' rates over the interval (sysfs, off the async workers).
-                let (links, nics) = match beat {
-                    true => {
-                        let m = meter.clone();
-                        (meter.take_links(), tokio::task::spawn_blocking(move || m.nic_rates()).await.unwrap_or_default())
-                    }
-                    false => (vec![], vec![]),
-                };
-                let status = AgentStatus {
-                    node: node.clone(),
-                    epoch,
-                    ranks,
-                    load,
-                    seq,
-                    full,
-                    profiles,
-                    holdings: holdings_list,
-                    holdings_sent,
-                    restores,
-                    links,
-                    nics,
-                };
-                if tx.send(status).await.is_err() {
-                    return;
-                }
-            }
-        })
-    };
+    let beat = spawn_beat(workers, work_dir, node, load, interval, epoch, tx);
     let result = heartbeat(&mut client, request, work_dir, node, interval, workers).await;
     beat.abort();
     Err(result)
+}
+
+/// This agent's registration: what the node has and where its logs and data plane listen.
+fn register_request(
+    args: &Args,
+    node: &str,
+    inventory: &str,
+    (logs_url, data_url): (&str, &str),
+    token: &str,
+    can_profile: bool,
+) -> RegisterRequest {
+    RegisterRequest {
+        node: node.to_string(),
+        inventory_json: inventory.to_string(),
+        token: token.to_string(),
+        address: args.address.clone(),
+        logs_url: logs_url.to_string(),
+        can_profile,
+        data_url: data_url.to_string(),
+        rdma_device: motley_agent::checkpoints::restorer::rdma_device().unwrap_or_default(),
+        ckpt_rates: Some(motley_proto::v1::CkptRates {
+            disk_read_mb_s: args.ckpt_disk_mb_s,
+            nic_mb_s: args.ckpt_nic_mb_s,
+            mem_copy_mb_s: 0.0,
+        }),
+    }
+}
+
+/// The session's sending half: a status up the heartbeat stream on the interval, and at once
+/// when ranks, profiles or restores change; ends when the stream's receiver is gone.
+fn spawn_beat(
+    workers: Workers<'_>,
+    work_dir: &Path,
+    node: &str,
+    load: &Latest,
+    interval: Duration,
+    epoch: i64,
+    tx: tokio::sync::mpsc::Sender<AgentStatus>,
+) -> tokio::task::JoinHandle<()> {
+    let Workers { supervisor, profiler, holdings, restorer, .. } = workers;
+    let (supervisor, node, load, profiler) = (supervisor.clone(), node.to_string(), load.clone(), profiler.cloned());
+    let (holdings, work, restorer, meter) = (holdings.clone(), work_dir.to_path_buf(), restorer.clone(), workers.meter.clone());
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        // Every message has its number (1, 2, ...); the first lists every rank.
+        let mut seq = 0;
+        loop {
+            // On the interval (the lease), and at once when ranks started or ended.
+            let beat = tokio::select! {
+                _ = tick.tick() => true,
+                _ = supervisor.changed() => false,
+                _ = async { match &profiler { Some(p) => p.changed().await, None => std::future::pending().await } } => false,
+                _ = restorer.changed() => false,
+            };
+            let full = seq == 0;
+            let ranks = supervisor.report(seq + 1, full);
+            let profiles = profiler.as_ref().map(|p| p.report(seq + 1)).unwrap_or_default();
+            let restores = restorer.report(seq + 1);
+            // Checkpoint files are looked for on the interval (and with every other message).
+            let held = match beat || full || !ranks.is_empty() || !profiles.is_empty() || !restores.is_empty() {
+                true => {
+                    let (h, w, s) = (holdings.clone(), work.clone(), seq + 1);
+                    tokio::task::spawn_blocking(move || h.report(&w, s)).await.unwrap_or(None)
+                }
+                false => None,
+            };
+            if !beat && !full && ranks.is_empty() && profiles.is_empty() && restores.is_empty() {
+                continue;
+            }
+            let (holdings_sent, holdings_list) = match held {
+                Some(list) => (true, list),
+                None => (false, vec![]),
+            };
+            seq += 1;
+            // A fresh sample only (a stalled sampler's old one would mislead).
+            let fresh = interval.max(motley_agent::node::load::SAMPLE_EVERY) * 3;
+            let load = match beat {
+                true => load.borrow().as_ref().filter(|(_, at)| at.elapsed() <= fresh).map(|(l, _)| l.clone()),
+                false => None,
+            };
+            // The links on the interval: probe samples since the last (each sent once), and
+            // the NICs' rates over the interval (sysfs, off the async workers).
+            let (links, nics) = match beat {
+                true => {
+                    let m = meter.clone();
+                    (meter.take_links(), tokio::task::spawn_blocking(move || m.nic_rates()).await.unwrap_or_default())
+                }
+                false => (vec![], vec![]),
+            };
+            let status = AgentStatus {
+                node: node.clone(),
+                epoch,
+                ranks,
+                load,
+                seq,
+                full,
+                profiles,
+                holdings: holdings_list,
+                holdings_sent,
+                restores,
+                links,
+                nics,
+            };
+            if tx.send(status).await.is_err() {
+                return;
+            }
+        }
+    })
 }
 
 /// Read the coordinator's instructions until the stream breaks; how it broke.
