@@ -41,9 +41,10 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO / "python" / "tests"))
 sys.path.insert(0, str(REPO / "python"))
 
+from motley_torch.tools.gpu_check import MODEL as GPU_CHECK_MODEL  # noqa: E402
+
 MODELS = {
-    "gpu-check": (dict(name="gpu-check-llama", family="llama", layers=8, hidden=1024, heads=16, kv_heads=8,
-                       ffn_hidden=2816, seq_len=512, vocab=32000, gated_mlp=True), 32),
+    "gpu-check": (dict(GPU_CHECK_MODEL), 32),
     "llama-1b": (dict(name="llama-1b", family="llama", layers=16, hidden=2048, heads=32, kv_heads=8, ffn_hidden=8192,
                       seq_len=2048, vocab=128256, gated_mlp=True, tie_embeddings=True, rope_theta=500000.0), 4),
 }
@@ -150,6 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=4)
     p.add_argument("--models", default="gpu-check,llama-1b")
     p.add_argument("--variants", default="motley,baseline")
+    p.add_argument("--profile-dir", metavar="DIR",
+                   help="Motley's runs also write the trainer's --torch-profile into DIR/MODEL-VARIANT")
     p.add_argument("--baseline-child", metavar="MODEL", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.baseline_child:
@@ -166,8 +169,14 @@ def main(argv=None) -> int:
             print(f"--models: {m!r} is not one of {', '.join(MODELS)}", file=sys.stderr)
             return 2
         for v in a.variants.split(","):
+            if v != "baseline" and v not in VARIANTS:
+                print(f"--variants: {v!r} is not one of baseline, {', '.join(VARIANTS)}", file=sys.stderr)
+                return 2
             try:
-                got = run_baseline(m, a.steps) if v == "baseline" else run_motley(m, a.steps, VARIANTS[v])
+                extra = list(VARIANTS.get(v, []))
+                if a.profile_dir and v != "baseline":
+                    extra += ["--torch-profile", os.path.join(os.path.abspath(a.profile_dir), f"{m}-{v}")]
+                got = run_baseline(m, a.steps) if v == "baseline" else run_motley(m, a.steps, extra)
                 row = summarise(m, v, got, a.skip)
             except Exception as e:  # one failed system is reported, the others still measured
                 row = {"model": m, "system": v, "error": str(e)[-1500:]}

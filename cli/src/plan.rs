@@ -49,6 +49,10 @@ pub struct PlanArgs {
     /// Full activation recomputation.
     #[arg(long)]
     recompute: bool,
+    /// Price the activations eager blocks save (ranks run with --compile off); by default
+    /// plans are priced for compiled blocks, the runtime's default on a GPU.
+    #[arg(long)]
+    eager: bool,
     /// Shard optimizer states across a stage's data-parallel GPUs (ZeRO-1).
     #[arg(long)]
     zero1: bool,
@@ -196,6 +200,7 @@ fn load(a: &PlanArgs) -> Result<Loaded, InputError> {
         micro_batch: a.micro_batch,
         efficiency: a.efficiency,
         recompute: a.recompute,
+        eager: a.eager,
         zero1: a.zero1,
         reserve_gib: a.reserve_gib,
         max_stages: a.max_stages,

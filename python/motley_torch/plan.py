@@ -109,6 +109,9 @@ class Plan:
         self.precision = doc.get("precision")
         # Full activation recomputation as the plan was priced with (`--recompute`).
         self.recompute = bool(doc.get("recompute", False))
+        # Activations priced as compiled blocks save them (`motley plan`'s default) or eager
+        # ones (`--eager`; absent, false, in documents from before it was added).
+        self.compiled = bool(doc.get("compiled", False))
         # Optimizer state sharded over each segment's dp ring as priced (`--zero1`).
         self.zero1 = bool(doc.get("zero1", False))
         if self.precision not in (None, "bf16", "fp16", "fp32"):

@@ -61,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--cuda-graphs", action="store_true",
                    help="also capture the compiled blocks with CUDA graphs (torch.compile mode reduce-overhead); "
                         "pays where a step is launch-bound (small hidden sizes on fast GPUs)")
+    p.add_argument("--torch-profile", metavar="DIR",
+                   help="torch.profiler over steps 3 and 4 after the start: DIR/kernels.rank{R}.txt (operators and "
+                        "kernels by device time) and DIR/trace.rank{R}.json.gz (Chrome trace)")
     p.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16: the first loss scale (2^16)")
     p.add_argument("--loss-scale-window", type=int, default=2000,
                    help="fp16: clean steps in a row after which the scale doubles (2000)")

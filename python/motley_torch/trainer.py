@@ -4,7 +4,13 @@ parses the flags): the plan's stage of the model, its pipeline, its one gradient
 timings. `Trainer.step` is one step:
 
     pipeline forward/backward over the rank's micro-batches -> the pipeline's last sends
-    -> gradient sync (the plan's way) -> loss scaler -> optimizer -> the global loss line
+    -> gradient sync (the plan's way) -> loss scaler -> optimizer -> the global loss's sum started
+
+The host reads a step's global loss, and prints its line, once the next step's work is
+launched (before any evaluation, checkpoint or the run's end, and at once under --timings):
+reading it at once would make the host wait for the GPU at every step, which then idles while
+the next step's first kernels are launched. A line's `step_s` is then the time from its step's
+start to the next step's (the last step's: to its loss being read).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .components.data import rank_micro_batches
+from .components.data import device_micro_batches, rank_micro_batches
 from .distributed.gradient_sync import gradient_sync
 from .model_source import load_model
 from .components.progress import emit, emit_eval, log_samples, memory_line
@@ -101,7 +107,10 @@ class Trainer:
         model.recompute = args.recompute or plan.recompute
         if model.recompute:
             print("motley-recompute on", file=sys.stderr, flush=True)
-        compile_stage(model, args, view.device)
+        if not compile_stage(model, args, view.device) and view.device.type == "cuda" and plan.compiled:
+            print("motley-compile warning: the plan was priced for compiled blocks (its compiled: true), and eager "
+                  "blocks save about 1.5x the activations it priced: plan with `motley plan --eager` to run "
+                  "--compile off", file=sys.stderr, flush=True)
         self.sync = gradient_sync(view, model, zero1=args.zero1 or plan.zero1, overlap=not args.no_overlap,
                                   bucket_mb=args.bucket_mb, half=HALF.get(precision),
                                   make_optimizer=lambda ps: make_optimizer(ps, args), save_grads=bool(args.save_grads))
@@ -115,6 +124,7 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(spec, seq)
         self.peak_tflops = self._world_peak(device_peak(view.device, precision))
         self.reports_loss = view.is_last_stage and view.tp_rank == 0
+        self.pending = None  # the last step's loss line, its sum still in flight
         self.start = 0
         position = {"samples": 0}
         if args.ckpt_restore:
@@ -135,6 +145,11 @@ class Trainer:
             from .components import checkpoint
 
             self.notice = checkpoint.SaveNotice.from_env()
+        self.profiler = None
+        if getattr(args, "torch_profile", None):
+            from .components.torch_profile import StepProfiler
+
+            self.profiler = StepProfiler(args.torch_profile, self.start, view.rank, view.device)
         self.tfile = None
         if args.timings:
             path = timings_path(args.timings, view.rank)
@@ -149,6 +164,29 @@ class Trainer:
                          else torch.float32, device=self.view.device)
         dist.all_reduce(t)
         return float(t[0]) if float(t[1]) == 0 else None
+
+    def _start_loss_sum(self, local) -> tuple:
+        """The world's sum of the step's loss (this rank's on the device, or 0.0), started."""
+        view = self.view
+        dtype = torch.float64 if view.backend == "gloo" else torch.float32
+        if self.reports_loss and torch.is_tensor(local):
+            t = local.detach().reshape(1).to(dtype)
+        else:
+            t = torch.tensor([local if self.reports_loss else 0.0], dtype=dtype, device=view.device)
+        return t, dist.all_reduce(t, async_op=True)
+
+    def flush_loss(self, next_start: Optional[float] = None):
+        """Print the pending step's loss line (rank 0), waiting for its sum."""
+        if self.pending is None:
+            return
+        step, (t, work), t_step, used, skipped = self.pending
+        self.pending = None
+        work.wait()
+        loss = float(t.item())
+        end = next_start if next_start is not None else time.perf_counter()
+        if self.view.rank == 0:
+            emit(step, loss, self.plan.global_batch * self.seq, end - t_step, used, skipped,
+                 self.flops_per_token, self.peak_tflops)
 
     def _global_sum(self, value: float) -> float:
         view = self.view
@@ -192,7 +230,7 @@ class Trainer:
         tokens = self.source.tokens(step)
         if view.rank == 0:
             log_samples(self.args.sample_log, step, self.source.ids)
-        micro = rank_micro_batches(plan, view.rank, tokens)
+        micro = device_micro_batches(plan, view.rank, tokens, view.device)
         used = scaler.factor()
         sync.start_step(len(micro))
         local = pipe.step(micro, self.scale * used) / used
@@ -212,11 +250,13 @@ class Trainer:
         sync.end_step(skipped)
         mark()
         # The global mean loss: every sample's scaled loss is summed once (TP rank 0 of the
-        # last stages), over the whole world, so rank 0 has it whatever stage it holds.
-        loss = self._global_sum(local)
-        if view.rank == 0:
-            emit(step, loss, plan.global_batch * self.seq, time.perf_counter() - t_step, used, skipped,
-                 self.flops_per_token, self.peak_tflops)
+        # last stages), over the whole world, so rank 0 has it whatever stage it holds; read
+        # once the next step is launched (the module's docstring).
+        total = self._start_loss_sum(local)
+        self.flush_loss(next_start=t_step)
+        self.pending = (step, total, t_step, used, skipped)
+        if timed:
+            self.flush_loss()
         mark()
         if timed:
             self._write_timings(step, marks)
@@ -251,13 +291,20 @@ class Trainer:
         if self.start in self.due:
             self.evaluate(self.start)
         for step in range(self.start, args.steps):
+            if self.profiler is not None:
+                self.profiler.before(step)
             self.step(step)
+            if self.profiler is not None:
+                self.profiler.after(step)
             noticed = self.notice is not None and self.notice.due(view)
             if noticed:
                 print(f"motley-notice {self.notice.handled}: saving step {step + 1}", file=sys.stderr, flush=True)
+            due_save = noticed or (args.ckpt_dir and args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0)
+            if step + 1 in self.due or due_save or step + 1 == args.steps:
+                self.flush_loss()
             if step + 1 in self.due:
                 self.evaluate(step + 1)
-            if noticed or (args.ckpt_dir and args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0):
+            if due_save:
                 self.save(step + 1)
         self.source.close()
         if args.ckpt_dir:

@@ -26,6 +26,17 @@ def test_a_llama_layer_saves_what_the_cost_model_prices(precision, half_weights,
     assert r["fixed_per_param"] == pytest.approx(fixed, abs=1e-3), "autocast's half copies of fp32 weights"
 
 
+@pytest.mark.parametrize("precision,half_weights,per_token_h", [
+    ("fp32", False, 65.07), ("bf16", False, 34.57), ("bf16", True, 32.57)])
+def test_a_compiled_llama_layer_saves_what_the_cost_model_prices(precision, half_weights, per_token_h):
+    """torch.compile's partitioner recomputes the norms' and rotary's elementwise work: the
+    compiled block saves what activations.rs prices for compiled plans (`motley plan`'s default;
+    `--eager` prices the counts above)."""
+    r = layer_token_bytes(LLAMA, precision, half_weights, seq=64, compiled=True)
+    assert r["per_token"] / 1024 == pytest.approx(per_token_h, abs=0.005), r
+    assert r["per_token_key"] == pytest.approx(0.0, abs=1e-6), "flash attention: nothing per key"
+
+
 def test_gpt_attention_keeps_its_probabilities():
     gpt = ModelSpec.from_dict({"name": "count", "family": "gpt", "layers": 1, "hidden": 256, "heads": 8,
                                "seq_len": 512, "vocab": 1000})

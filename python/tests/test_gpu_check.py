@@ -98,3 +98,14 @@ def test_fp16_is_held_to_ninety_percent_of_bf16():
     got = fp16_against_bf16(rows)[0]
     assert got["ok"] is False and "85.0%" in got["detail"]
     assert fp16_against_bf16(rows[:1]) == [], "nothing to compare without both"
+
+
+@pytest.mark.parametrize("bad", ["bf8", "bf16,tf32", ""])
+def test_precisions_are_checked_by_name(bad):
+    """--precisions names only bf16, fp16, fp32: anything else is refused (exit 2) before any
+    GPU is looked at, naming the flag."""
+    from motley_torch.tools.gpu_check import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--precisions", bad])
+    assert e.value.code == 2

@@ -11,12 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from motley_torch.models.head_loss import chunk_tokens, linear_cross_entropy
+from motley_torch.models import head_loss
+from motley_torch.models.head_loss import chunk_tokens, group_tokens, linear_cross_entropy
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # fp32: the same sums in another order. Half: the logit gradient is rounded to the half type
-# before the matmuls on both sides, but the weight gradient is summed over chunks in fp32 here
-# and in the half type by the unfused matmul: a few half-type ulps of the largest value.
+# before the matmuls on both sides, but the weight gradient is summed over groups of chunks in
+# fp32 here and in one half-type matmul by the unfused head: a few half-type ulps of the largest
+# value.
 TOL = {None: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
@@ -73,6 +75,34 @@ def test_other_backward_scales_and_no_grad():
         linear_cross_entropy(h, w, t, grad_scale=0.0)
 
 
+@pytest.mark.parametrize("chunks_per_group", [1, 2, 3, None])
+def test_weight_gradient_groups(monkeypatch, chunks_per_group):
+    """Groups of one chunk, of two (the last one short: 5 chunks), of three, and one group of all:
+    the same gradients as the unfused head (fp32), and a second backward is refused by name."""
+    torch.manual_seed(2)
+    h = torch.randn(2, 25, 16, requires_grad=True)
+    w = torch.randn(300, 16, requires_grad=True)
+    t = torch.randint(0, 300, (2, 25))
+    unfused(h, w, t, None, "cpu").backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    if chunks_per_group is not None:
+        monkeypatch.setattr(head_loss, "GROUP_BYTES", chunks_per_group * 10 * 300 * 4)
+        assert group_tokens(50, 300, 10, 4) == min(50, 10 * chunks_per_group)
+    loss = linear_cross_entropy(h, w, t, chunk=10)
+    loss.backward(retain_graph=True)
+    assert (h.grad - gh).abs().max().item() <= 1e-5 * gh.abs().max().item()
+    assert (w.grad - gw).abs().max().item() <= 1e-5 * gw.abs().max().item()
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
+def test_groups_hold_at_most_the_budget():
+    assert group_tokens(8192, 128256, 1046, 2) == 4184  # 1 GiB of bf16 logit gradients: 4 chunks
+    assert group_tokens(16384, 32000, 4194, 2) == 16384  # never more than the tokens
+    assert group_tokens(8192, 128256, 1046, 2, budget=1) == 1046  # never less than a chunk
+
+
 def test_chunks_hold_at_most_the_budget():
     assert chunk_tokens(16384, 128256) == 1046  # 512 MiB of fp32 logits
     assert chunk_tokens(100, 32000) == 100  # never more than the tokens
@@ -84,10 +114,12 @@ def test_the_planner_prices_the_same_chunks():
     import os
     import re
 
-    from motley_torch.models.head_loss import CHUNK_BYTES
+    from motley_torch.models.head_loss import CHUNK_BYTES, GROUP_BYTES
 
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "solver", "src", "cost", "activations.rs")) as f:
         src = f.read()
     m = re.search(r"pub const HEAD_CHUNK_BYTES: f64 = ([0-9.]+) \* 1024\.0 \* 1024\.0;", src)
     assert m, "HEAD_CHUNK_BYTES not found in activations.rs"
     assert float(m.group(1)) * 2**20 == CHUNK_BYTES
+    m = re.search(r"pub const HEAD_GROUP_BYTES: f64 = 1024\.0 \* 1024\.0 \* 1024\.0;", src)
+    assert m and GROUP_BYTES == 2**30, "HEAD_GROUP_BYTES (activations.rs) and GROUP_BYTES differ"

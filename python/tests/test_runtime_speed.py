@@ -101,3 +101,40 @@ def test_mfu_is_reported_when_every_peak_is_known(tmp_path):
     line = [d for d in map(json.loads, r.stdout.splitlines()) if "loss" in d][0]
     assert line["mfu"] == pytest.approx(line["tokens_per_s"] * train_flops_per_token(ModelSpec.from_dict(SPEC), 16)
                                         / 2e12, rel=1e-3, abs=1e-5)
+
+
+def test_torch_profile_writes_the_kernels_of_two_steps(tmp_path):
+    """--torch-profile DIR: each rank writes its operator table and Chrome trace of steps 3 and 4
+    (past compilation and warm-up); the run's losses are the unprofiled run's."""
+    plan = hand_plan(SPEC, 4, 1, [dict(micro_batches=2, stages=[dict(layers=[0, SPEC["layers"]], tp=1, dp=1,
+                                                                     gpus=[(n, 0)])]) for n in ("a", "b")])
+    args = ["--steps", "5", "--seed", "1"]
+    prof = tmp_path / "prof"
+    got = launch(plan, [*args, "--torch-profile", str(prof)], tmp_path / "profiled")
+    check_ok(got)
+    plain = launch(plan, args, tmp_path / "plain")
+    check_ok(plain)
+    assert losses(got[0].stdout) == losses(plain[0].stdout)
+    for rank in (0, 1):
+        table = (prof / f"kernels.rank{rank}.txt").read_text()
+        assert table.startswith("# steps 3..4, sorted by self_cpu_time_total"), table[:200]
+        assert "aten::mm" in table or "aten::addmm" in table, table[:2000]
+        assert (prof / f"trace.rank{rank}.json.gz").stat().st_size > 0
+
+
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_ranks_micro_batches_reach_its_device_whole(dev):
+    """device_micro_batches: the rank's rows of the step's tokens on its device (on a GPU one
+    pinned copy, the micro-batches views of it), equal to rank_micro_batches'."""
+    from motley_torch.components.data import device_micro_batches, rank_micro_batches
+    from motley_torch.plan import Plan
+
+    plan = Plan(hand_plan(SPEC, 8, 2, [dict(micro_batches=2, stages=[dict(layers=[0, SPEC["layers"]], tp=1, dp=1,
+                                                                          gpus=[(n, 0)])]) for n in ("a", "b")]))
+    tokens = torch.randint(0, 100, (8, 17))
+    for rank in (0, 1):
+        want = rank_micro_batches(plan, rank, tokens)
+        got = device_micro_batches(plan, rank, tokens, torch.device(dev))
+        assert len(got) == len(want) == 2
+        for (x, y), (wx, wy) in zip(got, want):
+            assert x.device.type == dev and torch.equal(x.cpu(), wx) and torch.equal(y.cpu(), wy)

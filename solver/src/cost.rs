@@ -24,6 +24,9 @@ pub struct PlanOptions {
     pub efficiency: f64,
     /// Full activation recomputation.
     pub recompute: bool,
+    /// Price the eager runtime's saved activations (`--compile off`, CPU runs) instead of
+    /// compiled blocks' (`--compile auto` on a GPU): activations.rs.
+    pub eager: bool,
     /// Shard optimizer states over a stage's data-parallel GPUs (ZeRO-1).
     pub zero1: bool,
     /// Memory kept free on every GPU for the CUDA context, NCCL buffers and fragmentation.
@@ -49,6 +52,7 @@ impl Default for PlanOptions {
             micro_batch: None,
             efficiency: 0.5,
             recompute: false,
+            eager: false,
             zero1: false,
             reserve_gib: 1.5,
             max_stages: 0,
@@ -280,7 +284,7 @@ impl<'a> CostModel<'a> {
             None if self.opts.recompute => 2.0 * s * m * h,
             // What the runtime saves per token (activations.rs, counted on it); the half
             // copies of the weights are one per step, in the state bytes.
-            None => s * m * activations::layer_token_bytes(self.model, precision, zero1, s).per_gpu(t),
+            None => s * m * activations::layer_token_bytes(self.model, precision, zero1, s, !self.opts.eager).per_gpu(t),
         };
         // Measured extras where the profile has them (forward plus backward).
         let measured = |f: Option<f64>, b: Option<f64>| Some((f? + b?) / 1e3);

@@ -85,6 +85,9 @@ pub struct PlanReport {
     /// Whether the plan was priced with full activation recomputation (`--recompute`): the
     /// ranks recompute as it assumes.
     pub recompute: bool,
+    /// Whether the activations were priced as compiled blocks save them (the runtime's
+    /// `--compile auto` on a GPU), or as eager ones (`--eager`).
+    pub compiled: bool,
     /// Whether the plan was priced with optimizer state sharded over each segment's
     /// data-parallel ring (`--zero1`): the ranks shard it as it assumes.
     pub zero1: bool,
@@ -329,6 +332,7 @@ fn report_placed(
         seq_len: cm.model.seq_len,
         precision: cm.opts.precision,
         recompute: cm.opts.recompute,
+        compiled: !cm.opts.eager,
         zero1: cm.opts.zero1,
         iteration_time_s: eval.iteration_time,
         tokens_per_s: b * cm.model.seq_len as f64 / eval.iteration_time,

@@ -62,6 +62,19 @@ def rank_micro_batches(plan: Plan, rank: int, tokens: torch.Tensor) -> List[Tupl
     return [(tokens[a:b, :-1], tokens[a:b, 1:]) for a, b in plan.rank_samples(rank)]
 
 
+def device_micro_batches(plan: Plan, rank: int, tokens: torch.Tensor,
+                         device: torch.device) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """`rank_micro_batches` on `device`: on a GPU the rank's rows go over in one copy from
+    pinned memory that does not make the host wait (a pageable copy does: the GPU then idles
+    while the next step's first kernels are launched); views of it are the micro-batches."""
+    spans = plan.rank_samples(rank)
+    if device.type != "cuda" or not spans:
+        return rank_micro_batches(plan, rank, tokens)
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    rows = tokens[lo:hi].contiguous().pin_memory().to(device, non_blocking=True)
+    return [(rows[a - lo:b - lo, :-1], rows[a - lo:b - lo, 1:]) for a, b in spans]
+
+
 # ---------------------------------------------------------------------------------------------
 # Tokenized datasets: the training order, prefetched global batches, the evaluation samples
 # ---------------------------------------------------------------------------------------------

@@ -74,7 +74,19 @@ class LossScaler:
         params = [p for p in params if p.grad is not None]
         if not self.enabled:
             return False
-        local = any(not bool(torch.isfinite(p.grad).all()) for p in params)
+        # One fused check-and-unscale per (device, type) of gradients and one host read for the
+        # step, as torch.amp.GradScaler does, not a host sync per parameter. Unscaled before the
+        # verdict: on an overflow the gradients are dropped anyway.
+        groups = {}
+        for p in params:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        found = None
+        for (device, _), grads in groups.items():
+            f = torch.zeros(1, dtype=torch.float32, device=device)
+            inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, f, inv)
+            found = f if found is None else found + f.to(found.device)
+        local = found is not None and bool(found.item() > 0)
         overflow = agree(local) if agree is not None else local
         if overflow:
             for p in params:
@@ -82,9 +94,6 @@ class LossScaler:
             self.scale /= 2.0
             self.clean = 0
             return True
-        inv = 1.0 / self.scale
-        for p in params:
-            p.grad.mul_(inv)
         self.clean += 1
         if self.clean % self.window == 0:
             self.scale *= 2.0

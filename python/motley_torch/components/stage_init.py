@@ -40,6 +40,11 @@ def make_optimizer(params, args):
 COMPILE_CHOICES = ("auto", "on", "off")
 
 
+def compiles(choice: str, device) -> bool:
+    """--compile's rule: `on`, or `auto` on a CUDA device."""
+    return choice == "on" or (choice == "auto" and device.type == "cuda")
+
+
 def compile_stage(model: GPTStage, args, device) -> bool:
     """--compile: `auto` compiles on CUDA (where launch and elementwise costs decide the step)
     and not on the CPU (where compiling costs more than a short run gains). --cuda-graphs also
@@ -47,7 +52,7 @@ def compile_stage(model: GPTStage, args, device) -> bool:
     choice = getattr(args, "compile", "auto") or "auto"
     if choice not in COMPILE_CHOICES:
         raise PlanError(f"--compile: {choice!r}; use one of {', '.join(COMPILE_CHOICES)}")
-    on = choice == "on" or (choice == "auto" and device.type == "cuda")
+    on = compiles(choice, device)
     graphs = bool(getattr(args, "cuda_graphs", False))
     if graphs and not (on and device.type == "cuda"):
         raise PlanError("--cuda-graphs: captures compiled blocks on a CUDA device; use it with --compile on|auto "

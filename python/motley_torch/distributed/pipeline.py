@@ -114,7 +114,8 @@ class Pipeline:
     def step(self, micro: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: float) -> float:
         """Forward and backward every micro-batch (inputs, targets of this rank's rows; only
         the first stage reads inputs, only the last targets). Returns the sum of this rank's
-        scaled losses (0 unless last stage).
+        scaled losses, on the device, unread (0.0 unless last stage): the caller decides when
+        the host waits for it.
 
         The whole step runs inside one disabled autocast context: autocast keeps its casts of
         the weights until the outermost context exits, so every micro-batch's forward reuses
@@ -185,7 +186,7 @@ class Pipeline:
                         self._send(x_in.grad[a - off : b - off], src, v.pp_prev_group)
             if tm is not None:
                 tm.record(what, k, t0, t1, t2, clock())
-        return float(total) if total is not None else 0.0
+        return total if total is not None else 0.0
 
     def evaluate(self, micro: List[Tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward only, every micro-batch in order (no 1F1B: nothing waits on a backward):

@@ -245,10 +245,17 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="the trainer's --compile for the training checks (auto: compiled blocks on CUDA)")
+    p.add_argument("--precisions", metavar="LIST",
+                   help="the training checks' precisions, comma-separated (default: bf16 where the GPU has it, fp16, "
+                        "fp32)")
     p.add_argument("--plan", action="append", default=[], metavar="FILE",
                    help="also run this plan (motley plan -o json, for this machine's GPUs) and check every rank's "
                         "peak memory against the plan's memory_gib_per_gpu (within 10%%); repeatable")
     a = p.parse_args(argv)
+    if a.precisions is not None:
+        bad = [x for x in a.precisions.split(",") if x not in ("bf16", "fp16", "fp32")]
+        if bad or not a.precisions:
+            p.error(f"--precisions: {a.precisions!r}; use a comma-separated list of bf16, fp16, fp32")
     import torch
 
     if not torch.cuda.is_available():
@@ -260,15 +267,26 @@ def main(argv=None) -> int:
         model_file = os.path.join(d, "model.json")
         with open(model_file, "w") as f:
             json.dump(dict(MODEL, seq_len=a.seq_len), f)
-        precisions = (["bf16"] if torch.cuda.is_bf16_supported() else []) + ["fp16", "fp32"]
-        rows = [check_training(model_file, pr, a.steps, a.seq_len, name, compile_=a.compile) for pr in precisions]
-        rows += fp16_against_bf16(rows)
-        rows.append(check_nccl())
-        rows.append(check_profile(model_file, a.seq_len))
+        precisions = [x for x in (["bf16"] if torch.cuda.is_bf16_supported() else []) + ["fp16", "fp32"]
+                      if a.precisions is None or x in a.precisions.split(",")]
+        rows: List[dict] = []
+
+        def done(new: List[dict]):
+            # Each check's rows on stderr as it finishes: a run cut short by a time limit still
+            # says what it measured.
+            for r in new:
+                print("gpu-check row " + json.dumps(r), file=sys.stderr, flush=True)
+            rows.extend(new)
+
+        for pr in precisions:
+            done([check_training(model_file, pr, a.steps, a.seq_len, name, compile_=a.compile)])
+        done(fp16_against_bf16(rows))
+        done([check_nccl()])
+        done([check_profile(model_file, a.seq_len)])
         if torch.cuda.device_count() >= 2:
-            rows += check_multi_gpu(model_file, precisions[0], a.seq_len)
+            done(check_multi_gpu(model_file, precisions[0], a.seq_len))
         for plan_file in a.plan:
-            rows += check_memory(plan_file, a.seq_len)
+            done(check_memory(plan_file, a.seq_len))
     doc = {"cuda": True, "device": name, "gpus": torch.cuda.device_count(), "torch": torch.__version__, "checks": rows}
     print(json.dumps(doc) if a.output == "json" else f"{name} x {doc['gpus']}, torch {torch.__version__}\n" + render(rows))
     return 0 if all(r["ok"] for r in rows) else 1

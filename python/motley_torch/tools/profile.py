@@ -189,9 +189,11 @@ class Ctx:
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.timer = Timer(self.device)
-        # The trainer's --compile rule (stage_init.compile_stage), so a profile times what runs.
+        # The trainer's --compile rule, so a profile times what runs.
+        from ..components.stage_init import compiles
+
         choice = getattr(args, "compile", "off")
-        self.compiled = choice == "on" or (choice == "auto" and self.device.type == "cuda")
+        self.compiled = compiles(choice, self.device)
         self.gen = torch.Generator(device="cpu").manual_seed(1234)
 
     def randn(self, *shape, requires_grad=False):

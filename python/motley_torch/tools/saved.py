@@ -26,11 +26,14 @@ def saved_bytes(module: torch.nn.Module, forward: Callable[[], object]) -> int:
     return sum(seen.values())
 
 
-def layer_token_bytes(spec, precision: str, half_weights: bool, seq: int = 256) -> dict:
+def layer_token_bytes(spec, precision: str, half_weights: bool, seq: int = 256, compiled: bool = False) -> dict:
     """One layer of `spec` as the trainer runs it (`precision` under autocast; the weights in
-    the half type when `half_weights`, as ZeRO-1 keeps them): bytes saved per token, per layer
-    parameter (the weights' half copies autocast keeps, whatever the tokens),
-    and (gpt, whose attention keeps its probabilities) per token and key."""
+    the half type when `half_weights`, as ZeRO-1 keeps them; compiled with torch.compile when
+    `compiled`, as `--compile on` does): bytes saved per token, per layer parameter (the
+    weights' half copies autocast keeps, whatever the tokens), and (gpt, whose attention keeps
+    its probabilities) per token and key. Compiled, the layer's input requires a gradient, as
+    every layer's does in a run; the eager counts the cost model was first held to leave it
+    without (the first norm's saved input then goes uncounted)."""
     from ..models.transformer import Block
     from ..components.precision import autocast
 
@@ -41,9 +44,14 @@ def layer_token_bytes(spec, precision: str, half_weights: bool, seq: int = 256) 
         block.to(half)
     amp = autocast(precision, torch.device("cpu"))
     stream = half if half_weights else torch.float32
+    if compiled:
+        block.compile()
 
     def count(s):
-        x = torch.randn(1, s, spec.hidden, dtype=stream)
+        x = torch.randn(1, s, spec.hidden, dtype=stream, requires_grad=compiled)
+        if compiled:
+            with amp():  # compiled for this length outside the count
+                block(x)
 
         def fwd():
             with amp():

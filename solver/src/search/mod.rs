@@ -221,7 +221,7 @@ pub fn does_not_fit_message(cm: &CostModel) -> String {
         );
     }
     // Without recomputation, one sequence through every layer and the head.
-    let per_token = activations::layer_token_bytes(cm.model, precision, zero1, s).per_gpu(1.0);
+    let per_token = activations::layer_token_bytes(cm.model, precision, zero1, s, !cm.opts.eager).per_gpu(1.0);
     let all = (s * per_token * cm.model.layers() as f64) / gib + head;
     if all > state {
         return format!(
