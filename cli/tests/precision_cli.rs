@@ -149,3 +149,14 @@ fn the_plan_says_whether_it_was_priced_with_recomputation() {
     assert_eq!(plan(&a100, &[])["recompute"], false);
     assert_eq!(plan(&a100, &["--recompute"])["recompute"], true, "the ranks recompute as the plan assumes");
 }
+
+#[test]
+fn the_plan_says_whether_it_was_priced_for_compiled_blocks() {
+    let a100 = write_temp("a100compiled.yaml", A100);
+    let compiled = plan(&a100, &[]);
+    let eager = plan(&a100, &["--eager"]);
+    assert_eq!(compiled["compiled"], true, "the runtime compiles its blocks on a GPU by default");
+    assert_eq!(eager["compiled"], false, "--eager: ranks that run --compile off");
+    let mem = |v: &serde_json::Value| v["replicas"][0]["stages"][0]["memory_gib_per_gpu"].as_f64().unwrap();
+    assert!(mem(&eager) > mem(&compiled), "eager blocks save more: {} <= {}", mem(&eager), mem(&compiled));
+}

@@ -138,3 +138,14 @@ def test_a_ranks_micro_batches_reach_its_device_whole(dev):
         assert len(got) == len(want) == 2
         for (x, y), (wx, wy) in zip(got, want):
             assert x.device.type == dev and torch.equal(x.cpu(), wx) and torch.equal(y.cpu(), wy)
+
+
+def test_the_plan_says_whether_it_was_priced_for_compiled_blocks():
+    """`compiled` (motley plan's default true, --eager false) is read from the plan; documents
+    from before it was added were priced eager."""
+    from motley_torch.plan import Plan
+
+    doc = hand_plan(SPEC, 4, 2, [dict(micro_batches=2, stages=[dict(layers=[0, SPEC["layers"]], tp=1, dp=1,
+                                                                    gpus=[("a", 0)])])])
+    assert Plan(doc).compiled is False
+    assert Plan(dict(doc, compiled=True)).compiled is True
