@@ -3,7 +3,10 @@
 # ./gpu-out): the environment, the CUDA tests, bench/gpu/mfu.py (Motley beside the baseline) and
 # python/gpu-check. Each part has its own time limit so a slow one cannot eat the others' (60 +
 # 300 + 240 s at most: one device call of 600 s; gpu-check compiles its blocks once per precision).
-#   bench/gpu/session.sh [OUT]      (MFU_VARIANTS, MFU_MODELS, GPU_CHECK_STEPS override)
+#   bench/gpu/session.sh [OUT]      (MFU_VARIANTS, MFU_MODELS, GPU_CHECK_STEPS, GPU_CHECK_PRECISIONS override)
+# GPU_PLANS=DIR: gpu-check also runs every plan DIR holds against its memory_gib_per_gpu (make
+# them here with bench/gpu/plans.sh DIR: the GPU machine has no motley binary). gpu-check prints
+# a `gpu-check row` line per check to gpu-check.err as it finishes, so a bound cuts no result.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -23,5 +26,12 @@ echo "tests rc=$?" >> "$out/tests.txt"
 timeout "${MFU_TIMEOUT:-300}" python3 bench/gpu/mfu.py -o json --models "${MFU_MODELS:-gpu-check,llama-1b}" \
   --variants "${MFU_VARIANTS:-motley,baseline,motley-eager}" > "$out/mfu.json" 2> "$out/mfu.err"
 echo "mfu rc=$?" >> "$out/mfu.err"
-timeout "${GPU_CHECK_TIMEOUT:-240}" python/gpu-check -o json --steps "${GPU_CHECK_STEPS:-12}" > "$out/gpu-check.json" 2> "$out/gpu-check.err"
+plans=()
+if [ -n "${GPU_PLANS:-}" ]; then
+  for f in "$GPU_PLANS"/*.json; do
+    [ "$(basename "$f")" = gpu-check-llama.json ] || plans+=(--plan "$f")  # plans.sh's model file
+  done
+fi
+timeout "${GPU_CHECK_TIMEOUT:-240}" python/gpu-check -o json --steps "${GPU_CHECK_STEPS:-8}" \
+  --precisions "${GPU_CHECK_PRECISIONS:-bf16,fp16}" "${plans[@]}" > "$out/gpu-check.json" 2> "$out/gpu-check.err"
 echo "gpu-check rc=$?" >> "$out/gpu-check.err"
