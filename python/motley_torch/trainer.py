@@ -189,10 +189,8 @@ class Trainer:
                  self.flops_per_token, self.peak_tflops)
 
     def _global_sum(self, value: float) -> float:
-        view = self.view
-        t = torch.tensor([value if self.reports_loss else 0.0],
-                         dtype=torch.float64 if view.backend == "gloo" else torch.float32, device=view.device)
-        dist.all_reduce(t)
+        t, work = self._start_loss_sum(value)
+        work.wait()
         return float(t.item())
 
     def evaluate(self, at: int):

@@ -15,8 +15,8 @@ The weight gradient is not accumulated chunk by chunk: the chunks' logit gradien
 compute type) are kept for a group of at most `GROUP_BYTES`, and the group's weight gradient is
 one matmul over all of its tokens, added once to the fp32 accumulator. Added per chunk, the
 `vocab x hidden` fp32 accumulator would be read and written once per chunk (for a 128k
-vocabulary at 8,192 tokens, eight chunks and about 40 GB of memory traffic, 8% of a 1B model's
-step on an H100); one group is also the unfused head's own arithmetic (one matmul over the
+vocabulary at 8,192 tokens, eight chunks and about 40 GB of memory traffic a step; measured
+on an H100 in BENCHMARKS.md); one group is also the unfused head's own arithmetic (one matmul over the
 micro-batch's tokens, rounded to the compute type once).
 
 Targets of `ignore_index` (-100, padding) count for nothing, as in `F.cross_entropy`.
