@@ -2,7 +2,7 @@
 """Networks that change, through the real system (docs/network.md, "Tests and the benchmark").
 
 Four nodes in network namespaces on two islands joined by one veth link, every link shaped with
-tbf to 50 Mbit/s and declared so (python/tests/netns.py, netcluster.py: the setting the tests
+htb to 50 Mbit/s and declared so (python/tests/netns.py, netcluster.py: the setting the tests
 use); a real coordinator and one real motley-agent per node, each agent and its ranks in its
 node's namespace, the reference trainer on every rank (CPU, gloo). One job, run three ways one
 after the other on fresh namespaces:

@@ -7,9 +7,13 @@ GLOO_SOCKET_IFNAME and one inventory NIC name serve every node). All addresses a
 the root namespace holds .1 on island A's bridge (the coordinator listens there; island B's
 nodes reach it across the inter-island link, as a remote site reaches its control plane).
 
-Links are shaped with `tbf` (this kernel has htb and tbf, not netem): the inter-island link on
+Links are shaped with `htb` (this kernel has htb and tbf, not netem): the inter-island link on
 both of its ends (A->B on A's end, B->A on B's), a node's link on both of its ends. `shape_link`
-changes the inter-island rate while a job runs (`tc qdisc replace`).
+and `shape_node` change a rate while a job runs (`tc class replace`). The control plane, every
+packet to or from the coordinator's address, rides a class of its own that the shaping leaves
+alone, as it rides a cluster's management network: a data link slowed to a few Mbit/s and
+filled by the ranks' traffic slows the data, and never starves the agents' heartbeats (which a
+750 ms lease would take for a lost node; the tests are about link rates, not lost nodes).
 
 Every name starts with `mt<pid>` (interfaces are at most 15 characters), so parallel runs never
 clash, and `sweep_stale` removes what a run that was killed left behind (its pid is gone).
@@ -154,17 +158,33 @@ def _subnet() -> int:
     raise RuntimeError("no free 10.213.N.0/24 subnet")
 
 
-def _tbf(dev: str, mbit: float, ns: Optional[str] = None):
-    """`dev`'s egress held to `mbit` Mbit/s (tbf; its queue holds 100 ms). The bucket is small,
-    1 ms of the rate and 4 KiB at least: a burst at line rate is what a short probe would read
-    as a faster link (three buckets lie on a path between two nodes of different islands)."""
+def _shaped(dev: str, ns: Optional[str]) -> bool:
+    """Whether `dev` already has this module's htb tree (a root htb with handle 1:)."""
+    return "htb 1: root" in _run("tc", "qdisc", "show", "dev", dev, check=False, ns=ns).stdout
+
+
+def _shape(dev: str, mbit: float, control_ip: str, ns: Optional[str] = None):
+    """`dev`'s egress held to `mbit` Mbit/s, but for the control plane (packets to or from
+    `control_ip`), which passes in a class of its own at up to 1 Gbit/s. The data class's queue
+    holds 100 ms of its rate; its bucket is small, 1 ms of the rate and 4 KiB at least: a burst
+    at line rate is what a short probe would read as a faster link (three buckets lie on a path
+    between two nodes of different islands)."""
     rate_bytes = mbit * 1e6 / 8
     burst = max(4 * 1024, int(rate_bytes * 0.001))
-    _run("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
-         "latency", "100ms", ns=ns)
+    if not _shaped(dev, ns):
+        _run("tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "2", ns=ns)
+        _run("tc", "class", "replace", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", "1gbit",
+             "quantum", "60000", ns=ns)
+        for way in ("src", "dst"):
+            _run("tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                 "match", "ip", way, f"{control_ip}/32", "flowid", "1:1", ns=ns)
+    _run("tc", "class", "replace", "dev", dev, "parent", "1:", "classid", "1:2", "htb", "rate", f"{mbit}mbit",
+         "ceil", f"{mbit}mbit", "burst", str(burst), "cburst", str(burst), "quantum", "1514", ns=ns)
+    _run("tc", "qdisc", "replace", "dev", dev, "parent", "1:2", "handle", "20:", "bfifo", "limit",
+         str(int(rate_bytes * 0.1) + burst), ns=ns)
 
 
-def _untbf(dev: str, ns: Optional[str] = None):
+def _unshape(dev: str, ns: Optional[str] = None):
     _run("tc", "qdisc", "del", "dev", dev, "root", check=False, ns=ns)
 
 
@@ -249,19 +269,19 @@ class Net:
         """The inter-island link's rate, both ways (None: unshaped)."""
         for dev in (self.xa, self.xb):
             if mbit:
-                _tbf(dev, mbit)
+                _shape(dev, mbit, self.gateway)
             else:
-                _untbf(dev)
+                _unshape(dev)
         self.link_mbit = mbit
 
     def shape_node(self, node: str, mbit: Optional[float]):
         """`node`'s link's rate, both ways (None: unshaped)."""
         if mbit:
-            _tbf(self.host_if[node], mbit)
-            _tbf("eth0", mbit, ns=self.ns[node])
+            _shape(self.host_if[node], mbit, self.gateway)
+            _shape("eth0", mbit, self.gateway, ns=self.ns[node])
         else:
-            _untbf(self.host_if[node])
-            _untbf("eth0", ns=self.ns[node])
+            _unshape(self.host_if[node])
+            _unshape("eth0", ns=self.ns[node])
 
     def shape_nodes(self, mbit: Optional[float]):
         """Every node link's rate, both ways (None: unshaped)."""

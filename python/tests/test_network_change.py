@@ -1,6 +1,6 @@
 """Networks that change (docs/network.md), through the real system on real links: the nodes are
 network namespaces on two bridged islands joined by one veth pair, the inter-island link,
-shaped with tbf (netns.py); a real coordinator and one real motley-agent per node, each agent
+shaped with htb (netns.py); a real coordinator and one real motley-agent per node, each agent
 and its ranks inside its node's namespace, the reference trainer on every rank (CPU, gloo over
 the namespace's eth0) (netcluster.py, which also holds the setting: where the planner's plan
 depends on the inter-island link). The scenarios: a 10x drop that pays for a switch, a drop
@@ -45,7 +45,7 @@ def islands(request):
 
 
 def within(measured: float, mbit: float, rel: float = 0.2) -> bool:
-    """`measured` MB/s is `mbit` Mbit/s within `rel` (tbf gives a little under its rate)."""
+    """`measured` MB/s is `mbit` Mbit/s within `rel` (the shaper gives a little under its rate)."""
     return abs(measured - mbit / 8) <= rel * mbit / 8
 
 
