@@ -11,12 +11,14 @@
 
 Whole-process CPU time (user + sys of the child, from getrusage) is the median of REPEAT runs
 (default 3; the oracles and the exact allocation search run once). Prints Markdown for
-BENCHMARKS.md. Run after `cargo build --release`.
+BENCHMARKS.md. Run after `cargo build --release -p motley -p motley-baselines`.
 """
 import json, os, resource, statistics, subprocess, sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 BIN = os.environ.get("BIN", os.path.join(ROOT, "target/release/motley"))
+# Espresso's own files are read by the research tools' binary (baselines/).
+BASELINES = os.environ.get("BASELINES", os.path.join(ROOT, "target/release/motley-baselines"))
 E = "examples/espresso"
 GPUS = f"{E}/gpu/espresso_gpu_config.json"
 REPEAT = int(os.environ.get("REPEAT", "3"))
@@ -32,12 +34,13 @@ def run(args, repeat=REPEAT, may_fail=False):
     cpu, out = [], None
     for _ in range(repeat):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        p = subprocess.run([BIN] + args + ["-o", "json"], cwd=ROOT, capture_output=True, text=True)
+        exe = BASELINES if args[0] == "espresso" else BIN
+        p = subprocess.run([exe] + args + ["-o", "json"], cwd=ROOT, capture_output=True, text=True)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if p.returncode != 0:
             if may_fail:
                 return p.stderr.strip(), None
-            sys.exit(f"motley {' '.join(args)} failed: {p.stderr}")
+            sys.exit(f"{os.path.basename(exe)} {' '.join(args)} failed: {p.stderr}")
         cpu.append((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
         out = json.loads(p.stdout)
     return out, statistics.median(cpu)

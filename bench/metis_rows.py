@@ -14,7 +14,8 @@ getrusage; the wrapper adds well under a millisecond) is the median of REPEAT ru
 import json, os, resource, statistics, subprocess, sys, time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-BIN = os.environ.get("BIN", os.path.join(ROOT, "target/release/motley"))
+# Metis's inputs are read by the research tools' binary (baselines/), not the operator's `motley`.
+BIN = os.environ.get("BIN", os.path.join(ROOT, "target/release/motley-baselines"))
 M = "examples/metis"
 REPEAT = int(os.environ.get("REPEAT", "5"))
 
@@ -26,7 +27,7 @@ def run(args):
         p = subprocess.run(["/usr/bin/time", "-f", "RSS %M", BIN] + args + ["-o", "json"], cwd=ROOT, capture_output=True, text=True)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if p.returncode != 0:
-            sys.exit(f"motley {' '.join(args)} failed: {p.stderr}")
+            sys.exit(f"motley-baselines {' '.join(args)} failed: {p.stderr}")
         cpu.append((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
         rss = max(rss, int(p.stderr.strip().splitlines()[-1].split()[1]))
         out = json.loads(p.stdout)

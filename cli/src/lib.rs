@@ -4,11 +4,7 @@
 pub mod ckpt;
 pub mod client;
 pub mod dev;
-pub mod espresso;
 pub mod inputs;
-pub mod metis;
-pub mod metis_inputs;
-pub mod metis_motley;
 pub mod model;
 pub mod net;
 pub mod plan;

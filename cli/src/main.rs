@@ -1,5 +1,6 @@
-//! `motley`, the operator's CLI: `motley plan`, `motley replan`, `motley provision`, `motley metis` and
-//! `motley espresso`, which work offline, and `motley node|job|ckpt|net|profile|dev`, which talk to a coordinator.
+//! `motley`, the operator's CLI: `motley plan`, `motley replan`, `motley provision` and `motley
+//! restore-plan`, which work offline, and `motley node|job|ckpt|net|profile|model|dev`, which talk
+//! to a coordinator. The research tools (Metis's and Espresso's planners) are `motley-baselines`.
 
 use std::process::ExitCode;
 
@@ -19,10 +20,6 @@ enum Command {
     Plan(motley::plan::PlanArgs),
     /// Price the running plan on newly measured bandwidth, plan afresh, and say whether to switch.
     Replan(motley::plan::ReplanArgs),
-    /// Metis's profiles, hostfile and clusterfile: price plans as Metis does, search its space.
-    Metis(motley::metis::MetisArgs),
-    /// Espresso's job, model and GPU files: price plans as Espresso does, search its space exactly.
-    Espresso(motley::espresso::EspressoArgs),
     /// Which GPUs to rent, and how many, to meet an iteration-time SLO for the least money.
     Provision(motley::provision::ProvisionArgs),
     /// Plan the restore of a checkpoint step onto a new plan: transfers and their lower bound (offline).
@@ -66,16 +63,6 @@ fn main() -> ExitCode {
         Command::Profile(c) => {
             motley::profile::run(c).map(|(text, ok)| Outcome { text, code: if ok { exit::SUCCESS } else { exit::JOB_FAILED } })
         }
-        Command::Espresso(e) => match e.command {
-            motley::espresso::EspressoCommand::Eval(a) => motley::espresso::run_eval(a),
-            motley::espresso::EspressoCommand::Search(a) => motley::espresso::run_search(a),
-        }
-        .map(Outcome::from),
-        Command::Metis(m) => match m.command {
-            motley::metis::MetisCommand::Eval(a) => motley::metis::run_eval(a),
-            motley::metis::MetisCommand::Search(a) => motley::metis::run_search(a),
-        }
-        .map(Outcome::from),
     };
     match result {
         Ok(Outcome { text, code }) => {

@@ -13,12 +13,12 @@ use serde::Serialize;
 
 use super::cost::{binary_pieces, Layout, MetisModel};
 use super::plan::MetisPlan;
-use crate::cost::{CostModel, PlanOptions, StageKind};
-use crate::error::{Result, SolverError};
-use crate::hardware::{gpu_catalog, Cluster, ClusterSpec, NicKind, NicSpec, NodeSpec};
-use crate::model::{Model, ModelSpec};
-use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
-use crate::profile::{LayerProfile, ProfileSet};
+use crate::error::{BaselineError, Result};
+use motley_solver::cost::{CostModel, PlanOptions, StageKind};
+use motley_solver::hardware::{gpu_catalog, Cluster, ClusterSpec, NicKind, NicSpec, NodeSpec};
+use motley_solver::model::{Model, ModelSpec};
+use motley_solver::plan::{PlanStructure, ReplicaPlan, StagePlan};
+use motley_solver::profile::{LayerProfile, ProfileSet};
 
 /// Motley's cluster, model and profiles for a set of Metis inputs.
 pub struct MotleyView {
@@ -38,7 +38,7 @@ fn catalog_name(ty: &str, memory_gb: f64) -> Result<String> {
         .iter()
         .min_by(|a, b| (a.memory_gib - memory_gb).abs().total_cmp(&(b.memory_gib - memory_gb).abs()))
         .map(|g| g.name.clone())
-        .ok_or_else(|| SolverError::invalid(format!("clusterfile (type {ty})"), "no Motley catalog GPU of this type to price it with"))
+        .ok_or_else(|| BaselineError::invalid(format!("clusterfile (type {ty})"), "no Motley catalog GPU of this type to price it with"))
 }
 
 pub fn motley_view(m: &MetisModel) -> Result<MotleyView> {
@@ -176,13 +176,13 @@ impl MotleyView {
             let (kind, mixed) = self.kind_of(m, &layout, r, g, dp);
             let (lo, hi) = (a.max(1) - 1, b.min(last_block) - 1);
             if hi <= lo {
-                return Err(SolverError::invalid(
+                return Err(BaselineError::invalid(
                     format!("plan.layer_partition[{i}..{}]", i + 1),
                     "this stage holds no transformer block (only the embedding or the head); Motley's model gives every stage at least one",
                 ));
             }
             if !micro_batch.is_multiple_of(dp) {
-                return Err(SolverError::invalid(
+                return Err(BaselineError::invalid(
                     format!("plan.strategies[{i}]"),
                     format!(
                         "dp {dp} does not divide the {micro_batch} samples of a micro-batch: Metis drops the remainder, Motley does not"

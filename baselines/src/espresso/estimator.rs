@@ -330,7 +330,7 @@ pub struct Estimator {
 impl Estimator {
     pub fn new(job: Job, mc: &ModelConfig, gpus: Vec<EstimatorGpu>) -> crate::Result<Estimator> {
         if job.seq_len > mc.max_seq_len {
-            return Err(crate::SolverError::invalid(
+            return Err(crate::BaselineError::invalid(
                 "seq_len",
                 format!("{} exceeds the model config's max_seq_len {}; lower the job's seq_len", job.seq_len, mc.max_seq_len),
             ));

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use motley_solver::metis::{search, MetisCluster, MetisModel, MetisPlan, MetisProfiles, MetisSettings, Quirks, Space};
+use motley_baselines::metis::{search, MetisCluster, MetisModel, MetisPlan, MetisProfiles, MetisSettings, Quirks, Space};
 use serde_json::Value;
 
 /// Profiles of an L-layer model cut from the 10-layer synthetic set (embedding, L-2 blocks,
@@ -15,7 +15,7 @@ fn cut_profiles(layers: usize, max_bs: u32) -> Vec<(String, String)> {
     for e in std::fs::read_dir(dir).unwrap() {
         let p = e.unwrap().path();
         let name = p.file_name().unwrap().to_string_lossy().into_owned();
-        let (_, tp, bs) = motley_solver::metis::input::parse_profile_name(&name).unwrap();
+        let (_, tp, bs) = motley_baselines::metis::input::parse_profile_name(&name).unwrap();
         if bs > max_bs || tp > 8 {
             continue;
         }

@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use super::input::{MetisCluster, MetisProfiles};
 use super::plan::MetisPlan;
-use crate::error::{Result, SolverError};
+use crate::error::{BaselineError, Result};
 
 const MIB: f64 = 1024.0 * 1024.0;
 
@@ -125,8 +125,8 @@ pub struct MetisModel<'a> {
     pub quirks: Quirks,
 }
 
-fn missing(ty: &str, tp: u32, bs: u32) -> SolverError {
-    SolverError::invalid(
+fn missing(ty: &str, tp: u32, bs: u32) -> BaselineError {
+    BaselineError::invalid(
         "plan",
         format!("no profile DeviceType.{ty}_tp{tp}_bs{bs}.json: Metis skips such a plan (KeyError); pick a measured (tp, batch)"),
     )
@@ -249,7 +249,7 @@ impl<'a> MetisModel<'a> {
     /// Build the stage table of ranks [r0, r0 + g) run as (dp, tp) with `batches` micro-batches.
     pub fn stage_table(&self, layout: &Layout, r0: u32, g: u32, dp: u32, tp: u32, batches: u32) -> Result<StageTable> {
         if dp == 0 || tp == 0 || dp * tp != g {
-            return Err(SolverError::invalid("plan.strategies", format!("dp x tp must equal the stage's {g} GPUs")));
+            return Err(BaselineError::invalid("plan.strategies", format!("dp x tp must equal the stage's {g} GPUs")));
         }
         let gbs = self.settings.global_batch;
         let mbs = gbs / dp / batches;
@@ -364,7 +364,7 @@ impl<'a> MetisModel<'a> {
 impl MetisPlan {
     /// Check the plan against the inputs; return its rank layout and micro-batch count.
     pub fn validate(&self, m: &MetisModel) -> Result<(Layout, u32)> {
-        let bad = |f: &str, why: String| Err(SolverError::invalid(format!("plan.{f}"), why));
+        let bad = |f: &str, why: String| Err(BaselineError::invalid(format!("plan.{f}"), why));
         let mut order = vec![];
         for (i, name) in self.node_sequence.iter().enumerate() {
             match m.profiles.type_index(&name.to_ascii_uppercase()) {

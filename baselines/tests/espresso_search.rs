@@ -5,7 +5,7 @@
 mod common_espresso;
 
 use common_espresso::{estimator_for, placer_inputs};
-use motley_solver::espresso::{EspressoPlan, Search, SpaceLimits};
+use motley_baselines::espresso::{EspressoPlan, Search, SpaceLimits};
 
 fn run(job: &str, max_stages: u32, exhaustive: bool) -> (Option<EspressoPlan>, u64, u64) {
     let (j, mc) = if job == "open_llama_3b_v2" {
@@ -52,17 +52,17 @@ fn search_equals_the_oracle_and_beats_espresso() {
 }
 
 /// Every order and split of every allocation, priced one by one: the full-space search's optimum.
-fn brute_full(est: &motley_solver::espresso::Estimator, quotas: &[u32], max_pp: usize) -> f64 {
+fn brute_full(est: &motley_baselines::espresso::Estimator, quotas: &[u32], max_pp: usize) -> f64 {
     let (gpus, peaks) = placer_inputs(est);
     let m = est.job.gradient_accumulation_steps;
     let per = est.job.global_batch_size / m;
     let l = est.job.model_layer.unwrap_or(est.job.num_layers);
     let mut best = f64::INFINITY;
     for dp in (1..=per).filter(|&d| per.is_multiple_of(d)) {
-        let placer = motley_solver::espresso::Placer::new(est, &gpus, &peaks, dp);
+        let placer = motley_baselines::espresso::Placer::new(est, &gpus, &peaks, dp);
         // Every sequence of GPU types of length 1..=max_pp within the quotas, every split.
         fn rec(
-            placer: &motley_solver::espresso::Placer,
+            placer: &motley_baselines::espresso::Placer,
             order: &mut Vec<usize>,
             left: &mut Vec<u32>,
             max_pp: usize,

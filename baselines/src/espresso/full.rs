@@ -1,4 +1,4 @@
-//! A larger space under Espresso's estimator (`motley espresso search --space full`): every
+//! A larger space under Espresso's estimator (`motley-baselines espresso search --space full`): every
 //! allocation of `search.rs`'s space, but with *every* stage order and *every* split of the
 //! layers (at least one per stage) instead of the one Espresso's placer picks. Still priced by
 //! Espresso's estimator, so its plans compare with Espresso's on Espresso's ground.

@@ -1,15 +1,15 @@
-//! The inputs every `motley metis` command reads (Metis's profile directory, hostfile and
+//! The inputs every `motley-baselines metis` command reads (Metis's profile directory, hostfile and
 //! clusterfile, and its model settings), as flags and as loaded. Below `metis` and
 //! `metis_motley`, which both price what is loaded here; calls only `inputs`.
 
 use std::path::{Path, PathBuf};
 
+use crate::metis::{self, MetisCluster, MetisModel, MetisProfiles, MetisSettings, Quirks};
 use clap::Args;
-use motley_solver::metis::{self, MetisCluster, MetisModel, MetisProfiles, MetisSettings, Quirks};
 
-use crate::inputs::{InputError, Output};
+use motley::inputs::{InputError, Output};
 
-/// The inputs every `motley metis` command reads, named as Metis names them.
+/// The inputs every `motley-baselines metis` command reads, named as Metis names them.
 #[derive(Args)]
 pub struct MetisInputs {
     /// Metis profile directory (DeviceType.<TYPE>_tp<T>_bs<B>.json files).
@@ -46,7 +46,7 @@ pub struct MetisInputs {
     pub output: Output,
 }
 
-/// Metis's inputs, read and parsed: what every `motley metis` command prices or searches.
+/// Metis's inputs, read and parsed: what every `motley-baselines metis` command prices or searches.
 pub struct Loaded {
     pub profiles: MetisProfiles,
     pub cluster: MetisCluster,
@@ -84,7 +84,7 @@ pub fn load(i: &MetisInputs) -> Result<Loaded, InputError> {
             files.push((name, read(&p, "profile")?));
         }
     }
-    let at = |e: motley_solver::SolverError| InputError(format!("{}: {e}", i.profiles.display()));
+    let at = |e: crate::BaselineError| InputError(format!("{}: {e}", i.profiles.display()));
     let profiles = MetisProfiles::load(&files, i.layers, i.constants_from.as_deref()).map_err(at)?;
     let cluster = MetisCluster::parse(&read(&i.hostfile, "hostfile")?, &read(&i.clusterfile, "clusterfile")?, &profiles)
         .map_err(|e| InputError(format!("{} / {}: {e}", i.hostfile.display(), i.clusterfile.display())))?;

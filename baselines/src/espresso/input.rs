@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use crate::error::{Result, SolverError};
+use crate::error::{BaselineError, Result};
 
 /// An Espresso job (`Model(**json)` in its code). `tp_size` and `dp_size` are overwritten by
 /// the search; `gradient_accumulation_steps` is the number of pipeline micro-batches.
@@ -88,12 +88,12 @@ pub struct GpuTable {
 
 fn parse<T: serde::de::DeserializeOwned>(text: &str, origin: &str) -> Result<T> {
     serde_json::from_str(text)
-        .map_err(|e| SolverError::invalid(origin, format!("{e} (Espresso's file format; a file cut short fails here too)")))
+        .map_err(|e| BaselineError::invalid(origin, format!("{e} (Espresso's file format; a file cut short fails here too)")))
 }
 
 pub fn parse_job(text: &str, origin: &str) -> Result<Job> {
     let job: Job = parse(text, origin)?;
-    let bad = |f: &str, m: &str| Err(SolverError::invalid(format!("{origin}: {f}"), m));
+    let bad = |f: &str, m: &str| Err(BaselineError::invalid(format!("{origin}: {f}"), m));
     if job.gradient_accumulation_steps == 0 {
         return bad("gradient_accumulation_steps", "must be at least 1 (it is the number of micro-batches)");
     }
@@ -126,7 +126,7 @@ pub fn parse_model_config(text: &str, origin: &str) -> Result<ModelConfig> {
         ("max_seq_len", mc.max_seq_len),
     ] {
         if v == 0 {
-            return Err(SolverError::invalid(format!("{origin}: {f}"), "must be a positive integer"));
+            return Err(BaselineError::invalid(format!("{origin}: {f}"), "must be a positive integer"));
         }
     }
     Ok(mc)
@@ -137,7 +137,7 @@ fn positive(v: &serde_json::Value, origin: &str, name: &str, k: &str) -> Result<
     v.get(k)
         .and_then(serde_json::Value::as_f64)
         .filter(|x| x.is_finite() && *x > 0.0)
-        .ok_or_else(|| SolverError::invalid(format!("{origin}: {name}.{k}"), "must be a positive number"))
+        .ok_or_else(|| BaselineError::invalid(format!("{origin}: {name}.{k}"), "must be a positive number"))
 }
 
 /// `espresso_gpu_config.json` plus, for every GPU it lists, `<name>.json` from the hardware
@@ -157,7 +157,7 @@ pub fn parse_gpu_table(text: &str, origin: &str, specs: &BTreeMap<String, String
         };
         let file = format!("{name}.json");
         let spec_text = specs.get(&file).ok_or_else(|| {
-            SolverError::invalid(
+            BaselineError::invalid(
                 format!("{origin}: {name}"),
                 format!("no hardware spec {file} beside it (llm_analysis_gpu_configs/); add the file"),
             )
@@ -170,7 +170,7 @@ pub fn parse_gpu_table(text: &str, origin: &str, specs: &BTreeMap<String, String
             ("peak_fp16_TFLOPS", spec.peak_fp16_tflops),
         ] {
             if !(v.is_finite() && v > 0.0) {
-                return Err(SolverError::invalid(format!("{file}: {k}"), "must be a positive number"));
+                return Err(BaselineError::invalid(format!("{file}: {k}"), "must be a positive number"));
             }
         }
         t.names.push(name);
@@ -178,7 +178,7 @@ pub fn parse_gpu_table(text: &str, origin: &str, specs: &BTreeMap<String, String
         t.specs.push(spec);
     }
     if t.names.is_empty() {
-        return Err(SolverError::invalid(origin, "lists no GPU"));
+        return Err(BaselineError::invalid(origin, "lists no GPU"));
     }
     Ok(t)
 }
@@ -207,7 +207,7 @@ impl GpuTable {
             .enumerate()
             .map(|(i, name)| {
                 let &(fe, he) = efficiency.get(name).ok_or_else(|| {
-                    SolverError::invalid(
+                    BaselineError::invalid(
                         format!("{origin}: {name}"),
                         "has no entry in portal_gpu_efficiency.json (llm-analysis gpu_efficiency.json); add flops_efficiency and hbm_memory_efficiency for it",
                     )

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use motley_solver::espresso::{parse_gpu_table, parse_job, parse_model_config};
+use motley_baselines::espresso::{parse_gpu_table, parse_job, parse_model_config};
 
 fn data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/espresso")

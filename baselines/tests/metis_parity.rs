@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use motley_solver::metis::{MetisCluster, MetisModel, MetisPlan, MetisProfiles, MetisSettings, Quirks};
+use motley_baselines::metis::{MetisCluster, MetisModel, MetisPlan, MetisProfiles, MetisSettings, Quirks};
 
 fn data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/metis")
@@ -53,7 +53,7 @@ fn default_constants_come_from_the_largest_measurement_of_the_first_type() {
     let pinned = MetisProfiles::load(&read_dir(&data().join("synth_L10")), 10, Some("DeviceType.A100_tp4_bs4.json")).unwrap();
     assert_eq!(
         pinned.constants,
-        motley_solver::metis::input::ModelConstants { source: pinned.constants.source.clone(), ..p.constants.clone() }
+        motley_baselines::metis::input::ModelConstants { source: pinned.constants.source.clone(), ..p.constants.clone() }
     );
     assert_eq!((p.max_tp, p.max_bs, p.types.clone()), (128, 128, vec!["A100".to_string(), "V100".to_string()]));
 }
@@ -62,8 +62,8 @@ fn default_constants_come_from_the_largest_measurement_of_the_first_type() {
 /// (ImprovedMetis's Table 1 rows, RESULTS.md in the anchors), and our exact search beats it.
 #[test]
 fn metis_walk_replays_table_1_and_the_exact_search_beats_it() {
-    use motley_solver::metis::walk::{walk, Repair};
-    use motley_solver::metis::{search, Space};
+    use motley_baselines::metis::walk::{walk, Repair};
+    use motley_baselines::metis::{search, Space};
     let clusterfile = std::fs::read_to_string(data().join("cluster/clusterfile.json")).unwrap();
     // Row 1's Metis optimum is also the space's; on rows 2 and 3 Metis's walk stops early.
     for (layers, n, costed, cost, strictly) in [(10, 16, 206, 1793.60, false), (20, 32, 14631, 2078.56, true), (20, 64, 454, 1101.65, true)]

@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use super::cost::{Layout, MetisModel};
 use super::motley_view::{MotleyPrice, MotleyView};
 use super::plan::MetisPlan;
-use crate::cost::{CostModel, LayerCost, PlanOptions, StageKind};
-use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
+use motley_solver::cost::{CostModel, LayerCost, PlanOptions, StageKind};
+use motley_solver::plan::{PlanStructure, ReplicaPlan, StagePlan};
 
 #[derive(Debug, Clone)]
 pub struct MotleySearchOutcome {

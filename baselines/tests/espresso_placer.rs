@@ -5,7 +5,7 @@
 mod common_espresso;
 
 use common_espresso::{estimator_for, placer_inputs};
-use motley_solver::espresso::Placer;
+use motley_baselines::espresso::Placer;
 
 #[test]
 fn every_golden_placement_matches_espressos_own_placer() {

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use motley_solver::espresso::{
+use motley_baselines::espresso::{
     parse_efficiency_table, parse_gpu_table, parse_job, parse_model_config, Estimator, EstimatorGpu, GpuTable, ModelConfig,
 };
 

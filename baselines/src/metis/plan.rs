@@ -1,4 +1,4 @@
-//! Metis's plan, in Metis's own JSON form (the contract of `motley metis eval --plan`):
+//! Metis's plan, in Metis's own JSON form (the contract of `motley-baselines metis eval --plan`):
 //! `{"node_sequence": ["V100","A100"], "device_groups": [8,8,16],
 //!   "strategies": [[4,2],[1,8],[2,8]], "batches": 1, "layer_partition": [0,4,8,10]}`.
 //! `node_sequence` orders the GPU types over global ranks; stage s owns the next

@@ -1,17 +1,17 @@
-//! `motley espresso eval|search`: Espresso's own files, priced by its estimator and searched
-//! exactly. The flags and the `-o json` fields are a contract (README.md, `motley espresso`);
+//! `motley-baselines espresso eval|search`: Espresso's own files, priced by its estimator and searched
+//! exactly. The flags and the `-o json` fields are a contract (README.md, `motley-baselines espresso`);
 //! more may be added, none renamed.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use clap::{Args, Subcommand, ValueEnum};
-use motley_solver::espresso::{
+use crate::espresso::{
     self, Estimate, Estimator, EstimatorGpu, GpuTable, Job, ModelConfig, Placer, Search, SpaceLimits, DEFAULT_EFFICIENCY_TABLE,
 };
+use clap::{Args, Subcommand, ValueEnum};
 use serde_json::{json, Value};
 
-use crate::inputs::{InputError, Output};
+use motley::inputs::{InputError, Output};
 
 #[derive(Args)]
 pub struct EspressoArgs {
@@ -119,7 +119,7 @@ fn read(path: &Path, what: &str) -> Result<String, InputError> {
     std::fs::read_to_string(path).map_err(|e| InputError(format!("{}: cannot read {what}: {e}", path.display())))
 }
 
-fn solver_err(e: motley_solver::SolverError) -> InputError {
+fn solver_err(e: crate::BaselineError) -> InputError {
     InputError(e.to_string())
 }
 
@@ -258,7 +258,7 @@ fn plan_table(l: &Loaded, order: &[usize], layers: &[u32], dp: u32, e: &Estimate
     for (i, ((&gi, &n), s)) in order.iter().zip(layers).zip(&e.stages).enumerate() {
         t.add_row(vec![
             i.to_string(),
-            crate::table::escape(&l.estimator.gpus[gi].name).into_owned(),
+            motley::table::escape(&l.estimator.gpus[gi].name).into_owned(),
             n.to_string(),
             format!("{:.2}", s.memory / GIB),
             format!("{:.2}", s.memory_left / GIB),

@@ -6,7 +6,7 @@
 mod common_espresso;
 
 use common_espresso::estimator_for;
-use motley_solver::espresso::OOM_TIME;
+use motley_baselines::espresso::OOM_TIME;
 
 fn data() -> std::path::PathBuf {
     common_espresso::data()

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde_json::Value;
 
-use crate::error::{Result, SolverError};
+use crate::error::{BaselineError, Result};
 
 /// One measurement: a whole-model iteration on one GPU type at (tp, bs).
 #[derive(Debug, Clone, PartialEq)]
@@ -64,7 +64,7 @@ fn field<'v>(v: &'v Value, file: &str, path: &[&str]) -> Result<&'v Value> {
     let mut cur = v;
     for p in path {
         cur = cur.get(p).ok_or_else(|| {
-            SolverError::invalid(format!("{file}: {}", path.join(".")), "missing; Metis profile files carry it (see DATA.md)")
+            BaselineError::invalid(format!("{file}: {}", path.join(".")), "missing; Metis profile files carry it (see DATA.md)")
         })?;
     }
     Ok(cur)
@@ -74,11 +74,11 @@ fn number(v: &Value, file: &str, path: &[&str]) -> Result<f64> {
     field(v, file, path)?
         .as_f64()
         .filter(|x| x.is_finite())
-        .ok_or_else(|| SolverError::invalid(format!("{file}: {}", path.join(".")), "must be a finite number"))
+        .ok_or_else(|| BaselineError::invalid(format!("{file}: {}", path.join(".")), "must be a finite number"))
 }
 
 fn numbers(v: &Value, file: &str, path: &[&str], len: usize) -> Result<Vec<f64>> {
-    let bad = |why: String| SolverError::invalid(format!("{file}: {}", path.join(".")), why);
+    let bad = |why: String| BaselineError::invalid(format!("{file}: {}", path.join(".")), why);
     let arr = field(v, file, path)?.as_array().ok_or_else(|| bad("must be an array of numbers".into()))?;
     if arr.len() != len {
         return Err(bad(format!("has {} entries but the model has {len} layers (--layers)", arr.len())));
@@ -94,20 +94,20 @@ impl MetisProfiles {
     /// first type in name order, which reproduces Metis's published runs.
     pub fn load(files: &[(String, String)], layers: usize, constants_from: Option<&str>) -> Result<MetisProfiles> {
         if layers < 3 {
-            return Err(SolverError::invalid("layers", "Metis models have an embedding, >= 1 transformer layer and a head: use >= 3"));
+            return Err(BaselineError::invalid("layers", "Metis models have an embedding, >= 1 transformer layer and a head: use >= 3"));
         }
         let mut parsed: BTreeMap<(String, u32, u32), (String, Value)> = BTreeMap::new();
         for (name, text) in files {
             let Some(key) = parse_profile_name(name) else { continue };
             if key.1 == 0 || key.2 == 0 {
-                return Err(SolverError::invalid(name.clone(), "tp and bs in the file name must be positive"));
+                return Err(BaselineError::invalid(name.clone(), "tp and bs in the file name must be positive"));
             }
             let v: Value = serde_json::from_str(text)
-                .map_err(|e| SolverError::invalid(name.clone(), format!("not valid JSON ({e}); was the file cut short?")))?;
+                .map_err(|e| BaselineError::invalid(name.clone(), format!("not valid JSON ({e}); was the file cut short?")))?;
             parsed.insert(key, (name.clone(), v));
         }
         if parsed.is_empty() {
-            return Err(SolverError::invalid(
+            return Err(BaselineError::invalid(
                 "profiles",
                 "no DeviceType.<TYPE>_tp<T>_bs<B>.json file found: point --profiles at a Metis profile directory",
             ));
@@ -121,7 +121,7 @@ impl MetisProfiles {
             Some(c) => parsed
                 .values()
                 .find(|(n, _)| n == c)
-                .ok_or_else(|| SolverError::invalid("constants-from", format!("{c} is not among the profile files")))?,
+                .ok_or_else(|| BaselineError::invalid("constants-from", format!("{c} is not among the profile files")))?,
             None => {
                 let first = &types[0];
                 parsed.iter().filter(|(k, _)| &k.0 == first).max_by_key(|(k, _)| (k.1, k.2)).map(|(_, v)| v).expect("non-empty")
@@ -189,7 +189,7 @@ pub struct MetisCluster {
 impl MetisCluster {
     pub fn parse(hostfile: &str, clusterfile: &str, profiles: &MetisProfiles) -> Result<MetisCluster> {
         let info: BTreeMap<String, Value> = serde_json::from_str(clusterfile)
-            .map_err(|e| SolverError::invalid("clusterfile", format!("must be a JSON object of ip -> node info ({e})")))?;
+            .map_err(|e| BaselineError::invalid("clusterfile", format!("must be a JSON object of ip -> node info ({e})")))?;
         let mut types: Vec<MetisGpuType> = profiles
             .types
             .iter()
@@ -216,19 +216,19 @@ impl MetisCluster {
                 .and_then(|s| s.strip_prefix("slots="))
                 .and_then(|s| s.parse::<u32>().ok())
                 .filter(|&s| s > 0)
-                .ok_or_else(|| SolverError::invalid(&f, "must read `<ip> slots=<gpus>` with gpus >= 1"))?;
-            let node = info.get(ip).ok_or_else(|| SolverError::invalid(&f, format!("ip {ip} is not in the clusterfile: add it")))?;
+                .ok_or_else(|| BaselineError::invalid(&f, "must read `<ip> slots=<gpus>` with gpus >= 1"))?;
+            let node = info.get(ip).ok_or_else(|| BaselineError::invalid(&f, format!("ip {ip} is not in the clusterfile: add it")))?;
             let cf = |k: &str| format!("clusterfile[{ip}].{k}");
             let ty =
-                node.get("instance_type").and_then(Value::as_str).ok_or_else(|| SolverError::invalid(cf("instance_type"), "missing"))?;
+                node.get("instance_type").and_then(Value::as_str).ok_or_else(|| BaselineError::invalid(cf("instance_type"), "missing"))?;
             let ti = profiles.type_index(&ty.to_ascii_uppercase()).ok_or_else(|| {
-                SolverError::invalid(cf("instance_type"), format!("{ty} has no profile file (have {})", profiles.types.join(", ")))
+                BaselineError::invalid(cf("instance_type"), format!("{ty} has no profile file (have {})", profiles.types.join(", ")))
             })?;
             let num = |k: &str| {
                 node.get(k)
                     .and_then(Value::as_f64)
                     .filter(|x| x.is_finite() && *x > 0.0)
-                    .ok_or_else(|| SolverError::invalid(cf(k), "must be a positive number"))
+                    .ok_or_else(|| BaselineError::invalid(cf(k), "must be a positive number"))
             };
             let t = &mut types[ti];
             if t.gpus == 0 {
@@ -239,16 +239,19 @@ impl MetisCluster {
             t.gpus += slots;
             gpus_per_node.get_or_insert(slots);
         }
-        let gpus_per_node = gpus_per_node.ok_or_else(|| SolverError::invalid("hostfile", "lists no node"))?;
+        let gpus_per_node = gpus_per_node.ok_or_else(|| BaselineError::invalid("hostfile", "lists no node"))?;
         // Metis looks a type's memory up by exact instance_type, first clusterfile entry wins.
         for t in types.iter_mut().filter(|t| t.gpus > 0) {
             let mem = info.iter().find(|(_, v)| v.get("instance_type").and_then(Value::as_str) == Some(t.name.as_str()));
             t.memory_gb = mem.and_then(|(_, v)| v.get("memory")).and_then(Value::as_f64).filter(|m| *m > 0.0).ok_or_else(|| {
-                SolverError::invalid(format!("clusterfile (type {})", t.name), "needs an upper-case instance_type entry with memory in GB")
+                BaselineError::invalid(
+                    format!("clusterfile (type {})", t.name),
+                    "needs an upper-case instance_type entry with memory in GB",
+                )
             })?;
         }
         if types.iter().any(|t| t.gpus % gpus_per_node != 0) {
-            return Err(SolverError::invalid("hostfile", "every node must have the same slots (Metis uses the first node's)"));
+            return Err(BaselineError::invalid("hostfile", "every node must have the same slots (Metis uses the first node's)"));
         }
         Ok(MetisCluster { types, gpus_per_node })
     }

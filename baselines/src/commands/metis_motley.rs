@@ -1,14 +1,14 @@
-//! `motley metis ... --cost-model motley`: Metis's inputs priced and planned with Motley's
-//! own cost model (solver/src/metis/motley_view.rs says how the inputs are translated).
+//! `motley-baselines metis ... --cost-model motley`: Metis's inputs priced and planned with Motley's
+//! own cost model (baselines/src/metis/motley_view.rs says how the inputs are translated).
 
-use motley_solver::metis::motley_search::search_metis_space;
-use motley_solver::metis::motley_view::{motley_view, MotleyView};
-use motley_solver::metis::MetisPlan;
+use crate::metis::motley_search::search_metis_space;
+use crate::metis::motley_view::{motley_view, MotleyView};
+use crate::metis::MetisPlan;
 use motley_solver::{PlanOptions, PlanRequest, SearchMode};
 use serde_json::json;
 
-use crate::inputs::InputError;
-use crate::metis_inputs::Loaded;
+use super::metis_inputs::Loaded;
+use motley::inputs::InputError;
 
 fn opts(loaded: &Loaded) -> PlanOptions {
     PlanOptions { global_batch: loaded.settings.global_batch, ..PlanOptions::default() }
@@ -18,7 +18,7 @@ fn view(loaded: &Loaded) -> Result<MotleyView, InputError> {
     motley_view(&loaded.model()).map_err(|e| InputError(e.to_string()))
 }
 
-/// `motley metis eval --cost-model motley`.
+/// `motley-baselines metis eval --cost-model motley`.
 pub fn eval(loaded: &Loaded, plan: &MetisPlan, json_out: bool) -> Result<String, InputError> {
     let v = view(loaded)?;
     let price = v.price(&loaded.model(), &opts(loaded), plan).map_err(|e| InputError(format!("Motley's model refuses the plan: {e}")))?;
@@ -40,7 +40,7 @@ pub fn eval(loaded: &Loaded, plan: &MetisPlan, json_out: bool) -> Result<String,
     })
 }
 
-/// `motley metis search --cost-model motley`.
+/// `motley-baselines metis search --cost-model motley`.
 pub fn run(loaded: &Loaded, union: bool, variance: f64, budget: u64, json_out: bool) -> Result<String, InputError> {
     let v = view(loaded)?;
     let o = opts(loaded);
@@ -83,7 +83,7 @@ pub fn run(loaded: &Loaded, union: bool, variance: f64, budget: u64, json_out: b
                 "cost {:.2} ms per iteration under Motley's model (Motley's plan; best of Metis's space {}):\n{}",
                 r.iteration_time_s * 1e3,
                 metis_ms.map(|m| format!("{m:.2} ms")).unwrap_or("none".into()),
-                crate::table::render(&r, false)
+                motley::table::render(&r, false)
             )
         });
     }

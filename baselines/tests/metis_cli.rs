@@ -1,4 +1,4 @@
-//! `motley metis eval|search` as checks outside the repository call them: the real binary,
+//! `motley-baselines metis eval|search` as checks outside the repository call them: the real binary,
 //! the anchor data in examples/metis, the JSON fields of the contract, and clear errors.
 
 use std::path::{Path, PathBuf};
@@ -9,7 +9,7 @@ fn repo() -> PathBuf {
 }
 
 fn motley(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_motley")).args(args).current_dir(repo()).env_remove("MOTLEY_OUTPUT").output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_motley-baselines")).args(args).current_dir(repo()).env_remove("MOTLEY_OUTPUT").output().unwrap()
 }
 
 /// The contract's common flags for one Table 1 row.

@@ -1,16 +1,16 @@
-//! `motley metis eval|search`: Metis's inputs, priced and searched by Motley. The flags and
-//! the `-o json` fields are a contract (README.md, `motley metis`); more may be added, none renamed.
+//! `motley-baselines metis eval|search`: Metis's inputs, priced and searched by Motley. The flags and
+//! the `-o json` fields are a contract (README.md, `motley-baselines metis`); more may be added, none renamed.
 //! The inputs are read by `metis_inputs`; `--cost-model motley` is `metis_motley`'s.
 
 use std::path::Path;
 
+use crate::metis::{self, MetisPlan, Space};
 use clap::{Args, Subcommand, ValueEnum};
-use motley_solver::metis::{self, MetisPlan, Space};
 use serde_json::json;
 
-use crate::inputs::InputError;
-pub use crate::inputs::Output;
-use crate::metis_inputs::{load, read, Loaded, MetisInputs};
+use super::metis_inputs::{load, read, Loaded, MetisInputs};
+use motley::inputs::InputError;
+pub use motley::inputs::Output;
 
 #[derive(Args)]
 pub struct MetisArgs {
@@ -109,7 +109,7 @@ pub fn run_eval(a: EvalArgs) -> Result<String, InputError> {
     let loaded = load(&a.inputs)?;
     let plan = parse_plan(&a.plan)?;
     if a.cost_model == CostModelArg::Motley {
-        return crate::metis_motley::eval(&loaded, &plan, a.inputs.output == Output::Json);
+        return super::metis_motley::eval(&loaded, &plan, a.inputs.output == Output::Json);
     }
     let cost = loaded.model().evaluate(&plan).map_err(|e| InputError(e.to_string()))?;
     Ok(match a.inputs.output {
@@ -132,7 +132,7 @@ pub fn run_search(a: SearchArgs) -> Result<String, InputError> {
             return Err(InputError("--method: Metis's walk prices with Metis's model; use --cost-model metis".into()));
         }
         let budget = a.budget.unwrap_or(5_000_000);
-        return crate::metis_motley::run(&loaded, a.space == SpaceArg::Union, a.variance, budget, a.inputs.output == Output::Json);
+        return super::metis_motley::run(&loaded, a.space == SpaceArg::Union, a.variance, budget, a.inputs.output == Output::Json);
     }
     if a.method != Method::Exact {
         return run_walk(&loaded, &a);

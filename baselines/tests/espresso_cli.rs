@@ -1,4 +1,4 @@
-//! `motley espresso eval|search` as checks outside the repository call them: the real binary
+//! `motley-baselines espresso eval|search` as checks outside the repository call them: the real binary
 //! on Espresso's own files, the contract's JSON fields, RESULTS.md's numbers, clear errors.
 
 use std::path::{Path, PathBuf};
@@ -9,7 +9,7 @@ fn repo() -> PathBuf {
 }
 
 fn motley(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_motley")).args(args).current_dir(repo()).env_remove("MOTLEY_OUTPUT").output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_motley-baselines")).args(args).current_dir(repo()).env_remove("MOTLEY_OUTPUT").output().unwrap()
 }
 
 const GPUS: &str = "examples/espresso/gpu/espresso_gpu_config.json";
