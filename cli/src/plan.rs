@@ -10,6 +10,24 @@ use motley_solver::{Calibration, Cluster, Model, PlanOptions, PlanRequest, Preci
 use crate::inputs::{self, InputError, Mode, Output};
 use crate::table;
 
+/// `--baseline`: which baseline's rule makes the plan.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BaselineArg {
+    Megatron,
+    Whale,
+    FastOnly,
+}
+
+impl From<BaselineArg> for motley_solver::baselines::Baseline {
+    fn from(b: BaselineArg) -> Self {
+        match b {
+            BaselineArg::Megatron => Self::Megatron,
+            BaselineArg::Whale => Self::Whale,
+            BaselineArg::FastOnly => Self::FastOnly,
+        }
+    }
+}
+
 #[derive(clap::Args)]
 pub struct PlanArgs {
     /// Cluster file (YAML).
@@ -37,6 +55,11 @@ pub struct PlanArgs {
     /// Brute-force every plan of the space instead of searching (a few GPUs only).
     #[arg(long)]
     exhaustive: bool,
+    /// Write the best plan of a baseline's rule instead of Motley's, as a plan document a job
+    /// can run (`plan:`): megatron (symmetric), whale (shares by speed and memory), fast-only
+    /// (symmetric on the fastest GPU type alone, the rest idle).
+    #[arg(long, value_enum, conflicts_with = "exhaustive")]
+    baseline: Option<BaselineArg>,
     /// Search mode: exact for small clusters, fast for large ones, auto picks.
     #[arg(long, value_enum, default_value_t = Mode::Auto)]
     search: Mode,
@@ -236,7 +259,11 @@ fn solver_error(a: &PlanArgs, e: SolverError) -> InputError {
 
 pub fn run_plan(a: PlanArgs) -> Result<String, InputError> {
     let l = load(&a)?;
-    let report = motley_solver::plan(&l.request(&a)).map_err(|e| solver_error(&a, e))?;
+    let report = match a.baseline {
+        Some(b) => motley_solver::report::baseline(&l.request(&a), b.into()),
+        None => motley_solver::plan(&l.request(&a)),
+    }
+    .map_err(|e| solver_error(&a, e))?;
     if let Some(path) = &a.svg {
         write_svg(path, &serde_json::to_value(&report).expect("report serialises"))?;
     }
@@ -269,6 +296,11 @@ pub fn run_replan(mut a: ReplanArgs) -> Result<String, InputError> {
     }
     if a.horizon.is_nan() || a.horizon <= 0.0 {
         return Err(InputError("--horizon: must be a positive number of iterations".into()));
+    }
+    if a.plan.baseline.is_some() {
+        return Err(InputError(
+            "--baseline: replan weighs Motley's new plan against the running one; drop --baseline (motley plan --baseline writes a baseline's plan)".into(),
+        ));
     }
     let origin = a.current.display().to_string();
     let text = std::fs::read_to_string(&a.current).map_err(|e| InputError(format!("{origin}: cannot read plan file: {e}")))?;

@@ -45,16 +45,19 @@ pub fn row<S: AsRef<str>>(cells: impl IntoIterator<Item = S>) -> Vec<Cell> {
 pub fn render(r: &PlanReport, compare: bool) -> String {
     let mut out = String::new();
     let proof = if r.search.proven_optimal { "optimal in its space" } else { "best found" };
+    let how = match &r.search.baseline {
+        // A baseline's rule made it, not the search: say which, so it is never taken for Motley's.
+        Some(b) => format!("the {b} baseline's plan, not Motley's (best of its rule)"),
+        None => format!("search {} ({}, {} plans costed)", r.search.mode, proof, r.search.plans_costed),
+    };
     out.push_str(&format!(
-        "Plan for {} on {}: {} of {} GPUs, {} replica(s); search {} ({}, {} plans costed)\n",
+        "Plan for {} on {}: {} of {} GPUs, {} replica(s); {}\n",
         escape(&r.model),
         escape(&r.cluster),
         r.gpus_used,
         r.gpus_total,
         r.replicas.len(),
-        r.search.mode,
-        proof,
-        r.search.plans_costed
+        how
     ));
     out.push_str(&format!(
         "iteration {:.3} s | {:.0} tokens/s | {:.1}% of cluster peak FLOPS | global batch {} | micro-batch {} | seq {} | {}{}{}\n",
@@ -135,10 +138,11 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
     }
     if compare {
         out.push_str("Baselines under the same cost model:\n");
+        let this = if r.search.baseline.is_some() { "this plan" } else { "motley" };
         for (name, b) in &r.baselines {
             match (b.iteration_time_s, b.speedup) {
                 (Some(bt), Some(sp)) => out.push_str(&format!(
-                    "  {name:<9} {bt:.3} s/iteration ({} replicas x {} stages, tp {}, micro-batch {}); motley is {sp:.2}x faster\n",
+                    "  {name:<9} {bt:.3} s/iteration ({} replicas x {} stages, tp {}, micro-batch {}); {this} is {sp:.2}x faster\n",
                     b.replicas.unwrap_or(0),
                     b.stages_per_replica.unwrap_or(0),
                     b.tp.unwrap_or(0),

@@ -42,11 +42,65 @@ fn check_contract(v: &serde_json::Value, layers: u64) {
     assert_eq!(doc.placements().len() as u64, v["gpus_used"].as_u64().unwrap(), "one rank per GPU used");
     assert_eq!(doc.comm_groups.len(), v["comm_groups"].as_array().unwrap().len());
     assert_eq!(doc.model_spec.as_ref().map(|m| u64::from(m.layers)), Some(layers), "the plan carries its model");
-    for b in ["megatron", "whale"] {
-        if let Some(bt) = v["baselines"][b]["iteration_time_s"].as_f64() {
-            assert!(t <= bt * (1.0 + 1e-12), "never slower than {b}");
+    // Motley's own plan (not a baseline's, `--baseline`) is never slower than a baseline.
+    if v["search"]["baseline"].is_null() {
+        for b in ["megatron", "whale", "fast-only"] {
+            if let Some(bt) = v["baselines"][b]["iteration_time_s"].as_f64() {
+                assert!(t <= bt * (1.0 + 1e-12), "never slower than {b}");
+            }
         }
     }
+}
+
+#[test]
+fn a_baselines_plan_is_a_whole_plan_document_that_says_which_baseline() {
+    let lab = ["plan", "--cluster", "examples/lab.yaml", "--model", "llama-13b"];
+    let ours = json(&lab);
+    assert!(ours["search"].get("baseline").is_none(), "Motley's own plan names no baseline");
+    for b in ["megatron", "whale", "fast-only"] {
+        let v = json(&[&lab[..], &["--baseline", b]].concat());
+        check_contract(&v, 40);
+        assert_eq!((v["search"]["mode"].as_str(), v["search"]["baseline"].as_str()), (Some("baseline"), Some(b)));
+        let compared = ours["baselines"][b]["iteration_time_s"].as_f64().unwrap();
+        assert!((v["iteration_time_s"].as_f64().unwrap() - compared).abs() <= 1e-9 * compared, "{b}: {v} against {compared}");
+        assert!(ours["iteration_time_s"].as_f64().unwrap() < compared, "{b}: Motley is faster on the lab");
+    }
+    let out = motley(&[&lab[..], &["--baseline", "fast-only", "--compare"]].concat());
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("the fast-only baseline's plan, not Motley's"), "{text}");
+    assert!(text.contains("this plan is") && !text.contains("motley is"), "{text}");
+}
+
+#[test]
+fn a_baseline_that_is_not_one_or_cannot_apply_is_refused() {
+    let lab = ["plan", "--cluster", "examples/lab.yaml", "--model", "llama-13b"];
+    let out = motley(&[&lab[..], &["--baseline", "ddp"]].concat());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(err.contains("--baseline") && err.contains("megatron") && err.contains("fast-only"), "{err}");
+    let out = motley(&[&lab[..], &["--baseline", "megatron", "--exhaustive"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8(out.stderr).unwrap().contains("cannot be used with"));
+    let out = motley(&["plan", "--cluster", "examples/lab.yaml", "--model", "llama-70b", "--baseline", "whale"]);
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(err.contains("no whale plan fits"), "{err}");
+    let current = write_temp("baseline-current.json", &serde_json::to_string(&json(&lab)).unwrap());
+    let out = motley(&[
+        "replan",
+        "--current",
+        current.to_str().unwrap(),
+        "--cluster",
+        "examples/lab.yaml",
+        "--model",
+        "llama-13b",
+        "--baseline",
+        "megatron",
+    ]);
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(err.contains("--baseline: replan weighs"), "{err}");
 }
 
 #[test]

@@ -7,6 +7,9 @@
 //! * `whale`: Whale's heterogeneity-aware data parallelism on the same grid: each replica's
 //!   share of the batch is proportional to its GPUs' peak FLOPS, and each stage's share of
 //!   the layers is proportional to its GPU memory.
+//! * `fast-only`: what a user of DDP, torchtitan or Megatron-LM does on a mixed cluster today:
+//!   Megatron's symmetric plan on the GPUs of the fastest type alone (the highest peak for the
+//!   run's precision; the most GPUs on a tie), every other GPU left idle.
 //!
 //! Each baseline is the best such plan over tp, pp and micro-batch size.
 
@@ -17,23 +20,56 @@ use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
 pub enum Baseline {
     Megatron,
     Whale,
+    FastOnly,
+}
+
+impl Baseline {
+    /// The name the plan document and `motley plan --baseline` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Baseline::Megatron => "megatron",
+            Baseline::Whale => "whale",
+            Baseline::FastOnly => "fast-only",
+        }
+    }
+}
+
+/// The class of the fastest GPU type: the highest peak for the run's precision, the most GPUs
+/// on a tie (then the first class).
+fn fastest_class(cm: &CostModel) -> Option<usize> {
+    let peak = |c: usize| {
+        let g = &cm.cluster.classes[c].gpu;
+        g.peak_tflops(cm.opts.precision).unwrap_or(g.tflops)
+    };
+    let gpus = |c: usize| cm.cluster.classes[c].nodes.len() as u32 * cm.cluster.classes[c].gpus_per_node;
+    (0..cm.cluster.classes.len()).reduce(|best, c| {
+        let (pb, pc) = (peak(best), peak(c));
+        if pc > pb || (pc == pb && gpus(c) > gpus(best)) {
+            c
+        } else {
+            best
+        }
+    })
 }
 
 /// Best plan of a baseline and its iteration time, if any of its plans fits.
 pub fn best_baseline(cm: &CostModel, which: Baseline) -> Option<(f64, PlanStructure)> {
     let cluster = cm.cluster;
     let l = cm.model.layers();
-    let total = cluster.total_gpus();
+    let fastest = if which == Baseline::FastOnly { Some(fastest_class(cm)?) } else { None };
+    let nodes: Vec<_> = cluster.nodes.iter().filter(|n| fastest.is_none_or(|c| n.class == c)).collect();
+    let total: u32 = nodes.iter().map(|n| n.gpus).sum();
     let mut best: Option<(f64, PlanStructure)> = None;
-    let max_gpn = cluster.nodes.iter().map(|n| n.gpus).max().unwrap_or(1);
+    let max_gpn = nodes.iter().map(|n| n.gpus).max().unwrap_or(1);
     for tp in (0..8).map(|i| 1u32 << i).filter(|&t| t <= max_gpn && cm.model.spec.heads.is_multiple_of(t)) {
         if cm.opts.tp.is_some_and(|t| t != tp) {
             continue;
         }
         // TP groups in node order; a node whose GPU count tp does not divide leaves a remainder idle.
-        let groups: Vec<usize> = cluster.nodes.iter().flat_map(|n| std::iter::repeat_n(n.class, (n.gpus / tp) as usize)).collect();
+        let groups: Vec<usize> = nodes.iter().flat_map(|n| std::iter::repeat_n(n.class, (n.gpus / tp) as usize)).collect();
+        let symmetric = which != Baseline::Whale;
         for pp in 1..=l.min(total / tp) {
-            if (which == Baseline::Megatron && !l.is_multiple_of(pp)) || (cm.opts.max_stages > 0 && pp > cm.opts.max_stages) {
+            if (symmetric && !l.is_multiple_of(pp)) || (cm.opts.max_stages > 0 && pp > cm.opts.max_stages) {
                 continue;
             }
             let max_r = groups.len() as u32 / pp;
@@ -44,7 +80,7 @@ pub fn best_baseline(cm: &CostModel, which: Baseline) -> Option<(f64, PlanStruct
                 }
                 let n = cm.opts.global_batch / b;
                 let r = match which {
-                    Baseline::Megatron => (1..=max_r.min(n)).rev().find(|r| n.is_multiple_of(*r)),
+                    Baseline::Megatron | Baseline::FastOnly => (1..=max_r.min(n)).rev().find(|r| n.is_multiple_of(*r)),
                     Baseline::Whale => Some(max_r.min(n)).filter(|&r| r > 0),
                 };
                 let Some(r) = r else { continue };
@@ -73,7 +109,7 @@ fn grid_plan(cm: &CostModel, which: Baseline, groups: &[usize], tp: u32, pp: u32
         g.peak_tflops(cm.opts.precision).unwrap_or(g.tflops)
     };
     let shares: Vec<u32> = match which {
-        Baseline::Megatron => vec![n / r; r as usize],
+        Baseline::Megatron | Baseline::FastOnly => vec![n / r; r as usize],
         Baseline::Whale => {
             let speed: Vec<f64> = (0..r).map(|rep| weights(&flops, rep).iter().sum()).collect();
             proportional(n, &speed)
@@ -82,7 +118,7 @@ fn grid_plan(cm: &CostModel, which: Baseline, groups: &[usize], tp: u32, pp: u32
     let replicas = (0..r)
         .map(|rep| {
             let layers: Vec<u32> = match which {
-                Baseline::Megatron => vec![l / pp; pp as usize],
+                Baseline::Megatron | Baseline::FastOnly => vec![l / pp; pp as usize],
                 Baseline::Whale => proportional(l, &weights(&mem, rep)),
             };
             let mut start = 0;

@@ -69,6 +69,10 @@ pub struct SearchReport {
     /// No plan of the searched space is faster than this (fluid relaxation without gradient
     /// sync), when the search computed one.
     pub lower_bound: Option<f64>,
+    /// Mode `baseline`: which baseline the plan is (`megatron`, `whale`, `fast-only`), made by
+    /// that baseline's rule instead of Motley's search (`motley plan --baseline`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -133,9 +137,9 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
     req.opts.validate()?;
     req.cluster.check_precision(req.opts.precision)?;
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
-    let megatron = best_baseline(&cm, Baseline::Megatron);
-    let whale = best_baseline(&cm, Baseline::Whale);
-    let mut seeds: Vec<PlanStructure> = [&megatron, &whale].iter().filter_map(|b| b.as_ref().map(|x| x.1.clone())).collect();
+    let [megatron, whale, fast_only] = [Baseline::Megatron, Baseline::Whale, Baseline::FastOnly].map(|b| best_baseline(&cm, b));
+    // The baselines seed the search: Motley's plan is never slower than any of them.
+    let mut seeds: Vec<PlanStructure> = [&megatron, &whale, &fast_only].iter().filter_map(|b| b.as_ref().map(|x| x.1.clone())).collect();
     seeds.extend(req.seeds.iter().cloned());
     let (structure, t, stats) = if req.exhaustive {
         let o = oracle::exhaustive(&cm, &seeds)?;
@@ -145,7 +149,35 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
         let s = search(&cm, req.mode, &seeds)?;
         (s.plan, s.iteration_time, s.stats)
     };
-    let report = build_report(&cm, &structure, t, stats, req.exhaustive, [("megatron", megatron), ("whale", whale)]);
+    let report =
+        build_report(&cm, &structure, t, stats, req.exhaustive, [("megatron", megatron), ("whale", whale), ("fast-only", fast_only)]);
+    crate::network::check_process_env(&report.comm_groups)?;
+    Ok(report)
+}
+
+/// The best plan of one baseline's rule (`baselines.rs`) as a whole plan document, placed
+/// and priced like Motley's own, so that a job can run it (`plan:`) beside Motley's. Search mode
+/// `baseline`, `search.baseline` its name; the other baselines are compared as usual.
+pub fn baseline(req: &PlanRequest, which: Baseline) -> Result<PlanReport> {
+    req.opts.validate()?;
+    req.cluster.check_precision(req.opts.precision)?;
+    let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
+    let Some((t, structure)) = best_baseline(&cm, which) else {
+        return Err(crate::SolverError::DoesNotFit(format!(
+            "no {} plan fits ({}); {}",
+            which.name(),
+            match which {
+                Baseline::Megatron => "equal layers per stage, equal batch shares, GPUs in node order",
+                Baseline::Whale => "tp x pp grid, shares by peak FLOPS and memory",
+                Baseline::FastOnly => "a symmetric plan on the fastest GPU type alone",
+            },
+            crate::search::does_not_fit_message(&cm)
+        )));
+    };
+    let stats = SearchStats { mode: "baseline".into(), ..Default::default() };
+    let others = [Baseline::Megatron, Baseline::Whale, Baseline::FastOnly].map(|b| (b.name(), best_baseline(&cm, b)));
+    let mut report = build_report(&cm, &structure, t, stats, false, others);
+    report.search.baseline = Some(which.name().to_string());
     crate::network::check_process_env(&report.comm_groups)?;
     Ok(report)
 }
@@ -219,7 +251,7 @@ pub(crate) fn priced_as_given(cm: &CostModel, structure: &PlanStructure, doc: &C
     let gpus: Vec<Vec<Vec<GpuId>>> = doc.replicas.iter().map(|r| r.stages.iter().map(|s| s.gpus.clone()).collect()).collect();
     let placement = crate::placement::Placement { gpus, split_hops: 0 };
     let stats = SearchStats { mode: "given".into(), ..Default::default() };
-    report_placed(cm, structure, t, stats, false, [("megatron", None), ("whale", None)], placement)
+    report_placed(cm, structure, t, stats, false, [("megatron", None), ("whale", None), ("fast-only", None)], placement)
 }
 
 fn build_report(
@@ -228,7 +260,7 @@ fn build_report(
     t: f64,
     stats: SearchStats,
     exhaustive: bool,
-    baselines: [(&str, Option<(f64, PlanStructure)>); 2],
+    baselines: [(&str, Option<(f64, PlanStructure)>); 3],
 ) -> PlanReport {
     let placement = place(cm.cluster, plan).expect("searched plans fit the cluster");
     report_placed(cm, plan, t, stats, exhaustive, baselines, placement)
@@ -241,7 +273,7 @@ fn report_placed(
     t: f64,
     stats: SearchStats,
     exhaustive: bool,
-    baselines: [(&str, Option<(f64, PlanStructure)>); 2],
+    baselines: [(&str, Option<(f64, PlanStructure)>); 3],
     placement: crate::placement::Placement,
 ) -> PlanReport {
     let eval = cm.evaluate(plan);
@@ -352,6 +384,7 @@ fn report_placed(
             plans_costed: stats.plans_costed,
             exhaustive_oracle: exhaustive,
             lower_bound: stats.lower_bound,
+            baseline: None,
         },
         network: None,
     }

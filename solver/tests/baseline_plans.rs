@@ -1,0 +1,100 @@
+//! Baselines as runnable plans (`motley plan --baseline`): each baseline's best plan is a whole
+//! plan document, priced as the comparison prices it, that a job can run as given; fast-only
+//! uses the fastest GPU type alone; Motley's own plan is never slower than any of them.
+
+use motley_solver::baselines::Baseline;
+use motley_solver::replan::CurrentPlan;
+use motley_solver::report::{baseline, given};
+use motley_solver::{model, plan, Cluster, ClusterSpec, Model, PlanOptions, PlanRequest, ProfileSet, SearchMode, SolverError};
+
+fn lab() -> Cluster {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/lab.yaml");
+    let spec: ClusterSpec = serde_norway::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+    Cluster::from_spec(&spec).unwrap()
+}
+
+fn request<'a>(cluster: &'a Cluster, model: &'a Model, profiles: &'a ProfileSet, opts: &'a PlanOptions) -> PlanRequest<'a> {
+    PlanRequest { cluster, model, profiles, opts, mode: SearchMode::Auto, exhaustive: false, seeds: vec![] }
+}
+
+const ALL: [Baseline; 3] = [Baseline::Megatron, Baseline::Whale, Baseline::FastOnly];
+
+#[test]
+fn each_baselines_plan_is_the_one_the_comparison_prices_and_motley_is_never_slower() {
+    let cluster = lab();
+    let model = Model::new(model::model_by_name("llama-13b").unwrap(), None).unwrap();
+    let (profiles, opts) = (ProfileSet::default(), PlanOptions { global_batch: 256, ..PlanOptions::default() });
+    let req = request(&cluster, &model, &profiles, &opts);
+    let motley = plan(&req).unwrap();
+    assert_eq!(motley.search.baseline, None);
+    for b in ALL {
+        let r = baseline(&req, b).unwrap();
+        assert_eq!((r.search.mode.as_str(), r.search.baseline.as_deref()), ("baseline", Some(b.name())));
+        let compared = motley.baselines[b.name()].iteration_time_s.unwrap();
+        assert!((r.iteration_time_s - compared).abs() <= 1e-9 * compared, "{}: {} against {compared}", b.name(), r.iteration_time_s);
+        assert!(motley.iteration_time_s <= r.iteration_time_s * (1.0 + 1e-9), "{}: motley {} slower", b.name(), motley.iteration_time_s);
+        // Symmetric baselines: every replica the same share and the same stages' layer counts.
+        if b != Baseline::Whale {
+            let shares: Vec<u32> = r.replicas.iter().map(|x| x.samples).collect();
+            assert!(shares.iter().all(|&s| s == shares[0]), "{}: {shares:?}", b.name());
+            let layers: Vec<u32> = r.replicas.iter().flat_map(|x| x.stages.iter().map(|s| s.layers[1] - s.layers[0])).collect();
+            assert!(layers.iter().all(|&l| l == layers[0]), "{}: {layers:?}", b.name());
+        }
+        assert_eq!(r.replicas.iter().map(|x| x.samples).sum::<u32>(), 256);
+    }
+}
+
+#[test]
+fn fast_only_runs_on_the_fastest_gpu_type_alone() {
+    let cluster = lab();
+    let model = Model::new(model::model_by_name("llama-13b").unwrap(), None).unwrap();
+    let (profiles, opts) = (ProfileSet::default(), PlanOptions { global_batch: 256, ..PlanOptions::default() });
+    let r = baseline(&request(&cluster, &model, &profiles, &opts), Baseline::FastOnly).unwrap();
+    let peak = |name: &str| {
+        let g = &cluster.classes.iter().find(|c| c.gpu.name == name).unwrap().gpu;
+        g.peak_tflops(r.precision).unwrap_or(g.tflops)
+    };
+    let best = cluster.classes.iter().map(|c| peak(&c.gpu.name)).fold(0.0, f64::max);
+    let used: Vec<&str> = r.replicas.iter().flat_map(|x| x.stages.iter().map(|s| s.gpu.as_str())).collect();
+    assert!(used.iter().all(|g| peak(g) == best), "{used:?}");
+    // Every GPU of another type is idle.
+    let others: u32 = cluster.nodes.iter().filter(|n| peak(&cluster.classes[n.class].gpu.name) < best).map(|n| n.gpus).sum();
+    assert!(others > 0);
+    assert_eq!(r.idle_gpus.iter().filter(|(g, _)| peak(g) < best).map(|(_, n)| n).sum::<u32>(), others);
+}
+
+#[test]
+fn a_baselines_plan_document_runs_as_given_at_the_same_price() {
+    let cluster = lab();
+    let model = Model::new(model::model_by_name("llama-7b").unwrap(), None).unwrap();
+    let (profiles, opts) = (ProfileSet::default(), PlanOptions { global_batch: 128, ..PlanOptions::default() });
+    let req = request(&cluster, &model, &profiles, &opts);
+    for b in ALL {
+        let r = baseline(&req, b).unwrap();
+        let doc: CurrentPlan = serde_json::from_value(serde_json::to_value(&r).unwrap()).unwrap();
+        let again = given(&req, &doc).unwrap_or_else(|e| panic!("{}: {e}", b.name()));
+        assert!((again.iteration_time_s - r.iteration_time_s).abs() <= 1e-9 * r.iteration_time_s, "{}", b.name());
+        let gpus = |x: &motley_solver::PlanReport| -> Vec<_> {
+            x.replicas.iter().flat_map(|r| r.stages.iter().flat_map(|s| s.gpus.clone())).collect()
+        };
+        assert_eq!(gpus(&again), gpus(&r), "{}", b.name());
+    }
+}
+
+#[test]
+fn a_baseline_with_no_plan_that_fits_says_which_baseline() {
+    // LLaMA-70B on the lab: Motley's search finds a plan (24 of the 40 GPUs), no baseline's
+    // rule does; the refusal names the baseline.
+    let cluster = lab();
+    let model = Model::new(model::model_by_name("llama-70b").unwrap(), None).unwrap();
+    let (profiles, opts) = (ProfileSet::default(), PlanOptions { global_batch: 256, ..PlanOptions::default() });
+    let req = request(&cluster, &model, &profiles, &opts);
+    assert!(plan(&req).is_ok());
+    for b in ALL {
+        match baseline(&req, b) {
+            Err(SolverError::DoesNotFit(m)) => assert!(m.starts_with(&format!("no {} plan fits", b.name())), "{m}"),
+            Ok(r) => panic!("{}: llama-70b fits at {} s?", b.name(), r.iteration_time_s),
+            Err(e) => panic!("{}: {e}", b.name()),
+        }
+    }
+}
