@@ -157,7 +157,11 @@ fn nodes_table(nodes: &[NodeView]) -> String {
                 e(&n.name),
                 n.state.as_str().to_string(),
                 if n.live { "yes" } else { "no" }.to_string(),
-                format!("{} x {}", s(&inv["gpus"]), s(&inv["gpu"])),
+                // An emulated node's GPUs are CPU shares: said beside them, never taken for real.
+                match inv["emulate"]["cpu"].as_f64() {
+                    Some(cpu) => format!("{} x {} (emulated, {cpu} CPU each)", s(&inv["gpus"]), s(&inv["gpu"])),
+                    None => format!("{} x {}", s(&inv["gpus"]), s(&inv["gpu"])),
+                },
             ];
             row.extend(load_cells(n.load.as_ref()));
             row.extend([nics.join(", "), s(&inv["rdma_domain"]), n.agent_epoch.to_string()]);

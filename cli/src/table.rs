@@ -59,6 +59,9 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
         r.replicas.len(),
         how
     ));
+    if r.emulated {
+        out.push_str("emulated: GPUs of this plan are CPU shares (the nodes' emulate:), a test or demo cluster, not real GPUs\n");
+    }
     out.push_str(&format!(
         "iteration {:.3} s | {:.0} tokens/s | {:.1}% of cluster peak FLOPS | global batch {} | micro-batch {} | seq {} | {}{}{}\n",
         r.iteration_time_s,

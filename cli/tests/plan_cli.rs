@@ -311,3 +311,33 @@ fn sizes_beyond_the_limits_are_refused_naming_the_field() {
     refused(&with(&["--seq-len", "100000000"]), &["--seq-len: 100000000 is more than"]);
     refused(&with(&["--max-stages", "100000"]), &["--max-stages", "at most 4096"]);
 }
+
+#[test]
+fn a_plan_on_emulated_gpus_says_so_and_a_bad_share_names_the_field() {
+    let cluster = |emulate: &str| {
+        format!(
+            "name: emu\nnodes:\n  - {{name: fast, gpu: A100-80G, gpus: 2{emulate}}}\n  - {{name: slow, gpu: V100-32G, gpus: 2{emulate}}}\n"
+        )
+    };
+    let real = write_temp("emu-real.yaml", &cluster(""));
+    let v = json(&["plan", "--cluster", real.to_str().unwrap(), "--model", "gpt3-1.3b", "--global-batch", "16"]);
+    assert!(v.get("emulated").is_none(), "a plan on real GPUs says nothing of emulation");
+    let emu = write_temp("emu.yaml", &cluster(", emulate: {cpu: 0.3}"));
+    let v = json(&["plan", "--cluster", emu.to_str().unwrap(), "--model", "gpt3-1.3b", "--global-batch", "16"]);
+    assert_eq!(v["emulated"], true);
+    check_contract(&v, 24);
+    let text =
+        String::from_utf8(motley(&["plan", "--cluster", emu.to_str().unwrap(), "--model", "gpt3-1.3b", "--global-batch", "16"]).stdout)
+            .unwrap();
+    assert!(text.contains("emulated"), "{text}");
+    for bad in ["0", "-0.5", "65", ".nan"] {
+        let f = write_temp("emu-bad.yaml", &cluster(&format!(", emulate: {{cpu: {bad}}}")));
+        let out = motley(&["plan", "--cluster", f.to_str().unwrap(), "--model", "gpt3-1.3b"]);
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad}: {err}");
+        assert!(err.contains("nodes[0].emulate.cpu"), "{bad}: {err}");
+    }
+    let f = write_temp("emu-typo.yaml", &cluster(", emulate: {cpus: 0.3}"));
+    let err = String::from_utf8(motley(&["plan", "--cluster", f.to_str().unwrap(), "--model", "gpt3-1.3b"]).stderr).unwrap();
+    assert!(err.contains("cpus"), "{err}");
+}

@@ -70,6 +70,10 @@ pub struct NodeView {
     pub inventory: Value,
     /// What its agent reported on its last heartbeat (null unless live).
     pub load: Option<NodeLoad>,
+    /// Its GPUs are emulated on CPU (its entry's `emulate:`, docs/emulation.md): a test or
+    /// demo node, never a real GPU.
+    #[serde(default)]
+    pub emulated: bool,
 }
 
 /// A job as the API shows it.

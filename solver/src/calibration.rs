@@ -148,6 +148,7 @@ mod tests {
                 spot: false,
                 price_per_gpu_hour: None,
                 pcie_switch_gbit: None,
+                emulate: None,
             }],
             gpu_types: vec![],
         };

@@ -216,6 +216,35 @@ pub struct NodeSpec {
     /// Default 256 (PCIe 4.0 x16).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pcie_switch_gbit: Option<f64>,
+    /// A declared test and demo mode: the node's GPUs are emulated on CPU, each rank confined
+    /// to a share of one core (the agent's cgroup CPU limit). Never implied: the node's view and
+    /// every plan that uses it say `emulated`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub emulate: Option<Emulate>,
+}
+
+/// `emulate:` of a node entry (docs/emulation.md).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Emulate {
+    /// Each rank's share of one CPU core (0.3: 30 ms of CPU time in every 100 ms).
+    pub cpu: f64,
+}
+
+/// The largest `emulate.cpu`: a share of more cores than a node has is no emulation.
+pub const MAX_EMULATE_CPU: f64 = 64.0;
+
+impl Emulate {
+    /// Checked, with the field named as `field` (`nodes[i].emulate.cpu`, `emulate.cpu`).
+    pub fn check(&self, field: &str) -> Result<()> {
+        if !(self.cpu.is_finite() && self.cpu > 0.0 && self.cpu <= MAX_EMULATE_CPU) {
+            return Err(SolverError::invalid(
+                field,
+                format!("is {}; give each rank's share of one CPU core, above 0 and at most {MAX_EMULATE_CPU} (0.3: 30%)", self.cpu),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The cluster file as written.
@@ -254,6 +283,8 @@ pub struct Node {
     pub name: String,
     pub class: usize,
     pub gpus: u32,
+    /// Its GPUs are emulated on CPU (`NodeSpec::emulate`).
+    pub emulated: bool,
 }
 
 /// A validated cluster.
@@ -363,6 +394,9 @@ fn node_class(i: usize, n: &NodeSpec, types: &BTreeMap<String, GpuType>) -> Resu
         return Err(SolverError::invalid(f("pcie_switch_gbit"), "must be a positive rate in Gbit/s (PCIe 4.0 x16 is 256)"));
     }
     check_nics(i, n)?;
+    if let Some(e) = &n.emulate {
+        e.check(&f("emulate.cpu"))?;
+    }
     let mut nic_gbps = multi_edge_gbit(&n.nics, switch_gbit);
     nic_gbps.entry(NicKind::Ethernet).or_insert(DEFAULT_ETHERNET_GBIT);
     if let Some(p) = n.price_per_gpu_hour {
@@ -444,7 +478,7 @@ impl Cluster {
                     ));
                 }
                 classes[ci].nodes.push(nodes.len());
-                nodes.push(Node { name, class: ci, gpus: n.gpus });
+                nodes.push(Node { name, class: ci, gpus: n.gpus, emulated: n.emulate.is_some() });
             }
         }
         let measured = vec![vec![None; classes.len()]; classes.len()];

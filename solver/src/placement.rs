@@ -190,6 +190,7 @@ mod tests {
             spot: false,
             price_per_gpu_hour: None,
             pcie_switch_gbit: None,
+            emulate: None,
         };
         Cluster::from_spec(&ClusterSpec { name: "t".into(), nodes: vec![node], gpu_types: vec![] }).unwrap()
     }

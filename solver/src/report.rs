@@ -116,6 +116,10 @@ pub struct PlanReport {
     /// (`bandwidth::PlanNetwork`); set by planners that know (the coordinator), absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<crate::bandwidth::PlanNetwork>,
+    /// Some of the plan's GPUs are emulated on CPU (a node's `emulate:`): a test or demo
+    /// cluster, said so wherever the plan goes. Absent when none is.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub emulated: bool,
 }
 
 /// Inputs of one planning run.
@@ -387,6 +391,11 @@ fn report_placed(
             baseline: None,
         },
         network: None,
+        emulated: {
+            let emulated: std::collections::HashSet<&str> =
+                cm.cluster.nodes.iter().filter(|n| n.emulated).map(|n| n.name.as_str()).collect();
+            !emulated.is_empty() && placement.gpus.iter().flatten().flatten().any(|g| emulated.contains(g.node.as_str()))
+        },
     }
 }
 

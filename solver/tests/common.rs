@@ -50,6 +50,7 @@ pub fn cluster_strategy(max_gpus: u32) -> impl Strategy<Value = ClusterSpec> {
                     spot: false,
                     price_per_gpu_hour: None,
                     pcie_switch_gbit: None,
+                    emulate: None,
                 }
             })
             .collect();

@@ -26,6 +26,7 @@ fn node(name: &str, count: u32, gpu: &str, gpus: u32, nic: NicSpec) -> NodeSpec 
         spot: false,
         price_per_gpu_hour: None,
         pcie_switch_gbit: None,
+        emulate: None,
     }
 }
 

@@ -22,6 +22,7 @@ fn node(name: &str, count: Option<u32>, gpus: u32) -> NodeSpec {
         spot: false,
         price_per_gpu_hour: None,
         pcie_switch_gbit: None,
+        emulate: None,
     }
 }
 

@@ -27,6 +27,7 @@ fn node(name: &str, count: u32, gpu: &str, gpus: u32, nics: Vec<NicSpec>, domain
         spot: false,
         price_per_gpu_hour: None,
         pcie_switch_gbit: None,
+        emulate: None,
     }
 }
 

@@ -19,6 +19,8 @@ use std::path::{Path, PathBuf};
 #[derive(Clone, Debug)]
 pub struct RankCgroups {
     root: PathBuf,
+    /// Each rank's share of one core (`cpu.max`), on an emulating node (`cpu_share`).
+    cpu_share: Option<f64>,
 }
 
 impl RankCgroups {
@@ -41,7 +43,26 @@ impl RankCgroups {
         // Made to know it can be; it comes back with the first rank (unless adopted ranks
         // still have theirs there).
         let _ = std::fs::remove_dir(&root);
-        Ok(RankCgroups { root })
+        Ok(RankCgroups { root, cpu_share: None })
+    }
+
+    /// Confine each rank to `share` of one core (`cpu.max`), or say why this hierarchy cannot:
+    /// the agent's own cgroup must delegate the cpu controller to its children (its
+    /// `cgroup.subtree_control` lists `cpu`, as systemd's `Delegate=cpu` makes it).
+    pub fn with_cpu_share(mut self, share: f64) -> Result<RankCgroups, String> {
+        let own = self.root.parent().ok_or("the rank cgroups' directory has no parent")?;
+        let control = own.join("cgroup.subtree_control");
+        let enabled = std::fs::read_to_string(&control).map_err(|e| format!("{}: {e}", control.display()))?;
+        if !enabled.split_whitespace().any(|c| c == "cpu") {
+            return Err(format!("{}: the cpu controller is not delegated to the agent's children", control.display()));
+        }
+        self.cpu_share = Some(share);
+        Ok(self)
+    }
+
+    /// Whether ranks get a CPU share here (`with_cpu_share`).
+    pub fn limits_cpu(&self) -> bool {
+        self.cpu_share.is_some()
     }
 
     /// The cgroup of one rank (made or not).
@@ -61,6 +82,12 @@ impl RankCgroups {
         // twice should a `clear` remove it in between.
         if std::fs::create_dir_all(&dir).is_err() {
             std::fs::create_dir_all(&dir)?;
+        }
+        if let Some(share) = self.cpu_share {
+            // The agent's directory hands the controller on to its ranks' (it has no processes
+            // of its own, so it may), then the rank's limit, before anything enters it.
+            std::fs::write(self.root.join("cgroup.subtree_control"), b"+cpu")?;
+            std::fs::write(dir.join("cpu.max"), crate::ranks::cpu_share::cpu_max(share))?;
         }
         if let Some((uid, gid)) = owner {
             // Files of the cgroup file system the agent just made: no rank can have replaced them.
@@ -167,6 +194,26 @@ fn own_v2_path(cgroup: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cpu_share_needs_the_controller_delegated_and_lands_in_the_ranks_cpu_max() {
+        // A directory tree shaped like the agent's cgroup (plain files stand in for the
+        // kernel's): the agent's own cgroup, and the rank cgroups' directory inside it.
+        let own = std::env::temp_dir().join(format!("motley-cgroup-unit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&own);
+        std::fs::create_dir_all(&own).unwrap();
+        let cgroups = || RankCgroups { root: own.join("motley-n0-1"), cpu_share: None };
+        std::fs::write(own.join("cgroup.subtree_control"), "memory pids\n").unwrap();
+        let e = cgroups().with_cpu_share(0.5).unwrap_err();
+        assert!(e.contains("the cpu controller is not delegated"), "{e}");
+        std::fs::write(own.join("cgroup.subtree_control"), "cpu memory pids\n").unwrap();
+        let c = cgroups().with_cpu_share(0.5).unwrap();
+        assert!(c.limits_cpu() && !cgroups().limits_cpu());
+        c.create(3, 1, 0, None).unwrap();
+        assert_eq!(std::fs::read_to_string(own.join("motley-n0-1/cgroup.subtree_control")).unwrap(), "+cpu");
+        assert_eq!(std::fs::read_to_string(c.path(3, 1, 0).join("cpu.max")).unwrap(), "50000 100000");
+        let _ = std::fs::remove_dir_all(&own);
+    }
 
     #[test]
     fn finds_the_cgroup2_mount_and_the_agents_own_cgroup() {

@@ -62,6 +62,7 @@ pub fn motley_view(m: &MetisModel) -> Result<MotleyView> {
             spot: false,
             price_per_gpu_hour: None,
             pcie_switch_gbit: None,
+            emulate: None,
         });
         names.push(t);
     }

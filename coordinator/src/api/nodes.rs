@@ -30,10 +30,12 @@ impl Operations<'_> {
     /// A stored node with its liveness and its agent's last load (docs/state.md: live only in
     /// the fleet's memory).
     fn node_view(&self, n: NodeRecord) -> Node {
+        let inventory: serde_json::Value = serde_json::from_str(&n.inventory).unwrap_or(serde_json::Value::Null);
         let view = NodeView {
             live: self.fleet.live(&n.name),
             load: self.fleet.load(&n.name),
-            inventory: serde_json::from_str(&n.inventory).unwrap_or(serde_json::Value::Null),
+            emulated: !inventory["emulate"].is_null(),
+            inventory,
             name: n.name,
             state: n.state,
             agent_epoch: n.agent_epoch,

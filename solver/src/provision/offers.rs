@@ -162,5 +162,6 @@ fn node_spec(o: &OfferSpec, name: &str, count: u32) -> NodeSpec {
         spot: false,
         price_per_gpu_hour: Some(o.price_per_gpu_hour),
         pcie_switch_gbit: None,
+        emulate: None,
     }
 }

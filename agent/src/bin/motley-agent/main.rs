@@ -98,7 +98,7 @@ fn run() -> anyhow::Result<()> {
 }
 async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -> anyhow::Result<()> {
     let logs_url = serve_logs(&args, &node, &work_dir).await?;
-    let supervisor = supervisor(&args, &node, &work_dir)?;
+    let supervisor = supervisor(&args, &node, &work_dir, &inventory)?;
     let profiler = match args.python.as_deref().filter(|p| !p.is_empty()) {
         Some(python) => {
             tracing::info!(node = %node, "layer profiles measured with {python} -m motley_torch.profile when the coordinator asks");
@@ -187,7 +187,7 @@ async fn serve_logs(args: &Args, node: &str, work_dir: &Path) -> anyhow::Result<
 
 /// The supervisor of this node's ranks: each rank under this executable as its wrapper, in its
 /// own cgroup where the host allows, its checkpoints in the memory tier.
-fn supervisor(args: &Args, node: &str, work_dir: &Path) -> anyhow::Result<Supervisor> {
+fn supervisor(args: &Args, node: &str, work_dir: &Path, inventory: &str) -> anyhow::Result<Supervisor> {
     // Opened now, as root: ranks of other users run it through this descriptor
     // (ranks/wrapper_exe.rs), so they need only execute permission on the file itself.
     let wrapper = motley_agent::ranks::wrapper_exe::WrapperExe::own()?;
@@ -203,6 +203,7 @@ fn supervisor(args: &Args, node: &str, work_dir: &Path) -> anyhow::Result<Superv
             None
         }
     };
+    let (cgroups, cpu_v1) = emulation(node, work_dir, inventory, cgroups)?;
     let shm = match &args.shm_dir {
         Some(p) if p.is_empty() => None,
         // Ranks are handed paths under it (MOTLEY_CKPT_DIR): absolute, whatever was given.
@@ -215,8 +216,45 @@ fn supervisor(args: &Args, node: &str, work_dir: &Path) -> anyhow::Result<Superv
         .allow_root_ranks(args.allow_root_ranks)
         .rank_env(RankEnv::with_extra(&args.rank_env).map_err(anyhow::Error::msg)?)
         .rank_cgroups(cgroups)
+        .cpu_v1(cpu_v1)
         .shm_root(shm);
     Ok(supervisor)
+}
+
+/// An emulating node (its inventory's `emulate: {cpu: F}`, docs/emulation.md): each rank
+/// confined to F of one core, by cgroup v2's `cpu.max` where the agent's cgroup delegates the
+/// cpu controller, else by the v1 cpu hierarchy. Neither: the agent refuses to start, since a
+/// node that says it emulates and does not would make every measurement on it a lie.
+fn emulation(
+    node: &str,
+    work_dir: &Path,
+    inventory: &str,
+    cgroups: Option<motley_agent::ranks::cgroup::RankCgroups>,
+) -> anyhow::Result<(Option<motley_agent::ranks::cgroup::RankCgroups>, Option<motley_agent::ranks::cpu_share::CpuV1>)> {
+    let entry: serde_json::Value = serde_json::from_str(inventory)?;
+    if entry["emulate"].is_null() {
+        return Ok((cgroups, None));
+    }
+    let emulate: motley_solver::hardware::Emulate = serde_json::from_value(entry["emulate"].clone())
+        .map_err(|e| anyhow::anyhow!("--inventory: emulate: {e}; give emulate: {{cpu: 0.3}} (each rank's share of one core)"))?;
+    emulate.check("--inventory: emulate.cpu")?;
+    let v2 = match cgroups.clone().map(|c| c.with_cpu_share(emulate.cpu)) {
+        Some(Ok(c)) => {
+            tracing::info!(node = %node, "emulated GPUs: each rank runs on {} of one core (cgroup v2 cpu.max)", emulate.cpu);
+            return Ok((Some(c), None));
+        }
+        Some(Err(why)) => why,
+        None => "no rank cgroups (above)".to_string(),
+    };
+    match motley_agent::ranks::cpu_share::CpuV1::detect(node, work_dir, emulate.cpu) {
+        Ok(v1) => {
+            tracing::info!(node = %node, "emulated GPUs: each rank runs on {} of one core (cgroup v1 cpu.cfs_quota_us)", emulate.cpu);
+            Ok((cgroups, Some(v1)))
+        }
+        Err(v1) => anyhow::bail!(
+            "--inventory: emulate.cpu: this agent cannot confine ranks to a CPU share (cgroup v2: {v2}; cgroup v1: {v1}); run it as root on a host with the cpu controller (delegated to the agent's cgroup on v2), or remove emulate"
+        ),
+    }
 }
 
 /// Checkpoint tiers: memory -> disk (keep K) -> the cloud, every base interval.

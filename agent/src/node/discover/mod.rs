@@ -122,6 +122,7 @@ pub fn discover(node: &str, sysfs: &Path, gpus: &[Gpu]) -> (Discovered, Result<(
         spot: false,
         price_per_gpu_hour: None,
         pcie_switch_gbit: None,
+        emulate: None,
     };
     let checked = match problem {
         Some(p) => Err(AgentError::Discovery(p)),

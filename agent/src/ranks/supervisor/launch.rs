@@ -232,13 +232,20 @@ impl Supervisor {
         Ok(Some(list))
     }
 
-    /// The rank's cgroup, its user and its own process group, entered by the child before
-    /// `exec`.
+    /// The rank's cgroup (and, emulating on a v1 host, its v1 cpu cgroup), its user and its
+    /// own process group, entered by the child before `exec`.
     fn confine(&self, cmd: &mut tokio::process::Command, l: &Launch, r: &RankLaunch, user: Option<&users::Account>) -> Result<(), String> {
         if let Some(cg) = &self.cgroups {
             let owner = user.filter(|a| a.uid != users::euid()).map(|a| (a.uid, a.gid));
             let procs = cg.create(l.job, l.generation, r.rank, owner).map_err(|e| format!("the rank's cgroup: {e}"))?;
             // First of the child's steps: it still has the agent's rights to move itself.
+            // SAFETY: `enter` makes system calls only (no allocation, no locks).
+            unsafe {
+                cmd.pre_exec(move || crate::ranks::cgroup::enter(&procs));
+            }
+        }
+        if let Some(cpu) = &self.cpu_v1 {
+            let procs = cpu.create(l.job, l.generation, r.rank).map_err(|e| format!("the rank's CPU share (emulate.cpu): {e}"))?;
             // SAFETY: `enter` makes system calls only (no allocation, no locks).
             unsafe {
                 cmd.pre_exec(move || crate::ranks::cgroup::enter(&procs));

@@ -108,6 +108,8 @@ pub struct Supervisor {
     changed: Arc<tokio::sync::Notify>,
     /// Each rank's own cgroup, where the host lets the agent make them (`cgroup`).
     cgroups: Option<crate::ranks::cgroup::RankCgroups>,
+    /// An emulating node's ranks' CPU shares in the v1 cpu hierarchy (`cpu_share`).
+    cpu_v1: Option<crate::ranks::cpu_share::CpuV1>,
     /// The checkpoint memory tier's root (`tiers`): ranks write checkpoints under it.
     shm_root: Option<PathBuf>,
 }
@@ -128,6 +130,7 @@ impl Supervisor {
             allow_root_ranks: false,
             rank_env: Default::default(),
             cgroups: None,
+            cpu_v1: None,
             shm_root: None,
         }
     }
@@ -158,6 +161,13 @@ impl Supervisor {
     /// Run each rank in its own cgroup (see `cgroup`).
     pub fn rank_cgroups(mut self, cgroups: Option<crate::ranks::cgroup::RankCgroups>) -> Supervisor {
         self.cgroups = cgroups;
+        self
+    }
+
+    /// Confine each rank to a CPU share in the v1 cpu hierarchy (`cpu_share`; emulated GPUs on
+    /// hosts whose cpu controller is on v1).
+    pub fn cpu_v1(mut self, cpu: Option<crate::ranks::cpu_share::CpuV1>) -> Supervisor {
+        self.cpu_v1 = cpu;
         self
     }
 
@@ -256,6 +266,9 @@ impl Supervisor {
         // A rank's end ends everything it started, also what left its process group.
         if let Some(cg) = &self.cgroups {
             tokio::spawn(crate::ranks::cgroup::clear(cg.path(key.0, key.1, key.2)));
+        }
+        if let Some(cpu) = &self.cpu_v1 {
+            tokio::spawn(crate::ranks::cpu_share::clear_v1(cpu.path(key.0, key.1, key.2)));
         }
         self.changed.notify_one();
     }

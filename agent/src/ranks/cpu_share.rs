@@ -1,0 +1,136 @@
+//! Emulated GPUs (docs/emulation.md): a node whose inventory says `emulate: {cpu: F}` runs each
+//! rank confined to F of one CPU core by the kernel's CPU bandwidth controller, so that GPU
+//! types of different speeds can be reproduced on one machine. cgroup v2's `cpu.max` in the
+//! rank's own cgroup (`cgroup`) where the agent's cgroup delegates the cpu controller; else
+//! cgroup v1's `cpu.cfs_quota_us` in a cgroup of the rank's own under the agent's in the v1
+//! `cpu` hierarchy (hosts whose cpu controller is on v1, as the CI machine's is). An agent asked
+//! to emulate that can do neither refuses to start: emulation is never silently off.
+
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+/// The bandwidth controller's period: a share F is F x 100 ms of CPU time every 100 ms.
+pub const PERIOD_US: u64 = 100_000;
+
+/// `cpu.max`'s text for `share` of one core (`"QUOTA PERIOD"`, microseconds; the kernel's
+/// smallest quota is 1 ms).
+pub fn cpu_max(share: f64) -> String {
+    format!("{} {PERIOD_US}", quota_us(share))
+}
+
+/// The quota, in microseconds per period, of `share` of one core (1 ms at least).
+pub fn quota_us(share: f64) -> u64 {
+    ((share * PERIOD_US as f64).round() as u64).max(1000)
+}
+
+/// Where ranks' v1 cpu cgroups live: `<v1 cpu mount>/<the agent's v1 cpu cgroup>/motley-cpu-<node>-<hash>`.
+#[derive(Clone, Debug)]
+pub struct CpuV1 {
+    root: PathBuf,
+    share: f64,
+}
+
+impl CpuV1 {
+    /// The v1 `cpu` hierarchy's directory for this agent's ranks, made and checked writable
+    /// (a quota can be set), or why not.
+    pub fn detect(node: &str, work_dir: &Path, share: f64) -> Result<CpuV1, String> {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| format!("/proc/self/mountinfo: {e}"))?;
+        let mount = v1_cpu_mount(&mountinfo).ok_or("no cgroup v1 hierarchy with the cpu controller is mounted")?;
+        let own = std::fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("/proc/self/cgroup: {e}"))?;
+        let own = own_v1_cpu_path(&own).ok_or("/proc/self/cgroup names no cgroup v1 cpu path")?;
+        let root =
+            mount.join(own.trim_start_matches('/')).join(format!("motley-cpu-{node}-{:08x}", fnv1a(work_dir.as_os_str().as_bytes())));
+        std::fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+        let probe = root.join("probe");
+        let wrote = std::fs::create_dir_all(&probe).and_then(|()| set_v1_quota(&probe, share));
+        let _ = std::fs::remove_dir(&probe);
+        wrote.map_err(|e| format!("{}: setting a CPU quota: {e}", root.display()))?;
+        Ok(CpuV1 { root, share })
+    }
+
+    /// The v1 cpu cgroup of one rank (made or not).
+    pub fn path(&self, job: i64, generation: i64, rank: i64) -> PathBuf {
+        self.root.join(format!("job-{job}-gen-{generation}-rank-{rank}"))
+    }
+
+    /// Make the rank's v1 cpu cgroup with its quota: the `cgroup.procs` a child writes itself
+    /// into before `exec` (`cgroup::enter`).
+    pub fn create(&self, job: i64, generation: i64, rank: i64) -> io::Result<CString> {
+        let dir = self.path(job, generation, rank);
+        std::fs::create_dir_all(&dir)?;
+        set_v1_quota(&dir, self.share)?;
+        CString::new(dir.join("cgroup.procs").as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
+    }
+}
+
+fn set_v1_quota(dir: &Path, share: f64) -> io::Result<()> {
+    std::fs::write(dir.join("cpu.cfs_period_us"), PERIOD_US.to_string())?;
+    std::fs::write(dir.join("cpu.cfs_quota_us"), quota_us(share).to_string())
+}
+
+/// Remove a finished rank's v1 cpu cgroup once its processes are gone (the rank's stop ends
+/// them: its process group, and its v2 cgroup where it has one).
+pub async fn clear_v1(dir: PathBuf) {
+    for _ in 0..100 {
+        match std::fs::remove_dir(&dir) {
+            Ok(()) => return,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return,
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    }
+    tracing::warn!("{}: still holds processes; left in place", dir.display());
+}
+
+/// The mount point of a cgroup v1 hierarchy with the `cpu` controller (its super options list
+/// `cpu`, alone or with `cpuacct`).
+fn v1_cpu_mount(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        let mut r = right.split_whitespace();
+        if r.next()? != "cgroup" {
+            return None;
+        }
+        let options = r.nth(1)?;
+        options.split(',').any(|o| o == "cpu").then(|| left.split_whitespace().nth(4).map(PathBuf::from))?
+    })
+}
+
+/// The v1 cpu cgroup path in /proc/self/cgroup (`N:cpu,cpuacct:/path` or `N:cpu:/path`).
+fn own_v1_cpu_path(cgroup: &str) -> Option<String> {
+    cgroup.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        controllers.split(',').any(|c| c == "cpu").then(|| path.to_string())
+    })
+}
+
+/// FNV-1a, 32 bits (as `cgroup`'s): a short stable name for a work directory.
+fn fnv1a(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5u32, |h, &b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_share_is_a_quota_of_the_period_and_never_below_the_kernels_least() {
+        assert_eq!(cpu_max(0.3), "30000 100000");
+        assert_eq!(cpu_max(2.0), "200000 100000");
+        assert_eq!(quota_us(0.001), 1000);
+    }
+
+    #[test]
+    fn finds_the_v1_cpu_hierarchy_and_the_agents_place_in_it() {
+        let hybrid = "35 25 0:30 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n\
+                      36 35 0:31 / /sys/fs/cgroup/unified rw,relatime shared:9 - cgroup2 cgroup2 rw\n\
+                      37 35 0:32 / /sys/fs/cgroup/cpuacct rw - cgroup cgroup rw,cpuacct\n\
+                      38 35 0:33 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n";
+        assert_eq!(v1_cpu_mount(hybrid), Some(PathBuf::from("/sys/fs/cgroup/cpu,cpuacct")));
+        assert_eq!(v1_cpu_mount("36 35 0:31 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"), None);
+        assert_eq!(own_v1_cpu_path("4:memory:/x\n2:cpuacct:/y\n1:cpu,cpuacct:/agents/a\n0::/\n").as_deref(), Some("/agents/a"));
+        assert_eq!(own_v1_cpu_path("2:cpuacct:/y\n0::/\n"), None);
+    }
+}
