@@ -64,6 +64,20 @@ const ALLOWED: &[(&str, &str, &str)] = &[
     ("ranks/cgroup.rs", "std::fs::remove_dir(&dir)", "cgroupfs: rmdir of an empty cgroup"),
     ("ranks/cgroup.rs", "std::fs::remove_dir(root)", "cgroupfs: rmdir of an empty cgroup"),
     ("ranks/cgroup.rs", "std::os::unix::fs::chown(dir.join(file)", "a rank's cgroup files, given to its user: cgroupfs has no links"),
+    ("ranks/cgroup.rs", "std::fs::read_to_string(&control)", "cgroupfs: the agent's own cgroup's cgroup.subtree_control"),
+    ("ranks/cgroup.rs", "cgroup.subtree_control", "cgroupfs control file of the agent's cgroup subtree"),
+    ("ranks/cgroup.rs", "cpu.max", "cgroupfs: a rank's CPU limit, written by the agent before the rank starts"),
+    // An emulating node's v1 cpu hierarchy (ranks/cpu_share.rs): the agent's subtree alone; the
+    // ranks' v1 cgroups are never given to their users.
+    ("ranks/cpu_share.rs", "/proc/self/mountinfo", "/proc"),
+    ("ranks/cpu_share.rs", "/proc/self/cgroup", "/proc"),
+    ("ranks/cpu_share.rs", "std::fs::create_dir_all(&root)", "the agent's v1 cpu cgroup subtree"),
+    ("ranks/cpu_share.rs", "std::fs::create_dir_all(&probe)", "the agent's v1 cpu cgroup subtree"),
+    ("ranks/cpu_share.rs", "std::fs::remove_dir(&probe)", "cgroupfs: rmdir of an empty cgroup"),
+    ("ranks/cpu_share.rs", "std::fs::create_dir_all(&dir)", "a rank's v1 cpu cgroup, made by the agent"),
+    ("ranks/cpu_share.rs", "cpu.cfs_period_us", "cgroupfs control file"),
+    ("ranks/cpu_share.rs", "cpu.cfs_quota_us", "cgroupfs control file"),
+    ("ranks/cpu_share.rs", "std::fs::remove_dir(&dir)", "cgroupfs: rmdir of an empty cgroup"),
     // The operator's files, named on the command line or in the agent's configuration.
     ("bin/motley-agent/main.rs", "std::fs::read(ca)", "--ca-cert"),
     ("bin/motley-agent/session.rs", "std::fs::read(p)", "--ca-cert"),
