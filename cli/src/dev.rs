@@ -34,6 +34,11 @@ pub enum DevCommand {
         /// Heartbeat interval of this local system, ms (a lease lasts three).
         #[arg(long, default_value_t = 500)]
         heartbeat_ms: u64,
+        /// Emulate the cluster's GPUs on this machine's CPUs at their relative speeds: each
+        /// node entry without `emulate:` gets a share of one core per GPU proportional to its
+        /// type's peak (docs/emulation.md; the agents confine ranks with cgroups: run as root).
+        #[arg(long)]
+        emulate: bool,
     },
 }
 
@@ -84,11 +89,17 @@ fn sibling(name: &str) -> Result<PathBuf, InputError> {
 /// Runs the job to its end; the exit code is the job's outcome (`exit::for_job_state`): a job
 /// that failed or was cancelled (Ctrl-C included) is not a success for the script that ran this.
 pub fn run(cmd: DevCommand) -> Result<Outcome, InputError> {
-    let DevCommand::Up { cluster, job, dir, heartbeat_ms } = cmd;
+    let DevCommand::Up { cluster, job, dir, heartbeat_ms, emulate } = cmd;
     let origin = cluster.display().to_string();
     let text = std::fs::read_to_string(&cluster).map_err(|e| InputError(format!("{origin}: cannot read cluster file: {e}")))?;
-    let spec: ClusterSpec = inputs::parse_yaml(&text, &origin)?;
+    let mut spec: ClusterSpec = inputs::parse_yaml(&text, &origin)?;
     motley_solver::Cluster::from_spec(&spec).map_err(|e| inputs::in_file(&origin, e))?;
+    if emulate {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for (gpu, share) in crate::emulate::fill(&mut spec, cores)? {
+            say(&format!("emulating {} on {share} of one core per GPU ({cores} cores here)", escape(&gpu)));
+        }
+    }
     let job_text = std::fs::read_to_string(&job).map_err(|e| InputError(format!("{}: cannot read job file: {e}", job.display())))?;
     // The default directory is new for every run (pids are reused, so the time is in the name
     // too): an earlier run's database would otherwise come back with its jobs.

@@ -4,6 +4,7 @@
 pub mod ckpt;
 pub mod client;
 pub mod dev;
+pub mod emulate;
 pub mod inputs;
 pub mod model;
 pub mod net;

@@ -188,3 +188,40 @@ fn two_dev_ups_sharing_a_cloud_put_their_job_1_apart() {
     }
     assert_ne!(places[0], places[1], "each run is its own cluster");
 }
+
+/// `--emulate`: every GPU type at its relative speed on this machine's cores, each node's agent
+/// given the share in its inventory (its ranks confined to it: agent/tests/emulation.rs), and
+/// the job runs to the end. The agents set CPU quotas in cgroups: root only (CI runs as root).
+#[test]
+fn dev_up_emulate_gives_each_gpu_type_its_share_of_a_core() {
+    let uid = Command::new("id").arg("-u").output().unwrap();
+    if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+        assert!(std::env::var_os("CI").is_none(), "dev_up_emulate_gives_each_gpu_type_its_share_of_a_core needs root (cgroup CPU quotas)");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("motley-dev-emulate-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cluster, job) = (dir.join("cluster.yaml"), dir.join("job.yaml"));
+    std::fs::write(&cluster, "name: emu\nnodes:\n  - {name: fast, gpu: A100-80G, gpus: 1}\n  - {name: slow, gpu: V100-32G, gpus: 1}\n").unwrap();
+    std::fs::write(&job, "name: emu\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'echo emulated-ok'\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_motley"))
+        .args(["dev", "up", cluster.to_str().unwrap(), job.to_str().unwrap(), "--emulate", "--dir", dir.join("state").to_str().unwrap()])
+        .current_dir(repo())
+        .env_remove("MOTLEY_RANK_ENV")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("emulating A100-80G on") && text.contains("emulating V100-32G on"), "{text}");
+    assert!(text.contains("job 1 succeeded") && text.contains("emulated-ok"), "{text}");
+    let share = |node: &str| -> f64 {
+        let entry: serde_json::Value = serde_norway::from_str(&std::fs::read_to_string(dir.join(format!("state/nodes/{node}.yaml"))).unwrap()).unwrap();
+        entry["emulate"]["cpu"].as_f64().unwrap()
+    };
+    // fp16 peaks (a V100 has no bf16): 312 and 125 TFLOPS.
+    let (fast, slow) = (share("fast"), share("slow"));
+    assert!((fast / slow - 312.0 / 125.0).abs() < 0.05 && fast <= 1.0, "{fast} {slow}");
+    assert_eq!(processes_with(dir.join("state").to_str().unwrap()), 0, "coordinator and agents are stopped");
+    let _ = std::fs::remove_dir_all(&dir);
+}
