@@ -75,7 +75,8 @@ mod tests {
 
     #[test]
     fn an_entry_with_its_own_share_keeps_it_and_the_rest_fit_around_it() {
-        let mut s = spec("name: m\nnodes:\n  - {name: a, gpu: A100-80G, gpus: 1, emulate: {cpu: 0.6}}\n  - {name: v, gpu: V100-32G, gpus: 2}\n");
+        let mut s =
+            spec("name: m\nnodes:\n  - {name: a, gpu: A100-80G, gpus: 1, emulate: {cpu: 0.6}}\n  - {name: v, gpu: V100-32G, gpus: 2}\n");
         let shares = fill(&mut s, 2).unwrap();
         assert_eq!(s.nodes[0].emulate.unwrap().cpu, 0.6);
         assert_eq!(shares.len(), 1);

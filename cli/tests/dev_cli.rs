@@ -203,7 +203,8 @@ fn dev_up_emulate_gives_each_gpu_type_its_share_of_a_core() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let (cluster, job) = (dir.join("cluster.yaml"), dir.join("job.yaml"));
-    std::fs::write(&cluster, "name: emu\nnodes:\n  - {name: fast, gpu: A100-80G, gpus: 1}\n  - {name: slow, gpu: V100-32G, gpus: 1}\n").unwrap();
+    std::fs::write(&cluster, "name: emu\nnodes:\n  - {name: fast, gpu: A100-80G, gpus: 1}\n  - {name: slow, gpu: V100-32G, gpus: 1}\n")
+        .unwrap();
     std::fs::write(&job, "name: emu\nmodel: gpt3-1.3b\nglobal_batch: 8\nresources: {gpus: 2}\nrun: 'echo emulated-ok'\n").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_motley"))
         .args(["dev", "up", cluster.to_str().unwrap(), job.to_str().unwrap(), "--emulate", "--dir", dir.join("state").to_str().unwrap()])
@@ -216,7 +217,8 @@ fn dev_up_emulate_gives_each_gpu_type_its_share_of_a_core() {
     assert!(text.contains("emulating A100-80G on") && text.contains("emulating V100-32G on"), "{text}");
     assert!(text.contains("job 1 succeeded") && text.contains("emulated-ok"), "{text}");
     let share = |node: &str| -> f64 {
-        let entry: serde_json::Value = serde_norway::from_str(&std::fs::read_to_string(dir.join(format!("state/nodes/{node}.yaml"))).unwrap()).unwrap();
+        let entry: serde_json::Value =
+            serde_norway::from_str(&std::fs::read_to_string(dir.join(format!("state/nodes/{node}.yaml"))).unwrap()).unwrap();
         entry["emulate"]["cpu"].as_f64().unwrap()
     };
     // fp16 peaks (a V100 has no bf16): 312 and 125 TFLOPS.
