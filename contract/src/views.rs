@@ -71,8 +71,8 @@ pub struct NodeView {
     /// What its agent reported on its last heartbeat (null unless live).
     pub load: Option<NodeLoad>,
     /// Its GPUs are emulated on CPU (its entry's `emulate:`, docs/emulation.md): a test or
-    /// demo node, never a real GPU.
-    #[serde(default)]
+    /// demo node, never a real GPU. Absent when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub emulated: bool,
 }
 
