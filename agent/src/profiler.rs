@@ -24,6 +24,9 @@ const LOG_TAIL_BYTES: usize = 2000;
 #[derive(Clone)]
 pub struct Profiler {
     inner: Arc<Inner>,
+    /// On an emulating node, the runs are held to the ranks' CPU share (docs/emulation.md):
+    /// a profile measures the emulated device, not the whole machine.
+    confine: Option<crate::ranks::cpu_share::Confine>,
 }
 
 struct Inner {
@@ -75,7 +78,7 @@ impl Profiler {
             running: Mutex::default(),
             changed: tokio::sync::Notify::new(),
         };
-        Ok(Profiler { inner: Arc::new(inner) })
+        Ok(Profiler { inner: Arc::new(inner), confine: None })
     }
 
     /// Resolves when a run finished (its result is to be reported).
@@ -117,6 +120,12 @@ impl Profiler {
         }
     }
 
+    /// Hold every run to this CPU share (`Supervisor::cpu_confine`).
+    pub fn confined(mut self, confine: Option<crate::ranks::cpu_share::Confine>) -> Profiler {
+        self.confine = confine;
+        self
+    }
+
     /// Start a run (in the background); a request running or finished already is not run again.
     pub fn start(&self, p: Profile) {
         let fresh = !self.inner.results.lock().expect("profile results").contains_key(&p.request)
@@ -148,8 +157,19 @@ impl Profiler {
         });
     }
 
-    /// Run the profiler; the entry it wrote (JSON), or why not.
+    /// Run the profiler in its CPU share when there is one (its cgroup removed after); the
+    /// entry it wrote (JSON), or why not.
     async fn run(&self, p: &Profile) -> std::result::Result<String, String> {
+        let Some(confine) = &self.confine else { return self.run_in(p, None).await };
+        let (dir, procs) =
+            confine.create(&format!("profile-{}", p.request)).map_err(|e| format!("the profiler's CPU share (emulate.cpu): {e}"))?;
+        let result = self.run_in(p, Some(procs)).await;
+        confine.clear(dir).await;
+        result
+    }
+
+    /// One run, entering the cgroup whose `cgroup.procs` is `procs` first, if any.
+    async fn run_in(&self, p: &Profile, procs: Option<std::ffi::CString>) -> std::result::Result<String, String> {
         let dir = self.inner.dir.join(p.request.to_string());
         crate::workdir::create_dirs(&dir).map_err(|e| e.to_string())?;
         let model = dir.join("model.json");
@@ -174,6 +194,12 @@ impl Profiler {
             // Its own process group: a timeout ends the TP workers it started too.
             .process_group(0)
             .kill_on_drop(true);
+        if let Some(procs) = procs {
+            // SAFETY: `enter` makes system calls only (no allocation, no locks).
+            unsafe {
+                cmd.pre_exec(move || crate::ranks::cgroup::enter(&procs));
+            }
+        }
         let mut child = cmd.spawn().map_err(|e| format!("cannot start {} (--python): {e}", self.inner.python))?;
         let pid = child.id();
         let limit = Duration::from_secs(u64::from(p.timeout_s.max(1)));
@@ -301,6 +327,41 @@ printf 'profiles:\n  - {gpu: A100-80G, tp: 1, micro_batch: 2, fwd_ms: 1.5, bwd_m
         assert!(again.report(7).is_empty());
         // A request already done is not run again.
         p.ack(1);
+    }
+
+    #[tokio::test]
+    async fn on_an_emulating_node_a_run_is_held_to_the_share_in_a_cgroup_of_its_own() {
+        let tmp = scratch("confined");
+        let cpu = match crate::ranks::cpu_share::CpuV1::detect("prof", &tmp, 0.25) {
+            Ok(c) => c,
+            Err(why) => {
+                // Root and the v1 cpu controller, as on the CI machine (which must run it).
+                assert!(std::env::var_os("CI").is_none(), "this test needs root and the v1 cpu controller: {why}");
+                return;
+            }
+        };
+        let own = cpu.path(0, 0, 0).parent().unwrap().join("profile-9");
+        // Writes the quota of the cgroup it runs in, then the entry.
+        let py = fake_python(
+            &tmp,
+            &format!(
+                r#"cat {}/cpu.cfs_quota_us > quota.txt; grep -E '^[0-9]+:([^:]*,)?cpu(,[^:]*)?:' /proc/self/cgroup > cgroup.txt
+out=""; while [ $# -gt 0 ]; do case "$1" in --output) out="$2"; shift;; esac; shift; done
+printf 'profiles:
+  - {{gpu: A100-80G, tp: 1, micro_batch: 2, fwd_ms: 1.5, bwd_ms: 3}}
+' > "$out""#,
+                own.display()
+            ),
+        );
+        let p = Profiler::new(&py, &tmp, "n1").unwrap().confined(Some(crate::ranks::cpu_share::Confine::V1(cpu)));
+        p.start(request(9, 30));
+        let r = finished(&p).await;
+        assert!(r[0].error.is_empty(), "{}", r[0].error);
+        let run = tmp.join("profiles/9");
+        assert_eq!(std::fs::read_to_string(run.join("quota.txt")).unwrap().trim(), "25000");
+        assert!(std::fs::read_to_string(run.join("cgroup.txt")).unwrap().trim_end().ends_with("/profile-9"));
+        assert!(!own.exists(), "the run's cgroup is removed after it: {}", own.display());
+        let _ = std::fs::remove_dir(own.parent().unwrap());
     }
 
     #[tokio::test]

@@ -77,7 +77,19 @@ impl RankCgroups {
     /// agent's lease lapses (the dead-man switch). The directory stays the agent's: the user
     /// makes no cgroups below it and changes no limit.
     pub fn create(&self, job: i64, generation: i64, rank: i64, owner: Option<(u32, u32)>) -> io::Result<CString> {
-        let dir = self.path(job, generation, rank);
+        self.create_in(&self.path(job, generation, rank), owner)
+    }
+
+    /// A cgroup named `name` beside the ranks' (the layer profiler's on an emulating node):
+    /// its directory and the file a child writes itself into. `name` is the agent's own
+    /// (`profile-REQUEST`), never a rank's.
+    pub fn create_named(&self, name: &str) -> io::Result<(PathBuf, CString)> {
+        let dir = self.root.join(name);
+        Ok((dir.clone(), self.create_in(&dir, None)?))
+    }
+
+    fn create_in(&self, dir: &Path, owner: Option<(u32, u32)>) -> io::Result<CString> {
+        let dir = dir.to_path_buf();
         // The agent's directory goes with its last rank (`clear`): make it again if need be,
         // twice should a `clear` remove it in between.
         if std::fs::create_dir_all(&dir).is_err() {

@@ -102,7 +102,7 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
     let profiler = match args.python.as_deref().filter(|p| !p.is_empty()) {
         Some(python) => {
             tracing::info!(node = %node, "layer profiles measured with {python} -m motley_torch.profile when the coordinator asks");
-            Some(Profiler::new(python, &work_dir, &node)?)
+            Some(Profiler::new(python, &work_dir, &node)?.confined(supervisor.cpu_confine()))
         }
         None => None,
     };

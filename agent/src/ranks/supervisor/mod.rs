@@ -171,6 +171,17 @@ impl Supervisor {
         self
     }
 
+    /// The CPU share ranks get on an emulating node, for children that are no ranks (the layer
+    /// profiler): None when ranks run unconfined.
+    pub fn cpu_confine(&self) -> Option<crate::ranks::cpu_share::Confine> {
+        use crate::ranks::cpu_share::Confine;
+        match (&self.cpu_v1, &self.cgroups) {
+            (Some(v1), _) => Some(Confine::V1(v1.clone())),
+            (None, Some(cg)) if cg.limits_cpu() => Some(Confine::V2(cg.clone())),
+            _ => None,
+        }
+    }
+
     /// The allow-list of the agent's variables a rank inherits (default: `environment`'s).
     pub fn rank_env(mut self, env: crate::ranks::environment::RankEnv) -> Supervisor {
         self.rank_env = env;
