@@ -74,6 +74,8 @@ const ALLOWED: &[(&str, &str, &str)] = &[
     ("ranks/cpu_share.rs", "std::fs::create_dir_all(&root)", "the agent's v1 cpu cgroup subtree"),
     ("ranks/cpu_share.rs", "std::fs::create_dir_all(&probe)", "the agent's v1 cpu cgroup subtree"),
     ("ranks/cpu_share.rs", "std::fs::remove_dir(&probe)", "cgroupfs: rmdir of an empty cgroup"),
+    ("ranks/cpu_share.rs", "std::fs::remove_dir(&root)", "cgroupfs: rmdir of an empty cgroup"),
+    ("ranks/cpu_share.rs", "std::fs::remove_dir(root)", "cgroupfs: rmdir of an empty cgroup"),
     ("ranks/cpu_share.rs", "std::fs::create_dir_all(dir)", "a rank's (or the profiler's) v1 cpu cgroup, made by the agent"),
     ("ranks/cpu_share.rs", "cpu.cfs_period_us", "cgroupfs control file"),
     ("ranks/cpu_share.rs", "cpu.cfs_quota_us", "cgroupfs control file"),

@@ -47,6 +47,9 @@ impl CpuV1 {
         let wrote = std::fs::create_dir_all(&probe).and_then(|()| set_v1_quota(&probe, share));
         let _ = std::fs::remove_dir(&probe);
         wrote.map_err(|e| format!("{}: setting a CPU quota: {e}", root.display()))?;
+        // Made to know it can be; it comes back with the first rank and goes with the last
+        // (`clear_v1`), so agents that come and go leave no cgroups behind.
+        let _ = std::fs::remove_dir(&root);
         Ok(CpuV1 { root, share })
     }
 
@@ -105,16 +108,21 @@ fn set_v1_quota(dir: &Path, share: f64) -> io::Result<()> {
 }
 
 /// Remove a finished rank's v1 cpu cgroup once its processes are gone (the rank's stop ends
-/// them: its process group, and its v2 cgroup where it has one).
+/// them: its process group, and its v2 cgroup where it has one), and the agent's directory with
+/// it once no other cgroup is left there.
 pub async fn clear_v1(dir: PathBuf) {
     for _ in 0..100 {
         match std::fs::remove_dir(&dir) {
-            Ok(()) => return,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return,
+            Ok(()) => break,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => break,
             Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
         }
     }
-    tracing::warn!("{}: still holds processes; left in place", dir.display());
+    if dir.exists() {
+        tracing::warn!("{}: still holds processes; left in place", dir.display());
+    } else if let Some(root) = dir.parent() {
+        let _ = std::fs::remove_dir(root);
+    }
 }
 
 /// The mount point of a cgroup v1 hierarchy with the `cpu` controller (its super options list
