@@ -26,7 +26,7 @@ pub struct Profiler {
     inner: Arc<Inner>,
     /// On an emulating node, the runs are held to the ranks' CPU share (docs/emulation.md):
     /// a profile measures the emulated device, not the whole machine.
-    confine: Option<crate::ranks::cpu_share::Confine>,
+    confine: Option<crate::ranks::confine::Confine>,
 }
 
 struct Inner {
@@ -121,7 +121,7 @@ impl Profiler {
     }
 
     /// Hold every run to this CPU share (`Supervisor::cpu_confine`).
-    pub fn confined(mut self, confine: Option<crate::ranks::cpu_share::Confine>) -> Profiler {
+    pub fn confined(mut self, confine: Option<crate::ranks::confine::Confine>) -> Profiler {
         self.confine = confine;
         self
     }
@@ -353,7 +353,7 @@ printf 'profiles:
                 own.display()
             ),
         );
-        let p = Profiler::new(&py, &tmp, "n1").unwrap().confined(Some(crate::ranks::cpu_share::Confine::V1(cpu)));
+        let p = Profiler::new(&py, &tmp, "n1").unwrap().confined(Some(crate::ranks::confine::Confine::V1(cpu)));
         p.start(request(9, 30));
         let r = finished(&p).await;
         assert!(r[0].error.is_empty(), "{}", r[0].error);

@@ -59,46 +59,22 @@ impl CpuV1 {
     }
 
     /// Make the rank's v1 cpu cgroup with its quota: the `cgroup.procs` a child writes itself
-    /// into before `exec` (`cgroup::enter`).
+    /// into before `exec`.
     pub fn create(&self, job: i64, generation: i64, rank: i64) -> io::Result<CString> {
         self.create_in(&self.path(job, generation, rank))
+    }
+
+    /// A v1 cpu cgroup named `name` beside the ranks' (the layer profiler's: `confine`), with
+    /// the share: its directory and the `cgroup.procs` a child enters.
+    pub fn create_named(&self, name: &str) -> io::Result<(PathBuf, CString)> {
+        let dir = self.root.join(name);
+        Ok((dir.clone(), self.create_in(&dir)?))
     }
 
     fn create_in(&self, dir: &Path) -> io::Result<CString> {
         std::fs::create_dir_all(dir)?;
         set_v1_quota(dir, self.share)?;
         CString::new(dir.join("cgroup.procs").as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
-    }
-}
-
-/// An emulating agent's CPU share for a child that is no rank (the layer profiler, whose
-/// timings must be the emulated device's, not the whole machine's): a cgroup of its own beside
-/// the ranks', v2 or v1 as the ranks have it.
-#[derive(Clone, Debug)]
-pub enum Confine {
-    V2(crate::ranks::cgroup::RankCgroups),
-    V1(CpuV1),
-}
-
-impl Confine {
-    /// Make the cgroup `name` (the agent's own name for the child) with the node's share: its
-    /// directory and the `cgroup.procs` the child enters before `exec` (`cgroup::enter`).
-    pub fn create(&self, name: &str) -> io::Result<(PathBuf, CString)> {
-        match self {
-            Confine::V2(c) => c.create_named(name),
-            Confine::V1(c) => {
-                let dir = c.root.join(name);
-                Ok((dir.clone(), c.create_in(&dir)?))
-            }
-        }
-    }
-
-    /// Remove the cgroup once its child ended (v2 kills what is left in it first).
-    pub async fn clear(&self, dir: PathBuf) {
-        match self {
-            Confine::V2(_) => crate::ranks::cgroup::clear(dir).await,
-            Confine::V1(_) => clear_v1(dir).await,
-        }
     }
 }
 

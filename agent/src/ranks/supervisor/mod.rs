@@ -173,8 +173,8 @@ impl Supervisor {
 
     /// The CPU share ranks get on an emulating node, for children that are no ranks (the layer
     /// profiler): None when ranks run unconfined.
-    pub fn cpu_confine(&self) -> Option<crate::ranks::cpu_share::Confine> {
-        use crate::ranks::cpu_share::Confine;
+    pub fn cpu_confine(&self) -> Option<crate::ranks::confine::Confine> {
+        use crate::ranks::confine::Confine;
         match (&self.cpu_v1, &self.cgroups) {
             (Some(v1), _) => Some(Confine::V1(v1.clone())),
             (None, Some(cg)) if cg.limits_cpu() => Some(Confine::V2(cg.clone())),
