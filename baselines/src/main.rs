@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use motley::{exit, Outcome};
+use motley::Outcome;
 use motley_baselines::commands::{espresso, metis};
 
 #[derive(Parser)]
@@ -40,15 +40,5 @@ fn main() -> ExitCode {
         },
     }
     .map(Outcome::from);
-    match result {
-        Ok(Outcome { text, code }) => {
-            use std::io::Write;
-            let _ = writeln!(std::io::stdout().lock(), "{text}");
-            ExitCode::from(code)
-        }
-        Err(e) => {
-            eprintln!("error: {}", motley::table::escape(&e.to_string()));
-            ExitCode::from(exit::ERROR)
-        }
-    }
+    Outcome::finish(result)
 }

@@ -49,6 +49,27 @@ pub struct Outcome {
     pub code: u8,
 }
 
+impl Outcome {
+    /// A command's end as a process's: its text on standard output and its code, or its error
+    /// on one line of standard error and exit code 2 (`exit::ERROR`). For `motley` and
+    /// `motley-baselines` alike.
+    pub fn finish<E: std::fmt::Display>(result: Result<Outcome, E>) -> std::process::ExitCode {
+        match result {
+            Ok(Outcome { text, code }) => {
+                use std::io::Write;
+                // A closed pipe (`motley plan ... | head`) is not an error worth a panic.
+                let _ = writeln!(std::io::stdout().lock(), "{text}");
+                std::process::ExitCode::from(code)
+            }
+            Err(e) => {
+                // Errors quote names and messages from files and the coordinator: escaped like tables.
+                eprintln!("error: {}", table::escape(&e.to_string()));
+                std::process::ExitCode::from(exit::ERROR)
+            }
+        }
+    }
+}
+
 impl From<String> for Outcome {
     fn from(text: String) -> Outcome {
         Outcome { text, code: exit::SUCCESS }

@@ -64,17 +64,5 @@ fn main() -> ExitCode {
             motley::profile::run(c).map(|(text, ok)| Outcome { text, code: if ok { exit::SUCCESS } else { exit::JOB_FAILED } })
         }
     };
-    match result {
-        Ok(Outcome { text, code }) => {
-            use std::io::Write;
-            // A closed pipe (`motley plan ... | head`) is not an error worth a panic.
-            let _ = writeln!(std::io::stdout().lock(), "{text}");
-            ExitCode::from(code)
-        }
-        Err(e) => {
-            // Errors quote names and messages from files and the coordinator: escaped like tables.
-            eprintln!("error: {}", motley::table::escape(&e.to_string()));
-            ExitCode::from(exit::ERROR)
-        }
-    }
+    Outcome::finish(result)
 }

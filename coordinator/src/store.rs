@@ -132,15 +132,34 @@ impl Store {
             })
             .connect(&url)
             .await?;
-        if url.starts_with("sqlite:") {
+        // Coordinators opening one SQLite file at once (HA on one host, first start): switching
+        // it to WAL and migrating take its locks, and where waiting could deadlock SQLite answers
+        // the second taker "database is locked" at once instead of waiting out its busy
+        // timeout. The loser starts again (every step is idempotent), for up to 5 s.
+        let mut tries = 0;
+        let cluster = loop {
+            match Store::prepare(&pool, !postgres).await {
+                Ok(c) => break c,
+                Err(e) if !postgres && tries < 50 && e.to_string().contains("database is locked") => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        Ok(Store { pool, reports: Default::default(), term: Default::default(), cluster: std::sync::Arc::new(cluster) })
+    }
+
+    /// WAL (SQLite), the migrations, and the cluster's identity.
+    async fn prepare(pool: &sqlx::AnyPool, sqlite: bool) -> Result<crate::cluster::ClusterIdentity> {
+        if sqlite {
             // Write-ahead logging: a commit appends to the log (still synced: a crash loses no
             // committed state) instead of rewriting pages, and a standby coordinator on the same
             // file reads while the leader writes.
-            sqlx::query("PRAGMA journal_mode=WAL").execute(&pool).await?;
+            sqlx::query("PRAGMA journal_mode=WAL").execute(pool).await?;
         }
-        MIGRATOR.run(&pool).await?;
-        let cluster = std::sync::Arc::new(cluster::load(&pool).await?);
-        Ok(Store { pool, reports: Default::default(), term: Default::default(), cluster })
+        MIGRATOR.run(pool).await?;
+        cluster::load(pool).await
     }
 
     /// Fence every later job move with this leadership term.
