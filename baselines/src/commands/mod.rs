@@ -1,4 +1,4 @@
-//! `motley-baselines metis|espresso`: the flags and outputs that `motley-baselines metis` and `motley
+//! `motley-baselines metis|espresso`: the flags and outputs that `motley metis` and `motley
 //! espresso` had, read and answered as `motley` does (`-o table|json`, one-line errors, exit 2).
 
 pub mod espresso;
