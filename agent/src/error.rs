@@ -16,7 +16,7 @@ pub enum AgentError {
     Discovery(String),
     /// The log service's certificate or key (`--tls-cert`, `--tls-key`) is missing or unusable.
     #[error(transparent)]
-    Tls(#[from] motley_contract::serve::TlsError),
+    Tls(#[from] motley_server::ServerError),
     /// A file or directory under the work directory.
     #[error("{what} {}: {err}", path.display())]
     Io { what: &'static str, path: PathBuf, err: std::io::Error },

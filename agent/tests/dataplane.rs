@@ -13,7 +13,7 @@ use motley_agent::checkpoints::dataplane::{
     FileKey, Issued, Pacer, Peer, Root, Transport,
 };
 use motley_agent::AgentError;
-use motley_contract::capability::{mint, node_key, now_unix_s, probe_key, Grant, KEY_BYTES};
+use motley_server::capability::{mint, node_key, now_unix_s, probe_key, Grant, KEY_BYTES};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -432,7 +432,7 @@ async fn over_tls_a_capability_fetches_and_plain_tcp_is_refused_both_ways() {
     let bytes = contents(LEN);
     put(&ckpt_path(&dir, &key(UNIT)), &bytes);
     let (ca, cert, key_pem) = test_certificates(&dir);
-    let files = motley_contract::serve::TlsFiles { cert, key: key_pem };
+    let files = motley_server::serve::TlsFiles { cert, key: key_pem };
     let server = access::server_config(&files.server_config().unwrap());
     let hostport = start_with(roots(&[&dir]), access(Some(server))).await;
     let tls_url = format!("{}{hostport}", access::TLS_SCHEME);

@@ -35,9 +35,9 @@ impl Agent for Fake {
     async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
         let req = req.into_inner();
         // Each node its own key, every node the probe key, as a coordinator issues them.
-        let cluster = [42; motley_contract::capability::KEY_BYTES];
-        let node_key = motley_contract::capability::node_key(&cluster, &req.node).unwrap().to_vec();
-        let probe_key = motley_contract::capability::probe_key(&cluster).unwrap().to_vec();
+        let cluster = [42; motley_server::capability::KEY_BYTES];
+        let node_key = motley_server::capability::node_key(&cluster, &req.node).unwrap().to_vec();
+        let probe_key = motley_server::capability::probe_key(&cluster).unwrap().to_vec();
         self.0.lock().unwrap().registrations.insert(req.node.clone(), req);
         Ok(Response::new(RegisterReply { epoch: 1, heartbeat_ms: 50, data_plane_key: node_key, probe_key }))
     }

@@ -12,8 +12,8 @@ use motley_agent::checkpoints::dataplane::protocol::Reply;
 use motley_agent::checkpoints::dataplane::{access, serve, Access, ClientTls, DataKey, DirResolver, Issued, Pacer, Probe, MAX_PROBE_BYTES};
 use motley_agent::net::{probe, Meter, Pacing};
 use motley_agent::AgentError;
-use motley_contract::capability::{mint, mint_probe, node_key, now_unix_s, probe_key, Grant, ProbeGrant, KEY_BYTES};
 use motley_proto::v1::PeerDataPlane;
+use motley_server::capability::{mint, mint_probe, node_key, now_unix_s, probe_key, Grant, ProbeGrant, KEY_BYTES};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -149,7 +149,7 @@ async fn raw(addr: &str, request: &str) -> Reply {
 async fn a_probe_over_tls_measures_and_a_plain_probe_of_it_gets_nothing() {
     let dir = scratch("probe-tls");
     let (ca, cert, key_pem) = test_certificates(&dir);
-    let files = motley_contract::serve::TlsFiles { cert, key: key_pem };
+    let files = motley_server::serve::TlsFiles { cert, key: key_pem };
     let hostport = start("n1", Some(access::server_config(&files.server_config().unwrap())), None).await;
     let url = format!("{}{hostport}", access::TLS_SCHEME);
     let client = ClientTls::new(Some(&std::fs::read(&ca).unwrap())).unwrap();

@@ -16,8 +16,8 @@ use motley_agent::checkpoints::dataplane::{ckpt_path, serve, Access, Arriving, D
 use motley_agent::checkpoints::restorer::{launch_list, restore_dir, Restorer};
 use motley_checkpoint::crc::file_entry;
 use motley_checkpoint::{shard_full, Block, Dtype, Layout, Part, TensorSpec, Unit, UnitKey};
-use motley_contract::capability;
 use motley_proto::v1::{FetchRange, FetchSource, MakeUnit, Restore, RestoreFile, RestoreResult};
+use motley_server::capability;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 

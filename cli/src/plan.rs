@@ -116,8 +116,8 @@ pub struct PlanArgs {
 
 /// `--svg FILE`: the plan's picture, written whole.
 pub fn write_svg(path: &std::path::Path, plan: &serde_json::Value) -> Result<(), InputError> {
-    let svg = motley_contract::svg::plan_svg_value(plan)
-        .map_err(|e| InputError(format!("--svg: the plan does not read as a plan document: {e}")))?;
+    let svg =
+        motley_draw::svg::plan_svg_value(plan).map_err(|e| InputError(format!("--svg: the plan does not read as a plan document: {e}")))?;
     std::fs::write(path, svg).map_err(|e| InputError(format!("--svg: cannot write {}: {e}", path.display())))
 }
 
@@ -216,7 +216,7 @@ fn load(a: &PlanArgs) -> Result<Loaded, InputError> {
         Some(path) => inputs::load_calibration(path, &cluster)?,
         None => Calibration::default(),
     };
-    let precision = PrecisionChoice::from(a.precision).resolve(&cluster);
+    let precision = cluster.precision(PrecisionChoice::from(a.precision));
     cluster.check_precision(precision).map_err(|e| InputError(format!("--precision: {e}")))?;
     let opts = PlanOptions {
         global_batch: a.global_batch,

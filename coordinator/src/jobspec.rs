@@ -512,7 +512,7 @@ impl JobSpec {
 
     /// `plan_options.precision` (absent: auto), resolved on the cluster the job is planned on.
     pub fn precision(&self, cluster: &motley_solver::Cluster) -> motley_solver::Precision {
-        self.plan_options.as_ref().and_then(|p| p.precision).unwrap_or_default().resolve(cluster)
+        cluster.precision(self.plan_options.as_ref().and_then(|p| p.precision).unwrap_or_default())
     }
 
     /// When the job re-plans on changed links (absent: the defaults); None: `replan: off`.

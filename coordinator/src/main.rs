@@ -12,7 +12,6 @@ use anyhow::Context;
 use clap::Parser;
 use std::sync::Arc;
 
-use motley_contract::config;
 use motley_coordinator::facts::Facts;
 use motley_coordinator::fleet::Fleet;
 use motley_coordinator::leader::{self, Contender, LeaderInfo, Role};
@@ -27,6 +26,7 @@ use motley_coordinator::tls::TlsFiles;
 use motley_coordinator::Store;
 use motley_proto::v1::agent_server::AgentServer;
 use motley_proto::v1::control_server::ControlServer;
+use motley_server::config;
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum RestoreMode {
@@ -302,7 +302,7 @@ async fn supervise_leader(leading: tokio::sync::oneshot::Receiver<Vec<(&'static 
 /// The data plane's key: fresh random bytes, kept only if the database has none yet (a
 /// standby and a restart get the one stored first).
 async fn data_plane_key(store: &Store) -> anyhow::Result<motley_coordinator::life::DataPlaneKey> {
-    let mut candidate = [0u8; motley_contract::capability::KEY_BYTES];
+    let mut candidate = [0u8; motley_server::capability::KEY_BYTES];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut candidate))
         .context("reading /dev/urandom")?;

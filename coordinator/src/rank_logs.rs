@@ -2,8 +2,8 @@
 //! agents serve them, `agent/src/logs/`, with the agents' token; an https logs URL is
 //! checked against `--agent-ca-cert`): one chunk from an offset (`GET
 //! /api/v1/jobs/{id}/ranks/{rank}/logs`), or a log's tail; and a job's training curves, read
-//! from rank 0's log of each generation (`GET /api/v1/jobs/{id}/curves[.svg]`, drawn by
-//! `motley_contract::curves`).
+//! from rank 0's log of each generation (`GET /api/v1/jobs/{id}/curves[.svg]`, read by
+//! `motley_contract::curves`, drawn by `motley_draw::curves`).
 //!
 //! Bounded: a chunk is at most [`LOG_CHUNK`] bytes; the curves read at most the last
 //! [`CURVES_TAIL`] bytes of rank 0's log in each of the newest [`CURVES_GENERATIONS`]

@@ -12,7 +12,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 
 use common::{scratch, Agent, Coordinator};
-use motley_contract::capability::{mint, node_key, now_unix_s, probe_key, Grant, KEY_BYTES};
+use motley_server::capability::{mint, node_key, now_unix_s, probe_key, Grant, KEY_BYTES};
 use sqlx::Connection;
 
 /// The key the coordinator stored (migration 0010), from its SQLite database.

@@ -24,6 +24,9 @@ pub enum Baseline {
 }
 
 impl Baseline {
+    /// Every baseline, in the order reports list them.
+    pub const ALL: [Baseline; 3] = [Baseline::Megatron, Baseline::Whale, Baseline::FastOnly];
+
     /// The name the plan document and `motley plan --baseline` use.
     pub fn name(self) -> &'static str {
         match self {

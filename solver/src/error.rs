@@ -18,4 +18,13 @@ impl SolverError {
     }
 }
 
+/// A document's own check (the cluster file's) is the planner's invalid input, in the same words.
+impl From<motley_contract::ContractError> for SolverError {
+    fn from(e: motley_contract::ContractError) -> Self {
+        match e {
+            motley_contract::ContractError::Invalid { field, message } => SolverError::InvalidInput { field, message },
+        }
+    }
+}
+
 pub type Result<T> = std::result::Result<T, SolverError>;

@@ -11,13 +11,9 @@
 
 use crate::error::{Result, SolverError};
 
-/// Nodes a cluster may have, after `count` expansion.
-pub const MAX_NODES: u64 = 65_536;
-/// GPUs in one node (DGX/HGX boxes have 8, the largest NVLink domains 72 across trays that
-/// are separate nodes to the OS).
-pub const MAX_GPUS_PER_NODE: u32 = 64;
-/// GPUs a cluster may have in all.
-pub const MAX_GPUS: u64 = 262_144;
+// The cluster file's sizes are checked where the file is (`motley_contract::cluster`), by
+// these same numbers.
+pub use motley_contract::cluster::{MAX_GPUS, MAX_GPUS_PER_NODE, MAX_NODES};
 /// Sequences per iteration (real runs use a few thousand; the batch split is linear in it).
 pub const MAX_GLOBAL_BATCH: u32 = 1 << 20;
 /// Sequences per micro-batch.
@@ -37,8 +33,7 @@ pub const MAX_ALLOCATIONS: f64 = 5e6;
 // limits: lowering one below it fails the build.
 const _: () = assert!(MAX_NODES >= 20_000 && MAX_GPUS >= 160_000 && MAX_GLOBAL_BATCH >= 8192 && MAX_GPUS_PER_NODE >= 16);
 
-/// What to do about an input over a limit.
-const FIX: &str = "fix the number if it is a typo; the planner's limits are listed in solver/README.md (\"Limits\")";
+use motley_contract::cluster::LIMIT_FIX as FIX;
 
 /// `value` of `field` must be at most `max` `what`.
 pub(crate) fn at_most(field: impl Into<String>, value: u64, max: u64, what: &str) -> Result<()> {

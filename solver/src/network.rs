@@ -287,96 +287,9 @@ struct Settings {
     nccl_net: Option<String>,
 }
 
-/// The NCCL settings the network plugin reads once per process (NCCL device lists): a rank
-/// starts with the union of its groups' values for these.
-pub const PROCESS_LISTS: [&str; 2] = ["NCCL_IB_HCA", "NCCL_SOCKET_IFNAME"];
-
-/// How an NCCL device list matches names: its leading `^` (exclude) and `=` (exact match).
-fn list_kind(list: &str) -> ((bool, bool), &str) {
-    let (not, rest) = match list.strip_prefix('^') {
-        Some(r) => (true, r),
-        None => (false, list),
-    };
-    let (exact, rest) = match rest.strip_prefix('=') {
-        Some(r) => (true, r),
-        None => (false, rest),
-    };
-    ((not, exact), rest)
-}
-
-/// The one process-wide value of NCCL device lists (`NCCL_IB_HCA`, `NCCL_SOCKET_IFNAME`:
-/// `[^][=]name[:port],...`) that lets a process use every device any of `lists` allows.
-/// Inclusion lists unite: entries in first-seen order, duplicates dropped, the shared prefix
-/// kept (`=mlx5_0:1` and `=mlx5_1:1` give `=mlx5_0:1,mlx5_1:1`). Exclusion lists keep what
-/// every one excludes (first list's order); None when that is nothing (no list: NCCL's
-/// default, every device). Lists of different kinds (exact and prefix matching, inclusion and
-/// exclusion) cannot be united: `Err((i, j))` names the first two such positions.
-pub fn unite_device_lists(lists: &[&str]) -> std::result::Result<Option<String>, (usize, usize)> {
-    let Some(first) = lists.first() else { return Ok(None) };
-    let (kind, _) = list_kind(first);
-    if let Some(j) = lists.iter().position(|l| list_kind(l).0 != kind) {
-        return Err((0, j));
-    }
-    let entries = |l: &'_ str| -> Vec<String> {
-        list_kind(l).1.split(',').map(str::trim).filter(|e| !e.is_empty()).map(String::from).collect::<Vec<_>>()
-    };
-    let mut out: Vec<String> = vec![];
-    if kind.0 {
-        let all: Vec<Vec<String>> = lists.iter().map(|l| entries(l)).collect();
-        for e in &all[0] {
-            if all[1..].iter().all(|l| l.contains(e)) && !out.contains(e) {
-                out.push(e.clone());
-            }
-        }
-        if out.is_empty() {
-            return Ok(None);
-        }
-    } else {
-        for l in lists {
-            for e in entries(l) {
-                if !out.contains(&e) {
-                    out.push(e);
-                }
-            }
-        }
-    }
-    let prefix = format!("{}{}", if kind.0 { "^" } else { "" }, if kind.1 { "=" } else { "" });
-    Ok(Some(format!("{prefix}{}", out.join(","))))
-}
-
-/// Two of a rank's groups need process-wide values that no one value satisfies.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EnvConflict {
-    pub key: String,
-    /// Positions in the `envs` given to [`process_env`].
-    pub first: usize,
-    pub second: usize,
-}
-
-/// A rank's process environment, from the `env` of each of its groups (in creation order,
-/// `node_env` applied): for [`PROCESS_LISTS`] the union of the groups that set them
-/// ([`unite_device_lists`]), for every other key the value all its groups agree on (keys
-/// some group leaves out or sets differently are applied per group instead).
-pub fn process_env(envs: &[&BTreeMap<String, String>]) -> std::result::Result<BTreeMap<String, String>, EnvConflict> {
-    let Some((first, rest)) = envs.split_first() else { return Ok(BTreeMap::new()) };
-    let mut out: BTreeMap<String, String> = first
-        .iter()
-        .filter(|(k, v)| !PROCESS_LISTS.contains(&k.as_str()) && rest.iter().all(|e| e.get(*k) == Some(v)))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    for key in PROCESS_LISTS {
-        let (pos, lists): (Vec<usize>, Vec<&str>) =
-            envs.iter().enumerate().filter_map(|(i, e)| e.get(key).map(|v| (i, v.as_str()))).unzip();
-        match unite_device_lists(&lists) {
-            Ok(Some(v)) => {
-                out.insert(key.to_string(), v);
-            }
-            Ok(None) => {}
-            Err((i, j)) => return Err(EnvConflict { key: key.to_string(), first: pos[i], second: pos[j] }),
-        }
-    }
-    Ok(out)
-}
+// A rank's process environment from its groups' settings is the groups file's rule, read by
+// the agent too (`motley_contract::groups`).
+pub use motley_contract::groups::{process_env, unite_device_lists, EnvConflict, PROCESS_LISTS};
 
 /// Refuses groups that would need contradicting process-wide NCCL settings on one rank
 /// ([`process_env`]), naming the GPU, both groups (index in `groups` and kind) and the key.
@@ -419,48 +332,6 @@ mod tests {
 
     fn env(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
         kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
-    }
-
-    #[test]
-    fn device_lists_unite_in_first_seen_order_without_duplicates_keeping_their_prefix() {
-        let u = |l: &[&str]| unite_device_lists(l);
-        assert_eq!(u(&[]), Ok(None));
-        assert_eq!(u(&["=mlx5_0:1"]), Ok(Some("=mlx5_0:1".into())));
-        assert_eq!(u(&["=mlx5_0:1", "=mlx5_1:1"]), Ok(Some("=mlx5_0:1,mlx5_1:1".into())));
-        assert_eq!(u(&["=mlx5_1:1,mlx5_0:1", "=mlx5_0:1,mlx5_2:1", "=mlx5_1:1"]), Ok(Some("=mlx5_1:1,mlx5_0:1,mlx5_2:1".into())));
-        assert_eq!(u(&["eth", "eth0, ,eth", "ib"]), Ok(Some("eth,eth0,ib".into())), "prefix matching, spaces and empty entries");
-        // Exclusions: the process may use what any group allows, so it excludes only what
-        // every group excludes; nothing in common leaves NCCL's default (every device).
-        assert_eq!(u(&["^mlx5_2,mlx5_3", "^mlx5_3,mlx5_2,mlx5_4"]), Ok(Some("^mlx5_2,mlx5_3".into())));
-        assert_eq!(u(&["^=docker0,lo", "^=lo"]), Ok(Some("^=lo".into())));
-        assert_eq!(u(&["^=mlx5_0", "^=mlx5_1"]), Ok(None));
-    }
-
-    #[test]
-    fn device_lists_of_different_kinds_contradict() {
-        let u = |l: &[&str]| unite_device_lists(l);
-        assert_eq!(u(&["=mlx5_0:1", "mlx5_1:1"]), Err((0, 1)), "exact vs prefix matching");
-        assert_eq!(u(&["mlx5_0", "^mlx5_1"]), Err((0, 1)), "inclusion vs exclusion");
-        assert_eq!(u(&["=eth0", "^=eth1"]), Err((0, 1)));
-        assert_eq!(u(&["^eth0", "^=eth1"]), Err((0, 1)));
-        assert_eq!(u(&["=a", "=b", "c"]), Err((0, 2)), "the first list that differs is named");
-    }
-
-    #[test]
-    fn a_process_gets_the_union_of_device_lists_and_the_other_settings_its_groups_agree_on() {
-        let tp = env(&[("NCCL_P2P_DISABLE", "0"), ("NCCL_P2P_LEVEL", "NVL")]);
-        let ib = env(&[("NCCL_NET", "IB"), ("NCCL_IB_HCA", "=mlx5_0:1"), ("NCCL_P2P_DISABLE", "0")]);
-        let ib2 = env(&[("NCCL_NET", "IB"), ("NCCL_IB_HCA", "=mlx5_1:1,mlx5_0:1"), ("NCCL_P2P_DISABLE", "0")]);
-        let sock = env(&[("NCCL_NET", "Socket"), ("NCCL_SOCKET_IFNAME", "=eth0"), ("NCCL_P2P_DISABLE", "0")]);
-        let got = process_env(&[&tp, &ib, &ib2, &sock]).unwrap();
-        assert_eq!(
-            got,
-            env(&[("NCCL_IB_HCA", "=mlx5_0:1,mlx5_1:1"), ("NCCL_SOCKET_IFNAME", "=eth0"), ("NCCL_P2P_DISABLE", "0")]),
-            "NCCL_NET and NCCL_P2P_LEVEL differ between groups: set per group"
-        );
-        assert_eq!(process_env(&[]).unwrap(), BTreeMap::new());
-        let bad = env(&[("NCCL_IB_HCA", "^mlx5_0:1")]);
-        assert_eq!(process_env(&[&tp, &ib, &bad]), Err(EnvConflict { key: "NCCL_IB_HCA".into(), first: 1, second: 2 }));
     }
 
     #[test]

@@ -17,7 +17,7 @@ fn request<'a>(cluster: &'a Cluster, model: &'a Model, profiles: &'a ProfileSet,
     PlanRequest { cluster, model, profiles, opts, mode: SearchMode::Auto, exhaustive: false, seeds: vec![] }
 }
 
-const ALL: [Baseline; 3] = [Baseline::Megatron, Baseline::Whale, Baseline::FastOnly];
+const ALL: [Baseline; 3] = Baseline::ALL;
 
 #[test]
 fn each_baselines_plan_is_the_one_the_comparison_prices_and_motley_is_never_slower() {

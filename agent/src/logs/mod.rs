@@ -4,7 +4,7 @@
 //! polls with offset + the length it got) and the log's size at the time in the
 //! `x-motley-log-size` header. An absent log is 404 with `{"error": ...}` naming job,
 //! generation and rank; with an agent token, a request without `Authorization: Bearer TOKEN`
-//! (the scheme in any case, the token compared in constant time: `motley_contract::auth`, as the coordinator checks its own) is 401: the coordinator
+//! (the scheme in any case, the token compared in constant time: `motley_server::auth`, as the coordinator checks its own) is 401: the coordinator
 //! fetches with the agents' token, never the operators'. Tokens are never logged. Served over
 //! TLS with `--tls-cert`/`--tls-key` (see `tls`).
 
@@ -21,7 +21,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde::Deserialize;
 
-use motley_contract::auth::{bearer, same_secret};
+use motley_server::auth::{bearer, same_secret};
 
 use crate::workdir::{generation_dir, rank_file};
 

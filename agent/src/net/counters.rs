@@ -16,8 +16,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use motley_contract::cluster::NicKind;
 use motley_proto::v1::NicRate;
-use motley_solver::hardware::NicKind;
 
 use crate::node::discover::{netdev_kind, rdma_ports};
 

@@ -15,6 +15,8 @@ use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
+use crate::ranks::cgroup_name::agent_root;
+
 /// Where this agent's rank cgroups live.
 #[derive(Clone, Debug)]
 pub struct RankCgroups {
@@ -31,7 +33,7 @@ impl RankCgroups {
         let mount = cgroup2_mount(&mountinfo).ok_or("no cgroup2 file system is mounted")?;
         let own = std::fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("/proc/self/cgroup: {e}"))?;
         let own = own_v2_path(&own).ok_or("/proc/self/cgroup names no cgroup v2 path")?;
-        let root = mount.join(own.trim_start_matches('/')).join(format!("motley-{node}-{:08x}", fnv1a(work_dir.as_os_str().as_bytes())));
+        let root = mount.join(own.trim_start_matches('/')).join(agent_root("motley", node, work_dir));
         match std::fs::create_dir(&root) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
@@ -178,12 +180,6 @@ pub fn kill_own_rank_cgroup() -> bool {
     let name = |p: Option<&Path>| p.and_then(Path::file_name).and_then(|n| n.to_str()).map(str::to_string).unwrap_or_default();
     let is_rank = name(Some(&dir)).starts_with("job-") && name(dir.parent()).starts_with("motley-");
     is_rank && kill(&dir)
-}
-
-/// FNV-1a, 32 bits: a short stable name for a work directory (not a secret, no collision
-/// attack to fear: the directories are the operator's own).
-fn fnv1a(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(0x811c_9dc5u32, |h, &b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
 }
 
 /// The mount point of the cgroup2 file system in /proc/self/mountinfo (field 5 is the mount

@@ -11,6 +11,8 @@ use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
+use crate::ranks::cgroup_name::agent_root;
+
 /// The bandwidth controller's period: a share F is F x 100 ms of CPU time every 100 ms.
 pub const PERIOD_US: u64 = 100_000;
 
@@ -40,8 +42,7 @@ impl CpuV1 {
         let mount = v1_cpu_mount(&mountinfo).ok_or("no cgroup v1 hierarchy with the cpu controller is mounted")?;
         let own = std::fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("/proc/self/cgroup: {e}"))?;
         let own = own_v1_cpu_path(&own).ok_or("/proc/self/cgroup names no cgroup v1 cpu path")?;
-        let root =
-            mount.join(own.trim_start_matches('/')).join(format!("motley-cpu-{node}-{:08x}", fnv1a(work_dir.as_os_str().as_bytes())));
+        let root = mount.join(own.trim_start_matches('/')).join(agent_root("motley-cpu", node, work_dir));
         std::fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
         let probe = root.join("probe");
         let wrote = std::fs::create_dir_all(&probe).and_then(|()| set_v1_quota(&probe, share));
@@ -122,11 +123,6 @@ fn own_v1_cpu_path(cgroup: &str) -> Option<String> {
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
         controllers.split(',').any(|c| c == "cpu").then(|| path.to_string())
     })
-}
-
-/// FNV-1a, 32 bits (as `cgroup`'s): a short stable name for a work directory.
-fn fnv1a(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(0x811c_9dc5u32, |h, &b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@
 //! `lease` -> `group`; `rankfiles`, `notice` and `wrapper_exe` -> `users`.
 
 pub mod cgroup;
+mod cgroup_name;
 pub mod confine;
 pub mod cpu_share;
 pub mod environment;

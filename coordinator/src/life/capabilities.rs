@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use motley_contract::capability::{mint, node_key, Grant, KEY_BYTES};
 use motley_proto::v1::Restore;
+use motley_server::capability::{mint, node_key, Grant, KEY_BYTES};
 
 use crate::error::{CoordinatorError, Result};
 
@@ -45,7 +45,7 @@ impl DataPlaneKey {
 
     /// The probe key every agent mints and checks link-probe tokens with.
     pub fn for_probes(&self) -> Result<[u8; KEY_BYTES]> {
-        motley_contract::capability::probe_key(&self.0).map_err(CoordinatorError::Conflict)
+        motley_server::capability::probe_key(&self.0).map_err(CoordinatorError::Conflict)
     }
 }
 
@@ -77,8 +77,8 @@ pub fn grant(r: &mut Restore, key: &DataPlaneKey, now_unix_s: u64) -> Result<()>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use motley_contract::capability::check;
     use motley_proto::v1::{FetchRange, FetchSource, RestoreFile};
+    use motley_server::capability::check;
 
     fn source(kind: &str, node: &str) -> FetchSource {
         FetchSource { kind: kind.into(), node: node.into(), ..Default::default() }

@@ -96,7 +96,7 @@ impl Life {
             for r in built.restores.values_mut() {
                 r.timeout_s = timeout.as_secs() as u32;
                 if let Some(key) = &self.settings.data_plane_key {
-                    super::capabilities::grant(r, key, motley_contract::capability::now_unix_s())?;
+                    super::capabilities::grant(r, key, motley_server::capability::now_unix_s())?;
                 }
             }
             let p = &built.plan;

@@ -25,7 +25,7 @@ pub fn status_of(e: CoordinatorError) -> Status {
     status
 }
 
-pub use motley_contract::auth::{bearer, same_secret};
+pub use motley_server::auth::{bearer, same_secret};
 
 /// The two credentials: operators' (the control API) and agents' (the agent service and the
 /// agents' log service). Either is None only with `--insecure`.

@@ -25,12 +25,12 @@ impl Store {
             .step_by(2)
             .map(|i| stored.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
             .collect::<Option<Vec<u8>>>()
-            .filter(|b| b.len() == motley_contract::capability::KEY_BYTES);
+            .filter(|b| b.len() == motley_server::capability::KEY_BYTES);
         bytes.ok_or_else(|| {
             CoordinatorError::Conflict(format!(
                 "the stored data-plane key (table secrets, row {DATA_PLANE_KEY}) is not {} hex digits; delete the row and restart \
                  the coordinators to generate a new one",
-                2 * motley_contract::capability::KEY_BYTES
+                2 * motley_server::capability::KEY_BYTES
             ))
         })
     }

@@ -235,7 +235,7 @@ fn emulation(
     if entry["emulate"].is_null() {
         return Ok((cgroups, None));
     }
-    let emulate: motley_solver::hardware::Emulate = serde_json::from_value(entry["emulate"].clone())
+    let emulate: motley_contract::cluster::Emulate = serde_json::from_value(entry["emulate"].clone())
         .map_err(|e| anyhow::anyhow!("--inventory: emulate: {e}; give emulate: {{cpu: 0.3}} (each rank's share of one core)"))?;
     emulate.check("--inventory: emulate.cpu")?;
     let v2 = match cgroups.clone().map(|c| c.with_cpu_share(emulate.cpu)) {

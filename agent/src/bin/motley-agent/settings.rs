@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use clap::{Parser, Subcommand, ValueEnum};
 use motley_agent::node::discover::{default_sysfs, discover};
 use motley_agent::AgentError;
-use motley_contract::config;
+use motley_server::config;
 
 #[derive(Parser)]
 #[command(name = "motley-agent", version, about = "Motley's per-node agent")]

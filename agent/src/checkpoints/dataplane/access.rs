@@ -6,8 +6,8 @@
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use motley_contract::capability::{self, KEY_BYTES};
-use motley_contract::serve::TlsError;
+use motley_server::capability::{self, KEY_BYTES};
+use motley_server::ServerError;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::Instant;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
@@ -192,7 +192,7 @@ impl std::fmt::Debug for ClientTls {
 impl ClientTls {
     /// `ca_pem`: the CA certificate(s), PEM; `None`: the system's roots.
     pub fn new(ca_pem: Option<&[u8]>) -> Result<ClientTls, AgentError> {
-        let bad = |message: String| AgentError::Tls(TlsError { flag: "--ca-cert", message });
+        let bad = |message: String| AgentError::Tls(ServerError::Tls { flag: "--ca-cert", message });
         let mut roots = RootCertStore::empty();
         match ca_pem {
             Some(pem) => {

@@ -7,7 +7,7 @@ use std::time::Duration;
 /// The longest a new connection may take for its TLS handshake and request line together
 /// (`DataKey::request_deadline`: two base intervals, within 1 s and this). A client sends its
 /// line as soon as it is connected; this is the TLS handshake bound of the agent's other TLS
-/// service (`motley_contract::serve`), and a third of the 30 s the restorer waits on a peer.
+/// service (`motley_server::serve`), and a third of the 30 s the restorer waits on a peer.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections served at once (`Access::max_connections`): a restoring node opens at most a
 /// few hundred at a time (`restorer::run`'s bound on files in flight), and each holds a socket

@@ -45,7 +45,7 @@
 //!
 //! A request line with a `probe` field asks for bytes that measure the link instead of a file:
 //! `{"v":1,"probe":{"bytes":N},"capability":"TOKEN"}`, on a connection of its own, over TLS
-//! wherever the data plane is. `TOKEN` is a probe token (`motley_contract::capability`,
+//! wherever the data plane is. `TOKEN` is a probe token (`motley_server::capability`,
 //! `mint_probe`): signed under the cluster's probe key in the probe domain (so no file
 //! capability is a probe token and no probe token reads a file: files are checked under the
 //! node's own key only), naming the probed node, valid for `capability::PROBE_EXPIRY_S`; every

@@ -46,7 +46,7 @@ impl std::fmt::Display for FileKey {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Request {
     pub v: u32,
-    /// What lets this client read the file (`motley_contract::capability`; the file's
+    /// What lets this client read the file (`motley_server::capability`; the file's
     /// `RestoreFile.capability`). Never the agent's own token: a request line seen on the wire
     /// gives nothing beyond this file until the capability expires.
     #[serde(default)]
@@ -98,7 +98,7 @@ impl Request {
 pub struct ProbeRequest {
     pub v: u32,
     pub probe: ProbeAsk,
-    /// A probe token naming the probed node (`motley_contract::capability::mint_probe`).
+    /// A probe token naming the probed node (`motley_server::capability::mint_probe`).
     #[serde(default)]
     pub capability: Option<String>,
 }

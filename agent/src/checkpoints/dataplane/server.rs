@@ -312,14 +312,14 @@ mod tests {
     use super::*;
     use crate::checkpoints::dataplane::protocol::ProbeAsk;
 
-    const KEY: [u8; motley_contract::capability::KEY_BYTES] = [7; motley_contract::capability::KEY_BYTES];
+    const KEY: [u8; motley_server::capability::KEY_BYTES] = [7; motley_server::capability::KEY_BYTES];
 
     /// Serves a probe of `MAX_PROBE_BYTES` to a reader that takes `per_second` bytes a second
     /// (0: nothing), on the paused clock; gives how long the server took and what it said.
     async fn serve_to_slow_reader(per_second: usize) -> (Duration, Result<(), String>, u64) {
         let key = DataKey::default();
-        let probe_key = motley_contract::capability::probe_key(&KEY).unwrap();
-        let node_key = motley_contract::capability::node_key(&KEY, "n1").unwrap();
+        let probe_key = motley_server::capability::probe_key(&KEY).unwrap();
+        let node_key = motley_server::capability::node_key(&KEY, "n1").unwrap();
         key.set(super::super::access::Issued { node_key: &node_key, probe_key: &probe_key, base: Duration::from_secs(1) }).unwrap();
         let token = key.mint_probe("n1").unwrap();
         let (server, mut client) = tokio::io::duplex(64 << 10);

@@ -24,8 +24,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use motley_solver::hardware::{gpu_catalog, IntraLink, NicKind, NicSpec, NodeSpec};
-use motley_solver::{Cluster, ClusterSpec};
+use motley_contract::cluster::{gpu_catalog, ClusterSpec, IntraLink, NicKind, NicSpec, NodeSpec};
 
 use crate::error::{AgentError, Result};
 
@@ -85,7 +84,7 @@ pub fn catalog_gpu(nvml_name: &str, memory_bytes: u64) -> Option<&'static str> {
     })
 }
 
-/// Discover this node's entry and check it as the coordinator will (`Cluster::from_spec`): a
+/// Discover this node's entry and check it as the coordinator will (`ClusterSpec::check`): a
 /// node the coordinator would refuse (no GPU, an unknown or mixed GPU type) is an error that
 /// names the way out, `--inventory FILE`; `motley-agent discover` still prints what it saw.
 pub fn discover(node: &str, sysfs: &Path, gpus: &[Gpu]) -> (Discovered, Result<()>) {
@@ -126,7 +125,8 @@ pub fn discover(node: &str, sysfs: &Path, gpus: &[Gpu]) -> (Discovered, Result<(
     };
     let checked = match problem {
         Some(p) => Err(AgentError::Discovery(p)),
-        None => Cluster::from_spec(&ClusterSpec { name: "discovered".into(), nodes: vec![entry.clone()], gpu_types: vec![] })
+        None => ClusterSpec { name: "discovered".into(), nodes: vec![entry.clone()], gpu_types: vec![] }
+            .check()
             .map(|_| ())
             .map_err(|e| AgentError::Discovery(e.to_string().replace("nodes[0]", "node"))),
     };

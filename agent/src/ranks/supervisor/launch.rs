@@ -324,7 +324,7 @@ fn rank_files(node: &str, l: &Launch, r: &RankLaunch, dir: &Path, user: Option<&
 }
 
 /// The groups of `node`'s GPU `gpu` and the rank's process-wide NCCL settings
-/// (`motley_solver::network::process_env`); refused, naming both groups and the key, where two
+/// (`motley_contract::groups::process_env`); refused, naming both groups and the key, where two
 /// of its groups need device lists no one value satisfies (a plan the planner did not make).
 pub(crate) fn rank_nccl(
     doc: &motley_contract::PlanDocument,
@@ -333,7 +333,7 @@ pub(crate) fn rank_nccl(
 ) -> Result<(Vec<motley_contract::RankGroup>, std::collections::BTreeMap<String, String>), String> {
     let groups = motley_contract::for_rank(doc, node, gpu);
     let envs: Vec<_> = groups.iter().map(|g| &g.env).collect();
-    let common = motley_solver::network::process_env(&envs).map_err(|c| {
+    let common = motley_contract::groups::process_env(&envs).map_err(|c| {
         let (a, b) = (&groups[c.first], &groups[c.second]);
         let kind = |g: &motley_contract::RankGroup| format!("{:?}", g.kind).to_lowercase();
         format!(

@@ -92,13 +92,13 @@ pub async fn plan(State(s): State<AppState>, Path(id): Path<String>) -> ApiResul
     Ok(Json(s.ops().plan(parse_id("id", &id)?).await?))
 }
 
-/// The current plan drawn (SVG, `motley_contract::svg`): a row per replica with its stages
+/// The current plan drawn (SVG, `motley_draw::svg`): a row per replica with its stages
 /// coloured by GPU type, the hops and their transport, and a 1F1B timeline of one iteration.
 #[utoipa::path(get, path = "/api/v1/jobs/{id}/plan.svg", tag = "jobs",
     responses((status = 200, body = String, content_type = "image/svg+xml"), (status = 404, body = super::ErrorBody)))]
 pub async fn plan_svg(State(s): State<AppState>, Path(id): Path<String>) -> Result<Response, CoordinatorError> {
     let plan = s.ops().plan(parse_id("id", &id)?).await?;
-    let svg = motley_contract::svg::plan_svg_json(&plan.plan_json)
+    let svg = motley_draw::svg::plan_svg_json(&plan.plan_json)
         .map_err(|e| CoordinatorError::Conflict(format!("job {}'s stored plan does not read as a plan document: {e}", plan.job)))?;
     Ok(svg_response(svg))
 }
@@ -164,14 +164,14 @@ pub async fn curves(State(s): State<AppState>, Path(id): Path<String>) -> ApiRes
     Ok(Json(curves))
 }
 
-/// The job's training curves drawn (SVG, `motley_contract::curves`): loss with eval-loss
+/// The job's training curves drawn (SVG, `motley_draw::curves`): loss with eval-loss
 /// markers and tokens/s on one step axis, every generation, each later one's start marked.
 /// The same points as `/curves`; "no steps yet" before rank 0 prints any.
 #[utoipa::path(get, path = "/api/v1/jobs/{id}/curves.svg", tag = "jobs",
     responses((status = 200, body = String, content_type = "image/svg+xml"), (status = 404, body = super::ErrorBody)))]
 pub async fn curves_svg(State(s): State<AppState>, Path(id): Path<String>) -> Result<Response, CoordinatorError> {
     let (job, curves) = rank_logs::curves(&s.store, &s.fleet, &access(&s), &s.curves, parse_id("id", &id)?).await?;
-    Ok(svg_response(motley_contract::curves::curves_svg(&curves, &format!("job {}: {}", job.id, job.name))))
+    Ok(svg_response(motley_draw::curves::curves_svg(&curves, &format!("job {}: {}", job.id, job.name))))
 }
 
 /// A picture answer: not cached; opened on its own, it runs nothing and loads nothing.

@@ -10,16 +10,10 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::{self, ServerConfig};
 
-/// What is wrong with the TLS settings, naming the flag to fix.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{flag}: {message}")]
-pub struct TlsError {
-    pub flag: &'static str,
-    pub message: String,
-}
+use crate::error::ServerError;
 
-fn tls_error(flag: &'static str, message: impl Into<String>) -> TlsError {
-    TlsError { flag, message: message.into() }
+fn tls_error(flag: &'static str, message: impl Into<String>) -> ServerError {
+    ServerError::Tls { flag, message: message.into() }
 }
 
 /// The certificate chain and key, as given.
@@ -31,7 +25,7 @@ pub struct TlsFiles {
 
 impl TlsFiles {
     /// Both files or neither: one alone is a mistake worth naming.
-    pub fn from_flags(cert: Option<PathBuf>, key: Option<PathBuf>) -> Result<Option<TlsFiles>, TlsError> {
+    pub fn from_flags(cert: Option<PathBuf>, key: Option<PathBuf>) -> Result<Option<TlsFiles>, ServerError> {
         match (cert, key) {
             (Some(cert), Some(key)) => Ok(Some(TlsFiles { cert, key })),
             (None, None) => Ok(None),
@@ -40,17 +34,17 @@ impl TlsFiles {
         }
     }
 
-    fn read(path: &Path, flag: &'static str) -> Result<Vec<u8>, TlsError> {
+    fn read(path: &Path, flag: &'static str) -> Result<Vec<u8>, ServerError> {
         std::fs::read(path).map_err(|e| tls_error(flag, format!("cannot read {}: {e}", path.display())))
     }
 
     /// The PEM texts (tonic's `Identity` takes them).
-    pub fn pem(&self) -> Result<(Vec<u8>, Vec<u8>), TlsError> {
+    pub fn pem(&self) -> Result<(Vec<u8>, Vec<u8>), ServerError> {
         Ok((Self::read(&self.cert, "--tls-cert")?, Self::read(&self.key, "--tls-key")?))
     }
 
     /// A rustls server configuration (HTTP/1.1 and HTTP/2 offered by ALPN).
-    pub fn server_config(&self) -> Result<Arc<ServerConfig>, TlsError> {
+    pub fn server_config(&self) -> Result<Arc<ServerConfig>, ServerError> {
         let (cert, key) = self.pem()?;
         let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert)
             .collect::<Result<_, _>>()
@@ -118,10 +112,10 @@ mod tests {
         let (c, k) = (PathBuf::from("c.pem"), PathBuf::from("k.pem"));
         assert_eq!(TlsFiles::from_flags(Some(c.clone()), Some(k.clone())).unwrap(), Some(TlsFiles { cert: c.clone(), key: k.clone() }));
         let e = TlsFiles::from_flags(Some(c), None).unwrap_err();
-        assert_eq!(e.flag, "--tls-key");
+        assert!(matches!(e, ServerError::Tls { flag: "--tls-key", .. }), "{e:?}");
         assert!(e.to_string().starts_with("--tls-key: --tls-cert needs its private key"), "{e}");
         let e = TlsFiles::from_flags(None, Some(k)).unwrap_err();
-        assert_eq!(e.flag, "--tls-cert");
+        assert!(matches!(e, ServerError::Tls { flag: "--tls-cert", .. }), "{e:?}");
         assert!(e.to_string().starts_with("--tls-cert: --tls-key needs its certificate chain"), "{e}");
     }
 

@@ -12,37 +12,34 @@ use std::path::PathBuf;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Parser};
 
-/// Why a configuration was refused; the message names the file, flag or key.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct ConfigError(pub String);
+use crate::error::ServerError;
 
 /// Parse the command line, filling what it and the environment leave at their defaults from
 /// the `config` file (the option with id `config`, `default_path` when not given).
-pub fn parse<T: Parser>(default_path: &str) -> Result<T, ConfigError> {
+pub fn parse<T: Parser>(default_path: &str) -> Result<T, ServerError> {
     parse_from::<T>(std::env::args_os().collect(), default_path)
 }
 
-pub fn parse_from<T: Parser>(argv: Vec<OsString>, default_path: &str) -> Result<T, ConfigError> {
+pub fn parse_from<T: Parser>(argv: Vec<OsString>, default_path: &str) -> Result<T, ServerError> {
     let command = T::command();
     let matches = command.clone().get_matches_from(argv.clone());
-    let from_matches = |m: &ArgMatches| T::from_arg_matches(m).map_err(|e| ConfigError(e.to_string()));
+    let from_matches = |m: &ArgMatches| T::from_arg_matches(m).map_err(|e| ServerError::Config(e.to_string()));
     let path: PathBuf = matches.get_one::<PathBuf>("config").cloned().unwrap_or_else(|| default_path.into());
     let explicit = given(&matches, "config");
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => return from_matches(&matches),
-        Err(e) => return Err(ConfigError(format!("--config: cannot read {}: {e}", path.display()))),
+        Err(e) => return Err(ServerError::Config(format!("--config: cannot read {}: {e}", path.display()))),
     };
     let table: toml::Table = toml::from_str(&text).map_err(|e: toml::de::Error| {
         let line = e.span().map_or(0, |s| text[..s.start.min(text.len())].matches('\n').count() + 1);
-        ConfigError(format!("{}: line {line}: {}", path.display(), e.message()))
+        ServerError::Config(format!("{}: line {line}: {}", path.display(), e.message()))
     })?;
     let known: Vec<String> = command.get_arguments().filter(|a| a.get_long().is_some()).map(|a| a.get_id().to_string()).collect();
     let mut extra: Vec<OsString> = vec![];
     for (key, value) in &table {
         if key == "config" || !known.contains(key) {
-            return Err(ConfigError(format!("{}: unknown key '{key}'; the keys are {}", path.display(), known.join(", "))));
+            return Err(ServerError::Config(format!("{}: unknown key '{key}'; the keys are {}", path.display(), known.join(", "))));
         }
         // Given on the command line or in the environment: that wins.
         if given(&matches, key) {
@@ -56,7 +53,7 @@ pub fn parse_from<T: Parser>(argv: Vec<OsString>, default_path: &str) -> Result<
             toml::Value::Integer(i) => extra.push(format!("{flag}={i}").into()),
             toml::Value::Float(f) => extra.push(format!("{flag}={f}").into()),
             other => {
-                return Err(ConfigError(format!(
+                return Err(ServerError::Config(format!(
                     "{}: '{key}' must be a string, number or boolean, not {}",
                     path.display(),
                     other.type_str()
@@ -69,7 +66,7 @@ pub fn parse_from<T: Parser>(argv: Vec<OsString>, default_path: &str) -> Result<
     let mut full = argv;
     let at = full.len().min(1);
     full.splice(at..at, extra);
-    let matches = command.try_get_matches_from(full).map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+    let matches = command.try_get_matches_from(full).map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?;
     from_matches(&matches)
 }
 
@@ -110,7 +107,7 @@ mod tests {
         p
     }
 
-    fn parse(args: &[&str]) -> Result<Opts, ConfigError> {
+    fn parse(args: &[&str]) -> Result<Opts, ServerError> {
         let argv = std::iter::once("x").chain(args.iter().copied()).map(OsString::from).collect();
         parse_from::<Opts>(argv, "/nonexistent/motley-test.toml")
     }

@@ -21,8 +21,8 @@ use std::fmt::Write;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::plan::{GpuRef, GroupKind, PlanDocument, StageDoc};
-pub use crate::timeline::{one_f_one_b, sync_and_optimizer, Op};
+use motley_contract::plan::{GpuRef, GroupKind, PlanDocument, StageDoc};
+pub use motley_contract::timeline::{one_f_one_b, sync_and_optimizer, Op};
 
 /// The cost model's times in a plan document (the solver's report has them; a plan written by
 /// hand or by an older solver may not): read beside [`PlanDocument`] from the same JSON.
