@@ -136,6 +136,25 @@ async fn the_control_service_does_what_rest_does() {
     assert_eq!(e.code(), Code::NotFound);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_emulated_node_says_so_on_both_doors_and_a_real_one_says_nothing() {
+    let c = Coordinator::start(&temp_dir(), &[]);
+    let token = c.token.clone().expect("a generated token");
+    c.json("PUT", "/api/v1/nodes/real", NODE, 200);
+    c.json("PUT", "/api/v1/nodes/emu", &format!("{NODE}emulate: {{cpu: 0.3}}\n"), 200);
+    let rest = c.json("GET", "/api/v1/nodes", "", 200);
+    let rest: Vec<(&str, Option<&Value>)> =
+        rest.as_array().unwrap().iter().map(|n| (n["name"].as_str().unwrap(), n.get("emulated"))).collect();
+    assert_eq!(rest, [("emu", Some(&Value::Bool(true))), ("real", None)], "REST: emulated, absent when false");
+    let mut g = client(&c).await;
+    let nodes = g.list_nodes(authed(pb::ListNodesRequest {}, &token)).await.unwrap().into_inner().nodes;
+    let grpc: Vec<(&str, bool)> = nodes.iter().map(|n| (n.name.as_str(), n.emulated)).collect();
+    assert_eq!(grpc, [("emu", true), ("real", false)], "gRPC: the same");
+    // A share that is no share is refused naming the field.
+    let bad = c.json("PUT", "/api/v1/nodes/bad", &format!("{NODE}emulate: {{cpu: 0}}\n"), 400);
+    assert!(bad.to_string().contains("emulate.cpu"), "{bad}");
+}
+
 #[test]
 fn openapi_metrics_and_query_errors() {
     let c = Coordinator::start(&temp_dir(), &[]);

@@ -14,6 +14,7 @@ impl From<Node> for pb::Node {
         let v = n.view;
         pb::Node {
             live: v.live,
+            emulated: v.emulated,
             load_age_ms: v.load.as_ref().map_or(0, |l| l.age_ms),
             load: v.load.map(crate::load::to_proto),
             state: v.state.as_str().to_string(),
