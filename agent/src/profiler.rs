@@ -195,6 +195,11 @@ impl Profiler {
             .process_group(0)
             .kill_on_drop(true);
         if let Some(procs) = procs {
+            // An emulated GPU is a CPU share the kernel enforces by stopping the process: only
+            // the wall clock sees it (the profiler's CPU default counts the thread's CPU time).
+            // Its mean over many runs: a pass of a few ms may fall between two throttlings or
+            // across one, and only the mean converges on the share (a median sees the lucky runs).
+            cmd.args(["--clock", "wall", "--runs", "20"]);
             // SAFETY: `enter` makes system calls only (no allocation, no locks).
             unsafe {
                 cmd.pre_exec(move || crate::ranks::cgroup::enter(&procs));
@@ -341,11 +346,11 @@ printf 'profiles:\n  - {gpu: A100-80G, tp: 1, micro_batch: 2, fwd_ms: 1.5, bwd_m
             }
         };
         let own = cpu.path(0, 0, 0).parent().unwrap().join("profile-9");
-        // Writes the quota of the cgroup it runs in, then the entry.
+        // Writes the quota and period of the cgroup it runs in and its arguments, then the entry.
         let py = fake_python(
             &tmp,
             &format!(
-                r#"cat {}/cpu.cfs_quota_us > quota.txt; grep -E '^[0-9]+:([^:]*,)?cpu(,[^:]*)?:' /proc/self/cgroup > cgroup.txt
+                r#"cat {0}/cpu.cfs_quota_us {0}/cpu.cfs_period_us > quota.txt; echo "$@" > args.txt; grep -E '^[0-9]+:([^:]*,)?cpu(,[^:]*)?:' /proc/self/cgroup > cgroup.txt
 out=""; while [ $# -gt 0 ]; do case "$1" in --output) out="$2"; shift;; esac; shift; done
 printf 'profiles:
   - {{gpu: A100-80G, tp: 1, micro_batch: 2, fwd_ms: 1.5, bwd_ms: 3}}
@@ -358,7 +363,10 @@ printf 'profiles:
         let r = finished(&p).await;
         assert!(r[0].error.is_empty(), "{}", r[0].error);
         let run = tmp.join("profiles/9");
-        assert_eq!(std::fs::read_to_string(run.join("quota.txt")).unwrap().trim(), "25000");
+        // A quarter of a core: 5 ms every 20 ms.
+        assert_eq!(std::fs::read_to_string(run.join("quota.txt")).unwrap().split_whitespace().collect::<Vec<_>>(), ["5000", "20000"]);
+        let args = std::fs::read_to_string(run.join("args.txt")).unwrap();
+        assert!(args.contains("--clock wall"), "the emulated device is timed by the wall clock: {args}");
         assert!(std::fs::read_to_string(run.join("cgroup.txt")).unwrap().trim_end().ends_with("/profile-9"));
         assert!(!own.exists(), "the run's cgroup is removed after it: {}", own.display());
         let _ = std::fs::remove_dir(own.parent().unwrap());

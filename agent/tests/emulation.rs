@@ -114,7 +114,7 @@ fn an_emulating_agent_runs_each_rank_on_its_share_of_one_core() {
     let pid: i32 =
         fake.until("the rank's pid", |_| std::fs::read_to_string(&pid_file).ok().filter(|t| t.ends_with('\n'))).trim().parse().unwrap();
     let (cgroup, quota, period) = cpu_limit_of(pid);
-    assert_eq!((quota, period), (20_000, 100_000), "{}", cgroup.display());
+    assert_eq!((quota, period), (5_000, 25_000), "{}", cgroup.display());
     assert!(cgroup.ends_with("job-1-gen-1-rank-0"), "{}", cgroup.display());
     let throttled = || {
         std::fs::read_to_string(cgroup.join("cpu.stat"))

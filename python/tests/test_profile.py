@@ -218,3 +218,32 @@ def test_motley_plan_reads_the_required_fields(run, tmp_path):
     assert plain.returncode == 0, plain.stderr
     # The plan is priced with the measured tp 2 layer, not the roofline estimate.
     assert json.loads(r.stdout)["iteration_time_s"] != json.loads(plain.stdout)["iteration_time_s"]
+
+
+def test_the_wall_clock_counts_time_the_thread_is_stopped_and_keeps_the_mean():
+    """An emulated GPU is a CPU share the kernel enforces by stopping the process: the CPU
+    default (the thread's CPU time) does not see a stop, `--clock wall` does, and keeps the mean
+    of its runs (a pass may fall between two stops or across one)."""
+    import time as _time
+
+    import torch
+
+    cpu = torch.device("cpu")
+    stopped = lambda: _time.sleep(0.05)  # noqa: E731 (a stop: no CPU time, 50 ms of wall time)
+    thread_ms, _ = prof.Timer(cpu)(stopped)
+    wall_ms, _ = prof.Timer(cpu, wall=True)(stopped)
+    assert thread_ms < 10 and wall_ms >= 50, (thread_ms, wall_ms)
+    assert prof.parse_args(["--model", "m", "--tp", "1", "--micro-batch", "1"]).clock == "auto"
+    args = prof.parse_args(["--model", "m", "--tp", "2", "--micro-batch", "1", "--clock", "wall"])
+    assert args.clock == "wall"
+    worker = prof._worker_argv(args, 1234, 1)
+    assert worker[worker.index("--clock") + 1] == "wall", "the TP workers time as rank 0 does"
+
+    import types
+
+    ctx = types.SimpleNamespace(
+        args=prof.parse_args(["--model", "m", "--tp", "1", "--micro-batch", "1", "--warmup", "0", "--runs", "3"]),
+        timer=prof.Timer(cpu, wall=True), align=lambda: None)
+    sleeps = iter([0.0, 0.0, 0.0, 0.0, 0.09, 0.0])  # forward, backward, three times: one stopped forward
+    f, b = prof.median_fwd_bwd(ctx, lambda: _time.sleep(next(sleeps)), lambda _: _time.sleep(next(sleeps)), lambda: None)
+    assert 25 <= f < 80 and b < 10, (f, b)  # the mean of 0, 0 and 90 ms, not the median 0

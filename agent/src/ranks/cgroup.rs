@@ -219,7 +219,7 @@ mod tests {
         assert!(c.limits_cpu() && !cgroups().limits_cpu());
         c.create(3, 1, 0, None).unwrap();
         assert_eq!(std::fs::read_to_string(own.join("motley-n0-1/cgroup.subtree_control")).unwrap(), "+cpu");
-        assert_eq!(std::fs::read_to_string(c.path(3, 1, 0).join("cpu.max")).unwrap(), "50000 100000");
+        assert_eq!(std::fs::read_to_string(c.path(3, 1, 0).join("cpu.max")).unwrap(), "5000 10000");
         let _ = std::fs::remove_dir_all(&own);
     }
 

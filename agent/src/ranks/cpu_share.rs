@@ -13,18 +13,31 @@ use std::path::{Path, PathBuf};
 
 use crate::ranks::cgroup_name::agent_root;
 
-/// The bandwidth controller's period: a share F is F x 100 ms of CPU time every 100 ms.
-pub const PERIOD_US: u64 = 100_000;
+/// The kernel's least quota and least period (1 ms).
+const MIN_US: u64 = 1_000;
+/// The kernel's largest period (1 s).
+const MAX_PERIOD_US: u64 = 1_000_000;
+/// The quota a period is sized for: a few scheduler ticks (4 ms at 250 Hz), the finest grain at
+/// which the kernel enforces a quota, so a rank is throttled within every few ms of CPU time.
+const QUOTA_US: u64 = 5_000;
 
-/// `cpu.max`'s text for `share` of one core (`"QUOTA PERIOD"`, microseconds; the kernel's
-/// smallest quota is 1 ms).
+/// The bandwidth controller's period for `share` of one core: the one whose quota is
+/// [`QUOTA_US`] (within the kernel's 1 ms-1 s). The layer profiler times passes of a few
+/// milliseconds: under the kernel's default 100 ms period a 0.4 share would run the first 40 ms
+/// of every period at full speed, and only a measurement over many periods would see the share
+/// (docs/emulation.md, "Short periods").
+pub fn period_us(share: f64) -> u64 {
+    ((QUOTA_US as f64 / share.min(1.0)).round() as u64).clamp(MIN_US, MAX_PERIOD_US)
+}
+
+/// `cpu.max`'s text for `share` of one core (`"QUOTA PERIOD"`, microseconds).
 pub fn cpu_max(share: f64) -> String {
-    format!("{} {PERIOD_US}", quota_us(share))
+    format!("{} {}", quota_us(share), period_us(share))
 }
 
 /// The quota, in microseconds per period, of `share` of one core (1 ms at least).
 pub fn quota_us(share: f64) -> u64 {
-    ((share * PERIOD_US as f64).round() as u64).max(1000)
+    ((share * period_us(share) as f64).round() as u64).max(MIN_US)
 }
 
 /// Where ranks' v1 cpu cgroups live: `<v1 cpu mount>/<the agent's v1 cpu cgroup>/motley-cpu-<node>-<hash>`.
@@ -80,7 +93,7 @@ impl CpuV1 {
 }
 
 fn set_v1_quota(dir: &Path, share: f64) -> io::Result<()> {
-    std::fs::write(dir.join("cpu.cfs_period_us"), PERIOD_US.to_string())?;
+    std::fs::write(dir.join("cpu.cfs_period_us"), period_us(share).to_string())?;
     std::fs::write(dir.join("cpu.cfs_quota_us"), quota_us(share).to_string())
 }
 
@@ -130,10 +143,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_share_is_a_quota_of_the_period_and_never_below_the_kernels_least() {
-        assert_eq!(cpu_max(0.3), "30000 100000");
-        assert_eq!(cpu_max(2.0), "200000 100000");
-        assert_eq!(quota_us(0.001), 1000);
+    fn a_share_is_a_quota_of_a_few_ticks_in_the_period_that_gives_it() {
+        assert_eq!(cpu_max(0.3), "5000 16667", "5 ms every 16.7 ms");
+        assert_eq!(cpu_max(0.5), "5000 10000");
+        assert_eq!(cpu_max(1.0), "5000 5000");
+        assert_eq!(cpu_max(2.0), "10000 5000", "two cores: 10 ms every 5 ms");
+        // A share so small that 1 ms needs more than the kernel's longest period: 1 ms every 1 s.
+        assert_eq!((quota_us(0.0001), period_us(0.0001)), (1000, 1_000_000));
+        for share in [0.05, 0.1, 0.3, 0.4, 0.77, 1.0, 3.5] {
+            let got = quota_us(share) as f64 / period_us(share) as f64;
+            assert!((got / share - 1.0).abs() < 1e-3, "{share}: {got}");
+        }
     }
 
     #[test]
