@@ -108,7 +108,7 @@ fn an_emulating_agent_runs_each_rank_on_its_share_of_one_core() {
     fake.until("the agent's registration", |s| s.registrations.first().map(|_| ()));
     // The inventory the coordinator is given says so too (the node's view reads it).
     fake.until("an inventory that says emulate", |s| s.registrations[0].inventory_json.contains("\"emulate\"").then_some(()));
-    // A rank that spins: the kernel holds it to 20 ms of CPU time every 100 ms.
+    // A rank that spins: the kernel holds it to 5 ms of CPU time every 25 ms.
     fake.send(launch(1, "echo $$ > rank.pid.tmp && mv rank.pid.tmp rank.pid; while :; do :; done"));
     let pid_file = dir.join("work/jobs/1/1/rank.pid");
     let pid: i32 =

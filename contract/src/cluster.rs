@@ -238,7 +238,8 @@ pub struct NodeSpec {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Emulate {
-    /// Each rank's share of one CPU core (0.3: 30 ms of CPU time in every 100 ms).
+    /// Each rank's share of one CPU core (0.3: 30% of it; docs/emulation.md says how the kernel
+    /// holds a rank to it).
     pub cpu: f64,
 }
 

@@ -152,17 +152,9 @@ pub fn parse_generation(generation: i64, log: &str) -> GenerationCurves {
 mod tests {
     use super::*;
 
-    const GEN1: &str = r#"starting up
-{"step": 1, "loss": 4.0, "tokens_per_s": 1000.0, "step_s": 0.5}
-{"step": 2, "loss": 3.5, "tokens_per_s": 1200, "step_s": 0.4}
-{"step": 2, "eval_loss": 3.7}
-{"unrelated": true}
-{"step": 3, "loss": NaN, "tokens_per_s": 1100}
-{"step": 4, "loss": Infinity}
-{"step": 5, "loss": 3.0, "tokens_per_s": 1300}
-not json {"step": 9, "loss": 1}
-{"step": 6, "loss": 2.9
-"#;
+    /// Rank 0's log of one generation: points, an eval, lines to ignore, losses that are not
+    /// finite, a cut last line (the drawing's tests read it too).
+    const GEN1: &str = include_str!("../tests/data/rank0-generation1.log");
 
     #[test]
     fn lines_become_points_and_others_are_ignored() {

@@ -354,17 +354,8 @@ mod tests {
     use super::*;
     use motley_contract::curves::parse_generation;
 
-    const GEN1: &str = r#"starting up
-{"step": 1, "loss": 4.0, "tokens_per_s": 1000.0, "step_s": 0.5}
-{"step": 2, "loss": 3.5, "tokens_per_s": 1200, "step_s": 0.4}
-{"step": 2, "eval_loss": 3.7}
-{"unrelated": true}
-{"step": 3, "loss": NaN, "tokens_per_s": 1100}
-{"step": 4, "loss": Infinity}
-{"step": 5, "loss": 3.0, "tokens_per_s": 1300}
-not json {"step": 9, "loss": 1}
-{"step": 6, "loss": 2.9
-"#;
+    /// The contract's test log (`motley_contract::curves`'s tests read it too).
+    const GEN1: &str = include_str!("../../contract/tests/data/rank0-generation1.log");
 
     fn two_generations() -> Curves {
         // Generation 2 restored from step 4 and re-ran steps 4..6 of generation 1.

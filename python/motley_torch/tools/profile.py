@@ -166,8 +166,10 @@ class Timer:
         import torch
 
         self.torch = torch
-        self.wall = wall
         self.clock = time.perf_counter if wall else time.thread_time
+        # What a measurement keeps of its runs: the median, robust to a stray slow run; on the
+        # wall clock of an emulated device the mean (module docstring).
+        self.keep = statistics.mean if wall else statistics.median
         self.cuda = device.type == "cuda"
 
     def sync(self):
@@ -253,9 +255,7 @@ def median_fwd_bwd(ctx: Ctx, make_fwd: Callable[[], object], bwd: Callable[[obje
         if i >= ctx.args.warmup:
             fw.append(tf)
             bw.append(tb)
-    # The wall clock of an emulated device: the mean (module docstring).
-    keep = statistics.mean if ctx.timer.wall else statistics.median
-    return keep(fw), keep(bw)
+    return ctx.timer.keep(fw), ctx.timer.keep(bw)
 
 
 def _zero_grads(module):
@@ -337,8 +337,7 @@ def optimizer_and_fixed(ctx: Ctx) -> Tuple[float, int, int]:
         st = opt.state[p]
         for k in ("exp_avg", "exp_avg_sq"):
             fixed += st[k].numel() * st[k].element_size()
-    keep = statistics.mean if ctx.timer.wall else statistics.median
-    return keep(times), fixed, count
+    return ctx.timer.keep(times), fixed, count
 
 
 def activation_bytes(ctx: Ctx) -> int:
