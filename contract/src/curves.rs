@@ -154,7 +154,7 @@ mod tests {
 
     /// Rank 0's log of one generation: points, an eval, lines to ignore, losses that are not
     /// finite, a cut last line (the drawing's tests read it too).
-    const GEN1: &str = include_str!("../tests/data/rank0-generation1.log");
+    const GEN1: &str = include_str!("../tests/data/rank0-generation1.txt");
 
     #[test]
     fn lines_become_points_and_others_are_ignored() {

@@ -355,7 +355,7 @@ mod tests {
     use motley_contract::curves::parse_generation;
 
     /// The contract's test log (`motley_contract::curves`'s tests read it too).
-    const GEN1: &str = include_str!("../../contract/tests/data/rank0-generation1.log");
+    const GEN1: &str = include_str!("../../contract/tests/data/rank0-generation1.txt");
 
     fn two_generations() -> Curves {
         // Generation 2 restored from step 4 and re-ran steps 4..6 of generation 1.
