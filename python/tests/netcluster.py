@@ -54,7 +54,8 @@ def port_on(ip: str) -> int:
 
 class NetCluster:
     """`net`'s nodes each run an agent in its namespace declaring `entries[node]` (a cluster-file
-    node entry). `gpu_types`: the coordinator's --gpu-types list. `agent_args`: more agent flags.
+    node entry; one with `emulate` gets the CPU controller mounted in its namespace, so it can
+    hold its ranks to their shares). `gpu_types`: the coordinator's --gpu-types list. `agent_args`: more agent flags.
     `start`: the nodes whose agents start now (default every node; `start_agent` adds one)."""
 
     def __init__(self, tmp: Path, net: Net, entries: Dict[str, dict], gpu_types: Optional[List[dict]] = None,
@@ -108,7 +109,7 @@ class NetCluster:
             self.b["motley-agent"], "--coordinator", self.grpc, "--node", node, "--inventory", str(inv),
             "--work-dir", str(self.tmp / "agents" / node), "--shm-dir", str(self.tmp / "shm" / node),
             "--allow-root-ranks", "--address", ip, "--logs-listen", f"{ip}:0", "--data-listen", f"{ip}:0",
-            *self.agent_args])
+            *self.agent_args], cgroups="emulate" in self.entries[node])
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
         self.procs.append(p)
         self.agents[node] = p
@@ -143,10 +144,10 @@ class NetCluster:
     def plan(self, jid: int) -> dict:
         return self.get(f"/api/v1/jobs/{jid}/plan")["plan"]
 
-    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    def cli(self, *args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
         """`motley ARGS --coordinator REST`."""
         out = subprocess.run([self.b["motley"], *args, "--coordinator", self.rest], capture_output=True, text=True,
-                             env=clean_env(), timeout=30)
+                             env=clean_env(), timeout=timeout)
         if check and out.returncode != 0:
             raise AssertionError(f"motley {' '.join(args)} failed ({out.returncode}): {out.stderr}")
         return out

@@ -188,6 +188,33 @@ def _unshape(dev: str, ns: Optional[str] = None):
     _run("tc", "qdisc", "del", "dev", dev, "root", check=False, ns=ns)
 
 
+def cgroup_mounts() -> str:
+    """A shell command that mounts, in a namespace `ip netns exec` made, the cgroup hierarchies
+    that hold the CPU controller where the root namespace has them. `ip netns exec` mounts a
+    fresh sysfs over /sys, which hides /sys/fs/cgroup and everything mounted below it, so an
+    agent inside would find no CPU controller and refuse to emulate. Mounting a v1 hierarchy
+    with the same controllers attaches the existing hierarchy (the same cgroups, the same
+    quotas), as mounting cgroup2 attaches the one unified tree."""
+    cmds = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            point = left.split()[4]
+            fstype, _, opts = (right.split() + ["", "", ""])[:3]
+            if not point.startswith("/sys/fs/cgroup"):
+                continue
+            if point == "/sys/fs/cgroup" and fstype == "tmpfs":
+                cmds.insert(0, "mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup")
+            elif fstype == "cgroup2":
+                cmds.append(f"mkdir -p {point} && mount -t cgroup2 cgroup2 {point}")
+            elif fstype == "cgroup" and "cpu" in opts.split(","):
+                controllers = ",".join(o for o in opts.split(",") if o in ("cpu", "cpuacct"))
+                cmds.append(f"mkdir -p {point} && mount -t cgroup -o {controllers} cgroup {point}")
+    if not cmds:
+        raise RuntimeError("no cgroup hierarchy with the cpu controller under /sys/fs/cgroup to mount in a namespace")
+    return " && ".join(cmds)
+
+
 class Net:
     """Two islands of nodes in namespaces (see the module's doc). `islands`: island name ->
     node names (island names are one letter). `node_mbit`: each node link's rate (None:
@@ -301,9 +328,13 @@ class Net:
         with open(os.path.join(PID_DIR, f"{self.prefix}.pids"), "a") as f:
             f.write(f"{pid}:{_started(pid)}\n")
 
-    def argv(self, node: str, argv: List[str]) -> List[str]:
-        """`argv` run inside `node`'s namespace."""
-        return ["ip", "netns", "exec", self.ns[node], *argv]
+    def argv(self, node: str, argv: List[str], cgroups: bool = False) -> List[str]:
+        """`argv` run inside `node`'s namespace. `cgroups`: with the root namespace's CPU
+        controller hierarchies mounted where they are outside (`cgroup_mounts`), for an agent
+        that confines its ranks to CPU shares (docs/emulation.md)."""
+        if not cgroups:
+            return ["ip", "netns", "exec", self.ns[node], *argv]
+        return ["ip", "netns", "exec", self.ns[node], "sh", "-c", cgroup_mounts() + ' && exec "$@"', "sh", *argv]
 
     def transfer(self, src: str, dst: str, megabytes: float = 4.0, timeout: float = 60.0) -> float:
         """Send `megabytes` over TCP from node `src` to node `dst` (a node name, or "root" for the

@@ -253,9 +253,12 @@ impl<'a> CostModel<'a> {
         let tp_bw = if k.tp > class.gpus_per_node { self.cluster.inter_bw(k.class, k.class) } else { self.cluster.intra_bw(k.class) } * 1e9;
         // Two all-reduces of the layer's activations forward, two backward (Megatron TP).
         let tp_allreduce = if k.tp > 1 { 2.0 * (t - 1.0) / t * m * s * h * self.opts.wire_bytes() / tp_bw } else { 0.0 };
-        let profiled = self.profiles.lookup(&gpu.name, k.tp, m.round() as u32).filter(|_| m.fract() == 0.0);
+        let (profiled, scale) = match self.profiles.lookup_scaled(&gpu.name, k.tp, m) {
+            Some((p, scale)) => (Some(p), scale),
+            None => (None, 1.0),
+        };
         let (fwd, bwd) = match profiled {
-            Some(p) => (p.fwd_ms / 1e3, p.bwd_ms / 1e3),
+            Some(p) => (scale * p.fwd_ms / 1e3, scale * p.bwd_ms / 1e3),
             None => {
                 let compute = m * self.model.layer_fwd_flops / t / peak;
                 let compute_bwd = m * self.model.layer_fwd_flops / t / peak_bwd;
@@ -268,7 +271,7 @@ impl<'a> CostModel<'a> {
         let recompute = self.opts.recompute;
         let blocks = profiled
             .filter(|p| !p.blocks.is_empty())
-            .map(|p| p.block_ms().map(|(f, b)| (f / 1e3, if recompute { (b + f) / 1e3 } else { b / 1e3 })));
+            .map(|p| p.block_ms().map(|(f, b)| (scale * f / 1e3, scale * if recompute { (b + f) / 1e3 } else { b / 1e3 })));
         let head_fwd = m * self.model.head_fwd_flops / t / peak;
         let embed_bytes = m * s * h * 2.0;
         let opt_bytes_per_param = self.opts.state_bytes_per_param(k.dp);
@@ -280,14 +283,14 @@ impl<'a> CostModel<'a> {
         let tied_params_gpu = self.model.tied_params;
         let (precision, zero1) = (self.opts.precision, self.opts.zero1);
         let layer_act = match profiled.and_then(|p| p.act_mib) {
-            Some(mib) => mib * 1024.0 * 1024.0,
+            Some(mib) => scale * mib * 1024.0 * 1024.0,
             None if self.opts.recompute => 2.0 * s * m * h,
             // What the runtime saves per token (activations.rs, counted on it); the half
             // copies of the weights are one per step, in the state bytes.
             None => s * m * activations::layer_token_bytes(self.model, precision, zero1, s, !self.opts.eager).per_gpu(t),
         };
         // Measured extras where the profile has them (forward plus backward).
-        let measured = |f: Option<f64>, b: Option<f64>| Some((f? + b?) / 1e3);
+        let measured = |f: Option<f64>, b: Option<f64>| Some(scale * (f? + b?) / 1e3);
         let embed_time = profiled.and_then(|p| measured(p.embed_fwd_ms, p.embed_bwd_ms)).unwrap_or(3.0 * embed_bytes / mem_bw);
         let head_time = profiled.and_then(|p| measured(p.head_fwd_ms, p.head_bwd_ms)).unwrap_or(3.0 * head_fwd);
         LayerCost {
@@ -575,6 +578,35 @@ mod wire_and_optimizer_tests {
         let extras = optimizer(&ProfileSet::default(), 24) - 24.0 * optimizer_per_layer(&c, &model);
         assert!((optimizer(&measured, 24) - (24.0 * 0.040 + extras)).abs() < 1e-9, "{}", optimizer(&measured, 24));
         assert!((optimizer(&measured, 12) - optimizer(&measured, 6) - 6.0 * 0.040).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_measured_type_is_priced_from_its_nearest_micro_batch_never_from_its_peak() {
+        let (c, model) = (cluster(), Model::new(crate::model::model_by_name("gpt3-1.3b").unwrap(), None).unwrap());
+        let opts = PlanOptions::default();
+        let mut p = LayerProfile::per_layer("A100-80G", 1, 2, 30.0, 60.0, Some(8.0));
+        p.head_fwd_ms = Some(10.0);
+        p.head_bwd_ms = Some(20.0);
+        let profiles = ProfileSet { profiles: vec![p, LayerProfile::per_layer("A100-80G", 1, 8, 100.0, 200.0, None)] };
+        let cm = CostModel { cluster: &c, model: &model, profiles: &profiles, opts: &opts };
+        let cost = |dp, micro_batch| cm.layer_cost(StageKind { class: 0, tp: 1, dp }, micro_batch);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        let exact = cost(1, 2);
+        assert!(close(exact.fwd, 0.030) && close(exact.bwd, 0.060) && close(exact.head_time, 0.030));
+        // Micro-batch 2 over two GPUs: one sequence each, half the measured pass (not the
+        // catalog peak, which would price it in microseconds).
+        let split = cost(2, 2);
+        assert!(close(split.fwd, 0.015) && close(split.bwd, 0.030) && close(split.head_time, 0.015), "{split:?}");
+        assert!(close(split.layer_act, 4.0 * 1024.0 * 1024.0));
+        // Three sequences: the nearest entry by ratio is micro-batch 2, scaled by 1.5.
+        assert!(close(cost(1, 3).fwd, 0.045));
+        // Six: micro-batch 8 (6/8 is nearer than 6/2), scaled by 0.75.
+        assert!(close(cost(1, 6).fwd, 0.075));
+        // A type without a profile stays on the roofline.
+        let none = ProfileSet::default();
+        let roofline =
+            CostModel { cluster: &c, model: &model, profiles: &none, opts: &opts }.layer_cost(StageKind { class: 0, tp: 1, dp: 2 }, 2);
+        assert!(roofline.fwd < 0.005, "{}", roofline.fwd);
     }
 
     #[test]

@@ -187,6 +187,29 @@ impl ProfileSet {
     pub fn lookup(&self, gpu: &str, tp: u32, micro_batch: u32) -> Option<&LayerProfile> {
         self.profiles.iter().find(|p| p.tp == tp && p.micro_batch == micro_batch && p.gpu.eq_ignore_ascii_case(gpu))
     }
+
+    /// The profile that prices `sequences` per GPU per micro-batch of a `gpu` at `tp`, and the
+    /// factor its per-micro-batch times and activations scale by: the entry measured at that
+    /// many sequences (factor 1), else the entry of the same type and TP degree measured
+    /// nearest (by ratio), its times scaled linearly by `sequences / micro_batch`. A type that
+    /// was measured at all is never priced at its catalog peak: on an emulated cluster the
+    /// peak is a thousand times the measured speed, and on a real one it is the efficiency
+    /// the measurement was made to replace. Linear is the stated assumption (a pass's work is
+    /// linear in its sequences; a GPU at fewer sequences may run below it, so scaling down
+    /// errs fast).
+    pub fn lookup_scaled(&self, gpu: &str, tp: u32, sequences: f64) -> Option<(&LayerProfile, f64)> {
+        if sequences.fract() == 0.0 {
+            if let Some(p) = self.lookup(gpu, tp, sequences as u32) {
+                return Some((p, 1.0));
+            }
+        }
+        let distance = |p: &LayerProfile| (sequences / f64::from(p.micro_batch)).ln().abs();
+        self.profiles
+            .iter()
+            .filter(|p| p.tp == tp && p.micro_batch > 0 && p.gpu.eq_ignore_ascii_case(gpu))
+            .min_by(|a, b| distance(a).total_cmp(&distance(b)).then(b.micro_batch.cmp(&a.micro_batch)))
+            .map(|p| (p, sequences / f64::from(p.micro_batch)))
+    }
 }
 
 #[cfg(test)]

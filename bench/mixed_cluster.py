@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""Motley's plan beside its baselines' plans on a mixed cluster emulated on one machine, timed end
+to end (docs/emulation.md, "The side-by-side benchmark").
+
+Every node of the cluster file is a network namespace running a real motley-agent; each GPU is a
+CPU rank the kernel holds to the node's `emulate: {cpu: F}` share of one core. Each
+`rdma_domain` is an island (a bridge) of its own; the link between the two islands is shaped to
+the nodes' Ethernet rate as the file declares it (`gbps` of their `ethernet` NICs, the slowest),
+the links inside an island are left as they are (veths, far faster). Then, through the real
+coordinator and agents:
+
+ 1. profile: `motley profile run` of the model on one node of every GPU type (tp 1, the
+    micro-batch of the plans), so the agents' profiler measures each emulated device;
+ 2. plan: `motley plan` with those profiles and the links as measured between the islands
+    (`--bandwidth`: a TCP transfer across each link before the runs) for Motley and for every
+    baseline (`--baseline megatron|whale|fast-only`);
+ 3. run: each plan pinned (`plan:`) as one job, one after the other on the same cluster, the
+    same model, seed, data, global batch and steps; the reference trainer on every rank (fp32,
+    gloo over the node's eth0).
+
+For each system it reports the plan's predicted iteration seconds, the measured median
+iteration seconds (rank 0's `step_s`, after --warmup steps), tokens/s, and the losses, which
+must be the same on every plan (the same samples and the same maths: within 1e-4). With
+`-o json`, one line per system `{system, predicted_s, measured_s, tokens_per_s, ...}`, then one
+`{speedup_vs_best_baseline_measured, speedup_vs_best_baseline_predicted, max_prediction_error,
+...}`. Exits 1 when the losses differ or a run fails.
+
+    sudo .venv/bin/python bench/mixed_cluster.py --cluster bench/mixed/lab.yaml \\
+        --model bench/mixed/model.yaml -o json
+
+Needs root and iproute2 (namespaces, veths, bridges, tc), cgroup CPU quotas (v1 or v2),
+target/ci/motley with motley-coordinator and motley-agent beside it (or MOTLEY_BIN), and the
+project's venv (python/run-tests makes it). The shares are of this machine's cores: run it on an
+otherwise idle machine. Everything it makes is removed when it ends, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_PY = Path(os.environ.get("MOTLEY_VENV", Path.home() / ".cache" / "motley" / "venv")) / "bin" / "python"
+
+try:
+    import torch  # noqa: F401  (the ranks and the profiler run with this interpreter)
+    import yaml
+except ImportError:
+    if VENV_PY.exists() and Path(sys.prefix).resolve() != VENV_PY.parent.parent.resolve():
+        os.execv(str(VENV_PY), [str(VENV_PY), *sys.argv])
+    sys.exit(f"mixed_cluster: torch and pyyaml are missing; run python/run-tests once to make the venv ({VENV_PY})")
+
+sys.path.insert(0, str(REPO / "python" / "tests"))
+sys.path.insert(0, str(REPO / "python"))
+os.environ.setdefault("MOTLEY_BIN", str(REPO / "target" / "ci" / "motley"))
+
+import netcluster as nc  # noqa: E402
+from netns import Net, requirements  # noqa: E402
+
+SYSTEMS = ("motley", "megatron", "whale", "fast-only")
+BASELINES = SYSTEMS[1:]
+LOSS_TOLERANCE = 1e-4
+SEED = 7
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+class BenchError(Exception):
+    """Bad input or a failed step, said in one line."""
+
+
+# ---- the cluster file --------------------------------------------------------------------------
+
+
+def read_cluster(path: Path) -> dict:
+    """The cluster file, its node entries expanded (`count`), every one emulated. Node names
+    become n0, n1, ... (a namespace's name holds a few characters); `names` maps them back."""
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise BenchError(f"--cluster: cannot read {path}: {e}")
+    if not isinstance(doc, dict) or not isinstance(doc.get("nodes"), list) or not doc["nodes"]:
+        raise BenchError(f"--cluster: {path} has no `nodes` list")
+    nodes, names = [], {}
+    for i, entry in enumerate(doc["nodes"]):
+        if not isinstance(entry, dict):
+            raise BenchError(f"--cluster: nodes[{i}] is not a mapping")
+        share = (entry.get("emulate") or {}).get("cpu")
+        if not isinstance(share, (int, float)) or share <= 0:
+            raise BenchError(f"--cluster: nodes[{i}].emulate.cpu is missing: every node of the bench is emulated; "
+                             "give each node entry `emulate: {cpu: FRACTION}` (its GPUs' share of one core each)")
+        eth = [n for n in entry.get("nics") or [] if n.get("kind") == "ethernet"]
+        if not eth:
+            raise BenchError(f"--cluster: nodes[{i}].nics has no ethernet NIC: the link between islands is shaped "
+                             "to the nodes' Ethernet rate; declare one, e.g. {name: eth0, kind: ethernet, gbps: 0.1}")
+        count = int(entry.get("count", 1))
+        for k in range(count):
+            short = f"n{len(nodes)}"
+            names[short] = f"{entry['name']}-{k}" if count > 1 else entry["name"]
+            e = {key: v for key, v in entry.items() if key not in ("name", "count", "nics")}
+            # Inside the namespace the node has one interface, eth0: the one NIC it declares.
+            e["nics"] = [{"name": "eth0", "kind": "ethernet", "gbps": min(float(n["gbps"]) for n in eth)}]
+            nodes.append((short, e))
+    domains = sorted({e.get("rdma_domain") or "default" for _, e in nodes})
+    if len(domains) > 2:
+        raise BenchError(f"--cluster: {len(domains)} rdma_domains ({', '.join(domains)}); the bench joins at most two "
+                         "islands by one shaped link: give the nodes at most two rdma_domain values")
+    shares = sum(float(e["emulate"]["cpu"]) * int(e.get("gpus", 1)) for _, e in nodes)
+    cores = os.cpu_count() or 1
+    if shares > 0.8 * cores:
+        raise BenchError(f"--cluster: the ranks' shares add up to {shares:.2f} cores, more than 80% of this machine's "
+                         f"{cores}; the coordinator and the agents need the rest: lower the emulate.cpu values")
+    islands = {letter: [n for n, e in nodes if (e.get("rdma_domain") or "default") == d]
+               for letter, d in zip("AB", domains + ["default-empty"] * (2 - len(domains)))}
+    across_gbps = min(e["nics"][0]["gbps"] for _, e in nodes)
+    return {"name": doc.get("name", path.stem), "gpu_types": doc.get("gpu_types"), "entries": dict(nodes),
+            "names": names, "islands": islands, "domains": domains, "across_mbit": across_gbps * 1000,
+            "shares": shares}
+
+
+def cluster_doc(c: dict) -> dict:
+    """The expanded cluster as a cluster file for `motley plan`."""
+    doc = {"name": c["name"], "nodes": [dict(name=n, **e) for n, e in c["entries"].items()]}
+    if c["gpu_types"]:
+        doc["gpu_types"] = c["gpu_types"]
+    return doc
+
+
+# ---- the steps ---------------------------------------------------------------------------------
+
+
+def measured_links(net: Net, c: dict) -> dict:
+    """`--bandwidth` pairs: every pair inside an island at its measured TCP rate, every pair
+    across at the shaped link's (GB/s), each the median of three transfers."""
+    def rate(a, b, mb):
+        return statistics.median(net.transfer(a, b, megabytes=mb) for _ in range(3)) / 1000.0
+
+    islands = [v for v in c["islands"].values() if v]
+    inside = {k: rate(v[0], v[1], 32.0) for k, v in c["islands"].items() if len(v) > 1}
+    across = None
+    if len(islands) == 2:
+        across = rate(islands[0][0], islands[1][0], max(0.5, c["across_mbit"] / 8 / 4))
+    pairs = []
+    nodes = list(c["entries"])
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:]:
+            ia, ib = net.island_of[a], net.island_of[b]
+            gbs = inside[ia] if ia == ib else across
+            pairs.append({"a": a, "b": b, "gb_per_s": round(gbs, 6)})
+    return {"pairs": pairs, "inside_gb_per_s": inside, "across_gb_per_s": across}
+
+
+def profile_all(cluster: nc.NetCluster, c: dict, model: str, micro_batch: int, seq_len: int | None) -> dict:
+    """One stored profile per GPU type, measured by an agent of that type: a profiles file."""
+    entries = []
+    for gpu in sorted({e["gpu"] for e in c["entries"].values()}):
+        args = ["profile", "run", "--model", model, "--tp", "1", "--micro-batch", str(micro_batch), "--gpu", gpu,
+                "--wait", "-o", "json"]
+        if seq_len:
+            args += ["--seq-len", str(seq_len)]
+        t = time.time()
+        out = cluster.cli(*args, check=False, timeout=900)
+        if out.returncode != 0:
+            raise BenchError(f"profiling {gpu} failed ({out.returncode}): {out.stdout} {out.stderr}\n{cluster.logs()}")
+        run = json.loads(out.stdout)
+        shown = json.loads(cluster.cli("profile", "show", str(run["profile"]), "-o", "json").stdout)
+        entries.append(shown["entry"])
+        log(f"profiled {gpu} in {time.time() - t:.0f} s (profile {run['profile']})")
+    return {"profiles": entries}
+
+
+def plan(tmp: Path, system: str, args, seq_len: int | None) -> dict:
+    argv = [os.environ["MOTLEY_BIN"], "plan", "--cluster", str(tmp / "cluster.yaml"), "--model", args.model,
+            "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch), "--tp", "1",
+            "--profiles", str(tmp / "profiles.yaml"), "--bandwidth", str(tmp / "bandwidth.yaml"),
+            "--precision", "fp32", "--eager", "-o", "json"]
+    if seq_len:
+        argv += ["--seq-len", str(seq_len)]
+    if system != "motley":
+        argv += ["--baseline", system]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise BenchError(f"motley plan ({system}) failed: {out.stderr.strip()}")
+    return json.loads(out.stdout)
+
+
+def shape(doc: dict) -> str:
+    """A plan in a few words: each replica's stages as GPU type x count [layers]."""
+    out = []
+    for r in doc["replicas"]:
+        stages = [f"{s['gpu']}x{len(s['gpus'])}[{s['layers'][0]}-{s['layers'][1]}]" for s in r["stages"]]
+        out.append(f"{r.get('samples', '?')}:" + "|".join(stages))
+    return " ; ".join(out)
+
+
+def run_plan(cluster: nc.NetCluster, tmp: Path, system: str, doc: dict, args) -> dict:
+    model = yaml.safe_load(Path(args.model).read_text()) if Path(args.model).is_file() else args.model
+    job = nc.train_job(f"mixed-{system}", model, args.global_batch, args.steps, SEED, args.steps, tmp / "cloud",
+                       plan=doc, replan="off", profiling={"mode": "off"})
+    job.pop("checkpoint")
+    job["run"] += " --dtype fp32"
+    t0 = time.time()
+    jid = cluster.submit(job)
+    state = cluster.wait_done(jid, args.timeout)
+    if state["state"] != "succeeded":
+        events = [(e["kind"], e.get("message", "")[:200]) for e in cluster.events(jid)]
+        raise BenchError(f"{system}: job {jid} ended {state['state']}: {events}\n{cluster.logs()}")
+    lines = nc.rank0_lines(cluster.tmp, jid, state["generation"])
+    steps = [d for d in lines if "step_s" in d]
+    losses = [d["loss"] for d in lines if "loss" in d]
+    if len(steps) <= args.warmup:
+        raise BenchError(f"{system}: rank 0 printed {len(steps)} steps, no more than --warmup {args.warmup}")
+    measured = statistics.median(d["step_s"] for d in steps[args.warmup:])
+    seq = doc["seq_len"]
+    return {"system": system, "predicted_s": round(doc["iteration_time_s"], 4), "measured_s": round(measured, 4),
+            "tokens_per_s": round(args.global_batch * seq / measured, 1),
+            "predicted_tokens_per_s": round(doc["tokens_per_s"], 1), "plan": shape(doc),
+            "losses": losses, "wall_s": round(time.time() - t0, 1)}
+
+
+def summary(rows: list) -> dict:
+    mine = next(r for r in rows if r["system"] == "motley")
+    base = [r for r in rows if r["system"] != "motley"]
+    out = {"max_prediction_error": round(max(abs(r["measured_s"] / r["predicted_s"] - 1) for r in rows), 4)}
+    if base:
+        best_measured = max(base, key=lambda r: r["tokens_per_s"])
+        best_predicted = min(base, key=lambda r: r["predicted_s"])
+        out["speedup_vs_best_baseline_measured"] = round(mine["tokens_per_s"] / best_measured["tokens_per_s"], 3)
+        out["speedup_vs_best_baseline_predicted"] = round(best_predicted["predicted_s"] / mine["predicted_s"], 3)
+        out["best_baseline_measured"] = best_measured["system"]
+    out["order_measured"] = [r["system"] for r in sorted(rows, key=lambda r: r["measured_s"])]
+    out["order_predicted"] = [r["system"] for r in sorted(rows, key=lambda r: r["predicted_s"])]
+    steps = min(len(r["losses"]) for r in rows)
+    out["loss_max_diff"] = max((abs(r["losses"][i] - mine["losses"][i]) for r in rows for i in range(steps)),
+                               default=None)
+    out["loss_steps_compared"] = steps
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cluster", required=True, type=Path, help="cluster file; every node with emulate: {cpu: F}")
+    p.add_argument("--model", required=True, help="model file (YAML) or a Hugging Face model directory")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per iteration (default 16)")
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch, every plan (default 2)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--steps", type=int, default=30, help="training steps of each run (default 30)")
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the median (default 5)")
+    p.add_argument("--only", default=",".join(SYSTEMS), help=f"which systems, comma-separated: {', '.join(SYSTEMS)}")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds one run may take (default 1200)")
+    p.add_argument("--keep", metavar="DIR", help="keep the runs' files (logs, plans, profiles) here")
+    p.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    args = p.parse_args()
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = [s for s in only if s not in SYSTEMS]
+    if bad or "motley" not in only:
+        raise SystemExit(f"mixed_cluster: --only: {bad or 'motley missing'}; name systems of {', '.join(SYSTEMS)}, "
+                         "motley among them")
+    if args.warmup >= args.steps:
+        raise SystemExit(f"mixed_cluster: --warmup {args.warmup} leaves none of --steps {args.steps} to measure")
+    why = requirements()
+    if why:
+        raise SystemExit(f"mixed_cluster: {why}")
+    # The profiler the agents start imports motley_torch from here.
+    os.environ["PYTHONPATH"] = str(REPO / "python")
+    try:
+        c = read_cluster(args.cluster)
+    except BenchError as e:
+        raise SystemExit(f"mixed_cluster: {e}")
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="motley-mixed-"))
+    root.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if Path(model).is_file():
+        model = str(Path(model).resolve())
+    args.model = model
+    seq_len = args.seq_len
+    log(f"mixed_cluster: {len(c['entries'])} emulated nodes ({', '.join(f'{k}={v}' for k, v in c['names'].items())}), "
+        f"islands {c['islands']}, {c['shares']:.2f} cores of shares, the link between islands at "
+        f"{c['across_mbit']:g} Mbit/s; files in {root}")
+    (root / "cluster.yaml").write_text(yaml.safe_dump(cluster_doc(c)))
+    net = Net(c["islands"], link_mbit=c["across_mbit"] if all(c["islands"].values()) else None)
+    cluster = None
+    rows = []
+    try:
+        cluster = nc.NetCluster(root, net, c["entries"], gpu_types=c["gpu_types"],
+                                agent_args=["--probe-duty", "0", "--python", sys.executable])
+        cluster.wait_live()
+        links = measured_links(net, c)
+        (root / "bandwidth.yaml").write_text(yaml.safe_dump({"pairs": links["pairs"]}))
+        log(f"links: inside {links['inside_gb_per_s']} GB/s, across {links['across_gb_per_s']} GB/s")
+        (root / "profiles.yaml").write_text(yaml.safe_dump(profile_all(cluster, c, model, args.micro_batch, seq_len)))
+        plans = {s: plan(root, s, args, seq_len) for s in only}
+        for s, doc in plans.items():
+            (root / f"plan-{s}.json").write_text(json.dumps(doc, indent=1))
+            log(f"{s}: predicted {doc['iteration_time_s']:.3f} s/iteration: {shape(doc)}")
+        for s in only:
+            row = run_plan(cluster, root, s, plans[s], args)
+            log(f"{s}: measured {row['measured_s']} s/iteration (predicted {row['predicted_s']}), {row['wall_s']} s")
+            rows.append(row)
+    except BenchError as e:
+        raise SystemExit(f"mixed_cluster: {e}")
+    finally:
+        if cluster is not None:
+            cluster.close()
+        net.close()
+    s = summary(rows)
+    s["command"] = " ".join(shlex.quote(a) for a in [sys.argv[0], *sys.argv[1:]])
+    s["machine"] = {"nproc": os.cpu_count(), "uname": os.uname().release}
+    s["across_mbit"] = c["across_mbit"]
+    s["inside_gb_per_s"] = links["inside_gb_per_s"]
+    if args.output == "json":
+        for r in rows:
+            print(json.dumps({k: v for k, v in r.items() if k != "losses"} | {"final_loss": r["losses"][-1]}))
+        print(json.dumps(s))
+    else:
+        print(f"{'system':<10} {'predicted s':>11} {'measured s':>10} {'error':>7} {'tokens/s':>9}  plan")
+        for r in rows:
+            err = r["measured_s"] / r["predicted_s"] - 1
+            print(f"{r['system']:<10} {r['predicted_s']:>11.3f} {r['measured_s']:>10.3f} {100 * err:>+6.1f}% "
+                  f"{r['tokens_per_s']:>9.1f}  {r['plan']}")
+        print(json.dumps(s))
+    log(f"reproduce: {s['command']}")
+    if s["loss_max_diff"] is not None and s["loss_max_diff"] > LOSS_TOLERANCE:
+        log(f"mixed_cluster: the plans' losses differ by {s['loss_max_diff']:.3g} (> {LOSS_TOLERANCE})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""bench/mixed_cluster.py (docs/emulation.md, "The side-by-side benchmark"): its reading of a
+cluster file (every node emulated, at most two islands, the shares within the machine, the
+Ethernet rate the link between islands is shaped to), its summary (speedups, prediction error,
+the losses compared), and the whole bench once, small, through the real coordinator and agents
+in network namespaces (needs root and iproute2; fails saying so without them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher import REPO, motley_bin
+
+sys.path.insert(0, str(REPO / "bench"))
+import mixed_cluster as mc  # noqa: E402
+from netns import requirements  # noqa: E402
+
+
+def write(tmp_path: Path, doc: dict) -> Path:
+    p = tmp_path / "cluster.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return p
+
+
+def node(name: str, gpu: str, share, domain=None, count=None, gbps=0.1) -> dict:
+    n = {"name": name, "gpu": gpu, "gpus": 1, "nics": [{"name": "eth0", "kind": "ethernet", "gbps": gbps}]}
+    if share is not None:
+        n["emulate"] = {"cpu": share}
+    if domain:
+        n["rdma_domain"] = domain
+    if count:
+        n["count"] = count
+    return n
+
+
+def test_the_shipped_lab_is_three_speeds_on_two_islands_joined_at_the_declared_ethernet_rate():
+    c = mc.read_cluster(REPO / "bench" / "mixed" / "lab.yaml")
+    assert len({e["emulate"]["cpu"] for e in c["entries"].values()}) == 3
+    assert sorted(len(v) for v in c["islands"].values()) == [2, 2]
+    assert c["across_mbit"] == pytest.approx(100.0)
+    assert c["shares"] <= 1.6, "within a 2-core machine's 80%"
+    # count: 2 expands, and the short names map back to the file's.
+    assert sorted(c["names"].values()) == ["a100", "h100", "v100-0", "v100-1"]
+    assert all(e["nics"] == [{"name": "eth0", "kind": "ethernet", "gbps": 0.1}] for e in c["entries"].values())
+    one = mc.read_cluster(REPO / "bench" / "mixed" / "two-speed.yaml")
+    assert sorted(len(v) for v in one["islands"].values()) == [0, 4], "one island, the other empty"
+
+
+@pytest.mark.parametrize("doc, field", [
+    ({"nodes": [node("a", "A100-80G", None)]}, "nodes[0].emulate.cpu"),
+    ({"nodes": [node("a", "A100-80G", 0.2), {"name": "b", "gpu": "T4", "gpus": 1, "emulate": {"cpu": 0.1}}]},
+     "nodes[1].nics"),
+    ({"nodes": [node("a", "A100-80G", 0.1, "x"), node("b", "A100-80G", 0.1, "y"), node("c", "A100-80G", 0.1, "z")]},
+     "rdma_domain"),
+    ({"nodes": [node("a", "A100-80G", 0.9, count=2 * (os.cpu_count() or 1))]}, "emulate.cpu values"),
+    ({"name": "x"}, "no `nodes` list"),
+])
+def test_a_cluster_the_bench_cannot_run_is_refused_naming_the_field(tmp_path: Path, doc: dict, field: str):
+    with pytest.raises(mc.BenchError, match="--cluster") as e:
+        mc.read_cluster(write(tmp_path, doc))
+    assert field in str(e.value)
+
+
+def row(system, predicted, measured, losses):
+    return {"system": system, "predicted_s": predicted, "measured_s": measured, "tokens_per_s": 1000 / measured,
+            "losses": losses}
+
+
+def test_the_summary_compares_motley_with_the_best_baseline_measured_and_predicted():
+    rows = [row("motley", 1.0, 1.1, [4.0, 3.9]), row("megatron", 2.0, 2.2, [4.0, 3.9 + 5e-5]),
+            row("whale", 1.5, 1.4, [4.0, 3.9]), row("fast-only", 3.0, 2.7, [4.0, 3.9])]
+    s = mc.summary(rows)
+    assert s["speedup_vs_best_baseline_measured"] == pytest.approx(1.4 / 1.1, abs=1e-3)
+    assert s["speedup_vs_best_baseline_predicted"] == pytest.approx(1.5, abs=1e-3)
+    assert s["best_baseline_measured"] == "whale"
+    assert s["max_prediction_error"] == pytest.approx(0.1, abs=1e-4)
+    assert s["order_measured"] == ["motley", "whale", "megatron", "fast-only"]
+    assert s["order_predicted"] == ["motley", "whale", "megatron", "fast-only"]
+    assert s["loss_max_diff"] == pytest.approx(5e-5)
+
+
+def test_the_whole_bench_runs_motley_and_a_baseline_and_prints_the_contracts_lines(tmp_path: Path):
+    """Two nodes of two speeds in one island, a tiny model, a few steps: the JSON lines of the
+    contract, the losses of both plans the same, the prediction a number for each."""
+    why = requirements()
+    if why:
+        pytest.fail(why)
+    b = motley_bin()
+    assert b is not None
+    cluster = write(tmp_path, {"name": "two", "nodes": [node("fast", "A100-80G", 0.4, gbps=1),
+                                                        node("slow", "V100-32G", 0.2, gbps=1)]})
+    model = tmp_path / "model.yaml"
+    model.write_text(yaml.safe_dump({"name": "bench-tiny", "layers": 2, "hidden": 64, "heads": 4, "seq_len": 32,
+                                     "vocab": 128}))
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "mixed_cluster.py"), "--cluster", str(cluster),
+                          "--model", str(model), "--global-batch", "4", "--micro-batch", "1", "--steps", "4",
+                          "--warmup", "1", "--only", "motley,fast-only", "--keep", str(tmp_path / "runs"), "-o", "json"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, MOTLEY_BIN=b))
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    systems = [x["system"] for x in lines[:-1]]
+    assert systems == ["motley", "fast-only"]
+    for x in lines[:-1]:
+        assert x["predicted_s"] > 0 and x["measured_s"] > 0 and x["tokens_per_s"] > 0
+    s = lines[-1]
+    for k in ("speedup_vs_best_baseline_measured", "speedup_vs_best_baseline_predicted", "max_prediction_error"):
+        assert isinstance(s[k], float), (k, s)
+    assert s["loss_max_diff"] <= mc.LOSS_TOLERANCE
+    # Both nodes' agents profiled their own type (the bench keeps the profiles file).
+    prof = yaml.safe_load((tmp_path / "runs" / "profiles.yaml").read_text())
+    assert sorted(p["gpu"] for p in prof["profiles"]) == ["A100-80G", "V100-32G"]
