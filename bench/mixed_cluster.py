@@ -9,8 +9,10 @@ the nodes' Ethernet rate as the file declares it (`gbps` of their `ethernet` NIC
 the links inside an island are left as they are (veths, far faster). Then, through the real
 coordinator and agents:
 
- 1. profile: `motley profile run` of the model on one node of every GPU type (tp 1, the
-    micro-batch of the plans), so the agents' profiler measures each emulated device;
+ 1. profile: `motley profile run` of the model on one node of every GPU type (tp 1, at every
+    count of sequences a GPU of the type may take: the plans' micro-batch over each
+    data-parallel degree that divides it), so the agents' profiler measures each emulated
+    device at the sizes the plans run;
  2. plan: `motley plan` with those profiles and the links as measured between the islands
     (`--bandwidth`: a TCP transfer across each link before the runs) for Motley and for every
     baseline (`--baseline megatron|whale|fast-only`);
@@ -160,22 +162,35 @@ def measured_links(net: Net, c: dict) -> dict:
     return {"pairs": pairs, "inside_gb_per_s": inside, "across_gb_per_s": across}
 
 
+def sequences_per_gpu(c: dict, micro_batch: int) -> dict:
+    """For each GPU type, every count of sequences a GPU of it may take in a micro-batch: the
+    micro-batch over each data-parallel degree that divides it and that the type's GPUs can
+    fill. Each is profiled, so no plan is priced from a profile scaled to another size."""
+    gpus = {}
+    for e in c["entries"].values():
+        gpus[e["gpu"]] = gpus.get(e["gpu"], 0) + int(e.get("gpus", 1))
+    return {gpu: sorted({micro_batch // d for d in range(1, n + 1) if micro_batch % d == 0}, reverse=True)
+            for gpu, n in sorted(gpus.items())}
+
+
 def profile_all(cluster: nc.NetCluster, c: dict, model: str, micro_batch: int, seq_len: int | None) -> dict:
-    """One stored profile per GPU type, measured by an agent of that type: a profiles file."""
+    """Stored profiles measured by an agent of each GPU type, at every count of sequences a GPU
+    of the type may take (`sequences_per_gpu`): a profiles file."""
     entries = []
-    for gpu in sorted({e["gpu"] for e in c["entries"].values()}):
-        args = ["profile", "run", "--model", model, "--tp", "1", "--micro-batch", str(micro_batch), "--gpu", gpu,
-                "--wait", "-o", "json"]
-        if seq_len:
-            args += ["--seq-len", str(seq_len)]
-        t = time.time()
-        out = cluster.cli(*args, check=False, timeout=900)
-        if out.returncode != 0:
-            raise BenchError(f"profiling {gpu} failed ({out.returncode}): {out.stdout} {out.stderr}\n{cluster.logs()}")
-        run = json.loads(out.stdout)
-        shown = json.loads(cluster.cli("profile", "show", str(run["profile"]), "-o", "json").stdout)
-        entries.append(shown["entry"])
-        log(f"profiled {gpu} in {time.time() - t:.0f} s (profile {run['profile']})")
+    for gpu, counts in sequences_per_gpu(c, micro_batch).items():
+        for m in counts:
+            args = ["profile", "run", "--model", model, "--tp", "1", "--micro-batch", str(m), "--gpu", gpu,
+                    "--wait", "-o", "json"]
+            if seq_len:
+                args += ["--seq-len", str(seq_len)]
+            t = time.time()
+            out = cluster.cli(*args, check=False, timeout=900)
+            if out.returncode != 0:
+                raise BenchError(f"profiling {gpu} failed ({out.returncode}): {out.stdout} {out.stderr}\n{cluster.logs()}")
+            run = json.loads(out.stdout)
+            shown = json.loads(cluster.cli("profile", "show", str(run["profile"]), "-o", "json").stdout)
+            entries.append(shown["entry"])
+            log(f"profiled {gpu} at {m} sequences in {time.time() - t:.0f} s (profile {run['profile']})")
     return {"profiles": entries}
 
 

@@ -48,6 +48,9 @@ def test_the_shipped_lab_is_three_speeds_on_two_islands_joined_at_the_declared_e
     # count: 2 expands, and the short names map back to the file's.
     assert sorted(c["names"].values()) == ["a100", "h100", "v100-0", "v100-1"]
     assert all(e["nics"] == [{"name": "eth0", "kind": "ethernet", "gbps": 0.1}] for e in c["entries"].values())
+    # Two V100s may split a micro-batch of 2 (one sequence each); one H100 or A100 cannot.
+    assert mc.sequences_per_gpu(c, 2) == {"A100-80G": [2], "H100": [2], "V100-32G": [2, 1]}
+    assert mc.sequences_per_gpu(c, 4)["V100-32G"] == [4, 2]
     one = mc.read_cluster(REPO / "bench" / "mixed" / "two-speed.yaml")
     assert sorted(len(v) for v in one["islands"].values()) == [0, 4], "one island, the other empty"
 

@@ -176,8 +176,9 @@ def test_a_10x_drop_between_the_islands_switches_the_job_to_one_island_at_its_ne
         for m in changed:
             # Past the threshold (the contract); a probe's reading right after a drop may sit
             # above the shaped rate (docs/network.md, "Tests and the benchmark").
+            # (A probe that straddled the drop reads an average of both rates: the slow rate
+            # itself is checked on `net show`'s estimates below, not on the reading that tripped.)
             assert across(m["link"]) and m["now"] < 0.7 * m["was"], m
-            assert m["now"] < 0.5 * RATE_GB, m
         # `motley net show` has the drop: the changed links' estimates are the slow rate, their
         # histories fast before the drop and slow after it.
         view = c.net_show()
