@@ -49,16 +49,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-VENV_PY = Path(os.environ.get("MOTLEY_VENV", Path.home() / ".cache" / "motley" / "venv")) / "bin" / "python"
+from project_venv import use_project_venv
 
-try:
-    import torch  # noqa: F401  (the ranks and the profiler run with this interpreter)
-    import yaml
-except ImportError:
-    if VENV_PY.exists() and Path(sys.prefix).resolve() != VENV_PY.parent.parent.resolve():
-        os.execv(str(VENV_PY), [str(VENV_PY), *sys.argv])
-    sys.exit(f"mixed_cluster: torch and pyyaml are missing; run python/run-tests once to make the venv ({VENV_PY})")
+REPO = Path(__file__).resolve().parent.parent
+use_project_venv("mixed_cluster")
+
+import yaml  # noqa: E402
 
 sys.path.insert(0, str(REPO / "python" / "tests"))
 sys.path.insert(0, str(REPO / "python"))
