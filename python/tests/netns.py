@@ -340,11 +340,12 @@ class Net:
         """Send `megabytes` over TCP from node `src` to node `dst` (a node name, or "root" for the
         root namespace at the gateway address): the receiver's MB/s."""
         dst_ip = self.gateway if dst == "root" else self.ip[dst]
-        port = 39000 + os.getpid() % 1000
+        # The kernel picks the port: a fixed one may be held by another socket in the namespace
+        # (an agent's connection takes its local port from the same range).
         server = textwrap.dedent(f"""
             import socket, sys, time
-            s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(({dst_ip!r}, {port})); s.listen(1); print("ready", flush=True)
+            s = socket.socket()
+            s.bind(({dst_ip!r}, 0)); s.listen(1); print("ready", s.getsockname()[1], flush=True)
             c, _ = s.accept(); n = 0; t0 = None
             while True:
                 b = c.recv(1 << 16)
@@ -356,18 +357,20 @@ class Net:
             print(n / max(1e-9, time.monotonic() - t0) / 1e6, flush=True)
         """)
         client = textwrap.dedent(f"""
-            import socket
-            c = socket.create_connection(({dst_ip!r}, {port}), timeout=10)
+            import socket, sys
+            c = socket.create_connection(({dst_ip!r}, int(sys.argv[1])), timeout=10)
             chunk, left = b"x" * (1 << 16), int({megabytes} * 1e6)
             while left > 0:
                 c.sendall(chunk[:left]); left -= len(chunk)
             c.close()
         """)
         srv_argv = [sys.executable, "-c", server] if dst == "root" else self.argv(dst, [sys.executable, "-c", server])
-        cli_argv = [sys.executable, "-c", client] if src == "root" else self.argv(src, [sys.executable, "-c", client])
         srv = subprocess.Popen(srv_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            assert srv.stdout.readline().strip() == "ready", srv.stderr.read()
+            ready = srv.stdout.readline().split()
+            assert ready[:1] == ["ready"] and len(ready) == 2, srv.stderr.read()
+            cli = [sys.executable, "-c", client, ready[1]]
+            cli_argv = cli if src == "root" else self.argv(src, cli)
             subprocess.run(cli_argv, check=True, timeout=timeout, capture_output=True)
             out, err = srv.communicate(timeout=timeout)
             return float(out.strip())
