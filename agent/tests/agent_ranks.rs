@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-mod common;
+use crate::common;
 use common::root_only::Need;
 use common::{free_port, scratch, wait_exit};
 

@@ -17,7 +17,7 @@ use motley_server::capability::{mint, node_key, now_unix_s, probe_key, Grant, KE
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
-mod common;
+use crate::common;
 use common::scratch;
 
 /// The cluster key of the coordinator these data planes' keys come from.

@@ -18,7 +18,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::task::JoinHandle;
 
-mod common;
+use crate::common;
 use common::scratch;
 
 const CLUSTER: [u8; KEY_BYTES] = [9; KEY_BYTES];

@@ -10,12 +10,10 @@ use std::time::{Duration, Instant};
 
 use motley_proto::v1::{instruction, Launch, RankLaunch, Stop};
 
-mod common;
+use crate::common;
+use crate::common::fake_coordinator::FakeCoordinator;
 use common::root_only::{self, Need};
 use common::{scratch, wait_exit};
-#[path = "common/fake_coordinator.rs"]
-mod fake_coordinator;
-use fake_coordinator::FakeCoordinator;
 
 struct AgentProc(Child);
 impl Drop for AgentProc {

@@ -5,9 +5,7 @@
 //! agent is live, its peak memory grew by less than 64 MiB, and a fresh job runs. The harness
 //! is `hostile_ranks/node.rs`.
 
-mod common;
-#[path = "hostile_ranks/node.rs"]
-mod node;
+use crate::hostile_ranks::node;
 
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;

@@ -7,9 +7,8 @@
 //! rank files the agent reads and writes (exit codes, records, temporaries, deep trees) are in
 //! `hostile_rank_files.rs`.
 
-mod common;
-#[path = "hostile_ranks/node.rs"]
-mod node;
+use crate::common;
+pub(crate) mod node;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use motley_agent::ranks::lease::{self, Lease};
 
-mod common;
+use crate::common;
 use common::{scratch, wait_exit};
 
 fn now_ms() -> u64 {

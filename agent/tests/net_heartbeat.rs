@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-mod common;
+use crate::common;
 use common::{free_port, scratch};
 
 #[derive(Default)]

@@ -11,12 +11,10 @@ use std::process::{Child, Command, Stdio};
 
 use motley_proto::v1::{instruction, Launch, RankLaunch};
 
-mod common;
+use crate::common;
+use crate::common::fake_coordinator::FakeCoordinator;
 use common::root_only::{self, Need, Verdict};
 use common::scratch;
-#[path = "common/fake_coordinator.rs"]
-mod fake_coordinator;
-use fake_coordinator::FakeCoordinator;
 
 struct AgentProc(Child);
 impl Drop for AgentProc {

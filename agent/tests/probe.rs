@@ -17,7 +17,7 @@ use motley_server::capability::{mint, mint_probe, node_key, now_unix_s, probe_ke
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
-mod common;
+use crate::common;
 use common::scratch;
 
 const KEY: [u8; KEY_BYTES] = [42; KEY_BYTES];

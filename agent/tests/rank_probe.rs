@@ -3,7 +3,7 @@
 
 use std::process::{Command, Output};
 
-mod common;
+use crate::common;
 use common::free_port;
 
 fn plan_file(tag: &str) -> std::path::PathBuf {

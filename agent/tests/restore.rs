@@ -21,7 +21,7 @@ use motley_server::capability;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 
-mod common;
+use crate::common;
 use common::scratch;
 
 const JOB: i64 = 7;

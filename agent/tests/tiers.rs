@@ -15,7 +15,7 @@ use motley_checkpoint::manifest::{piece_file_name, rank_file_name, step_dir_name
 use motley_checkpoint::{Block, Manifest, Part, RankEntry, UnitEntry, UnitKey, FORMAT};
 use motley_proto::v1::Launch;
 
-mod common;
+use crate::common;
 use common::scratch;
 
 const CHUNK: u64 = 64;

@@ -3,7 +3,7 @@
 //! example, the optima of RESULTS.md, every GPU type, dp 1/2/4, pp 1..6, out-of-memory plans)
 //! must come out as the same f64.
 
-mod common_espresso;
+use crate::common_espresso;
 
 use common_espresso::estimator_for;
 use motley_baselines::espresso::OOM_TIME;

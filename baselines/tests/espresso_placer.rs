@@ -2,7 +2,7 @@
 //! `placer_golden.tsv` (4185 placements made by Espresso's own code over five jobs) gets the
 //! same stage order, the same layers and the same time and cost, or the same "nothing fits".
 
-mod common_espresso;
+use crate::common_espresso;
 
 use common_espresso::{estimator_for, placer_inputs};
 use motley_baselines::espresso::Placer;

@@ -2,7 +2,7 @@
 //! allocation of the space placed and priced), and finds RESULTS.md's optima (cheaper where
 //! Espresso's pipeline-depth boundaries hid a plan).
 
-mod common_espresso;
+use crate::common_espresso;
 
 use common_espresso::{estimator_for, placer_inputs};
 use motley_baselines::espresso::{EspressoPlan, Search, SpaceLimits};

@@ -1,7 +1,7 @@
 //! `motley model list|show`: the catalog and what a model file resolves to, as the rank
 //! library reads it (`motley_torch` resolves a catalog name with `motley model show NAME -o json`).
 
-mod common;
+use crate::common;
 use common::{json, motley, repo};
 
 #[test]

@@ -1,7 +1,7 @@
 //! `motley plan --explain/--bandwidth` and `motley replan` as a user runs them: the real
 //! binary, the example files, exit codes and the `comm_groups` JSON contract.
 
-mod common;
+use crate::common;
 use common::{json, motley, write_temp};
 
 const HYBRID: [&str; 10] = [

@@ -3,7 +3,7 @@
 //! a latency on the dependencies): a slow hop's round trip that the stages cannot hide is in
 //! the price's period as in the drawing (solver/README.md, "The cost model").
 
-mod common;
+use crate::common;
 use common::json;
 use motley_contract::timeline::one_f_one_b;
 use motley_solver::cost::pipeline_period;

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 
-mod common;
+use crate::common;
 use common::{json, motley, repo, write_temp};
 use std::process::Command;
 

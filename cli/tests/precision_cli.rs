@@ -2,7 +2,7 @@
 //! per-stage times of `-o json`: the real binary, real files, exit code 2 with the field named
 //! on bad input.
 
-mod common;
+use crate::common;
 use common::{json, motley, write_temp};
 
 const V100: &str = "name: v\nnodes:\n  - {name: v, gpu: V100-32G, gpus: 4}\n";

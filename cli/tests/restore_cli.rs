@@ -1,7 +1,7 @@
 //! `motley restore-plan --scenario FILE` (docs/restore.md): the example scenarios plan, the JSON
 //! fields are the documented ones, bad input is one line naming the file and field, exit 2.
 
-mod common;
+use crate::common;
 use common::{json, motley, write_temp};
 
 #[test]

@@ -2,7 +2,7 @@
 //! (`motley model show`, the plan), never its `max_position_embeddings`; a plan that does not
 //! fit because of it asks for a shorter one; a running plan's is the one re-planned for.
 
-mod common;
+use crate::common;
 use common::{json, motley, write_temp};
 
 const LLAMA31_8B: &str = r#"{

@@ -1,7 +1,7 @@
 //! `--svg FILE` on `motley plan` and `motley replan`: the plan drawn as a picture, one block
 //! per stage (`motley job plan ID --svg` is in remote_cli.rs, against a coordinator).
 
-mod common;
+use crate::common;
 use common::{json, motley, write_temp};
 
 const HYBRID: [&str; 10] = [

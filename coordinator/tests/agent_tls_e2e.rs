@@ -6,7 +6,7 @@
 //! (CI), the job names `user: nobody` and its log shows that the rank ran as nobody: the
 //! coordinator passes the job's user to the agent.
 
-mod common;
+use crate::common;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 //! no rank process behind; an agent killed with -9 loses its lease and fails its job with the
 //! reason; jobs share the GPUs without ever sharing one, and a job waits for its share.
 
-mod common;
+use crate::common;
 
 use std::io::Read;
 use std::path::PathBuf;

@@ -5,7 +5,7 @@
 //! (`CLOUD/CLUSTER/jobs/1/1/step-00000001/`, as `GET /api/v1/jobs/1` says), and neither
 //! overwrites the other's.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

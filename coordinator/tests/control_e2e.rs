@@ -2,7 +2,7 @@
 //! the same operations as REST, the same errors (codes, fields named), a watch stream that ends
 //! when the job is over.
 
-mod common;
+use crate::common;
 
 use common::{temp_dir, Coordinator};
 use motley_proto::v1 as pb;

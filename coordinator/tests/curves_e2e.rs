@@ -5,7 +5,7 @@
 //! launched has none; a generation whose agent is gone says why; curves read while rank 0's log
 //! grows answer what a fresh read would.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -10,7 +10,7 @@
 //! Needs `chromium` and `chromium-driver` (`apt-get install -y chromium chromium-driver`;
 //! `.ci/run` installs them): without them this test fails saying so.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

@@ -6,7 +6,7 @@
 //! writing a piece of nearly the whole report under a huge step number leave another job's
 //! holdings in the bitmap (docs/recovery.md, "Limits").
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;

@@ -3,7 +3,7 @@
 //! coordinator killed mid-job and restarted: the job, its plan and its events survive and the
 //! running job still finishes.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

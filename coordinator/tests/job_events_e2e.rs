@@ -3,7 +3,7 @@
 //! the roofline priced in one short line, come in the order things happened, and say why a
 //! launch's links are not watched for re-planning; `replan:` that can never act is refused.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -5,7 +5,7 @@
 //! nonsense is dropped; `node` filters, an unknown node is refused naming it. A launch names
 //! each node's peers with their data planes.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! collector served by this test over the real OTLP/gRPC contract), under the service name
 //! `motley-coordinator`.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

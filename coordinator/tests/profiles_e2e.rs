@@ -7,7 +7,7 @@
 //! the roofline; a node whose agent cannot profile is named; `motley profile` lists, shows and
 //! runs profiles. On SQLite and on PostgreSQL.
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;

@@ -4,7 +4,7 @@
 //! whose link then drops ten-fold for longer than its `replan.hold` gets one `network_changed`
 //! and one `replan_considered`, with the contract's fields.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

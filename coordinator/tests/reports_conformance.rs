@@ -3,7 +3,7 @@
 //! `store_conformance.rs` runs the rest of the store: a launch whose ranks all started moves
 //! `running` in the same commit, its event before the ranks' later exits.
 
-mod common;
+use crate::common;
 
 use std::future::Future;
 

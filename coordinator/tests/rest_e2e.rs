@@ -2,7 +2,7 @@
 //! its REST API over real HTTP, on SQLite and on the PostgreSQL at 127.0.0.1:5432; kill -9 and
 //! restart lose nothing committed.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

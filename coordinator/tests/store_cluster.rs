@@ -3,7 +3,7 @@
 //! coordinators opening one database at once; another database is another cluster; and a
 //! database that already numbered jobs keeps their checkpoint prefix.
 
-mod common;
+use crate::common;
 
 use std::future::Future;
 

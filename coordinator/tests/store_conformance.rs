@@ -601,6 +601,28 @@ conformance!(a_recovery_spends_its_causes_budget_in_the_move_to_recovering, |url
     s.close().await;
 });
 
+conformance!(a_job_that_succeeds_after_a_recovery_carries_no_failure_reason, |url: String| async move {
+    use motley_coordinator::store::RecoveryCause;
+    let s = Store::open(&url).await.unwrap();
+    s.register_node("n0", "{}").await.unwrap();
+    let job = s.submit_job("elastic", "{}").await.unwrap();
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    s.start_generation(job.id, "{\"plan\": 1}", &ranks(&["n0"])).await.unwrap();
+    s.transition(job.id, JobState::Running, None).await.unwrap();
+    s.begin_recovery(job.id, 1, RecoveryCause::Restart, 1, "rank 0 on node n0 exited with code 1").await.unwrap();
+    s.start_generation(job.id, "{\"plan\": 2}", &ranks(&["n0"])).await.unwrap();
+    s.transition(job.id, JobState::Running, None).await.unwrap();
+    let done = s.transition(job.id, JobState::Succeeded, None).await.unwrap();
+    assert_eq!((done.state, done.reason), (JobState::Succeeded, None), "the recovery's cause is history, not why it ended");
+    let kinds: Vec<String> = s.events(Some(job.id), 0, 100).await.unwrap().into_iter().map(|e| e.message).collect();
+    assert!(kinds.iter().any(|m| m.contains("exited with code 1")), "the events keep it: {kinds:?}");
+    // A failure given with the move is kept.
+    let other = s.submit_job("plain", "{}").await.unwrap();
+    s.transition(other.id, JobState::Planning, None).await.unwrap();
+    let failed = s.transition(other.id, JobState::Failed, Some("no plan fits")).await.unwrap();
+    assert_eq!(failed.reason.as_deref(), Some("no plan fits"));
+});
+
 conformance!(concurrent_recoveries_of_one_launch_spend_one_budget, |url: String| async move {
     use motley_coordinator::store::{RecoveryCause, Spent};
     let s = Store::open(&url).await.unwrap();

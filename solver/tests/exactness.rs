@@ -1,7 +1,7 @@
 //! The default search returns the brute-force optimum on every small cluster (up to 6 GPUs
 //! and 8 layers), and is never slower than the baselines.
 
-mod common;
+use crate::common;
 
 use motley_solver::baselines::{best_baseline, Baseline};
 use motley_solver::oracle::exhaustive;

@@ -1,6 +1,6 @@
 //! A coordinator for one real agent, served on a runtime of its own: it registers the agent
 //! (50 ms heartbeats), acknowledges every report, records the ranks' states and sends the
-//! instructions a test gives it. Included by path by the test binaries that start agents.
+//! instructions a test gives it. Used by the tests that start agents (`common::fake_coordinator`).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -1,8 +1,10 @@
 //! What the agent's integration tests share: a scratch directory per test, a bounded wait
 //! for a process they started, a free port, and the rule for tests that need root
-//! (`root_only`). Each test binary uses some of them only.
+//! (`root_only`), and a stand-in coordinator (`fake_coordinator`). Each test file uses some of them
+//! only.
 #![allow(dead_code)]
 
+pub mod fake_coordinator;
 pub mod root_only;
 
 use std::path::PathBuf;

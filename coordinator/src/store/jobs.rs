@@ -88,6 +88,9 @@ impl Store {
         // The term first: it locks the leader row (PostgreSQL), so a new leader's claim waits for
         // this move, and the move lands before the claim or is refused.
         self.check_term(&mut tx).await?;
+        // A reason says why the job is where it is: a job that succeeded after a recovery does
+        // not keep the failure that started the recovery (the events keep it).
+        let carried = if to == JobState::Succeeded { None } else { job.reason.clone() };
         // A compare-and-set on what was read (state and generation) and on the term, in SQL:
         // a concurrent move, a relaunch, or a new leader between the read and this write makes
         // it match no row.
@@ -96,7 +99,7 @@ impl Store {
              AND ($7 = 0 OR EXISTS (SELECT 1 FROM leader WHERE id = 1 AND term = $7))",
         )
         .bind(to.as_str())
-        .bind(reason.map(str::to_string).or(job.reason.clone()))
+        .bind(reason.map(str::to_string).or(carried))
         .bind(now_ms())
         .bind(id)
         .bind(job.state.as_str())
