@@ -33,7 +33,7 @@ pub async fn dry_run(store: &Store, fleet: &Fleet, spec: &JobSpec) -> Result<(Pl
     let offer = offer(store, spec, None).await?;
     let profiles = crate::profiling::stored_for(store, spec).await?;
     let measured = measured(fleet, &offer);
-    solve(spec, offer, profiles, measured, deadline(fleet, spec)).await
+    solve(spec, offer, profiles, measured, None, deadline(fleet, spec)).await.map(|s| (s.report, s.ranks))
 }
 
 /// The links measured among the offer's nodes, in the `--bandwidth` file's schema; None when
@@ -120,8 +120,8 @@ pub async fn plan_job(store: &Store, fleet: &Fleet, id: i64, taken: &Taken) -> R
     };
     let measured = measured(fleet, &offer);
     let wanted = offer.wanted;
-    match solve(&spec, offer, profiles, measured, deadline(fleet, &spec)).await {
-        Ok((report, ranks)) => {
+    match solve(&spec, offer, profiles, measured, None, deadline(fleet, &spec)).await {
+        Ok(Solved { report, ranks, .. }) => {
             if !without.is_empty() {
                 store.record_event(Some(id), None, "profiling", &crate::profiling::roofline_summary(&without)).await?;
             }
@@ -173,11 +173,22 @@ pub fn unused_gpus(spec: &JobSpec, report: &PlanReport, wanted: u32) -> Option<S
     Some(format!("the plan uses {used} of {may}; {idle} {stay} idle: {why}"))
 }
 
+/// What a recovery plans: the plan document, its ranks, and why it leaves GPUs idle that the
+/// job may use, when it does (an event of the recovery).
+pub struct RecoveryPlan {
+    pub plan: String,
+    pub ranks: Vec<RankAssignment>,
+    pub fewer_gpus: Option<String>,
+}
+
 /// Plan a recovering job again on what it can use now: live, active nodes within its
 /// resources, every GPU no other job holds (its own old launch's included: its ranks were
-/// stopped). Nothing is stored; the recovery launches it once the restore is in place.
+/// stopped). The plan it replaces seeds the search when all its GPUs are offered again, so the
+/// new plan is never slower than it on what is known now (measured links and profiles may
+/// price it otherwise than when it was made). Nothing is stored; the recovery launches it once
+/// the restore is in place.
 #[tracing::instrument(skip(store, fleet, taken))]
-pub async fn plan_for_recovery(store: &Store, fleet: &Fleet, job: &JobRecord, taken: &Taken) -> Result<(String, Vec<RankAssignment>)> {
+pub async fn plan_for_recovery(store: &Store, fleet: &Fleet, job: &JobRecord, taken: &Taken) -> Result<RecoveryPlan> {
     let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
     let mut others = taken.clone();
     for gpus in others.values_mut() {
@@ -187,10 +198,24 @@ pub async fn plan_for_recovery(store: &Store, fleet: &Fleet, job: &JobRecord, ta
     if offer.free == 0 {
         return Err(CoordinatorError::Conflict("no free GPU on a live node: nothing to recover onto".into()));
     }
+    // A plan it cannot read, or one on GPUs not offered now (a node lost), seeds nothing.
+    let replaced: Option<CurrentPlan> = store.plan(job.id, job.generation).await.ok().and_then(|p| serde_json::from_str(&p).ok());
+    let seed = replaced.as_ref().and_then(|p| in_offer_numbers(p, &offer.real).ok());
     let profiles = crate::profiling::stored_for(store, &spec).await?;
     let measured = measured(fleet, &offer);
-    let (report, ranks) = solve(&spec, offer, profiles, measured, deadline(fleet, &spec)).await?;
-    Ok((serde_json::to_string(&report).expect("a plan serialises"), ranks))
+    let may_use = offer.wanted.min(offer.free);
+    let solved = solve(&spec, offer, profiles, measured, seed, deadline(fleet, &spec)).await?;
+    let fewer_gpus = unused_gpus(&spec, &solved.report, may_use).map(|why| match (&replaced, solved.replaced_now_s) {
+        (Some(old), Some(now)) => format!(
+            "{why}; the plan it replaces, on its {} GPUs, takes {now:.3e} s per iteration on the links and profiles known \
+             now (it was priced at {:.3e} s when it was made), this one {:.3e} s",
+            old.replicas.iter().flat_map(|r| &r.stages).map(|s| s.gpus.len()).sum::<usize>(),
+            old.iteration_time_s,
+            solved.report.iteration_time_s
+        ),
+        _ => format!("{why}; the plan it replaces held GPUs that are not offered now"),
+    });
+    Ok(RecoveryPlan { plan: serde_json::to_string(&solved.report).expect("a plan serialises"), ranks: solved.ranks, fewer_gpus })
 }
 
 /// A running job's plan priced on the links measured now beside a plan made afresh on them (the
@@ -381,13 +406,24 @@ async fn check_plan_gpus(store: &Store, spec: &JobSpec) -> Result<()> {
 /// The solver on an offer, within `deadline`; the plan and ranks name the real GPU indices. A
 /// plan that takes longer is refused (the solver's thread runs on to its end, but nothing
 /// waits for it: the job queue and the request move on).
+/// A plan made, its ranks, and the plan it replaces priced on the same inputs (when `solve`
+/// was given one).
+struct Solved {
+    report: PlanReport,
+    ranks: Vec<RankAssignment>,
+    replaced_now_s: Option<f64>,
+}
+
+/// Plan `spec` on `offer`: the job's own `plan:` checked and priced as given, else the search,
+/// seeded with `replaces` (a plan in the offer's GPU numbers) when there is one.
 async fn solve(
     spec: &JobSpec,
     offer: Offer,
     profiles: ProfileSet,
     measured: Option<BandwidthSpec>,
+    replaces: Option<CurrentPlan>,
     deadline: std::time::Duration,
-) -> Result<(PlanReport, Vec<RankAssignment>)> {
+) -> Result<Solved> {
     let Offer { nodes, real, .. } = offer;
     let only_measured = (spec.profiling().mode == ProfilingMode::Only).then(|| (nodes.clone(), profiles.clone()));
     let declared = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: crate::catalog::declared() })
@@ -402,9 +438,17 @@ async fn solve(
     let planner = tokio::task::spawn_blocking(move || {
         let req =
             PlanRequest { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts, mode, exhaustive: false, seeds: vec![] };
-        match &given {
-            Some(plan) => motley_solver::report::given(&req, plan),
-            None => motley_solver::plan(&req),
+        match (&given, &replaces) {
+            (Some(plan), _) => motley_solver::report::given(&req, plan).map(|r| (r, None)),
+            (None, Some(old)) => match motley_solver::replan::replan(&req, old, SwitchPolicy { min_gain: 0.0, horizon: f64::INFINITY }) {
+                Ok(r) => Ok((r.new_plan, Some(r.current_now_s))),
+                Err(e) => {
+                    // Priced otherwise (another sequence length, a GPU type gone): plan afresh.
+                    tracing::info!("the plan being replaced seeds nothing: {e}");
+                    motley_solver::plan(&req).map(|r| (r, None))
+                }
+            },
+            (None, None) => motley_solver::plan(&req).map(|r| (r, None)),
         }
     });
     let planned = tokio::time::timeout(deadline, planner).await.map_err(|_| {
@@ -413,7 +457,7 @@ async fn solve(
             deadline.as_millis()
         ))
     })?;
-    let mut report = planned.map_err(|e| CoordinatorError::Conflict(format!("planner: {e}")))?.map_err(|e| match e {
+    let (mut report, replaced_now_s) = planned.map_err(|e| CoordinatorError::Conflict(format!("planner: {e}")))?.map_err(|e| match e {
         // A field of the job (its plan, its options) is wrong: the job's fault, named.
         motley_solver::SolverError::InvalidInput { field, message } => CoordinatorError::invalid(field, message),
         other => CoordinatorError::Conflict(other.to_string()),
@@ -430,7 +474,7 @@ async fn solve(
     report.replicas.iter_mut().flat_map(|r| r.stages.iter_mut()).flat_map(|s| s.gpus.iter_mut()).for_each(&renumber);
     report.comm_groups.iter_mut().flat_map(|c| c.gpus.iter_mut()).for_each(&renumber);
     let ranks = ranks_of(&report);
-    Ok((report, ranks))
+    Ok(Solved { report, ranks, replaced_now_s })
 }
 
 /// `declared` with the measured links in force, and the measurements it took; the declared

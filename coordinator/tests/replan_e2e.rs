@@ -244,3 +244,81 @@ async fn a_running_jobs_link_that_drops_is_reported_once_and_weighed_for_a_repla
     };
     assert!(recovering.contains("(re-plan)") && recovering.contains("step 20"), "{recovering}");
 }
+
+/// Every message of `kind` events of job `id`, as they are.
+async fn messages(c: &Arc<Coordinator>, id: i64, kind: &str) -> Vec<String> {
+    let all = call(c, "GET", &format!("/api/v1/jobs/{id}/events"), "", 200).await;
+    all.as_array().unwrap().iter().filter(|e| e["kind"] == kind).map(|e| e["message"].as_str().unwrap().to_string()).collect()
+}
+
+/// A failed rank's recovery plans on what is known then: links measured far slower than
+/// declared make a plan on one GPU faster, and the recovery says so in an event, pricing the
+/// plan it replaces on the same inputs (it seeds the search); the job that then succeeds keeps
+/// no failure as its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_that_leaves_gpus_idle_says_why_beside_the_plan_it_replaces() {
+    let c = Arc::new(Coordinator::start(&temp_dir(), &["--heartbeat-ms", "1000"]));
+    let mut a = FakeAgent::start(&c, "n0", "127.0.0.1:7302").await;
+    let mut b = FakeAgent::start(&c, "n1", "127.0.0.1:7303").await;
+    let job = "name: flaky\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {gpus: 2}\nrun: 'true'\n\
+               checkpoint: {every: 10}\nmax_restarts: 1\nmax_preemptions: 0\n";
+    let id = call(&c, "POST", "/api/v1/jobs", job, 201).await["id"].as_i64().unwrap();
+    let mut ranks = vec![];
+    for agent in [&mut a, &mut b] {
+        let launch = agent.launch().await;
+        let running =
+            launch.ranks.iter().map(|r| RankStatus { job: id, generation: 1, rank: r.rank, state: "running".into(), exit_code: None });
+        agent.send(AgentStatus { ranks: running.collect(), ..Default::default() }).await;
+        ranks.push(launch.ranks.iter().map(|r| r.rank).collect::<Vec<_>>());
+    }
+    let first = call(&c, "GET", &format!("/api/v1/jobs/{id}/plan"), "", 200).await;
+    assert_eq!(first["plan"]["gpus_used"], 2, "declared 200 Gbit/s: both GPUs ({})", first["plan"]);
+    // The link between them measured at 1 MB/s; then n0's rank fails and n1's is stopped.
+    let start = Instant::now();
+    loop {
+        a.send(AgentStatus { links: vec![sample("n1", 0.001)], ..Default::default() }).await;
+        let net = call(&c, "GET", "/api/v1/net", "", 200).await;
+        if net["links"].as_array().is_some_and(|l| l.iter().any(|l| l["gb_per_s"].as_f64() == Some(0.001))) {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "the measurement never arrived: {net}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let exited = |rank: i64, code: i64| RankStatus { job: id, generation: 1, rank, state: "exited".into(), exit_code: Some(code) };
+    a.send(AgentStatus { ranks: ranks[0].iter().map(|&r| exited(r, 1)).collect(), ..Default::default() }).await;
+    b.send(AgentStatus { ranks: ranks[1].iter().map(|&r| exited(r, 143)).collect(), ..Default::default() }).await;
+    let start = Instant::now();
+    let (on_a, launch) = loop {
+        let (on_a, launch) = tokio::select! { l = a.launch() => (true, l), l = b.launch() => (false, l) };
+        if launch.generation == 2 {
+            break (on_a, launch);
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "no second generation");
+    };
+    assert_eq!(launch.ranks.len(), 1, "one GPU is faster over a 1 MB/s link");
+    let said = messages(&c, id, "plan").await;
+    assert_eq!(said.len(), 1, "{said:?}");
+    let said = &said[0];
+    assert!(said.starts_with("the plan uses 1 of the 2 GPUs it may use (resources.gpus: 2); 1 stays idle"), "{said}");
+    assert!(said.contains("the plan it replaces, on its 2 GPUs, takes"), "{said}");
+    let second = call(&c, "GET", &format!("/api/v1/jobs/{id}/plan"), "", 200).await;
+    assert_eq!(second["generation"], 2, "{second}");
+    let new_s = second["plan"]["iteration_time_s"].as_f64().unwrap();
+    assert!(said.ends_with(&format!("this one {new_s:.3e} s")), "{said} against {new_s}");
+    // It runs to the end: succeeded, and no failure is its reason.
+    let agent = if on_a { &mut a } else { &mut b };
+    let rank = launch.ranks[0].rank;
+    let status = |state: &str, exit_code| RankStatus { job: id, generation: 2, rank, state: state.into(), exit_code };
+    agent.send(AgentStatus { ranks: vec![status("running", None)], ..Default::default() }).await;
+    agent.send(AgentStatus { ranks: vec![status("exited", Some(0))], ..Default::default() }).await;
+    let start = Instant::now();
+    loop {
+        let j = call(&c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await;
+        if j["state"] == "succeeded" {
+            assert!(j["reason"].is_null(), "{j}");
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "not succeeded: {j}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

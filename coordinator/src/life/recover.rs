@@ -4,7 +4,8 @@
 //! transaction with the budget it spends. Then one task of the leader per recovering job:
 //!
 //! 1. stops what is left of the old launch (its GPUs come back);
-//! 2. plans the job again on what it can use now (`planning::plan_for_recovery`);
+//! 2. plans the job again on what it can use now, the plan it replaces seeding the search
+//!    (`planning::plan_for_recovery`); an event `plan` says why when GPUs it may use stay idle;
 //! 3. picks the newest checkpoint step whose every file can be read now (the bitmap);
 //! 4. plans the restore (`restore_plan`: local reads first, peers, each missing byte from the
 //!    cloud once) and sends each node of the new plan its `Restore`; event `recovery_planned`;
@@ -56,7 +57,12 @@ impl Life {
             let jobs = store.unfinished_jobs().await?;
             let taken = crate::planning::taken(store, fleet, &jobs).await?;
             let (plan, ranks) = match crate::planning::plan_for_recovery(store, fleet, &job, &taken).await {
-                Ok(p) => p,
+                Ok(p) => {
+                    if let Some(why) = &p.fewer_gpus {
+                        store.record_event(Some(id), Some(old), "plan", why).await?;
+                    }
+                    (p.plan, p.ranks)
+                }
                 Err(e @ CoordinatorError::Database(_)) => return Err(e),
                 Err(e) => return fail(store, fleet, id, old, &format!("recovery cannot re-plan the job: {e}")).await,
             };

@@ -56,7 +56,7 @@ impl Life {
                     // and the launch's node count is what it is compared with from here on.
                     let taken = crate::planning::taken(store, fleet, jobs).await?;
                     let more = match crate::planning::plan_for_recovery(store, fleet, j, &taken).await {
-                        Ok((_, new_ranks)) => {
+                        Ok(crate::planning::RecoveryPlan { ranks: new_ranks, .. }) => {
                             if new_ranks.len() <= ranks.len() {
                                 tracing::info!(
                                     job = j.id,
