@@ -42,6 +42,9 @@ fn check_contract(v: &serde_json::Value, layers: u64) {
     assert_eq!(doc.placements().len() as u64, v["gpus_used"].as_u64().unwrap(), "one rank per GPU used");
     assert_eq!(doc.comm_groups.len(), v["comm_groups"].as_array().unwrap().len());
     assert_eq!(doc.model_spec.as_ref().map(|m| u64::from(m.layers)), Some(layers), "the plan carries its model");
+    // How the ranks run, as the rank library reads it too (`motley_torch.plan`).
+    let flags = |k: &str| v[k].as_bool().unwrap_or_else(|| panic!("{k} is a boolean: {}", v[k]));
+    assert_eq!((doc.recompute, doc.compiled, doc.zero1), (flags("recompute"), flags("compiled"), flags("zero1")));
     // Motley's own plan (not a baseline's, `--baseline`) is never slower than a baseline.
     if v["search"]["baseline"].is_null() {
         for b in ["megatron", "whale", "fast-only"] {

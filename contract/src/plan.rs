@@ -78,8 +78,9 @@ pub struct CommGroupDoc {
     pub layers: [u32; 2],
 }
 
-/// The plan document: the fields every reader needs. The solver's report has more (prices,
-/// baselines, search statistics); readers that want them read the JSON themselves.
+/// The plan document: the fields every reader needs, the ranks' included. The solver's report
+/// has more (prices, baselines, search statistics); readers that want them read the JSON
+/// themselves.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanDocument {
     pub global_batch: u32,
@@ -97,6 +98,16 @@ pub struct PlanDocument {
     /// (`--precision`, `auto` resolved; absent in documents from before it was added).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub precision: Option<String>,
+    /// How the ranks run as the plan was priced, read by the rank library too
+    /// (`motley_torch.plan`): full activation recomputation (`--recompute`), activations as
+    /// compiled blocks save them (the default; not `--eager`), optimizer state sharded over each
+    /// stage's data-parallel ring (`--zero1`). False in documents from before they were added.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub recompute: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub compiled: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub zero1: bool,
 }
 
 /// Where one GPU sits in a plan's parallelism.
@@ -184,6 +195,9 @@ mod tests {
             ],
             comm_groups: vec![],
             precision: None,
+            recompute: false,
+            compiled: false,
+            zero1: false,
         };
         let all = plan.placements();
         assert_eq!(all.len(), 6);
