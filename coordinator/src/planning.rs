@@ -403,9 +403,6 @@ async fn check_plan_gpus(store: &Store, spec: &JobSpec) -> Result<()> {
     Ok(())
 }
 
-/// The solver on an offer, within `deadline`; the plan and ranks name the real GPU indices. A
-/// plan that takes longer is refused (the solver's thread runs on to its end, but nothing
-/// waits for it: the job queue and the request move on).
 /// A plan made, its ranks, and the plan it replaces priced on the same inputs (when `solve`
 /// was given one).
 struct Solved {
@@ -414,8 +411,11 @@ struct Solved {
     replaced_now_s: Option<f64>,
 }
 
-/// Plan `spec` on `offer`: the job's own `plan:` checked and priced as given, else the search,
-/// seeded with `replaces` (a plan in the offer's GPU numbers) when there is one.
+/// The solver on an offer, within `deadline`: the job's own `plan:` checked and priced as
+/// given, else the search, seeded with `replaces` (a plan in the offer's GPU numbers) when
+/// there is one; the plan and ranks name the real GPU indices. A plan that takes longer is
+/// refused (the solver's thread runs on to its end, but nothing waits for it: the job queue
+/// and the request move on).
 async fn solve(
     spec: &JobSpec,
     offer: Offer,

@@ -514,14 +514,20 @@ async fn last_event(s: &Store, job: i64) -> (String, Option<i64>, String) {
     (e.kind, e.generation, e.message)
 }
 
-conformance!(a_recovery_spends_its_causes_budget_in_the_move_to_recovering, |url: String| async move {
-    use motley_coordinator::store::{RecoveryCause, Spent};
-    let s = Store::open(&url).await.unwrap();
+/// Job `name` running its first launch (plan `{"plan": 1}`), one rank on node n0.
+async fn running_on_n0(s: &Store, name: &str) -> motley_coordinator::store::JobRecord {
     s.register_node("n0", "{}").await.unwrap();
-    let job = s.submit_job("elastic", "{}").await.unwrap();
+    let job = s.submit_job(name, "{}").await.unwrap();
     s.transition(job.id, JobState::Planning, None).await.unwrap();
     s.start_generation(job.id, "{\"plan\": 1}", &ranks(&["n0"])).await.unwrap();
     s.transition(job.id, JobState::Running, None).await.unwrap();
+    job
+}
+
+conformance!(a_recovery_spends_its_causes_budget_in_the_move_to_recovering, |url: String| async move {
+    use motley_coordinator::store::{RecoveryCause, Spent};
+    let s = Store::open(&url).await.unwrap();
+    let job = running_on_n0(&s, "elastic").await;
     assert_eq!(s.spent(job.id).await.unwrap(), Spent::default());
     assert_eq!(s.restore_step(job.id, 1).await.unwrap(), None, "a plain launch resumes from no step");
 
@@ -604,11 +610,7 @@ conformance!(a_recovery_spends_its_causes_budget_in_the_move_to_recovering, |url
 conformance!(a_job_that_succeeds_after_a_recovery_carries_no_failure_reason, |url: String| async move {
     use motley_coordinator::store::RecoveryCause;
     let s = Store::open(&url).await.unwrap();
-    s.register_node("n0", "{}").await.unwrap();
-    let job = s.submit_job("elastic", "{}").await.unwrap();
-    s.transition(job.id, JobState::Planning, None).await.unwrap();
-    s.start_generation(job.id, "{\"plan\": 1}", &ranks(&["n0"])).await.unwrap();
-    s.transition(job.id, JobState::Running, None).await.unwrap();
+    let job = running_on_n0(&s, "elastic").await;
     s.begin_recovery(job.id, 1, RecoveryCause::Restart, 1, "rank 0 on node n0 exited with code 1").await.unwrap();
     s.start_generation(job.id, "{\"plan\": 2}", &ranks(&["n0"])).await.unwrap();
     s.transition(job.id, JobState::Running, None).await.unwrap();
