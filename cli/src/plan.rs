@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 
 use motley_solver::bandwidth::BandwidthSpec;
-use motley_solver::replan::{replan, CurrentPlan, SwitchPolicy};
+use motley_solver::replan::{replan, SwitchPolicy};
+use motley_solver::PlanDocument;
 use motley_solver::{Calibration, Cluster, Model, PlanOptions, PlanRequest, PrecisionChoice, ProfileSet, SolverError};
 
 use crate::inputs::{self, InputError, Mode, Output};
@@ -304,7 +305,7 @@ pub fn run_replan(mut a: ReplanArgs) -> Result<String, InputError> {
     }
     let origin = a.current.display().to_string();
     let text = std::fs::read_to_string(&a.current).map_err(|e| InputError(format!("{origin}: cannot read plan file: {e}")))?;
-    let current: CurrentPlan = inputs::parse_yaml(&text, &origin)?;
+    let current: PlanDocument = inputs::parse_yaml(&text, &origin)?;
     // The running plan's sequence length is the one re-planned for, as its global batch is.
     match (current.seq_len, a.plan.seq_len) {
         (Some(running), Some(asked)) if running != asked => {

@@ -5,8 +5,8 @@ use std::borrow::Cow;
 use std::fmt::Display;
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
-use motley_solver::report::ReplicaReport;
-use motley_solver::PlanReport;
+use motley_solver::report::ReplicaDoc;
+use motley_solver::PlanDocument;
 
 /// `s` with its control characters written out (`\n`, `\t`, `\x1b`, `\u{9b}`) and everything
 /// else, non-ASCII letters included, as it is. Names and messages come from files and from the
@@ -42,7 +42,7 @@ pub fn row<S: AsRef<str>>(cells: impl IntoIterator<Item = S>) -> Vec<Cell> {
     cells.into_iter().map(|c| cell(c.as_ref())).collect()
 }
 
-pub fn render(r: &PlanReport, compare: bool) -> String {
+pub fn render(r: &PlanDocument, compare: bool) -> String {
     let mut out = String::new();
     let proof = if r.search.proven_optimal { "optimal in its space" } else { "best found" };
     let how = match &r.search.baseline {
@@ -69,26 +69,27 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
         r.peak_utilization * 100.0,
         r.global_batch,
         r.micro_batch,
-        r.seq_len,
-        r.precision.name(),
+        r.seq_len.map_or_else(|| "?".to_string(), |s| s.to_string()),
+        r.precision.map_or("?", |p| p.name()),
         if r.recompute { " | recompute" } else { "" },
         if r.zero1 { " | zero1" } else { "" }
     ));
     // Planned at the model's own length while it takes longer ones (a Hugging Face model's
     // default): said, so 4096 is never mistaken for the model's maximum, nor the maximum chosen.
-    if let Some(max) = r.model_spec.max_position_embeddings.filter(|&m| r.seq_len == r.model_spec.seq_len && m > r.seq_len) {
-        out.push_str(&format!(
-            "seq {}: the model's default training length ({}); --seq-len sets another\n",
-            r.seq_len,
-            motley_solver::model::hf::default_seq_len_reason(max, r.model_spec.sliding_window)
-        ));
+    if let (Some(spec), Some(seq)) = (&r.model_spec, r.seq_len) {
+        if let Some(max) = spec.max_position_embeddings.filter(|&m| seq == spec.seq_len && m > seq) {
+            out.push_str(&format!(
+                "seq {seq}: the model's default training length ({}); --seq-len sets another\n",
+                motley_solver::model::hf::default_seq_len_reason(max, spec.sliding_window)
+            ));
+        }
     }
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
     t.set_header(vec!["replica", "samples", "stage", "layers", "gpu", "tp", "dp", "gpus", "memory GiB", "time s"]);
     // Identical consecutive replicas (same samples, GPU types, tp, dp and layers) share rows;
     // their GPUs differ, and `-o json` lists every one.
-    let same = |a: &ReplicaReport, b: &ReplicaReport| {
+    let same = |a: &ReplicaDoc, b: &ReplicaDoc| {
         a.samples == b.samples
             && a.stages.len() == b.stages.len()
             && a.stages.iter().zip(&b.stages).all(|(x, y)| x.gpu == y.gpu && x.tp == y.tp && x.dp == y.dp && x.layers == y.layers)
@@ -111,7 +112,8 @@ pub fn render(r: &PlanReport, compare: bool) -> String {
             let first = si == 0;
             t.add_row(vec![
                 cell(if first { label.clone() } else { String::new() }),
-                cell(if first { rep.samples.to_string() } else { String::new() }).set_alignment(CellAlignment::Right),
+                cell(if first { rep.samples_or_derived(r.micro_batch).to_string() } else { String::new() })
+                    .set_alignment(CellAlignment::Right),
                 cell(si),
                 cell(format!("{}-{}", s.layers[0], s.layers[1])),
                 cell(&s.gpu),
@@ -183,7 +185,7 @@ fn compact_gpus(gpus: &[motley_solver::placement::GpuId]) -> String {
 
 /// `motley plan --explain`: every communication group with its link, NICs, NCCL settings and
 /// the seconds it spends on the link per iteration.
-pub fn render_network(groups: &[motley_solver::network::CommGroup]) -> String {
+pub fn render_network(groups: &[motley_contract::CommGroupDoc]) -> String {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
     t.set_header(vec!["group", "where", "gpus", "transport", "nics", "GB/s", "s/iter", "NCCL settings"]);

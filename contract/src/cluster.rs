@@ -56,7 +56,7 @@ pub struct GpuType {
 }
 
 /// The data type a run computes in: which peak of a GPU its matrix products reach.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// fp16 (mixed precision): `tflops`, the catalog's historical figure (the default).

@@ -6,12 +6,13 @@
 //! training lines as points (`curves`), and the 1F1B schedule of one pipeline replica
 //! (`timeline`) that the cost model prices and the plan picture draws. The coordinator, the
 //! agent and the CLI read them through these types, never by indexing untyped JSON. This crate
-//! is the vocabulary at the bottom of the house: it depends on serde alone; pictures are
-//! `motley_draw`'s, the servers' shared plumbing `motley_server`'s.
+//! is the vocabulary at the bottom of the house: it depends on serde (and schemars, for the
+//! plan document's schema) alone; pictures are `motley_draw`'s, the servers' shared plumbing
+//! `motley_server`'s.
 //!
-//! The solver writes the plan document (`motley_solver::report::PlanReport`), and
-//! `cli/tests/plan_cli.rs` reads every plan it makes back through `PlanDocument`, which keeps
-//! the two in step. Field names are a contract (docs/plan.md): fields may be added, never
+//! The plan document is one type, `PlanDocument`: the solver writes it, the coordinator, the
+//! agent and the pictures read it, and the rank library's `Plan` is held to its JSON schema
+//! (`docs/plan.schema.json`). Field names are a contract (docs/plan.md): fields may be added, never
 //! renamed. Readers ignore fields they do not know, so a newer writer never breaks an older
 //! reader.
 
@@ -20,6 +21,7 @@ pub mod curves;
 pub mod error;
 pub mod groups;
 pub mod job;
+pub mod model;
 pub mod net;
 pub mod plan;
 pub mod timeline;
@@ -27,4 +29,8 @@ pub mod views;
 
 pub use error::ContractError;
 pub use groups::{for_rank, RankGroup};
-pub use plan::{CommGroupDoc, GpuRef, GroupKind, ModelDoc, PlanDocument, RankPlacement, ReplicaDoc, StageDoc};
+pub use model::ModelSpec;
+pub use plan::{
+    BaselineDoc, CommGroupDoc, GpuRef, GroupKind, NetworkSource, PlanDocument, PlanLink, PlanNetwork, RankPlacement, ReplicaDoc, SearchDoc,
+    StageDoc, Transport,
+};

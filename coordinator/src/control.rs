@@ -3,7 +3,7 @@
 //! service declares nodes through here too.
 
 use motley_solver::hardware::NodeSpec;
-use motley_solver::{Cluster, ClusterSpec, PlanReport};
+use motley_solver::{Cluster, ClusterSpec, PlanDocument};
 
 use crate::error::{CoordinatorError, Result};
 use crate::job::JobState;
@@ -44,7 +44,7 @@ pub async fn submit(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> R
 /// Plan a job file without storing anything, on the declared inventory (active nodes, live or
 /// not: operators plan before the agents are up).
 #[tracing::instrument(skip_all)]
-pub async fn dry_run(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> Result<(PlanReport, Vec<RankAssignment>)> {
+pub async fn dry_run(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> Result<(PlanDocument, Vec<RankAssignment>)> {
     crate::planning::dry_run(store, fleet, &JobSpec::parse(text)?).await
 }
 

@@ -54,7 +54,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 use crate::error::{CoordinatorError, Result};
-use motley_solver::replan::CurrentPlan;
+use motley_solver::PlanDocument;
 use motley_solver::{Model, ModelSpec, PlanOptions, PrecisionChoice, SearchMode};
 
 mod replan;
@@ -194,7 +194,7 @@ pub struct JobSpec {
     /// `micro_batch` and `replicas` with their stages and GPUs): checked against the live
     /// inventory and the model when the job is planned, never re-planned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub plan: Option<CurrentPlan>,
+    pub plan: Option<PlanDocument>,
     /// Measured layer profiles: whether to use and measure them (default `auto`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profiling: Option<ProfilingSpec>,
@@ -431,7 +431,7 @@ impl JobSpec {
     }
 
     /// A plan the job carries: it agrees with the job, is not searched, and has GPUs.
-    fn validate_plan(&self, plan: &CurrentPlan) -> Result<()> {
+    fn validate_plan(&self, plan: &PlanDocument) -> Result<()> {
         if plan.global_batch != self.global_batch {
             return Err(CoordinatorError::invalid(
                 "plan.global_batch",

@@ -4,15 +4,15 @@
 //! life (`life`): it stores a first launch (`plan_job`) or returns a recovery's plan
 //! (`plan_for_recovery`), and decides nothing else. Links the agents measured between the
 //! offered nodes (`Fleet.links`) are in force where there are any (`Cluster::with_measurements`),
-//! and every plan says which rates it assumed (`PlanReport.network`).
+//! and every plan says which rates it assumed (`PlanDocument.network`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use motley_solver::bandwidth::{BandwidthSpec, PlanNetwork};
+use motley_solver::bandwidth::{plan_network as links_of, BandwidthSpec, PlanNetwork};
 use motley_solver::hardware::NodeSpec;
 use motley_solver::placement::GpuId;
-use motley_solver::replan::{CurrentPlan, ReplanReport, SwitchPolicy};
-use motley_solver::{Cluster, ClusterSpec, PlanReport, PlanRequest, ProfileSet};
+use motley_solver::replan::{ReplanReport, SwitchPolicy};
+use motley_solver::{Cluster, ClusterSpec, PlanDocument, PlanRequest, ProfileSet};
 
 use crate::error::{CoordinatorError, Result};
 use crate::fleet::Fleet;
@@ -28,7 +28,7 @@ fn deadline(fleet: &Fleet, spec: &JobSpec) -> std::time::Duration {
 
 /// Plan a job file without storing anything, on the declared inventory (active nodes, live or
 /// not: operators plan before the agents are up).
-pub async fn dry_run(store: &Store, fleet: &Fleet, spec: &JobSpec) -> Result<(PlanReport, Vec<RankAssignment>)> {
+pub async fn dry_run(store: &Store, fleet: &Fleet, spec: &JobSpec) -> Result<(PlanDocument, Vec<RankAssignment>)> {
     check_plan_gpus(store, spec).await?;
     let offer = offer(store, spec, None).await?;
     let profiles = crate::profiling::stored_for(store, spec).await?;
@@ -151,7 +151,7 @@ pub async fn plan_job(store: &Store, fleet: &Fleet, id: i64, taken: &Taken) -> R
 /// Why a plan leaves GPUs the job may use idle, when it does (a carried plan names its own):
 /// a job asking for 3 GPUs and running on 2 is told why, naming `resources.gpus` and
 /// `global_batch`.
-pub fn unused_gpus(spec: &JobSpec, report: &PlanReport, wanted: u32) -> Option<String> {
+pub fn unused_gpus(spec: &JobSpec, report: &PlanDocument, wanted: u32) -> Option<String> {
     if spec.plan.is_some() || report.gpus_used >= wanted {
         return None;
     }
@@ -199,7 +199,7 @@ pub async fn plan_for_recovery(store: &Store, fleet: &Fleet, job: &JobRecord, ta
         return Err(CoordinatorError::Conflict("no free GPU on a live node: nothing to recover onto".into()));
     }
     // A plan it cannot read, or one on GPUs not offered now (a node lost), seeds nothing.
-    let replaced: Option<CurrentPlan> = store.plan(job.id, job.generation).await.ok().and_then(|p| serde_json::from_str(&p).ok());
+    let replaced: Option<PlanDocument> = store.plan(job.id, job.generation).await.ok().and_then(|p| serde_json::from_str(&p).ok());
     let seed = replaced.as_ref().and_then(|p| in_offer_numbers(p, &offer.real).ok());
     let profiles = crate::profiling::stored_for(store, &spec).await?;
     let measured = measured(fleet, &offer);
@@ -229,7 +229,7 @@ pub async fn replan_running(store: &Store, fleet: &Fleet, job: &JobRecord, taken
         gpus.retain(|_, j| *j != job.id);
     }
     let offer = offer(store, &spec, Some((fleet, &others))).await?;
-    let current: CurrentPlan = serde_json::from_str(&store.plan(job.id, job.generation).await?)
+    let current: PlanDocument = serde_json::from_str(&store.plan(job.id, job.generation).await?)
         .map_err(|e| CoordinatorError::Conflict(format!("stored plan: {e}")))?;
     let current = in_offer_numbers(&current, &offer.real)?;
     let profiles = crate::profiling::stored_for(store, &spec).await?;
@@ -257,7 +257,7 @@ pub async fn replan_running(store: &Store, fleet: &Fleet, job: &JobRecord, taken
 
 /// A plan naming real GPU indices, in the offer's numbers (the solver numbers its free GPUs
 /// 0..n); refused naming the first GPU the offer does not hold.
-fn in_offer_numbers(plan: &CurrentPlan, real: &HashMap<String, Vec<u32>>) -> Result<CurrentPlan> {
+fn in_offer_numbers(plan: &PlanDocument, real: &HashMap<String, Vec<u32>>) -> Result<PlanDocument> {
     let mut plan = plan.clone();
     for (ri, r) in plan.replicas.iter_mut().enumerate() {
         for (si, st) in r.stages.iter_mut().enumerate() {
@@ -406,7 +406,7 @@ async fn check_plan_gpus(store: &Store, spec: &JobSpec) -> Result<()> {
 /// A plan made, its ranks, and the plan it replaces priced on the same inputs (when `solve`
 /// was given one).
 struct Solved {
-    report: PlanReport,
+    report: PlanDocument,
     ranks: Vec<RankAssignment>,
     replaced_now_s: Option<f64>,
 }
@@ -421,7 +421,7 @@ async fn solve(
     offer: Offer,
     profiles: ProfileSet,
     measured: Option<BandwidthSpec>,
-    replaces: Option<CurrentPlan>,
+    replaces: Option<PlanDocument>,
     deadline: std::time::Duration,
 ) -> Result<Solved> {
     let Offer { nodes, real, .. } = offer;
@@ -491,15 +491,15 @@ fn with_measurements(declared: &Cluster, measured: Option<BandwidthSpec>) -> (Cl
 }
 
 /// The links between the nodes `report` uses, as it assumed them.
-fn plan_network(report: &PlanReport, declared: &Cluster, measured: Option<&BandwidthSpec>) -> Option<PlanNetwork> {
+fn plan_network(report: &PlanDocument, declared: &Cluster, measured: Option<&BandwidthSpec>) -> Option<PlanNetwork> {
     let nodes: BTreeSet<&str> = report.replicas.iter().flat_map(|r| &r.stages).flat_map(|s| &s.gpus).map(|g| g.node.as_str()).collect();
     let nodes: Vec<&str> = nodes.into_iter().collect();
-    PlanNetwork::of(&nodes, declared, measured).map_err(|e| tracing::warn!("the plan's links: {e}")).ok()
+    links_of(&nodes, declared, measured).map_err(|e| tracing::warn!("the plan's links: {e}")).ok()
 }
 
 /// Rank numbering: replicas in order, stages in order, GPUs in order (TP fastest); local ranks
 /// count a node's ranks in that order.
-pub fn ranks_of(report: &PlanReport) -> Vec<RankAssignment> {
+pub fn ranks_of(report: &PlanDocument) -> Vec<RankAssignment> {
     let mut out = vec![];
     let mut local: std::collections::HashMap<String, i64> = Default::default();
     for (ri, r) in report.replicas.iter().enumerate() {

@@ -352,7 +352,7 @@ pub fn profile_set(rows: &[ProfileRecord]) -> ProfileSet {
 }
 
 /// `profiling.mode: only`: every stage of the plan is priced from a measured profile.
-pub fn check_measured(report: &motley_solver::PlanReport, nodes: &[NodeSpec], profiles: &ProfileSet) -> Result<()> {
+pub fn check_measured(report: &motley_solver::PlanDocument, nodes: &[NodeSpec], profiles: &ProfileSet) -> Result<()> {
     let gpu_of: HashMap<&str, &str> = nodes.iter().map(|n| (n.name.as_str(), n.gpu.as_str())).collect();
     let mut missing = BTreeSet::new();
     for st in report.replicas.iter().flat_map(|r| &r.stages) {

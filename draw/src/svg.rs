@@ -209,7 +209,7 @@ fn hop_transport(plan: &PlanDocument, replica: usize, stage: usize) -> Option<(S
     let g =
         plan.comm_groups.iter().find(|g| g.kind == GroupKind::Pp && g.replica == Some(replica as u32) && g.stage == Some(stage as u32))?;
     let nodes: BTreeSet<&str> = g.gpus.iter().map(|x| x.node.as_str()).collect();
-    Some((g.transport.clone(), nodes.len() > 1))
+    Some((g.transport.name().to_string(), nodes.len() > 1))
 }
 
 /// Whether two stages share a node (a hop between them may stay inside it).
@@ -268,7 +268,7 @@ pub fn plan_svg(plan: &PlanDocument, times: &PlanTimes) -> String {
             r#"<text x="8" y="{:.1}" font-size="12" font-weight="bold">replica {ri}</text><text x="8" y="{:.1}" font-size="11">{} samples</text><text x="8" y="{:.1}" font-size="11">{} micro-batches</text>"#,
             y + 14.0,
             y + 28.0,
-            r.samples,
+            r.samples_or_derived(plan.micro_batch),
             y + 41.0,
             r.micro_batches
         );

@@ -176,59 +176,31 @@ impl Cluster {
     }
 }
 
-/// Where the rates a plan assumed came from: the links measured (some pair at least), or
-/// only the cluster's declared NICs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum NetworkSource {
-    Measured,
-    Declared,
-}
+pub use motley_contract::plan::{NetworkSource, PlanLink, PlanNetwork};
 
-/// The links between a plan's nodes as the plan assumed them (`PlanReport.network`): what a
-/// running job's measured links are compared with.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PlanNetwork {
-    pub source: NetworkSource,
-    /// One per pair of distinct nodes the plan uses (`a` < `b`), in name order.
-    pub links: Vec<PlanLink>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PlanLink {
-    pub a: String,
-    pub b: String,
-    /// GB/s the plan assumed between them.
-    pub gb_per_s: f64,
-    /// Whether that was measured (else the declared NICs' nominal rate).
-    pub measured: bool,
-}
-
-impl PlanNetwork {
-    /// The pairs of `nodes` (names of `declared`'s nodes; unknown ones are skipped) priced as
-    /// a plan made on `declared` with `measured` in force assumed them: a measured pair at its
-    /// measured rate, any other at its classes' nominal rate.
-    pub fn of(nodes: &[&str], declared: &Cluster, measured: Option<&BandwidthSpec>) -> Result<PlanNetwork> {
-        let pairs = match measured {
-            Some(spec) => spec.resolve(declared)?,
-            None => BTreeMap::new(),
-        };
-        let index: HashMap<&str, usize> = declared.nodes.iter().enumerate().map(|(i, n)| (n.name.as_str(), i)).collect();
-        let mut ids: Vec<usize> = nodes.iter().filter_map(|n| index.get(n).copied()).collect();
-        ids.sort_by(|&x, &y| declared.nodes[x].name.cmp(&declared.nodes[y].name));
-        ids.dedup();
-        let mut links = vec![];
-        for (i, &x) in ids.iter().enumerate() {
-            for &y in &ids[i + 1..] {
-                let m = pairs.get(&(x.min(y), x.max(y))).copied();
-                let gb_per_s = m.unwrap_or_else(|| declared.nominal_inter_bw(declared.nodes[x].class, declared.nodes[y].class));
-                let (a, b) = (declared.nodes[x].name.clone(), declared.nodes[y].name.clone());
-                links.push(PlanLink { a, b, gb_per_s, measured: m.is_some() });
-            }
+/// The pairs of `nodes` (names of `declared`'s nodes; unknown ones are skipped) priced as
+/// a plan made on `declared` with `measured` in force assumed them: a measured pair at its
+/// measured rate, any other at its classes' nominal rate.
+pub fn plan_network(nodes: &[&str], declared: &Cluster, measured: Option<&BandwidthSpec>) -> Result<PlanNetwork> {
+    let pairs = match measured {
+        Some(spec) => spec.resolve(declared)?,
+        None => BTreeMap::new(),
+    };
+    let index: HashMap<&str, usize> = declared.nodes.iter().enumerate().map(|(i, n)| (n.name.as_str(), i)).collect();
+    let mut ids: Vec<usize> = nodes.iter().filter_map(|n| index.get(n).copied()).collect();
+    ids.sort_by(|&x, &y| declared.nodes[x].name.cmp(&declared.nodes[y].name));
+    ids.dedup();
+    let mut links = vec![];
+    for (i, &x) in ids.iter().enumerate() {
+        for &y in &ids[i + 1..] {
+            let m = pairs.get(&(x.min(y), x.max(y))).copied();
+            let gb_per_s = m.unwrap_or_else(|| declared.nominal_inter_bw(declared.nodes[x].class, declared.nodes[y].class));
+            let (a, b) = (declared.nodes[x].name.clone(), declared.nodes[y].name.clone());
+            links.push(PlanLink { a, b, gb_per_s, measured: m.is_some() });
         }
-        let source = if measured.is_some() { NetworkSource::Measured } else { NetworkSource::Declared };
-        Ok(PlanNetwork { source, links })
     }
+    let source = if measured.is_some() { NetworkSource::Measured } else { NetworkSource::Declared };
+    Ok(PlanNetwork { source, links })
 }
 
 #[cfg(test)]
@@ -241,12 +213,12 @@ mod tests {
         let node = |n: &str| format!("  - {{name: {n}, gpu: A100-80G, gpus: 1, nics: [{{name: mlx5_0, kind: ib, gbps: 200}}]}}\n");
         let spec: ClusterSpec = serde_norway::from_str(&format!("name: c\nnodes:\n{}{}{}", node("n0"), node("n1"), node("n2"))).unwrap();
         let cluster = Cluster::from_spec(&spec).unwrap();
-        let declared = PlanNetwork::of(&["n1", "n0", "x"], &cluster, None).unwrap();
+        let declared = plan_network(&["n1", "n0", "x"], &cluster, None).unwrap();
         assert_eq!(declared.source, NetworkSource::Declared);
         let nominal = cluster.nominal_inter_bw(0, 0);
         assert_eq!(declared.links, vec![PlanLink { a: "n0".into(), b: "n1".into(), gb_per_s: nominal, measured: false }]);
         let measured = BandwidthSpec { pairs: vec![PairSpec { a: "n2".into(), b: "n0".into(), gb_per_s: 2.0 }], ..Default::default() };
-        let net = PlanNetwork::of(&["n0", "n1", "n2"], &cluster, Some(&measured)).unwrap();
+        let net = plan_network(&["n0", "n1", "n2"], &cluster, Some(&measured)).unwrap();
         assert_eq!(net.source, NetworkSource::Measured);
         let links: Vec<(&str, &str, f64, bool)> = net.links.iter().map(|l| (l.a.as_str(), l.b.as_str(), l.gb_per_s, l.measured)).collect();
         assert_eq!(links, [("n0", "n1", nominal, false), ("n0", "n2", 2.0, true), ("n1", "n2", nominal, false)]);

@@ -1,53 +1,18 @@
 //! A plan given as a document (`motley plan -o json`, the `plan:` of a job, the running plan
-//! re-planning starts from): the parts of it that are read back, and its structure rebuilt on a
-//! cluster GPU by GPU. Below `report` (which prices such a plan as given) and `replan`; calls
-//! `plan`, `cost`, `placement` (the `GpuId` type) and `error`.
+//! re-planning starts from): its structure rebuilt on a cluster GPU by GPU. Below `report`
+//! (which prices such a plan as given) and `replan`; calls `plan`, `cost` and `error`.
 
-use serde::{Deserialize, Serialize};
+use motley_contract::PlanDocument;
 use std::collections::HashMap;
 
 use crate::cost::{CostModel, StageKind};
 use crate::error::{Result, SolverError};
-use crate::placement::GpuId;
 use crate::plan::{PlanStructure, ReplicaPlan, StagePlan};
-
-/// The parts of a `motley plan -o json` document re-planning reads (and a job's `plan:`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CurrentPlan {
-    pub global_batch: u32,
-    pub micro_batch: u32,
-    /// Tokens per sequence the plan was made for, when the document says (`motley plan -o json`
-    /// does): whoever runs the plan runs it at this length or refuses it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub seq_len: Option<u64>,
-    /// What the planner that made the plan priced it at (0 when the document does not say).
-    #[serde(default)]
-    pub iteration_time_s: f64,
-    pub replicas: Vec<CurrentReplica>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CurrentReplica {
-    /// `micro_batches * micro_batch`, when the document says.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub samples: Option<u32>,
-    pub micro_batches: u32,
-    pub stages: Vec<CurrentStage>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CurrentStage {
-    pub layers: [u32; 2],
-    pub gpu: String,
-    pub tp: u32,
-    pub dp: u32,
-    pub gpus: Vec<GpuId>,
-}
 
 /// Rebuild the structure of a plan file on `cm`'s cluster (which may carry new measurements).
 /// The GPUs are checked one by one (they exist, once each, of the stage's type); the cluster's
 /// packing rule is not, since a running plan placed by an older cluster file may not follow it.
-pub fn structure_of(cm: &CostModel, current: &CurrentPlan) -> Result<PlanStructure> {
+pub fn structure_of(cm: &CostModel, current: &PlanDocument) -> Result<PlanStructure> {
     let cluster = cm.cluster;
     let node_of: HashMap<&str, usize> = cluster.nodes.iter().enumerate().map(|(i, n)| (n.name.as_str(), i)).collect();
     let tp = current.replicas.first().and_then(|r| r.stages.first()).map(|s| s.tp);

@@ -30,5 +30,5 @@ pub use error::{Result, SolverError};
 pub use hardware::{Cluster, ClusterSpec, Precision, PrecisionChoice};
 pub use model::{Model, ModelSpec};
 pub use profile::ProfileSet;
-pub use report::{plan, PlanReport, PlanRequest};
+pub use report::{plan, PlanDocument, PlanRequest};
 pub use search::SearchMode;

@@ -21,7 +21,6 @@
 //! applies the same settings for it. `NCCL_IB_DISABLE=1` is never emitted: NCCL caches it
 //! for the process, so it would switch RDMA off for the rank's later groups.
 
-use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::cost::CostModel;
@@ -29,65 +28,11 @@ use crate::hardware::{Cluster, IntraLink, NicKind};
 use crate::placement::{GpuId, Placement};
 use crate::plan::PlanStructure;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum GroupKind {
-    Tp,
-    Pp,
-    Dp,
-}
-
-impl GroupKind {
-    /// As the plan document spells it.
-    pub fn name(self) -> &'static str {
-        match self {
-            GroupKind::Tp => "tp",
-            GroupKind::Pp => "pp",
-            GroupKind::Dp => "dp",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Transport {
-    Nvlink,
-    Pcie,
-    Ib,
-    Roce,
-    Socket,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct CommGroup {
-    pub kind: GroupKind,
-    pub gpus: Vec<GpuId>,
-    pub transport: Transport,
-    /// RDMA devices with port (`mlx5_0:1`) or Ethernet interfaces; empty inside a node.
-    pub nics: Vec<String>,
-    /// NCCL settings that select this transport and these NICs.
-    pub env: BTreeMap<String, String>,
-    /// Per node, settings that differ from `env` there (a RoCE port's GID index); ranks on
-    /// that node apply them on top of `env`.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub node_env: BTreeMap<String, BTreeMap<String, String>>,
-    /// `ncclConfig_t.netName` for this communicator ("IB" or "Socket"); None inside a node.
-    pub nccl_net: Option<String>,
-    /// TP and pipeline groups: the replica and stage (for a hop, the sending stage).
-    pub replica: Option<usize>,
-    pub stage: Option<usize>,
-    /// Layers whose activations (tp, pp: the boundary) or gradients (dp) the group carries.
-    pub layers: [u32; 2],
-    /// GB/s of the slowest link the group crosses, as priced.
-    pub link_gb_per_s: f64,
-    /// Bytes each member sends per iteration, and the seconds that takes on the link.
-    pub bytes_per_iteration: f64,
-    pub seconds_per_iteration: f64,
-}
+pub use motley_contract::plan::{CommGroupDoc, GroupKind, Transport};
 
 /// Every communication group of a placed plan, in the order ranks should create them:
 /// TP groups, then pipeline hops, then gradient rings.
-pub fn comm_groups(cm: &CostModel, plan: &PlanStructure, placement: &Placement) -> Vec<CommGroup> {
+pub fn comm_groups(cm: &CostModel, plan: &PlanStructure, placement: &Placement) -> Vec<CommGroupDoc> {
     let net = Net::new(cm.cluster);
     let mut out = vec![];
     let (s, h) = (cm.model.seq_len as f64, cm.model.hidden());
@@ -102,7 +47,7 @@ pub fn comm_groups(cm: &CostModel, plan: &PlanStructure, placement: &Placement) 
             let layers = (st.layers.1 - st.layers.0) as f64;
             let bytes = 4.0 * 2.0 * (t - 1.0) / t * m * s * h * 2.0 * layers * r.micro_batches as f64;
             for g in placement.gpus[ri][si].chunks(st.kind.tp as usize) {
-                out.push(net.group(GroupKind::Tp, g.to_vec(), Some(ri), Some(si), [st.layers.0, st.layers.1], bytes, 1.0));
+                out.push(net.group(GroupKind::Tp, g.to_vec(), Some(ri as u32), Some(si as u32), [st.layers.0, st.layers.1], bytes, 1.0));
             }
         }
     }
@@ -112,7 +57,7 @@ pub fn comm_groups(cm: &CostModel, plan: &PlanStructure, placement: &Placement) 
         for si in 0..r.stages.len().saturating_sub(1) {
             let gpus: Vec<GpuId> = placement.gpus[ri][si].iter().chain(&placement.gpus[ri][si + 1]).cloned().collect();
             let b = r.stages[si].layers.1;
-            out.push(net.group(GroupKind::Pp, gpus, Some(ri), Some(si), [b, b], hop_bytes * r.micro_batches as f64, 1.0));
+            out.push(net.group(GroupKind::Pp, gpus, Some(ri as u32), Some(si as u32), [b, b], hop_bytes * r.micro_batches as f64, 1.0));
         }
     }
     // Gradient rings: per layer segment (every stage boundary of every replica cuts one) and
@@ -163,12 +108,12 @@ impl<'a> Net<'a> {
         &self,
         kind: GroupKind,
         gpus: Vec<GpuId>,
-        replica: Option<usize>,
-        stage: Option<usize>,
+        replica: Option<u32>,
+        stage: Option<u32>,
         layers: [u32; 2],
         bytes: f64,
         nic_sharers: f64,
-    ) -> CommGroup {
+    ) -> CommGroupDoc {
         let nodes: BTreeSet<usize> = gpus.iter().map(|g| self.node_of[g.node.as_str()]).collect();
         let classes: BTreeSet<usize> = nodes.iter().map(|&n| self.cluster.nodes[n].class).collect();
         let (transport, bw) = if nodes.len() == 1 {
@@ -182,7 +127,7 @@ impl<'a> Net<'a> {
             self.inter(&nodes, &classes, nic_sharers)
         };
         let Settings { nics, env, node_env, nccl_net } = self.settings(transport, &gpus);
-        CommGroup {
+        CommGroupDoc {
             kind,
             gpus,
             transport,
@@ -293,7 +238,7 @@ pub use motley_contract::groups::{process_env, unite_device_lists, EnvConflict, 
 
 /// Refuses groups that would need contradicting process-wide NCCL settings on one rank
 /// ([`process_env`]), naming the GPU, both groups (index in `groups` and kind) and the key.
-pub fn check_process_env(groups: &[CommGroup]) -> crate::Result<()> {
+pub fn check_process_env(groups: &[CommGroupDoc]) -> crate::Result<()> {
     let mut ranks: BTreeMap<&GpuId, Vec<usize>> = BTreeMap::new();
     for (i, g) in groups.iter().enumerate() {
         for m in &g.gpus {
@@ -337,7 +282,7 @@ mod tests {
     #[test]
     fn groups_whose_lists_contradict_on_one_gpu_are_refused_naming_both_and_the_key() {
         let gpu = |node: &str, index| GpuId { node: node.into(), index };
-        let group = |kind, gpus: Vec<GpuId>, e: BTreeMap<String, String>| CommGroup {
+        let group = |kind, gpus: Vec<GpuId>, e: BTreeMap<String, String>| CommGroupDoc {
             kind,
             gpus,
             transport: Transport::Ib,

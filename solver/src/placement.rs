@@ -12,19 +12,14 @@
 //! Also here: `CostModel::check_structure`, a plan's whole check (its layers and batch, from
 //! `plan`, then whether the cluster's nodes hold it). Calls `plan`, `cost` and `hardware`.
 
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 
 use crate::cost::CostModel;
 use crate::hardware::Cluster;
 use crate::plan::PlanStructure;
 
-/// A GPU: a node name and the GPU's index inside it.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct GpuId {
-    pub node: String,
-    pub index: u32,
-}
+/// A GPU: a node name and the GPU's index inside it (the plan document's type).
+pub use motley_contract::plan::GpuRef as GpuId;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Placement {

@@ -18,11 +18,7 @@ use crate::cost::CostModel;
 use crate::error::{Result, SolverError};
 use crate::given_plan::structure_of;
 use crate::placement::GpuId;
-use crate::report::{plan, priced_as_given, PlanReport, PlanRequest};
-
-/// The running plan as its document gives it (`given_plan`), the path the coordinator, the CLI
-/// and the tests name it by.
-pub use crate::given_plan::CurrentPlan;
+use crate::report::{plan, priced_as_given, PlanDocument, PlanRequest};
 
 /// When a switch is worth it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -59,14 +55,14 @@ pub struct ReplanReport {
     /// Iterations the new plan needs to win back the switch (None when it is not faster).
     pub payback_iterations: Option<f64>,
     pub moves: Vec<Move>,
-    pub new_plan: PlanReport,
+    pub new_plan: PlanDocument,
     /// The current plan as priced now, on its own GPUs: per-stage forward/backward seconds,
     /// hops, memory (search mode "given"; not checked against memory).
-    pub current_plan: PlanReport,
+    pub current_plan: PlanDocument,
 }
 
 /// Re-plan on `req`'s cluster (with the new measurements in force) and compare with `current`.
-pub fn replan(req: &PlanRequest, current: &CurrentPlan, policy: SwitchPolicy) -> Result<ReplanReport> {
+pub fn replan(req: &PlanRequest, current: &PlanDocument, policy: SwitchPolicy) -> Result<ReplanReport> {
     req.opts.validate()?;
     req.cluster.check_precision(req.opts.precision)?;
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };

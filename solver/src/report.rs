@@ -1,126 +1,23 @@
-//! What `motley plan` prints: the plan with its placement and prices, and the baselines.
-//! The JSON field names are a contract (docs/plan.md); fields may be added, never renamed.
+//! What `motley plan` prints: the plan document (`motley_contract::PlanDocument`, whose field
+//! names are a contract, docs/plan.md) with its placement and prices, and the baselines.
 
-use serde::Serialize;
 use std::collections::BTreeMap;
 
 use crate::baselines::{best_baseline, Baseline};
 use crate::cost::{CostModel, PlanOptions};
 use crate::error::Result;
-use crate::given_plan::{structure_of, CurrentPlan};
+use crate::given_plan::structure_of;
 use crate::hardware::Cluster;
-use crate::model::{Model, ModelSpec};
-use crate::network::{comm_groups, CommGroup};
+use crate::model::Model;
+use crate::network::comm_groups;
 use crate::oracle;
 use crate::placement::{place, GpuId};
 use crate::plan::PlanStructure;
 use crate::profile::ProfileSet;
 use crate::search::{search, SearchMode, SearchStats};
+pub use motley_contract::plan::{BaselineDoc, PlanDocument, ReplicaDoc, SearchDoc, StageDoc};
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
-
-#[derive(Debug, Clone, Serialize)]
-pub struct StageReport {
-    /// Half-open range of transformer layers.
-    pub layers: [u32; 2],
-    pub gpu: String,
-    pub tp: u32,
-    pub dp: u32,
-    /// TP group by TP group (dp-major).
-    pub gpus: Vec<GpuId>,
-    pub memory_gib_per_gpu: f64,
-    pub memory_capacity_gib: f64,
-    /// Seconds of one micro-batch's forward on this stage (its layers, TP all-reduces, the
-    /// embedding on the first stage, the output head on the last).
-    pub fwd_s: f64,
-    /// Seconds of one micro-batch's backward (recomputation included with --recompute).
-    pub bwd_s: f64,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct ReplicaReport {
-    pub samples: u32,
-    pub micro_batches: u32,
-    pub iteration_time_s: f64,
-    pub stages: Vec<StageReport>,
-    /// Seconds of each pipeline hop per micro-batch (activations forward, gradients back).
-    pub hops_s: Vec<f64>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct BaselineReport {
-    pub iteration_time_s: Option<f64>,
-    /// Baseline time over Motley's time.
-    pub speedup: Option<f64>,
-    pub replicas: Option<usize>,
-    pub stages_per_replica: Option<usize>,
-    pub tp: Option<u32>,
-    pub micro_batch: Option<u32>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct SearchReport {
-    pub mode: String,
-    pub proven_optimal: bool,
-    pub configurations: usize,
-    pub shapes: usize,
-    pub plans_costed: u64,
-    pub exhaustive_oracle: bool,
-    /// No plan of the searched space is faster than this (fluid relaxation without gradient
-    /// sync), when the search computed one.
-    pub lower_bound: Option<f64>,
-    /// Mode `baseline`: which baseline the plan is (`megatron`, `whale`, `fast-only`), made by
-    /// that baseline's rule instead of Motley's search (`motley plan --baseline`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub baseline: Option<String>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct PlanReport {
-    pub cluster: String,
-    pub model: String,
-    /// The whole model (its file's fields, defaults filled in), so ranks can build it from the plan alone.
-    pub model_spec: ModelSpec,
-    pub global_batch: u32,
-    pub micro_batch: u32,
-    pub seq_len: u64,
-    /// The precision the plan was priced in (`--precision`, `auto` resolved): fp16, bf16, fp32.
-    pub precision: crate::Precision,
-    /// Whether the plan was priced with full activation recomputation (`--recompute`): the
-    /// ranks recompute as it assumes.
-    pub recompute: bool,
-    /// Whether the activations were priced as compiled blocks save them (the runtime's
-    /// `--compile auto` on a GPU), or as eager ones (`--eager`).
-    pub compiled: bool,
-    /// Whether the plan was priced with optimizer state sharded over each segment's
-    /// data-parallel ring (`--zero1`): the ranks shard it as it assumes.
-    pub zero1: bool,
-    pub iteration_time_s: f64,
-    pub tokens_per_s: f64,
-    /// Model FLOPs per second over the peak of every GPU in the cluster.
-    pub peak_utilization: f64,
-    pub gpus_used: u32,
-    pub gpus_total: u32,
-    /// GPUs the plan leaves idle, per GPU type (the search found no faster plan using them).
-    pub idle_gpus: BTreeMap<String, u32>,
-    /// Pipeline hops priced as inside one node that placement had to split across nodes
-    /// (0 when the placement matches the cost model's packing).
-    pub split_hops: usize,
-    pub replicas: Vec<ReplicaReport>,
-    /// Every TP group, pipeline hop and gradient ring with its transport, NICs and NCCL
-    /// settings, in the order ranks create them (`network.rs`).
-    pub comm_groups: Vec<CommGroup>,
-    pub baselines: BTreeMap<String, BaselineReport>,
-    pub search: SearchReport,
-    /// The links between the plan's nodes as the plan assumed them, measured or declared
-    /// (`bandwidth::PlanNetwork`); set by planners that know (the coordinator), absent otherwise.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub network: Option<crate::bandwidth::PlanNetwork>,
-    /// Some of the plan's GPUs are emulated on CPU (a node's `emulate:`): a test or demo
-    /// cluster, said so wherever the plan goes. Absent when none is.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub emulated: bool,
-}
 
 /// Inputs of one planning run.
 #[derive(Clone)]
@@ -137,7 +34,7 @@ pub struct PlanRequest<'a> {
 }
 
 /// Plan, compare with the baselines, and lay out the report.
-pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
+pub fn plan(req: &PlanRequest) -> Result<PlanDocument> {
     req.opts.validate()?;
     req.cluster.check_precision(req.opts.precision)?;
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
@@ -162,7 +59,7 @@ pub fn plan(req: &PlanRequest) -> Result<PlanReport> {
 /// The best plan of one baseline's rule (`baselines.rs`) as a whole plan document, placed
 /// and priced like Motley's own, so that a job can run it (`plan:`) beside Motley's. Search mode
 /// `baseline`, `search.baseline` its name; the other baselines are compared as usual.
-pub fn baseline(req: &PlanRequest, which: Baseline) -> Result<PlanReport> {
+pub fn baseline(req: &PlanRequest, which: Baseline) -> Result<PlanDocument> {
     req.opts.validate()?;
     req.cluster.check_precision(req.opts.precision)?;
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
@@ -193,7 +90,7 @@ pub fn baseline(req: &PlanRequest, which: Baseline) -> Result<PlanReport> {
 /// Refused, with the field named, unless every GPU exists once with the stage's GPU type, each
 /// TP group is inside one node, every replica holds every layer once in contiguous stages,
 /// the samples add up to the global batch, and every stage fits in its GPUs' memory.
-pub fn given(req: &PlanRequest, doc: &CurrentPlan) -> Result<PlanReport> {
+pub fn given(req: &PlanRequest, doc: &PlanDocument) -> Result<PlanDocument> {
     req.opts.validate()?;
     let cm = CostModel { cluster: req.cluster, model: req.model, profiles: req.profiles, opts: req.opts };
     if doc.global_batch != req.opts.global_batch {
@@ -252,7 +149,7 @@ pub fn given(req: &PlanRequest, doc: &CurrentPlan) -> Result<PlanReport> {
 
 /// The report of a plan document's `structure` (from `given_plan::structure_of`) on the document's
 /// own GPUs in its own order, priced by `cm` without any check (search mode "given").
-pub(crate) fn priced_as_given(cm: &CostModel, structure: &PlanStructure, doc: &CurrentPlan) -> PlanReport {
+pub(crate) fn priced_as_given(cm: &CostModel, structure: &PlanStructure, doc: &PlanDocument) -> PlanDocument {
     let t = cm.evaluate(structure).iteration_time;
     let gpus: Vec<Vec<Vec<GpuId>>> = doc.replicas.iter().map(|r| r.stages.iter().map(|s| s.gpus.clone()).collect()).collect();
     let placement = crate::placement::Placement { gpus, split_hops: 0 };
@@ -267,7 +164,7 @@ fn build_report(
     stats: SearchStats,
     exhaustive: bool,
     baselines: [(&str, Option<(f64, PlanStructure)>); 3],
-) -> PlanReport {
+) -> PlanDocument {
     let placement = place(cm.cluster, plan).expect("searched plans fit the cluster");
     report_placed(cm, plan, t, stats, exhaustive, baselines, placement)
 }
@@ -281,7 +178,7 @@ fn report_placed(
     exhaustive: bool,
     baselines: [(&str, Option<(f64, PlanStructure)>); 3],
     placement: crate::placement::Placement,
-) -> PlanReport {
+) -> PlanDocument {
     let eval = cm.evaluate(plan);
     debug_assert!((eval.iteration_time - t).abs() <= 1e-9 * t.max(1.0), "search price {t} != evaluation {}", eval.iteration_time);
     let replicas = plan
@@ -300,8 +197,8 @@ fn report_placed(
                     CostModel::stage_time(&c, s.layers.1 - s.layers.0, si == 0, si + 1 == p)
                 })
                 .collect();
-            ReplicaReport {
-                samples: r.micro_batches * plan.micro_batch,
+            ReplicaDoc {
+                samples: Some(r.micro_batches * plan.micro_batch),
                 micro_batches: r.micro_batches,
                 iteration_time_s: eval.replica_times[ri],
                 hops_s: cm.hop_times(&kinds, plan.micro_batch),
@@ -309,7 +206,7 @@ fn report_placed(
                     .stages
                     .iter()
                     .enumerate()
-                    .map(|(si, s)| StageReport {
+                    .map(|(si, s)| StageDoc {
                         fwd_s: times[si].0,
                         bwd_s: times[si].1,
                         layers: [s.layers.0, s.layers.1],
@@ -341,7 +238,7 @@ fn report_placed(
         .into_iter()
         .map(|(name, b)| {
             let rep = match b {
-                Some((bt, bp)) => BaselineReport {
+                Some((bt, bp)) => BaselineDoc {
                     iteration_time_s: Some(bt),
                     speedup: Some(bt / eval.iteration_time),
                     replicas: Some(bp.replicas.len()),
@@ -349,7 +246,7 @@ fn report_placed(
                     tp: Some(bp.replicas[0].stages[0].kind.tp),
                     micro_batch: Some(bp.micro_batch),
                 },
-                None => BaselineReport {
+                None => BaselineDoc {
                     iteration_time_s: None,
                     speedup: None,
                     replicas: None,
@@ -361,14 +258,14 @@ fn report_placed(
             (name.to_string(), rep)
         })
         .collect();
-    PlanReport {
+    PlanDocument {
         cluster: cm.cluster.name.clone(),
         model: cm.model.spec.name.clone(),
-        model_spec: cm.model.spec.resolved(),
+        model_spec: Some(cm.model.spec.resolved()),
         global_batch: cm.opts.global_batch,
         micro_batch: plan.micro_batch,
-        seq_len: cm.model.seq_len,
-        precision: cm.opts.precision,
+        seq_len: Some(cm.model.seq_len),
+        precision: Some(cm.opts.precision),
         recompute: cm.opts.recompute,
         compiled: !cm.opts.eager,
         zero1: cm.opts.zero1,
@@ -382,7 +279,7 @@ fn report_placed(
         comm_groups: comm_groups(cm, plan, &placement),
         replicas,
         baselines,
-        search: SearchReport {
+        search: SearchDoc {
             mode: stats.mode,
             proven_optimal: stats.proven_optimal,
             configurations: stats.configurations,

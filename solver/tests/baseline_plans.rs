@@ -3,8 +3,8 @@
 //! uses the fastest GPU type alone; Motley's own plan is never slower than any of them.
 
 use motley_solver::baselines::Baseline;
-use motley_solver::replan::CurrentPlan;
 use motley_solver::report::{baseline, given};
+use motley_solver::PlanDocument;
 use motley_solver::{model, plan, Cluster, ClusterSpec, Model, PlanOptions, PlanRequest, ProfileSet, SearchMode, SolverError};
 
 fn lab() -> Cluster {
@@ -35,12 +35,12 @@ fn each_baselines_plan_is_the_one_the_comparison_prices_and_motley_is_never_slow
         assert!(motley.iteration_time_s <= r.iteration_time_s * (1.0 + 1e-9), "{}: motley {} slower", b.name(), motley.iteration_time_s);
         // Symmetric baselines: every replica the same share and the same stages' layer counts.
         if b != Baseline::Whale {
-            let shares: Vec<u32> = r.replicas.iter().map(|x| x.samples).collect();
+            let shares: Vec<u32> = r.replicas.iter().map(|x| x.samples.unwrap()).collect();
             assert!(shares.iter().all(|&s| s == shares[0]), "{}: {shares:?}", b.name());
             let layers: Vec<u32> = r.replicas.iter().flat_map(|x| x.stages.iter().map(|s| s.layers[1] - s.layers[0])).collect();
             assert!(layers.iter().all(|&l| l == layers[0]), "{}: {layers:?}", b.name());
         }
-        assert_eq!(r.replicas.iter().map(|x| x.samples).sum::<u32>(), 256);
+        assert_eq!(r.replicas.iter().map(|x| x.samples.unwrap()).sum::<u32>(), 256);
     }
 }
 
@@ -52,7 +52,7 @@ fn fast_only_runs_on_the_fastest_gpu_type_alone() {
     let r = baseline(&request(&cluster, &model, &profiles, &opts), Baseline::FastOnly).unwrap();
     let peak = |name: &str| {
         let g = &cluster.classes.iter().find(|c| c.gpu.name == name).unwrap().gpu;
-        g.peak_tflops(r.precision).unwrap_or(g.tflops)
+        g.peak_tflops(r.precision.unwrap()).unwrap_or(g.tflops)
     };
     let best = cluster.classes.iter().map(|c| peak(&c.gpu.name)).fold(0.0, f64::max);
     let used: Vec<&str> = r.replicas.iter().flat_map(|x| x.stages.iter().map(|s| s.gpu.as_str())).collect();
@@ -71,10 +71,10 @@ fn a_baselines_plan_document_runs_as_given_at_the_same_price() {
     let req = request(&cluster, &model, &profiles, &opts);
     for b in ALL {
         let r = baseline(&req, b).unwrap();
-        let doc: CurrentPlan = serde_json::from_value(serde_json::to_value(&r).unwrap()).unwrap();
+        let doc: PlanDocument = serde_json::from_value(serde_json::to_value(&r).unwrap()).unwrap();
         let again = given(&req, &doc).unwrap_or_else(|e| panic!("{}: {e}", b.name()));
         assert!((again.iteration_time_s - r.iteration_time_s).abs() <= 1e-9 * r.iteration_time_s, "{}", b.name());
-        let gpus = |x: &motley_solver::PlanReport| -> Vec<_> {
+        let gpus = |x: &motley_solver::PlanDocument| -> Vec<_> {
             x.replicas.iter().flat_map(|r| r.stages.iter().flat_map(|s| s.gpus.clone())).collect()
         };
         assert_eq!(gpus(&again), gpus(&r), "{}", b.name());

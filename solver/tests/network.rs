@@ -9,9 +9,9 @@ use motley_solver::hardware::{multi_edge_gbit, NicKind, NicSpec, NodeSpec};
 use motley_solver::network::{comm_groups, GroupKind, Transport};
 use motley_solver::placement::place;
 use motley_solver::plan::{PlanStructure, ReplicaPlan, StagePlan};
-use motley_solver::replan::{replan, CurrentPlan, ReplanReport, SwitchPolicy};
+use motley_solver::replan::{replan, ReplanReport, SwitchPolicy};
 use motley_solver::{
-    plan, Cluster, ClusterSpec, CostModel, Model, ModelSpec, PlanOptions, PlanReport, PlanRequest, ProfileSet, SearchMode,
+    plan, Cluster, ClusterSpec, CostModel, Model, ModelSpec, PlanDocument, PlanOptions, PlanRequest, ProfileSet, SearchMode,
 };
 use proptest::prelude::*;
 
@@ -78,7 +78,7 @@ fn load_example<T: serde::de::DeserializeOwned>(path: &str) -> T {
     serde_norway::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
-fn plan_on(cluster: &Cluster, model: &Model, opts: &PlanOptions, mode: SearchMode) -> PlanReport {
+fn plan_on(cluster: &Cluster, model: &Model, opts: &PlanOptions, mode: SearchMode) -> PlanDocument {
     let profiles = ProfileSet::default();
     plan(&PlanRequest { cluster, model, profiles: &profiles, opts, mode, exhaustive: false, seeds: vec![] }).unwrap()
 }
@@ -88,12 +88,12 @@ fn plan_on(cluster: &Cluster, model: &Model, opts: &PlanOptions, mode: SearchMod
 fn replan_on(cluster: &Cluster, model: &Model, opts: &PlanOptions, before: serde_json::Value) -> motley_solver::Result<ReplanReport> {
     let profiles = ProfileSet::default();
     let req = PlanRequest { cluster, model, profiles: &profiles, opts, mode: SearchMode::Auto, exhaustive: false, seeds: vec![] };
-    let current: CurrentPlan = serde_json::from_value(before).unwrap();
+    let current: PlanDocument = serde_json::from_value(before).unwrap();
     replan(&req, &current, SwitchPolicy { min_gain: 0.05, horizon: 1000.0 })
 }
 
 /// Every rule a group must obey, checked against the cluster it was planned on.
-fn check_groups(cluster: &Cluster, r: &PlanReport) {
+fn check_groups(cluster: &Cluster, r: &PlanDocument) {
     let node_of: HashMap<&str, usize> = cluster.nodes.iter().enumerate().map(|(i, n)| (n.name.as_str(), i)).collect();
     let class_of = |name: &str| &cluster.classes[cluster.nodes[node_of[name]].class];
     let tp = r.replicas[0].stages[0].tp;
@@ -379,11 +379,11 @@ fn halving_an_islands_bandwidth_moves_work_away_from_it() {
     let half = cluster.inter_bw(0, 0) / 2.0;
     let slowed = cluster.with_measurements(&pairs(&[("hybrid-0", "hybrid-1", half)])).unwrap();
     let r = replan_on(&slowed, &model, &opts, serde_json::to_value(&before).unwrap()).unwrap();
-    let share = |p: &PlanReport| {
+    let share = |p: &PlanDocument| {
         let (mut island, mut all) = (0u64, 0u64);
         for rep in &p.replicas {
             for s in &rep.stages {
-                let w = rep.samples as u64 * (s.layers[1] - s.layers[0]) as u64 * s.gpus.len() as u64;
+                let w = rep.samples.unwrap() as u64 * (s.layers[1] - s.layers[0]) as u64 * s.gpus.len() as u64;
                 all += w;
                 if s.gpus[0].node == "hybrid-0" || s.gpus[0].node == "hybrid-1" {
                     island += w;
@@ -465,7 +465,7 @@ fn a_plan_documents_sequence_length_is_kept_or_refused() {
     let opts = PlanOptions { global_batch: 16, ..PlanOptions::default() };
     let before = plan_on(&cluster, &model, &opts, SearchMode::Auto);
     let doc = serde_json::to_value(&before).unwrap();
-    let current: CurrentPlan = serde_json::from_value(doc.clone()).unwrap();
+    let current: PlanDocument = serde_json::from_value(doc.clone()).unwrap();
     assert_eq!(current.seq_len, Some(1024), "the document's seq_len is read");
     replan_on(&cluster, &model, &opts, doc.clone()).unwrap();
     let shorter = Model::new(model.spec.clone(), Some(512)).unwrap();
@@ -486,6 +486,6 @@ fn a_plan_documents_sequence_length_is_kept_or_refused() {
     // A document without one (an older plan file, a hand-written plan) is run at the model's.
     let mut bare = doc;
     bare.as_object_mut().unwrap().remove("seq_len");
-    let bare: CurrentPlan = serde_json::from_value(bare).unwrap();
-    assert_eq!(motley_solver::report::given(&req, &bare).unwrap().seq_len, 512);
+    let bare: PlanDocument = serde_json::from_value(bare).unwrap();
+    assert_eq!(motley_solver::report::given(&req, &bare).unwrap().seq_len, Some(512));
 }

@@ -22,11 +22,11 @@ fn llama31_8b() -> serde_json::Value {
     })
 }
 
-fn plan_on(cluster: &Cluster, model: &Model) -> motley_solver::Result<motley_solver::PlanReport> {
+fn plan_on(cluster: &Cluster, model: &Model) -> motley_solver::Result<motley_solver::PlanDocument> {
     plan_with(cluster, model, false)
 }
 
-fn plan_with(cluster: &Cluster, model: &Model, recompute: bool) -> motley_solver::Result<motley_solver::PlanReport> {
+fn plan_with(cluster: &Cluster, model: &Model, recompute: bool) -> motley_solver::Result<motley_solver::PlanDocument> {
     let profiles = ProfileSet::default();
     let opts = PlanOptions { global_batch: 64, recompute, ..PlanOptions::default() };
     plan(&PlanRequest { cluster, model, profiles: &profiles, opts: &opts, mode: SearchMode::Fast, exhaustive: false, seeds: vec![] })
@@ -37,7 +37,7 @@ fn a_hugging_face_model_is_planned_at_the_default_not_its_maximum() {
     let spec = spec_from_config(&llama31_8b(), "Llama-3.1-8B").unwrap();
     assert_eq!((spec.seq_len, spec.max_position_embeddings, DEFAULT_SEQ_LEN), (4096, Some(131072), 4096));
     let report = plan_on(&lab(), &Model::new(spec, None).unwrap()).expect("an 8B model fits 40 GPUs at 4096 tokens");
-    assert_eq!((report.seq_len, report.model_spec.max_position_embeddings), (4096, Some(131072)));
+    assert_eq!((report.seq_len, report.model_spec.unwrap().max_position_embeddings), (Some(4096), Some(131072)));
 }
 
 /// At its maximum of 131072 tokens Llama 3.1 8B's sequence fits once recomputed: the head's loss
@@ -50,7 +50,7 @@ fn the_longest_sequence_is_planned_recomputed() {
     let Err(SolverError::DoesNotFit(m)) = plan_on(&lab(), &long) else { panic!("131072 tokens do not fit unrecomputed") };
     assert!(m.contains("at seq_len 131072") && m.contains("pass --recompute"), "{m}");
     let report = plan_with(&lab(), &long, true).expect("recomputed, 131072 tokens fit the lab");
-    assert_eq!(report.seq_len, 131072);
+    assert_eq!(report.seq_len, Some(131072));
 }
 
 /// A sequence whose one recomputed layer holds more than any GPU: only a shorter one helps.

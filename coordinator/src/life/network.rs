@@ -6,7 +6,7 @@
 //! Every base interval, for each `running` job with a complete checkpoint, no carried plan and
 //! `replan` not `off`:
 //!
-//! 1. **Change.** Each link of its plan (`PlanReport.network`) against the live estimate
+//! 1. **Change.** Each link of its plan (`PlanDocument.network`) against the live estimate
 //!    (`Fleet.links`): more than `replan.threshold` away, every sample since the deviation
 //!    began deviating, for at least `replan.hold` (by the samples' own times), is a change:
 //!    event `network_changed {link: {a, b, nic_kind}, was, now}`, once per change (a link
@@ -27,7 +27,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use motley_solver::bandwidth::PlanNetwork;
-use motley_solver::replan::CurrentPlan;
+use motley_solver::PlanDocument;
 use serde_json::{json, Value};
 
 use super::Life;
@@ -223,7 +223,7 @@ impl Life {
             Err(e @ crate::error::CoordinatorError::Database(_)) => return Err(e),
             Err(e) => {
                 // The running plan as it was priced; no new plan to compare.
-                let before = serde_json::from_str::<CurrentPlan>(&store.plan(j.id, j.generation).await?)
+                let before = serde_json::from_str::<PlanDocument>(&store.plan(j.id, j.generation).await?)
                     .map(|p| json!({"iteration_time_s": p.iteration_time_s, "shape": shape_of(&p)}))
                     .unwrap_or(Value::Null);
                 let message = json!({"gain_s": 0.0, "cost_s": 0.0, "decision": "keep", "reason": format!("cannot re-plan: {e}"),
@@ -287,12 +287,12 @@ async fn job_events(store: &Store, id: i64) -> Result<Vec<Event>> {
 
 /// A plan's shape, e.g. `2 x [A100-80G tp1 dp2 L0-12 | A100-80G tp1 dp2 L12-24]`: replicas in
 /// order, runs of equal ones counted.
-pub fn shape(plan: &motley_solver::PlanReport) -> String {
+pub fn shape(plan: &motley_solver::PlanDocument) -> String {
     shape_from(plan.replicas.iter().map(|r| r.stages.iter().map(|s| (s.gpu.as_str(), s.tp, s.dp, s.layers)).collect()))
 }
 
 /// [`shape`] of a plan document as re-planning reads it.
-pub fn shape_of(plan: &CurrentPlan) -> String {
+pub fn shape_of(plan: &PlanDocument) -> String {
     shape_from(plan.replicas.iter().map(|r| r.stages.iter().map(|s| (s.gpu.as_str(), s.tp, s.dp, s.layers)).collect()))
 }
 

@@ -36,7 +36,7 @@ pub mod search;
 use serde::Serialize;
 
 use crate::error::{Result, SolverError};
-use crate::report::{plan, PlanReport, PlanRequest};
+use crate::report::{plan, PlanDocument, PlanRequest};
 
 pub use offers::{Allocation, Offer, OfferSpec, Offers, OffersSpec};
 pub use search::{Counters, Outcome, Priced, Progress, Search};
@@ -121,7 +121,7 @@ pub struct ProvisionReport {
     pub total_cost: f64,
     pub total_hours: f64,
     /// The plan on the allocation, as `motley plan -o json` prints it.
-    pub plan: PlanReport,
+    pub plan: PlanDocument,
     pub search: ProvisionSearchReport,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub compare: Option<Comparison>,

@@ -112,7 +112,7 @@ fn a_change_message_carries_the_contract_fields() {
 
 #[test]
 fn a_shape_counts_runs_of_equal_replicas() {
-    let plan: CurrentPlan = serde_json::from_value(json!({"global_batch": 8, "micro_batch": 1, "replicas": [
+    let plan: PlanDocument = serde_json::from_value(json!({"global_batch": 8, "micro_batch": 1, "replicas": [
         {"micro_batches": 2, "stages": [{"layers": [0, 12], "gpu": "A100", "tp": 1, "dp": 2, "gpus": []},
                                         {"layers": [12, 24], "gpu": "A100", "tp": 1, "dp": 2, "gpus": []}]},
         {"micro_batches": 2, "stages": [{"layers": [0, 12], "gpu": "A100", "tp": 1, "dp": 2, "gpus": []},
