@@ -26,9 +26,8 @@ pub mod recover;
 mod scale;
 pub mod takeover;
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::AtomicI64;
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::CoordinatorError;
@@ -61,32 +60,24 @@ impl Default for Settings {
     }
 }
 
-/// A running launch's live nodes when first seen, and the newest complete step when more were.
-type ScaleSeen = (usize, Option<i64>);
-
-/// The leader's job controller: what the steps read and the memory they keep.
+/// The leader's job controller: what the steps read, and the rooms that keep their own memory
+/// of the work in flight (each room's type is in its file).
 pub struct Life {
     pub store: Store,
     pub fleet: Arc<Fleet>,
     /// What agents told about their nodes and restores.
     pub facts: Arc<Facts>,
     pub settings: Settings,
-    /// Why each queued job waits, as the queue last saw it.
-    waiting: Mutex<HashMap<i64, String>>,
-    /// Preemption notices in flight, by job (`notice`).
-    notices: Mutex<HashMap<i64, notice::Pending>>,
-    /// Jobs a recovery task of this leader works on now.
-    recovering: Mutex<HashSet<i64>>,
-    /// Launches with a failed rank, and when it was first seen: classified after one lease.
-    failed_ranks: Mutex<HashMap<(i64, i64), Instant>>,
-    /// Per launch: the live nodes it could use when first seen (`scale`).
-    scale: Mutex<HashMap<(i64, i64), ScaleSeen>>,
+    /// Why each queued job waits (`queue`).
+    queue: queue::Waiting,
+    /// Preemption notices in flight (`notice`).
+    notices: notice::Memory,
+    /// Recovery tasks, failed ranks, restore requests (`recover`).
+    recoveries: recover::Recoveries,
+    /// The live nodes each launch could use when first seen (`scale`).
+    scale: scale::Memory,
     /// Per running launch: the link changes reported and a switch decided (`network`).
-    network: Mutex<network::Memory>,
-    /// The last restore request number handed out (see `Restore.request`).
-    requests: AtomicI64,
-    /// A recovery began: start its task now rather than at the next interval.
-    kick: tokio::sync::Notify,
+    network: network::Memory,
 }
 
 impl Life {
@@ -96,22 +87,18 @@ impl Life {
             fleet,
             facts,
             settings,
-            waiting: Mutex::default(),
-            notices: Mutex::default(),
-            recovering: Mutex::default(),
-            failed_ranks: Mutex::default(),
-            scale: Mutex::default(),
-            network: Mutex::default(),
-            // Unique across leaders: a new leader's numbers start past the old one's.
-            requests: AtomicI64::new(crate::store::now_ms() * 1000),
-            kick: tokio::sync::Notify::new(),
+            queue: queue::Waiting::default(),
+            notices: notice::Memory::default(),
+            recoveries: recover::Recoveries::default(),
+            scale: scale::Memory::default(),
+            network: network::Memory::default(),
         })
     }
 
     /// A queued job's record with why it waits as its reason (a queued job has no other).
     pub fn annotate(&self, mut job: JobRecord) -> JobRecord {
         if matches!(job.state, JobState::Submitted | JobState::Planning) && job.reason.is_none() {
-            job.reason = self.waiting.lock().expect("waiting lock").get(&job.id).cloned();
+            job.reason = self.queue.why(job.id);
         }
         job
     }
@@ -162,7 +149,7 @@ impl Life {
             Ok(_) => {
                 tracing::warn!(job = job.id, "recovering: {reason}");
                 launch::stop_job(&self.store, &self.fleet, job.id, job.generation, reason).await;
-                self.kick.notify_one();
+                self.recoveries.kick();
                 true
             }
             Err(e) => {
@@ -180,12 +167,12 @@ impl Life {
         let preemptible = serde_json::from_str::<JobSpec>(&job.spec).is_ok_and(|s| s.checkpoint.is_some() && s.max_preemptions > 0);
         let key = (job.id, job.generation);
         if preemptible {
-            let first = *self.failed_ranks.lock().expect("failed ranks").entry(key).or_insert_with(Instant::now);
+            let first = self.recoveries.rank_failed_since(key);
             if first.elapsed() <= self.fleet.base * (LEASE_INTERVALS + 1) {
                 return; // the next look decides
             }
         }
-        self.failed_ranks.lock().expect("failed ranks").remove(&key);
+        self.recoveries.forget_failed_rank(key);
         if !self.try_recover(job, RecoveryCause::Restart, reason).await {
             launch::fail(&self.store, &self.fleet, job.id, job.generation, reason).await;
         }
@@ -222,7 +209,7 @@ impl Life {
         let (Ok(job), Ok(nodes)) = (self.store.job(id).await, self.store.nodes().await) else { return };
         let Ok(spec) = serde_json::from_str::<JobSpec>(&job.spec) else { return };
         let live = usable_nodes(&nodes, &self.fleet, &spec);
-        self.scale.lock().expect("scale").insert((id, generation), (live, None));
+        self.scale.lock().insert((id, generation), (live, None));
     }
 
     /// One look at a launched job: send its launch if it was not sent, fail it if it was never
@@ -352,7 +339,7 @@ pub async fn recoveries(life: Arc<Life>) {
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            _ = life.kick.notified() => {}
+            _ = life.recoveries.kicked() => {}
         }
         let jobs = match life.store.unfinished_jobs().await {
             Ok(j) => j,
@@ -376,7 +363,7 @@ pub async fn recoveries(life: Arc<Life>) {
             if settling && crate::planning::missing_nodes(&life.store, &life.fleet, &j).await.is_ok_and(|m| !m.is_empty()) {
                 continue;
             }
-            if !life.recovering.lock().expect("recovering").insert(j.id) {
+            if !life.recoveries.begin(j.id) {
                 continue;
             }
             let life = life.clone();
@@ -386,7 +373,7 @@ pub async fn recoveries(life: Arc<Life>) {
                     // The database, say: the next pass starts the recovery again.
                     tracing::warn!(job = id, "recovery: {e}");
                 }
-                life.recovering.lock().expect("recovering").remove(&id);
+                life.recoveries.end(id);
             });
         }
     }

@@ -24,6 +24,7 @@
 //!    again (on the measured links) and restores that step.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use motley_solver::bandwidth::PlanNetwork;
@@ -70,7 +71,7 @@ impl Life {
         self.fleet.links.forget_before(crate::store::now_ms());
         {
             let keep: HashSet<(i64, i64)> = jobs.iter().filter(|j| j.state == JobState::Running).map(|j| (j.id, j.generation)).collect();
-            self.network.lock().expect("network").retain(|k, _| keep.contains(k));
+            self.network.lock().retain(|k, _| keep.contains(k));
         }
         for j in jobs.iter().filter(|j| j.state == JobState::Running) {
             let Ok(spec) = serde_json::from_str::<JobSpec>(&j.spec) else { continue };
@@ -92,22 +93,22 @@ impl Life {
     async fn watch_job(&self, j: &JobRecord, spec: &JobSpec, policy: ReplanPolicy, newest: i64, jobs: &[JobRecord]) -> Result<()> {
         let (store, fleet) = (&self.store, &*self.fleet);
         let key = (j.id, j.generation);
-        if !self.network.lock().expect("network").get(&key).is_some_and(|w| w.resumed) {
+        if !self.network.lock().get(&key).is_some_and(|w| w.resumed) {
             let events = job_events(store, j.id).await?;
             let pending = pending_switch(&events, j.generation);
             let told = events.iter().any(|e| e.kind == UNWATCHED && e.generation == Some(j.generation));
-            let mut memory = self.network.lock().expect("network");
+            let mut memory = self.network.lock();
             let w = memory.entry(key).or_default();
             w.resumed = true;
             w.switch_after = w.switch_after.or(pending);
             w.told_unwatched |= told;
         }
-        let cached = self.network.lock().expect("network").get(&key).and_then(|w| w.network.clone());
+        let cached = self.network.lock().get(&key).and_then(|w| w.network.clone());
         let network = match cached {
             Some(n) => n,
             None => {
                 let n = plan_network(&store.plan(j.id, j.generation).await?);
-                self.network.lock().expect("network").entry(key).or_default().network = Some(n.clone());
+                self.network.lock().entry(key).or_default().network = Some(n.clone());
                 n
             }
         };
@@ -116,7 +117,7 @@ impl Life {
             other => {
                 // Nothing to watch in this launch; a later one (after a recovery or scale-up
                 // onto more nodes) may have links. A job that asked for `replan:` is told why.
-                let told = self.network.lock().expect("network").get(&key).is_some_and(|w| w.told_unwatched);
+                let told = self.network.lock().get(&key).is_some_and(|w| w.told_unwatched);
                 if spec.replan.is_some() && !told {
                     let why = match other {
                         None => "its plan does not say which links it assumed (planned by an older coordinator)",
@@ -125,12 +126,12 @@ impl Life {
                     let message =
                         format!("this launch's links are not watched for re-planning: {why}; a later launch over several nodes is");
                     store.record_event(Some(j.id), Some(j.generation), UNWATCHED, &message).await?;
-                    self.network.lock().expect("network").entry(key).or_default().told_unwatched = true;
+                    self.network.lock().entry(key).or_default().told_unwatched = true;
                 }
                 return Ok(());
             }
         };
-        let pending = self.network.lock().expect("network").get(&key).and_then(|w| w.switch_after);
+        let pending = self.network.lock().get(&key).and_then(|w| w.switch_after);
         if let Some(then) = pending {
             if newest > then {
                 // The links may have come back while the job ran to its checkpoint: a
@@ -146,7 +147,7 @@ impl Life {
                         "reason": "the links came back to what the plan assumed before the checkpoint the switch waited for",
                         "plan_before": Value::Null, "plan_after": Value::Null, "at_step": newest, "changes": []});
                     store.record_event(Some(j.id), Some(j.generation), "replan_considered", &message.to_string()).await?;
-                    let mut memory = self.network.lock().expect("network");
+                    let mut memory = self.network.lock();
                     let w = memory.entry(key).or_default();
                     w.switch_after = None;
                     w.reported.clear();
@@ -156,7 +157,7 @@ impl Life {
                 if store.begin_recovery(j.id, j.generation, RecoveryCause::Replan, 0, &reason).await.is_ok() {
                     tracing::info!(job = j.id, "{reason}");
                     crate::launch::stop_job(store, fleet, j.id, j.generation, "re-planning").await;
-                    self.kick.notify_one();
+                    self.recoveries.kick();
                 }
             }
             return Ok(());
@@ -165,7 +166,7 @@ impl Life {
         let mut changes = vec![];
         for l in &network.links {
             let live = fleet.links.between(&l.a, &l.b);
-            let mut memory = self.network.lock().expect("network");
+            let mut memory = self.network.lock();
             let w = memory.entry(key).or_default();
             let pair = (l.a.clone(), l.b.clone());
             let Some(v) = live else {
@@ -254,7 +255,7 @@ impl Life {
         store.record_event(Some(j.id), Some(j.generation), "replan_considered", &message.to_string()).await?;
         tracing::info!(job = j.id, "re-plan considered: {message}");
         if w.switch {
-            self.network.lock().expect("network").entry((j.id, j.generation)).or_default().switch_after = Some(newest);
+            self.network.lock().entry((j.id, j.generation)).or_default().switch_after = Some(newest);
         }
         Ok(())
     }
@@ -450,7 +451,15 @@ pub fn last_recovery_s(events: &[Event]) -> Option<f64> {
 }
 
 /// This leader's memory of the launches it watches.
-pub(super) type Memory = HashMap<(i64, i64), Watched>;
+/// The re-plan room's memory: per running launch, what `watch_networks` saw and decided.
+#[derive(Default)]
+pub(super) struct Memory(Mutex<HashMap<(i64, i64), Watched>>);
+
+impl Memory {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(i64, i64), Watched>> {
+        self.0.lock().expect("network")
+    }
+}
 
 #[cfg(test)]
 mod tests;

@@ -17,6 +17,8 @@
 //! leader's memory, rebuilt by a new leader from the durable `preemption_notice` events
 //! (`resume_notices`): the notice's deadline and the step it waits to be passed are in the event.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use motley_proto::v1::{instruction, Instruction, SaveNow};
@@ -26,6 +28,16 @@ use super::Life;
 use crate::job::JobState;
 use crate::jobspec::JobSpec;
 use crate::store::{JobRecord, NodeState, RecoveryCause, Store};
+
+/// The notice room's memory: the notices in flight, by job.
+#[derive(Default)]
+pub(super) struct Memory(Mutex<HashMap<i64, Pending>>);
+
+impl Memory {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<i64, Pending>> {
+        self.0.lock().expect("notices")
+    }
+}
 
 /// A launch told to save now because `node` leaves at `deadline`.
 #[derive(Debug, Clone)]
@@ -67,7 +79,7 @@ impl Life {
         }
         let now = Instant::now();
         let earlier = {
-            let mut pending = self.notices.lock().expect("notices");
+            let mut pending = self.notices.lock();
             pending.get_mut(&job.id).filter(|p| p.generation == job.generation).map(|p| {
                 if now + deadline < p.deadline {
                     (p.deadline, p.node) = (now + deadline, node.to_string());
@@ -98,7 +110,7 @@ impl Life {
                 if told == 0 {
                     return false;
                 }
-                self.notices.lock().expect("notices").insert(
+                self.notices.lock().insert(
                     job.id,
                     Pending { generation: job.generation, node: node.to_string(), deadline: now + deadline, before, given: now },
                 );
@@ -126,7 +138,7 @@ impl Life {
             }
             let Some(p) = from_events(store, &job).await? else { continue };
             let (node, left) = (p.node.clone(), p.deadline.saturating_duration_since(Instant::now()));
-            if self.notices.lock().expect("notices").insert(job.id, p).is_none() {
+            if self.notices.lock().insert(job.id, p).is_none() {
                 tracing::info!(job = job.id, node, "preemption notice taken over: the node leaves in {left:?}");
                 resumed += 1;
             }
@@ -175,11 +187,11 @@ impl Life {
     /// whose deadline came; forget notices whose launch moved on or whose drain was withdrawn.
     pub(super) async fn check_notices(&self) {
         let store = &self.store;
-        let pending: Vec<(i64, Pending)> = self.notices.lock().expect("notices").iter().map(|(k, v)| (*k, v.clone())).collect();
+        let pending: Vec<(i64, Pending)> = self.notices.lock().iter().map(|(k, v)| (*k, v.clone())).collect();
         for (id, p) in pending {
             // Only the notice looked at: one given meanwhile (a newer launch's) stays.
             let forget = || {
-                let mut all = self.notices.lock().expect("notices");
+                let mut all = self.notices.lock();
                 if all.get(&id).is_some_and(|q| q.given == p.given && q.generation == p.generation) {
                     all.remove(&id);
                 }
@@ -195,7 +207,7 @@ impl Life {
                 match from_events(store, &job).await {
                     Ok(Some(other)) => {
                         tracing::info!(job = id, node = %p.node, "the drain was withdrawn; node {}'s notice still stands", other.node);
-                        self.notices.lock().expect("notices").insert(id, other);
+                        self.notices.lock().insert(id, other);
                     }
                     Ok(None) => {
                         tracing::info!(job = id, node = %p.node, "the drain was withdrawn: the preemption notice ends, the job runs on")

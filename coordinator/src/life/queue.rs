@@ -24,7 +24,8 @@
 //!   re-check of launched jobs run on `life::watch`, never behind a plan.
 //! - The queue is looked at on every submit, whenever a job ends, and every base interval.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::{Life, GRACE_INTERVALS};
@@ -59,7 +60,7 @@ async fn schedule(life: &Life, settling: Option<i64>) -> Result<()> {
     let (store, fleet) = (&life.store, &*life.fleet);
     let jobs = store.unfinished_jobs().await?;
     let queued: Vec<i64> = jobs.iter().filter(|j| matches!(j.state, JobState::Submitted | JobState::Planning)).map(|j| j.id).collect();
-    life.waiting.lock().expect("waiting lock").retain(|id, _| queued.contains(id));
+    life.queue.keep(&queued);
     if queued.is_empty() {
         return Ok(()); // nothing to plan: no need to read who holds which GPU
     }
@@ -96,25 +97,39 @@ async fn schedule(life: &Life, settling: Option<i64>) -> Result<()> {
             },
         };
         let waits = why.is_some();
-        if let Some(why) = why.filter(|w| life.set_waiting(job.id, Some(w.clone()))) {
+        if let Some(why) = why.filter(|w| life.queue.set(job.id, Some(w.clone()))) {
             tracing::info!(job = job.id, "{why}");
             store.record_event(Some(job.id), None, "waiting", &why).await?;
         }
         if waits {
             break; // first come, first served
         }
-        life.set_waiting(job.id, None);
+        life.queue.set(job.id, None);
     }
     Ok(())
 }
 
-impl Life {
+/// The queue's memory: why each queued job waits, as the queue last saw it.
+#[derive(Default)]
+pub struct Waiting(Mutex<HashMap<i64, String>>);
+
+impl Waiting {
     /// Record why a queued job waits (None: it no longer does); true if the reason changed.
-    fn set_waiting(&self, job: i64, why: Option<String>) -> bool {
-        let mut waiting = self.waiting.lock().expect("waiting lock");
+    fn set(&self, job: i64, why: Option<String>) -> bool {
+        let mut waiting = self.0.lock().expect("waiting lock");
         match why {
             Some(w) => waiting.insert(job, w.clone()).as_ref() != Some(&w),
             None => waiting.remove(&job).is_some(),
         }
+    }
+
+    /// Forget the jobs no longer queued.
+    fn keep(&self, queued: &[i64]) {
+        self.0.lock().expect("waiting lock").retain(|id, _| queued.contains(id));
+    }
+
+    /// Why queued job `job` waits, if it does.
+    pub fn why(&self, job: i64) -> Option<String> {
+        self.0.lock().expect("waiting lock").get(&job).cloned()
     }
 }

@@ -18,7 +18,9 @@
 //! `recovering` and starts at 1; agents keep the files they restored that verify, so the
 //! second restore skips them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use motley_proto::v1::{instruction, Instruction, RestoreResult};
@@ -32,6 +34,62 @@ use crate::jobspec::JobSpec;
 use crate::launch;
 use crate::restore_plan::{self, Mode, NodeInfo, StepChoice};
 use crate::store::{JobRecord, Store};
+
+/// The recovery room's memory: the jobs this leader's recovery tasks work on, the launches
+/// with a failed rank (classified after one lease), the restore requests numbered, and the
+/// wake-up of the recovery loop when one begins.
+pub struct Recoveries {
+    in_flight: Mutex<HashSet<i64>>,
+    failed_ranks: Mutex<HashMap<(i64, i64), Instant>>,
+    /// The last restore request number handed out (see `Restore.request`).
+    requests: AtomicI64,
+    kick: tokio::sync::Notify,
+}
+
+impl Default for Recoveries {
+    fn default() -> Recoveries {
+        Recoveries {
+            in_flight: Mutex::default(),
+            failed_ranks: Mutex::default(),
+            // Unique across leaders: a new leader's numbers start past the old one's.
+            requests: AtomicI64::new(crate::store::now_ms() * 1000),
+            kick: tokio::sync::Notify::new(),
+        }
+    }
+}
+
+impl Recoveries {
+    /// A recovery began: start its task now rather than at the next interval.
+    pub fn kick(&self) {
+        self.kick.notify_one();
+    }
+
+    pub(super) async fn kicked(&self) {
+        self.kick.notified().await
+    }
+
+    /// True if no task of this leader works on job `id` yet; it does from now on.
+    pub(super) fn begin(&self, id: i64) -> bool {
+        self.in_flight.lock().expect("recovering").insert(id)
+    }
+
+    pub(super) fn end(&self, id: i64) {
+        self.in_flight.lock().expect("recovering").remove(&id);
+    }
+
+    /// When a failed rank of launch `key` was first seen (now, if this is the first time).
+    pub(super) fn rank_failed_since(&self, key: (i64, i64)) -> Instant {
+        *self.failed_ranks.lock().expect("failed ranks").entry(key).or_insert_with(Instant::now)
+    }
+
+    pub(super) fn forget_failed_rank(&self, key: (i64, i64)) {
+        self.failed_ranks.lock().expect("failed ranks").remove(&key);
+    }
+
+    fn next_request(&self) -> i64 {
+        self.requests.fetch_add(1, Ordering::SeqCst) + 1
+    }
+}
 
 /// Plans and restores one recovery tries before the job fails.
 pub const ATTEMPTS: u32 = 3;
@@ -119,7 +177,7 @@ impl Life {
             store.record_event(Some(id), Some(old), "recovery_planned", &planned.to_string()).await?;
             // A retry asks again under the same generation: the last attempt's results are not this one's.
             self.facts.forget_restores(id);
-            let request = self.requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            let request = self.recoveries.next_request();
             for r in built.restores.values_mut() {
                 r.request = request;
             }

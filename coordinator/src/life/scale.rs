@@ -1,13 +1,27 @@
 //! Scale-up: nodes that come back (or are added) take a running job up at its next complete
 //! checkpoint, by the recovery path (docs/recovery.md).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
 
 use super::{usable_nodes, Life};
 use crate::error::Result;
 use crate::job::JobState;
 use crate::jobspec::JobSpec;
 use crate::store::{JobRecord, RecoveryCause};
+
+/// A running launch's live nodes when first seen, and the newest complete step when more were.
+type Seen = (usize, Option<i64>);
+
+/// The scale-up room's memory: per launch, the live nodes it could use when first seen.
+#[derive(Default)]
+pub(super) struct Memory(Mutex<HashMap<(i64, i64), Seen>>);
+
+impl Memory {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(i64, i64), Seen>> {
+        self.0.lock().expect("scale")
+    }
+}
 
 /// Nodes that come back (or are added) take a running job up at its next checkpoint: once more
 /// live nodes are within its resources than when its launch was first seen, and at the next
@@ -21,7 +35,7 @@ impl Life {
         {
             let launched = jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running));
             let keep: HashSet<(i64, i64)> = launched.map(|j| (j.id, j.generation)).collect();
-            self.scale.lock().expect("scale").retain(|k, _| keep.contains(k));
+            self.scale.lock().retain(|k, _| keep.contains(k));
         }
         if running.is_empty() {
             return Ok(());
@@ -34,9 +48,9 @@ impl Life {
             }
             let live = usable_nodes(&nodes, fleet, &spec);
             let key = (j.id, j.generation);
-            let seen = *self.scale.lock().expect("scale").entry(key).or_insert((live, None));
+            let seen = *self.scale.lock().entry(key).or_insert((live, None));
             if live < seen.0 {
-                self.scale.lock().expect("scale").insert(key, (live, None));
+                self.scale.lock().insert(key, (live, None));
                 continue;
             }
             if live == seen.0 {
@@ -49,7 +63,7 @@ impl Life {
             let newest = crate::checkpoints::newest_complete(store, j.id).await?;
             match seen.1 {
                 None => {
-                    self.scale.lock().expect("scale").insert(key, (seen.0, Some(newest)));
+                    self.scale.lock().insert(key, (seen.0, Some(newest)));
                 }
                 Some(then) if newest > then => {
                     // Only if the planner would use more GPUs now: otherwise the restart buys nothing,
@@ -73,7 +87,7 @@ impl Life {
                         }
                     };
                     if !more {
-                        self.scale.lock().expect("scale").insert(key, (live, None));
+                        self.scale.lock().insert(key, (live, None));
                         continue;
                     }
                     let reason =
@@ -81,7 +95,7 @@ impl Life {
                     if store.begin_recovery(j.id, j.generation, RecoveryCause::ScaleUp, 0, &reason).await.is_ok() {
                         tracing::info!(job = j.id, "{reason}");
                         crate::launch::stop_job(store, fleet, j.id, j.generation, "scaling up").await;
-                        self.kick.notify_one();
+                        self.recoveries.kick();
                     }
                 }
                 Some(_) => {}
