@@ -8,6 +8,7 @@ use motley_solver::{Cluster, ClusterSpec, PlanDocument};
 use crate::error::{CoordinatorError, Result};
 use crate::job::JobState;
 use crate::jobspec::JobSpec;
+use crate::signals::JobSignals;
 use crate::store::{JobRecord, NodeState, RankAssignment, Store};
 
 /// Declare (or update) a node's inventory: its cluster-file entry, one node (no `count`).
@@ -33,11 +34,11 @@ pub async fn declare_node(store: &Store, name: &str, entry: &str) -> Result<i64>
 
 /// Submit a job file: validated and stored as `submitted`, then queued (`life::queue`).
 #[tracing::instrument(skip_all)]
-pub async fn submit(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> Result<JobRecord> {
+pub async fn submit(store: &Store, signals: &JobSignals, text: &str) -> Result<JobRecord> {
     let spec = JobSpec::parse(text)?;
     let json = serde_json::to_string(&spec).expect("a job spec serialises");
     let job = store.submit_job(&spec.name, &json).await?;
-    fleet.kick_queue();
+    signals.kick_queue();
     Ok(job)
 }
 
@@ -95,10 +96,10 @@ pub async fn set_draining(
 }
 
 /// Cancel a job that is not over yet, and stop its ranks.
-#[tracing::instrument(skip(store, fleet))]
-pub async fn cancel(store: &Store, fleet: &crate::fleet::Fleet, id: i64, reason: &str) -> Result<JobRecord> {
+#[tracing::instrument(skip(store, fleet, signals))]
+pub async fn cancel(store: &Store, fleet: &crate::fleet::Fleet, signals: &JobSignals, id: i64, reason: &str) -> Result<JobRecord> {
     let job = store.transition(id, JobState::Cancelled, Some(reason)).await?;
-    crate::launch::stop_job(store, fleet, job.id, job.generation, reason).await;
+    crate::launch::stop_job(store, fleet, signals, job.id, job.generation, reason).await;
     Ok(job)
 }
 

@@ -82,15 +82,8 @@ pub struct Fleet {
     last_pause: Mutex<Option<(Instant, i64)>>,
     heartbeats: AtomicU64,
     launches: AtomicU64,
-    /// Something the job queue waits on changed (a submit, a job's end).
-    queue: tokio::sync::Notify,
-    /// Launches (job, generation) this leader has sent out (a new leader sends them again).
-    sent: Mutex<std::collections::HashSet<(i64, i64)>>,
     /// How long planning one job may take.
     pub plan_deadline: Duration,
-    /// Jobs whose ranks' reports were committed: the job step looks at them next.
-    reported: Mutex<std::collections::BTreeSet<i64>>,
-    reports: tokio::sync::Notify,
     /// The live link matrix agents measure (`links`): rebuilt from heartbeats, like leases.
     pub links: crate::links::Links,
 }
@@ -98,7 +91,6 @@ pub struct Fleet {
 impl Fleet {
     pub fn new(base: Duration, master_port_base: u16, plan_deadline: Duration) -> Arc<Fleet> {
         Arc::new(Fleet {
-            sent: Mutex::default(),
             plan_deadline,
             base,
             master_port_base,
@@ -107,9 +99,6 @@ impl Fleet {
             last_pause: Mutex::new(None),
             heartbeats: AtomicU64::new(0),
             launches: AtomicU64::new(0),
-            queue: tokio::sync::Notify::new(),
-            reported: Mutex::default(),
-            reports: tokio::sync::Notify::new(),
             links: crate::links::Links::new(base),
         })
     }
@@ -120,63 +109,6 @@ impl Fleet {
 
     fn lease_length(&self) -> Duration {
         self.base * LEASE_INTERVALS
-    }
-
-    /// Have the job queue look again (a job was submitted or ended).
-    pub fn kick_queue(&self) {
-        self.queue.notify_one();
-    }
-
-    /// Resolves at the next `kick_queue` (or at once if one came since the last wait).
-    pub async fn queue_changed(&self) {
-        self.queue.notified().await
-    }
-
-    /// Claim the sending of a launch: true for the one caller that is to send it (the queue
-    /// and the lease watcher's recheck may both find it unsent; a launch sent twice costs
-    /// every node a second Launch).
-    pub fn claim_send(&self, job: i64, generation: i64) -> bool {
-        self.sent.lock().expect("sent lock").insert((job, generation))
-    }
-
-    /// The claimed launch was not sent after all: the next look tries again.
-    pub fn unclaim_send(&self, job: i64, generation: i64) {
-        self.sent.lock().expect("sent lock").remove(&(job, generation));
-    }
-
-    /// Whether the launch was sent by this leader.
-    pub fn was_sent(&self, job: i64, generation: i64) -> bool {
-        self.sent.lock().expect("sent lock").contains(&(job, generation))
-    }
-
-    /// Send every launching launch again on the next look (a session changed under it).
-    pub fn resend_launches(&self) {
-        self.sent.lock().expect("sent lock").clear();
-    }
-
-    /// Forget the launches that are no longer launching.
-    pub fn keep_sent(&self, launching: &[(i64, i64)]) {
-        self.sent.lock().expect("sent lock").retain(|k| launching.contains(k));
-    }
-
-    /// Rank reports of these jobs were committed: have the job step look at them.
-    pub fn reported(&self, jobs: &[i64]) {
-        if jobs.is_empty() {
-            return;
-        }
-        self.reported.lock().expect("reported lock").extend(jobs.iter().copied());
-        self.reports.notify_one();
-    }
-
-    /// The jobs reported since the last call (waits for the first if there are none).
-    pub async fn take_reported(&self) -> Vec<i64> {
-        loop {
-            let jobs: Vec<i64> = std::mem::take(&mut *self.reported.lock().expect("reported lock")).into_iter().collect();
-            if !jobs.is_empty() {
-                return jobs;
-            }
-            self.reports.notified().await;
-        }
     }
 
     /// Whether another agent holds the node now: its lease is current and its stream open. A
@@ -383,18 +315,6 @@ mod tests {
         let (tx, rx) = mpsc::unbounded_channel();
         fleet.renew(node, 1, &tx, None, true).unwrap();
         (fleet, tx, rx)
-    }
-
-    #[test]
-    fn a_launch_is_claimed_for_sending_once() {
-        let fleet = Fleet::new(Duration::from_secs(1), 29500, Duration::from_secs(60));
-        assert!(fleet.claim_send(7, 1), "the first to look sends it");
-        assert!(!fleet.claim_send(7, 1), "the queue and the recheck never both send it");
-        assert!(fleet.claim_send(7, 2), "another generation is another launch");
-        fleet.unclaim_send(7, 1);
-        assert!(fleet.claim_send(7, 1), "a send that failed is tried again");
-        fleet.resend_launches();
-        assert!(fleet.claim_send(7, 1), "a new session sends it again");
     }
 
     #[tokio::test(start_paused = true)]

@@ -12,6 +12,7 @@ use crate::error::CoordinatorError;
 use crate::fleet::Fleet;
 use crate::job::JobState;
 use crate::jobspec::JobSpec;
+use crate::signals::JobSignals;
 use crate::store::Store;
 
 /// A launch not acknowledged (every rank running) within this many base intervals of this
@@ -39,8 +40,8 @@ pub async fn move_job(store: &Store, id: i64, generation: i64, to: JobState, rea
 }
 
 /// Tell every node of a launch to stop the job's ranks (its GPUs go back to the queue).
-pub async fn stop_job(store: &Store, fleet: &Fleet, job: i64, generation: i64, reason: &str) {
-    fleet.kick_queue();
+pub async fn stop_job(store: &Store, fleet: &Fleet, signals: &JobSignals, job: i64, generation: i64, reason: &str) {
+    signals.kick_queue();
     let ranks = match store.ranks(job, generation).await {
         Ok(r) => r,
         Err(e) => {
@@ -58,31 +59,31 @@ pub async fn stop_job(store: &Store, fleet: &Fleet, job: i64, generation: i64, r
 }
 
 /// Fail a launch with the reason and stop its ranks (if the move is still allowed).
-pub async fn fail(store: &Store, fleet: &Fleet, id: i64, generation: i64, reason: &str) {
+pub async fn fail(store: &Store, fleet: &Fleet, signals: &JobSignals, id: i64, generation: i64, reason: &str) {
     if move_job(store, id, generation, JobState::Failed, Some(reason)).await {
-        stop_job(store, fleet, id, generation, reason).await;
+        stop_job(store, fleet, signals, id, generation, reason).await;
     }
 }
 
-/// Send a launch to its agents if all its nodes are live, once: claimed in the fleet first.
-pub async fn send_out(store: &Store, fleet: &Fleet, id: i64, generation: i64) -> Result<(), CoordinatorError> {
+/// Send a launch to its agents if all its nodes are live, once: claimed in the signals first.
+pub async fn send_out(store: &Store, fleet: &Fleet, signals: &JobSignals, id: i64, generation: i64) -> Result<(), CoordinatorError> {
     let ranks = store.ranks(id, generation).await?;
     if !ranks.iter().all(|r| fleet.live(&r.assignment.node)) {
         return Ok(()); // the takeover's grace (or the launch timeout) decides if they never come
     }
-    if !fleet.claim_send(id, generation) {
+    if !signals.claim_send(id, generation) {
         return Ok(()); // being sent, or sent, by another task
     }
-    if let Err(e) = dispatch(store, fleet, id).await {
-        fleet.unclaim_send(id, generation);
+    if let Err(e) = dispatch(store, fleet, signals, id).await {
+        signals.unclaim_send(id, generation);
         tracing::warn!(job = id, "not launched yet: {e}");
     }
     Ok(())
 }
 
 /// Send a launched job's ranks to their agents; a node without a live agent fails the job.
-#[tracing::instrument(skip(store, fleet))]
-pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), CoordinatorError> {
+#[tracing::instrument(skip(store, fleet, signals))]
+pub async fn dispatch(store: &Store, fleet: &Fleet, signals: &JobSignals, id: i64) -> Result<(), CoordinatorError> {
     let job = store.job(id).await?;
     if job.state != JobState::Launching {
         return Ok(());
@@ -109,7 +110,15 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
     let doc = match motley_contract::PlanDocument::from_json(&plan) {
         Ok(doc) => doc,
         Err(e) => {
-            fail(store, fleet, id, job.generation, &format!("the stored plan of generation {} does not read: {e}", job.generation)).await;
+            fail(
+                store,
+                fleet,
+                signals,
+                id,
+                job.generation,
+                &format!("the stored plan of generation {} does not read: {e}", job.generation),
+            )
+            .await;
             return Ok(());
         }
     };
@@ -157,7 +166,7 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, id: i64) -> Result<(), Coord
         };
         if !fleet.send_launch(&node, launch) {
             let reason = format!("node {node} has no live agent to launch on");
-            fail(store, fleet, id, job.generation, &reason).await;
+            fail(store, fleet, signals, id, job.generation, &reason).await;
             return Ok(());
         }
     }

@@ -46,6 +46,7 @@ pub mod profiling;
 pub mod rank_logs;
 pub mod restore_plan;
 pub mod service;
+pub mod signals;
 pub mod store;
 pub mod supervise;
 pub mod telemetry;

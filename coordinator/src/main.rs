@@ -176,7 +176,8 @@ async fn main() -> anyhow::Result<()> {
     }
     let fleet = Fleet::new(base, args.master_port_base, std::time::Duration::from_millis(args.plan_timeout_ms));
     let facts = Arc::new(Facts::default());
-    let life = Life::new(store.clone(), fleet.clone(), facts.clone(), restore_settings(&args, data_plane_key));
+    let signals = motley_coordinator::signals::JobSignals::new();
+    let life = Life::new(store.clone(), fleet.clone(), facts.clone(), signals.clone(), restore_settings(&args, data_plane_key));
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("--listen: cannot bind {}", args.listen))?;
     let addr = listener.local_addr()?;
     let grpc = tokio::net::TcpListener::bind(args.grpc_listen)
@@ -209,8 +210,15 @@ async fn main() -> anyhow::Result<()> {
     }
     print_addresses(scheme, addr, grpc_addr);
     let metrics = Metrics::new(store.clone(), fleet.clone(), role.clone());
-    let agents =
-        AgentService { store: store.clone(), fleet: fleet.clone(), facts, tokens: tokens.clone(), role: role.clone(), data_plane_key };
+    let agents = AgentService {
+        store: store.clone(),
+        fleet: fleet.clone(),
+        facts,
+        signals,
+        tokens: tokens.clone(),
+        role: role.clone(),
+        data_plane_key,
+    };
     let control =
         ControlService { store: store.clone(), fleet: fleet.clone(), life: life.clone(), role: role.clone(), tokens: tokens.clone() };
     let grpc_server = serve_grpc(grpc, base, grpc_tls, agents, control);

@@ -377,7 +377,14 @@ pub fn check_measured(report: &motley_solver::PlanDocument, nodes: &[NodeSpec], 
 /// A finished run an agent reported: stored (replacing the same key's row) or recorded as
 /// failed. The node's GPU type must be the entry's; a run this leader sent must come back for
 /// its own model hash.
-pub async fn receive(store: &Store, fleet: &Fleet, node: &str, request: i64, entry_json: &str, error: &str) -> Result<()> {
+pub async fn receive(
+    store: &Store,
+    signals: &crate::signals::JobSignals,
+    node: &str,
+    request: i64,
+    entry_json: &str,
+    error: &str,
+) -> Result<()> {
     let sent = store.profile_run(request).await?;
     let outcome = match error.is_empty() {
         false => Err(error.to_string()),
@@ -396,7 +403,7 @@ pub async fn receive(store: &Store, fleet: &Fleet, node: &str, request: i64, ent
         }
     };
     store.finish_profile_run(request, &state).await?;
-    fleet.kick_queue();
+    signals.kick_queue();
     Ok(())
 }
 

@@ -70,7 +70,7 @@ impl Operations<'_> {
 
     /// Validate and store a job file; the queue plans it in the background (`control::submit`).
     pub async fn submit(&self, text: &str) -> Result<Job> {
-        Ok(self.job_view(control::submit(self.store, self.fleet, text).await?))
+        Ok(self.job_view(control::submit(self.store, &self.life.signals, text).await?))
     }
 
     /// Every job, a queued one with why it waits.
@@ -83,7 +83,7 @@ impl Operations<'_> {
     }
 
     pub async fn cancel(&self, id: i64) -> Result<Job> {
-        Ok(self.job_view(control::cancel(self.store, self.fleet, id, "cancelled by the operator").await?))
+        Ok(self.job_view(control::cancel(self.store, self.fleet, &self.life.signals, id, "cancelled by the operator").await?))
     }
 
     /// The job's events after `after`, oldest first, at most a page.

@@ -37,6 +37,7 @@ use crate::job::JobState;
 use crate::jobspec::JobSpec;
 use crate::launch::{self, LAUNCH_INTERVALS};
 use crate::restore_plan::Mode;
+use crate::signals::JobSignals;
 use crate::store::{JobRecord, NodeRecord, NodeState, RecoveryCause, Store};
 pub use capabilities::DataPlaneKey;
 
@@ -68,6 +69,8 @@ pub struct Life {
     /// What agents told about their nodes and restores.
     pub facts: Arc<Facts>,
     pub settings: Settings,
+    /// The queue's wake-up, the launches sent, the jobs just reported (`signals`).
+    pub signals: Arc<JobSignals>,
     /// Why each queued job waits (`queue`).
     queue: queue::Waiting,
     /// Preemption notices in flight (`notice`).
@@ -81,11 +84,12 @@ pub struct Life {
 }
 
 impl Life {
-    pub fn new(store: Store, fleet: Arc<Fleet>, facts: Arc<Facts>, settings: Settings) -> Arc<Life> {
+    pub fn new(store: Store, fleet: Arc<Fleet>, facts: Arc<Facts>, signals: Arc<JobSignals>, settings: Settings) -> Arc<Life> {
         Arc::new(Life {
             store,
             fleet,
             facts,
+            signals,
             settings,
             queue: queue::Waiting::default(),
             notices: notice::Memory::default(),
@@ -107,7 +111,7 @@ impl Life {
     /// succeeded; a failed rank -> `rank_failed`. An error (the database) is returned: the
     /// caller logs it, and the next look moves the job on.
     pub async fn progress(&self, id: i64) -> Result<(), CoordinatorError> {
-        let (store, fleet) = (&self.store, &self.fleet);
+        let store = &self.store;
         let job = store.job(id).await?;
         if !matches!(job.state, JobState::Launching | JobState::Running) {
             return Ok(());
@@ -128,7 +132,7 @@ impl Life {
             launch::move_job(store, id, job.generation, JobState::Running, None).await;
         }
         if started && ranks.exited == ranks.total && launch::move_job(store, id, job.generation, JobState::Succeeded, None).await {
-            fleet.kick_queue();
+            self.signals.kick_queue();
         }
         Ok(())
     }
@@ -148,7 +152,7 @@ impl Life {
         match self.store.begin_recovery(job.id, job.generation, cause, budget, reason).await {
             Ok(_) => {
                 tracing::warn!(job = job.id, "recovering: {reason}");
-                launch::stop_job(&self.store, &self.fleet, job.id, job.generation, reason).await;
+                launch::stop_job(&self.store, &self.fleet, &self.signals, job.id, job.generation, reason).await;
                 self.recoveries.kick();
                 true
             }
@@ -174,7 +178,7 @@ impl Life {
         }
         self.recoveries.forget_failed_rank(key);
         if !self.try_recover(job, RecoveryCause::Restart, reason).await {
-            launch::fail(&self.store, &self.fleet, job.id, job.generation, reason).await;
+            launch::fail(&self.store, &self.fleet, &self.signals, job.id, job.generation, reason).await;
         }
     }
 
@@ -197,7 +201,7 @@ impl Life {
                 }
             }
             if !self.try_recover(&j, RecoveryCause::Preemption, reason).await && lost {
-                launch::fail(&self.store, &self.fleet, j.id, j.generation, reason).await;
+                launch::fail(&self.store, &self.fleet, &self.signals, j.id, j.generation, reason).await;
             }
         }
         // A recovering job whose restore waits on this node re-plans (its task watches liveness).
@@ -231,11 +235,11 @@ impl Life {
                         .collect();
                     let reason =
                         format!("launch not acknowledged within {} ms; still waiting for {}", limit.as_millis(), waiting.join(", "));
-                    launch::fail(store, fleet, job.id, job.generation, &reason).await;
+                    launch::fail(store, fleet, &self.signals, job.id, job.generation, &reason).await;
                     return Ok(());
                 }
-                if !fleet.was_sent(job.id, job.generation) {
-                    launch::send_out(store, fleet, job.id, job.generation).await?;
+                if !self.signals.was_sent(job.id, job.generation) {
+                    launch::send_out(store, fleet, &self.signals, job.id, job.generation).await?;
                 }
                 self.progress(job.id).await
             }
@@ -296,7 +300,7 @@ pub async fn watch(life: Arc<Life>, mut lost: tokio::sync::mpsc::UnboundedReceiv
                 Some(node) => life.node_lost(&node).await,
                 None => return,
             },
-            jobs = life.fleet.take_reported() => {
+            jobs = life.signals.take_reported() => {
                 for id in jobs {
                     if let Err(e) = life.progress(id).await {
                         tracing::warn!(job = id, "progress: {e}");
@@ -317,7 +321,7 @@ async fn look_at_launched(life: &Life, launching: &mut HashMap<(i64, i64), Insta
     let jobs = life.store.unfinished_jobs().await?;
     let now: Vec<(i64, i64)> = jobs.iter().filter(|j| j.state == JobState::Launching).map(|j| (j.id, j.generation)).collect();
     launching.retain(|k, _| now.contains(k));
-    life.fleet.keep_sent(&now);
+    life.signals.keep_sent(&now);
     for j in jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)) {
         let since = (j.state == JobState::Launching).then(|| *launching.entry((j.id, j.generation)).or_insert_with(Instant::now));
         life.step(j, since).await?;

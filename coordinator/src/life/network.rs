@@ -156,7 +156,7 @@ impl Life {
                 let reason = format!("a plan for the measured links pays for the switch; switching at step {newest}");
                 if store.begin_recovery(j.id, j.generation, RecoveryCause::Replan, 0, &reason).await.is_ok() {
                     tracing::info!(job = j.id, "{reason}");
-                    crate::launch::stop_job(store, fleet, j.id, j.generation, "re-planning").await;
+                    crate::launch::stop_job(store, fleet, &self.signals, j.id, j.generation, "re-planning").await;
                     self.recoveries.kick();
                 }
             }

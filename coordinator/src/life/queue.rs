@@ -43,7 +43,7 @@ pub async fn run(life: Arc<Life>) {
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            _ = fleet.queue_changed() => {}
+            _ = life.signals.queue_changed() => {}
         }
         // Early in a term, or soon after this process was paused: agents may still be on their
         // way back, so a queued job whose nodes are not live waits rather than fails.
@@ -82,7 +82,7 @@ async fn schedule(life: &Life, settling: Option<i64>) -> Result<()> {
                         taken.entry(r.assignment.node).or_default().insert(r.assignment.gpu as u32, j.id);
                     }
                     life.note_launch(j.id, j.generation).await;
-                    send_out(store, fleet, j.id, j.generation).await?;
+                    send_out(store, fleet, &life.signals, j.id, j.generation).await?;
                     None
                 }
                 Err(e @ CoordinatorError::Database(_)) => return Err(e),

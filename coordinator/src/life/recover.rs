@@ -33,6 +33,7 @@ use crate::job::JobState;
 use crate::jobspec::JobSpec;
 use crate::launch;
 use crate::restore_plan::{self, Mode, NodeInfo, StepChoice};
+use crate::signals::JobSignals;
 use crate::store::{JobRecord, Store};
 
 /// The recovery room's memory: the jobs this leader's recovery tasks work on, the launches
@@ -104,7 +105,7 @@ impl Life {
         let (id, old) = (job.id, job.generation);
         let next = old + 1;
         let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
-        launch::stop_job(store, fleet, id, old, "the job is recovering").await;
+        launch::stop_job(store, fleet, &self.signals, id, old, "the job is recovering").await;
         wait_stopped(store, fleet, id, old).await?;
         self.facts.forget_restores(id);
         let mut last_error = String::new();
@@ -122,14 +123,14 @@ impl Life {
                     (p.plan, p.ranks)
                 }
                 Err(e @ CoordinatorError::Database(_)) => return Err(e),
-                Err(e) => return fail(store, fleet, id, old, &format!("recovery cannot re-plan the job: {e}")).await,
+                Err(e) => return fail(store, fleet, &self.signals, id, old, &format!("recovery cannot re-plan the job: {e}")).await,
             };
             let holdings = store.holdings(id).await?;
             let live = |n: &str| fleet.live(n);
             let (step, files) = match restore_plan::choose_step(&holdings, &live) {
                 StepChoice::Restore { step, generation, files } => (Some((step, generation)), files),
                 StepChoice::Fresh => (None, vec![]),
-                StepChoice::Lost(why) => return fail(store, fleet, id, old, &format!("recovery: {why}")).await,
+                StepChoice::Lost(why) => return fail(store, fleet, &self.signals, id, old, &format!("recovery: {why}")).await,
             };
             let Some((step, source_generation)) = step else {
                 store
@@ -148,7 +149,7 @@ impl Life {
             });
             let mut built = match built {
                 Ok(b) => b,
-                Err(e) => return fail(store, fleet, id, old, &format!("recovery cannot restore step {step}: {e}")).await,
+                Err(e) => return fail(store, fleet, &self.signals, id, old, &format!("recovery cannot restore step {step}: {e}")).await,
             };
             // The restore may take what its schedule says, several times over (fetches retried from
             // other holders, slow disks), and at least a minute.
@@ -202,7 +203,7 @@ impl Life {
             tracing::warn!(job = id, attempt, "restore failed: {last_error}; planning again");
             store.record_event(Some(id), Some(old), "recovery_retry", &format!("attempt {attempt}: {last_error}")).await?;
         }
-        fail(store, fleet, id, old, &format!("recovery failed {ATTEMPTS} times; last: {last_error}")).await
+        fail(store, fleet, &self.signals, id, old, &format!("recovery failed {ATTEMPTS} times; last: {last_error}")).await
     }
 }
 
@@ -276,7 +277,7 @@ impl Life {
         });
         store.record_event(Some(id), Some(generation), "recovery_done", &done.to_string()).await?;
         self.facts.forget_restores(id);
-        launch::send_out(store, fleet, id, generation).await
+        launch::send_out(store, fleet, &self.signals, id, generation).await
     }
 }
 
@@ -308,8 +309,8 @@ enum Waited {
     TimedOut(Vec<String>),
 }
 
-async fn fail(store: &Store, fleet: &Fleet, id: i64, generation: i64, reason: &str) -> Result<()> {
+async fn fail(store: &Store, fleet: &Fleet, signals: &JobSignals, id: i64, generation: i64, reason: &str) -> Result<()> {
     tracing::warn!(job = id, "{reason}");
-    launch::fail(store, fleet, id, generation, reason).await;
+    launch::fail(store, fleet, signals, id, generation, reason).await;
     Ok(())
 }

@@ -94,7 +94,7 @@ impl Life {
                         format!("{} live nodes can take it (it was launched when {} were); scaling up from step {newest}", live, seen.0);
                     if store.begin_recovery(j.id, j.generation, RecoveryCause::ScaleUp, 0, &reason).await.is_ok() {
                         tracing::info!(job = j.id, "{reason}");
-                        crate::launch::stop_job(store, fleet, j.id, j.generation, "scaling up").await;
+                        crate::launch::stop_job(store, fleet, &self.signals, j.id, j.generation, "scaling up").await;
                         self.recoveries.kick();
                     }
                 }

@@ -52,7 +52,7 @@ pub async fn resume(life: Arc<Life>) {
                 None => {}
                 Some(node) if over => {
                     let reason = format!("node {node} did not come back within {} ms of the change of leader", grace.as_millis());
-                    crate::launch::fail(store, fleet, j.id, j.generation, &reason).await;
+                    crate::launch::fail(store, fleet, &life.signals, j.id, j.generation, &reason).await;
                 }
                 Some(_) => waiting.push(j),
             }

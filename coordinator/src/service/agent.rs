@@ -2,7 +2,7 @@
 //! into calls on the fleet (leases, outboxes), the store (rank reports, holdings), the facts
 //! agents tell (data planes, restore results) and profiling (its runs' reports), and their
 //! errors into statuses. It knows nothing of a job's life: the jobs whose ranks reported are
-//! handed to it through the fleet (`Fleet::reported`).
+//! handed to it through the job signals (`JobSignals::reported`).
 //!
 //! One heartbeat stream is one agent session. Its reader never waits on the database: it
 //! renews the lease on receipt and acknowledges every `BARE_ACK_EVERY`th bare heartbeat at
@@ -24,6 +24,7 @@ use crate::control;
 use crate::error::CoordinatorError;
 use crate::fleet::{Fleet, Outbound, Refused};
 use crate::service::{status_of, Tokens};
+use crate::signals::JobSignals;
 use crate::store::{Holding, NodeState, RankReport, Store};
 
 pub struct AgentService {
@@ -31,6 +32,8 @@ pub struct AgentService {
     pub fleet: Arc<Fleet>,
     /// Where what agents tell of their nodes and restores goes (`facts`), read by the job's life.
     pub facts: Arc<crate::facts::Facts>,
+    /// Tells the job's life which jobs were reported, and when to send launches again.
+    pub signals: Arc<JobSignals>,
     pub tokens: Tokens,
     /// Only the leader takes agents; a standby names the leader.
     pub role: Arc<crate::leader::Role>,
@@ -97,7 +100,7 @@ impl Agent for AgentService {
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(forward(out, tx));
         tokio::spawn(read(inbound, self.fleet.clone(), self.facts.clone(), outbox.clone(), to_worker));
-        tokio::spawn(work_on(work, self.store.clone(), self.fleet.clone(), self.facts.clone(), outbox));
+        tokio::spawn(work_on(work, self.store.clone(), self.facts.clone(), self.signals.clone(), outbox));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
@@ -255,8 +258,8 @@ fn measured(fleet: &Fleet, facts: &crate::facts::Facts, status: &AgentStatus) {
 async fn work_on(
     mut work: mpsc::UnboundedReceiver<AgentStatus>,
     store: Store,
-    fleet: Arc<Fleet>,
     facts: Arc<crate::facts::Facts>,
+    signals: Arc<JobSignals>,
     outbox: mpsc::UnboundedSender<Outbound>,
 ) {
     let mut checked = false;
@@ -275,7 +278,7 @@ async fn work_on(
                 let _ = outbox.send(Outbound::Instruction(Instruction { kind: Some(instruction::Kind::Drain(Drain { draining })) }));
             }
         }
-        if let Err(e) = apply(&store, &fleet, &facts, &outbox, &status).await {
+        if let Err(e) = apply(&store, &facts, &signals, &outbox, &status).await {
             tracing::warn!(node = %status.node, "rank report: {e}");
             // Close the stream: the agent reconnects and reports everything again.
             let _ = outbox.send(Outbound::Refuse(e));
@@ -290,8 +293,8 @@ async fn work_on(
 /// One message's reports (and, for a session's full list, the ranks it no longer has).
 async fn apply(
     store: &Store,
-    fleet: &Fleet,
     facts: &crate::facts::Facts,
+    signals: &JobSignals,
     outbox: &mpsc::UnboundedSender<Outbound>,
     status: &AgentStatus,
 ) -> Result<(), CoordinatorError> {
@@ -354,7 +357,7 @@ async fn apply(
         store.replace_holdings(&status.node, status.epoch, &held).await?;
     }
     for p in &status.profiles {
-        crate::profiling::receive(store, fleet, &status.node, p.request, &p.profile_json, &p.error).await?;
+        crate::profiling::receive(store, signals, &status.node, p.request, &p.profile_json, &p.error).await?;
     }
     for r in &status.restores {
         facts.restored(&status.node, r.clone());
@@ -362,11 +365,11 @@ async fn apply(
     if status.full {
         // A launch queued on the session before this one may never have reached the agent:
         // the lease watcher sends launching launches again (an agent ignores ranks it has).
-        fleet.resend_launches();
+        signals.resend_launches();
         let known: Vec<(i64, i64, i64)> = status.ranks.iter().map(|r| (r.job, r.generation, r.rank)).collect();
         jobs.extend(store.lose_unknown_ranks(&status.node, status.epoch, &known).await?);
     }
     // The job's life moves them on (`life::watch`); this session only tells it which.
-    fleet.reported(&jobs);
+    signals.reported(&jobs);
     Ok(())
 }
