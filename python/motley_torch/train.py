@@ -242,18 +242,23 @@ def main(argv=None) -> int:
         return run_rank(args)
     except (PlanError, CheckpointError) as e:
         print(f"motley_torch.train: {e}", file=sys.stderr, flush=True)
-        _release_process_group()
+        _end_rank_on_error(2)
         return 2
 
 
-def _release_process_group():
-    """Tear the process group down before exiting on an error: left to the interpreter's exit,
-    gloo's worker threads can be destroyed while still joinable, and the rank aborts (SIGABRT)
-    instead of exiting with its code."""
+def _end_rank_on_error(code: int):
+    """A rank with a process group ends here, with `code`, at once. Its peers end on the same
+    error at nearly the same moment, so gloo's worker threads meet closed connections: torn down
+    by `destroy_process_group` or by the interpreter's exit, they can abort the process (SIGABRT,
+    exit -6) instead of letting it exit with its code. Nothing is left to finish on this path: a
+    checkpoint file still being written was never renamed into place, so it is never taken for a
+    whole one (docs/checkpoint.md)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 //! The agents' gRPC service (`motley.v1.Agent`): translates registrations and heartbeat streams
-//! into calls on the fleet (leases, outboxes), the store (rank reports, holdings), the facts
-//! agents tell (data planes, restore results) and profiling (its runs' reports), and their
-//! errors into statuses. It knows nothing of a job's life: the jobs whose ranks reported are
+//! into calls on the fleet (leases, outboxes) and, for what a message reports (ranks, holdings,
+//! profile runs, restores), into a `reports::NodeReport` that `reports` applies, sending back the
+//! stops it returns; and their errors into statuses. It knows nothing of a job's life: the jobs whose ranks reported are
 //! handed to it through the job signals (`JobSignals::reported`).
 //!
 //! One heartbeat stream is one agent session. Its reader never waits on the database: it
@@ -23,6 +23,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::control;
 use crate::error::CoordinatorError;
 use crate::fleet::{Fleet, Outbound, Refused};
+use crate::reports::NodeReport;
 use crate::service::{status_of, Tokens};
 use crate::signals::JobSignals;
 use crate::store::{Holding, NodeState, RankReport, Store};
@@ -290,7 +291,7 @@ async fn work_on(
     }
 }
 
-/// One message's reports (and, for a session's full list, the ranks it no longer has).
+/// One message applied (`reports`), and the stops it calls for sent down the session.
 async fn apply(
     store: &Store,
     facts: &crate::facts::Facts,
@@ -298,41 +299,22 @@ async fn apply(
     outbox: &mpsc::UnboundedSender<Outbound>,
     status: &AgentStatus,
 ) -> Result<(), CoordinatorError> {
-    let agent = Some((status.node.as_str(), status.epoch));
-    let reports: Vec<RankReport> = status
+    for s in crate::reports::apply(store, facts, signals, node_report(status)).await? {
+        let stop = Stop { job: s.job, generation: s.generation, reason: s.reason };
+        let _ = outbox.send(Outbound::Instruction(Instruction { kind: Some(instruction::Kind::Stop(stop)) }));
+    }
+    Ok(())
+}
+
+/// The message in the store's terms.
+fn node_report(status: &AgentStatus) -> NodeReport {
+    let ranks = status
         .ranks
         .iter()
         .map(|r| RankReport { job: r.job, generation: r.generation, rank: r.rank, state: r.state.clone(), exit_code: r.exit_code })
         .collect();
-    let stop = |job: i64, generation: i64, reason: &str| {
-        let stop = Stop { job, generation, reason: reason.into() };
-        let _ = outbox.send(Outbound::Instruction(Instruction { kind: Some(instruction::Kind::Stop(stop)) }));
-    };
-    let mut jobs = vec![];
-    if !reports.is_empty() {
-        let done = store.report_ranks_from(agent, reports).await?;
-        for j in &done.jobs {
-            // Ranks still running for a job that is over (failed or cancelled while their agent
-            // was away): stop them, or they hold the GPUs.
-            let running = status.ranks.iter().any(|r| r.job == *j && r.state == "running");
-            if running && store.job(*j).await.is_ok_and(|job| job.state.is_terminal()) {
-                stop(*j, i64::MAX, "the job is over");
-            }
-        }
-        // Ranks of a superseded launch: stop that launch's ranks on this node.
-        for (job, given, _) in done.stale {
-            stop(job, given, "a newer generation of the job was launched");
-        }
-        // Ranks the coordinator does not know here: stopped, and acknowledged like the rest so
-        // the agent does not resend them forever.
-        for (job, generation, rank) in done.unknown {
-            tracing::warn!(node = %status.node, job, generation, rank, "a rank this coordinator does not know here; stopping it");
-            stop(job, generation, "the coordinator does not know this rank on this node");
-        }
-        jobs = done.jobs;
-    }
-    if status.holdings_sent {
-        let held: Vec<Holding> = status
+    let holdings = status.holdings_sent.then(|| {
+        status
             .holdings
             .iter()
             .map(|h| Holding {
@@ -353,23 +335,15 @@ async fn apply(
                 chunk_bytes: h.chunk_bytes as i64,
                 crc32c: serde_json::to_string(&h.crc32c).expect("a list of integers serialises"),
             })
-            .collect();
-        store.replace_holdings(&status.node, status.epoch, &held).await?;
+            .collect()
+    });
+    NodeReport {
+        node: status.node.clone(),
+        epoch: status.epoch,
+        ranks,
+        holdings,
+        profiles: status.profiles.iter().map(|p| (p.request, p.profile_json.clone(), p.error.clone())).collect(),
+        restores: status.restores.clone(),
+        full: status.full,
     }
-    for p in &status.profiles {
-        crate::profiling::receive(store, signals, &status.node, p.request, &p.profile_json, &p.error).await?;
-    }
-    for r in &status.restores {
-        facts.restored(&status.node, r.clone());
-    }
-    if status.full {
-        // A launch queued on the session before this one may never have reached the agent:
-        // the lease watcher sends launching launches again (an agent ignores ranks it has).
-        signals.resend_launches();
-        let known: Vec<(i64, i64, i64)> = status.ranks.iter().map(|r| (r.job, r.generation, r.rank)).collect();
-        jobs.extend(store.lose_unknown_ranks(&status.node, status.epoch, &known).await?);
-    }
-    // The job's life moves them on (`life::watch`); this session only tells it which.
-    signals.reported(&jobs);
-    Ok(())
 }
