@@ -401,12 +401,15 @@ mod tests {
     /// the rank library's test reads the new one).
     #[test]
     fn plan_schema_file_is_the_one_the_types_make() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/plan.schema.json");
+        // The checkout's path as cargo gives it when the test runs (a test binary built in
+        // another checkout and moved keeps its build-time path).
+        let dir = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());
+        let path = std::path::Path::new(&dir).join("../docs/plan.schema.json");
         let made = serde_json::to_string_pretty(&PlanDocument::json_schema()).unwrap() + "\n";
         if std::env::var_os("MOTLEY_WRITE_SCHEMA").is_some() {
-            std::fs::write(path, &made).unwrap();
+            std::fs::write(&path, &made).unwrap();
         }
-        let committed = std::fs::read_to_string(path).unwrap_or_default();
+        let committed = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         assert!(
             committed == made,
             "docs/plan.schema.json is not the schema of PlanDocument's types; rewrite it with MOTLEY_WRITE_SCHEMA=1 cargo test -p motley-contract plan_schema"

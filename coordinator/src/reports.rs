@@ -43,7 +43,8 @@ pub async fn apply(store: &Store, facts: &Facts, signals: &JobSignals, report: N
     let mut stops = vec![];
     let mut stop = |job: i64, generation: i64, reason: &str| stops.push(StopRanks { job, generation, reason: reason.into() });
     let running: Vec<i64> = report.ranks.iter().filter(|r| r.state == "running").map(|r| r.job).collect();
-    let known: Vec<(i64, i64, i64)> = report.ranks.iter().map(|r| (r.job, r.generation, r.rank)).collect();
+    // A full list's ranks, read before the reports are handed to the store.
+    let known: Option<Vec<(i64, i64, i64)>> = report.full.then(|| report.ranks.iter().map(|r| (r.job, r.generation, r.rank)).collect());
     let mut jobs = vec![];
     if !report.ranks.is_empty() {
         let done = store.report_ranks_from(agent, report.ranks).await?;
@@ -75,7 +76,7 @@ pub async fn apply(store: &Store, facts: &Facts, signals: &JobSignals, report: N
     for r in report.restores {
         facts.restored(&report.node, r);
     }
-    if report.full {
+    if let Some(known) = known {
         // A launch queued on the session before this one may never have reached the agent:
         // the lease watcher sends launching launches again (an agent ignores ranks it has).
         signals.resend_launches();

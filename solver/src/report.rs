@@ -246,14 +246,7 @@ fn report_placed(
                     tp: Some(bp.replicas[0].stages[0].kind.tp),
                     micro_batch: Some(bp.micro_batch),
                 },
-                None => BaselineDoc {
-                    iteration_time_s: None,
-                    speedup: None,
-                    replicas: None,
-                    stages_per_replica: None,
-                    tp: None,
-                    micro_batch: None,
-                },
+                None => BaselineDoc::default(),
             };
             (name.to_string(), rep)
         })

@@ -225,7 +225,7 @@ impl Life {
             Err(e) => {
                 // The running plan as it was priced; no new plan to compare.
                 let before = serde_json::from_str::<PlanDocument>(&store.plan(j.id, j.generation).await?)
-                    .map(|p| json!({"iteration_time_s": p.iteration_time_s, "shape": shape_of(&p)}))
+                    .map(|p| json!({"iteration_time_s": p.iteration_time_s, "shape": shape(&p)}))
                     .unwrap_or(Value::Null);
                 let message = json!({"gain_s": 0.0, "cost_s": 0.0, "decision": "keep", "reason": format!("cannot re-plan: {e}"),
                     "plan_before": before, "plan_after": Value::Null, "at_step": newest, "changes": links});
@@ -288,19 +288,13 @@ async fn job_events(store: &Store, id: i64) -> Result<Vec<Event>> {
 
 /// A plan's shape, e.g. `2 x [A100-80G tp1 dp2 L0-12 | A100-80G tp1 dp2 L12-24]`: replicas in
 /// order, runs of equal ones counted.
-pub fn shape(plan: &motley_solver::PlanDocument) -> String {
-    shape_from(plan.replicas.iter().map(|r| r.stages.iter().map(|s| (s.gpu.as_str(), s.tp, s.dp, s.layers)).collect()))
-}
-
-/// [`shape`] of a plan document as re-planning reads it.
-pub fn shape_of(plan: &PlanDocument) -> String {
-    shape_from(plan.replicas.iter().map(|r| r.stages.iter().map(|s| (s.gpu.as_str(), s.tp, s.dp, s.layers)).collect()))
-}
-
-fn shape_from<'a>(replicas: impl Iterator<Item = Vec<(&'a str, u32, u32, [u32; 2])>>) -> String {
-    let replicas: Vec<String> = replicas
-        .map(|stages| {
-            let stages: Vec<String> = stages.iter().map(|(gpu, tp, dp, l)| format!("{gpu} tp{tp} dp{dp} L{}-{}", l[0], l[1])).collect();
+pub fn shape(plan: &PlanDocument) -> String {
+    let replicas: Vec<String> = plan
+        .replicas
+        .iter()
+        .map(|r| {
+            let stages: Vec<String> =
+                r.stages.iter().map(|s| format!("{} tp{} dp{} L{}-{}", s.gpu, s.tp, s.dp, s.layers[0], s.layers[1])).collect();
             format!("[{}]", stages.join(" | "))
         })
         .collect();
@@ -450,7 +444,6 @@ pub fn last_recovery_s(events: &[Event]) -> Option<f64> {
     last
 }
 
-/// This leader's memory of the launches it watches.
 /// The re-plan room's memory: per running launch, what `watch_networks` saw and decided.
 #[derive(Default)]
 pub(super) struct Memory(Mutex<HashMap<(i64, i64), Watched>>);

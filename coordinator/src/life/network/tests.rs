@@ -119,7 +119,7 @@ fn a_shape_counts_runs_of_equal_replicas() {
                                         {"layers": [12, 24], "gpu": "A100", "tp": 1, "dp": 2, "gpus": []}]},
         {"micro_batches": 4, "stages": [{"layers": [0, 24], "gpu": "V100", "tp": 2, "dp": 1, "gpus": []}]}]}))
     .unwrap();
-    assert_eq!(shape_of(&plan), "2 x [A100 tp1 dp2 L0-12 | A100 tp1 dp2 L12-24] + [V100 tp2 dp1 L0-24]");
+    assert_eq!(shape(&plan), "2 x [A100 tp1 dp2 L0-12 | A100 tp1 dp2 L12-24] + [V100 tp2 dp1 L0-24]");
 }
 
 #[test]
