@@ -12,17 +12,17 @@ use anyhow::Context;
 use clap::Parser;
 use std::sync::Arc;
 
-use motley_coordinator::facts::Facts;
-use motley_coordinator::fleet::Fleet;
-use motley_coordinator::leader::{self, Contender, LeaderInfo, Role};
 use motley_coordinator::life::Life;
-use motley_coordinator::metrics::Metrics;
+use motley_coordinator::server::leader::{self, Contender, LeaderInfo, Role};
+use motley_coordinator::server::metrics::Metrics;
+use motley_coordinator::server::tls::TlsFiles;
 use motley_coordinator::service::agent::AgentService;
 use motley_coordinator::service::control::ControlService;
 use motley_coordinator::service::rest::hosts::{url_host, ServedHosts};
 use motley_coordinator::service::rest::{router, AppState};
 use motley_coordinator::service::Tokens;
-use motley_coordinator::tls::TlsFiles;
+use motley_coordinator::state::facts::Facts;
+use motley_coordinator::state::fleet::Fleet;
 use motley_coordinator::Store;
 use motley_proto::v1::agent_server::AgentServer;
 use motley_proto::v1::control_server::ControlServer;
@@ -150,8 +150,8 @@ fn token(args: &Args, given: Option<&String>, flag: &str, file: &str) -> anyhow:
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = config::parse::<Args>("/etc/motley/coordinator.toml")?;
-    let telemetry =
-        motley_coordinator::telemetry::init("motley-coordinator", args.otlp_endpoint.as_deref()).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let telemetry = motley_coordinator::server::telemetry::init("motley-coordinator", args.otlp_endpoint.as_deref())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     create_data_dir(&args.data_dir)?;
     let url = args.database_url.clone().unwrap_or_else(|| format!("sqlite://{}", args.data_dir.join("coordinator.db").display()));
     let hosts = Arc::new(served_hosts(&args)?);
@@ -176,7 +176,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let fleet = Fleet::new(base, args.master_port_base, std::time::Duration::from_millis(args.plan_timeout_ms));
     let facts = Arc::new(Facts::default());
-    let signals = motley_coordinator::signals::JobSignals::new();
+    let signals = motley_coordinator::state::signals::JobSignals::new();
     let life = Life::new(store.clone(), fleet.clone(), facts.clone(), signals.clone(), restore_settings(&args, data_plane_key));
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("--listen: cannot bind {}", args.listen))?;
     let addr = listener.local_addr()?;
@@ -189,7 +189,7 @@ async fn main() -> anyhow::Result<()> {
     // The leader's tasks, handed to the supervisor below once leadership is won.
     let (led, leading) = tokio::sync::oneshot::channel();
     let mut contender = {
-        let (store, fleet, life) = (store.clone(), fleet.clone(), life.clone());
+        let (store, life) = (store.clone(), life.clone());
         Contender {
             store: store.clone(),
             lock: leader::lock_for(&url, base),
@@ -197,7 +197,7 @@ async fn main() -> anyhow::Result<()> {
             role: role.clone(),
             me,
             on_lead: Some(move |_term| {
-                let _ = led.send(spawn_leader_tasks(fleet, life));
+                let _ = led.send(motley_coordinator::life::reconcile::spawn(life));
             }),
         }
     };
@@ -279,8 +279,8 @@ fn restore_settings(args: &Args, data_plane_key: motley_coordinator::life::DataP
     motley_coordinator::life::Settings {
         cloud_egress_mb_s: args.cloud_egress_mb_s,
         mode: match args.restore_mode {
-            RestoreMode::Planned => motley_coordinator::restore_plan::Mode::Planned,
-            RestoreMode::CloudOnly => motley_coordinator::restore_plan::Mode::CloudOnly,
+            RestoreMode::Planned => motley_coordinator::planning::restore_plan::Mode::Planned,
+            RestoreMode::CloudOnly => motley_coordinator::planning::restore_plan::Mode::CloudOnly,
         },
         data_plane_key: Some(data_plane_key),
     }
@@ -298,11 +298,11 @@ fn leader_info(args: &Args, scheme: &str, addr: SocketAddr, grpc_addr: SocketAdd
     }
 }
 
-/// Watch the leader's tasks once leadership is won: one that ends (but the takeover) makes
+/// Watch the leader's tasks once leadership is won: one that ends makes
 /// this coordinator step down. Never ends while it does not lead.
 async fn supervise_leader(leading: tokio::sync::oneshot::Receiver<Vec<(&'static str, tokio::task::JoinHandle<()>)>>) -> anyhow::Result<()> {
     let Ok(tasks) = leading.await else { return std::future::pending().await };
-    let why = motley_coordinator::supervise::watch(tasks, &["takeover"]).await;
+    let why = motley_coordinator::server::supervise::watch(tasks, &[]).await;
     tracing::error!("{why}; stepping down");
     Err::<(), _>(anyhow::anyhow!("{why}"))
 }
@@ -353,21 +353,9 @@ fn agent_roots(ca_cert: Option<&std::path::Path>) -> anyhow::Result<ureq::tls::R
 /// Add --gpu-types' GPU types to the planner's catalog.
 fn declare_gpu_types(path: &std::path::Path) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(path).with_context(|| format!("--gpu-types: cannot read {}", path.display()))?;
-    let types = motley_coordinator::catalog::read(&text, "--gpu-types").map_err(|e| anyhow::anyhow!("{e}"))?;
+    let types = motley_coordinator::state::catalog::read(&text, "--gpu-types").map_err(|e| anyhow::anyhow!("{e}"))?;
     tracing::info!("{} GPU types declared in {}", types.len(), path.display());
-    motley_coordinator::catalog::declare(types).map_err(|e| anyhow::anyhow!("{e}"))
-}
-
-/// The leader's tasks, started when leadership is won and handed to the supervisor.
-fn spawn_leader_tasks(fleet: Arc<Fleet>, life: Arc<Life>) -> Vec<(&'static str, tokio::task::JoinHandle<()>)> {
-    let (lost, lost_nodes) = tokio::sync::mpsc::unbounded_channel();
-    vec![
-        ("lease clock", tokio::spawn(motley_coordinator::life::lease_clock(fleet.clone(), lost))),
-        ("lease watcher", tokio::spawn(motley_coordinator::life::watch(life.clone(), lost_nodes))),
-        ("job queue", tokio::spawn(motley_coordinator::life::queue::run(life.clone()))),
-        ("recovery", tokio::spawn(motley_coordinator::life::recoveries(life.clone()))),
-        ("takeover", tokio::spawn(motley_coordinator::life::takeover::resume(life))),
-    ]
+    motley_coordinator::state::catalog::declare(types).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// The two addresses on stdout, the first lines a supervisor reads.
@@ -392,7 +380,7 @@ async fn serve_grpc(
     // within a lease, with its heartbeat task.
     let mut server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(base))
-        .http2_keepalive_timeout(Some(base * motley_coordinator::fleet::LEASE_INTERVALS));
+        .http2_keepalive_timeout(Some(base * motley_coordinator::state::fleet::LEASE_INTERVALS));
     if let Some(config) = tls {
         server = server.tls_config(config)?;
     }
@@ -408,7 +396,7 @@ async fn serve_rest(
     match tls {
         Some(config) => {
             tokio::select! {
-                r = motley_coordinator::tls::serve_rest(listener, app, config) => r,
+                r = motley_coordinator::server::tls::serve_rest(listener, app, config) => r,
                 _ = shutdown() => Ok(()),
             }
         }

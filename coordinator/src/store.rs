@@ -79,7 +79,7 @@ pub struct Store {
     /// check it inside their transaction, so a deposed leader's late writes are refused.
     term: std::sync::Arc<std::sync::atomic::AtomicI64>,
     /// The cluster's identity, read (made, the first time) at open: it never changes.
-    cluster: std::sync::Arc<crate::cluster::ClusterIdentity>,
+    cluster: std::sync::Arc<crate::job::cluster::ClusterIdentity>,
 }
 
 pub(crate) fn now_ms() -> i64 {
@@ -151,7 +151,7 @@ impl Store {
     }
 
     /// WAL (SQLite), the migrations, and the cluster's identity.
-    async fn prepare(pool: &sqlx::AnyPool, sqlite: bool) -> Result<crate::cluster::ClusterIdentity> {
+    async fn prepare(pool: &sqlx::AnyPool, sqlite: bool) -> Result<crate::job::cluster::ClusterIdentity> {
         if sqlite {
             // Write-ahead logging: a commit appends to the log (still synced: a crash loses no
             // committed state) instead of rewriting pages, and a standby coordinator on the same

@@ -52,7 +52,7 @@ fn start(database_url: Option<&str>) -> System {
     let dir = common::scratch("motley_profiles_e2e");
     let python = dir.join("python");
     let spec: motley_solver::ModelSpec = serde_norway::from_str(MODEL).unwrap();
-    std::fs::write(&python, FAKE_PROFILER.replace("@HASH@", &motley_coordinator::profiling::model_hash(&spec))).unwrap();
+    std::fs::write(&python, FAKE_PROFILER.replace("@HASH@", &motley_coordinator::planning::profiling::model_hash(&spec))).unwrap();
     std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
     let heartbeat = HEARTBEAT_MS.to_string();
     let mut flags = vec!["--insecure", "--heartbeat-ms", &heartbeat];

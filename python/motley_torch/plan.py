@@ -3,7 +3,7 @@
 Pure Python (no torch): rank numbering, layer segments and the data split; the model spec it
 carries is `spec.ModelSpec`.
 
-Rank numbering (coordinator/src/planning.rs `ranks_of`): replicas in order, stages in order,
+Rank numbering (coordinator/src/planning/mod.rs `ranks_of`): replicas in order, stages in order,
 each stage's `gpus` in order; a stage's GPUs are listed TP group by TP group (dp-major), so a
 GPU's position p in its stage gives TP rank p % tp and stage-dp rank p // tp.
 """

@@ -57,7 +57,7 @@ def free_port() -> int:
 
 
 def ranks_of(plan: dict) -> List[dict]:
-    """coordinator/src/planning.rs `ranks_of` (and the local ranks the launch gives each node)."""
+    """coordinator/src/planning/mod.rs `ranks_of` (and the local ranks the launch gives each node)."""
     out, local = [], {}
     for ri, r in enumerate(plan["replicas"]):
         for si, s in enumerate(r["stages"]):

@@ -152,7 +152,7 @@ def test_model_hash_stable_and_changes(run, tmp_path):
 
 def test_a_llama_hash_covers_o_bias_only_when_set():
     """o_bias joins the hashed fields only when true: every model hashed before it keeps its
-    hash (the same rule as coordinator/src/profiling.rs canonical_json, whose test pins it)."""
+    hash (the same rule as coordinator/src/planning/profiling.rs canonical_json, whose test pins it)."""
     llama = ModelSpec.from_dict(yaml.safe_load((DATA / "tiny-llama.yaml").read_text()))
     assert prof.canonical_spec(llama) == dict(name="tiny-llama", layers=4, hidden=32, heads=4, seq_len=16, vocab=64,
                                               ffn_hidden=64, kv_heads=2, gated_mlp=True, family="llama",

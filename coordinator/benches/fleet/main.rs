@@ -460,7 +460,7 @@ fn solver_ms(gpus: usize) -> Result<(f64, u32)> {
     let nodes = gpus.div_ceil(GPUS_PER_NODE);
     let node: NodeSpec = serde_json::from_str(&format!(r#"{{"name":"n","count":{nodes},{}"#, &INVENTORY[1..]))?;
     let cluster = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes: vec![node], gpu_types: vec![] })?;
-    let spec = motley_coordinator::jobspec::JobSpec::parse(&format!(
+    let spec = motley_coordinator::job::spec::JobSpec::parse(&format!(
         "name: fleet\nmodel: gpt3-1.3b\nglobal_batch: {}\nresources: {{gpus: {gpus}}}\nrun: 'true'\n",
         gpus.max(32)
     ))?;

@@ -7,7 +7,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::Operations;
-use crate::control;
+use crate::api::control;
 use crate::error::Result;
 use crate::store::{Event, JobRecord, RankAssignment, RankRecord};
 

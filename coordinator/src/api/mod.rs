@@ -5,13 +5,14 @@
 //! serde structs: REST serialises them as they are (they are the JSON), the gRPC door turns
 //! each into its message with one `From`. Nothing here knows HTTP or protobuf.
 
+pub mod control;
 mod jobs;
 mod nodes;
 mod reads;
 
-use crate::fleet::Fleet;
-use crate::leader::Role;
 use crate::life::Life;
+use crate::server::leader::Role;
+use crate::state::fleet::Fleet;
 use crate::store::Store;
 
 pub use jobs::{DryRunView, Job, PlanView};

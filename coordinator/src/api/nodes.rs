@@ -3,7 +3,7 @@
 use serde::Serialize;
 
 use super::Operations;
-use crate::control;
+use crate::api::control;
 use crate::error::Result;
 use crate::store::NodeRecord;
 

@@ -3,10 +3,10 @@
 use serde::Serialize;
 
 use super::Operations;
-use crate::checkpoints::{StepGrid, StepView};
 use crate::error::{CoordinatorError, Result};
-use crate::profiling::{ProfileRun, RunRequest};
+use crate::planning::profiling::{ProfileRun, RunRequest};
 use crate::store::ProfileRecord;
+use crate::views::checkpoints::{StepGrid, StepView};
 
 pub use motley_contract::net::NetworkView;
 
@@ -30,12 +30,12 @@ pub struct LeaderView {
 impl Operations<'_> {
     /// The job's checkpoint steps some node holds, newest first.
     pub async fn checkpoints(&self, job: i64) -> Result<Vec<StepView>> {
-        crate::checkpoints::steps(self.store, job).await
+        crate::views::checkpoints::steps(self.store, job).await
     }
 
     /// One step (default: the newest complete one, else the newest): a row per file.
     pub async fn checkpoint_grid(&self, job: i64, step: Option<i64>) -> Result<StepGrid> {
-        crate::checkpoints::grid(self.store, job, step).await
+        crate::views::checkpoints::grid(self.store, job, step).await
     }
 
     /// The stored layer profiles, or only those of one model hash.
@@ -50,24 +50,24 @@ impl Operations<'_> {
     /// Measure one profile now on a live agent that can profile; `text` is the request as
     /// JSON or YAML.
     pub async fn run_profile(&self, text: &str) -> Result<ProfileRun> {
-        let run: RunRequest = crate::jobspec::parse_yaml(serde_norway::Deserializer::from_str(text), "profile run")?;
-        crate::profiling::run_now(self.store, self.fleet, &run).await
+        let run: RunRequest = crate::job::spec::parse_yaml(serde_norway::Deserializer::from_str(text), "profile run")?;
+        crate::planning::profiling::run_now(self.store, self.fleet, &run).await
     }
 
     /// The runs sent to agents, newest first.
     pub async fn profile_runs(&self) -> Result<Vec<ProfileRun>> {
-        crate::profiling::runs(self.store, self.fleet).await
+        crate::planning::profiling::runs(self.store, self.fleet).await
     }
 
     pub async fn profile_run(&self, request: i64) -> Result<ProfileRun> {
-        crate::profiling::run(self.store, self.fleet, request).await?.ok_or_else(|| {
+        crate::planning::profiling::run(self.store, self.fleet, request).await?.ok_or_else(|| {
             CoordinatorError::not_found(format!("profile run {request} (ended runs are kept for a while: motley profile runs)"))
         })
     }
 
     /// The link matrix, or one node's links and NICs (`None` or empty: every node).
     pub async fn network(&self, node: Option<&str>) -> Result<Network> {
-        crate::net::view(self.store, self.fleet, node).await.map(Network)
+        crate::views::net::view(self.store, self.fleet, node).await.map(Network)
     }
 
     pub fn leader(&self) -> LeaderView {

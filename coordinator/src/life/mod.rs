@@ -1,43 +1,43 @@
 //! A job's life, decided in one place (docs/architecture.md, docs/recovery.md). The leader
 //! keeps one `Life`: the store (durable state), the fleet (live sessions and their outboxes),
-//! the facts agents told (`facts`), and its own memory of the work in flight. Each look at a
-//! job (`step`) reads its durable state and the facts observed (rank reports, live nodes,
-//! holdings, notices) and takes the next move, fenced in the store by (state, generation, term):
+//! the facts agents told (`facts`), and the rooms' memories of the work in flight. One
+//! reconcile tick per base interval (`reconcile`) reads every unfinished job and dispatches it
+//! by its state, fenced in the store by (state, generation, term):
 //!
-//! | state | what the step does | where |
+//! | state | what is done | where |
 //! |---|---|---|
 //! | `submitted`, `planning` | the queue plans it, oldest first, and sends its launch | `queue` |
-//! | `launching` | sends a launch not sent yet; fails one never acknowledged; moves it on from its ranks | `step` |
-//! | `running` | moves it on from its ranks; a failed rank recovers or fails it; scale-up; re-plans on changed links; notices | `step`, `scale`, `network`, `notice` |
+//! | `launching` | sends a launch not sent yet; fails one never acknowledged; moves it on from its ranks | `Life::step` |
+//! | `running` | moves it on from its ranks; a failed rank recovers or fails it; notices; scale-up; re-plans on changed links | `Life::step`, `notice`, `scale`, `network` |
+//! | `launching`, `running` after a change of leader | waits for its nodes, fails at the grace | `takeover` |
 //! | `recovering` | one task: stop, re-plan, restore, relaunch | `recover` |
 //!
-//! The steps are level-triggered: each reads the state again and does what it calls for, so a
-//! new leader (or a step that lost a race) simply runs them again. What is in memory here is
+//! The tick is level-triggered: it reads the state again and does what it calls for, so a new
+//! leader (or a move that lost a race) simply runs it again. What is in memory here is
 //! rebuilt or re-derived by a new leader: launches it sent (sent again), why queued jobs wait
 //! (found again), notices (from their durable events), a recovery in flight (started again).
-//! The rooms below it (`planning`, `launch`, `profiling`, `checkpoints`, `restore_plan`, `store`,
-//! `fleet`, `facts`) never call up into it.
+//! The rooms below it (`planning`, `agents`, `views`, `store`, `state`) never call up into it.
 
 pub mod capabilities;
 pub mod network;
 pub mod notice;
 pub mod queue;
+pub mod reconcile;
 pub mod recover;
 mod scale;
 pub mod takeover;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::agents::launch::{self, LAUNCH_INTERVALS};
 use crate::error::CoordinatorError;
-use crate::facts::Facts;
-use crate::fleet::{Fleet, LEASE_INTERVALS};
+use crate::job::spec::JobSpec;
 use crate::job::JobState;
-use crate::jobspec::JobSpec;
-use crate::launch::{self, LAUNCH_INTERVALS};
-use crate::restore_plan::Mode;
-use crate::signals::JobSignals;
+use crate::planning::restore_plan::Mode;
+use crate::state::facts::Facts;
+use crate::state::fleet::{Fleet, LEASE_INTERVALS};
+use crate::state::signals::JobSignals;
 use crate::store::{JobRecord, NodeRecord, NodeState, RecoveryCause, Store};
 pub use capabilities::DataPlaneKey;
 
@@ -165,7 +165,7 @@ impl Life {
 
     /// A rank of launched `job` failed. A node that vanishes makes its peers' collectives fail
     /// before its lease ends, so a job that could recover from a lost node waits one lease (the
-    /// lease watcher's `node_leaving` moves it first if a node of the launch is lost meanwhile);
+    /// reconcile loop's `node_leaving` moves it first if a node of the launch is lost meanwhile);
     /// then the failure spends a restart, or fails the job. Called on every look at the job.
     async fn rank_failed(&self, job: &JobRecord, reason: &str) {
         let preemptible = serde_json::from_str::<JobSpec>(&job.spec).is_ok_and(|s| s.checkpoint.is_some() && s.max_preemptions > 0);
@@ -265,120 +265,4 @@ impl Life {
 fn usable_nodes(nodes: &[NodeRecord], fleet: &Fleet, spec: &JobSpec) -> usize {
     let mine = |n: &str| spec.resources.nodes.is_empty() || spec.resources.nodes.iter().any(|m| m == n);
     nodes.iter().filter(|n| n.state == NodeState::Active && mine(&n.name) && fleet.live(&n.name)).count()
-}
-
-/// The lease clock: every base interval, expire leases older than `LEASE_INTERVALS` intervals
-/// (judged by this process's own continuity, `Fleet::expire`) and hand the lost nodes to
-/// `watch`. No database work here: a slow database must neither delay an expiry nor look like
-/// a pause of the coordinator.
-pub async fn lease_clock(fleet: Arc<Fleet>, lost: tokio::sync::mpsc::UnboundedSender<String>) {
-    let mut tick = tokio::time::interval(fleet.base);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        for node in fleet.expire() {
-            if lost.send(node).is_err() {
-                return;
-            }
-        }
-    }
-}
-
-/// Launched jobs, for as long as this coordinator leads: the jobs of the nodes `lease_clock`
-/// finds lost; the jobs whose ranks' reports were just committed (`Fleet::reported`); and every
-/// base interval, a `step` of every launched job (a report whose move failed, on a database
-/// error say, is not lost: the job moves on at the next look).
-pub async fn watch(life: Arc<Life>, mut lost: tokio::sync::mpsc::UnboundedReceiver<String>) {
-    let mut tick = tokio::time::interval(life.fleet.base);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // When this leader first saw each (job, generation) launching: a takeover starts the clock
-    // afresh rather than trusting another process's timestamps.
-    let mut launching: HashMap<(i64, i64), Instant> = HashMap::new();
-    loop {
-        tokio::select! {
-            node = lost.recv() => match node {
-                Some(node) => life.node_lost(&node).await,
-                None => return,
-            },
-            jobs = life.signals.take_reported() => {
-                for id in jobs {
-                    if let Err(e) = life.progress(id).await {
-                        tracing::warn!(job = id, "progress: {e}");
-                    }
-                }
-            }
-            _ = tick.tick() => {
-                if let Err(e) = look_at_launched(&life, &mut launching).await {
-                    tracing::warn!("launched jobs: {e}");
-                }
-            }
-        }
-    }
-}
-
-/// One `step` of every launched job.
-async fn look_at_launched(life: &Life, launching: &mut HashMap<(i64, i64), Instant>) -> Result<(), CoordinatorError> {
-    let jobs = life.store.unfinished_jobs().await?;
-    let now: Vec<(i64, i64)> = jobs.iter().filter(|j| j.state == JobState::Launching).map(|j| (j.id, j.generation)).collect();
-    launching.retain(|k, _| now.contains(k));
-    life.signals.keep_sent(&now);
-    for j in jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)) {
-        let since = (j.state == JobState::Launching).then(|| *launching.entry((j.id, j.generation)).or_insert_with(Instant::now));
-        life.step(j, since).await?;
-    }
-    Ok(())
-}
-
-/// Recoveries, for as long as this coordinator leads: every base interval and whenever a
-/// recovery begins, the notices in flight (`notice`), scale-up (`scale`), re-plans on changed
-/// links (`network`), and a task for every
-/// `recovering` job that has none (a new leader's included).
-pub async fn recoveries(life: Arc<Life>) {
-    let mut tick = tokio::time::interval(life.fleet.base);
-    let began = Instant::now();
-    // The notices an earlier leader gave (durable events) are this one's to finish.
-    if let Err(e) = life.resume_notices().await {
-        tracing::warn!("taking over preemption notices: {e}");
-    }
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = life.recoveries.kicked() => {}
-        }
-        let jobs = match life.store.unfinished_jobs().await {
-            Ok(j) => j,
-            Err(e) => {
-                tracing::warn!("recovery: {e}");
-                continue;
-            }
-        };
-        life.check_notices().await;
-        if let Err(e) = life.scale_up(&jobs).await {
-            tracing::warn!("scale-up: {e}");
-        }
-        if let Err(e) = life.watch_networks(&jobs).await {
-            tracing::warn!("network: {e}");
-        }
-        // Early in a term (a failover, a restart) agents are still finding this leader: a
-        // recovery planned now would see no live node. Wait, up to the takeover's grace, for the
-        // job's nodes to come back.
-        let settling = began.elapsed() < life.fleet.base * GRACE_INTERVALS;
-        for j in jobs.into_iter().filter(|j| j.state == JobState::Recovering) {
-            if settling && crate::planning::missing_nodes(&life.store, &life.fleet, &j).await.is_ok_and(|m| !m.is_empty()) {
-                continue;
-            }
-            if !life.recoveries.begin(j.id) {
-                continue;
-            }
-            let life = life.clone();
-            tokio::spawn(async move {
-                let id = j.id;
-                if let Err(e) = life.recover(j).await {
-                    // The database, say: the next pass starts the recovery again.
-                    tracing::warn!(job = id, "recovery: {e}");
-                }
-                life.recoveries.end(id);
-            });
-        }
-    }
 }

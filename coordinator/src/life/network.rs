@@ -33,9 +33,9 @@ use serde_json::{json, Value};
 
 use super::Life;
 use crate::error::Result;
+use crate::job::spec::{JobSpec, ReplanPolicy};
 use crate::job::JobState;
-use crate::jobspec::{JobSpec, ReplanPolicy};
-use crate::links::{LinkKey, Sample};
+use crate::state::links::{LinkKey, Sample};
 use crate::store::{Event, JobRecord, RecoveryCause, Store};
 
 /// The event kind that says why a launch's links are not watched.
@@ -79,7 +79,7 @@ impl Life {
             if spec.checkpoint.is_none() || spec.plan.is_some() {
                 continue; // nothing to resume from, or a plan the job carries (never re-planned)
             }
-            let newest = crate::checkpoints::newest_complete(&self.store, j.id).await?;
+            let newest = crate::views::checkpoints::newest_complete(&self.store, j.id).await?;
             if newest < 0 {
                 continue;
             }
@@ -156,7 +156,7 @@ impl Life {
                 let reason = format!("a plan for the measured links pays for the switch; switching at step {newest}");
                 if store.begin_recovery(j.id, j.generation, RecoveryCause::Replan, 0, &reason).await.is_ok() {
                     tracing::info!(job = j.id, "{reason}");
-                    crate::launch::stop_job(store, fleet, &self.signals, j.id, j.generation, "re-planning").await;
+                    crate::agents::launch::stop_job(store, fleet, &self.signals, j.id, j.generation, "re-planning").await;
                     self.recoveries.kick();
                 }
             }

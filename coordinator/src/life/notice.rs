@@ -25,8 +25,8 @@ use motley_proto::v1::{instruction, Instruction, SaveNow};
 use serde_json::json;
 
 use super::Life;
+use crate::job::spec::JobSpec;
 use crate::job::JobState;
-use crate::jobspec::JobSpec;
 use crate::store::{JobRecord, NodeState, RecoveryCause, Store};
 
 /// The notice room's memory: the notices in flight, by job.
@@ -54,7 +54,7 @@ pub(super) struct Pending {
 /// The newest step of job `id` any file of which was reported, complete or not (-1: none): a
 /// save in flight when a notice is given is not the notice's save, however it ends.
 async fn newest_started(store: &Store, id: i64) -> crate::error::Result<i64> {
-    Ok(crate::checkpoints::steps(store, id).await?.iter().map(|s| s.step).max().unwrap_or(-1))
+    Ok(crate::views::checkpoints::steps(store, id).await?.iter().map(|s| s.step).max().unwrap_or(-1))
 }
 
 /// Node `node` leaves in `deadline`: if launched job `job` (with ranks there) checkpoints and
@@ -183,7 +183,7 @@ async fn from_events(store: &Store, job: &JobRecord) -> crate::error::Result<Opt
 }
 
 impl Life {
-    /// Every base interval (the recovery loop): recover each noticed job whose save is complete or
+    /// Every base interval (the running jobs' watch, `reconcile`): recover each noticed job whose save is complete or
     /// whose deadline came; forget notices whose launch moved on or whose drain was withdrawn.
     pub(super) async fn check_notices(&self) {
         let store = &self.store;
@@ -216,7 +216,7 @@ impl Life {
                 }
                 continue;
             }
-            let newest = match crate::checkpoints::newest_complete(store, id).await {
+            let newest = match crate::views::checkpoints::newest_complete(store, id).await {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::warn!(job = id, "preemption notice: {e}");

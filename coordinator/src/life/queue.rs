@@ -1,4 +1,4 @@
-//! The job queue: a queued job's step. One task of the leader plans queued jobs (`submitted`, or `planning` when a
+//! The job queue: a queued job's step. One worker of the leader plans queued jobs (`submitted`, or `planning` when a
 //! coordinator stopped mid-plan), one at a time and oldest first, onto the GPUs no rank holds,
 //! and sends each launch out. One task means two jobs are never planned onto the same free
 //! GPUs.
@@ -18,33 +18,33 @@
 //! - A job that cannot be planned for any other reason than the database (a stored spec this
 //!   version cannot read) fails with the reason rather than blocking the queue.
 //! - A new launch is sent to its agents at once; one that could not be sent (or inherited from
-//!   an earlier leader) is sent by `life::watch` once its nodes are live.
+//!   an earlier leader) is sent by its step (`reconcile`) once its nodes are live.
 //! - Planning has a deadline (`--plan-timeout-ms`, or the job file's `plan_timeout_s`): a job
 //!   whose plan takes longer fails with the reason. Dispatch, lease and launch timeouts and the
-//!   re-check of launched jobs run on `life::watch`, never behind a plan.
-//! - The queue is looked at on every submit, whenever a job ends, and every base interval.
+//!   re-check of launched jobs run on the reconcile tick, never behind a plan: the queue is the
+//!   tick's worker.
+//! - The queue is looked at on every submit, whenever a job ends, and on every reconcile tick
+//!   (each base interval) that finds a queued job.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::{Life, GRACE_INTERVALS};
+use crate::agents::launch::send_out;
 use crate::error::{CoordinatorError, Result};
 use crate::job::JobState;
-use crate::launch::send_out;
 use crate::planning::{self, Planned};
 
-/// Run the queue for as long as this coordinator leads (a deposed leader exits).
+/// The queue's worker, for as long as this coordinator leads (a deposed leader exits): one
+/// pass whenever it is woken (a submit, a job's end, a profile that came in, and every
+/// reconcile tick that finds a queued job).
 pub async fn run(life: Arc<Life>) {
     let fleet = &life.fleet;
     let began = Instant::now();
     let began_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
-    let mut tick = tokio::time::interval(fleet.base);
     loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = life.signals.queue_changed() => {}
-        }
+        life.signals.queue_changed().await;
         // Early in a term, or soon after this process was paused: agents may still be on their
         // way back, so a queued job whose nodes are not live waits rather than fails.
         let grace = fleet.base * GRACE_INTERVALS;

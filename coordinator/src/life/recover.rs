@@ -27,18 +27,18 @@ use motley_proto::v1::{instruction, Instruction, RestoreResult};
 use serde_json::json;
 
 use super::Life;
+use crate::agents::launch;
 use crate::error::{CoordinatorError, Result};
-use crate::fleet::Fleet;
+use crate::job::spec::JobSpec;
 use crate::job::JobState;
-use crate::jobspec::JobSpec;
-use crate::launch;
-use crate::restore_plan::{self, Mode, NodeInfo, StepChoice};
-use crate::signals::JobSignals;
+use crate::planning::restore_plan::{self, Mode, NodeInfo, StepChoice};
+use crate::state::fleet::Fleet;
+use crate::state::signals::JobSignals;
 use crate::store::{JobRecord, Store};
 
 /// The recovery room's memory: the jobs this leader's recovery tasks work on, the launches
 /// with a failed rank (classified after one lease), the restore requests numbered, and the
-/// wake-up of the recovery loop when one begins.
+/// wake-up of the reconcile tick when one begins.
 pub struct Recoveries {
     in_flight: Mutex<HashSet<i64>>,
     failed_ranks: Mutex<HashMap<(i64, i64), Instant>>,

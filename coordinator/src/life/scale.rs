@@ -6,8 +6,8 @@ use std::sync::Mutex;
 
 use super::{usable_nodes, Life};
 use crate::error::Result;
+use crate::job::spec::JobSpec;
 use crate::job::JobState;
-use crate::jobspec::JobSpec;
 use crate::store::{JobRecord, RecoveryCause};
 
 /// A running launch's live nodes when first seen, and the newest complete step when more were.
@@ -60,7 +60,7 @@ impl Life {
             if spec.resources.gpus.is_some_and(|g| ranks.len() as u32 >= g) {
                 continue; // already at its GPU budget
             }
-            let newest = crate::checkpoints::newest_complete(store, j.id).await?;
+            let newest = crate::views::checkpoints::newest_complete(store, j.id).await?;
             match seen.1 {
                 None => {
                     self.scale.lock().insert(key, (seen.0, Some(newest)));
@@ -94,7 +94,7 @@ impl Life {
                         format!("{} live nodes can take it (it was launched when {} were); scaling up from step {newest}", live, seen.0);
                     if store.begin_recovery(j.id, j.generation, RecoveryCause::ScaleUp, 0, &reason).await.is_ok() {
                         tracing::info!(job = j.id, "{reason}");
-                        crate::launch::stop_job(store, fleet, &self.signals, j.id, j.generation, "scaling up").await;
+                        crate::agents::launch::stop_job(store, fleet, &self.signals, j.id, j.generation, "scaling up").await;
                         self.recoveries.kick();
                     }
                 }

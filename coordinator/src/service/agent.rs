@@ -20,24 +20,24 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::control;
+use crate::agents::reports::NodeReport;
+use crate::api::control;
 use crate::error::CoordinatorError;
-use crate::fleet::{Fleet, Outbound, Refused};
-use crate::reports::NodeReport;
 use crate::service::{status_of, Tokens};
-use crate::signals::JobSignals;
+use crate::state::fleet::{Fleet, Outbound, Refused};
+use crate::state::signals::JobSignals;
 use crate::store::{Holding, NodeState, RankReport, Store};
 
 pub struct AgentService {
     pub store: Store,
     pub fleet: Arc<Fleet>,
     /// Where what agents tell of their nodes and restores goes (`facts`), read by the job's life.
-    pub facts: Arc<crate::facts::Facts>,
+    pub facts: Arc<crate::state::facts::Facts>,
     /// Tells the job's life which jobs were reported, and when to send launches again.
     pub signals: Arc<JobSignals>,
     pub tokens: Tokens,
     /// Only the leader takes agents; a standby names the leader.
-    pub role: Arc<crate::leader::Role>,
+    pub role: Arc<crate::server::leader::Role>,
     /// Each agent gets the key derived from it for its node at registration, and checks peers'
     /// capabilities with that.
     pub data_plane_key: crate::life::DataPlaneKey,
@@ -70,7 +70,7 @@ impl Agent for AgentService {
             .map(|n| n.rdma_domain.unwrap_or_else(|| "default".into()));
         self.facts.set_node(
             &r.node,
-            crate::restore_plan::NodeInfo {
+            crate::planning::restore_plan::NodeInfo {
                 data_url: r.data_url,
                 rdma_domain: domain,
                 disk_read_mb_s: rates.disk_read_mb_s,
@@ -144,7 +144,7 @@ fn ack(seq: u64) -> Outbound {
 async fn read(
     mut inbound: Streaming<AgentStatus>,
     fleet: Arc<Fleet>,
-    facts: Arc<crate::facts::Facts>,
+    facts: Arc<crate::state::facts::Facts>,
     outbox: mpsc::UnboundedSender<Outbound>,
     to_worker: mpsc::UnboundedSender<AgentStatus>,
 ) {
@@ -157,7 +157,7 @@ async fn read(
         }
         // Interval heartbeats (they carry the load), not the rank reports an agent sends between them.
         let interval = status.load.is_some() || (status.ranks.is_empty() && status.profiles.is_empty());
-        match fleet.renew(&status.node, status.epoch, &outbox, status.load.clone().map(crate::load::from_proto), interval) {
+        match fleet.renew(&status.node, status.epoch, &outbox, status.load.clone().map(crate::state::load::from_proto), interval) {
             Ok(()) => {}
             Err(Refused::Stale { current }) => {
                 let e = CoordinatorError::StaleAgent { node: status.node.clone(), given: status.epoch, current };
@@ -217,7 +217,7 @@ fn at_or_now(at_unix_ms: i64, now: i64) -> i64 {
 /// A message's link samples and NIC rates into the link matrix (`Fleet::links`). A sample to a
 /// peer that never registered with this leader (so has no data plane to probe), a node paired
 /// with itself, a kind or name that is not a short token, a rate that is not a number: dropped.
-fn measured(fleet: &Fleet, facts: &crate::facts::Facts, status: &AgentStatus) {
+fn measured(fleet: &Fleet, facts: &crate::state::facts::Facts, status: &AgentStatus) {
     if status.links.is_empty() && status.nics.is_empty() {
         return;
     }
@@ -230,7 +230,8 @@ fn measured(fleet: &Fleet, facts: &crate::facts::Facts, status: &AgentStatus) {
             dropped += 1;
             continue;
         }
-        let sample = crate::links::Sample { at_unix_ms: at_or_now(l.at_unix_ms, now), gb_per_s: l.gb_per_s, latency_ms: l.latency_ms };
+        let sample =
+            crate::state::links::Sample { at_unix_ms: at_or_now(l.at_unix_ms, now), gb_per_s: l.gb_per_s, latency_ms: l.latency_ms };
         fleet.links.record(&status.node, &l.peer, &l.nic_kind, sample);
     }
     for n in status.nics.iter().take(MAX_NICS_PER_MESSAGE) {
@@ -239,7 +240,7 @@ fn measured(fleet: &Fleet, facts: &crate::facts::Facts, status: &AgentStatus) {
             dropped += 1;
             continue;
         }
-        fleet.links.record_nic(crate::links::NicView {
+        fleet.links.record_nic(crate::state::links::NicView {
             node: status.node.clone(),
             name: n.name.clone(),
             kind: n.kind.clone(),
@@ -259,7 +260,7 @@ fn measured(fleet: &Fleet, facts: &crate::facts::Facts, status: &AgentStatus) {
 async fn work_on(
     mut work: mpsc::UnboundedReceiver<AgentStatus>,
     store: Store,
-    facts: Arc<crate::facts::Facts>,
+    facts: Arc<crate::state::facts::Facts>,
     signals: Arc<JobSignals>,
     outbox: mpsc::UnboundedSender<Outbound>,
 ) {
@@ -294,12 +295,12 @@ async fn work_on(
 /// One message applied (`reports`), and the stops it calls for sent down the session.
 async fn apply(
     store: &Store,
-    facts: &crate::facts::Facts,
+    facts: &crate::state::facts::Facts,
     signals: &JobSignals,
     outbox: &mpsc::UnboundedSender<Outbound>,
     status: &AgentStatus,
 ) -> Result<(), CoordinatorError> {
-    for s in crate::reports::apply(store, facts, signals, node_report(status)).await? {
+    for s in crate::agents::reports::apply(store, facts, signals, node_report(status)).await? {
         let stop = Stop { job: s.job, generation: s.generation, reason: s.reason };
         let _ = outbox.send(Outbound::Instruction(Instruction { kind: Some(instruction::Kind::Stop(stop)) }));
     }

@@ -15,9 +15,9 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 use crate::api::Operations;
-use crate::fleet::Fleet;
-use crate::leader::Role;
+use crate::server::leader::Role;
 use crate::service::{status_of, Tokens};
+use crate::state::fleet::Fleet;
 use crate::store::Store;
 
 pub struct ControlService {

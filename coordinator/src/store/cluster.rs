@@ -1,12 +1,12 @@
-//! The cluster's identity (migration 0011; `crate::cluster`): named once, by whichever
+//! The cluster's identity (migration 0011; `crate::job::cluster`): named once, by whichever
 //! coordinator first finds the name empty, and read by every coordinator at open, so HA
 //! coordinators and restarts share it, and a second database (another cluster) has its own.
 
 use sqlx::{AnyPool, Row};
 
 use super::Store;
-use crate::cluster::{new_id, valid_id, ClusterIdentity, ID_BYTES};
 use crate::error::{CoordinatorError, Result};
+use crate::job::cluster::{new_id, valid_id, ClusterIdentity, ID_BYTES};
 
 /// The stored identity, named now from fresh random bytes if it has no name yet. Two
 /// coordinators opening at once both get the name that landed first.

@@ -114,7 +114,7 @@ def canonical_spec(spec) -> dict:
     kv_heads heads, gated_mlp false), plus `family` and `qkv_bias` for family llama (so a gpt
     model's hash is what it always was) and `o_bias` when true (so a model without one keeps its
     hash). No floats: Python and Rust print them differently, and norm_eps or the rotary
-    settings change no time or memory. coordinator/src/profiling.rs canonical_json is the same."""
+    settings change no time or memory. coordinator/src/planning/profiling.rs canonical_json is the same."""
     d = spec.to_dict()
     out = {k: d[k] for k in ("name", "layers", "hidden", "heads", "seq_len", "vocab", "ffn_hidden",
                              "kv_heads", "gated_mlp")}

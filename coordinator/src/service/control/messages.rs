@@ -5,9 +5,9 @@
 use motley_proto::v1 as pb;
 
 use crate::api::{DryRunView, Job, LeaderView, Network, Node, PlanView};
-use crate::checkpoints::{StepGrid, StepView};
-use crate::profiling::{ProfileRun, RunState};
+use crate::planning::profiling::{ProfileRun, RunState};
 use crate::store::{Event, ProfileRecord, RankAssignment, RankRecord};
+use crate::views::checkpoints::{StepGrid, StepView};
 
 impl From<Node> for pb::Node {
     fn from(n: Node) -> Self {
@@ -16,7 +16,7 @@ impl From<Node> for pb::Node {
             live: v.live,
             emulated: v.emulated,
             load_age_ms: v.load.as_ref().map_or(0, |l| l.age_ms),
-            load: v.load.map(crate::load::to_proto),
+            load: v.load.map(crate::state::load::to_proto),
             state: v.state.as_str().to_string(),
             name: v.name,
             agent_epoch: v.agent_epoch,

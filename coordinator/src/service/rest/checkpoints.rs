@@ -5,7 +5,7 @@ use axum::Json;
 use serde::Deserialize;
 
 use super::{ApiResult, AppState};
-use crate::checkpoints::{StepGrid, StepView};
+use crate::views::checkpoints::{StepGrid, StepView};
 
 /// The job's checkpoint steps some node holds, newest first, each complete or not.
 #[utoipa::path(get, path = "/api/v1/jobs/{id}/checkpoints", tag = "checkpoints",

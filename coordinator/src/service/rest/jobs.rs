@@ -11,8 +11,8 @@ use serde::Deserialize;
 use super::{ApiResult, AppState};
 use crate::api::{DryRunView, Job, PlanView};
 use crate::error::CoordinatorError;
-use crate::rank_logs::{self, LogRead};
 use crate::store::Event;
+use crate::views::rank_logs::{self, LogRead};
 
 pub use motley_contract::curves::Curves;
 use motley_contract::views::JobView;

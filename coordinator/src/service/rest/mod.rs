@@ -23,18 +23,18 @@ use serde::Serialize;
 
 use crate::api::{LeaderView, Operations};
 use crate::error::CoordinatorError;
-use crate::metrics::Metrics;
+use crate::server::metrics::Metrics;
 use crate::store::Store;
 
 #[derive(Clone)]
 pub struct AppState {
     pub store: Store,
-    pub fleet: std::sync::Arc<crate::fleet::Fleet>,
+    pub fleet: std::sync::Arc<crate::state::fleet::Fleet>,
     /// The job controller (drains, queued jobs' reasons).
     pub life: std::sync::Arc<crate::life::Life>,
     /// The operators' token the control API requires (and the agents', for their log service).
     pub tokens: crate::service::Tokens,
-    pub role: std::sync::Arc<crate::leader::Role>,
+    pub role: std::sync::Arc<crate::server::leader::Role>,
     pub metrics: Metrics,
     /// What the agents' log-service certificates are checked against when their logs URL is
     /// https (`--agent-ca-cert`, else the public web roots).
@@ -42,7 +42,7 @@ pub struct AppState {
     /// The names this coordinator answers to (`hosts`): a request for another is refused.
     pub hosts: std::sync::Arc<hosts::ServedHosts>,
     /// The training curves read so far, per job and generation (`rank_logs::curves`).
-    pub curves: std::sync::Arc<crate::rank_logs::curves::CurvesCache>,
+    pub curves: std::sync::Arc<crate::views::rank_logs::curves::CurvesCache>,
 }
 
 impl AppState {

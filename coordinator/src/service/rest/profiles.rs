@@ -6,7 +6,7 @@ use axum::Json;
 use serde::Deserialize;
 
 use super::{ApiResult, AppState};
-use crate::profiling::{ProfileRun, RunRequest};
+use crate::planning::profiling::{ProfileRun, RunRequest};
 use crate::store::ProfileRecord;
 
 #[derive(Deserialize, utoipa::IntoParams)]

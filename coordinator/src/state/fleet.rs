@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::error::CoordinatorError;
-use crate::load::NodeLoad;
+use crate::state::load::NodeLoad;
 
 /// A lease expires after this many base intervals without a heartbeat.
 pub const LEASE_INTERVALS: u32 = 3;
@@ -85,7 +85,7 @@ pub struct Fleet {
     /// How long planning one job may take.
     pub plan_deadline: Duration,
     /// The live link matrix agents measure (`links`): rebuilt from heartbeats, like leases.
-    pub links: crate::links::Links,
+    pub links: crate::state::links::Links,
 }
 
 impl Fleet {
@@ -99,7 +99,7 @@ impl Fleet {
             last_pause: Mutex::new(None),
             heartbeats: AtomicU64::new(0),
             launches: AtomicU64::new(0),
-            links: crate::links::Links::new(base),
+            links: crate::state::links::Links::new(base),
         })
     }
 

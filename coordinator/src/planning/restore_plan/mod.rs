@@ -43,17 +43,8 @@ pub const DEFAULT_DISK_MB_S: f64 = 3500.0;
 pub const DEFAULT_NIC_MB_S: f64 = 12_500.0;
 pub const DEFAULT_MEM_MB_S: f64 = 10_000.0;
 
-/// A live node as the restore sees it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NodeInfo {
-    pub data_url: String,
-    /// The node's RDMA domain when its agent reported an RDMA device (peers in the same domain
-    /// fetch from it over RDMA).
-    pub rdma_domain: Option<String>,
-    pub disk_read_mb_s: f64,
-    pub nic_mb_s: f64,
-    pub mem_copy_mb_s: f64,
-}
+/// A live node as the restore sees it: what its agent told (`state::facts`).
+pub use crate::state::facts::NodeInfo;
 
 /// What the bitmap offers a recovery.
 #[derive(Debug, Clone, PartialEq)]

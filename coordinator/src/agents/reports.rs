@@ -9,8 +9,8 @@
 use motley_proto::v1::RestoreResult;
 
 use crate::error::CoordinatorError;
-use crate::facts::Facts;
-use crate::signals::JobSignals;
+use crate::state::facts::Facts;
+use crate::state::signals::JobSignals;
 use crate::store::{Holding, RankReport, Store};
 
 /// One status message of an agent session, in the store's terms.
@@ -71,18 +71,18 @@ pub async fn apply(store: &Store, facts: &Facts, signals: &JobSignals, report: N
         store.replace_holdings(&report.node, report.epoch, held).await?;
     }
     for (request, profile_json, error) in &report.profiles {
-        crate::profiling::receive(store, signals, &report.node, *request, profile_json, error).await?;
+        crate::planning::profiling::receive(store, signals, &report.node, *request, profile_json, error).await?;
     }
     for r in report.restores {
         facts.restored(&report.node, r);
     }
     if let Some(known) = known {
         // A launch queued on the session before this one may never have reached the agent:
-        // the lease watcher sends launching launches again (an agent ignores ranks it has).
+        // the reconcile tick sends launching launches again (an agent ignores ranks it has).
         signals.resend_launches();
         jobs.extend(store.lose_unknown_ranks(&report.node, report.epoch, &known).await?);
     }
-    // The job's life moves them on (`life::watch`); this room only tells it which.
+    // The job's life moves them on (`life::reconcile`); this room only tells it which.
     signals.reported(&jobs);
     Ok(stops)
 }

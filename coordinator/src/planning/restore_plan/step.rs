@@ -20,7 +20,7 @@ fn usable(h: &Holding, live: &dyn Fn(&str) -> bool) -> bool {
 /// The format's rule (`checkpoints::completeness`) over each file once.
 fn complete(files: &[&Holding]) -> Option<String> {
     let distinct: BTreeMap<&str, &Holding> = files.iter().map(|h| (h.file.as_str(), *h)).collect();
-    crate::checkpoints::completeness(&distinct.into_values().collect::<Vec<_>>())
+    crate::views::checkpoints::completeness(&distinct.into_values().collect::<Vec<_>>())
 }
 
 /// The newest step one generation of which has a usable copy of every file.

@@ -1,4 +1,4 @@
-//! The leader's background work (the lease watcher, the job queue, the takeover) runs as tasks;
+//! The leader's background work (the lease clock, the reconcile tick, the job queue) runs as tasks;
 //! a task that panics or returns would leave a leader that answers `/ready` but schedules
 //! nothing. `watch` waits on all of them and returns the first that ends, with why: the caller
 //! ends the leadership and the process, loudly (systemd starts it again, as a standby if

@@ -363,7 +363,7 @@ impl JobSpec {
             ));
         }
         for (i, n) in self.resources.nodes.iter().enumerate() {
-            crate::validate::node_name(n).map_err(|e| CoordinatorError::invalid(format!("resources.nodes[{i}]"), e))?;
+            crate::job::validate::node_name(n).map_err(|e| CoordinatorError::invalid(format!("resources.nodes[{i}]"), e))?;
         }
         Ok(())
     }

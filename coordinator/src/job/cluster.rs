@@ -8,7 +8,7 @@
 //! as one more path segment, `URL/CLUSTER/jobs/JOB/GEN/step-S/FILE`. The agents build the rest
 //! of the key from what they are given (`MOTLEY_CKPT_CLOUD`, a restore's `cloud_url`).
 
-use crate::jobspec::JobSpec;
+use crate::job::spec::JobSpec;
 
 /// Random bytes in a new cluster id (written as twice as many hex digits).
 pub const ID_BYTES: usize = 8;
@@ -99,7 +99,7 @@ mod tests {
     fn a_jobs_checkpoints_are_under_jobs_and_its_id() {
         let mut spec = JobSpec::parse("name: j\nmodel: gpt3-1.3b\nglobal_batch: 8\nrun: 'true'\n").unwrap();
         assert_eq!(cluster().checkpoint_cloud(&spec, 5), None, "no cloud named");
-        spec.checkpoint = Some(crate::jobspec::CheckpointSpec { every: 1, keep: None, cloud: Some("file:///c".into()) });
+        spec.checkpoint = Some(crate::job::spec::CheckpointSpec { every: 1, keep: None, cloud: Some("file:///c".into()) });
         assert_eq!(cluster().checkpoint_cloud(&spec, 5).as_deref(), Some("file:///c/0a1b2c3d4e5f6789"));
         assert_eq!(cluster().job_checkpoints(&spec, 5).as_deref(), Some("file:///c/0a1b2c3d4e5f6789/jobs/5"));
         assert_eq!(cluster().job_checkpoints(&spec, 2).as_deref(), Some("file:///c/jobs/2"));

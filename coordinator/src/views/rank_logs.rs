@@ -16,7 +16,7 @@ pub mod curves;
 use motley_contract::curves::{Curves, GenerationCurves};
 
 use crate::error::CoordinatorError;
-use crate::fleet::Fleet;
+use crate::state::fleet::Fleet;
 use crate::store::{JobRecord, Store};
 
 /// At most this much log per chunk (the agent's own limit); a reader asks again from the new

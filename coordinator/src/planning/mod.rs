@@ -6,6 +6,9 @@
 //! offered nodes (`Fleet.links`) are in force where there are any (`Cluster::with_measurements`),
 //! and every plan says which rates it assumed (`PlanDocument.network`).
 
+pub mod profiling;
+pub mod restore_plan;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use motley_solver::bandwidth::{plan_network as links_of, BandwidthSpec, PlanNetwork};
@@ -15,10 +18,10 @@ use motley_solver::replan::{ReplanReport, SwitchPolicy};
 use motley_solver::{Cluster, ClusterSpec, PlanDocument, PlanRequest, ProfileSet};
 
 use crate::error::{CoordinatorError, Result};
-use crate::fleet::Fleet;
+use crate::job::spec::{JobSpec, ProfilingMode};
 use crate::job::JobState;
-use crate::jobspec::{JobSpec, ProfilingMode};
-use crate::profiling::Prepared;
+use crate::planning::profiling::Prepared;
+use crate::state::fleet::Fleet;
 use crate::store::{JobRecord, NodeState, RankAssignment, Store};
 
 /// How long planning the job may take: its `plan_timeout_s`, or the coordinator's.
@@ -31,7 +34,7 @@ fn deadline(fleet: &Fleet, spec: &JobSpec) -> std::time::Duration {
 pub async fn dry_run(store: &Store, fleet: &Fleet, spec: &JobSpec) -> Result<(PlanDocument, Vec<RankAssignment>)> {
     check_plan_gpus(store, spec).await?;
     let offer = offer(store, spec, None).await?;
-    let profiles = crate::profiling::stored_for(store, spec).await?;
+    let profiles = crate::planning::profiling::stored_for(store, spec).await?;
     let measured = measured(fleet, &offer);
     solve(spec, offer, profiles, measured, None, deadline(fleet, spec)).await.map(|s| (s.report, s.ranks))
 }
@@ -55,7 +58,7 @@ pub async fn taken(store: &Store, fleet: &Fleet, jobs: &[JobRecord]) -> Result<T
         }
     }
     // GPUs a profile run measures on now (job 0: no job holds them; see PROFILING).
-    for (node, gpu) in crate::profiling::gpus_in_use(store).await? {
+    for (node, gpu) in crate::planning::profiling::gpus_in_use(store).await? {
         taken.entry(node).or_default().entry(gpu).or_insert(PROFILING);
     }
     Ok(taken)
@@ -112,7 +115,7 @@ pub async fn plan_job(store: &Store, fleet: &Fleet, id: i64, taken: &Taken) -> R
     // Measured layer profiles: stored ones, and runs sent for what is missing (the job waits).
     let offered: Vec<(NodeSpec, Vec<u32>)> =
         offer.nodes.iter().map(|n| (n.clone(), offer.real.get(&n.name).cloned().unwrap_or_default())).collect();
-    let (profiles, without) = match crate::profiling::prepare(store, fleet, id, &spec, &offered).await {
+    let (profiles, without) = match crate::planning::profiling::prepare(store, fleet, id, &spec, &offered).await {
         Ok(Prepared::Waiting(why)) => return Ok(Planned::Waiting(why)),
         Ok(Prepared::Ready { profiles, without }) => (profiles, without),
         Err(e @ CoordinatorError::Database(_)) => return Err(e),
@@ -123,7 +126,7 @@ pub async fn plan_job(store: &Store, fleet: &Fleet, id: i64, taken: &Taken) -> R
     match solve(&spec, offer, profiles, measured, None, deadline(fleet, &spec)).await {
         Ok(Solved { report, ranks, .. }) => {
             if !without.is_empty() {
-                store.record_event(Some(id), None, "profiling", &crate::profiling::roofline_summary(&without)).await?;
+                store.record_event(Some(id), None, "profiling", &crate::planning::profiling::roofline_summary(&without)).await?;
             }
             if let Some(why) = unused_gpus(&spec, &report, wanted) {
                 store.record_event(Some(id), None, "plan", &why).await?;
@@ -201,7 +204,7 @@ pub async fn plan_for_recovery(store: &Store, fleet: &Fleet, job: &JobRecord, ta
     // A plan it cannot read, or one on GPUs not offered now (a node lost), seeds nothing.
     let replaced: Option<PlanDocument> = store.plan(job.id, job.generation).await.ok().and_then(|p| serde_json::from_str(&p).ok());
     let seed = replaced.as_ref().and_then(|p| in_offer_numbers(p, &offer.real).ok());
-    let profiles = crate::profiling::stored_for(store, &spec).await?;
+    let profiles = crate::planning::profiling::stored_for(store, &spec).await?;
     let measured = measured(fleet, &offer);
     let may_use = offer.wanted.min(offer.free);
     let solved = solve(&spec, offer, profiles, measured, seed, deadline(fleet, &spec)).await?;
@@ -232,10 +235,11 @@ pub async fn replan_running(store: &Store, fleet: &Fleet, job: &JobRecord, taken
     let current: PlanDocument = serde_json::from_str(&store.plan(job.id, job.generation).await?)
         .map_err(|e| CoordinatorError::Conflict(format!("stored plan: {e}")))?;
     let current = in_offer_numbers(&current, &offer.real)?;
-    let profiles = crate::profiling::stored_for(store, &spec).await?;
+    let profiles = crate::planning::profiling::stored_for(store, &spec).await?;
     let measured = measured(fleet, &offer);
-    let declared = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes: offer.nodes, gpu_types: crate::catalog::declared() })
-        .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
+    let declared =
+        Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes: offer.nodes, gpu_types: crate::state::catalog::declared() })
+            .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
     let (cluster, _) = with_measurements(&declared, measured);
     let model = spec.model()?;
     let (mut opts, mode) = spec.plan_options()?;
@@ -426,7 +430,7 @@ async fn solve(
 ) -> Result<Solved> {
     let Offer { nodes, real, .. } = offer;
     let only_measured = (spec.profiling().mode == ProfilingMode::Only).then(|| (nodes.clone(), profiles.clone()));
-    let declared = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: crate::catalog::declared() })
+    let declared = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: crate::state::catalog::declared() })
         .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
     let (cluster, measured) = with_measurements(&declared, measured);
     let model = spec.model()?;
@@ -463,7 +467,7 @@ async fn solve(
         other => CoordinatorError::Conflict(other.to_string()),
     })?;
     if let Some((nodes, profiles)) = &only_measured {
-        crate::profiling::check_measured(&report, nodes, profiles)?;
+        crate::planning::profiling::check_measured(&report, nodes, profiles)?;
     }
     report.network = plan_network(&report, &declared, measured.as_ref());
     let renumber = |g: &mut GpuId| {

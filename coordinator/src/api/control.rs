@@ -6,27 +6,27 @@ use motley_solver::hardware::NodeSpec;
 use motley_solver::{Cluster, ClusterSpec, PlanDocument};
 
 use crate::error::{CoordinatorError, Result};
+use crate::job::spec::JobSpec;
 use crate::job::JobState;
-use crate::jobspec::JobSpec;
-use crate::signals::JobSignals;
+use crate::state::signals::JobSignals;
 use crate::store::{JobRecord, NodeState, RankAssignment, Store};
 
 /// Declare (or update) a node's inventory: its cluster-file entry, one node (no `count`).
 #[tracing::instrument(skip(store, entry))]
 pub async fn declare_node(store: &Store, name: &str, entry: &str) -> Result<i64> {
-    crate::validate::node_name(name).map_err(|e| CoordinatorError::invalid("node.name", e))?;
+    crate::job::validate::node_name(name).map_err(|e| CoordinatorError::invalid("node.name", e))?;
     let mut value: serde_norway::Value = serde_norway::from_str(entry).map_err(|e| CoordinatorError::invalid("node", format!("{e}")))?;
     let Some(map) = value.as_mapping_mut() else {
         return Err(CoordinatorError::invalid("node", "must be a cluster-file node entry (gpu, gpus, nics, ...)"));
     };
     // The name comes from the URL (or the agent); an entry may leave it out.
     map.insert("name".into(), name.into());
-    let spec: NodeSpec = crate::jobspec::parse_yaml(value, "node")?;
+    let spec: NodeSpec = crate::job::spec::parse_yaml(value, "node")?;
     if spec.count.is_some() {
         return Err(CoordinatorError::invalid("node.count", "a node entry here is one node; remove count"));
     }
     // The same validation as a cluster file.
-    Cluster::from_spec(&ClusterSpec { name: "check".into(), nodes: vec![spec.clone()], gpu_types: crate::catalog::declared() })
+    Cluster::from_spec(&ClusterSpec { name: "check".into(), nodes: vec![spec.clone()], gpu_types: crate::state::catalog::declared() })
         .map_err(|e| CoordinatorError::invalid(e.to_string().replace("nodes[0]", "node"), "see the cluster file format in README.md"))?;
     let json = serde_json::to_string(&spec).expect("a node spec serialises");
     store.register_node(name, &json).await
@@ -45,7 +45,7 @@ pub async fn submit(store: &Store, signals: &JobSignals, text: &str) -> Result<J
 /// Plan a job file without storing anything, on the declared inventory (active nodes, live or
 /// not: operators plan before the agents are up).
 #[tracing::instrument(skip_all)]
-pub async fn dry_run(store: &Store, fleet: &crate::fleet::Fleet, text: &str) -> Result<(PlanDocument, Vec<RankAssignment>)> {
+pub async fn dry_run(store: &Store, fleet: &crate::state::fleet::Fleet, text: &str) -> Result<(PlanDocument, Vec<RankAssignment>)> {
     crate::planning::dry_run(store, fleet, &JobSpec::parse(text)?).await
 }
 
@@ -97,16 +97,16 @@ pub async fn set_draining(
 
 /// Cancel a job that is not over yet, and stop its ranks.
 #[tracing::instrument(skip(store, fleet, signals))]
-pub async fn cancel(store: &Store, fleet: &crate::fleet::Fleet, signals: &JobSignals, id: i64, reason: &str) -> Result<JobRecord> {
+pub async fn cancel(store: &Store, fleet: &crate::state::fleet::Fleet, signals: &JobSignals, id: i64, reason: &str) -> Result<JobRecord> {
     let job = store.transition(id, JobState::Cancelled, Some(reason)).await?;
-    crate::launch::stop_job(store, fleet, signals, job.id, job.generation, reason).await;
+    crate::agents::launch::stop_job(store, fleet, signals, job.id, job.generation, reason).await;
     Ok(job)
 }
 
 /// Remove a node from the inventory: refused while its agent holds a lease (it would register
 /// the node again) or while ranks of an unfinished job, or ranks still running, are on it.
 #[tracing::instrument(skip(store, fleet))]
-pub async fn remove_node(store: &Store, fleet: &crate::fleet::Fleet, name: &str) -> Result<crate::store::NodeRecord> {
+pub async fn remove_node(store: &Store, fleet: &crate::state::fleet::Fleet, name: &str) -> Result<crate::store::NodeRecord> {
     let node = store.node(name).await?;
     if fleet.live(name) {
         return Err(CoordinatorError::Conflict(format!(

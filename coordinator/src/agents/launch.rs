@@ -9,10 +9,10 @@ use std::collections::HashMap;
 use motley_proto::v1::{Launch, PeerDataPlane, RankLaunch};
 
 use crate::error::CoordinatorError;
-use crate::fleet::Fleet;
+use crate::job::spec::JobSpec;
 use crate::job::JobState;
-use crate::jobspec::JobSpec;
-use crate::signals::JobSignals;
+use crate::state::fleet::Fleet;
+use crate::state::signals::JobSignals;
 use crate::store::Store;
 
 /// A launch not acknowledged (every rank running) within this many base intervals of this

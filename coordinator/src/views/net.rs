@@ -11,7 +11,7 @@ use motley_solver::hardware::NodeSpec;
 use motley_solver::{Cluster, ClusterSpec};
 
 use crate::error::{CoordinatorError, Result};
-use crate::fleet::Fleet;
+use crate::state::fleet::Fleet;
 use crate::store::{NodeRecord, Store};
 
 /// The matrix, or (`node`) only that node's links and NICs. An empty name is every node; a
@@ -85,7 +85,9 @@ impl Declared {
     fn new(nodes: &[NodeRecord]) -> Declared {
         let specs: Vec<NodeSpec> = nodes.iter().filter_map(|n| serde_json::from_str::<NodeSpec>(&n.inventory).ok()).collect();
         let cluster = (!specs.is_empty())
-            .then(|| Cluster::from_spec(&ClusterSpec { name: "declared".into(), nodes: specs, gpu_types: crate::catalog::declared() }))
+            .then(|| {
+                Cluster::from_spec(&ClusterSpec { name: "declared".into(), nodes: specs, gpu_types: crate::state::catalog::declared() })
+            })
             .and_then(|c| c.map_err(|e| tracing::warn!("the declared inventory does not make a cluster: {e}")).ok());
         let class = cluster.iter().flat_map(|c| c.nodes.iter().map(|n| (n.name.clone(), n.class))).collect();
         Declared { cluster, class }

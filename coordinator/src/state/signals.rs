@@ -35,7 +35,7 @@ impl JobSignals {
     }
 
     /// Claim the sending of a launch: true for the one caller that is to send it (the queue
-    /// and the lease watcher's recheck may both find it unsent; a launch sent twice costs
+    /// and the reconcile tick's step may both find it unsent; a launch sent twice costs
     /// every node a second Launch).
     pub fn claim_send(&self, job: i64, generation: i64) -> bool {
         self.sent().insert((job, generation))

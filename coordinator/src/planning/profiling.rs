@@ -24,8 +24,8 @@ use motley_solver::{Model, ModelSpec, PlanOptions, ProfileSet, SearchMode};
 use sha2::{Digest, Sha256};
 
 use crate::error::{CoordinatorError, Result};
-use crate::fleet::Fleet;
-use crate::jobspec::{JobSpec, ProfilingMode};
+use crate::job::spec::{JobSpec, ProfilingMode};
+use crate::state::fleet::Fleet;
 use crate::store::{NewProfile, ProfileRecord, RunKey, Store};
 
 /// A profile run may take this many base intervals before it counts as failed (the agent is
@@ -379,7 +379,7 @@ pub fn check_measured(report: &motley_solver::PlanDocument, nodes: &[NodeSpec], 
 /// its own model hash.
 pub async fn receive(
     store: &Store,
-    signals: &crate::signals::JobSignals,
+    signals: &crate::state::signals::JobSignals,
     node: &str,
     request: i64,
     entry_json: &str,
@@ -455,12 +455,12 @@ async fn checked_entry(store: &Store, node: &str, entry_json: &str, sent: Option
 /// `motley profile run`: measure one key on a node of the GPU type (the given one, or any live
 /// agent that can profile), now, whatever is stored.
 pub async fn run_now(store: &Store, fleet: &Fleet, req: &RunRequest) -> Result<ProfileRun> {
-    let model_ref: crate::jobspec::ModelRef = serde_json::from_value(req.model.clone())
+    let model_ref: crate::job::spec::ModelRef = serde_json::from_value(req.model.clone())
         .map_err(|e| CoordinatorError::invalid("model", format!("{e}; give a catalog name or a model entry")))?;
-    let model = crate::jobspec::resolve_model(&model_ref, req.seq_len, "seq_len")?;
+    let model = crate::job::spec::resolve_model(&model_ref, req.seq_len, "seq_len")?;
     let dtype = req.dtype.clone().unwrap_or_else(|| "fp32".into());
-    if !crate::jobspec::PROFILE_DTYPES.contains(&dtype.as_str()) {
-        return Err(CoordinatorError::invalid("dtype", format!("use one of {}", crate::jobspec::PROFILE_DTYPES.join(", "))));
+    if !crate::job::spec::PROFILE_DTYPES.contains(&dtype.as_str()) {
+        return Err(CoordinatorError::invalid("dtype", format!("use one of {}", crate::job::spec::PROFILE_DTYPES.join(", "))));
     }
     if req.tp == 0 || !req.tp.is_power_of_two() {
         return Err(CoordinatorError::invalid("tp", "must be a power of two (1, 2, 4, 8)"));

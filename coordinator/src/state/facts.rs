@@ -10,7 +10,18 @@ use std::sync::Mutex;
 
 use motley_proto::v1::RestoreResult;
 
-use crate::restore_plan::NodeInfo;
+/// A live node as its agent told it: where its data plane listens and its rates (the restore
+/// planner's view of a node).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeInfo {
+    pub data_url: String,
+    /// The node's RDMA domain when its agent reported an RDMA device (peers in the same domain
+    /// fetch from it over RDMA).
+    pub rdma_domain: Option<String>,
+    pub disk_read_mb_s: f64,
+    pub nic_mb_s: f64,
+    pub mem_copy_mb_s: f64,
+}
 
 #[derive(Default)]
 pub struct Facts {

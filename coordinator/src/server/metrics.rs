@@ -11,9 +11,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::fleet::Fleet;
 use crate::job::JobState;
-use crate::leader::Role;
+use crate::server::leader::Role;
+use crate::state::fleet::Fleet;
 use crate::store::Store;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
