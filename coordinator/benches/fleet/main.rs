@@ -195,7 +195,7 @@ fn rss_mib(pid: u32) -> Result<(f64, f64)> {
 
 async fn http(addr: &str, method: &str, path: &str, body: &str) -> Result<Value> {
     let mut s = tokio::net::TcpStream::connect(addr).await.with_context(|| format!("REST {addr}"))?;
-    let req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+    let req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
     s.write_all(req.as_bytes()).await?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).await?;
