@@ -22,6 +22,18 @@ fn json_of(args: &[&str]) -> serde_json::Value {
 const OFFERS: &str = "examples/espresso-offers.yaml";
 const MODEL: &str = "examples/espresso/motley/llama-1.3b.yaml";
 
+/// Espresso's offers with quotas of 4, 2, 4 and 4, written into a directory of the test's own
+/// (`name`): the directory (removed by the caller) and the offers file.
+fn small_quota_offers(name: &str) -> (PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!("motley-provision-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = std::fs::read_to_string(repo().join(OFFERS)).unwrap().replace("quota: 16", "quota: 4").replace("quota: 8", "quota: 2");
+    let f = dir.join("offers.yaml");
+    std::fs::write(&f, text).unwrap();
+    let f = f.to_str().unwrap().to_string();
+    (dir, f)
+}
+
 #[test]
 fn provision_prints_allocation_plan_and_costs() {
     let v = json_of(&[
@@ -64,12 +76,8 @@ fn provision_prints_allocation_plan_and_costs() {
 #[test]
 fn the_oracle_agrees_on_smaller_quotas() {
     // Espresso's GPUs with quotas of 4, 2, 4 and 4 (374 allocations): the oracle plans each.
-    let dir = std::env::temp_dir().join(format!("motley-provision-oracle-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let text = std::fs::read_to_string(repo().join(OFFERS)).unwrap().replace("quota: 16", "quota: 4").replace("quota: 8", "quota: 2");
-    let f = dir.join("offers.yaml");
-    std::fs::write(&f, text).unwrap();
-    let f = f.to_str().unwrap();
+    let (dir, f) = small_quota_offers("oracle");
+    let f = f.as_str();
     let base = ["provision", "--offers", f, "--model", MODEL, "--global-batch", "64", "--slo", "8", "-o", "json"];
     let o = json_of(&[&base[..], &["--exhaustive"]].concat());
     assert_eq!(o["search"]["planned"], o["search"]["allocations"]);
@@ -87,12 +95,8 @@ fn the_oracle_agrees_on_smaller_quotas() {
 fn frontier_shows_what_a_looser_or_tighter_slo_costs() {
     // Espresso's GPUs with quotas of 4, 2, 4 and 4: a frontier of a dozen points in under a
     // second (the full quotas' takes half a minute and shows nothing more).
-    let dir = std::env::temp_dir().join(format!("motley-provision-frontier-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let text = std::fs::read_to_string(repo().join(OFFERS)).unwrap().replace("quota: 16", "quota: 4").replace("quota: 8", "quota: 2");
-    let offers = dir.join("offers.yaml");
-    std::fs::write(&offers, text).unwrap();
-    let offers = offers.to_str().unwrap();
+    let (dir, offers) = small_quota_offers("frontier");
+    let offers = offers.as_str();
     let args = ["provision", "--offers", offers, "--model", MODEL, "--global-batch", "64", "--slo", "3", "--frontier", "--superset-bound"];
     let v = json_of(&[&args[..], &["-o", "json"]].concat());
     let f = v["frontier"].as_array().unwrap();
