@@ -9,6 +9,7 @@
 //! new session sends every unacknowledged one again.
 
 use std::collections::BTreeMap;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -163,13 +164,24 @@ impl Profiler {
         let Some(confine) = &self.confine else { return self.run_in(p, None).await };
         let (dir, procs) =
             confine.create(&format!("profile-{}", p.request)).map_err(|e| format!("the profiler's CPU share (emulate.cpu): {e}"))?;
-        let result = self.run_in(p, Some(procs)).await;
+        let itself = confine.enters_itself();
+        let result = self.run_in(p, Some((procs, itself))).await.and_then(|entry| {
+            // Timings taken outside the share would be the machine's, not the emulated device's.
+            if itself && !crate::ranks::cpu_share::ran_in(&dir) {
+                return Err(format!(
+                    "the profiler never entered its CPU share (${}): a motley_torch older than this agent? its timings would not be the emulated device's",
+                    crate::ranks::cpu_share::ENTER_ENV
+                ));
+            }
+            Ok(entry)
+        });
         confine.clear(dir).await;
         result
     }
 
-    /// One run, entering the cgroup whose `cgroup.procs` is `procs` first, if any.
-    async fn run_in(&self, p: &Profile, procs: Option<std::ffi::CString>) -> std::result::Result<String, String> {
+    /// One run in the cgroup whose `cgroup.procs` is `procs`, if any: entered before `exec`, or
+    /// by the profiler itself once started (`true`: `cpu_share::ENTER_ENV`).
+    async fn run_in(&self, p: &Profile, procs: Option<(std::ffi::CString, bool)>) -> std::result::Result<String, String> {
         let dir = self.inner.dir.join(p.request.to_string());
         crate::workdir::create_dirs(&dir).map_err(|e| e.to_string())?;
         let model = dir.join("model.json");
@@ -194,15 +206,19 @@ impl Profiler {
             // Its own process group: a timeout ends the TP workers it started too.
             .process_group(0)
             .kill_on_drop(true);
-        if let Some(procs) = procs {
+        if let Some((procs, itself)) = procs {
             // An emulated GPU is a CPU share the kernel enforces by stopping the process: only
             // the wall clock sees it (the profiler's CPU default counts the thread's CPU time).
             // Its mean over many runs: a pass of a few ms may fall between two throttlings or
             // across one, and only the mean converges on the share (a median sees the lucky runs).
             cmd.args(["--clock", "wall", "--runs", "20"]);
-            // SAFETY: `enter` makes system calls only (no allocation, no locks).
-            unsafe {
-                cmd.pre_exec(move || crate::ranks::cgroup::enter(&procs));
+            if itself {
+                cmd.env(crate::ranks::cpu_share::ENTER_ENV, std::ffi::OsStr::from_bytes(procs.as_bytes()));
+            } else {
+                // SAFETY: `enter` makes system calls only (no allocation, no locks).
+                unsafe {
+                    cmd.pre_exec(move || crate::ranks::cgroup::enter(&procs));
+                }
             }
         }
         let mut child = cmd.spawn().map_err(|e| format!("cannot start {} (--python): {e}", self.inner.python))?;
@@ -350,7 +366,7 @@ printf 'profiles:\n  - {gpu: A100-80G, tp: 1, micro_batch: 2, fwd_ms: 1.5, bwd_m
         let py = fake_python(
             &tmp,
             &format!(
-                r#"cat {0}/cpu.cfs_quota_us {0}/cpu.cfs_period_us > quota.txt; echo "$@" > args.txt; grep -E '^[0-9]+:([^:]*,)?cpu(,[^:]*)?:' /proc/self/cgroup > cgroup.txt
+                r#"echo 0 > "$MOTLEY_CPU_SHARE_PROCS"; cat {0}/cpu.cfs_quota_us {0}/cpu.cfs_period_us > quota.txt; echo "$@" > args.txt; grep -E '^[0-9]+:([^:]*,)?cpu(,[^:]*)?:' /proc/self/cgroup > cgroup.txt
 out=""; while [ $# -gt 0 ]; do case "$1" in --output) out="$2"; shift;; esac; shift; done
 printf 'profiles:
   - {{gpu: A100-80G, tp: 1, micro_batch: 2, fwd_ms: 1.5, bwd_ms: 3}}
@@ -368,6 +384,29 @@ printf 'profiles:
         let args = std::fs::read_to_string(run.join("args.txt")).unwrap();
         assert!(args.contains("--clock wall"), "the emulated device is timed by the wall clock: {args}");
         assert!(std::fs::read_to_string(run.join("cgroup.txt")).unwrap().trim_end().ends_with("/profile-9"));
+        assert!(!own.exists(), "the run's cgroup is removed after it: {}", own.display());
+        let _ = std::fs::remove_dir(own.parent().unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_run_that_never_entered_its_share_is_refused() {
+        let tmp = scratch("unconfined");
+        let Ok(cpu) = crate::ranks::cpu_share::CpuV1::detect("prof", &tmp, 0.25) else {
+            assert!(std::env::var_os("CI").is_none(), "this test needs root and the v1 cpu controller");
+            return;
+        };
+        // Writes its entry without entering the share it was handed.
+        let py = fake_python(
+            &tmp,
+            r#"out=""; while [ $# -gt 0 ]; do case "$1" in --output) out="$2"; shift;; esac; shift; done
+printf 'profiles:\n  - {gpu: A100-80G, tp: 1, micro_batch: 2, fwd_ms: 1.5, bwd_ms: 3}\n' > "$out""#,
+        );
+        let own = cpu.path(0, 0, 0).parent().unwrap().join("profile-4");
+        let p = Profiler::new(&py, &tmp, "n1").unwrap().confined(Some(crate::ranks::confine::Confine::V1(cpu)));
+        p.start(request(4, 30));
+        let r = finished(&p).await;
+        assert!(r[0].error.contains("never entered its CPU share"), "{}", r[0].error);
+        assert!(r[0].profile_json.is_empty(), "{}", r[0].profile_json);
         assert!(!own.exists(), "the run's cgroup is removed after it: {}", own.display());
         let _ = std::fs::remove_dir(own.parent().unwrap());
     }

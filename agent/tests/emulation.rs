@@ -1,8 +1,10 @@
 //! Emulated GPUs (docs/emulation.md): an agent whose inventory says `emulate: {cpu: F}` runs
 //! each rank confined to F of one core by the kernel's CPU bandwidth controller (cgroup v2
 //! `cpu.max`, or v1 `cpu.cfs_quota_us` where the cpu controller is on v1, as on the CI
-//! machine), the kernel throttles a rank that spins, and the rank's cgroup goes with it. A share
-//! that is no share stops the agent at start, naming the field.
+//! machine), the kernel throttles a rank that spins, and the rank's cgroup goes with it. On v1 a
+//! rank enters its share once started (`MOTLEY_CPU_SHARE_PROCS`), or its agent moves it there
+//! after the start-up allowance. A share that is no share stops the agent at start, naming the
+//! field.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -94,26 +96,15 @@ fn cpu_limit_of(pid: i32) -> (PathBuf, i64, i64) {
     (dir, quota, period)
 }
 
-#[test]
-fn an_emulating_agent_runs_each_rank_on_its_share_of_one_core() {
-    if !root_only::can_run("an_emulating_agent_runs_each_rank_on_its_share_of_one_core", &[Need::Root]) {
-        return;
-    }
-    let dir = scratch("emulate");
-    let fake = FakeCoordinator::start();
-    let inv = inventory(&dir, "0.2");
-    let _agent = AgentProc(agent(&fake.url, &dir, &inv).spawn().unwrap());
-    fake.until("the agent's registration", |s| s.registrations.first().map(|_| ()));
-    // The inventory the coordinator is given says so too (the node's view reads it).
-    fake.until("an inventory that says emulate", |s| s.registrations[0].inventory_json.contains("\"emulate\"").then_some(()));
-    // A rank that spins: the kernel holds it to 5 ms of CPU time every 25 ms.
-    fake.send(launch(1, "echo $$ > rank.pid.tmp && mv rank.pid.tmp rank.pid; while :; do :; done"));
-    let pid_file = dir.join("work/jobs/1/1/rank.pid");
-    let pid: i32 =
-        fake.until("the rank's pid", |_| std::fs::read_to_string(&pid_file).ok().filter(|t| t.ends_with('\n'))).trim().parse().unwrap();
-    let (cgroup, quota, period) = cpu_limit_of(pid);
-    assert_eq!((quota, period), (5_000, 25_000), "{}", cgroup.display());
-    assert!(cgroup.ends_with("job-1-gen-1-rank-0"), "{}", cgroup.display());
+/// Launch job `job`'s one rank: `enter`, then it writes its pid and spins; its pid.
+fn spinning_rank(fake: &FakeCoordinator, dir: &Path, job: i64, enter: &str) -> i32 {
+    fake.send(launch(job, &format!("{enter}echo $$ > rank.pid.tmp && mv rank.pid.tmp rank.pid; while :; do :; done")));
+    let pid_file = dir.join(format!("work/jobs/{job}/1/rank.pid"));
+    fake.until("the rank's pid", |_| std::fs::read_to_string(&pid_file).ok().filter(|t| t.ends_with('\n'))).trim().parse().unwrap()
+}
+
+/// Wait until the kernel has throttled the cgroup's spinning rank.
+fn until_throttled(cgroup: &Path) {
     let throttled = || {
         std::fs::read_to_string(cgroup.join("cpu.stat"))
             .unwrap_or_default()
@@ -126,12 +117,62 @@ fn an_emulating_agent_runs_each_rank_on_its_share_of_one_core() {
         assert!(start.elapsed() < Duration::from_secs(30), "a spinning rank was never throttled: {}", cgroup.display());
         std::thread::sleep(Duration::from_millis(50));
     }
-    fake.send(instruction::Kind::Stop(Stop { job: 1, generation: 1, reason: "test".into() }));
-    assert!(fake.exited(1, 0).is_some());
-    // Its cgroup goes with it, and the agent's directory with its last rank.
+}
+
+/// Stop job `job`; its rank's cgroup goes with it.
+fn stop(fake: &FakeCoordinator, job: i64, cgroup: &Path) {
+    fake.send(instruction::Kind::Stop(Stop { job, generation: 1, reason: "test".into() }));
+    assert!(fake.exited(job, 0).is_some());
     let start = Instant::now();
-    while cgroup.exists() || cgroup.parent().unwrap().exists() {
+    while cgroup.exists() {
         assert!(start.elapsed() < Duration::from_secs(30), "{} is still there", cgroup.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn an_emulating_agent_runs_each_rank_on_its_share_of_one_core() {
+    if !root_only::can_run("an_emulating_agent_runs_each_rank_on_its_share_of_one_core", &[Need::Root]) {
+        return;
+    }
+    let dir = scratch("emulate");
+    let fake = FakeCoordinator::start();
+    let inv = inventory(&dir, "0.2");
+    let _agent = AgentProc(agent(&fake.url, &dir, &inv).spawn().unwrap());
+    fake.until("the agent's registration", |s| s.registrations.first().map(|_| ()));
+    // The inventory the coordinator is given says so too (the node's view reads it).
+    fake.until("an inventory that says emulate", |s| s.registrations[0].inventory_json.contains("\"emulate\"").then_some(()));
+    // A rank that spins: the kernel holds it to 5 ms of CPU time every 25 ms. It enters its
+    // share itself once started, as motley_torch's ranks do (docs/emulation.md).
+    let pid = spinning_rank(&fake, &dir, 1, "echo 0 > \"$MOTLEY_CPU_SHARE_PROCS\" && ");
+    let (cgroup, quota, period) = cpu_limit_of(pid);
+    assert_eq!((quota, period), (5_000, 25_000), "{}", cgroup.display());
+    assert!(cgroup.ends_with("job-1-gen-1-rank-0"), "{}", cgroup.display());
+    until_throttled(&cgroup);
+    stop(&fake, 1, &cgroup);
+    // On a v1 cpu hierarchy the rank enters once started; v2's cgroup, which also tracks what
+    // the rank starts, is entered before `exec`.
+    let v1 = cgroup.to_string_lossy().contains("/motley-cpu-");
+    // A rank that does not enter is moved there by its agent after the start-up allowance
+    // (60 base intervals: 3 s at the fake coordinator's 50 ms), with everything it started.
+    let pid = spinning_rank(&fake, &dir, 2, "");
+    let start = Instant::now();
+    let cgroup = loop {
+        let (cgroup, quota, period) = cpu_limit_of(pid);
+        if cgroup.ends_with("job-2-gen-1-rank-0") {
+            assert_eq!((quota, period), (5_000, 25_000), "{}", cgroup.display());
+            break cgroup;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "the agent never moved the rank into its share: {}", cgroup.display());
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(!v1 || start.elapsed() >= Duration::from_secs(2), "moved before the allowance: {:?}", start.elapsed());
+    until_throttled(&cgroup);
+    stop(&fake, 2, &cgroup);
+    // The agent's directory goes with its last rank.
+    let start = Instant::now();
+    while cgroup.parent().unwrap().exists() {
+        assert!(start.elapsed() < Duration::from_secs(30), "{} is still there", cgroup.parent().unwrap().display());
         std::thread::sleep(Duration::from_millis(20));
     }
     let log = std::fs::read_to_string(dir.join("agent.log")).unwrap();

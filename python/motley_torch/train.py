@@ -34,6 +34,7 @@ import sys
 import torch
 
 from .components.checkpoint import CheckpointError
+from .components.cpu_share import CpuShareError, enter_share
 from .components.progress import emit, emit_eval, log_samples, memory_line
 from .spec import PlanError
 from .components.stage_files import hf_names
@@ -239,8 +240,10 @@ def main(argv=None) -> int:
             return run_single(args)
         from .trainer import run_rank
 
+        # Loaded: the emulated device's share starts with the work it emulates.
+        enter_share()
         return run_rank(args)
-    except (PlanError, CheckpointError) as e:
+    except (PlanError, CheckpointError, CpuShareError) as e:
         print(f"motley_torch.train: {e}", file=sys.stderr, flush=True)
         _end_rank_on_error(2)
         return 2

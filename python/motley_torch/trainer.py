@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .components.data import device_micro_batches, rank_micro_batches
-from .distributed.gradient_sync import gradient_sync
+from .distributed.gradient_sync import SAVE_GRADS_ZERO1, gradient_sync
 from .model_source import load_model
 from .components.progress import emit, emit_eval, log_samples, memory_line
 from .spec import ModelSpec, PlanError
@@ -37,8 +37,10 @@ from .components.stage_init import build_stage, compile_stage, init_weights, mak
 def check_flags_against_plan(args):
     """--seq-len and --global-batch are --single-process's; under a plan (--plan, $MOTLEY_PLAN)
     the plan's are what every rank runs, so a flag may only repeat them. Checked before the
-    ranks meet: a contradiction is refused naming both values, never silently replaced."""
-    if args.seq_len is None and args.global_batch is None:
+    ranks meet: a contradiction is refused naming both values, never silently replaced. So is
+    --save-grads under the plan's ZeRO-1: a rank that left once the groups were made would
+    leave a peer still making them to fail on a reset connection, not on the flags."""
+    if args.seq_len is None and args.global_batch is None and not args.save_grads:
         return
     path = args.plan or os.environ.get("MOTLEY_PLAN")
     try:
@@ -48,6 +50,8 @@ def check_flags_against_plan(args):
         return  # no plan to read: joining the job names the problem
     if not isinstance(doc, dict):
         return
+    if args.save_grads and (args.zero1 or doc.get("zero1") is True):
+        raise PlanError(SAVE_GRADS_ZERO1)
     for flag, key, given in (("--seq-len", "seq_len", args.seq_len), ("--global-batch", "global_batch", args.global_batch)):
         if given is not None and doc.get(key) != given:
             raise PlanError(f"{flag}: {given}, but the plan ({path}) has {key} {doc.get(key)}; every rank runs the "

@@ -25,6 +25,12 @@ impl Confine {
         }
     }
 
+    /// Whether the child moves itself into the cgroup once started (v1: `cpu_share::ENTER_ENV`)
+    /// rather than entering before `exec` (v2, where the cgroup also tracks what it started).
+    pub fn enters_itself(&self) -> bool {
+        matches!(self, Confine::V1(_))
+    }
+
     /// Remove the cgroup once its child ended (v2 kills what is left in it first).
     pub async fn clear(&self, dir: PathBuf) {
         match self {

@@ -72,10 +72,19 @@ impl CpuV1 {
         self.root.join(format!("job-{job}-gen-{generation}-rank-{rank}"))
     }
 
-    /// Make the rank's v1 cpu cgroup with its quota: the `cgroup.procs` a child writes itself
-    /// into before `exec`.
-    pub fn create(&self, job: i64, generation: i64, rank: i64) -> io::Result<CString> {
-        self.create_in(&self.path(job, generation, rank))
+    /// Make the rank's v1 cpu cgroup with its quota: the `cgroup.procs` the rank writes itself
+    /// into once it has started ([`ENTER_ENV`]). With an `owner` (the rank's user when it is
+    /// not the agent's), that one file becomes the user's, so the rank may move itself in; the
+    /// directory and the quota stay the agent's.
+    pub fn create(&self, job: i64, generation: i64, rank: i64, owner: Option<(u32, u32)>) -> io::Result<PathBuf> {
+        let dir = self.path(job, generation, rank);
+        self.create_in(&dir)?;
+        let procs = dir.join("cgroup.procs");
+        if let Some((uid, gid)) = owner {
+            // A file of the cgroup file system the agent just made: no rank can have replaced it.
+            std::os::unix::fs::chown(&procs, Some(uid), Some(gid))?;
+        }
+        Ok(procs)
     }
 
     /// A v1 cpu cgroup named `name` beside the ranks' (the layer profiler's: `confine`), with
@@ -90,6 +99,49 @@ impl CpuV1 {
         set_v1_quota(dir, self.share)?;
         CString::new(dir.join("cgroup.procs").as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
     }
+}
+
+/// The variable that hands a rank (or the layer profiler) the `cgroup.procs` of its CPU share,
+/// to write itself into ("0") once its runtime is loaded (docs/emulation.md, "Start-up outside
+/// the share"): held to a few ms every period from its first instruction, a process spends
+/// minutes importing torch (its hundreds of MiB of libraries) where it needs seconds, many
+/// times more CPU time than unconfined, so the share starts with the work it emulates.
+pub const ENTER_ENV: &str = "MOTLEY_CPU_SHARE_PROCS";
+
+/// A rank's start-up allowance, in base intervals: a rank not in its share by then (a program
+/// that does not read [`ENTER_ENV`]) is moved there by the agent ([`confine_late`]).
+pub const ENTER_INTERVALS: u32 = 60;
+
+/// Move every process of the process group `pgid` into the cgroup `dir` unless a process is
+/// there already (the rank entered itself): how many were moved. A rank whose processes all
+/// ended moves nothing.
+pub fn confine_late(dir: &Path, pgid: i32) -> io::Result<usize> {
+    let procs = dir.join("cgroup.procs");
+    if !std::fs::read_to_string(&procs)?.trim().is_empty() {
+        return Ok(0);
+    }
+    let mut moved = 0;
+    for entry in std::fs::read_dir("/proc")?.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        // `pid (comm) state ppid pgrp ...`: comm may hold spaces and parentheses, the last ')'
+        // ends it.
+        let pgrp = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(2)?.parse::<i32>().ok());
+        if pgrp == Some(pgid) && std::fs::write(&procs, pid.to_string()).is_ok() {
+            moved += 1;
+        }
+    }
+    Ok(moved)
+}
+
+/// Whether a process ran in the v1 cpu cgroup `dir` under its quota (`cpu.stat`'s
+/// `nr_periods` counts the periods in which it had work).
+pub fn ran_in(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("cpu.stat"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("nr_periods ").and_then(|n| n.trim().parse::<u64>().ok()))
+        .is_some_and(|n| n > 0)
 }
 
 fn set_v1_quota(dir: &Path, share: f64) -> io::Result<()> {

@@ -161,6 +161,10 @@ class ZeroOneSync(GradientSync):
         self.zero.finish_step(skipped)
 
 
+SAVE_GRADS_ZERO1 = ("--save-grads: not with ZeRO-1 (--zero1 or the plan's zero1): each gradient lives only on its "
+                    "owner; drop one of them")
+
+
 def gradient_sync(view, model, *, zero1: bool, overlap: bool, bucket_mb: float, half: Optional[torch.dtype],
                   make_optimizer: Callable[[object], object], save_grads: bool = False) -> GradientSync:
     """The plan's and flags' way for this rank. Every rank calls it in the same order: the tied
@@ -171,8 +175,7 @@ def gradient_sync(view, model, *, zero1: bool, overlap: bool, bucket_mb: float, 
         from .zero import ZeroOne
 
         if save_grads:
-            raise PlanError("--save-grads: not with ZeRO-1 (--zero1 or the plan's zero1): each gradient lives "
-                            "only on its owner; drop one of them")
+            raise PlanError(SAVE_GRADS_ZERO1)
         tied_params: List[torch.nn.Parameter] = tied.params if tied is not None else []
         zero = ZeroOne(view, model, synced, tied_params, half, make_optimizer, bucket_mb, overlap=overlap)
         return ZeroOneSync(zero, tied)

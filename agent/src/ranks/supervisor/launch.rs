@@ -119,6 +119,24 @@ impl Supervisor {
         self.wrapper.exec_through(&mut cmd)?;
         let child = cmd.spawn().map_err(|e| format!("the rank wrapper {}: {e}", self.wrapper.path().display()))?;
         let pgid = child.id().map_or(0, |p| p as i32);
+        if let Some(cpu) = &self.cpu_v1 {
+            let (dir, allowance, node, rank) = (
+                cpu.path(l.job, l.generation, r.rank),
+                self.interval() * crate::ranks::cpu_share::ENTER_INTERVALS,
+                self.node.clone(),
+                r.rank,
+            );
+            tokio::spawn(async move {
+                tokio::time::sleep(allowance).await;
+                match crate::ranks::cpu_share::confine_late(&dir, pgid) {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        tracing::warn!(%node, rank, "the rank did not enter its CPU share within {allowance:?}: moved its {n} processes there")
+                    }
+                    Err(e) => tracing::debug!(%node, rank, "{}: {e}", dir.display()),
+                }
+            });
+        }
         // Not reaped before `watch_child` waits for it, so the pid is still the wrapper's.
         let start = group::start_time(pgid).unwrap_or(0);
         let record = RankRecord {
@@ -245,11 +263,11 @@ impl Supervisor {
             }
         }
         if let Some(cpu) = &self.cpu_v1 {
-            let procs = cpu.create(l.job, l.generation, r.rank).map_err(|e| format!("the rank's CPU share (emulate.cpu): {e}"))?;
-            // SAFETY: `enter` makes system calls only (no allocation, no locks).
-            unsafe {
-                cmd.pre_exec(move || crate::ranks::cgroup::enter(&procs));
-            }
+            // The rank enters its share itself once started (`cpu_share::ENTER_ENV`), or the
+            // agent moves it there after the allowance (`confine_late`, from `spawn`).
+            let owner = user.filter(|a| a.uid != users::euid()).map(|a| (a.uid, a.gid));
+            let procs = cpu.create(l.job, l.generation, r.rank, owner).map_err(|e| format!("the rank's CPU share (emulate.cpu): {e}"))?;
+            cmd.env(crate::ranks::cpu_share::ENTER_ENV, procs);
         }
         if let Some(a) = user {
             cmd.env("HOME", &a.home).env("USER", &a.name).env("LOGNAME", &a.name);
