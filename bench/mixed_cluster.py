@@ -220,6 +220,8 @@ def run_plan(cluster: nc.NetCluster, tmp: Path, system: str, doc: dict, args) ->
                        plan=doc, replan="off", profiling={"mode": "off"})
     job.pop("checkpoint")
     job["run"] += " --dtype fp32"
+    if args.timings:
+        job["run"] += f" --timings {shlex.quote(str(tmp.resolve() / f'timings-{system}-{{rank}}.jsonl'))}"
     t0 = time.time()
     jid = cluster.submit(job)
     state = cluster.wait_done(jid, args.timeout)
@@ -236,7 +238,48 @@ def run_plan(cluster: nc.NetCluster, tmp: Path, system: str, doc: dict, args) ->
     return {"system": system, "predicted_s": round(doc["iteration_time_s"], 4), "measured_s": round(measured, 4),
             "tokens_per_s": round(args.global_batch * seq / measured, 1),
             "predicted_tokens_per_s": round(doc["tokens_per_s"], 1), "plan": shape(doc),
-            "losses": losses, "wall_s": round(time.time() - t0, 1)}
+            "losses": losses, "wall_s": round(time.time() - t0, 1),
+            **({"terms": step_terms(tmp, system, doc, args.warmup)} if args.timings else {})}
+
+
+# What a step's timings line splits a step into (motley_torch/trainer.py, `_write_timings`).
+PHASES = ("step", "pipeline", "finish", "grad_sync", "optimizer", "loss_sync")
+
+
+def predicted_terms(rep: dict) -> dict:
+    """A replica's predicted iteration as the trainer's timings split a step: the pipeline (its
+    forward and backward passes and hops: what neither the sync nor the optimizer takes), the
+    gradient sync the backward passes do not hide, the optimizer step."""
+    t, sync, opt = rep.get("iteration_time_s"), rep.get("sync_s"), rep.get("optimizer_s")
+    pipeline = t - sync - opt if None not in (t, sync, opt) else None
+    return {"iteration_s": t, "pipeline_s": pipeline, "sync_s": sync, "optimizer_s": opt}
+
+
+def step_terms(tmp: Path, system: str, doc: dict, warmup: int) -> list:
+    """For each replica of the plan: the planner's terms (`iteration_time_s`, `sync_s`,
+    `optimizer_s`) beside the median of each phase of its ranks' measured steps (`--timings`,
+    steps after the warm-up), the slowest rank of the replica for each phase: where a
+    prediction and a measurement part, this says which term."""
+    by_replica: dict = {}
+    for path in sorted(tmp.glob(f"timings-{system}-*.jsonl")):
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        recs = [r for r in recs if r["step"] >= warmup]
+        if not recs:
+            continue
+        r0 = recs[0]
+        phases = {f"{ph}_ms": round(statistics.median(r[f"{ph}_ms"] for r in recs), 2) for ph in PHASES}
+        cpu = {f"{ph}_cpu_ms": round(statistics.median(r[f"{ph}_cpu_ms"] for r in recs), 2)
+               for ph in PHASES if f"{ph}_cpu_ms" in r0}
+        by_replica.setdefault(r0["replica"], []).append({"rank": r0["rank"], "stage": r0["stage"], **phases, **cpu})
+    out = []
+    for i, rep in enumerate(doc["replicas"]):
+        ranks = by_replica.get(i, [])
+        out.append({"replica": i, "samples": rep.get("samples"),
+                    "predicted": predicted_terms(rep),
+                    "measured_slowest_rank": {k: max(r[k] for r in ranks) for k in ranks[0] if k.endswith("_ms")}
+                    if ranks else {},
+                    "ranks": ranks})
+    return out
 
 
 def summary(rows: list) -> dict:
@@ -270,6 +313,9 @@ def main() -> int:
     p.add_argument("--only", default=",".join(SYSTEMS), help=f"which systems, comma-separated: {', '.join(SYSTEMS)}")
     p.add_argument("--timeout", type=float, default=1200, help="seconds one run may take (default 1200)")
     p.add_argument("--keep", metavar="DIR", help="keep the runs' files (logs, plans, profiles) here")
+    p.add_argument("--timings", action="store_true",
+                   help="every rank writes its steps' timings (the trainer's --timings); each system's row then "
+                        "carries `terms`: per replica, the plan's sync and optimizer terms beside the measured phases")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
     args = p.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -317,6 +363,9 @@ def main() -> int:
         for s in only:
             row = run_plan(cluster, root, s, plans[s], args)
             log(f"{s}: measured {row['measured_s']} s/iteration (predicted {row['predicted_s']}), {row['wall_s']} s")
+            for t in row.get("terms", []):
+                log(f"  replica {t['replica']}: predicted {t['predicted']}, measured (slowest rank, ms) "
+                    f"{t['measured_slowest_rank']}")
             rows.append(row)
     except BenchError as e:
         raise SystemExit(f"mixed_cluster: {e}")

@@ -55,6 +55,14 @@ pub struct ReplicaDoc {
     /// Seconds of each pipeline hop per micro-batch (activations forward, gradients back).
     #[serde(default)]
     pub hops_s: Vec<f64>,
+    /// Of `iteration_time_s`: the gradient sync that the backward passes do not hide. The
+    /// planner writes it and `optimizer_s`, so a measured step can be set beside each term
+    /// (`--timings`' `grad_sync_ms` and `optimizer_ms`); absent in a plan written by hand.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_s: Option<f64>,
+    /// Of `iteration_time_s`: the optimizer step of the replica's slowest stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_s: Option<f64>,
 }
 
 impl ReplicaDoc {

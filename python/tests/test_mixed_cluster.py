@@ -103,7 +103,7 @@ def test_the_whole_bench_runs_motley_and_a_baseline_and_prints_the_contracts_lin
                                      "vocab": 128}))
     out = subprocess.run([sys.executable, str(REPO / "bench" / "mixed_cluster.py"), "--cluster", str(cluster),
                           "--model", str(model), "--global-batch", "4", "--micro-batch", "1", "--steps", "4",
-                          "--warmup", "1", "--only", "motley,fast-only", "--keep", str(tmp_path / "runs"), "-o", "json"],
+                          "--warmup", "1", "--only", "motley,fast-only", "--keep", str(tmp_path / "runs"), "--timings", "-o", "json"],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, MOTLEY_BIN=b))
     assert out.returncode == 0, out.stderr[-4000:]
     lines = [json.loads(x) for x in out.stdout.splitlines()]
@@ -111,6 +111,14 @@ def test_the_whole_bench_runs_motley_and_a_baseline_and_prints_the_contracts_lin
     assert systems == ["motley", "fast-only"]
     for x in lines[:-1]:
         assert x["predicted_s"] > 0 and x["measured_s"] > 0 and x["tokens_per_s"] > 0
+        # --timings: each replica's predicted terms beside its ranks' measured phases.
+        assert x["terms"], x
+        for t in x["terms"]:
+            assert t["predicted"]["sync_s"] >= 0 and t["predicted"]["optimizer_s"] > 0, t
+            assert t["ranks"], t
+            m = t["measured_slowest_rank"]
+            assert m["step_ms"] > 0 and m["optimizer_ms"] > 0 and m["grad_sync_ms"] >= 0, t
+            assert m["pipeline_ms"] <= m["step_ms"], t
     s = lines[-1]
     for k in ("speedup_vs_best_baseline_measured", "speedup_vs_best_baseline_predicted", "max_prediction_error"):
         assert isinstance(s[k], float), (k, s)

@@ -2,7 +2,7 @@
 //! layers and batch add up. Below `placement` (where its GPUs physically are, and whether the
 //! cluster holds it): calls only `cost`.
 
-use crate::cost::{CostModel, LayerCost, StageKind};
+use crate::cost::{CostModel, LayerCost, ReplicaTime, StageKind};
 
 /// One pipeline stage: contiguous layers `[start, end)` on `dp` TP groups of `tp` GPUs of
 /// one node class.
@@ -55,6 +55,8 @@ impl PlanStructure {
 pub struct Evaluation {
     pub iteration_time: f64,
     pub replica_times: Vec<f64>,
+    /// Each replica's time terms (`replica_times[i]` is `terms[i].total(micro_batches)`).
+    pub terms: Vec<ReplicaTime>,
     /// Bytes per GPU, per replica, per stage.
     pub memory: Vec<Vec<f64>>,
     /// Usable bytes per GPU, per replica, per stage.
@@ -70,7 +72,8 @@ impl<'a> CostModel<'a> {
         let gpus = plan.gpus_per_class(self.cluster.classes.len());
         let ctx = self.sync_context(plan.replicas.len() as u32, &gpus, plan.is_uniform());
         let max_inflight = plan.total_micro_batches();
-        let mut out = Evaluation { iteration_time: 0.0, replica_times: vec![], memory: vec![], capacity: vec![], fits: true };
+        let mut out =
+            Evaluation { iteration_time: 0.0, replica_times: vec![], terms: vec![], memory: vec![], capacity: vec![], fits: true };
         // Plans repeat a few stage kinds many times: price each kind once.
         let mut known: Vec<(StageKind, LayerCost)> = vec![];
         let mut cost_of = |k: StageKind| match known.iter().find(|(x, _)| *x == k) {
@@ -85,12 +88,14 @@ impl<'a> CostModel<'a> {
             let kinds: Vec<StageKind> = r.stages.iter().map(|s| s.kind).collect();
             let costs: Vec<LayerCost> = kinds.iter().map(|&k| cost_of(k)).collect();
             let layers: Vec<u32> = r.stages.iter().map(|s| s.layers.1 - s.layers.0).collect();
-            let t = self.replica_time(&ctx, &kinds, &costs, &layers, plan.micro_batch).total(r.micro_batches);
+            let terms = self.replica_time(&ctx, &kinds, &costs, &layers, plan.micro_batch);
+            let t = terms.total(r.micro_batches);
             let mem = self.replica_memory(&costs, &layers, max_inflight);
             let cap: Vec<f64> = costs.iter().map(|c| c.capacity).collect();
             out.fits &= mem.iter().zip(&cap).all(|(m, c)| m <= c);
             out.iteration_time = out.iteration_time.max(t);
             out.replica_times.push(t);
+            out.terms.push(terms);
             out.memory.push(mem);
             out.capacity.push(cap);
         }

@@ -12,7 +12,7 @@ use crate::model::Model;
 use crate::network::comm_groups;
 use crate::oracle;
 use crate::placement::{place, GpuId};
-use crate::plan::PlanStructure;
+use crate::plan::{Evaluation, PlanStructure};
 use crate::profile::ProfileSet;
 use crate::search::{search, SearchMode, SearchStats};
 pub use motley_contract::plan::{BaselineDoc, PlanDocument, ReplicaDoc, SearchDoc, StageDoc};
@@ -181,46 +181,7 @@ fn report_placed(
 ) -> PlanDocument {
     let eval = cm.evaluate(plan);
     debug_assert!((eval.iteration_time - t).abs() <= 1e-9 * t.max(1.0), "search price {t} != evaluation {}", eval.iteration_time);
-    let replicas = plan
-        .replicas
-        .iter()
-        .enumerate()
-        .map(|(ri, r)| {
-            let kinds: Vec<_> = r.stages.iter().map(|s| s.kind).collect();
-            let p = r.stages.len();
-            let times: Vec<(f64, f64)> = r
-                .stages
-                .iter()
-                .enumerate()
-                .map(|(si, s)| {
-                    let c = cm.layer_cost(s.kind, plan.micro_batch);
-                    CostModel::stage_time(&c, s.layers.1 - s.layers.0, si == 0, si + 1 == p)
-                })
-                .collect();
-            ReplicaDoc {
-                samples: Some(r.micro_batches * plan.micro_batch),
-                micro_batches: r.micro_batches,
-                iteration_time_s: eval.replica_times[ri],
-                hops_s: cm.hop_times(&kinds, plan.micro_batch),
-                stages: r
-                    .stages
-                    .iter()
-                    .enumerate()
-                    .map(|(si, s)| StageDoc {
-                        fwd_s: times[si].0,
-                        bwd_s: times[si].1,
-                        layers: [s.layers.0, s.layers.1],
-                        gpu: cm.cluster.classes[s.kind.class].gpu.name.clone(),
-                        tp: s.kind.tp,
-                        dp: s.kind.dp,
-                        gpus: placement.gpus[ri][si].clone(),
-                        memory_gib_per_gpu: round3(eval.memory[ri][si] / GIB),
-                        memory_capacity_gib: round3(eval.capacity[ri][si] / GIB),
-                    })
-                    .collect(),
-            }
-        })
-        .collect();
+    let replicas = replica_docs(cm, plan, &eval, &placement);
     let b = cm.opts.global_batch as f64;
     let flops = b * 3.0 * (cm.model.layers() as f64 * cm.model.layer_fwd_flops + cm.model.head_fwd_flops);
     let peak: f64 = cm
@@ -289,6 +250,52 @@ fn report_placed(
             !emulated.is_empty() && placement.gpus.iter().flatten().flatten().any(|g| emulated.contains(g.node.as_str()))
         },
     }
+}
+
+/// Each replica's part of the plan document: its share, its time and the terms of it, its
+/// stages on `placement`'s GPUs.
+fn replica_docs(cm: &CostModel, plan: &PlanStructure, eval: &Evaluation, placement: &crate::placement::Placement) -> Vec<ReplicaDoc> {
+    plan.replicas
+        .iter()
+        .enumerate()
+        .map(|(ri, r)| {
+            let kinds: Vec<_> = r.stages.iter().map(|s| s.kind).collect();
+            let p = r.stages.len();
+            let times: Vec<(f64, f64)> = r
+                .stages
+                .iter()
+                .enumerate()
+                .map(|(si, s)| {
+                    let c = cm.layer_cost(s.kind, plan.micro_batch);
+                    CostModel::stage_time(&c, s.layers.1 - s.layers.0, si == 0, si + 1 == p)
+                })
+                .collect();
+            ReplicaDoc {
+                samples: Some(r.micro_batches * plan.micro_batch),
+                micro_batches: r.micro_batches,
+                iteration_time_s: eval.replica_times[ri],
+                hops_s: cm.hop_times(&kinds, plan.micro_batch),
+                sync_s: Some(eval.terms[ri].exposed_sync),
+                optimizer_s: Some(eval.terms[ri].optimizer),
+                stages: r
+                    .stages
+                    .iter()
+                    .enumerate()
+                    .map(|(si, s)| StageDoc {
+                        fwd_s: times[si].0,
+                        bwd_s: times[si].1,
+                        layers: [s.layers.0, s.layers.1],
+                        gpu: cm.cluster.classes[s.kind.class].gpu.name.clone(),
+                        tp: s.kind.tp,
+                        dp: s.kind.dp,
+                        gpus: placement.gpus[ri][si].clone(),
+                        memory_gib_per_gpu: round3(eval.memory[ri][si] / GIB),
+                        memory_capacity_gib: round3(eval.capacity[ri][si] / GIB),
+                    })
+                    .collect(),
+            }
+        })
+        .collect()
 }
 
 fn idle_gpus(cm: &CostModel, plan: &PlanStructure) -> BTreeMap<String, u32> {

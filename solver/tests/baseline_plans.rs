@@ -98,3 +98,21 @@ fn a_baseline_with_no_plan_that_fits_says_which_baseline() {
         }
     }
 }
+
+#[test]
+fn every_replica_says_its_unhidden_sync_and_its_optimizer_step_within_its_time() {
+    let cluster = lab();
+    let model = Model::new(model::model_by_name("llama-13b").unwrap(), None).unwrap();
+    let (profiles, opts) = (ProfileSet::default(), PlanOptions { global_batch: 256, ..PlanOptions::default() });
+    let req = request(&cluster, &model, &profiles, &opts);
+    for doc in [plan(&req).unwrap(), baseline(&req, Baseline::Megatron).unwrap()] {
+        for r in &doc.replicas {
+            let (sync, opt) = (r.sync_s.unwrap(), r.optimizer_s.unwrap());
+            assert!(sync >= 0.0 && opt > 0.0, "sync {sync}, optimizer {opt}");
+            assert!(sync + opt < r.iteration_time_s, "sync {sync} + optimizer {opt} against {}", r.iteration_time_s);
+        }
+        // Data parallelism somewhere: a ring whose sync the backward passes cannot all hide.
+        assert!(doc.replicas.len() > 1 || doc.replicas[0].stages.iter().any(|s| s.dp > 1));
+        assert!(doc.replicas.iter().any(|r| r.sync_s.unwrap() > 0.0), "{:?}", doc.replicas.iter().map(|r| r.sync_s).collect::<Vec<_>>());
+    }
+}
