@@ -18,7 +18,6 @@ running: the shares are of this machine's cores.
 """
 import json
 import os
-import re
 import sqlite3
 import subprocess
 import sys

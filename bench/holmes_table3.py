@@ -57,7 +57,7 @@ def shape(r):
 
 def main():
     ok = True
-    print(f"| group | nodes | env | Motley TFLOPS/GPU (Holmes's tp 1, pp <= {{2,3}}) | paper TFLOPS/GPU | Motley / paper | Motley plan | DP rings | Motley free plan TFLOPS/GPU | free plan | plan s |")
+    print("| group | nodes | env | Motley TFLOPS/GPU (Holmes's tp 1, pp <= {2,3}) | paper TFLOPS/GPU | Motley / paper | Motley plan | DP rings | Motley free plan TFLOPS/GPU | free plan | plan s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     summary = []
     for g, model, batch, pp in GROUPS:

@@ -11,7 +11,7 @@ Whole-process CPU time (user + sys of the child and of /usr/bin/time around it, 
 getrusage; the wrapper adds well under a millisecond) is the median of REPEAT runs (default
 5); peak RSS (from /usr/bin/time) is the largest. Prints Markdown tables for BENCHMARKS.md.
 """
-import json, os, resource, statistics, subprocess, sys, time
+import json, os, resource, statistics, subprocess, sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # Metis's inputs are read by the research tools' binary (baselines/), not the operator's `motley`.

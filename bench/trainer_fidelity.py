@@ -175,7 +175,7 @@ def one_f_one_b_ms(stage_ms, hops_ms, micro_batches: int) -> float:
     return sum(stage_ms) + sum(hops_ms) + (micro_batches - 1) * period
 
 
-def main() -> int:
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12, help="trainer steps per plan (default 12)")
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of the medians (default 2)")
@@ -193,16 +193,12 @@ def main() -> int:
                          "cores busy; the least disturbed run is reported (default 1)")
     ap.add_argument("--quiet", type=float, default=0.1, metavar="CORES")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temporary directory)")
-    a = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    motley = motley_bin()
-    work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="trainer-fidelity-"))
-    work.mkdir(parents=True, exist_ok=True)
-    load_start = loadavg()
-    t_start = time.time()
-    model_file = work / "model.yaml"
-    model_file.write_text(yaml.safe_dump(MODEL, sort_keys=False))
+    return ap.parse_args()
 
+
+def profile_model(a, work: Path, model_file: Path, idle_before: dict):
+    """1. The profile: (its entry, its file, the cluster's mem_bw_gbps that prices the optimizer
+    step as the profile measured it)."""
     # 1. The profile.
     prof_file = work / "profiles.yaml"
     if prof_file.exists():
@@ -212,7 +208,6 @@ def main() -> int:
                 "--output", str(prof_file)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT / "python"), env.get("PYTHONPATH")) if x)
-    idle_before = {}
     if a.wait_idle:
         idle_before["profile"] = wait_idle(a.wait_idle, a.wait_max)
     run(prof_cmd, env=env)
@@ -227,8 +222,11 @@ def main() -> int:
     h = MODEL["hidden"]
     layer_params = 12 * h * h + 13 * h
     mem_bw = layer_params * 28 / (entry["optimizer_ms"] * 1e-3) / 1e9
+    return entry, prof_file, mem_bw, load_after_profile
 
-    # 2. The plans.
+
+def make_plans(a, work: Path, motley: str, model_file: Path, prof_file: Path, mem_bw: float, notes: list) -> dict:
+    """2. The plans, by name: (plan, its cluster file, where it came from, extra replan flags)."""
     gb, mb = a.global_batch, a.micro_batch
     M = gb // mb
     spec = dict(MODEL)
@@ -267,7 +265,6 @@ def main() -> int:
         plan, cl = hand(name + "-hand", fallback, nodes)
         return plan, cl, "hand-written", []
 
-    notes = []
     if "pp2" in want:
         # Memory for half the model (with 1F1B's in-flight activations), not the whole: the
         # planner pipelines over the two nodes. --reserve-gib 0: no CUDA context here.
@@ -281,107 +278,16 @@ def main() -> int:
     if "2x2" in want:
         plan, cl = hand("2x2", [[(0, 4), (4, 8)], [(0, 4), (4, 8)]], 4)
         plans["2x2"] = (plan, cl, "hand-written", [])
+    return plans
 
-    rows_stage, rows_iter = [], []
-    attempts = {}
-    for name, (plan, cl, origin, extra) in plans.items():
-        pf = work / f"plan-{name}.json"
-        pf.write_text(json.dumps(plan))
-        rep = json.loads(run([motley, "replan", "--current", pf, "--cluster", cl, "--model", model_file,
-                              "--profiles", prof_file, *extra, "-o", "json"]))
-        predicted_s = rep["current_now_s"]
-        if origin == "motley plan" and abs(plan["iteration_time_s"] - predicted_s) > 1e-9 * max(1.0, predicted_s):
-            notes.append(f"{name}: motley plan priced its plan at {plan['iteration_time_s']:.6f} s, "
-                         f"replan --current at {predicted_s:.6f} s")
-        # The hops as the cost model prices them (solver/src/cost.rs hop_times): 2 * (2 bytes *
-        # b * s * h) over the link, 25 Gbit/s Ethernet at 85%.
-        hop_ms = 2 * (2 * mb * MODEL["seq_len"] * h) / (25e9 / 8 * 0.85) * 1e3
 
-        # 3. The trainer.
-        # Up to --repeat runs; the one the rest of the machine disturbed least is kept.
-        best = None
-        for attempt in range(a.repeat):
-            tdir = work / f"timings-{name}-{attempt}"
-            shutil.rmtree(tdir, ignore_errors=True)
-            if a.wait_idle:
-                idle_before[name] = wait_idle(a.wait_idle, a.wait_max)
-            load0 = loadavg()
-            j0, c0, w0 = busy_jiffies(), children_cpu_s(), time.monotonic()
-            results = launch(plan, ["--steps", str(a.steps), "--seed", "1", "--timings", str(tdir / "rank{rank}.jsonl")],
-                             work / f"run-{name}", timeout=1800)
-            j1, c1, w1 = busy_jiffies(), children_cpu_s(), time.monotonic()
-            check_ok(results)
-            load1 = loadavg()
-            hz = os.sysconf("SC_CLK_TCK")
-            # Cores the rest of the machine kept busy while the ranks ran: all CPU time used,
-            # minus the ranks' own (every thread, gloo's included), over the run's wall time.
-            ours = (c1 - c0) / (w1 - w0)
-            others = max(0.0, (j1 - j0) / hz / (w1 - w0) - ours)
-            if best is None or others < best[0]:
-                best = (others, ours, tdir, load0, load1, attempt + 1)
-            if others < a.quiet:
-                break
-        others, ours, tdir, load0, load1, attempts[name] = best
-        ranks = ranks_of(plan)
-        recs = {r["rank"]: [json.loads(x) for x in (tdir / f"rank{r['rank']}.jsonl").read_text().splitlines()]
-                for r in ranks}
-        r0 = recs[0]
-        ends = [x["end_s"] for x in r0]
-        iters = [1e3 * (b - c) for b, c in zip(ends[a.skip + 1:], ends[a.skip:])]
-        meas_iter = med(iters)
-        # Per stage (replica 0's stages; in 2x2 the other replica's stages agree or not, see
-        # the rank rows), the medians over steps after --skip and micro-batches.
-        stage_meas = []
-        for r in ranks:
-            rr = recs[r["rank"]][a.skip:]
-            ops = [o for x in rr for o in x["ops"]]
-            fw = [o for o in ops if o["op"] == "F"]
-            bw = [o for o in ops if o["op"] == "B"]
-            n = r["layer_end"] - r["layer_start"]
-            first, last = r["stage"] == 0, r["stage"] == r["pp_size"] - 1
-            pf_, pb_ = stage_prediction(entry, n, first, last)
-            m = dict(
-                fwd_cpu=med([o["compute_cpu_ms"] for o in fw]), fwd_wall=med([o["compute_ms"] for o in fw]),
-                bwd_cpu=med([o["compute_cpu_ms"] for o in bw]), bwd_wall=med([o["compute_ms"] for o in bw]),
-                opt_cpu=med([x["optimizer_cpu_ms"] for x in rr]), opt_wall=med([x["optimizer_ms"] for x in rr]),
-                sync_wall=med([x["grad_sync_ms"] for x in rr]),
-                recv_wall=med([sum(o["recv_ms"] for o in x["ops"]) for x in rr]),
-                send_wall=med([sum(o["send_ms"] for o in x["ops"]) + x["finish_ms"] for x in rr]))
-            extras = ("emb + " if first else "") + decompose(n) + (" + head" if last else "")
-            rows_stage.append((name, r["rank"], r["replica"], r["stage"], f"{r['layer_start']}-{r['layer_end']}", extras,
-                               pf_, pb_, m))
-            stage_meas.append((r, pf_, pb_, m))
-        # What the cores allow: every rank's (main thread's) CPU per step, over the cores.
-        core_bound = sum(med([x["step_cpu_ms"] for x in recs[r["rank"]][a.skip:]]) for r in ranks) / os.cpu_count()
-        # The 1F1B formula fed measured numbers (replica 0; the slowest replica with 2x2).
-        by_rep = {}
-        for r, pf_, pb_, m in stage_meas:
-            by_rep.setdefault(r["replica"], []).append((r, pf_, pb_, m))
-        formula_cpu, formula_wall, pred_compute = 0.0, 0.0, 0.0
-        for rid, st in by_rep.items():
-            st.sort(key=lambda x: x[0]["stage"])
-            k = plan["replicas"][rid]["micro_batches"]
-            hops = [hop_ms] * (len(st) - 1)
-            opt_cpu = max(x[3]["opt_cpu"] for x in st)
-            opt_wall = max(x[3]["opt_wall"] for x in st)
-            sync = max(x[3]["sync_wall"] for x in st)
-            formula_cpu = max(formula_cpu, one_f_one_b_ms([x[3]["fwd_cpu"] + x[3]["bwd_cpu"] for x in st], hops, k)
-                              + opt_cpu + sync)
-            formula_wall = max(formula_wall, one_f_one_b_ms([x[3]["fwd_wall"] + x[3]["bwd_wall"] for x in st], hops, k)
-                               + opt_wall + sync)
-            pred_compute = max(pred_compute, one_f_one_b_ms([x[1] + x[2] for x in st], hops, k))
-        pred_ms = predicted_s * 1e3
-        n_ranks = len(ranks)
-        rows_iter.append(dict(name=name, origin=origin, ranks=n_ranks,
-                              shape=" / ".join("+".join(str(s["layers"][1] - s["layers"][0]) for s in r["stages"])
-                                               for r in plan["replicas"]),
-                              M=[r["micro_batches"] for r in plan["replicas"]], pred=pred_ms,
-                              pred_compute=pred_compute, formula_cpu=formula_cpu, formula_wall=formula_wall,
-                              meas=meas_iter, iters=iters, load=(load0, load1),
-                              ours=ours, others=others, core_bound=core_bound))
-
-    load_end = loadavg()
+def print_markdown(a, t_start: float, loads: tuple, entry: dict, mem_bw: float, idle_before: dict, notes: list,
+                   rows_stage: list, rows_iter: list, attempts: dict):
+    """4. The markdown BENCHMARKS.md quotes."""
     import torch
+
+    load_start, load_after_profile, load_end = loads
+    gb, mb = a.global_batch, a.micro_batch
 
     # 4. Markdown.
     print(f"Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} python bench/trainer_fidelity.py "
@@ -444,6 +350,134 @@ def main() -> int:
     print()
     for r in rows_iter:
         print(f"{r['name']}: iterations (ms) " + ", ".join(f"{x:.0f}" for x in r["iters"]))
+
+
+def run_trainer(a, work: Path, name: str, plan: dict, idle_before: dict):
+    """3. The trainer on one plan, up to --repeat times; the run the rest of the machine
+    disturbed least: (cores the rest kept busy, cores the ranks kept busy, its timings
+    directory, load averages before and after, which attempt)."""
+    # Up to --repeat runs; the one the rest of the machine disturbed least is kept.
+    best = None
+    for attempt in range(a.repeat):
+        tdir = work / f"timings-{name}-{attempt}"
+        shutil.rmtree(tdir, ignore_errors=True)
+        if a.wait_idle:
+            idle_before[name] = wait_idle(a.wait_idle, a.wait_max)
+        load0 = loadavg()
+        j0, c0, w0 = busy_jiffies(), children_cpu_s(), time.monotonic()
+        results = launch(plan, ["--steps", str(a.steps), "--seed", "1", "--timings", str(tdir / "rank{rank}.jsonl")],
+                         work / f"run-{name}", timeout=1800)
+        j1, c1, w1 = busy_jiffies(), children_cpu_s(), time.monotonic()
+        check_ok(results)
+        load1 = loadavg()
+        hz = os.sysconf("SC_CLK_TCK")
+        # Cores the rest of the machine kept busy while the ranks ran: all CPU time used,
+        # minus the ranks' own (every thread, gloo's included), over the run's wall time.
+        ours = (c1 - c0) / (w1 - w0)
+        others = max(0.0, (j1 - j0) / hz / (w1 - w0) - ours)
+        if best is None or others < best[0]:
+            best = (others, ours, tdir, load0, load1, attempt + 1)
+        if others < a.quiet:
+            break
+    return best
+
+
+def main() -> int:
+    a = parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    motley = motley_bin()
+    work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="trainer-fidelity-"))
+    work.mkdir(parents=True, exist_ok=True)
+    load_start = loadavg()
+    t_start = time.time()
+    model_file = work / "model.yaml"
+    model_file.write_text(yaml.safe_dump(MODEL, sort_keys=False))
+    idle_before = {}
+    entry, prof_file, mem_bw, load_after_profile = profile_model(a, work, model_file, idle_before)
+    h = MODEL["hidden"]
+
+    mb = a.micro_batch
+    notes = []
+    plans = make_plans(a, work, motley, model_file, prof_file, mem_bw, notes)
+
+    rows_stage, rows_iter = [], []
+    attempts = {}
+    for name, (plan, cl, origin, extra) in plans.items():
+        pf = work / f"plan-{name}.json"
+        pf.write_text(json.dumps(plan))
+        rep = json.loads(run([motley, "replan", "--current", pf, "--cluster", cl, "--model", model_file,
+                              "--profiles", prof_file, *extra, "-o", "json"]))
+        predicted_s = rep["current_now_s"]
+        if origin == "motley plan" and abs(plan["iteration_time_s"] - predicted_s) > 1e-9 * max(1.0, predicted_s):
+            notes.append(f"{name}: motley plan priced its plan at {plan['iteration_time_s']:.6f} s, "
+                         f"replan --current at {predicted_s:.6f} s")
+        # The hops as the cost model prices them (solver/src/cost.rs hop_times): 2 * (2 bytes *
+        # b * s * h) over the link, 25 Gbit/s Ethernet at 85%.
+        hop_ms = 2 * (2 * mb * MODEL["seq_len"] * h) / (25e9 / 8 * 0.85) * 1e3
+
+        # 3. The trainer.
+        best = run_trainer(a, work, name, plan, idle_before)
+        others, ours, tdir, load0, load1, attempts[name] = best
+        ranks = ranks_of(plan)
+        recs = {r["rank"]: [json.loads(x) for x in (tdir / f"rank{r['rank']}.jsonl").read_text().splitlines()]
+                for r in ranks}
+        r0 = recs[0]
+        ends = [x["end_s"] for x in r0]
+        iters = [1e3 * (b - c) for b, c in zip(ends[a.skip + 1:], ends[a.skip:])]
+        meas_iter = med(iters)
+        # Per stage (replica 0's stages; in 2x2 the other replica's stages agree or not, see
+        # the rank rows), the medians over steps after --skip and micro-batches.
+        stage_meas = []
+        for r in ranks:
+            rr = recs[r["rank"]][a.skip:]
+            ops = [o for x in rr for o in x["ops"]]
+            fw = [o for o in ops if o["op"] == "F"]
+            bw = [o for o in ops if o["op"] == "B"]
+            n = r["layer_end"] - r["layer_start"]
+            first, last = r["stage"] == 0, r["stage"] == r["pp_size"] - 1
+            pf_, pb_ = stage_prediction(entry, n, first, last)
+            m = dict(
+                fwd_cpu=med([o["compute_cpu_ms"] for o in fw]), fwd_wall=med([o["compute_ms"] for o in fw]),
+                bwd_cpu=med([o["compute_cpu_ms"] for o in bw]), bwd_wall=med([o["compute_ms"] for o in bw]),
+                opt_cpu=med([x["optimizer_cpu_ms"] for x in rr]), opt_wall=med([x["optimizer_ms"] for x in rr]),
+                sync_wall=med([x["grad_sync_ms"] for x in rr]),
+                recv_wall=med([sum(o["recv_ms"] for o in x["ops"]) for x in rr]),
+                send_wall=med([sum(o["send_ms"] for o in x["ops"]) + x["finish_ms"] for x in rr]))
+            extras = ("emb + " if first else "") + decompose(n) + (" + head" if last else "")
+            rows_stage.append((name, r["rank"], r["replica"], r["stage"], f"{r['layer_start']}-{r['layer_end']}", extras,
+                               pf_, pb_, m))
+            stage_meas.append((r, pf_, pb_, m))
+        # What the cores allow: every rank's (main thread's) CPU per step, over the cores.
+        core_bound = sum(med([x["step_cpu_ms"] for x in recs[r["rank"]][a.skip:]]) for r in ranks) / os.cpu_count()
+        # The 1F1B formula fed measured numbers (replica 0; the slowest replica with 2x2).
+        by_rep = {}
+        for r, pf_, pb_, m in stage_meas:
+            by_rep.setdefault(r["replica"], []).append((r, pf_, pb_, m))
+        formula_cpu, formula_wall, pred_compute = 0.0, 0.0, 0.0
+        for rid, st in by_rep.items():
+            st.sort(key=lambda x: x[0]["stage"])
+            k = plan["replicas"][rid]["micro_batches"]
+            hops = [hop_ms] * (len(st) - 1)
+            opt_cpu = max(x[3]["opt_cpu"] for x in st)
+            opt_wall = max(x[3]["opt_wall"] for x in st)
+            sync = max(x[3]["sync_wall"] for x in st)
+            formula_cpu = max(formula_cpu, one_f_one_b_ms([x[3]["fwd_cpu"] + x[3]["bwd_cpu"] for x in st], hops, k)
+                              + opt_cpu + sync)
+            formula_wall = max(formula_wall, one_f_one_b_ms([x[3]["fwd_wall"] + x[3]["bwd_wall"] for x in st], hops, k)
+                               + opt_wall + sync)
+            pred_compute = max(pred_compute, one_f_one_b_ms([x[1] + x[2] for x in st], hops, k))
+        pred_ms = predicted_s * 1e3
+        n_ranks = len(ranks)
+        rows_iter.append(dict(name=name, origin=origin, ranks=n_ranks,
+                              shape=" / ".join("+".join(str(s["layers"][1] - s["layers"][0]) for s in r["stages"])
+                                               for r in plan["replicas"]),
+                              M=[r["micro_batches"] for r in plan["replicas"]], pred=pred_ms,
+                              pred_compute=pred_compute, formula_cpu=formula_cpu, formula_wall=formula_wall,
+                              meas=meas_iter, iters=iters, load=(load0, load1),
+                              ours=ours, others=others, core_bound=core_bound))
+
+    print_markdown(a, t_start, (load_start, load_after_profile, loadavg()), entry, mem_bw, idle_before, notes,
+                   rows_stage, rows_iter, attempts)
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0

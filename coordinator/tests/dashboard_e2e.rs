@@ -251,44 +251,7 @@ fn the_dashboard_shows_and_drives_the_cluster() {
 
     // A job submitted from the CLI shows up and succeeds, with its events.
     let job = dir.join("job.yaml");
-    // It carries its plan: two replicas, each a pipeline of two TP-2 stages across the nodes
-    // (a picture with hops worth looking at).
-    let stage = |layers: &str, node: &str, a: u32| {
-        format!(
-            "{{layers: {layers}, gpu: A100-80G, tp: 2, dp: 1, gpus: [{{node: {node}, index: {a}}}, {{node: {node}, index: {}}}]}}",
-            a + 1
-        )
-    };
-    let replica = |a: u32| {
-        format!("  - {{samples: 8, micro_batches: 4, stages: [{}, {}]}}\n", stage("[0, 10]", "node-0", a), stage("[10, 24]", "node-1", a))
-    };
-    // Rank 0 also leaves a checkpoint step in MOTLEY_CKPT_DIR, as motley_torch would (one unit
-    // and its rank file, listed by its manifest piece), for the checkpoint view, and prints
-    // training lines, for the curves.
-    let fake_ckpt = dir.join("fake-ckpt.sh");
-    std::fs::write(
-        &fake_ckpt,
-        r#"[ "$RANK" = 0 ] || exit 0
-d="$MOTLEY_CKPT_DIR/step-00000002"; mkdir -p "$d"
-printf 0123456789 > "$d/layer.00000.model.tp0-1.safetensors"; printf r > "$d/rank.00000.safetensors"
-cat > "$d/manifest.rank.00000.json" <<EOF
-{"format": "motley-checkpoint/1", "step": 2, "layers": 24, "world_size": 8,
- "units": [{"block": "layer.0", "part": "model", "tp_rank": 0, "tp_size": 1, "file": "layer.00000.model.tp0-1.safetensors",
-            "bytes": 10, "chunk_bytes": 16777216, "crc32c": [0], "tensors": {}}],
- "ranks": [{"rank": 0, "file": "rank.00000.safetensors", "bytes": 1, "chunk_bytes": 16777216, "crc32c": [0]}]}
-EOF
-printf '%s\n' '{"step": 1, "loss": 2.5, "tokens_per_s": 900, "step_s": 0.5}' '{"step": 2, "eval_loss": 2.4}' \
-  '{"step": 2, "loss": 2.25, "tokens_per_s": 950, "step_s": 0.45}' '{"step": 3, "loss": 2.0, "tokens_per_s": 1000, "step_s": 0.4}'
-"#,
-    )
-    .unwrap();
-    let text = format!(
-        "name: dash\nmodel: gpt3-1.3b\nglobal_batch: 16\nrun: 'echo \"hello from rank $RANK\"; sh {}'\nplan:\n  global_batch: 16\n  micro_batch: 2\n  replicas:\n{}{}",
-        fake_ckpt.display(),
-        replica(0),
-        replica(2)
-    );
-    std::fs::write(&job, text).unwrap();
+    write_planned_job(&dir, &job);
     let out = motley(&c, &["job", "submit", job.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     b.click("#nav-jobs");
@@ -337,47 +300,9 @@ printf '%s\n' '{"step": 1, "loss": 2.5, "tokens_per_s": 900, "step_s": 0.5}' '{"
 
     b.call("POST", "/window/rect", Some(&json!({"width": 1280, "height": 1000})));
 
-    // Cancel from the page, after a confirmation.
-    std::fs::write(&job, "name: long\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {gpus: 2}\nrun: 'sleep 120'\n").unwrap();
-    assert!(motley(&c, &["job", "submit", job.to_str().unwrap()]).status.success());
-    // A job that waits says why in the list (job 2 holds GPUs it needs).
-    std::fs::write(dir.join("wide.yaml"), "name: wide\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {gpus: 16}\nrun: 'true'\n").unwrap();
-    assert!(motley(&c, &["job", "submit", dir.join("wide.yaml").to_str().unwrap()]).status.success());
-    b.go(&format!("{url}#/jobs"));
-    let why = b.wait(
-        "job 3's reason in the list",
-        "const r = document.querySelector('#jobs tr[data-job=\"3\"]'); return r && /submitted|planning/.test(r.textContent) && r.querySelector('.reason').textContent || null",
-    );
-    let reason = c.json("GET", "/api/v1/jobs/3", "", 200)["reason"].clone();
-    assert!(reason.is_null() || reason == why, "the page shows the job's reason: {why} / {reason}");
-    b.screenshot("jobs");
-    b.go(&format!("{url}#/jobs/2"));
-    b.wait("job 2 running", "return document.getElementById('job-state')?.textContent === 'running'");
-    b.click("#cancel");
-    b.wait("the confirmation", "return document.getElementById('confirm').open");
-    b.screenshot("confirm-cancel");
-    b.click("#confirm-yes");
-    b.wait("job 2 cancelled", "return document.getElementById('job-state')?.textContent === 'cancelled'");
+    cancel_from_the_page(&b, &c, &dir, &job, &url);
 
-    // Drain from the page reaches the agent (it marks its work directory). Escape in the
-    // confirmation (keyboard) drains nothing.
-    b.click("#nav-nodes");
-    b.click("#nodes tr[data-node=\"node-0\"] button");
-    b.wait("the confirmation", "return document.getElementById('confirm').open");
-    let no = b.find("#confirm-no");
-    b.call("POST", &format!("/element/{no}/value"), Some(&json!({"text": "\u{E00C}"})));
-    b.wait("the confirmation closed", "return !document.getElementById('confirm').open");
-    assert_eq!(c.json("GET", "/api/v1/nodes/node-0", "", 200)["state"], "active", "Escape cancels");
-    b.click("#nodes tr[data-node=\"node-1\"] button");
-    b.wait("the confirmation", "return document.getElementById('confirm').open");
-    b.click("#confirm-yes");
-    let flag = dir.join("agent-1/draining");
-    until("node-1's agent marks itself draining", || flag.exists().then_some(()));
-    b.wait("node-1 shown draining", "return document.querySelector('#nodes tr[data-node=\"node-1\"]').textContent.includes('draining')");
-    b.screenshot("nodes-draining");
-    b.click("#nodes tr[data-node=\"node-1\"] button");
-    b.click("#confirm-yes");
-    until("node-1's agent clears the mark", || (!flag.exists()).then_some(()));
+    drain_from_the_page(&b, &c, &dir);
 
     // The picture the page shows is the API's contract: GET /api/v1/jobs/1/plan.svg.
     let (status, svg) = c.call("GET", "/api/v1/jobs/1/plan.svg", "");
@@ -385,21 +310,7 @@ printf '%s\n' '{"step": 1, "loss": 2.5, "tokens_per_s": 900, "step_s": 0.5}' '{"
     assert_eq!(svg.matches("<g class=\"stage\"").count(), stages);
     assert_eq!(c.call_as(Some("wrong"), "GET", "/api/v1/jobs/1/plan.svg", "").0, 401);
 
-    // An --insecure coordinator's page asks for no token, like its API.
-    let open_dir = common::temp_dir();
-    let open = Coordinator::start(&open_dir, &["--insecure"]);
-    b.go(&format!("http://{}/#/nodes", open.addr));
-    b.wait(
-        "the nodes page without a token",
-        "return document.getElementById('login').hidden && document.querySelector('#nodes p, #nodes table') !== null",
-    );
-
-    // A standby serves the page and sends it on to the leader.
-    let standby = Coordinator::start(&dir, &["--heartbeat-ms", "500"]);
-    b.go(&format!("http://{}/#/jobs", standby.addr));
-    b.type_into("#token", &format!("{token}\u{E007}"));
-    let leader = format!("http://{}", c.addr);
-    b.wait("the page on the leader", &format!("return location.origin === '{leader}' && location.hash === '#/jobs'"));
+    other_coordinators_serve_the_page(&b, &c, &dir, &token);
 }
 
 /// The network page draws the link matrix: a cell per measured pair of nodes (both ways) with
@@ -465,4 +376,112 @@ fn the_network_page_draws_the_link_matrix() {
     assert_eq!(unmeasured[1], "—", "n0-n1 was not measured: {unmeasured}");
     assert_eq!(b.js("return document.getElementById('nav-net').getAttribute('aria-current')"), "page");
     b.screenshot("network");
+}
+
+/// Drain from the page reaches the agent (it marks its work directory). Escape in the
+/// confirmation (keyboard) drains nothing.
+fn drain_from_the_page(b: &Browser, c: &Coordinator, dir: &Path) {
+    b.click("#nav-nodes");
+    b.click("#nodes tr[data-node=\"node-0\"] button");
+    b.wait("the confirmation", "return document.getElementById('confirm').open");
+    let no = b.find("#confirm-no");
+    b.call("POST", &format!("/element/{no}/value"), Some(&json!({"text": "\u{E00C}"})));
+    b.wait("the confirmation closed", "return !document.getElementById('confirm').open");
+    assert_eq!(c.json("GET", "/api/v1/nodes/node-0", "", 200)["state"], "active", "Escape cancels");
+    b.click("#nodes tr[data-node=\"node-1\"] button");
+    b.wait("the confirmation", "return document.getElementById('confirm').open");
+    b.click("#confirm-yes");
+    let flag = dir.join("agent-1/draining");
+    until("node-1's agent marks itself draining", || flag.exists().then_some(()));
+    b.wait("node-1 shown draining", "return document.querySelector('#nodes tr[data-node=\"node-1\"]').textContent.includes('draining')");
+    b.screenshot("nodes-draining");
+    b.click("#nodes tr[data-node=\"node-1\"] button");
+    b.click("#confirm-yes");
+    until("node-1's agent clears the mark", || (!flag.exists()).then_some(()));
+}
+
+/// An --insecure coordinator's page asks for no token, like its API; a standby serves the page
+/// and sends it on to the leader.
+fn other_coordinators_serve_the_page(b: &Browser, c: &Coordinator, dir: &Path, token: &str) {
+    // An --insecure coordinator's page asks for no token, like its API.
+    let open_dir = common::temp_dir();
+    let open = Coordinator::start(&open_dir, &["--insecure"]);
+    b.go(&format!("http://{}/#/nodes", open.addr));
+    b.wait(
+        "the nodes page without a token",
+        "return document.getElementById('login').hidden && document.querySelector('#nodes p, #nodes table') !== null",
+    );
+
+    // A standby serves the page and sends it on to the leader.
+    let standby = Coordinator::start(dir, &["--heartbeat-ms", "500"]);
+    b.go(&format!("http://{}/#/jobs", standby.addr));
+    b.type_into("#token", &format!("{token}\u{E007}"));
+    let leader = format!("http://{}", c.addr);
+    b.wait("the page on the leader", &format!("return location.origin === '{leader}' && location.hash === '#/jobs'"));
+}
+
+/// The dashboard's job file: it carries its plan, two replicas, each a pipeline of two TP-2
+/// stages across the nodes (a picture with hops worth looking at).
+fn write_planned_job(dir: &Path, job: &Path) {
+    let stage = |layers: &str, node: &str, a: u32| {
+        format!(
+            "{{layers: {layers}, gpu: A100-80G, tp: 2, dp: 1, gpus: [{{node: {node}, index: {a}}}, {{node: {node}, index: {}}}]}}",
+            a + 1
+        )
+    };
+    let replica = |a: u32| {
+        format!("  - {{samples: 8, micro_batches: 4, stages: [{}, {}]}}\n", stage("[0, 10]", "node-0", a), stage("[10, 24]", "node-1", a))
+    };
+    // Rank 0 also leaves a checkpoint step in MOTLEY_CKPT_DIR, as motley_torch would (one unit
+    // and its rank file, listed by its manifest piece), for the checkpoint view, and prints
+    // training lines, for the curves.
+    let fake_ckpt = dir.join("fake-ckpt.sh");
+    std::fs::write(
+        &fake_ckpt,
+        r#"[ "$RANK" = 0 ] || exit 0
+d="$MOTLEY_CKPT_DIR/step-00000002"; mkdir -p "$d"
+printf 0123456789 > "$d/layer.00000.model.tp0-1.safetensors"; printf r > "$d/rank.00000.safetensors"
+cat > "$d/manifest.rank.00000.json" <<EOF
+{"format": "motley-checkpoint/1", "step": 2, "layers": 24, "world_size": 8,
+ "units": [{"block": "layer.0", "part": "model", "tp_rank": 0, "tp_size": 1, "file": "layer.00000.model.tp0-1.safetensors",
+            "bytes": 10, "chunk_bytes": 16777216, "crc32c": [0], "tensors": {}}],
+ "ranks": [{"rank": 0, "file": "rank.00000.safetensors", "bytes": 1, "chunk_bytes": 16777216, "crc32c": [0]}]}
+EOF
+printf '%s\n' '{"step": 1, "loss": 2.5, "tokens_per_s": 900, "step_s": 0.5}' '{"step": 2, "eval_loss": 2.4}' \
+  '{"step": 2, "loss": 2.25, "tokens_per_s": 950, "step_s": 0.45}' '{"step": 3, "loss": 2.0, "tokens_per_s": 1000, "step_s": 0.4}'
+"#,
+    )
+    .unwrap();
+    let text = format!(
+        "name: dash\nmodel: gpt3-1.3b\nglobal_batch: 16\nrun: 'echo \"hello from rank $RANK\"; sh {}'\nplan:\n  global_batch: 16\n  micro_batch: 2\n  replicas:\n{}{}",
+        fake_ckpt.display(),
+        replica(0),
+        replica(2)
+    );
+    std::fs::write(job, text).unwrap();
+}
+
+/// Cancel from the page, after a confirmation; on the way, a job that waits says why in the
+/// list.
+fn cancel_from_the_page(b: &Browser, c: &Coordinator, dir: &Path, job: &Path, url: &str) {
+    std::fs::write(job, "name: long\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {gpus: 2}\nrun: 'sleep 120'\n").unwrap();
+    assert!(motley(c, &["job", "submit", job.to_str().unwrap()]).status.success());
+    // A job that waits says why in the list (job 2 holds GPUs it needs).
+    std::fs::write(dir.join("wide.yaml"), "name: wide\nmodel: gpt3-1.3b\nglobal_batch: 16\nresources: {gpus: 16}\nrun: 'true'\n").unwrap();
+    assert!(motley(c, &["job", "submit", dir.join("wide.yaml").to_str().unwrap()]).status.success());
+    b.go(&format!("{url}#/jobs"));
+    let why = b.wait(
+        "job 3's reason in the list",
+        "const r = document.querySelector('#jobs tr[data-job=\"3\"]'); return r && /submitted|planning/.test(r.textContent) && r.querySelector('.reason').textContent || null",
+    );
+    let reason = c.json("GET", "/api/v1/jobs/3", "", 200)["reason"].clone();
+    assert!(reason.is_null() || reason == why, "the page shows the job's reason: {why} / {reason}");
+    b.screenshot("jobs");
+    b.go(&format!("{url}#/jobs/2"));
+    b.wait("job 2 running", "return document.getElementById('job-state')?.textContent === 'running'");
+    b.click("#cancel");
+    b.wait("the confirmation", "return document.getElementById('confirm').open");
+    b.screenshot("confirm-cancel");
+    b.click("#confirm-yes");
+    b.wait("job 2 cancelled", "return document.getElementById('job-state')?.textContent === 'cancelled'");
 }

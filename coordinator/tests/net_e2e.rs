@@ -204,23 +204,7 @@ async fn measured_links_reach_rest_grpc_and_metrics_with_their_history() {
     assert!(msg.contains("'ghost'") && msg.contains("motley node list"), "{msg}");
 
     // gRPC: the same document.
-    let mut g = ControlClient::connect(c.grpc_url()).await.unwrap();
-    let all = g.get_network(authed(pb::GetNetworkRequest { node: String::new() }, &token)).await.unwrap().into_inner();
-    assert_eq!(all.links.len(), 2);
-    let l = &all.links[0];
-    assert_eq!((l.a.as_str(), l.b.as_str(), l.samples, l.history.len()), ("n0", "n1", 2, 2));
-    assert_eq!((l.history[1].at_unix_ms, l.history[1].gb_per_s), (t + 1_000, 0.5));
-    assert_eq!(l.declared_gb_per_s, Some(200.0 / 8.0 * 0.85));
-    assert_eq!(all.nics.len(), 1);
-    assert_eq!(all.bandwidth.iter().map(|p| (p.a.as_str(), p.b.as_str(), p.gb_per_s)).collect::<Vec<_>>(), pairs);
-    let one = g.get_network(authed(pb::GetNetworkRequest { node: "n1".into() }, &token)).await.unwrap().into_inner();
-    assert_eq!((one.links.len(), one.links[0].b.as_str(), one.nics.len()), (1, "n1", 0));
-    let e = g.get_network(authed(pb::GetNetworkRequest { node: "ghost".into() }, &token)).await.unwrap_err();
-    assert_eq!(e.code(), Code::InvalidArgument);
-    assert!(e.message().contains("'ghost'") && e.message().contains("motley node list"), "{}", e.message());
-    // And without the operators' token, nothing.
-    let e = g.get_network(tonic::Request::new(pb::GetNetworkRequest::default())).await.unwrap_err();
-    assert_eq!(e.code(), Code::Unauthenticated);
+    grpc_serves_the_same_links(&c, &token, t, &pairs).await;
 
     // /metrics: a gauge per link; the OpenAPI document: the route.
     let (metrics, openapi) = tokio::task::spawn_blocking({
@@ -235,6 +219,27 @@ async fn measured_links_reach_rest_grpc_and_metrics_with_their_history() {
         assert!(metrics.lines().any(|l| l == line), "no '{line}' in\n{metrics}");
     }
     assert!(openapi["paths"]["/api/v1/net"]["get"].is_object(), "{}", openapi["paths"]);
+}
+
+/// What `/api/v1/net` said, through gRPC Control's `GetNetwork`.
+async fn grpc_serves_the_same_links(c: &Coordinator, token: &str, t: i64, pairs: &[(&str, &str, f64)]) {
+    let mut g = ControlClient::connect(c.grpc_url()).await.unwrap();
+    let all = g.get_network(authed(pb::GetNetworkRequest { node: String::new() }, token)).await.unwrap().into_inner();
+    assert_eq!(all.links.len(), 2);
+    let l = &all.links[0];
+    assert_eq!((l.a.as_str(), l.b.as_str(), l.samples, l.history.len()), ("n0", "n1", 2, 2));
+    assert_eq!((l.history[1].at_unix_ms, l.history[1].gb_per_s), (t + 1_000, 0.5));
+    assert_eq!(l.declared_gb_per_s, Some(200.0 / 8.0 * 0.85));
+    assert_eq!(all.nics.len(), 1);
+    assert_eq!(all.bandwidth.iter().map(|p| (p.a.as_str(), p.b.as_str(), p.gb_per_s)).collect::<Vec<_>>(), pairs);
+    let one = g.get_network(authed(pb::GetNetworkRequest { node: "n1".into() }, token)).await.unwrap().into_inner();
+    assert_eq!((one.links.len(), one.links[0].b.as_str(), one.nics.len()), (1, "n1", 0));
+    let e = g.get_network(authed(pb::GetNetworkRequest { node: "ghost".into() }, token)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("'ghost'") && e.message().contains("motley node list"), "{}", e.message());
+    // And without the operators' token, nothing.
+    let e = g.get_network(tonic::Request::new(pb::GetNetworkRequest::default())).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated);
 }
 
 /// Each node's `Launch` names the other nodes of the plan with the data plane each registered;

@@ -13,7 +13,6 @@ naming MOTLEY_CKPT_NOTICE."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 from types import SimpleNamespace

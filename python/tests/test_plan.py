@@ -63,7 +63,6 @@ def test_data_slices_cover_the_global_batch_once():
     assert plan.rank_samples(2) == [(1, 2), (3, 4), (5, 6)]
     assert plan.rank_samples(4) == [(0, 2), (2, 4), (4, 6)]
     assert plan.rank_samples(6) == [(6, 8)]
-    seen = []
     for stage_ranks in ([0, 2, 6], [4, 6]):  # first stages / last stages, TP rank 0
         rows = sorted(r for rank in stage_ranks for a, b in plan.rank_samples(rank) for r in range(a, b))
         assert rows == list(range(8))

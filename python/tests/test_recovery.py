@@ -21,7 +21,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import pytest
 import yaml
 
 from launcher import DATA, REPO, free_port, motley_bin, single_process

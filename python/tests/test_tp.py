@@ -1,6 +1,5 @@
 """Tensor-parallel layers (two gloo ranks) match plain nn.Linear and the unsharded model."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path

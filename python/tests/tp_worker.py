@@ -1,13 +1,10 @@
 """Run by test_tp.py as two processes (gloo): the TP layers against plain nn.Linear."""
 
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from motley_torch.models.transformer import Block
 from motley_torch.spec import ModelSpec
 from motley_torch.models.tp import ColumnParallelLinear, RowParallelLinear
 

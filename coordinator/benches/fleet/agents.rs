@@ -87,6 +87,20 @@ pub(crate) async fn agent(i: usize, channel: Channel, shared: Arc<Shared>, gate:
     }
 }
 
+/// Reports waiting to be sent, and the signal that sends them at once, as the agent does.
+#[derive(Clone, Default)]
+struct Outbox {
+    pending: Arc<Mutex<Vec<RankStatus>>>,
+    changed: Arc<tokio::sync::Notify>,
+}
+
+impl Outbox {
+    fn send(&self, reports: impl IntoIterator<Item = RankStatus>) {
+        self.pending.lock().unwrap().extend(reports);
+        self.changed.notify_one();
+    }
+}
+
 async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<Shared>, gate: Arc<tokio::sync::Semaphore>) -> Result<()> {
     let mut client = AgentClient::new(channel);
     let reply = {
@@ -104,60 +118,10 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
             .map_err(|s| anyhow!("register refused: {:?} {}", s.code(), s.message()))?
             .into_inner()
     };
-    let epoch = reply.epoch;
     let interval = Duration::from_millis(reply.heartbeat_ms.max(10));
-    // Reports waiting to be sent: at once (`changed`), as the agent does.
-    let pending: Arc<Mutex<Vec<RankStatus>>> = Default::default();
-    let changed = Arc::new(tokio::sync::Notify::new());
+    let outbox = Outbox::default();
     let (tx, rx) = tokio::sync::mpsc::channel::<AgentStatus>(16);
-    let beat_task = {
-        let (pending, node, shared, changed) = (pending.clone(), node.to_string(), shared.clone(), changed.clone());
-        let (index, burst) = (index, shared.burst);
-        tokio::spawn(async move {
-            // Heartbeat on a fixed phase of the wall clock: spread uniformly over the interval
-            // (agents that started at random times), or all at once with --burst.
-            let period = interval.as_micros() as u64;
-            let phase = if burst { 0 } else { (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) % period };
-            let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
-            let wait = (phase + period - now % period) % period;
-            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + Duration::from_micros(wait), interval);
-            // Numbered as `motley-agent`'s messages are: the coordinator acknowledges each.
-            let mut seq = 0u64;
-            loop {
-                let beat = tokio::select! {
-                    _ = tick.tick() => true,
-                    _ = changed.notified() => false,
-                };
-                let ranks = std::mem::take(&mut *pending.lock().unwrap());
-                if !beat && ranks.is_empty() {
-                    continue;
-                }
-                let mut running: HashMap<i64, usize> = HashMap::new();
-                for r in ranks.iter().filter(|r| r.state == "running") {
-                    *running.entry(r.job).or_default() += 1;
-                }
-                // Every interval heartbeat carries the node's load, as `motley-agent`'s do.
-                let load = beat.then(node_load);
-                seq += 1;
-                if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, seq, full: seq == 1, ..Default::default() }).await.is_err()
-                {
-                    return;
-                }
-                if beat {
-                    shared.heartbeats.fetch_add(1, Ordering::Relaxed);
-                }
-                if !running.is_empty() {
-                    let at = now_ms();
-                    let mut jobs = shared.jobs.lock().unwrap();
-                    for (job, n) in running {
-                        let j = jobs.entry(job).or_default();
-                        j.running_sent += n;
-                        j.last_running_sent_ms = j.last_running_sent_ms.max(at);
-                    }
-                }
-            }
-        })
-    };
+    let beat_task = tokio::spawn(heartbeats(index, node.to_string(), reply.epoch, interval, outbox.clone(), shared.clone(), tx));
     let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
     request.metadata_mut().insert("authorization", "Bearer ".parse()?);
     let result: Result<()> = async {
@@ -169,51 +133,8 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
         loop {
             match inbound.message().await {
                 Ok(Some(i)) => match i.kind {
-                    Some(instruction::Kind::Launch(l)) => {
-                        let at = now_ms();
-                        {
-                            let mut jobs = shared.jobs.lock().unwrap();
-                            let j = jobs.entry(l.job).or_default();
-                            if j.launches == 0 || at < j.first_launch_ms {
-                                j.first_launch_ms = at;
-                            }
-                            j.launches += 1;
-                            j.ranks += l.ranks.len();
-                            j.last_launch_ms = j.last_launch_ms.max(at);
-                        }
-                        let mut p = pending.lock().unwrap();
-                        for r in &l.ranks {
-                            mine.push((l.job, l.generation, r.rank));
-                            p.push(RankStatus {
-                                job: l.job,
-                                generation: l.generation,
-                                rank: r.rank,
-                                state: "running".into(),
-                                exit_code: None,
-                            });
-                        }
-                        changed.notify_one();
-                    }
-                    Some(instruction::Kind::Stop(s)) => {
-                        shared.jobs.lock().unwrap().entry(s.job).or_default().stops += 1;
-                        // Its ranks are killed: reported exited (SIGTERM) on the next heartbeat.
-                        let mut p = pending.lock().unwrap();
-                        mine.retain(|&(job, generation, rank)| {
-                            let stopped = job == s.job && generation <= s.generation;
-                            if stopped {
-                                p.push(RankStatus {
-                                    job,
-                                    generation,
-                                    rank,
-                                    state: "exited".into(),
-                                    exit_code: Some(143),
-                                    ..Default::default()
-                                });
-                            }
-                            !stopped
-                        });
-                        changed.notify_one();
-                    }
+                    Some(instruction::Kind::Launch(l)) => launched(shared, &outbox, &mut mine, &l),
+                    Some(instruction::Kind::Stop(s)) => stopped(shared, &outbox, &mut mine, &s),
                     // Bench agents register without can_profile: never asked to profile.
                     Some(
                         instruction::Kind::Drain(_)
@@ -232,4 +153,94 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
     .await;
     beat_task.abort();
     result
+}
+
+/// One agent's heartbeat stream: on a fixed phase of the wall clock, spread uniformly over the
+/// interval (agents that started at random times) or all at once with --burst, and at once when
+/// reports wait in the outbox.
+async fn heartbeats(
+    index: usize,
+    node: String,
+    epoch: i64,
+    interval: Duration,
+    outbox: Outbox,
+    shared: Arc<Shared>,
+    tx: tokio::sync::mpsc::Sender<AgentStatus>,
+) {
+    let period = interval.as_micros() as u64;
+    let phase = if shared.burst { 0 } else { (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) % period };
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+    let wait = (phase + period - now % period) % period;
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + Duration::from_micros(wait), interval);
+    // Numbered as `motley-agent`'s messages are: the coordinator acknowledges each.
+    let mut seq = 0u64;
+    loop {
+        let beat = tokio::select! {
+            _ = tick.tick() => true,
+            _ = outbox.changed.notified() => false,
+        };
+        let ranks = std::mem::take(&mut *outbox.pending.lock().unwrap());
+        if !beat && ranks.is_empty() {
+            continue;
+        }
+        let mut running: HashMap<i64, usize> = HashMap::new();
+        for r in ranks.iter().filter(|r| r.state == "running") {
+            *running.entry(r.job).or_default() += 1;
+        }
+        // Every interval heartbeat carries the node's load, as `motley-agent`'s do.
+        let load = beat.then(node_load);
+        seq += 1;
+        if tx.send(AgentStatus { node: node.clone(), epoch, ranks, load, seq, full: seq == 1, ..Default::default() }).await.is_err() {
+            return;
+        }
+        if beat {
+            shared.heartbeats.fetch_add(1, Ordering::Relaxed);
+        }
+        if !running.is_empty() {
+            let at = now_ms();
+            let mut jobs = shared.jobs.lock().unwrap();
+            for (job, n) in running {
+                let j = jobs.entry(job).or_default();
+                j.running_sent += n;
+                j.last_running_sent_ms = j.last_running_sent_ms.max(at);
+            }
+        }
+    }
+}
+
+/// A Launch: counted, and its ranks reported `running` at once.
+fn launched(shared: &Shared, outbox: &Outbox, mine: &mut Vec<(i64, i64, i64)>, l: &motley_proto::v1::Launch) {
+    let at = now_ms();
+    {
+        let mut jobs = shared.jobs.lock().unwrap();
+        let j = jobs.entry(l.job).or_default();
+        if j.launches == 0 || at < j.first_launch_ms {
+            j.first_launch_ms = at;
+        }
+        j.launches += 1;
+        j.ranks += l.ranks.len();
+        j.last_launch_ms = j.last_launch_ms.max(at);
+    }
+    mine.extend(l.ranks.iter().map(|r| (l.job, l.generation, r.rank)));
+    outbox.send(l.ranks.iter().map(|r| RankStatus {
+        job: l.job,
+        generation: l.generation,
+        rank: r.rank,
+        state: "running".into(),
+        exit_code: None,
+    }));
+}
+
+/// A Stop: its ranks are killed, reported exited (SIGTERM) on the next heartbeat.
+fn stopped(shared: &Shared, outbox: &Outbox, mine: &mut Vec<(i64, i64, i64)>, s: &motley_proto::v1::Stop) {
+    shared.jobs.lock().unwrap().entry(s.job).or_default().stops += 1;
+    let mut exited = vec![];
+    mine.retain(|&(job, generation, rank)| {
+        let stop = job == s.job && generation <= s.generation;
+        if stop {
+            exited.push(RankStatus { job, generation, rank, state: "exited".into(), exit_code: Some(143), ..Default::default() });
+        }
+        !stop
+    });
+    outbox.send(exited);
 }
