@@ -167,7 +167,8 @@ impl Profiler {
         let itself = confine.enters_itself();
         let result = self.run_in(p, Some((procs, itself))).await.and_then(|entry| {
             // Timings taken outside the share would be the machine's, not the emulated device's.
-            if itself && !crate::ranks::cpu_share::ran_in(&dir) {
+            let entered = log_says(&self.inner.dir.join(p.request.to_string()).join("profile.log"), crate::ranks::cpu_share::ENTERED_LINE);
+            if itself && !entered {
                 return Err(format!(
                     "the profiler never entered its CPU share (${}): a motley_torch older than this agent? its timings would not be the emulated device's",
                     crate::ranks::cpu_share::ENTER_ENV
@@ -240,6 +241,11 @@ impl Profiler {
         }
         entry_of(&output, p)
     }
+}
+
+/// Whether a run's log holds `line`.
+fn log_says(path: &Path, line: &str) -> bool {
+    std::fs::read(path).is_ok_and(|b| String::from_utf8_lossy(&b).contains(line))
 }
 
 /// The end of a run's log, for the error.
@@ -366,7 +372,7 @@ printf 'profiles:\n  - {gpu: A100-80G, tp: 1, micro_batch: 2, fwd_ms: 1.5, bwd_m
         let py = fake_python(
             &tmp,
             &format!(
-                r#"echo 0 > "$MOTLEY_CPU_SHARE_PROCS"; cat {0}/cpu.cfs_quota_us {0}/cpu.cfs_period_us > quota.txt; echo "$@" > args.txt; grep -E '^[0-9]+:([^:]*,)?cpu(,[^:]*)?:' /proc/self/cgroup > cgroup.txt
+                r#"echo 0 > "$MOTLEY_CPU_SHARE_PROCS" && echo "motley-cpu-share: entered $MOTLEY_CPU_SHARE_PROCS" >&2; cat {0}/cpu.cfs_quota_us {0}/cpu.cfs_period_us > quota.txt; echo "$@" > args.txt; grep -E '^[0-9]+:([^:]*,)?cpu(,[^:]*)?:' /proc/self/cgroup > cgroup.txt
 out=""; while [ $# -gt 0 ]; do case "$1" in --output) out="$2"; shift;; esac; shift; done
 printf 'profiles:
   - {{gpu: A100-80G, tp: 1, micro_batch: 2, fwd_ms: 1.5, bwd_ms: 3}}

@@ -67,8 +67,9 @@ const ALLOWED: &[(&str, &str, &str)] = &[
     ("ranks/cgroup.rs", "std::fs::read_to_string(&control)", "cgroupfs: the agent's own cgroup's cgroup.subtree_control"),
     ("ranks/cgroup.rs", "cgroup.subtree_control", "cgroupfs control file of the agent's cgroup subtree"),
     ("ranks/cgroup.rs", "cpu.max", "cgroupfs: a rank's CPU limit, written by the agent before the rank starts"),
-    // An emulating node's v1 cpu hierarchy (ranks/cpu_share.rs): the agent's subtree alone; the
-    // ranks' v1 cgroups are never given to their users.
+    // An emulating node's v1 cpu hierarchy (ranks/cpu_share.rs): the agent's subtree alone; of a
+    // rank's v1 cgroup only its cgroup.procs is given to the rank's user (to enter it), never
+    // the directory or its quota.
     ("ranks/cpu_share.rs", "/proc/self/mountinfo", "/proc"),
     ("ranks/cpu_share.rs", "/proc/self/cgroup", "/proc"),
     ("ranks/cpu_share.rs", "std::fs::create_dir_all(&root)", "the agent's v1 cpu cgroup subtree"),
@@ -80,6 +81,11 @@ const ALLOWED: &[(&str, &str, &str)] = &[
     ("ranks/cpu_share.rs", "cpu.cfs_period_us", "cgroupfs control file"),
     ("ranks/cpu_share.rs", "cpu.cfs_quota_us", "cgroupfs control file"),
     ("ranks/cpu_share.rs", "std::fs::remove_dir(&dir)", "cgroupfs: rmdir of an empty cgroup"),
+    ("ranks/cpu_share.rs", "std::os::unix::fs::chown(&procs", "cgroupfs: a rank's cgroup.procs, given to its user: cgroupfs has no links"),
+    ("ranks/cpu_share.rs", "std::fs::read_to_string(&procs)", "cgroupfs: whether a rank's cgroup holds a process"),
+    ("ranks/cpu_share.rs", "std::fs::write(&procs", "cgroupfs: the agent moves a rank's processes into its share"),
+    ("ranks/cpu_share.rs", "std::fs::read_dir(\"/proc\")", "/proc: the processes of a rank's process group"),
+    ("ranks/cpu_share.rs", "entry.path().join(\"stat\")", "/proc/PID/stat"),
     // The operator's files, named on the command line or in the agent's configuration.
     ("bin/motley-agent/main.rs", "std::fs::read(ca)", "--ca-cert"),
     ("bin/motley-agent/session.rs", "std::fs::read(p)", "--ca-cert"),

@@ -11,12 +11,14 @@ def test_without_a_share_nothing_is_entered(monkeypatch):
     assert enter_share() is False
 
 
-def test_the_process_writes_itself_into_the_named_cgroup_procs(monkeypatch, tmp_path):
+def test_the_process_writes_itself_into_the_named_cgroup_procs_and_says_so(monkeypatch, tmp_path, capsys):
     procs = tmp_path / "cgroup.procs"
     procs.write_text("")
     monkeypatch.setenv(ENTER_ENV, str(procs))
     assert enter_share() is True
     assert procs.read_text() == "0"
+    # The line the agent looks for in a layer profiler's log (agent/src/profiler.rs).
+    assert f"motley-cpu-share: entered {procs}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["cgroup.procs", "/sys/fs/cgroup/cpu/x/tasks"])

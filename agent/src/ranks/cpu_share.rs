@@ -134,15 +134,9 @@ pub fn confine_late(dir: &Path, pgid: i32) -> io::Result<usize> {
     Ok(moved)
 }
 
-/// Whether a process ran in the v1 cpu cgroup `dir` under its quota (`cpu.stat`'s
-/// `nr_periods` counts the periods in which it had work).
-pub fn ran_in(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("cpu.stat"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("nr_periods ").and_then(|n| n.trim().parse::<u64>().ok()))
-        .is_some_and(|n| n > 0)
-}
+/// The line a process that entered its share prints to its standard error
+/// (`motley_torch/components/cpu_share.py`): the layer profiler's run is refused without it.
+pub const ENTERED_LINE: &str = "motley-cpu-share: entered ";
 
 fn set_v1_quota(dir: &Path, share: f64) -> io::Result<()> {
     std::fs::write(dir.join("cpu.cfs_period_us"), period_us(share).to_string())?;

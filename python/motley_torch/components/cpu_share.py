@@ -12,8 +12,10 @@ does not enter is moved there by its agent after a start-up allowance.
 from __future__ import annotations
 
 import os
+import sys
 
 ENTER_ENV = "MOTLEY_CPU_SHARE_PROCS"
+ENTERED_LINE = "motley-cpu-share: entered "
 
 
 class CpuShareError(RuntimeError):
@@ -33,4 +35,6 @@ def enter_share() -> bool:
             f.write("0")
     except OSError as e:
         raise CpuShareError(f"{ENTER_ENV}: cannot enter the CPU share {path}: {e}") from e
+    # The agent refuses a layer profile whose log lacks this line (agent/src/profiler.rs).
+    print(f"{ENTERED_LINE}{path}", file=sys.stderr, flush=True)
     return True
