@@ -84,8 +84,6 @@ const ALLOWED: &[(&str, &str, &str)] = &[
     ("ranks/cpu_share.rs", "std::os::unix::fs::chown(&procs", "cgroupfs: a rank's cgroup.procs, given to its user: cgroupfs has no links"),
     ("ranks/cpu_share.rs", "std::fs::read_to_string(&procs)", "cgroupfs: whether a rank's cgroup holds a process"),
     ("ranks/cpu_share.rs", "std::fs::write(&procs", "cgroupfs: the agent moves a rank's processes into its share"),
-    ("ranks/cpu_share.rs", "std::fs::read_dir(\"/proc\")", "/proc: the processes of a rank's process group"),
-    ("ranks/cpu_share.rs", "entry.path().join(\"stat\")", "/proc/PID/stat"),
     // The operator's files, named on the command line or in the agent's configuration.
     ("bin/motley-agent/main.rs", "std::fs::read(ca)", "--ca-cert"),
     ("bin/motley-agent/session.rs", "std::fs::read(p)", "--ca-cert"),

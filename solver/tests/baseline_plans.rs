@@ -13,18 +13,36 @@ fn lab() -> Cluster {
     Cluster::from_spec(&spec).unwrap()
 }
 
-fn request<'a>(cluster: &'a Cluster, model: &'a Model, profiles: &'a ProfileSet, opts: &'a PlanOptions) -> PlanRequest<'a> {
-    PlanRequest { cluster, model, profiles, opts, mode: SearchMode::Auto, exhaustive: false, seeds: vec![] }
+/// A model on the lab with the default profiles and a global batch: what every test here plans.
+struct Case {
+    cluster: Cluster,
+    model: Model,
+    profiles: ProfileSet,
+    opts: PlanOptions,
+}
+
+impl Case {
+    fn on_lab(model: &str, global_batch: u32) -> Case {
+        Case {
+            cluster: lab(),
+            model: Model::new(model::model_by_name(model).unwrap(), None).unwrap(),
+            profiles: ProfileSet::default(),
+            opts: PlanOptions { global_batch, ..PlanOptions::default() },
+        }
+    }
+
+    fn request(&self) -> PlanRequest<'_> {
+        let (cluster, model, profiles, opts) = (&self.cluster, &self.model, &self.profiles, &self.opts);
+        PlanRequest { cluster, model, profiles, opts, mode: SearchMode::Auto, exhaustive: false, seeds: vec![] }
+    }
 }
 
 const ALL: [Baseline; 3] = Baseline::ALL;
 
 #[test]
 fn each_baselines_plan_is_the_one_the_comparison_prices_and_motley_is_never_slower() {
-    let cluster = lab();
-    let model = Model::new(model::model_by_name("llama-13b").unwrap(), None).unwrap();
-    let (profiles, opts) = (ProfileSet::default(), PlanOptions { global_batch: 256, ..PlanOptions::default() });
-    let req = request(&cluster, &model, &profiles, &opts);
+    let case = Case::on_lab("llama-13b", 256);
+    let req = case.request();
     let motley = plan(&req).unwrap();
     assert_eq!(motley.search.baseline, None);
     for b in ALL {
@@ -46,10 +64,9 @@ fn each_baselines_plan_is_the_one_the_comparison_prices_and_motley_is_never_slow
 
 #[test]
 fn fast_only_runs_on_the_fastest_gpu_type_alone() {
-    let cluster = lab();
-    let model = Model::new(model::model_by_name("llama-13b").unwrap(), None).unwrap();
-    let (profiles, opts) = (ProfileSet::default(), PlanOptions { global_batch: 256, ..PlanOptions::default() });
-    let r = baseline(&request(&cluster, &model, &profiles, &opts), Baseline::FastOnly).unwrap();
+    let case = Case::on_lab("llama-13b", 256);
+    let cluster = &case.cluster;
+    let r = baseline(&case.request(), Baseline::FastOnly).unwrap();
     let peak = |name: &str| {
         let g = &cluster.classes.iter().find(|c| c.gpu.name == name).unwrap().gpu;
         g.peak_tflops(r.precision.unwrap()).unwrap_or(g.tflops)
@@ -65,10 +82,8 @@ fn fast_only_runs_on_the_fastest_gpu_type_alone() {
 
 #[test]
 fn a_baselines_plan_document_runs_as_given_at_the_same_price() {
-    let cluster = lab();
-    let model = Model::new(model::model_by_name("llama-7b").unwrap(), None).unwrap();
-    let (profiles, opts) = (ProfileSet::default(), PlanOptions { global_batch: 128, ..PlanOptions::default() });
-    let req = request(&cluster, &model, &profiles, &opts);
+    let case = Case::on_lab("llama-7b", 128);
+    let req = case.request();
     for b in ALL {
         let r = baseline(&req, b).unwrap();
         let doc: PlanDocument = serde_json::from_value(serde_json::to_value(&r).unwrap()).unwrap();
@@ -85,10 +100,8 @@ fn a_baselines_plan_document_runs_as_given_at_the_same_price() {
 fn a_baseline_with_no_plan_that_fits_says_which_baseline() {
     // LLaMA-70B on the lab: Motley's search finds a plan (24 of the 40 GPUs), no baseline's
     // rule does; the refusal names the baseline.
-    let cluster = lab();
-    let model = Model::new(model::model_by_name("llama-70b").unwrap(), None).unwrap();
-    let (profiles, opts) = (ProfileSet::default(), PlanOptions { global_batch: 256, ..PlanOptions::default() });
-    let req = request(&cluster, &model, &profiles, &opts);
+    let case = Case::on_lab("llama-70b", 256);
+    let req = case.request();
     assert!(plan(&req).is_ok());
     for b in ALL {
         match baseline(&req, b) {
@@ -101,10 +114,8 @@ fn a_baseline_with_no_plan_that_fits_says_which_baseline() {
 
 #[test]
 fn every_replica_says_its_unhidden_sync_and_its_optimizer_step_within_its_time() {
-    let cluster = lab();
-    let model = Model::new(model::model_by_name("llama-13b").unwrap(), None).unwrap();
-    let (profiles, opts) = (ProfileSet::default(), PlanOptions { global_batch: 256, ..PlanOptions::default() });
-    let req = request(&cluster, &model, &profiles, &opts);
+    let case = Case::on_lab("llama-13b", 256);
+    let req = case.request();
     for doc in [plan(&req).unwrap(), baseline(&req, Baseline::Megatron).unwrap()] {
         for r in &doc.replicas {
             let (sync, opt) = (r.sync_s.unwrap(), r.optimizer_s.unwrap());

@@ -121,13 +121,8 @@ pub fn confine_late(dir: &Path, pgid: i32) -> io::Result<usize> {
         return Ok(0);
     }
     let mut moved = 0;
-    for entry in std::fs::read_dir("/proc")?.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
-        // `pid (comm) state ppid pgrp ...`: comm may hold spaces and parentheses, the last ')'
-        // ends it.
-        let pgrp = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(2)?.parse::<i32>().ok());
-        if pgrp == Some(pgid) && std::fs::write(&procs, pid.to_string()).is_ok() {
+    for pid in crate::ranks::group::group_members(pgid) {
+        if std::fs::write(&procs, pid.to_string()).is_ok() {
             moved += 1;
         }
     }
