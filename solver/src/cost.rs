@@ -441,13 +441,17 @@ impl<'a> CostModel<'a> {
             pre_bwd += b;
             // Adam reads and writes ~28 bytes per parameter (fp32 master, m, v; fp16 w, g);
             // ZeRO-1 steps 1/dp of the states. A profile's measured step of one layer replaces
-            // the estimate for the layers (scaled the same way under ZeRO-1).
+            // the estimate (scaled the same way under ZeRO-1), for the embedding and head too:
+            // the step is elementwise, so the device's measured seconds per parameter price
+            // every parameter it steps, where the catalog's peak memory bandwidth is never
+            // reached (and says nothing of an emulated device).
             let per_param = if self.opts.zero1 { 4.0 + 24.0 / kinds[i].dp as f64 } else { 28.0 };
-            let layers_step = match costs[i].optimizer_layer {
-                Some(o) => layers[i] as f64 * o * per_param / 28.0,
-                None => layers[i] as f64 * costs[i].layer_params_gpu * per_param / costs[i].mem_bw,
+            let stage_params_gpu = layers[i] as f64 * costs[i].layer_params_gpu + extra_params_gpu;
+            let step = match costs[i].optimizer_layer {
+                Some(o) if costs[i].layer_params_gpu > 0.0 => stage_params_gpu * o / costs[i].layer_params_gpu * per_param / 28.0,
+                _ => stage_params_gpu * per_param / costs[i].mem_bw,
             };
-            optimizer = optimizer.max(layers_step + extra_params_gpu * per_param / costs[i].mem_bw);
+            optimizer = optimizer.max(step);
         }
         ReplicaTime { latency, period: self.period(&busy, &hops), exposed_sync: exposed.max(0.0), optimizer }
     }
@@ -574,10 +578,18 @@ mod wire_and_optimizer_tests {
         let mut p = LayerProfile::per_layer("A100-80G", 1, 1, 1.0, 2.0, None);
         p.optimizer_ms = Some(40.0);
         let measured = ProfileSet { profiles: vec![p] };
-        // Embedding and head (first and last stage) stay on the estimate; the layers take 40 ms each.
-        let extras = optimizer(&ProfileSet::default(), 24) - 24.0 * optimizer_per_layer(&c, &model);
-        assert!((optimizer(&measured, 24) - (24.0 * 0.040 + extras)).abs() < 1e-9, "{}", optimizer(&measured, 24));
+        // The layers take 40 ms each; the embedding and head (first and last stage) the same
+        // seconds per parameter, not the catalog bandwidth's estimate.
+        let layer_params = model.layer_params;
+        let ends = model.ends_params(true, true);
+        let want = (24.0 * layer_params + ends) * 0.040 / layer_params;
+        assert!((optimizer(&measured, 24) - want).abs() < 1e-9 * want, "{} against {want}", optimizer(&measured, 24));
         assert!((optimizer(&measured, 12) - optimizer(&measured, 6) - 6.0 * 0.040).abs() < 1e-9);
+        let estimated_ends = optimizer(&ProfileSet::default(), 24) - 24.0 * optimizer_per_layer(&c, &model);
+        assert!(
+            ends * 0.040 / layer_params > 10.0 * estimated_ends,
+            "a measured device slower than its catalog peak prices its ends slower too"
+        );
     }
 
     #[test]
