@@ -167,8 +167,7 @@ impl Profiler {
         let itself = confine.enters_itself();
         let result = self.run_in(p, Some((procs, itself))).await.and_then(|entry| {
             // Timings taken outside the share would be the machine's, not the emulated device's.
-            let entered = log_says(&self.inner.dir.join(p.request.to_string()).join("profile.log"), crate::ranks::cpu_share::ENTERED_LINE);
-            if itself && !entered {
+            if itself && !log_says(&self.log_path(p), crate::ranks::cpu_share::ENTERED_LINE) {
                 return Err(format!(
                     "the profiler never entered its CPU share (${}): a motley_torch older than this agent? its timings would not be the emulated device's",
                     crate::ranks::cpu_share::ENTER_ENV
@@ -180,6 +179,11 @@ impl Profiler {
         result
     }
 
+    /// A run's log (its standard output and error), in the run's directory.
+    fn log_path(&self, p: &Profile) -> PathBuf {
+        self.inner.dir.join(p.request.to_string()).join("profile.log")
+    }
+
     /// One run in the cgroup whose `cgroup.procs` is `procs`, if any: entered before `exec`, or
     /// by the profiler itself once started (`true`: `cpu_share::ENTER_ENV`).
     async fn run_in(&self, p: &Profile, procs: Option<(std::ffi::CString, bool)>) -> std::result::Result<String, String> {
@@ -189,7 +193,7 @@ impl Profiler {
         crate::workdir::replace(&model, p.model_json.as_bytes()).map_err(|e| e.to_string())?;
         let output = dir.join("profiles.yaml");
         let _ = std::fs::remove_file(&output);
-        let log_path = dir.join("profile.log");
+        let log_path = self.log_path(p);
         let log = crate::workdir::create_file(&log_path).map_err(|e| e.to_string())?;
         let err_log = log.try_clone().map_err(|e| e.to_string())?;
         let gpus: Vec<String> = p.gpus.iter().map(u32::to_string).collect();
