@@ -100,6 +100,12 @@ pub enum AgentError {
     /// A preemption notice older than the one the launch already has (instructions crossing).
     #[error("preemption notice {given} of job {job} generation {generation}: notice {newer} is newer; ignored")]
     StaleNotice { job: i64, generation: i64, given: i64, newer: i64 },
+    /// A membership whose document the coordinator did not write as the ranks read it.
+    #[error("membership epoch {epoch} of job {job}: {message}")]
+    BadMembership { job: i64, epoch: i64, message: String },
+    /// A membership older than the one the launch already has (instructions crossing).
+    #[error("membership epoch {given} of job {job} generation {generation}: epoch {newer} is newer; ignored")]
+    StaleMembership { job: i64, generation: i64, given: i64, newer: i64 },
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;

@@ -1,6 +1,7 @@
 //! A job's life: submitted -> planning -> launching -> running -> succeeded | failed | cancelled,
 //! and running (or launching) -> recovering -> launching when a node is lost or a rank fails and
-//! the job has budget left (it resumes from a checkpoint under the next generation).
+//! the job has budget left (it resumes from a checkpoint under the next generation); running ->
+//! degraded when a replica is lost and the others keep training (docs/keep-going.md).
 //! Pure: the coordinator's store applies these rules inside its transactions; clients read the
 //! states in job views (`views`).
 
@@ -19,18 +20,22 @@ pub enum JobState {
     /// A node was lost or drained, or a rank failed: re-planned on the nodes it can use and
     /// restored from its newest complete checkpoint before the next launch.
     Recovering,
+    /// A replica was lost and the others keep training, the same global batch split among them
+    /// (a membership epoch, docs/keep-going.md).
+    Degraded,
     Succeeded,
     Failed,
     Cancelled,
 }
 
 impl JobState {
-    pub const ALL: [JobState; 8] = [
+    pub const ALL: [JobState; 9] = [
         JobState::Submitted,
         JobState::Planning,
         JobState::Launching,
         JobState::Running,
         JobState::Recovering,
+        JobState::Degraded,
         JobState::Succeeded,
         JobState::Failed,
         JobState::Cancelled,
@@ -43,10 +48,16 @@ impl JobState {
             JobState::Launching => "launching",
             JobState::Running => "running",
             JobState::Recovering => "recovering",
+            JobState::Degraded => "degraded",
             JobState::Succeeded => "succeeded",
             JobState::Failed => "failed",
             JobState::Cancelled => "cancelled",
         }
+    }
+
+    /// Its ranks are out on the nodes (launching, running, or running without a lost replica).
+    pub fn is_launched(self) -> bool {
+        matches!(self, JobState::Launching | JobState::Running | JobState::Degraded)
     }
 
     /// No way out: the job is over.
@@ -68,6 +79,9 @@ impl JobState {
                 | (Planning, Launching)
                 | (Launching, Running)
                 | (Running, Succeeded)
+                | (Running, Degraded)
+                | (Degraded, Succeeded)
+                | (Degraded, Recovering)
                 | (Running, Launching)
                 | (Launching, Launching)
                 | (Running | Launching, Recovering)
@@ -125,7 +139,7 @@ mod tests {
     fn into_and_out_of_recovering_exactly() {
         // Every move into recovering, and every move out of it, as a table.
         for s in JobState::ALL {
-            let into = matches!(s, Running | Launching);
+            let into = matches!(s, Running | Launching | Degraded);
             assert_eq!(s.can_become(Recovering), into, "{s} -> recovering");
         }
         for t in JobState::ALL {
@@ -137,5 +151,21 @@ mod tests {
         assert_eq!(serde_json::to_string(&Recovering).unwrap(), "\"recovering\"");
         assert_eq!(serde_json::from_str::<JobState>("\"recovering\"").unwrap(), Recovering);
         assert_eq!(JobState::ALL.iter().filter(|s| **s == Recovering).count(), 1);
+    }
+
+    #[test]
+    fn into_and_out_of_degraded_exactly() {
+        // Only a running job loses a replica and keeps going; a degraded one ends, or recovers
+        // whole (the last replica lost), never relaunches directly or runs whole again here.
+        for s in JobState::ALL {
+            assert_eq!(s.can_become(Degraded), s == Running, "{s} -> degraded");
+        }
+        for t in JobState::ALL {
+            let out = matches!(t, Succeeded | Recovering | Failed | Cancelled);
+            assert_eq!(Degraded.can_become(t), out, "degraded -> {t}");
+        }
+        assert!(Degraded.is_launched() && Running.is_launched() && Launching.is_launched() && !Recovering.is_launched());
+        assert_eq!(serde_json::to_string(&Degraded).unwrap(), "\"degraded\"");
+        assert_eq!("degraded".parse::<JobState>().unwrap(), Degraded);
     }
 }

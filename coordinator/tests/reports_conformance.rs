@@ -1,7 +1,8 @@
 //! A batch of rank reports as the store commits it, run against SQLite (a temporary file) and
 //! against the PostgreSQL on 127.0.0.1:5432 (a fresh database per test, dropped after), as
 //! `store_conformance.rs` runs the rest of the store: a launch whose ranks all started moves
-//! `running` in the same commit, its event before the ranks' later exits.
+//! `running` in the same commit, its event before the ranks' later exits; a launch that lost a
+//! replica moves `degraded` and its newest membership is read back (docs/keep-going.md).
 
 use crate::common;
 
@@ -117,5 +118,28 @@ conformance!(a_launch_is_running_before_the_exits_reported_with_its_start, |url:
     assert_eq!(s.job(id).await.unwrap().state, JobState::Launching);
     assert_eq!(s.rank_summary(id, 1).await.unwrap().started, 2);
     other.close().await;
+    s.close().await;
+});
+
+conformance!(a_degraded_launch_keeps_its_generation_and_its_newest_membership_reads_back, |url: String| async move {
+    let s = Store::open(&url).await.unwrap();
+    for n in ["n0", "n1"] {
+        s.register_node(n, "{}").await.unwrap();
+    }
+    let job = s.submit_job("train", "{}").await.unwrap();
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    let g = s.start_generation(job.id, "{}", &ranks(&["n0", "n1"])).await.unwrap();
+    assert!(s.last_event(job.id, g, "membership_changed").await.unwrap().is_none());
+    s.transition_at(job.id, Some(g), JobState::Running, None).await.unwrap();
+    s.record_event(Some(job.id), Some(g), "membership_changed", "{\"epoch\": 1}").await.unwrap();
+    s.record_event(Some(job.id), Some(g), "membership_changed", "{\"epoch\": 2}").await.unwrap();
+    s.record_event(Some(job.id), Some(g + 1), "membership_changed", "{\"epoch\": 9}").await.unwrap();
+    let last = s.last_event(job.id, g, "membership_changed").await.unwrap().unwrap();
+    assert_eq!((last.kind.as_str(), last.message.as_str(), last.generation), ("membership_changed", "{\"epoch\": 2}", Some(g)));
+    let j = s.transition_at(job.id, Some(g), JobState::Degraded, Some("node n1 lost")).await.unwrap();
+    assert_eq!((j.state, j.generation, j.reason.as_deref()), (JobState::Degraded, g, Some("node n1 lost")));
+    assert!(s.transition_at(job.id, Some(g), JobState::Running, None).await.is_err(), "never whole again in place");
+    let j = s.transition_at(job.id, Some(g), JobState::Succeeded, None).await.unwrap();
+    assert_eq!((j.state, j.reason), (JobState::Succeeded, None), "a job that kept going succeeds with no failure reason");
     s.close().await;
 });

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .components.data import device_micro_batches, rank_micro_batches
+from .distributed import keep_going
 from .distributed.gradient_sync import SAVE_GRADS_ZERO1, gradient_sync
 from .model_source import load_model
 from .components.progress import emit, emit_eval, log_samples, memory_line
@@ -73,10 +74,19 @@ def timings_path(pattern: str, rank: int) -> str:
 
 
 def agree_any(flag: bool, view) -> bool:
-    """True on every rank when it is True on any (one all-reduce MAX over the world)."""
+    """True on every rank when it is True on any (one all-reduce MAX over the world: the
+    members' under a membership after a lost replica)."""
     t = torch.tensor([1.0 if flag else 0.0], device=view.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=view.world_group)
     return bool(t.item() > 0)
+
+
+def collective_failed(e: BaseException) -> bool:
+    """A collective or the store failed under it (a peer's process is gone), not the step's own
+    maths: torch's distributed errors, and gloo's, which come as RuntimeError naming gloo."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and ("gloo" in text or "Connection" in text
+                                                                              or "NCCL" in text))
 
 
 class Trainer:
@@ -115,9 +125,11 @@ class Trainer:
             print("motley-compile warning: the plan was priced for compiled blocks (its compiled: true), and eager "
                   "blocks save about 1.5x the activations it priced: plan with `motley plan --eager` to run "
                   "--compile off", file=sys.stderr, flush=True)
-        self.sync = gradient_sync(view, model, zero1=args.zero1 or plan.zero1, overlap=not args.no_overlap,
-                                  bucket_mb=args.bucket_mb, half=HALF.get(precision),
-                                  make_optimizer=lambda ps: make_optimizer(ps, args), save_grads=bool(args.save_grads))
+        zero1 = args.zero1 or plan.zero1
+        self._make_sync = lambda v, optimizer=None: gradient_sync(
+            v, model, zero1=zero1, overlap=not args.no_overlap, bucket_mb=args.bucket_mb, half=HALF.get(precision),
+            make_optimizer=lambda ps: make_optimizer(ps, args), save_grads=bool(args.save_grads), optimizer=optimizer)
+        self.sync = self._make_sync(view)
         if self.sync.zero is not None:
             print(f"motley-zero1 on: {len(self.sync.zero.master)} of {len(list(model.parameters()))} parameters "
                   f"stepped here", file=sys.stderr, flush=True)
@@ -126,7 +138,14 @@ class Trainer:
         self.pipe.autocast = autocast(precision, view.device)
         self.scale = 1.0 / (plan.global_batch * seq)
         self.flops_per_token = train_flops_per_token(spec, seq)
-        self.peak_tflops = self._world_peak(device_peak(view.device, precision))
+        self.device_peak = device_peak(view.device, precision)
+        self.peak_tflops = self._world_peak(self.device_peak)
+        self.keep = None
+        if keep_going.enabled(view, zero1):
+            tied = self.sync.tied.group if self.sync.tied is not None else None
+            self.keep = keep_going.KeepGoing(view, args.timeout, tied)
+            print("motley-keep-going on: a lost replica's share goes to the others (docs/keep-going.md)",
+                  file=sys.stderr, flush=True)
         self.reports_loss = view.is_last_stage and view.tp_rank == 0
         self.pending = None  # the last step's loss line, its sum still in flight
         self.start = 0
@@ -166,7 +185,7 @@ class Trainer:
         cluster's GPUs each count their own), or None when any rank's is unknown."""
         t = torch.tensor([mine or 0.0, 0.0 if mine else 1.0], dtype=torch.float64 if self.view.backend == "gloo"
                          else torch.float32, device=self.view.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.view.world_group)
         return float(t[0]) if float(t[1]) == 0 else None
 
     def _start_loss_sum(self, local) -> tuple:
@@ -177,20 +196,24 @@ class Trainer:
             t = local.detach().reshape(1).to(dtype)
         else:
             t = torch.tensor([local if self.reports_loss else 0.0], dtype=dtype, device=view.device)
-        return t, dist.all_reduce(t, async_op=True)
+        return t, dist.all_reduce(t, async_op=True, group=view.world_group)
 
     def flush_loss(self, next_start: Optional[float] = None):
         """Print the pending step's loss line (rank 0), waiting for its sum."""
         if self.pending is None:
             return
-        step, (t, work), t_step, used, skipped = self.pending
+        step, total, t_step, used, skipped = self.pending
         self.pending = None
-        work.wait()
-        loss = float(t.item())
+        if isinstance(total, float):
+            loss = total  # the votes' sum (`keep_going`)
+        else:
+            t, work = total
+            work.wait()
+            loss = float(t.item())
         end = next_start if next_start is not None else time.perf_counter()
-        if self.view.rank == 0:
+        if self.view.rank == self.view.leader:
             emit(step, loss, self.plan.global_batch * self.seq, end - t_step, used, skipped,
-                 self.flops_per_token, self.peak_tflops)
+                 self.flops_per_token, self.peak_tflops, epoch=self.view.epoch)
 
     def _global_sum(self, value: float) -> float:
         t, work = self._start_loss_sum(value)
@@ -206,7 +229,7 @@ class Trainer:
             micro = [(x.clamp(min=0), y) for x, y in micro]
             total += self.pipe.evaluate(micro)
         total = self._global_sum(total)
-        if self.view.rank == 0:
+        if self.view.rank == self.view.leader:
             emit_eval(at, total / (self.evals.shape[0] * self.seq))
 
     def step(self, step: int):
@@ -230,7 +253,7 @@ class Trainer:
             pipe.timings = StepTimings()
         mark()
         tokens = self.source.tokens(step)
-        if view.rank == 0:
+        if view.rank == view.leader:
             log_samples(self.args.sample_log, step, self.source.ids)
         micro = device_micro_batches(plan, view.rank, tokens, view.device)
         used = scaler.factor()
@@ -241,6 +264,15 @@ class Trainer:
         mark()
         sync.finish()
         skipped = scaler.step(sync.stepped(), agree=lambda flag: agree_any(flag, view))
+        voted = None
+        if self.keep is not None:
+            # The step commits on every member or on none (`keep_going`); the loss's sum is the votes'.
+            mine = float(local) if self.reports_loss else None
+            self.held = (step, t_step, used, skipped)
+            # The last step's line before this step's vote: a step that commits had its
+            # predecessor's line printed by the leader (`_next_epoch` relies on it).
+            self.flush_loss(next_start=t_step)
+            voted = self.keep.vote(step, mine)
         if self.args.save_grads and step == self.start:
             save_params_distributed(view, self.model, self.args.save_grads, grads=True)
         mark()
@@ -254,7 +286,7 @@ class Trainer:
         # The global mean loss: every sample's scaled loss is summed once (TP rank 0 of the
         # last stages), over the whole world, so rank 0 has it whatever stage it holds; read
         # once the next step is launched (the module's docstring).
-        total = self._start_loss_sum(local)
+        total = voted if voted is not None else self._start_loss_sum(local)
         self.flush_loss(next_start=t_step)
         self.pending = (step, total, t_step, used, skipped)
         if timed:
@@ -292,22 +324,40 @@ class Trainer:
         args, view = self.args, self.view
         if self.start in self.due:
             self.evaluate(self.start)
-        for step in range(self.start, args.steps):
-            if self.profiler is not None:
-                self.profiler.before(step)
-            self.step(step)
+        step = self.start
+        while step < args.steps:
+            # A newer membership is acted on only where every member sees the step fail (a
+            # collective with a lost member, or the vote): never at a step's start, where a
+            # peer of the same replica may already wait in the pipeline for this rank.
+            try:
+                if self.profiler is not None:
+                    self.profiler.before(step)
+                self.step(step)
+            except Exception as e:
+                step = self._next_epoch(step, e)  # or raises: not a lost replica's doing
+                continue
             if self.profiler is not None:
                 self.profiler.after(step)
-            noticed = self.notice is not None and self.notice.due(view)
+            step += 1
+            try:
+                noticed = self.notice is not None and self.notice.due(self.view)
+            except Exception as e:
+                self._next_epoch(step, e)  # the step committed everywhere: no roll forward
+                noticed = False  # seen again at the next step's look (its number is not handled)
             if noticed:
-                print(f"motley-notice {self.notice.handled}: saving step {step + 1}", file=sys.stderr, flush=True)
-            due_save = noticed or (args.ckpt_dir and args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0)
-            if step + 1 in self.due or due_save or step + 1 == args.steps:
+                print(f"motley-notice {self.notice.handled}: saving step {step}", file=sys.stderr, flush=True)
+            due_save = noticed or (args.ckpt_dir and args.ckpt_every > 0 and step % args.ckpt_every == 0)
+            if step in self.due or due_save or step == args.steps:
                 self.flush_loss()
-            if step + 1 in self.due:
-                self.evaluate(step + 1)
-            if due_save:
-                self.save(step + 1)
+            if step in self.due:
+                self.evaluate(step)
+            if due_save and self.view.epoch > 0:
+                # A checkpoint is every rank's pieces (`checkpoint.save`); a lost replica's are gone.
+                print(f"motley-checkpoint skipped at step {step}: epoch {self.view.epoch} has lost replicas "
+                      f"{list(self.keep.epoch.m.lost)} (docs/keep-going.md)", file=sys.stderr, flush=True)
+            elif due_save:
+                self.save(step)
+        view = self.view
         self.source.close()
         if args.ckpt_dir:
             from .components import checkpoint
@@ -321,9 +371,37 @@ class Trainer:
             save_params_distributed(view, self.model, args.save_params, zero=self.sync.zero)
         if args.save_hf:
             save_hf_distributed(view, self.model, args, zero=self.sync.zero)
-        dist.barrier()
+        dist.barrier(group=view.world_group)
         dist.destroy_process_group()
         return 0
+
+    def _next_epoch(self, step: int, cause: BaseException) -> int:
+        """Step `step` did not commit here because a replica was lost: move to the membership
+        the coordinator opened (its groups, the members' split) and return the step to run
+        there: `step` again, or the next one where the others committed it (this rank then
+        commits it too, with the gradients it holds: `KeepGoing.next_epoch`). Re-raises
+        `cause` when it is not a lost replica's doing or the job does not keep going."""
+        if self.keep is None or not (isinstance(cause, keep_going.StepAborted) or collective_failed(cause)):
+            raise cause
+        view = self.view
+        roll = self.keep.next_epoch(step, cause, keep_going.make_gloo_or_nccl(view, self.keep.timeout))
+        self.view = view = self.keep.view
+        self.plan = view.plan
+        # The last committed step's line, its sum already voted: the new leader prints it.
+        self.flush_loss()
+        if roll is not None:
+            held_step, t_step, used, skipped = self.held
+            if not skipped:
+                self.sync.optimizer.step()
+            self.sync.end_step(skipped)
+            self.pending = (held_step, roll, t_step, used, skipped)
+            step += 1
+        self.sync.optimizer.zero_grad(set_to_none=True)
+        self.sync.close()
+        self.sync = self._make_sync(view, optimizer=self.sync.optimizer)
+        self.pipe.v, self.pipe.pending = view, []
+        self.peak_tflops = self._world_peak(self.device_peak)
+        return step
 
 
 def run_rank(args) -> int:

@@ -112,6 +112,12 @@ def launch(plan: dict, args: List[str], workdir: Path, timeout: float = 240.0, e
            rank_env: Optional[Dict[int, Dict[str, str]]] = None) -> List[RankResult]:
     """Start every rank of `plan` on localhost (gloo on the CPU), wait, collect outputs.
     `extra_env` goes to every rank, then `rank_env[RANK]` to that rank."""
+    return wait_ranks(start_ranks(plan, args, workdir, extended, module, extra_env, rank_env), workdir, timeout)
+
+
+def start_ranks(plan: dict, args: List[str], workdir: Path, extended: bool = True, module: str = "motley_torch.train",
+                extra_env: Optional[Dict[str, str]] = None, rank_env: Optional[Dict[int, Dict[str, str]]] = None):
+    """`launch`'s start: every rank's process, its own session, running; `wait_ranks` collects."""
     workdir.mkdir(parents=True, exist_ok=True)
     plan_path = workdir / "plan.json"
     plan_path.write_text(json.dumps(plan))
@@ -147,6 +153,10 @@ def launch(plan: dict, args: List[str], workdir: Path, timeout: float = 240.0, e
         p = subprocess.Popen([PYTHON, "-m", module, *args], env=env, stdout=out, stderr=err, cwd=workdir,
                              stdin=subprocess.DEVNULL, start_new_session=True)
         procs.append((r, p, out, err, env))
+    return procs
+
+
+def wait_ranks(procs, workdir: Path, timeout: float) -> List[RankResult]:
     deadline = time.monotonic() + timeout
     timed_out = False
     for r, p, out, err, env in procs:

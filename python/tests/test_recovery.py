@@ -127,18 +127,7 @@ class Cluster:
         """SIGKILL the node's agent and every rank it started (as a vanished spot node)."""
         self.agents[name].kill()
         self.agents[name].wait()
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"MOTLEY_NODE={name}".encode() in env:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except OSError:
-                    pass
+        kill_ranks(name)
 
     def logs(self) -> str:
         out = []
@@ -165,6 +154,22 @@ class Cluster:
                         os.kill(int(pid), signal.SIGKILL)
                     except OSError:
                         pass
+
+
+def kill_ranks(node: str):
+    """SIGKILL every process an agent started as a rank of `node` (its wrapper and the rank)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"MOTLEY_NODE={node}".encode() in env:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def node_entry() -> dict:

@@ -31,7 +31,7 @@ def test_timings_file_has_every_micro_batch_of_every_step(tmp_path):
     # The stdout contract is unchanged, and timing changes nothing in the training.
     docs = [json.loads(x) for x in timed[0].stdout.splitlines()]
     lines = [d for d in docs if "step" in d]
-    assert len(lines) == steps and all(set(d) == {"step", "loss", "tokens_per_s", "step_s", "loss_scale", "skipped"}
+    assert len(lines) == steps and all(set(d) == {"step", "loss", "tokens_per_s", "step_s", "loss_scale", "skipped", "epoch"}
                                        for d in lines), timed[0].stdout
     assert [set(d["memory"]) for d in docs if "memory" in d] == [
         {"params_mb", "grads_mb", "optimizer_mb", "peak_mb", "device"}], timed[0].stdout

@@ -17,6 +17,7 @@ pub mod cpu_share;
 pub mod environment;
 pub mod group;
 pub mod lease;
+pub mod membership;
 pub mod notice;
 pub mod rankfiles;
 pub mod supervisor;

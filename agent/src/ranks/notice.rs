@@ -30,8 +30,9 @@ pub fn path(dir: &Path) -> PathBuf {
 
 const NAME: &str = "notice.json";
 
-/// The most of a notice file the agent reads: the two numbers it writes.
-const NOTICE_LIMIT: u64 = 4096;
+/// The most of a notice or membership file the agent reads for its number: the number comes
+/// first in what it writes, and a larger file is not one it wrote.
+const NOTICE_LIMIT: u64 = 1 << 20;
 
 /// Put notice `s` where the ranks of its launch look. Refused when the launch has no
 /// directory here (never launched on this node, or pruned) or the notice is older than the
@@ -39,27 +40,69 @@ const NOTICE_LIMIT: u64 = 4096;
 /// its handle (`safe_fs`; docs/state.md), so a link, a FIFO or a huge file planted under its
 /// name is refused (and replaced), never followed, waited on or read whole.
 pub fn write(work_dir: &Path, s: &SaveNow) -> Result<PathBuf> {
-    let dir = workdir::generation_dir(work_dir, s.job, s.generation);
+    let body = serde_json::json!({"notice": s.notice, "deadline_unix_ms": s.deadline_unix_ms}).to_string();
+    write_numbered(work_dir, s.job, s.generation, NAME, "notice", s.notice, &body)
+        .map_err(|e| e.stale(|newer| AgentError::StaleNotice { job: s.job, generation: s.generation, given: s.notice, newer }))
+}
+
+/// Why a numbered file was not written: its launch directory's problem, or a newer number there.
+pub(crate) enum NotWritten {
+    Failed(AgentError),
+    Newer(i64),
+}
+
+impl NotWritten {
+    pub(crate) fn stale(self, newer: impl FnOnce(i64) -> AgentError) -> AgentError {
+        match self {
+            NotWritten::Failed(e) => e,
+            NotWritten::Newer(n) => newer(n),
+        }
+    }
+}
+
+impl From<AgentError> for NotWritten {
+    fn from(e: AgentError) -> NotWritten {
+        NotWritten::Failed(e)
+    }
+}
+
+/// Put `body` (JSON whose `key` is `number`) as `name` in launch (job, generation)'s directory,
+/// where its ranks look: the notice, and the membership (`membership`). Refused when the
+/// launch has no directory here or the file there holds a higher number. The launch directory
+/// is the rank's: the file is read and written through its handle (`safe_fs`; docs/state.md),
+/// so a link, a FIFO or a huge file planted under its name is refused (and replaced), never
+/// followed, waited on or read whole.
+pub(crate) fn write_numbered(
+    work_dir: &Path,
+    job: i64,
+    generation: i64,
+    name: &str,
+    key: &str,
+    number: i64,
+    body: &str,
+) -> Result<PathBuf, NotWritten> {
+    let dir = workdir::generation_dir(work_dir, job, generation);
     let launch = match safe_fs::open_under(&dir, 3) {
-        Err(AgentError::Io { err, .. }) => return Err(AgentError::Io { what: "finding the launch directory", path: dir, err }),
+        Err(AgentError::Io { err, .. }) => {
+            return Err(AgentError::Io { what: "finding the launch directory", path: dir, err }.into());
+        }
         other => other?,
     };
     let meta = launch.own_stat()?;
-    if let Some(newer) = read(&launch).filter(|&n| n > s.notice) {
-        return Err(AgentError::StaleNotice { job: s.job, generation: s.generation, given: s.notice, newer });
+    if let Some(newer) = read(&launch, name, key).filter(|&n| n > number) {
+        return Err(NotWritten::Newer(newer));
     }
-    let body = serde_json::json!({"notice": s.notice, "deadline_unix_ms": s.deadline_unix_ms}).to_string();
-    // The rank runs as the launch directory's owner: the notice is theirs before it has its name.
+    // The rank runs as the launch directory's owner: the file is theirs before it has its name.
     let owner = (meta.st_uid != users::euid()).then_some((meta.st_uid, meta.st_gid));
-    launch.write_renamed(NAME, body.as_bytes(), &Temp { mode: workdir::FILE_MODE, owner, durable: true })?;
-    Ok(path(&dir))
+    launch.write_renamed(name, body.as_bytes(), &Temp { mode: workdir::FILE_MODE, owner, durable: true })?;
+    Ok(dir.join(name))
 }
 
-/// The notice number in the launch directory's notice file, if it holds one (a file that is
-/// not a regular one, or too large, holds none).
-fn read(launch: &Dir) -> Option<i64> {
-    let bytes = launch.read(NAME, NOTICE_LIMIT).ok()?;
-    serde_json::from_slice::<serde_json::Value>(&bytes).ok()?["notice"].as_i64()
+/// The number under `key` in the launch directory's file `name`, if it holds one (a file that
+/// is not a regular one, or too large, holds none).
+fn read(launch: &Dir, name: &str, key: &str) -> Option<i64> {
+    let bytes = launch.read(name, NOTICE_LIMIT).ok()?;
+    serde_json::from_slice::<serde_json::Value>(&bytes).ok()?[key].as_i64()
 }
 
 #[cfg(test)]
@@ -88,7 +131,7 @@ mod tests {
         write(work, &notice(9)).unwrap();
         let err = write(work, &notice(7)).unwrap_err().to_string();
         assert!(err.contains("notice 9 is newer"), "{err}");
-        assert_eq!(read(&Dir::open(file.parent().unwrap()).unwrap()), Some(9));
+        assert_eq!(read(&Dir::open(file.parent().unwrap()).unwrap(), NAME, "notice"), Some(9));
         let names: Vec<_> = std::fs::read_dir(file.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "no temporary file left: {names:?}");
         // A launch directory handed to the rank's user: the notice is theirs (as root, as agents

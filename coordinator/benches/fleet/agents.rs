@@ -141,7 +141,9 @@ async fn agent_session(index: usize, node: &str, channel: Channel, shared: &Arc<
                         | instruction::Kind::Ack(_)
                         | instruction::Kind::Profile(_)
                         | instruction::Kind::Restore(_)
-                        | instruction::Kind::SaveNow(_),
+                        | instruction::Kind::SaveNow(_)
+                        // Bench ranks never fail: no replica is lost.
+                        | instruction::Kind::Membership(_),
                     )
                     | None => {}
                 },

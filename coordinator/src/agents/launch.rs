@@ -122,6 +122,11 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, signals: &JobSignals, id: i6
             return Ok(());
         }
     };
+    // The other replicas keep training through a lost one (docs/keep-going.md): the ranks
+    // vote on each step and watch their membership file (the agents' MOTLEY_MEMBERSHIP).
+    if crate::planning::membership::keeps_going(spec.keep_going, &doc) {
+        envs.insert("MOTLEY_KEEP_GOING".into(), "1".into());
+    }
     let places: HashMap<(String, u32), motley_contract::RankPlacement> =
         doc.placements().into_iter().map(|(g, p)| ((g.node, g.index), p)).collect();
     let mut by_node: HashMap<String, Vec<RankLaunch>> = HashMap::new();
@@ -187,7 +192,7 @@ fn peers(fleet: &Fleet, nodes: &std::collections::BTreeSet<String>, node: &str) 
 /// by less than 512 never share one, even when their rank 0s share a host) and by generation's
 /// parity (a relaunch never meets the rendezvous of the launch before it, whose ranks may still
 /// be stopping).
-fn master_port(base: u16, job: i64, generation: i64) -> u32 {
+pub(crate) fn master_port(base: u16, job: i64, generation: i64) -> u32 {
     u32::from(base) + (job.rem_euclid(512) as u32) * 2 + generation.rem_euclid(2) as u32
 }
 

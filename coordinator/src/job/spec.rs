@@ -207,6 +207,10 @@ pub struct JobSpec {
     /// Re-planning when links change (`replan`; absent: on, with the defaults).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replan: Option<ReplanSpec>,
+    /// Whether the other replicas keep training when one is lost (docs/keep-going.md; absent:
+    /// yes where the plan has two or more replicas and no ZeRO-1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_going: Option<bool>,
 }
 
 /// Complete checkpoint steps each agent keeps on disk when the job file does not say.

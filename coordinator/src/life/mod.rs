@@ -8,7 +8,8 @@
 //! |---|---|---|
 //! | `submitted`, `planning` | the queue plans it, oldest first, and sends its launch | `queue` |
 //! | `launching` | sends a launch not sent yet; fails one never acknowledged; moves it on from its ranks | `Life::step` |
-//! | `running` | moves it on from its ranks; a failed rank recovers or fails it; notices; scale-up; re-plans on changed links | `Life::step`, `notice`, `scale`, `network` |
+//! | `running` | moves it on from its ranks; a failed rank or lost node ends its replica while the others keep going, or recovers or fails it; notices; scale-up; re-plans on changed links | `Life::step`, `keep_going`, `notice`, `scale`, `network` |
+//! | `degraded` | moves it on from its members' ranks; sends its membership where not sent; another loss as in `running` | `Life::step`, `keep_going` |
 //! | `launching`, `running` after a change of leader | waits for its nodes, fails at the grace | `takeover` |
 //! | `recovering` | one task: stop, re-plan, restore, relaunch | `recover` |
 //!
@@ -19,6 +20,7 @@
 //! The rooms below it (`planning`, `agents`, `views`, `store`, `state`) never call up into it.
 
 pub mod capabilities;
+pub mod keep_going;
 pub mod network;
 pub mod notice;
 pub mod queue;
@@ -81,6 +83,8 @@ pub struct Life {
     scale: scale::Memory,
     /// Per running launch: the link changes reported and a switch decided (`network`).
     network: network::Memory,
+    /// Membership changes in progress and the epochs sent (`keep_going`).
+    memberships: keep_going::Memberships,
 }
 
 impl Life {
@@ -96,6 +100,7 @@ impl Life {
             recoveries: recover::Recoveries::default(),
             scale: scale::Memory::default(),
             network: network::Memory::default(),
+            memberships: keep_going::Memberships::default(),
         })
     }
 
@@ -113,6 +118,9 @@ impl Life {
     pub async fn progress(&self, id: i64) -> Result<(), CoordinatorError> {
         let store = &self.store;
         let job = store.job(id).await?;
+        if job.state == JobState::Degraded {
+            return self.progress_degraded(&job).await;
+        }
         if !matches!(job.state, JobState::Launching | JobState::Running) {
             return Ok(());
         }
@@ -132,6 +140,28 @@ impl Life {
             launch::move_job(store, id, job.generation, JobState::Running, None).await;
         }
         if started && ranks.exited == ranks.total && launch::move_job(store, id, job.generation, JobState::Succeeded, None).await {
+            self.signals.kick_queue();
+        }
+        Ok(())
+    }
+
+    /// A degraded launch moves on from its members' ranks alone: a member that failed ends its
+    /// replica too (or the job recovers whole), all members exited 0 -> succeeded.
+    async fn progress_degraded(&self, job: &JobRecord) -> Result<(), CoordinatorError> {
+        let Some(members) = self.degraded_members(job).await? else { return Ok(()) };
+        if let Some(bad) = members.iter().find(|r| keep_going::failed(r)) {
+            let (rank, node) = (bad.assignment.rank, &bad.assignment.node);
+            let reason = match bad.exit_code {
+                Some(code) if bad.state == "exited" => format!("rank {rank} on node {node} exited with code {code}"),
+                _ => format!("rank {rank} on node {node} was lost (its process ended without an exit code while its agent was away)"),
+            };
+            self.rank_failed(job, &reason).await;
+            return Ok(());
+        }
+        if members.iter().all(|r| r.state == "exited")
+            && launch::move_job(&self.store, job.id, job.generation, JobState::Succeeded, None).await
+        {
+            self.forget_membership(job.id, job.generation);
             self.signals.kick_queue();
         }
         Ok(())
@@ -168,6 +198,10 @@ impl Life {
     /// reconcile loop's `node_leaving` moves it first if a node of the launch is lost meanwhile);
     /// then the failure spends a restart, or fails the job. Called on every look at the job.
     async fn rank_failed(&self, job: &JobRecord, reason: &str) {
+        // A job that keeps going loses the failed ranks' replicas at once: nothing is spent.
+        if self.keep_going(job, keep_going::failed, reason).await {
+            return;
+        }
         let preemptible = serde_json::from_str::<JobSpec>(&job.spec).is_ok_and(|s| s.checkpoint.is_some() && s.max_preemptions > 0);
         let key = (job.id, job.generation);
         if preemptible {
@@ -190,12 +224,16 @@ impl Life {
             Ok(j) => j,
             Err(e) => return tracing::warn!(node, "cannot read the jobs of a leaving node: {e}"),
         };
-        for j in jobs.into_iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)) {
+        for j in jobs.into_iter().filter(|j| j.state.is_launched()) {
             let on_node = self.store.ranks(j.id, j.generation).await.is_ok_and(|r| r.iter().any(|r| r.assignment.node == node));
             if !on_node {
                 continue;
             }
-            if let Some(d) = deadline.filter(|_| !lost) {
+            if lost && self.keep_going(&j, |r| r.assignment.node == node, reason).await {
+                continue; // the replicas with nothing there keep going
+            }
+            // A degraded job saves no checkpoint (a lost replica's pieces are gone): no notice.
+            if let Some(d) = deadline.filter(|_| !lost && j.state != JobState::Degraded) {
                 if self.give_notice(&j, node, d).await {
                     continue; // recovers once its ranks saved, or at the deadline (`notice`)
                 }
@@ -243,7 +281,7 @@ impl Life {
                 }
                 self.progress(job.id).await
             }
-            JobState::Running => self.progress(job.id).await,
+            JobState::Running | JobState::Degraded => self.progress(job.id).await,
             // The queue's (`queue`), a recovery task's (`recover`), or over.
             _ => Ok(()),
         }

@@ -6,6 +6,7 @@
 //! | `submitted`, `planning` | wakes the queue's worker (`queue`): it plans queued jobs one at a time, oldest first |
 //! | `launching` | a new leader's grace (`takeover`); the launch sent if this leader has not; failed if never acknowledged; moved on from its ranks (`Life::step`) |
 //! | `running` | the grace; moved on from its ranks; then the running jobs' watch: notices, scale-up, re-plans on changed links (`notice`, `scale`, `network`) |
+//! | `degraded` | the grace (its members' nodes); moved on from its members' ranks, its membership sent where not yet (`keep_going`) |
 //! | `recovering` | a recovery task started if none runs (`recover`) |
 //!
 //! Between ticks, a node whose lease ended (`lease_clock`) and the jobs whose ranks just
@@ -102,10 +103,9 @@ async fn reconcile(life: &Arc<Life>, term: &mut Term, to_watch: &watch::Sender<A
     let launching: Vec<(i64, i64)> = jobs.iter().filter(|j| j.state == JobState::Launching).map(|j| (j.id, j.generation)).collect();
     term.launching.retain(|k, _| launching.contains(k));
     life.signals.keep_sent(&launching);
-    let inherited = term.inherited.get_or_insert_with(|| {
-        jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running)).map(|j| (j.id, j.generation)).collect()
-    });
-    inherited.retain(|k| jobs.iter().any(|j| (j.id, j.generation) == *k && matches!(j.state, JobState::Launching | JobState::Running)));
+    let inherited =
+        term.inherited.get_or_insert_with(|| jobs.iter().filter(|j| j.state.is_launched()).map(|j| (j.id, j.generation)).collect());
+    inherited.retain(|k| jobs.iter().any(|j| (j.id, j.generation) == *k && j.state.is_launched()));
     // Early in a term (a failover, a restart) agents are still finding this leader.
     let grace = life.fleet.base * GRACE_INTERVALS;
     let settling = term.began.elapsed() < grace;
@@ -114,7 +114,7 @@ async fn reconcile(life: &Arc<Life>, term: &mut Term, to_watch: &watch::Sender<A
         let key = (j.id, j.generation);
         match j.state {
             JobState::Submitted | JobState::Planning => queued = true,
-            JobState::Launching | JobState::Running => {
+            JobState::Launching | JobState::Running | JobState::Degraded => {
                 if inherited.contains(&key) {
                     match life.taken_over(j, !settling).await {
                         Some(true) => {

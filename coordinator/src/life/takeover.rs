@@ -8,7 +8,7 @@
 //!   nodes are back — the job's step sends a launching job's instructions again (an agent
 //!   ignores ranks it already runs), a running job's ranks are reported again by their
 //!   agents — and a job with a node that is not back within `GRACE_INTERVALS` base intervals
-//!   fails with the reason.
+//!   fails with the reason. A `degraded` job waits for its members' nodes only.
 
 use super::{Life, GRACE_INTERVALS};
 use crate::store::JobRecord;
@@ -19,7 +19,11 @@ impl Life {
     /// because one was not back within `GRACE_INTERVALS` base intervals of the term's start
     /// (`over`), `None` while it waits (or its ranks cannot be read now).
     pub(super) async fn taken_over(&self, job: &JobRecord, over: bool) -> Option<bool> {
-        let ranks = self.store.ranks(job.id, job.generation).await.ok()?;
+        let mut ranks = self.store.ranks(job.id, job.generation).await.ok()?;
+        if job.state == crate::job::JobState::Degraded {
+            // Only the members' nodes: a lost replica's need not come back.
+            ranks = self.degraded_members(job).await.ok().flatten()?;
+        }
         let Some(node) = ranks.iter().map(|r| r.assignment.node.clone()).find(|n| !self.fleet.live(n)) else {
             // All back: a launching job's instructions are sent again by its step.
             return Some(true);

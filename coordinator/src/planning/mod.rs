@@ -6,6 +6,7 @@
 //! offered nodes (`Fleet.links`) are in force where there are any (`Cluster::with_measurements`),
 //! and every plan says which rates it assumed (`PlanDocument.network`).
 
+pub mod membership;
 pub mod profiling;
 pub mod restore_plan;
 
@@ -49,8 +50,11 @@ fn measured(fleet: &Fleet, offer: &Offer) -> Option<BandwidthSpec> {
 /// GPUs no new launch may use: those of every launched job's current launch, those of ranks
 /// still reported running on a live node, and those a profile run measures on now.
 pub async fn taken(store: &Store, fleet: &Fleet, jobs: &[JobRecord]) -> Result<Taken> {
-    let launched: HashSet<i64> =
-        jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running | JobState::Recovering)).map(|j| j.id).collect();
+    let launched: HashSet<i64> = jobs
+        .iter()
+        .filter(|j| matches!(j.state, JobState::Launching | JobState::Running | JobState::Degraded | JobState::Recovering))
+        .map(|j| j.id)
+        .collect();
     let mut taken = Taken::new();
     for h in store.held_gpus().await? {
         if launched.contains(&h.job) || (h.running && fleet.live(&h.node)) {

@@ -26,6 +26,19 @@ impl Store {
         Ok(seq)
     }
 
+    /// The newest event of `kind` of launch (job, generation), if there is one.
+    pub async fn last_event(&self, job: i64, generation: i64, kind: &str) -> Result<Option<Event>> {
+        Ok(sqlx::query_as::<_, Event>(
+            "SELECT seq, job_id, generation, kind, message, at_ms FROM events WHERE job_id = $1 AND generation = $2 \
+             AND kind = $3 ORDER BY seq DESC LIMIT 1",
+        )
+        .bind(job)
+        .bind(generation)
+        .bind(kind)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
     /// Events after `after` (all jobs, or one), oldest first, at most `limit`.
     pub async fn events(&self, job: Option<i64>, after: i64, limit: i64) -> Result<Vec<Event>> {
         let events =

@@ -318,7 +318,7 @@ def _agree_max(view, values: List[int]) -> List[int]:
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.int64, device=getattr(view, "device", "cpu"))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=getattr(view, "world_group", None))
     return [int(x) for x in t.tolist()]
 
 

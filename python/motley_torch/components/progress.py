@@ -12,15 +12,17 @@ import torch
 
 
 def emit(step: int, loss: float, tokens: int = 0, step_s: float = 0.0, loss_scale: float = 1.0,
-         skipped: bool = False, flops_per_token: float = 0.0, peak_tflops: Optional[float] = None):
+         skipped: bool = False, flops_per_token: float = 0.0, peak_tflops: Optional[float] = None,
+         epoch: int = 0):
     """One progress line: the global mean loss, tokens per second, the step's wall seconds, the
     loss scale the step ran with and whether an overflow skipped its update; `mfu` (components.mfu)
-    when the GPUs' summed peak is known."""
+    when the GPUs' summed peak is known; the job's membership epoch (0 until a replica is lost,
+    docs/keep-going.md)."""
     from .mfu import mfu
 
     tps = tokens / step_s if step_s > 0 else 0.0
     line = {"step": step, "loss": loss, "tokens_per_s": round(tps, 3), "step_s": round(step_s, 6),
-            "loss_scale": loss_scale, "skipped": skipped}
+            "loss_scale": loss_scale, "skipped": skipped, "epoch": epoch}
     u = mfu(tps, flops_per_token, peak_tflops)
     if u is not None:
         line["mfu"] = round(u, 5)

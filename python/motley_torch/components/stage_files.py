@@ -69,6 +69,11 @@ def write_stage_files(view, model: GPTStage, out_dir: str, pattern: str, grads: 
     (docs/checkpoint.md, "ZeRO-1"), not their bf16/fp16 copies."""
     import torch.distributed as dist
 
+    if getattr(view, "leader", 0) != 0:
+        # Rank 0 is replica 0's first: it went with the replica (docs/keep-going.md).
+        raise PlanError(f"{out_dir}: replica 0 writes the stage files and rank 0 merges them, and replica 0 was lost "
+                        f"(membership epoch {view.epoch}); save a checkpoint's export instead (python -m "
+                        f"motley_torch.export) once the job is whole again")
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, pattern.format(s=s)) for s in range(view.pp_size)]
     writes = view.replica == 0 and view.stage_dp_rank == 0
@@ -79,7 +84,7 @@ def write_stage_files(view, model: GPTStage, out_dir: str, pattern: str, grads: 
         if view.tp_rank == 0:
             save_file(full, paths[view.stage])
         del full
-    dist.barrier()
+    dist.barrier(group=getattr(view, "world_group", None))
     return paths
 
 

@@ -47,7 +47,8 @@ class TiedSync:
                 flat = p.grad.detach().to(torch.float32, copy=True)
             else:
                 flat = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            dist.all_reduce(flat, group=self.group)
+            if self.group is not None:
+                dist.all_reduce(flat, group=self.group)
             out.append(flat)
         return out
 
@@ -58,17 +59,28 @@ class TiedSync:
 
 
 def tied_group(view, model) -> Optional[TiedSync]:
-    """The tied-matrix group (every rank creates it, in the same order), or None."""
+    """The tied-matrix group (every rank creates it, in the same order), or None. Under a
+    membership after a lost replica (`view.epoch` > 0) the epoch made it among the members
+    (`membership.epoch_groups`), and the plan's holders stay what decides whether there is one."""
     plan = view.plan
     if not plan.model.tie_embeddings or all(len(r.stages) == 1 for r in plan.replicas):
         return None
     holders = sorted({rk for r in plan.replicas for st in (r.stages[0], r.stages[-1]) for rk in st.ranks})
-    group = dist.new_group(holders)
+    if view.epoch > 0:
+        group = view.tied_group
+        if group is None:
+            # The only member holding it: its gradient is already the sum.
+            return TiedSync(None, model.tied_weights(), _tied_names(model), contributes=True) if view.rank in holders else None
+    else:
+        group = dist.new_group(holders)
     if view.rank not in holders:
         return None
+    return TiedSync(group, model.tied_weights(), _tied_names(model), contributes=view.tp_rank == 0)
+
+
+def _tied_names(model) -> List[str]:
     params = model.tied_weights()
-    names = [n for n, p in model.named_parameters() if any(p is q for q in params)]
-    return TiedSync(group, params, names, contributes=view.tp_rank == 0)
+    return [n for n, p in model.named_parameters() if any(p is q for q in params)]
 
 
 class GradientSync:
@@ -104,6 +116,9 @@ class GradientSync:
     def end_step(self, skipped: bool):
         """After the optimizer (or after an overflow skipped it)."""
 
+    def close(self):
+        """Done with: a new membership's sync replaces it (hooks on the parameters removed)."""
+
 
 class AllReduce(GradientSync):
     def __init__(self, view, model, synced, optimizer, tied: Optional[TiedSync]):
@@ -131,6 +146,9 @@ class Overlapped(AllReduce):
 
     def _sync_segments(self):
         self.reducer.finish()
+
+    def close(self):
+        self.reducer.close()
 
 
 class ZeroOneSync(GradientSync):
@@ -166,9 +184,11 @@ SAVE_GRADS_ZERO1 = ("--save-grads: not with ZeRO-1 (--zero1 or the plan's zero1)
 
 
 def gradient_sync(view, model, *, zero1: bool, overlap: bool, bucket_mb: float, half: Optional[torch.dtype],
-                  make_optimizer: Callable[[object], object], save_grads: bool = False) -> GradientSync:
+                  make_optimizer: Callable[[object], object], save_grads: bool = False,
+                  optimizer=None) -> GradientSync:
     """The plan's and flags' way for this rank. Every rank calls it in the same order: the tied
-    group is a new process group."""
+    group is a new process group. `optimizer`: the one to keep (a new membership's sync, over
+    the same parameters and their state) instead of a new one."""
     tied = tied_group(view, model)
     synced = [(n, p) for n, p in model.named_parameters() if tied is None or n not in tied.names]
     if zero1:
@@ -179,7 +199,8 @@ def gradient_sync(view, model, *, zero1: bool, overlap: bool, bucket_mb: float, 
         tied_params: List[torch.nn.Parameter] = tied.params if tied is not None else []
         zero = ZeroOne(view, model, synced, tied_params, half, make_optimizer, bucket_mb, overlap=overlap)
         return ZeroOneSync(zero, tied)
-    optimizer = make_optimizer(model.parameters())
+    if optimizer is None:
+        optimizer = make_optimizer(model.parameters())
     if overlap:
         return Overlapped(view, model, synced, optimizer, tied, bucket_mb)
     return AllReduce(view, model, synced, optimizer, tied)

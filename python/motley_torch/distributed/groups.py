@@ -124,6 +124,13 @@ class RankView:
     pp_next_group: Optional[Group]
     segments: List[Segment]
     groups: List[Group]  # every group of the plan, in creation order (pg None where not a member)
+    # Under a membership after a lost replica (`keep_going`): the members' world group (None:
+    # the default group, every rank), the tied matrix's group among them, the epoch and the
+    # lowest member rank, which prints the progress lines.
+    world_group: object = None
+    tied_group: object = None
+    epoch: int = 0
+    leader: int = 0
 
     @property
     def stage_info(self) -> Stage:

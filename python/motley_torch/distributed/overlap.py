@@ -43,6 +43,7 @@ class HookedBuckets:
         self.counts: Dict[torch.nn.Parameter, int] = {}
         self.expected = 0
         self.launched: List[_Bucket] = []
+        self.handles: List[object] = []
 
     def _add(self, group, params, owner: Optional[int] = None):
         b = _Bucket(group, params, owner)
@@ -52,7 +53,13 @@ class HookedBuckets:
 
     def _register_hooks(self):
         for p in self.bucket_of:
-            p.register_post_accumulate_grad_hook(self._hook)
+            self.handles.append(p.register_post_accumulate_grad_hook(self._hook))
+
+    def close(self):
+        """Remove the hooks: the buckets are done with (a new membership's replace them)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
     def start_step(self, micro_batches: int):
         """Before the step's first backward: each gradient is final after this many."""

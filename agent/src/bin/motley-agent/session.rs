@@ -330,6 +330,17 @@ async fn heartbeat(
                     Ok(file) => tracing::info!(node = %node, job = s.job, "preemption notice: the ranks save now ({})", file.display()),
                     Err(e) => tracing::warn!(node = %node, job = s.job, "{e}"),
                 },
+                Some(instruction::Kind::Membership(m)) => {
+                    match motley_agent::ranks::membership::write(work_dir, &m) {
+                        Ok(file) => {
+                            tracing::info!(node = %node, job = m.job, epoch = m.epoch, "membership: the ranks move to it ({})", file.display())
+                        }
+                        Err(e) => tracing::warn!(node = %node, job = m.job, "{e}"),
+                    }
+                    if !m.stop_ranks.is_empty() {
+                        supervisor.stop_ranks(m.job, m.generation, &m.stop_ranks);
+                    }
+                }
                 Some(instruction::Kind::Ack(a)) => {
                     supervisor.ack(a.seq);
                     if let Some(p) = profiler {

@@ -211,6 +211,8 @@ impl Supervisor {
             ("MOTLEY_NCCL_GROUPS", nccl.display().to_string()),
             // Where a preemption notice will be (`notice`): the ranks look once per step.
             (crate::ranks::notice::ENV, crate::ranks::notice::path(dir).display().to_string()),
+            // Where a new membership will be after a lost replica (`membership`): the same.
+            (crate::ranks::membership::ENV, crate::ranks::membership::path(dir).display().to_string()),
             // Checkpoints go into the memory tier (or the launch's directory), where the agent
             // reports them from and tiers them.
             ("MOTLEY_CKPT_DIR", self.rank_ckpt_dir(l, dir, user).display().to_string()),

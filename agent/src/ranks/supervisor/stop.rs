@@ -17,8 +17,17 @@ impl Supervisor {
     /// Stop the job's ranks of generations up to `generation`: SIGTERM to each group, SIGKILL
     /// after the grace period to those still there.
     pub fn stop(&self, job: i64, generation: i64) {
+        self.stop_matching(|k| k.0 == job && k.1 <= generation)
+    }
+
+    /// Stop these ranks of launch (job, generation) (a lost replica's, `Membership`), as `stop`.
+    pub fn stop_ranks(&self, job: i64, generation: i64, ranks: &[i64]) {
+        self.stop_matching(|k| k.0 == job && k.1 == generation && ranks.contains(&k.2))
+    }
+
+    fn stop_matching(&self, matches: impl Fn(&Key) -> bool) {
         let mut stopped = vec![];
-        for (&key, r) in self.lock().iter_mut().filter(|(k, _)| k.0 == job && k.1 <= generation) {
+        for (&key, r) in self.lock().iter_mut().filter(|(k, _)| matches(k)) {
             let State::Running { pgid, start, stopping: false } = r.state else { continue };
             r.state = State::Running { pgid, start, stopping: true };
             // Marked before the signal: an agent that dies now leaves the next one to finish.
@@ -26,7 +35,7 @@ impl Supervisor {
                 tracing::warn!(node = %self.node, "{e}; a restarted agent would not finish this stop");
             }
             if !group::signal_group(pgid, start, libc::SIGTERM) {
-                tracing::warn!(node = %self.node, "job {job} rank {}: process group {pgid} is no longer the rank's; not signalled", key.2);
+                tracing::warn!(node = %self.node, "job {} rank {}: process group {pgid} is no longer the rank's; not signalled", key.0, key.2);
             }
             stopped.push((key, pgid, start, r.dir.clone()));
         }

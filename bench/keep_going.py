@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""A replica lost mid-run, through the real system (docs/keep-going.md): keeping going against
+whole-job recovery, side by side in one go.
+
+A coordinator (SQLite, 250 ms base interval) and three motley-agents on loopback; the job of
+python/tests/test_keep_going.py (a three-replica plan: a two-stage pipeline on n0, one GPU on n1,
+one on n2; the reference trainer on every rank, CPU, gloo), checkpointing every --every steps
+into the agents' memory tier and a file:// cloud, run three ways one after the other:
+
+  none         no failure
+  keep-going   the rank on n1 (replica 1) killed with SIGKILL once --kill-at of the steps ran
+               (its agent reports it lost at once): the other replicas keep going
+               (`keep_going: true`, the default)
+  whole        the same kill with `keep_going: false`: the job recovers whole from its newest
+               checkpoint under the next generation (`max_restarts: 1`; the plan is pinned, so
+               a recovery needs n1 back: its agent stays, only the rank is killed)
+
+Each reports the time from submission to `succeeded`, the steps run (committed steps, and steps
+recomputed after a restore), the time from the kill to the next committed step (the first new
+progress line any rank logs; lines are printed one step late, so this is an upper bound), and
+the median step time before and after the kill.
+
+    bench/keep_going.py                        # all three, a table (about 3 minutes here)
+    bench/keep_going.py --steps 400 --only keep-going,whole -o json
+
+Needs target/ci/motley with motley-coordinator and motley-agent beside it (or MOTLEY_BIN) and
+the project's venv (python/run-tests makes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from project_venv import use_project_venv
+
+REPO = Path(__file__).resolve().parent.parent
+use_project_venv("keep_going")
+
+sys.path.insert(0, str(REPO / "python" / "tests"))
+sys.path.insert(0, str(REPO / "python"))
+os.environ.setdefault("MOTLEY_BIN", str(REPO / "target" / "ci" / "motley"))
+
+from test_keep_going import NODES, progress, three_node_job  # noqa: E402
+from test_recovery import Cluster, kill_ranks  # noqa: E402
+
+SEED = 5
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def lines(work: Path, jid: int) -> list:
+    """(generation, rank, line) of every progress line any rank of the job logged."""
+    out = []
+    for f in work.glob(f"agents/*/jobs/{jid}/*/rank-*.log"):
+        gen, rank = int(f.parent.name), int(f.stem.split("-")[1])
+        out.extend((gen, rank, d) for d in progress(f.read_text(errors="replace")))
+    return out
+
+
+def run_one(mode: str, args, root: Path) -> dict:
+    tmp = root / mode
+    tmp.mkdir(parents=True)
+    c = Cluster(tmp, NODES)
+    try:
+        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
+        extra = {"checkpoint": {"every": args.every, "keep": 2, "cloud": f"file://{tmp / 'cloud'}"},
+                 "max_restarts": 1, "keep_going": mode != "whole"}
+        t0 = time.monotonic()
+        jid = c.submit(three_node_job(args.steps, SEED, **extra))
+        killed_at = kill_step = None
+        seen = 0
+        next_after_kill = None
+        while True:
+            now = time.monotonic()
+            got = lines(tmp, jid)
+            if killed_at is None and mode != "none" and got:
+                kill_step = max(d["step"] for _, _, d in got)
+                if kill_step + 1 >= args.steps * args.kill_at:
+                    kill_ranks("n1")
+                    killed_at, seen = time.monotonic(), len(got)
+                    log(f"{mode}: n1 killed after step {kill_step}")
+            elif killed_at is not None and next_after_kill is None:
+                if any(d["step"] > kill_step for _, _, d in got) and len(got) > seen:
+                    next_after_kill = now - killed_at
+            state = c.get(f"/api/v1/jobs/{jid}")["state"]
+            if state in ("succeeded", "failed", "cancelled"):
+                break
+            if now - t0 > args.timeout:
+                raise SystemExit(f"{mode}: not done in {args.timeout} s\n{c.logs()}")
+            time.sleep(0.05)
+        wall = time.monotonic() - t0
+        final = c.get(f"/api/v1/jobs/{jid}")
+        events = c.events(jid)
+        got = lines(tmp, jid)
+        # Every step printed once per run of it: a restore prints the recomputed steps again.
+        printed = [d["step"] for _, _, d in got]
+        times_before = [d["step_s"] for _, _, d in got if kill_step is None or d["step"] < kill_step]
+        times_after = [d["step_s"] for _, _, d in got if kill_step is not None and d["step"] > kill_step + 2]
+        changed = [json.loads(e["message"]) for e in events if e["kind"] == "membership_changed"]
+        return {
+            "mode": mode, "state": final["state"], "generation": final["generation"], "wall_s": round(wall, 2),
+            "steps": args.steps, "steps_run": len(printed), "recomputed": len(printed) - len(set(printed)),
+            "killed_after_step": kill_step,
+            "kill_to_next_step_s": round(next_after_kill, 3) if next_after_kill is not None else None,
+            "median_step_s_before": round(statistics.median(times_before), 4) if times_before else None,
+            "median_step_s_after": round(statistics.median(times_after), 4) if times_after else None,
+            "epochs": [m["epoch"] for m in changed], "kinds": sorted({e["kind"] for e in events} - {"rank"}),
+        }
+    finally:
+        c.close()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--every", type=int, default=50, help="checkpoint every N steps")
+    ap.add_argument("--kill-at", type=float, default=0.4, help="kill n1 once this share of the steps ran")
+    ap.add_argument("--only", default="none,keep-going,whole")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="motley-keep-going-") as d:
+        os.chmod(d, 0o755)
+        rows = [run_one(m, args, Path(d)) for m in args.only.split(",")]
+    if args.output == "json":
+        print(json.dumps(rows, indent=1))
+        return
+    cols = ["mode", "state", "generation", "wall_s", "steps_run", "recomputed", "killed_after_step",
+            "kill_to_next_step_s", "median_step_s_before", "median_step_s_after"]
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r[k]) for k in cols))
+
+
+if __name__ == "__main__":
+    main()

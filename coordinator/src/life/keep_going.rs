@@ -1,0 +1,167 @@
+//! A lost replica stops nobody else (docs/keep-going.md). When a rank of a running job fails, or
+//! a node of it is lost, and the job keeps going (`planning::membership::keeps_going`), the
+//! replicas with nothing on the loss go on: a new membership (the next epoch: the members, their
+//! split of the same global batch, the epoch's store) is recorded as a `membership_changed`
+//! event, the job moves to `degraded`, and the agents hand the membership to their ranks and
+//! stop the lost replicas' ranks still running. No rank restarts, nothing is restored, and the
+//! generation stays: the survivors re-form their rings among themselves (`motley_torch.
+//! distributed.keep_going`). When no replica survives whole the job recovers whole, as before.
+//!
+//! Durable: the memberships (events). Rebuilt: which epoch this leader sent to the agents (a
+//! new leader sends the current one again; agents refuse an older epoch than they hold).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Mutex;
+
+use motley_contract::PlanDocument;
+use motley_proto::v1::{instruction, Instruction, Membership as MembershipMsg};
+
+use super::Life;
+use crate::agents::launch;
+use crate::error::Result;
+use crate::job::spec::JobSpec;
+use crate::job::JobState;
+use crate::planning::membership::{self, CannotKeepGoing, Membership, StoreAddr};
+use crate::store::{JobRecord, RankRecord};
+
+/// The room's memory: one membership change at a time (two reports of one loss must not open
+/// two epochs), and the epoch this leader last sent per launch.
+#[derive(Default)]
+pub struct Memberships {
+    changing: tokio::sync::Mutex<()>,
+    sent: Mutex<HashMap<(i64, i64), i64>>,
+}
+
+/// A rank that ended badly: lost, or exited with a code other than 0.
+pub fn failed(r: &RankRecord) -> bool {
+    r.state == "lost" || (r.state == "exited" && r.exit_code != Some(0))
+}
+
+/// A launch's plan, the membership in force and its ranks.
+pub(super) struct Launched {
+    pub plan: PlanDocument,
+    pub membership: Membership,
+    pub ranks: Vec<RankRecord>,
+}
+
+impl Launched {
+    /// The ranks of the member replicas.
+    pub fn members(&self) -> impl Iterator<Item = &RankRecord> {
+        self.ranks.iter().filter(|r| self.membership.replicas.contains(&(r.assignment.replica as u32)))
+    }
+}
+
+impl Life {
+    /// Launch (job, generation) as it stands: None when the job does not keep going.
+    pub(super) async fn launched(&self, job: &JobRecord) -> Result<Option<Launched>> {
+        let Ok(spec) = serde_json::from_str::<JobSpec>(&job.spec) else { return Ok(None) };
+        let Ok(plan) = PlanDocument::from_json(&self.store.plan(job.id, job.generation).await?) else { return Ok(None) };
+        if !membership::keeps_going(spec.keep_going, &plan) {
+            return Ok(None);
+        }
+        let ranks = self.store.ranks(job.id, job.generation).await?;
+        let membership = match self.store.last_event(job.id, job.generation, membership::EVENT).await? {
+            Some(e) => serde_json::from_str(&e.message)
+                .map_err(|err| crate::error::CoordinatorError::Conflict(format!("stored {}: {err}", membership::EVENT)))?,
+            None => {
+                let host = ranks.first().and_then(|r| self.fleet.address(&r.assignment.node)).unwrap_or_else(|| "127.0.0.1".into());
+                let port = launch::master_port(self.fleet.master_port_base, job.id, job.generation);
+                membership::initial(&plan, StoreAddr { host, port })
+            }
+        };
+        Ok(Some(Launched { plan, membership, ranks }))
+    }
+
+    /// The ranks `hit` took (a failed rank's, a lost node's) end their replicas: the other
+    /// members keep going under a new membership. True when the job goes on without them (or
+    /// they were no member's), false when the caller should recover or fail it whole.
+    pub(super) async fn keep_going(&self, job: &JobRecord, hit: impl Fn(&RankRecord) -> bool, reason: &str) -> bool {
+        let _one_at_a_time = self.memberships.changing.lock().await;
+        match self.change_membership(job, hit, reason).await {
+            Ok(kept) => kept,
+            Err(e) => {
+                tracing::warn!(job = job.id, "keeping going: {e}; the job recovers whole");
+                false
+            }
+        }
+    }
+
+    async fn change_membership(&self, job: &JobRecord, hit: impl Fn(&RankRecord) -> bool, reason: &str) -> Result<bool> {
+        let store = &self.store;
+        // Read again under the lock: a change just made is this one's starting point.
+        let job = store.job(job.id).await?;
+        if !matches!(job.state, JobState::Running | JobState::Degraded) {
+            return Ok(false); // a launch not yet whole recovers whole
+        }
+        let Some(now) = self.launched(&job).await? else { return Ok(false) };
+        let lost: BTreeSet<u32> = now.members().filter(|r| hit(r)).map(|r| r.assignment.replica as u32).collect();
+        if lost.is_empty() {
+            return Ok(true); // nothing of the members: a lost replica's rank, or nothing at all
+        }
+        let (id, generation) = (job.id, job.generation);
+        let ports = (
+            launch::master_port(self.fleet.master_port_base, id, generation),
+            launch::master_port(self.fleet.master_port_base, id, generation + 1),
+        );
+        let node_of = |rank: u32| now.ranks.iter().find(|r| r.assignment.rank == i64::from(rank)).map(|r| r.assignment.node.clone());
+        let host = |rank: u32| node_of(rank).and_then(|n| self.fleet.address(&n)).unwrap_or_else(|| "127.0.0.1".into());
+        let next = match membership::next(&now.plan, &now.membership, &lost, reason, host, ports) {
+            Ok(m) => m,
+            Err(CannotKeepGoing(why)) => {
+                store.record_event(Some(id), Some(generation), "keep_going", &format!("{why}: the job recovers whole")).await?;
+                return Ok(false);
+            }
+        };
+        let doc = serde_json::to_string(&next).map_err(|e| crate::error::CoordinatorError::Conflict(e.to_string()))?;
+        store.record_event(Some(id), Some(generation), membership::EVENT, &doc).await?;
+        tracing::warn!(job = id, epoch = next.epoch, "replicas {:?} lost, {:?} keep going: {reason}", next.lost, next.replicas);
+        if job.state == JobState::Running {
+            launch::move_job(store, id, generation, JobState::Degraded, Some(reason)).await;
+        }
+        self.send_membership(id, generation, &next, &now.ranks);
+        Ok(true)
+    }
+
+    /// Hand membership `m` to the agents: every node with a member's rank gets the document;
+    /// a live node still running a lost replica's ranks is told to stop them.
+    fn send_membership(&self, id: i64, generation: i64, m: &Membership, ranks: &[RankRecord]) {
+        let document = serde_json::to_string(m).unwrap_or_default();
+        let mut by_node: BTreeMap<&str, (bool, Vec<i64>)> = BTreeMap::new();
+        for r in ranks {
+            let entry = by_node.entry(r.assignment.node.as_str()).or_default();
+            if m.replicas.contains(&(r.assignment.replica as u32)) {
+                entry.0 = true;
+            } else if r.state == "running" || r.state == "assigned" {
+                entry.1.push(r.assignment.rank);
+            }
+        }
+        let mut all = true;
+        for (node, (member, stop_ranks)) in by_node {
+            if !member && stop_ranks.is_empty() {
+                continue;
+            }
+            let msg = MembershipMsg { job: id, generation, epoch: m.epoch, document: document.clone(), stop_ranks };
+            all &= self.fleet.send(node, Instruction { kind: Some(instruction::Kind::Membership(msg)) }) || !member;
+        }
+        if all {
+            self.memberships.sent.lock().expect("memberships").insert((id, generation), m.epoch);
+        }
+    }
+
+    /// A degraded launch's look: send its membership where this leader has not (a new leader,
+    /// an agent that was away), and return its members' ranks.
+    pub(super) async fn degraded_members(&self, job: &JobRecord) -> Result<Option<Vec<RankRecord>>> {
+        let Some(now) = self.launched(job).await? else { return Ok(None) };
+        let key = (job.id, job.generation);
+        let sent = self.memberships.sent.lock().expect("memberships").get(&key).copied();
+        if now.membership.epoch > 0 && sent != Some(now.membership.epoch) {
+            self.send_membership(job.id, job.generation, &now.membership, &now.ranks);
+        }
+        Ok(Some(now.members().cloned().collect()))
+    }
+
+    /// The launch has ended (over, or relaunched): forget what was sent for it.
+    pub(super) fn forget_membership(&self, id: i64, generation: i64) {
+        self.memberships.sent.lock().expect("memberships").remove(&(id, generation));
+    }
+}

@@ -1,0 +1,237 @@
+"""Healthy replicas keep training through a lost one (docs/keep-going.md): a rank's side.
+
+Every step is a transaction. After the step's gradient sync each member rank votes in the
+epoch's store (`s{step}/v/{rank}`, its share of the loss or "-") and waits for every member's
+vote; the first rank to decide writes the step's decision (`compare_set`, so every rank reads
+the same one): `commit` once every vote is in, `abort` once a newer membership is out. Only a
+committed step runs the optimizer, so a step in flight when a replica is lost is discarded
+everywhere and redone under the new membership, over the same samples: the survivors' steps
+stay the single process's. The loss line's global sum is the sum of the votes.
+
+A collective that fails (a member's process is gone: gloo's connection closes) aborts the step
+the same way: the rank aborts the epoch's cross-replica groups at once (a peer blocked in them
+is released), waits for the newer membership the coordinator opens, and meets the other
+members in its store (`Epoch.open`). Groups inside a replica (TP, pipeline hops) are kept: a
+member replica lost none of its ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .membership import (ENV, EpochGroup, Membership, MembershipError, epoch_groups, members, read, reshared)
+
+# The exit code of a rank whose replica a newer membership left out (its agent stops it too).
+LEFT_OUT_EXIT = 3
+_PREFIX = "motley/keep-going"
+
+
+class StepAborted(Exception):
+    """The step did not commit: its gradients are discarded and it runs again."""
+
+
+def enabled(view, zero1: bool) -> bool:
+    """Keep going where the coordinator asked for it (MOTLEY_KEEP_GOING=1, a membership file to
+    watch) and the plan has replicas to lose; ZeRO-1 shards optimizer state across replicas, so
+    a lost one takes shards with it: its jobs recover whole (docs/keep-going.md)."""
+    return (os.environ.get("MOTLEY_KEEP_GOING") == "1" and bool(os.environ.get(ENV))
+            and len(view.plan.replicas) > 1 and not zero1)
+
+
+def _poll(store, keys: List[str], until: float, newer) -> bool:
+    """Wait for `keys` in `store`: True once all are set, False when `newer()` says a newer
+    membership is out. A short, growing pause between looks (a lost vote is seen within 20 ms
+    of its membership). Raises MembershipError at `until`."""
+    pause = 0.0005
+    while True:
+        if store.check(keys):
+            return True
+        if newer():
+            return False
+        if time.monotonic() > until:
+            raise MembershipError(f"no word from every member within the timeout ({len(keys)} keys, e.g. {keys[0]}), "
+                                  f"and no newer membership in {os.environ.get(ENV)}")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+class Epoch:
+    """One epoch's store and cross-replica groups, and the view of the rank under it."""
+
+    def __init__(self, m: Membership, address, tcp, store, view, groups: Dict[str, object]):
+        self.m, self.address, self.tcp, self.store, self.view, self.groups = m, address, tcp, store, view, groups
+        self.members = members(view.plan, m)
+
+    def abort(self):
+        """Abort this epoch's cross-replica groups: a peer blocked in one of them is released."""
+        for pg in self.groups.values():
+            try:
+                pg.abort()
+            except Exception:  # an aborted or broken group may refuse again; it is dropped anyway
+                pass
+        self.groups = {}
+
+
+class KeepGoing:
+    """The transaction around each step and the move from one epoch to the next."""
+
+    def __init__(self, view, timeout_s: float, tied_pg=None):
+        self.path = os.environ[ENV]
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.full_plan = view.plan
+        tcp = dist.distributed_c10d._get_default_store()
+        address = (os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT", "0")))
+        # Epoch 0's groups across replicas are the plan's: its world, the segment rings, the
+        # tied matrix's group (aborted like any epoch's when a member is lost).
+        groups = {f"dp/{i}": seg.group.pg for i, seg in enumerate(view.segments) if seg.group is not None}
+        groups["world"] = dist.group.WORLD
+        if tied_pg is not None:
+            groups["tied"] = tied_pg
+        self.epoch = Epoch(Membership.initial(view.plan), address, tcp, dist.PrefixStore(f"{_PREFIX}/0", tcp), view,
+                           groups)
+        self._newest: Optional[Membership] = None
+        # The last step whose gradients this rank holds whole (it voted), and the last step it
+        # committed with that step's loss sum: what a new epoch's members compare.
+        self.voted: Optional[int] = None
+        self.committed: Optional[tuple] = None
+
+    @property
+    def view(self):
+        return self.epoch.view
+
+    def newer(self) -> Optional[Membership]:
+        """A membership newer than the current epoch's, if the agent wrote one."""
+        if self._newest is None or self._newest.epoch <= self.epoch.m.epoch:
+            m = read(self.path, self.full_plan)
+            self._newest = m
+        m = self._newest
+        return m if m is not None and m.epoch > self.epoch.m.epoch else None
+
+    def vote(self, step: int, loss: Optional[float]) -> Optional[float]:
+        """This rank's vote on `step`; returns the global loss sum (the votes') if the step
+        commits, raises StepAborted if it does not."""
+        ep, rank = self.epoch, self.view.rank
+        store = ep.store
+        self.voted = step
+        try:
+            store.set(f"s{step}/v/{rank}", "-" if loss is None else repr(float(loss)))
+            keys = [f"s{step}/v/{r}" for r in ep.members]
+            all_in = _poll(store, keys, time.monotonic() + self.timeout.total_seconds(), lambda: self.newer() is not None)
+            want = b"commit" if all_in else b"abort"
+            decided = store.compare_set(f"s{step}/decision", "", want.decode())
+            if decided != b"commit":
+                raise StepAborted(f"step {step} aborted: a newer membership is out")
+            votes = store.multi_get(keys)
+        except (RuntimeError, dist.DistError) as e:
+            # The store went with its host (the epoch's leader): the step did not commit here,
+            # and may have elsewhere (`next_epoch` rolls this rank forward then).
+            raise StepAborted(f"step {step}: the epoch's store failed ({str(e)[:200]})") from e
+        total = sum(float(v) for v in votes if v != b"-")
+        self.committed = (step, total)
+        return total
+
+    def next_epoch(self, step: int, cause: BaseException, make_groups) -> Optional[float]:
+        """After a failed collective or an aborted vote at `step`: abort this epoch's groups,
+        wait for the newer membership, meet its members in its store and make its groups
+        (`make_groups(epoch_groups, store)` -> {key: process group}). Exits LEFT_OUT_EXIT when
+        this rank's replica is not a member.
+
+        The members compare where they are. A step commits only once every member voted, and a
+        rank votes only once its gradient sync is done, so when the old store's host went
+        between the decision and some members' reading it, those members hold that step's
+        whole gradients: they commit it now (returned: its loss sum, which a member that read
+        the decision hands over). Returns None when every member is at `step`."""
+        self.epoch.abort()
+        until = time.monotonic() + self.timeout.total_seconds()
+        m = self.newer()
+        while m is None:
+            if time.monotonic() > until:
+                raise MembershipError(f"step {step} failed ({str(cause)[:200]}) and no newer membership came in "
+                                      f"{self.timeout.total_seconds():.0f} s ({ENV})") from cause
+            time.sleep(0.02)
+            m = self.newer()
+        view = self.view
+        if view.replica not in m.replicas:
+            print(f"motley-membership epoch {m.epoch}: replica {view.replica} is not a member ({m.reason}); "
+                  f"rank {view.rank} stops", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(LEFT_OUT_EXIT)
+        plan = reshared(self.full_plan, m)
+        mine = members(self.full_plan, m)
+        # The coordinator keeps the store where it was while its host leads, and moves it to
+        # the new leader's node, on the other of the launch's two ports, when it does not.
+        address = (m.store_host, m.store_port)
+        if address == self.epoch.address:
+            tcp = self.epoch.tcp
+        else:
+            tcp = dist.TCPStore(m.store_host, m.store_port, None, view.rank == m.leader, self.timeout,
+                                wait_for_workers=False)
+        store = dist.PrefixStore(f"{_PREFIX}/{m.epoch}", tcp)
+        # Every member redoes the same step: one that committed a step the others did not (its
+        # decision read just before the old store's host went) cannot be made whole here.
+        if self.committed is not None and self.committed[0] == step - 1:
+            store.set(f"loss/{step - 1}", repr(self.committed[1]))
+        store.set(f"joined/{view.rank}", str(step))
+        _poll(store, [f"joined/{r}" for r in mine], until + self.timeout.total_seconds(), lambda: False)
+        steps = {int(v) for v in store.multi_get([f"joined/{r}" for r in mine])}
+        roll = None
+        if steps == {step, step + 1} and self.voted == step:
+            roll = float(store.get(f"loss/{step}"))
+            self.committed = (step, roll)
+        elif steps not in ({step}, {step - 1, step}):
+            raise MembershipError(f"epoch {m.epoch}: the members are at steps {sorted(steps)}, this rank at {step} "
+                                  f"(its last vote: step {self.voted}); the job recovers whole from its checkpoint")
+        mine_groups = {g.key: g for g in epoch_groups(self.full_plan, m, plan.model.tie_embeddings)
+                       if view.rank in g.ranks}
+        groups = make_groups(list(mine_groups.values()), store)
+        new_view = _epoch_view(view, plan, m, groups, mine_groups)
+        self.epoch = Epoch(m, address, tcp, store, new_view, groups)
+        print(f"motley-membership epoch {m.epoch} replicas {list(m.replicas)} lost {list(m.lost)} leader {m.leader}: "
+              + (f"committing step {step} as the others did" if roll is not None else f"redoing step {step}")
+              + f" ({m.reason})", file=sys.stderr, flush=True)
+        return roll
+
+
+def make_gloo_or_nccl(view, timeout: datetime.timedelta):
+    """The group maker for `KeepGoing.next_epoch`: each group of the epoch that this rank is in,
+    created afresh under a store prefix naming it (no collective over the old world: a world
+    group that includes dead ranks blocks), in the one order every rank uses."""
+    def make(groups: List[EpochGroup], store) -> Dict[str, object]:
+        out = {}
+        for g in groups:
+            sub = dist.PrefixStore(f"group/{g.key}", store)
+            idx, size = g.ranks.index(view.rank), len(g.ranks)
+            if view.backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                pg = dist.ProcessGroupNCCL(sub, idx, size, opts)
+            else:
+                pg = dist.ProcessGroupGloo(sub, idx, size, timeout)
+            out[g.key] = pg
+        return out
+    return make
+
+
+def _epoch_view(view, plan, m: Membership, groups: Dict[str, object], made: Dict[str, EpochGroup]):
+    """The rank's view under epoch `m`: the re-shared plan, the segment rings among the members,
+    the members' world group, the epoch and its leader."""
+    import dataclasses
+
+    from .groups import Group, Segment
+
+    segments = []
+    for seg in view.segments:
+        key = f"dp/{seg.layers[0]}-{seg.layers[1]}/tp{view.tp_rank}"
+        pg = groups.get(key)
+        ranks = list(made[key].ranks) if pg is not None else [view.rank]
+        group = Group(-1, "dp", ranks, seg.layers, None, None, pg=pg) if pg is not None else None
+        segments.append(Segment(seg.layers, ranks, group))
+    return dataclasses.replace(view, plan=plan, segments=segments, world_group=groups.get("world"),
+                               tied_group=groups.get("tied"), epoch=m.epoch, leader=m.leader)

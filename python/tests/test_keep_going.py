@@ -1,0 +1,182 @@
+"""A lost replica stops nobody else (docs/keep-going.md), the ranks' side: real rank processes
+of a three-replica asymmetric plan (a two-stage pipeline beside two single-stage replicas) over
+gloo. The test plays the agent: it kills a replica's processes with SIGKILL mid-run and writes
+the membership the coordinator opens. The survivors abort the step in flight, meet in the new
+epoch's store, re-split the same global batch and go on; every step's loss equals the single
+process's over the same samples."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher import DATA, free_port, hand_plan, losses, single_process, start_ranks, wait_ranks
+from tolerance import assert_steps_close
+
+STEPS = 8
+SEED = 5
+MODEL = "tiny4.yaml"
+
+
+def three_replicas() -> dict:
+    spec = yaml.safe_load((DATA / MODEL).read_text())
+    # Replica 0: two stages (ranks 0, 1); replicas 1 and 2: one GPU each (ranks 2, 3).
+    return hand_plan(spec, 12, 2, [
+        dict(micro_batches=3, stages=[dict(layers=[0, 2], tp=1, dp=1, gpus=[("a", 0)]),
+                                      dict(layers=[2, 4], tp=1, dp=1, gpus=[("a", 1)])]),
+        dict(micro_batches=2, stages=[dict(layers=[0, 4], tp=1, dp=1, gpus=[("b", 0)])]),
+        dict(micro_batches=1, stages=[dict(layers=[0, 4], tp=1, dp=1, gpus=[("c", 0)])]),
+    ])
+
+
+def wait_for_line(path: Path, step: int, procs, timeout: float = 120.0):
+    """Until the progress line of `step` is in `path` (ranks still running)."""
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        if path.exists() and any(json.loads(x).get("step") == step for x in path.read_text().splitlines()
+                                 if x.startswith("{")):
+            return
+        dead = [r["rank"] for r, p, *_ in procs if p.poll() is not None]
+        assert not dead, f"ranks {dead} ended before step {step}: {path.read_text() if path.exists() else ''}"
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} line in {path} within {timeout} s")
+
+
+def progress(stdout: str):
+    return [d for d in (json.loads(x) for x in stdout.splitlines() if x.startswith("{")) if "loss" in d]
+
+
+def membership(epoch: int, replicas, lost, micro_batches, port: int, leader: int) -> str:
+    return json.dumps({"epoch": epoch, "replicas": replicas, "lost": lost,
+                       "micro_batches": {str(k): v for k, v in micro_batches.items()},
+                       "store": {"host": "127.0.0.1", "port": port}, "leader": leader, "reason": "killed by the test"})
+
+
+def write_membership(path: Path, text: str):
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@pytest.mark.parametrize("lost", ["pipeline-with-rank-0", "single-gpu-replica"])
+def test_survivors_keep_training_through_a_lost_replica_with_the_single_process_losses(tmp_path, lost):
+    plan = three_replicas()
+    work = tmp_path / "run"
+    member_file = work / "membership.json"
+    want = single_process(str(DATA / MODEL), 12, 16, STEPS, SEED)
+    procs = start_ranks(plan, ["--steps", str(STEPS), "--seed", str(SEED), "--timeout", "60"], work,
+                        extra_env={"MOTLEY_KEEP_GOING": "1", "MOTLEY_MEMBERSHIP": str(member_file)})
+    try:
+        wait_for_line(work / "rank0.out", 2, procs)
+        if lost == "pipeline-with-rank-0":
+            # The job's store goes with rank 0: the epoch's store moves to rank 2, the new leader.
+            killed, doc = [0, 1], membership(1, [1, 2], [0], {1: 3, 2: 3}, free_port(), 2)
+        else:
+            killed, doc = [2], membership(1, [0, 2], [1], {0: 4, 2: 2}, int(procs[0][4]["MASTER_PORT"]), 0)
+        for r, p, *_ in procs:
+            if r["rank"] in killed:
+                os.killpg(p.pid, signal.SIGKILL)
+        time.sleep(0.3)  # the survivors' collectives fail first, as when a node vanishes
+        write_membership(member_file, doc)
+    finally:
+        results = wait_ranks(procs, work, 180)
+    by_rank = {r.rank: r for r in results}
+    survivors = [r for r in results if r.rank not in killed]
+    for r in survivors:
+        assert r.returncode == 0, f"rank {r.rank} exit {r.returncode}\n{r.log[-4000:]}"
+        assert "motley-membership epoch 1" in r.log, r.log[-3000:]
+        assert "motley-keep-going on" in r.log
+    leader = 2 if lost == "pipeline-with-rank-0" else 0
+    before = progress(by_rank[0].stdout)
+    after = progress(by_rank[leader].stdout)
+    if leader == 0:
+        lines = after
+    else:
+        lines = before + after
+        assert not [x for r in survivors if r.rank != leader for x in losses(r.stdout)], "only the leader prints"
+    steps = [x["step"] for x in lines]
+    assert steps == list(range(STEPS)), f"every step once, none lost or repeated: {steps}"
+    assert {x["epoch"] for x in lines} == {0, 1} and [x["epoch"] for x in lines] == sorted(x["epoch"] for x in lines)
+    assert_steps_close([x["loss"] for x in lines], want, 4, "losses through the loss against the single process's")
+
+
+# ---- through the real system: a coordinator (SQLite), three agents, the ranks -----------------
+
+DEV_MODEL = DATA / "tiny-dev.yaml"
+NIC = [{"name": "eth0", "kind": "ethernet", "gbps": 25}]
+# n0 holds replica 0 (a two-stage pipeline with rank 0, the job's store); n1 and n2 one each.
+NODES = [("n0", {"gpu": "P100", "gpus": 2, "nics": NIC}), ("n1", {"gpu": "P100", "gpus": 1, "nics": NIC}),
+         ("n2", {"gpu": "P100", "gpus": 1, "nics": NIC})]
+
+
+def three_node_job(steps: int, seed: int, **extra) -> dict:
+    """A job pinned to a three-replica plan on NODES (bench/keep_going.py runs it too)."""
+    import shlex
+    import sys
+
+    from launcher import REPO
+
+    def stage(layers, node, gpu):
+        return {"layers": layers, "gpu": "P100", "tp": 1, "dp": 1, "gpus": [{"node": node, "index": gpu}]}
+
+    plan = {"global_batch": 12, "micro_batch": 2, "replicas": [
+        {"samples": 6, "micro_batches": 3, "stages": [stage([0, 2], "n0", 0), stage([2, 4], "n0", 1)]},
+        {"samples": 4, "micro_batches": 2, "stages": [stage([0, 4], "n1", 0)]},
+        {"samples": 2, "micro_batches": 1, "stages": [stage([0, 4], "n2", 0)]}]}
+    job = {"name": "keep-going", "model": yaml.safe_load(DEV_MODEL.read_text()), "global_batch": 12, "plan": plan,
+           "run": f"{shlex.quote(sys.executable)} -m motley_torch.train --steps {steps} --seed {seed} --timeout 60",
+           "envs": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "python")}}
+    job.update(extra)
+    return job
+
+
+def lines_of(log: Path) -> list:
+    return progress(log.read_text()) if log.exists() else []
+
+
+def test_a_lost_node_stops_only_its_replica_through_the_coordinator_and_agents(tmp_path):
+    """Node n0 holds replica 0 (a two-stage pipeline with rank 0, the job's store) and is killed
+    with its agent mid-run. The coordinator sees the lease lapse, opens epoch 1 (replicas 1 and
+    2, the same global batch re-split), the job goes degraded and then succeeds under generation
+    1; every step's loss is the single process's."""
+    from test_recovery import Cluster
+
+    spec = yaml.safe_load(DEV_MODEL.read_text())
+    steps, seed = 120, 5
+    c = Cluster(tmp_path, NODES)
+    try:
+        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
+        jid = c.submit(three_node_job(steps, seed))
+        rank0 = tmp_path / "agents" / "n0" / "jobs" / str(jid) / "1" / "rank-0.log"
+        c.wait(lambda: len(lines_of(rank0)) >= 20, 120, every=0.1)
+        c.kill_node("n0")
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
+        final = c.get(f"/api/v1/jobs/{jid}")
+        events = c.events(jid)
+        kinds = [e["kind"] for e in events]
+        assert final["state"] == "succeeded", f"{final}\n{kinds}\n{c.logs()}"
+        assert final["generation"] == 1 and final.get("reason") is None, final
+        assert "recovering" not in kinds and "degraded" in kinds, kinds
+        changed = [json.loads(e["message"]) for e in events if e["kind"] == "membership_changed"]
+        assert len(changed) == 1, changed
+        m = changed[0]
+        assert (m["epoch"], m["replicas"], m["lost"], m["leader"]) == (1, [1, 2], [0], 2), m
+        assert sum(m["micro_batches"].values()) == 6 and set(m["micro_batches"]) == {"1", "2"}, m
+        assert "n0" in m["reason"], m
+        after_log = tmp_path / "agents" / "n1" / "jobs" / str(jid) / "1" / "rank-2.log"
+        before, after = lines_of(rank0), lines_of(after_log)
+        assert after and {x["epoch"] for x in after} == {1} and {x["epoch"] for x in before} == {0}
+        by_step = {}
+        for x in before + after:
+            assert by_step.setdefault(x["step"], x["loss"]) == x["loss"], f"step {x['step']} printed twice, differently"
+        assert sorted(by_step) == list(range(steps)), "every step committed once, none lost"
+        want = single_process(str(DEV_MODEL), 12, spec["seq_len"], steps, seed)
+        assert_steps_close([by_step[s] for s in range(steps)], want, 4, "losses through the node loss")
+    finally:
+        c.close()
