@@ -215,6 +215,11 @@ def run_single(args) -> int:
 
 
 def main(argv=None) -> int:
+    # SIGUSR1 prints every thread's stack to stderr (the rank's log): where a stuck rank waits.
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = parse_args(argv)
     try:
         if args.steps < 0:

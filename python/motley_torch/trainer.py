@@ -77,7 +77,7 @@ def agree_any(flag: bool, view) -> bool:
     """True on every rank when it is True on any (one all-reduce MAX over the world: the
     members' under a membership after a lost replica)."""
     t = torch.tensor([1.0 if flag else 0.0], device=view.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=view.world_group)
+    view.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=view.world_group, async_op=True))
     return bool(t.item() > 0)
 
 
@@ -202,7 +202,7 @@ class Trainer:
         """Print the pending step's loss line (rank 0), waiting for its sum."""
         if self.pending is None:
             return
-        step, total, t_step, used, skipped = self.pending
+        step, total, t_step, used, skipped, epoch = self.pending
         self.pending = None
         if isinstance(total, float):
             loss = total  # the votes' sum (`keep_going`)
@@ -213,7 +213,7 @@ class Trainer:
         end = next_start if next_start is not None else time.perf_counter()
         if self.view.rank == self.view.leader:
             emit(step, loss, self.plan.global_batch * self.seq, end - t_step, used, skipped,
-                 self.flops_per_token, self.peak_tflops, epoch=self.view.epoch)
+                 self.flops_per_token, self.peak_tflops, epoch=epoch)
 
     def _global_sum(self, value: float) -> float:
         t, work = self._start_loss_sum(value)
@@ -288,7 +288,7 @@ class Trainer:
         # once the next step is launched (the module's docstring).
         total = voted if voted is not None else self._start_loss_sum(local)
         self.flush_loss(next_start=t_step)
-        self.pending = (step, total, t_step, used, skipped)
+        self.pending = (step, total, t_step, used, skipped, view.epoch)
         if timed:
             self.flush_loss()
         mark()
@@ -394,7 +394,7 @@ class Trainer:
             if not skipped:
                 self.sync.optimizer.step()
             self.sync.end_step(skipped)
-            self.pending = (held_step, roll, t_step, used, skipped)
+            self.pending = (held_step, roll, t_step, used, skipped, self.keep.committed_epoch)
             step += 1
         self.sync.optimizer.zero_grad(set_to_none=True)
         self.sync.close()

@@ -171,7 +171,7 @@ def test_a_lost_node_stops_only_its_replica_through_the_coordinator_and_agents(t
         assert "n0" in m["reason"], m
         after_log = tmp_path / "agents" / "n1" / "jobs" / str(jid) / "1" / "rank-2.log"
         before, after = lines_of(rank0), lines_of(after_log)
-        assert after and {x["epoch"] for x in after} == {1} and {x["epoch"] for x in before} == {0}
+        assert after and after[-1]["epoch"] == 1 and {x["epoch"] for x in before} == {0}
         by_step = {}
         for x in before + after:
             assert by_step.setdefault(x["step"], x["loss"]) == x["loss"], f"step {x['step']} printed twice, differently"

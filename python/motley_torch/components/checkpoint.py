@@ -318,7 +318,8 @@ def _agree_max(view, values: List[int]) -> List[int]:
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.int64, device=getattr(view, "device", "cpu"))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=getattr(view, "world_group", None))
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=getattr(view, "world_group", None), async_op=True)
+    view.wait(work) if hasattr(view, "wait") else work.wait()
     return [int(x) for x in t.tolist()]
 
 

@@ -33,8 +33,9 @@ class TiedSync:
     identical, replicated gradients), replacing the per-layer rings for those tensors. Used
     when a replica has more than one stage; with one stage the head is the embedding."""
 
-    def __init__(self, group, params, names, contributes: bool):
+    def __init__(self, group, params, names, contributes: bool, view=None):
         self.group, self.params, self.names, self.contributes = group, params, set(names), contributes
+        self.view = view
 
     def sums(self) -> List[torch.Tensor]:
         """Each tied parameter's gradient summed over the holders, in fp32 like every other
@@ -48,7 +49,8 @@ class TiedSync:
             else:
                 flat = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             if self.group is not None:
-                dist.all_reduce(flat, group=self.group)
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+                self.view.wait(work) if self.view is not None else work.wait()
             out.append(flat)
         return out
 
@@ -70,12 +72,13 @@ def tied_group(view, model) -> Optional[TiedSync]:
         group = view.tied_group
         if group is None:
             # The only member holding it: its gradient is already the sum.
-            return TiedSync(None, model.tied_weights(), _tied_names(model), contributes=True) if view.rank in holders else None
+            return TiedSync(None, model.tied_weights(), _tied_names(model), contributes=True,
+                            view=view) if view.rank in holders else None
     else:
         group = dist.new_group(holders)
     if view.rank not in holders:
         return None
-    return TiedSync(group, model.tied_weights(), _tied_names(model), contributes=view.tp_rank == 0)
+    return TiedSync(group, model.tied_weights(), _tied_names(model), contributes=view.tp_rank == 0, view=view)
 
 
 def _tied_names(model) -> List[str]:

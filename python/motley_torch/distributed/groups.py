@@ -131,6 +131,13 @@ class RankView:
     tied_group: object = None
     epoch: int = 0
     leader: int = 0
+    # How a cross-replica collective's work is waited for (None: `work.wait()`); under
+    # keep-going, in slices that give up when a newer membership is out (`keep_going`).
+    wait_work: object = None
+
+    def wait(self, work):
+        """Wait for `work`, a collective over groups that span replicas."""
+        return work.wait() if self.wait_work is None else self.wait_work(work)
 
     @property
     def stage_info(self) -> Stage:

@@ -31,6 +31,9 @@ from .membership import (ENV, EpochGroup, Membership, MembershipError, epoch_gro
 # The exit code of a rank whose replica a newer membership left out (its agent stops it too).
 LEFT_OUT_EXIT = 3
 _PREFIX = "motley/keep-going"
+# The longest a rank waits on the store before it reads its membership file again: how late a
+# vote that cannot complete (a member is gone) is aborted once the newer membership is there.
+WAIT_SLICE_S = 0.5
 
 
 class StepAborted(Exception):
@@ -47,19 +50,23 @@ def enabled(view, zero1: bool) -> bool:
 
 def _poll(store, keys: List[str], until: float, newer) -> bool:
     """Wait for `keys` in `store`: True once all are set, False when `newer()` says a newer
-    membership is out. A short, growing pause between looks (a lost vote is seen within 20 ms
-    of its membership). Raises MembershipError at `until`."""
-    pause = 0.0005
+    membership is out. The store's own wait wakes at once when the last key is set (no polling
+    latency on the step's path); it is cut into slices of at most WAIT_SLICE_S, between which
+    the membership file is read. Raises MembershipError at `until`."""
+    if store.check(keys):
+        return True
     while True:
-        if store.check(keys):
-            return True
         if newer():
             return False
-        if time.monotonic() > until:
+        left = until - time.monotonic()
+        if left <= 0:
             raise MembershipError(f"no word from every member within the timeout ({len(keys)} keys, e.g. {keys[0]}), "
                                   f"and no newer membership in {os.environ.get(ENV)}")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
+        try:
+            store.wait(keys, datetime.timedelta(seconds=min(WAIT_SLICE_S, left)))
+            return True
+        except dist.DistStoreError:
+            pass  # the slice ended: look at the membership file, then wait again
 
 
 class Epoch:
@@ -94,6 +101,7 @@ class KeepGoing:
         groups["world"] = dist.group.WORLD
         if tied_pg is not None:
             groups["tied"] = tied_pg
+        view.wait_work = self.wait_work
         self.epoch = Epoch(Membership.initial(view.plan), address, tcp, dist.PrefixStore(f"{_PREFIX}/0", tcp), view,
                            groups)
         self._newest: Optional[Membership] = None
@@ -101,10 +109,28 @@ class KeepGoing:
         # committed with that step's loss sum: what a new epoch's members compare.
         self.voted: Optional[int] = None
         self.committed: Optional[tuple] = None
+        self.committed_epoch = 0
 
     @property
     def view(self):
         return self.epoch.view
+
+    def wait_work(self, work):
+        """Wait for a cross-replica collective in slices, reading the membership file between
+        them: a member that gave up on the step (it saw a newer membership, or a collective of
+        its own failed) may still hold its end of this one open, and gloo's abort does not
+        close it, so the wait would last the group's whole timeout."""
+        slice_ = datetime.timedelta(seconds=WAIT_SLICE_S)
+        while True:
+            began = time.monotonic()
+            try:
+                return work.wait(slice_)
+            except RuntimeError as e:
+                # A slice that ended early is the collective's own error, not the slice's.
+                if "timed out" not in str(e).lower() or time.monotonic() - began < WAIT_SLICE_S * 0.9:
+                    raise
+            if self.newer() is not None:
+                raise StepAborted("a newer membership is out while waiting in a collective")
 
     def newer(self) -> Optional[Membership]:
         """A membership newer than the current epoch's, if the agent wrote one."""
@@ -185,6 +211,7 @@ class KeepGoing:
         if steps == {step, step + 1} and self.voted == step:
             roll = float(store.get(f"loss/{step}"))
             self.committed = (step, roll)
+            self.committed_epoch = self.epoch.m.epoch  # the others committed it in the old epoch
         elif steps not in ({step}, {step - 1, step}):
             raise MembershipError(f"epoch {m.epoch}: the members are at steps {sorted(steps)}, this rank at {step} "
                                   f"(its last vote: step {self.voted}); the job recovers whole from its checkpoint")

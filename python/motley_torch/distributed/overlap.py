@@ -95,6 +95,7 @@ class OverlappedReducer(HookedBuckets):
         if bucket_mb <= 0:
             raise ValueError("bucket_mb must be positive")
         super().__init__()
+        self.view = view
         limit = int(bucket_mb * 2**20)
         by_seg = segment_params(view, named_params, segment_of)
         for i, params in sorted(by_seg.items()):
@@ -124,7 +125,7 @@ class OverlappedReducer(HookedBuckets):
         every bucket, write the sums into the gradients."""
         self._launch_rest()
         for b in self.launched:
-            b.work.wait()
+            self.view.wait(b.work)
             off = 0
             for p in b.params:
                 n = p.numel()

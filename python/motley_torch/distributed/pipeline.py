@@ -242,7 +242,7 @@ def allreduce_gradients(view: RankView, named_params, segment_of: Callable[[str]
             continue
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=seg.group.pg)
+        view.wait(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=seg.group.pg, async_op=True))
         off = 0
         for p in params:
             n = p.numel()
