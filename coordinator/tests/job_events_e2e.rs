@@ -21,8 +21,9 @@ const NODE: &str = r#"{"gpu": "A100-80G", "gpus": 4, "nics": [{"name": "mlx5_0",
 /// A one-layer model: a checkpoint of it is three blocks.
 const MODEL: &str = "{name: one, layers: 1, hidden: 64, heads: 4, seq_len: 32, vocab: 128}";
 
-/// A stand-in agent: registered, heartbeating; `send` adds a message of its own.
-struct FakeAgent {
+/// A stand-in agent: registered, heartbeating; `send` adds a message of its own (also
+/// `keep_going_e2e`'s).
+pub(crate) struct FakeAgent {
     epoch: i64,
     tx: mpsc::Sender<AgentStatus>,
     instructions: mpsc::UnboundedReceiver<Instruction>,
@@ -31,7 +32,7 @@ struct FakeAgent {
 }
 
 impl FakeAgent {
-    async fn start(c: &Coordinator) -> FakeAgent {
+    pub(crate) async fn start(c: &Coordinator) -> FakeAgent {
         let token = c.agent_token.clone().unwrap();
         let mut agents = AgentClient::connect(c.grpc_url()).await.unwrap();
         let reply = agents
@@ -68,21 +69,26 @@ impl FakeAgent {
         FakeAgent { epoch: reply.epoch, tx, instructions, beats, seq: 1 }
     }
 
-    async fn send(&mut self, status: AgentStatus) {
+    pub(crate) async fn send(&mut self, status: AgentStatus) {
         self.seq += 1;
         self.tx.send(AgentStatus { node: "n0".into(), epoch: self.epoch, seq: self.seq, ..status }).await.unwrap();
     }
 
     /// The next `Launch` sent down.
-    async fn launch(&mut self) -> pb::Launch {
+    pub(crate) async fn launch(&mut self) -> pb::Launch {
+        self.next(|k| if let instruction::Kind::Launch(l) = k { Some(l) } else { None }).await
+    }
+
+    /// The next instruction `pick` takes (others are passed over), within 60 s.
+    pub(crate) async fn next<T>(&mut self, pick: impl Fn(instruction::Kind) -> Option<T>) -> T {
         let wait = async {
             loop {
-                if let Some(instruction::Kind::Launch(l)) = self.instructions.recv().await.expect("the stream stays open").kind {
-                    return l;
+                if let Some(t) = self.instructions.recv().await.expect("the stream stays open").kind.and_then(&pick) {
+                    return t;
                 }
             }
         };
-        tokio::time::timeout(Duration::from_secs(60), wait).await.expect("a launch within 60 s")
+        tokio::time::timeout(Duration::from_secs(60), wait).await.expect("the instruction within 60 s")
     }
 }
 
@@ -93,13 +99,13 @@ impl Drop for FakeAgent {
 }
 
 /// A blocking call off the async runtime.
-async fn call(c: &Arc<Coordinator>, method: &str, path: &str, body: &str, want: u16) -> Value {
+pub(crate) async fn call(c: &Arc<Coordinator>, method: &str, path: &str, body: &str, want: u16) -> Value {
     let (c, method, path, body) = (c.clone(), method.to_string(), path.to_string(), body.to_string());
     tokio::task::spawn_blocking(move || c.json(&method, &path, &body, want)).await.unwrap()
 }
 
 /// The job's events as (kind, message), oldest first.
-async fn events(c: &Arc<Coordinator>, id: i64) -> Vec<(String, String)> {
+pub(crate) async fn events(c: &Arc<Coordinator>, id: i64) -> Vec<(String, String)> {
     let all = call(c, "GET", &format!("/api/v1/jobs/{id}/events"), "", 200).await;
     all.as_array().unwrap().iter().map(|e| (e["kind"].as_str().unwrap().to_string(), e["message"].as_str().unwrap().to_string())).collect()
 }
@@ -141,7 +147,7 @@ fn step_holdings(job: i64, step: u64) -> Vec<CkptHolding> {
     all
 }
 
-fn ran(job: i64, rank: i64, state: &str, exit_code: Option<i64>) -> RankStatus {
+pub(crate) fn ran(job: i64, rank: i64, state: &str, exit_code: Option<i64>) -> RankStatus {
     RankStatus { job, generation: 1, rank, state: state.into(), exit_code }
 }
 

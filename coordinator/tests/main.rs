@@ -13,6 +13,7 @@ mod dashboard_e2e;
 mod dataplane_e2e;
 mod ha_e2e;
 mod job_events_e2e;
+mod keep_going_e2e;
 mod net_e2e;
 mod otlp_e2e;
 mod profiles_e2e;

@@ -1,0 +1,130 @@
+//! A lost replica stops nobody else (docs/keep-going.md), the coordinator's side: a real
+//! coordinator process and a stand-in agent over gRPC (four A100s on n0) run a job pinned to
+//! three replicas (a two-stage pipeline, then one GPU each). A failed rank ends only its
+//! replica: a `membership_changed` event with the members' split and the epoch's store, the
+//! job `degraded` under the same generation, the agent handed the membership (and told to stop
+//! a lost replica's ranks still running); the members alone decide the job's end. When no
+//! replica survives whole the job ends as it would have (no checkpoint: failed), saying why.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::common::{temp_dir, Coordinator};
+use crate::job_events_e2e::{call, events, ran, FakeAgent};
+use motley_proto::v1::{instruction, AgentStatus, Membership};
+use serde_json::Value;
+
+const MODEL: &str = "{name: four, layers: 4, hidden: 64, heads: 4, seq_len: 32, vocab: 128}";
+
+fn job(extra: &str) -> String {
+    let stage = |layers: &str, gpu: u32| format!("{{layers: {layers}, gpu: A100-80G, tp: 1, dp: 1, gpus: [{{node: n0, index: {gpu}}}]}}");
+    format!(
+        "name: kg\nmodel: {MODEL}\nglobal_batch: 12\nrun: 'true'\n{extra}plan: {{global_batch: 12, micro_batch: 2, replicas: [\
+         {{samples: 6, micro_batches: 3, stages: [{}, {}]}}, {{samples: 4, micro_batches: 2, stages: [{}]}}, \
+         {{samples: 2, micro_batches: 1, stages: [{}]}}]}}\n",
+        stage("[0, 2]", 0),
+        stage("[2, 4]", 1),
+        stage("[0, 4]", 2),
+        stage("[0, 4]", 3)
+    )
+}
+
+async fn state_becomes(c: &Arc<Coordinator>, id: i64, want: &str) -> Value {
+    let start = Instant::now();
+    loop {
+        let j = call(c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await;
+        if j["state"] == want {
+            return j;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "not {want}: {j}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn membership(agent: &mut FakeAgent) -> (Membership, Value) {
+    let m = agent.next(|k| if let instruction::Kind::Membership(m) = k { Some(m) } else { None }).await;
+    let doc: Value = serde_json::from_str(&m.document).unwrap();
+    (m, doc)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_rank_ends_only_its_replica_until_none_survives_whole() {
+    let c = Arc::new(Coordinator::start(&temp_dir(), &["--heartbeat-ms", "300"]));
+    let mut agent = FakeAgent::start(&c).await;
+    let id = call(&c, "POST", "/api/v1/jobs", &job(""), 201).await["id"].as_i64().unwrap();
+    let launch = agent.launch().await;
+    assert_eq!(launch.envs.get("MOTLEY_KEEP_GOING").map(String::as_str), Some("1"), "{:?}", launch.envs);
+    agent.send(AgentStatus { ranks: (0..4).map(|r| ran(id, r, "running", None)).collect(), ..Default::default() }).await;
+    state_becomes(&c, id, "running").await;
+
+    // Replica 1's rank fails: replicas 0 and 2 keep going, the 6 micro-batches split by the
+    // speeds the launched plan priced (a pinned plan is priced when it is checked); rank 0
+    // still leads.
+    agent.send(AgentStatus { ranks: vec![ran(id, 2, "exited", Some(137))], ..Default::default() }).await;
+    let (m, doc) = membership(&mut agent).await;
+    assert_eq!((m.job, m.generation, m.epoch), (id, 1, 1));
+    assert!(m.stop_ranks.is_empty(), "nothing of replica 1 still runs: {:?}", m.stop_ranks);
+    assert_eq!(
+        (&doc["replicas"], &doc["lost"], &doc["leader"]),
+        (&serde_json::json!([0, 2]), &serde_json::json!([1]), &serde_json::json!(0))
+    );
+    let split: Vec<u64> = ["0", "2"].iter().map(|r| doc["micro_batches"][r].as_u64().unwrap()).collect();
+    assert!(split.iter().sum::<u64>() == 6 && split.iter().all(|&k| k >= 1), "the same 6 micro-batches: {doc}");
+    assert!(doc["throughput_share"].as_f64().unwrap() > 0.0, "split by the speeds the launched plan priced: {doc}");
+    assert_eq!(doc["store"]["port"].as_u64(), Some(u64::from(launch.master_port)), "the leader's store stays: {doc}");
+    assert!(doc["reason"].as_str().unwrap().contains("rank 2 on node n0 exited with code 137"), "{doc}");
+    let j = state_becomes(&c, id, "degraded").await;
+    assert_eq!(j["generation"], 1, "{j}");
+    let said = events(&c, id).await;
+    let changed: Vec<&String> = said.iter().filter(|(k, _)| k == "membership_changed").map(|(_, m)| m).collect();
+    assert_eq!(changed.len(), 1, "{said:?}");
+    assert_eq!(serde_json::from_str::<Value>(changed[0]).unwrap(), doc);
+
+    // Rank 0 fails: replica 0 goes (rank 1, still running, is stopped); replica 2 alone takes
+    // every micro-batch, and its rank 3 leads on the launch's other port.
+    agent.send(AgentStatus { ranks: vec![ran(id, 0, "exited", Some(1))], ..Default::default() }).await;
+    let (m, doc) = membership(&mut agent).await;
+    assert_eq!((m.epoch, m.stop_ranks.clone()), (2, vec![1]));
+    assert_eq!(
+        (&doc["replicas"], &doc["lost"], &doc["leader"]),
+        (&serde_json::json!([2]), &serde_json::json!([0, 1]), &serde_json::json!(3))
+    );
+    assert_eq!(doc["micro_batches"], serde_json::json!({"2": 6}));
+    assert_eq!(doc["store"]["port"].as_u64(), Some(u64::from(launch.master_port) - 1), "{doc}");
+    state_becomes(&c, id, "degraded").await;
+
+    // The last member fails: no replica survives whole, and without a checkpoint the job fails.
+    agent.send(AgentStatus { ranks: vec![ran(id, 1, "exited", Some(143)), ran(id, 3, "exited", Some(1))], ..Default::default() }).await;
+    let j = state_becomes(&c, id, "failed").await;
+    assert!(j["reason"].as_str().unwrap().contains("rank 3 on node n0 exited with code 1"), "{j}");
+    let said = events(&c, id).await;
+    let why = said.iter().find(|(k, _)| k == "keep_going").map(|(_, m)| m.clone()).unwrap_or_default();
+    assert!(why.starts_with("no replica survives whole") && why.ends_with("the job recovers whole"), "{said:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_members_alone_end_a_degraded_job_and_keep_going_false_fails_it_at_once() {
+    let c = Arc::new(Coordinator::start(&temp_dir(), &["--heartbeat-ms", "300"]));
+    let mut agent = FakeAgent::start(&c).await;
+    let id = call(&c, "POST", "/api/v1/jobs", &job(""), 201).await["id"].as_i64().unwrap();
+    agent.launch().await;
+    agent.send(AgentStatus { ranks: (0..4).map(|r| ran(id, r, "running", None)).collect(), ..Default::default() }).await;
+    state_becomes(&c, id, "running").await;
+    agent.send(AgentStatus { ranks: vec![ran(id, 3, "exited", Some(9))], ..Default::default() }).await;
+    membership(&mut agent).await;
+    state_becomes(&c, id, "degraded").await;
+    agent.send(AgentStatus { ranks: (0..3).map(|r| ran(id, r, "exited", Some(0))).collect(), ..Default::default() }).await;
+    let j = state_becomes(&c, id, "succeeded").await;
+    assert!(j["reason"].is_null() && j["generation"] == 1, "a job that kept going succeeds with no failure reason: {j}");
+
+    // The same failure with keep_going: false ends the job (no checkpoint, no budget).
+    let id = call(&c, "POST", "/api/v1/jobs", &job("keep_going: false\n"), 201).await["id"].as_i64().unwrap();
+    let launch = agent.launch().await;
+    assert!(!launch.envs.contains_key("MOTLEY_KEEP_GOING"), "{:?}", launch.envs);
+    agent.send(AgentStatus { ranks: (0..4).map(|r| ran(id, r, "running", None)).collect(), ..Default::default() }).await;
+    state_becomes(&c, id, "running").await;
+    agent.send(AgentStatus { ranks: vec![ran(id, 3, "exited", Some(9))], ..Default::default() }).await;
+    let j = state_becomes(&c, id, "failed").await;
+    assert!(j["reason"].as_str().unwrap().contains("rank 3 on node n0 exited with code 9"), "{j}");
+    assert!(!events(&c, id).await.iter().any(|(k, _)| k == "membership_changed"));
+}
