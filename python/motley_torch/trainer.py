@@ -85,8 +85,8 @@ def collective_failed(e: BaseException) -> bool:
     """A collective or the store failed under it (a peer's process is gone), not the step's own
     maths: torch's distributed errors, and gloo's, which come as RuntimeError naming gloo."""
     text = str(e)
-    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and ("gloo" in text or "Connection" in text
-                                                                              or "NCCL" in text))
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(
+        w in text for w in ("gloo", "Connection", "NCCL", "pair closure", "timed out", "Timed out")))
 
 
 class Trainer:
@@ -399,6 +399,7 @@ class Trainer:
         self.sync.optimizer.zero_grad(set_to_none=True)
         self.sync.close()
         self.sync = self._make_sync(view, optimizer=self.sync.optimizer)
+        # Sends of the given-up step stay on the old hop groups (aborted): the new ones start clean.
         self.pipe.v, self.pipe.pending = view, []
         self.peak_tflops = self._world_peak(self.device_peak)
         return step

@@ -106,6 +106,45 @@ def test_survivors_keep_training_through_a_lost_replica_with_the_single_process_
     assert_steps_close([x["loss"] for x in lines], want, 4, "losses through the loss against the single process's")
 
 
+def test_two_losses_in_a_row_leave_the_last_replica_training_alone_with_the_same_losses(tmp_path):
+    """Replica 1 first (epoch 1: the store stays with rank 0), then replica 0 with rank 0 and
+    the store (epoch 2: rank 3 alone, hosting the store on another port); the last replica
+    takes the whole global batch, and every step's loss is still the single process's."""
+    plan = three_replicas()
+    work = tmp_path / "run"
+    member_file = work / "membership.json"
+    want = single_process(str(DATA / MODEL), 12, 16, STEPS, SEED)
+    procs = start_ranks(plan, ["--steps", str(STEPS), "--seed", str(SEED), "--timeout", "60"], work,
+                        extra_env={"MOTLEY_KEEP_GOING": "1", "MOTLEY_MEMBERSHIP": str(member_file)})
+    by = {r["rank"]: p for r, p, *_ in procs}
+    try:
+        wait_for_line(work / "rank0.out", 1, procs)
+        os.killpg(by[2].pid, signal.SIGKILL)
+        time.sleep(0.3)
+        master = int(procs[0][4]["MASTER_PORT"])
+        write_membership(member_file, membership(1, [0, 2], [1], {0: 4, 2: 2}, master, 0))
+        until = time.monotonic() + 120
+        while not any(x["epoch"] == 1 for x in progress((work / "rank0.out").read_text())):
+            assert time.monotonic() < until and by[0].poll() is None, (work / "rank0.log").read_text()[-3000:]
+            time.sleep(0.05)
+        for r in (0, 1):
+            os.killpg(by[r].pid, signal.SIGKILL)
+        time.sleep(0.3)
+        write_membership(member_file, membership(2, [2], [0, 1], {2: 6}, free_port(), 3))
+    finally:
+        results = wait_ranks(procs, work, 180)
+    last = {r.rank: r for r in results}[3]
+    assert last.returncode == 0, last.log[-4000:]
+    assert "motley-membership epoch 1" in last.log and "motley-membership epoch 2" in last.log, last.log[-3000:]
+    lines = progress({r.rank: r for r in results}[0].stdout) + progress(last.stdout)
+    by_step = {}
+    for x in lines:
+        assert by_step.setdefault(x["step"], x["loss"]) == x["loss"], f"step {x['step']} printed twice, differently"
+    assert sorted(by_step) == list(range(STEPS)), f"every step once: {sorted(by_step)}"
+    assert [x["epoch"] for x in progress(last.stdout)][-1] == 2
+    assert_steps_close([by_step[s] for s in range(STEPS)], want, 4, "losses through two losses")
+
+
 # ---- through the real system: a coordinator (SQLite), three agents, the ranks -----------------
 
 DEV_MODEL = DATA / "tiny-dev.yaml"
@@ -178,5 +217,36 @@ def test_a_lost_node_stops_only_its_replica_through_the_coordinator_and_agents(t
         assert sorted(by_step) == list(range(steps)), "every step committed once, none lost"
         want = single_process(str(DEV_MODEL), 12, spec["seq_len"], steps, seed)
         assert_steps_close([by_step[s] for s in range(steps)], want, 4, "losses through the node loss")
+    finally:
+        c.close()
+
+
+def test_a_coordinator_restarted_while_degraded_goes_on_from_its_recorded_membership(tmp_path):
+    """n1 (replica 1) is lost; once the job is degraded the coordinator is killed and started
+    again. The new leader reads the membership from its events, waits for the members' nodes
+    only (n1 never comes back), and the job succeeds under generation 1 with one membership."""
+    from test_recovery import Cluster
+
+    spec = yaml.safe_load(DEV_MODEL.read_text())
+    steps, seed = 160, 5
+    c = Cluster(tmp_path, NODES)
+    try:
+        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
+        jid = c.submit(three_node_job(steps, seed))
+        rank0 = tmp_path / "agents" / "n0" / "jobs" / str(jid) / "1" / "rank-0.log"
+        c.wait(lambda: len(lines_of(rank0)) >= 20, 120, every=0.1)
+        c.kill_node("n1")
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "degraded", 60, every=0.1)
+        c.kill_coordinator()
+        c.start_coordinator()
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
+        final = c.get(f"/api/v1/jobs/{jid}")
+        kinds = [e["kind"] for e in c.events(jid)]
+        assert final["state"] == "succeeded" and final["generation"] == 1, f"{final}\n{kinds}\n{c.logs()}"
+        assert kinds.count("membership_changed") == 1 and "recovering" not in kinds, kinds
+        lines = lines_of(rank0)
+        assert sorted({x["step"] for x in lines}) == list(range(steps)) and lines[-1]["epoch"] == 1
+        want = single_process(str(DEV_MODEL), 12, spec["seq_len"], steps, seed)
+        assert_steps_close([x["loss"] for x in lines], want, 4, "losses through the loss and the restart")
     finally:
         c.close()

@@ -23,7 +23,6 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-import torch
 import torch.distributed as dist
 
 from .membership import (ENV, EpochGroup, Membership, MembershipError, epoch_groups, members, read, reshared)
@@ -98,6 +97,9 @@ class KeepGoing:
         # Epoch 0's groups across replicas are the plan's: its world, the segment rings, the
         # tied matrix's group (aborted like any epoch's when a member is lost).
         groups = {f"dp/{i}": seg.group.pg for i, seg in enumerate(view.segments) if seg.group is not None}
+        for key, hop in (("pp/prev", view.pp_prev_group), ("pp/next", view.pp_next_group)):
+            if hop is not None:
+                groups[key] = hop.pg
         groups["world"] = dist.group.WORLD
         if tied_pg is not None:
             groups["tied"] = tied_pg
@@ -222,7 +224,7 @@ class KeepGoing:
         self.epoch = Epoch(m, address, tcp, store, new_view, groups)
         print(f"motley-membership epoch {m.epoch} replicas {list(m.replicas)} lost {list(m.lost)} leader {m.leader}: "
               + (f"committing step {step} as the others did" if roll is not None else f"redoing step {step}")
-              + f" ({m.reason})", file=sys.stderr, flush=True)
+              + f" ({m.reason}; here: {type(cause).__name__}: {str(cause)[:160]})", file=sys.stderr, flush=True)
         return roll
 
 
@@ -260,5 +262,15 @@ def _epoch_view(view, plan, m: Membership, groups: Dict[str, object], made: Dict
         ranks = list(made[key].ranks) if pg is not None else [view.rank]
         group = Group(-1, "dp", ranks, seg.layers, None, None, pg=pg) if pg is not None else None
         segments.append(Segment(seg.layers, ranks, group))
+
+    def hop(stage: int) -> Optional[Group]:
+        key = f"pp/{view.replica}/{stage}"
+        if key not in groups:
+            return None
+        return Group(-1, "pp", list(made[key].ranks), made[key].layers, view.replica, stage, pg=groups[key])
+
+    prev = hop(view.stage - 1) if view.stage > 0 else None
+    nxt = hop(view.stage) if view.stage + 1 < view.pp_size else None
     return dataclasses.replace(view, plan=plan, segments=segments, world_group=groups.get("world"),
-                               tied_group=groups.get("tied"), epoch=m.epoch, leader=m.leader)
+                               tied_group=groups.get("tied"), pp_prev_group=prev, pp_next_group=nxt, epoch=m.epoch,
+                               leader=m.leader)

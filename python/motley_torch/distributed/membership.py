@@ -148,11 +148,11 @@ class EpochGroup:
 
 
 def epoch_groups(plan: Plan, m: Membership, tie_embeddings: bool) -> List[EpochGroup]:
-    """Every group of epoch `m` that spans replicas, in the one order every rank creates them:
-    the members' world, each layer segment's gradient ring at each TP rank among the members
-    holding it, and the tied embedding/head matrix's members holding it (where the plan syncs
-    it apart, `gradient_sync.tied_group`). Groups inside a replica (TP and pipeline hops) are
-    the plan's and outlive the epoch."""
+    """Every group of epoch `m` but TP's, in the one order every rank creates them: the
+    members' world, each layer segment's gradient ring at each TP rank among the members
+    holding it, each member replica's pipeline hops, and the tied embedding/head matrix's
+    members holding it (where the plan syncs it apart, `gradient_sync.tied_group`). TP groups
+    are the plan's and outlive the epoch."""
     mine = set(members(plan, m))
     out = [EpochGroup("world", "world", tuple(sorted(mine)))]
     for seg in plan.segments():
@@ -160,6 +160,13 @@ def epoch_groups(plan: Plan, m: Membership, tie_embeddings: bool) -> List[EpochG
             holders = tuple(r for r in plan.segment_holders(seg, t) if r in mine)
             if len(holders) > 1:
                 out.append(EpochGroup(f"dp/{seg[0]}-{seg[1]}/tp{t}", "dp", holders, seg))
+    # A member's pipeline hops too: a step given up mid-pipeline leaves sends in flight on the
+    # old hop groups, which the new epoch's must not receive.
+    for r in m.replicas:
+        stages = plan.replicas[r].stages
+        for s in range(len(stages) - 1):
+            out.append(EpochGroup(f"pp/{r}/{s}", "pp", tuple(sorted(stages[s].ranks + stages[s + 1].ranks)),
+                                  (stages[s].layers[1], stages[s].layers[1])))
     if tie_embeddings and any(len(r.stages) > 1 for r in plan.replicas):
         holders = sorted({rk for r in m.replicas for st in (plan.replicas[r].stages[0], plan.replicas[r].stages[-1])
                           for rk in st.ranks})

@@ -90,6 +90,16 @@ class HookedBuckets:
         raise NotImplementedError
 
 
+class _Failed:
+    """A bucket's collective that could not be launched: its error, raised when waited for."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def wait(self, *_):
+        raise self.error
+
+
 class OverlappedReducer(HookedBuckets):
     def __init__(self, view, named_params, segment_of: Callable[[str], int], bucket_mb: float):
         if bucket_mb <= 0:
@@ -117,7 +127,12 @@ class OverlappedReducer(HookedBuckets):
     def _launch(self, b: _Bucket):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
         b.flat = torch.cat([g.reshape(-1).float() for g in grads])
-        b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=b.group, async_op=True)
+        try:
+            b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=b.group, async_op=True)
+        except RuntimeError as e:
+            # Raised in `finish`, after the pipeline: from a hook it would leave this stage's
+            # pipeline peers waiting for sends that never come (a ring broken by a lost replica).
+            b.work = _Failed(e)
         self.launched.append(b)
 
     def finish(self):

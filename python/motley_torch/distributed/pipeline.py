@@ -102,13 +102,33 @@ class Pipeline:
     def _pg(self, g):
         return g.pg if g is not None else None
 
+    @staticmethod
+    def _peer(group, rank: int) -> dict:
+        """A peer named as torch needs it: by global rank in the plan's groups, by its place in
+        an epoch's (made outside torch's registry: `keep_going`)."""
+        if group is not None and group.index < 0:
+            return {"group_peer": sorted(group.ranks).index(rank)}
+        return {"rank": rank}
+
     def _send(self, t: torch.Tensor, dst: int, group):
         t = t.detach().to(self.dtype).contiguous()
-        self.pending.append((dist.isend(t, dst=dst, group=self._pg(group)), t))
+        peer = self._peer(group, dst)
+        if "group_peer" in peer:
+            w = dist.isend(t, group=self._pg(group), group_dst=peer["group_peer"])
+        else:
+            w = dist.isend(t, dst=dst, group=self._pg(group))
+        self.pending.append((w, t))
 
     def _recv(self, shape, src: int, group) -> torch.Tensor:
         t = torch.empty(shape, dtype=self.dtype, device=self.v.device)
-        dist.recv(t, src=src, group=self._pg(group))
+        peer = self._peer(group, src)
+        if "group_peer" in peer:
+            w = dist.irecv(t, group=self._pg(group), group_src=peer["group_peer"])
+        else:
+            w = dist.irecv(t, src=src, group=self._pg(group))
+        # Waited for as the view says: under keep-going, in slices that give up when a newer
+        # membership is out (a peer of this replica gave up on the step).
+        self.v.wait(w)
         return t
 
     def step(self, micro: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: float) -> float:
@@ -215,7 +235,7 @@ class Pipeline:
 
     def finish(self):
         for w, _ in self.pending:
-            w.wait()
+            self.v.wait(w)
         self.pending = []
 
 
