@@ -247,11 +247,13 @@ def main(argv=None) -> int:
 
         # Loaded: the emulated device's share starts with the work it emulates.
         enter_share()
-        return run_rank(args)
+        code = run_rank(args)
     except (PlanError, CheckpointError, CpuShareError) as e:
         print(f"motley_torch.train: {e}", file=sys.stderr, flush=True)
         _end_rank_on_error(2)
         return 2
+    _end_rank(code)
+    return code
 
 
 def _end_rank_on_error(code: int):
@@ -264,9 +266,31 @@ def _end_rank_on_error(code: int):
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _end_rank(code)
+
+
+def _end_rank(code: int):
+    """A rank whose run is over (its groups destroyed, its files closed, its checkpoint's
+    manifest written) ends here, with `code`, without the interpreter's teardown: there, C++
+    threads of gloo, the store and the profiler that still hold Python objects can abort the
+    process (SIGABRT, "terminate called without an active exception": exit -6 after a run that
+    succeeded), and the agent would take a finished rank for a failed one. What the teardown
+    would have done that matters is done first: the standard streams flushed, inductor's
+    compile workers (processes that inherited the rank's log) stopped, logging's handlers
+    flushed."""
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "torch._inductor.async_compile" in sys.modules:
+        try:
+            sys.modules["torch._inductor.async_compile"].shutdown_compile_workers()
+        except Exception as e:  # the exit code is the run's; a worker left behind is said
+            print(f"motley_torch.train: stopping inductor's compile workers: {e}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

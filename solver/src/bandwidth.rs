@@ -17,7 +17,7 @@
 //! A pair measured twice (both directions, or in both forms) counts at its slower value.
 //!
 //! How measurements enter the plan: a node's *factor* is the highest measured/nominal ratio of
-//! its pairs (a node with a degraded NIC is slow with every peer; a congested path between two
+//! its pairs, at most 1 (a node with a degraded NIC is slow with every peer; a congested path between two
 //! healthy nodes leaves both with fast pairs elsewhere). Nodes whose factors fall in different
 //! 10% buckets are planned as different node classes (a slow node is not averaged into fast
 //! ones), and the bandwidth between two classes becomes the slowest pair between their nodes,
@@ -126,7 +126,12 @@ impl Cluster {
         let nominal = |x: usize, y: usize| self.nominal_inter_bw(self.nodes[x].class, self.nodes[y].class);
         let mut factor = vec![f64::NAN; n];
         for (&(a, b), &v) in &measured {
-            let r = v / nominal(a, b);
+            // A node that reaches its nominal rate with some peer is healthy, however much faster
+            // than declared that peer reads (the measurement's noise, or a NIC priced below its
+            // line rate): healthy nodes stay one class. Split apart by such noise, two classes'
+            // link would be their slowest pair alone, and a pair measured fast before a drop
+            // could hide the slow one measured since.
+            let r = (v / nominal(a, b)).min(1.0);
             factor[a] = factor[a].max(r); // NAN.max(r) == r
             factor[b] = factor[b].max(r);
         }

@@ -351,6 +351,25 @@ fn measurements_override_nominal_rates_and_split_slow_nodes_off() {
     assert_eq!(cluster.with_measurements(&spec).unwrap(), m);
 }
 
+/// Healthy nodes read above their nominal rate by different amounts: they stay one class, so
+/// the one slow pair between them (a link that dropped) prices every ring and hop among them,
+/// even beside a pair still measured fast from before the drop.
+#[test]
+fn healthy_nodes_faster_than_declared_stay_one_class_and_a_slow_pair_prices_it() {
+    let cluster = Cluster::from_spec(&mixed_cluster(4, 0, 0, "A100-80G", 8)).unwrap();
+    let n = cluster.inter_bw(0, 0);
+    let m = cluster
+        .with_measurements(&pairs(&[
+            ("ib-0", "ib-1", n * 1.13),
+            ("ib-2", "ib-3", n),
+            ("ib-1", "ib-3", n * 1.2),
+            ("ib-0", "ib-2", n / 10.0),
+        ]))
+        .unwrap();
+    assert_eq!(m.classes.len(), 1, "{:?}", m.nodes.iter().map(|x| x.class).collect::<Vec<_>>());
+    assert!((m.inter_bw(0, 0) - n / 10.0).abs() < 1e-9, "{}", m.inter_bw(0, 0));
+}
+
 #[test]
 fn bad_measurement_files_name_the_field() {
     let cluster = Cluster::from_spec(&mixed_cluster(2, 0, 0, "A100-80G", 8)).unwrap();

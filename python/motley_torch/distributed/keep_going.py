@@ -25,7 +25,8 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
-from .membership import (ENV, EpochGroup, Membership, MembershipError, epoch_groups, members, read, reshared)
+from .membership import (ENV, EpochGroup, Membership, MembershipError, epoch_groups, hop_key, members, read, reshared,
+                         ring_key)
 
 # The exit code of a rank whose replica a newer membership left out (its agent stops it too).
 LEFT_OUT_EXIT = 3
@@ -257,14 +258,14 @@ def _epoch_view(view, plan, m: Membership, groups: Dict[str, object], made: Dict
 
     segments = []
     for seg in view.segments:
-        key = f"dp/{seg.layers[0]}-{seg.layers[1]}/tp{view.tp_rank}"
+        key = ring_key(seg.layers, view.tp_rank)
         pg = groups.get(key)
         ranks = list(made[key].ranks) if pg is not None else [view.rank]
         group = Group(-1, "dp", ranks, seg.layers, None, None, pg=pg) if pg is not None else None
         segments.append(Segment(seg.layers, ranks, group))
 
     def hop(stage: int) -> Optional[Group]:
-        key = f"pp/{view.replica}/{stage}"
+        key = hop_key(view.replica, stage)
         if key not in groups:
             return None
         return Group(-1, "pp", list(made[key].ranks), made[key].layers, view.replica, stage, pg=groups[key])

@@ -147,6 +147,16 @@ class EpochGroup:
     layers: Tuple[int, int] = (0, 0)
 
 
+def ring_key(layers, tp_rank: int) -> str:
+    """The store name of an epoch's gradient ring of layer segment `layers` at TP rank `tp_rank`."""
+    return f"dp/{layers[0]}-{layers[1]}/tp{tp_rank}"
+
+
+def hop_key(replica: int, stage: int) -> str:
+    """The store name of an epoch's pipeline hop from `stage` to `stage + 1` of `replica`."""
+    return f"pp/{replica}/{stage}"
+
+
 def epoch_groups(plan: Plan, m: Membership, tie_embeddings: bool) -> List[EpochGroup]:
     """Every group of epoch `m` but TP's, in the one order every rank creates them: the
     members' world, each layer segment's gradient ring at each TP rank among the members
@@ -159,13 +169,13 @@ def epoch_groups(plan: Plan, m: Membership, tie_embeddings: bool) -> List[EpochG
         for t in range(plan.tp):
             holders = tuple(r for r in plan.segment_holders(seg, t) if r in mine)
             if len(holders) > 1:
-                out.append(EpochGroup(f"dp/{seg[0]}-{seg[1]}/tp{t}", "dp", holders, seg))
+                out.append(EpochGroup(ring_key(seg, t), "dp", holders, seg))
     # A member's pipeline hops too: a step given up mid-pipeline leaves sends in flight on the
     # old hop groups, which the new epoch's must not receive.
     for r in m.replicas:
         stages = plan.replicas[r].stages
         for s in range(len(stages) - 1):
-            out.append(EpochGroup(f"pp/{r}/{s}", "pp", tuple(sorted(stages[s].ranks + stages[s + 1].ranks)),
+            out.append(EpochGroup(hop_key(r, s), "pp", tuple(sorted(stages[s].ranks + stages[s + 1].ranks)),
                                   (stages[s].layers[1], stages[s].layers[1])))
     if tie_embeddings and any(len(r.stages) > 1 for r in plan.replicas):
         holders = sorted({rk for r in m.replicas for st in (plan.replicas[r].stages[0], plan.replicas[r].stages[-1])
