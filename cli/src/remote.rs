@@ -223,7 +223,11 @@ fn jobs_table(jobs: &[JobView]) -> String {
             vec![
                 j.id.to_string(),
                 e(&j.name),
-                j.state.to_string(),
+                match &j.membership {
+                    // A degraded job: the share of the plan's throughput its members keep.
+                    Some(m) => format!("{} {:.0}%", j.state, m.throughput_share * 100.0),
+                    None => j.state.to_string(),
+                },
                 j.generation.to_string(),
                 j.reason.as_deref().map(e).unwrap_or_default(),
             ]
@@ -335,6 +339,9 @@ pub fn run_job(cmd: JobCommand) -> Result<Outcome, InputError> {
             let job: JobView = typed(&v, "job")?;
             render(remote.output, &v, |v| {
                 let mut out = jobs_table(std::slice::from_ref(&job));
+                if let Some(m) = &job.membership {
+                    out.push_str(&format!("\nmembership: {}: {}", e(&m.summary()), e(&m.reason)));
+                }
                 if let Some(url) = &job.checkpoint_cloud {
                     out.push_str(&format!("\ncheckpoints: {}/GENERATION/step-S", e(url)));
                 }
@@ -461,10 +468,22 @@ fn logs(id: i64, rank: Option<i64>, generation: Option<i64>, follow: bool, remot
 /// One event as `motley job watch` prints it: `[kind] generation G: message`, the generation
 /// left out where the event has none (a job's own events before its first launch).
 fn event_line(e: &Value) -> String {
+    let message = match membership_of(e) {
+        Some(m) => crate::table::escape(&format!("{}: {}", m.summary(), m.reason)).into_owned(),
+        None => s(&e["message"]),
+    };
     match e["generation"].as_i64().filter(|&g| g > 0) {
-        Some(g) => format!("[{}] generation {g}: {}", s(&e["kind"]), s(&e["message"])),
-        None => format!("[{}] {}", s(&e["kind"]), s(&e["message"])),
+        Some(g) => format!("[{}] generation {g}: {message}", s(&e["kind"])),
+        None => format!("[{}] {message}", s(&e["kind"])),
     }
+}
+
+/// A `membership_changed` event's document (its message, JSON), read as the job's view shows it.
+fn membership_of(e: &Value) -> Option<motley_contract::views::MembershipView> {
+    if e["kind"].as_str() != Some("membership_changed") {
+        return None;
+    }
+    serde_json::from_str(e["message"].as_str()?).ok()
 }
 
 /// Poll the job's events (every 200 ms) and print each once, until the job is over; the exit
@@ -574,6 +593,7 @@ mod tests {
             updated_at_ms: 0,
             spec: Value::Null,
             checkpoint_cloud: None,
+            membership: None,
         };
         let out = jobs_table(&[job("evil\u{1b}]0;owned\u{7}\nsecond line", Some("exit\tcode \u{9b}2J"))]);
         assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
@@ -581,6 +601,36 @@ mod tests {
         assert!(out.contains("exit\\tcode \\u{9b}2J"), "{out}");
         assert_eq!(out.lines().count(), jobs_table(&[job("j", None)]).lines().count(), "one line per row");
         assert_eq!(s(&serde_json::json!("a\u{1b}b")), "a\\x1bb");
+    }
+
+    #[test]
+    fn a_degraded_job_shows_its_members_share_and_watch_reads_the_membership() {
+        let doc = r#"{"epoch": 1, "replicas": [0, 2], "lost": [1], "micro_batches": {"0": 8, "2": 4},
+            "store": {"host": "10.0.0.1", "port": 29400}, "leader": 0, "reason": "rank 3 on node n1 exited with code -9",
+            "throughput_share": 0.666}"#;
+        let membership: motley_contract::views::MembershipView = serde_json::from_str(doc).unwrap();
+        let job = JobView {
+            id: 4,
+            name: "j".into(),
+            state: motley_contract::job::JobState::Degraded,
+            generation: 1,
+            reason: None,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            spec: Value::Null,
+            checkpoint_cloud: None,
+            membership: Some(membership),
+        };
+        assert!(jobs_table(&[job]).contains("degraded 67%"));
+        let event = serde_json::json!({"kind": "membership_changed", "generation": 1, "message": doc});
+        assert_eq!(
+            event_line(&event),
+            "[membership_changed] generation 1: epoch 1: replicas 0, 2 train (1 lost); 67% of the plan's throughput: \
+             rank 3 on node n1 exited with code -9"
+        );
+        // Any other event, or a message that is no membership, prints as it is.
+        let other = serde_json::json!({"kind": "membership_changed", "generation": 1, "message": "not json"});
+        assert_eq!(event_line(&other), "[membership_changed] generation 1: not json");
     }
 
     #[test]

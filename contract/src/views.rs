@@ -97,6 +97,40 @@ pub struct JobView {
     /// names no cloud.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_cloud: Option<String>,
+    /// While the job is `degraded`: the membership in force (docs/keep-going.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub membership: Option<MembershipView>,
+}
+
+/// The replicas of a degraded job that keep training, as its newest `membership_changed` event
+/// says.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "utoipa", derive(utoipa::ToSchema))]
+pub struct MembershipView {
+    pub epoch: i64,
+    /// The member replicas (plan order).
+    pub replicas: Vec<u32>,
+    /// The replicas lost, since the launch.
+    pub lost: Vec<u32>,
+    /// The planner's prediction of the members' share of the plan's throughput (0 to 1; 0 where
+    /// the plan has no prices).
+    pub throughput_share: f64,
+    /// Why the newest epoch was opened.
+    pub reason: String,
+}
+
+impl MembershipView {
+    /// One line for people: `epoch 2: replicas 0, 2 train (1 lost); 67% of the plan's throughput`.
+    pub fn summary(&self) -> String {
+        let list = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(", ");
+        format!(
+            "epoch {}: replicas {} train ({} lost); {:.0}% of the plan's throughput",
+            self.epoch,
+            list(&self.replicas),
+            list(&self.lost),
+            self.throughput_share * 100.0
+        )
+    }
 }
 
 #[cfg(test)]
@@ -117,6 +151,12 @@ mod tests {
         let j: JobView = serde_json::from_value(job.clone()).unwrap();
         assert_eq!(j.state, JobState::Running);
         assert_eq!(serde_json::to_value(&j).unwrap(), job);
+        let degraded = serde_json::json!({"id": 2, "name": "k", "state": "degraded", "generation": 1, "reason": null,
+            "created_at_ms": 1, "updated_at_ms": 2, "spec": {"name": "k"}, "membership": {"epoch": 1, "replicas": [0, 2],
+            "lost": [1], "throughput_share": 0.75, "reason": "node n1 lost"}});
+        let d: JobView = serde_json::from_value(degraded.clone()).unwrap();
+        assert_eq!(d.membership.as_ref().unwrap().summary(), "epoch 1: replicas 0, 2 train (1 lost); 75% of the plan's throughput");
+        assert_eq!(serde_json::to_value(&d).unwrap(), degraded);
         let e = serde_json::from_value::<JobView>(serde_json::json!({"id": 1, "state": "paused"})).unwrap_err().to_string();
         assert!(e.contains("paused") || e.contains("name"), "{e}");
     }

@@ -75,6 +75,12 @@ async fn a_failed_rank_ends_only_its_replica_until_none_survives_whole() {
     assert!(doc["reason"].as_str().unwrap().contains("rank 2 on node n0 exited with code 137"), "{doc}");
     let j = state_becomes(&c, id, "degraded").await;
     assert_eq!(j["generation"], 1, "{j}");
+    // The job's view carries the membership in force, the list's too.
+    let shown = &j["membership"];
+    assert_eq!((&shown["epoch"], &shown["replicas"], &shown["lost"]), (&doc["epoch"], &doc["replicas"], &doc["lost"]), "{j}");
+    assert_eq!((&shown["throughput_share"], &shown["reason"]), (&doc["throughput_share"], &doc["reason"]), "{j}");
+    let listed = call(&c, "GET", "/api/v1/jobs", "", 200).await;
+    assert_eq!(listed.as_array().unwrap().iter().find(|x| x["id"] == id).unwrap()["membership"], *shown);
     let said = events(&c, id).await;
     let changed: Vec<&String> = said.iter().filter(|(k, _)| k == "membership_changed").map(|(_, m)| m).collect();
     assert_eq!(changed.len(), 1, "{said:?}");
@@ -97,6 +103,7 @@ async fn a_failed_rank_ends_only_its_replica_until_none_survives_whole() {
     agent.send(AgentStatus { ranks: vec![ran(id, 1, "exited", Some(143)), ran(id, 3, "exited", Some(1))], ..Default::default() }).await;
     let j = state_becomes(&c, id, "failed").await;
     assert!(j["reason"].as_str().unwrap().contains("rank 3 on node n0 exited with code 1"), "{j}");
+    assert!(j.get("membership").is_none(), "only a degraded job shows one: {j}");
     let said = events(&c, id).await;
     let why = said.iter().find(|(k, _)| k == "keep_going").map(|(_, m)| m.clone()).unwrap_or_default();
     assert!(why.starts_with("no replica survives whole") && why.ends_with("the job recovers whole"), "{said:?}");

@@ -236,7 +236,10 @@ def test_a_coordinator_restarted_while_degraded_goes_on_from_its_recorded_member
         rank0 = tmp_path / "agents" / "n0" / "jobs" / str(jid) / "1" / "rank-0.log"
         c.wait(lambda: len(lines_of(rank0)) >= 20, 120, every=0.1)
         c.kill_node("n1")
-        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "degraded", 60, every=0.1)
+        view = c.wait(lambda: (lambda j: j["state"] == "degraded" and j)(c.get(f"/api/v1/jobs/{jid}")), 60, every=0.1)
+        # The job's view carries the membership in force (what `motley job list` shows as the share).
+        m = view["membership"]
+        assert (m["epoch"], m["replicas"], m["lost"]) == (1, [0, 2], [1]) and 0 < m["throughput_share"] <= 1, view
         c.kill_coordinator()
         c.start_coordinator()
         c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)

@@ -11,7 +11,7 @@ use crate::api::control;
 use crate::error::Result;
 use crate::store::{Event, JobRecord, RankAssignment, RankRecord};
 
-pub use motley_contract::views::JobView;
+pub use motley_contract::views::{JobView, MembershipView};
 
 /// Events answered by one read, and per poll of a watch.
 const EVENTS_PAGE: i64 = 1000;
@@ -53,8 +53,9 @@ pub struct DryRunView {
 
 impl Operations<'_> {
     /// A stored job with its checkpoint-cloud prefix (docs/recovery.md: `URL/CLUSTER/jobs/ID`).
-    fn job_view(&self, j: JobRecord) -> Job {
+    fn job_view(&self, j: JobRecord, membership: Option<MembershipView>) -> Job {
         let view = JobView {
+            membership,
             checkpoint_cloud: self.store.cluster().stored_checkpoints(&j.spec, j.id),
             spec: serde_json::from_str(&j.spec).unwrap_or(Value::Null),
             id: j.id,
@@ -70,20 +71,27 @@ impl Operations<'_> {
 
     /// Validate and store a job file; the queue plans it in the background (`control::submit`).
     pub async fn submit(&self, text: &str) -> Result<Job> {
-        Ok(self.job_view(control::submit(self.store, &self.life.signals, text).await?))
+        Ok(self.job_view(control::submit(self.store, &self.life.signals, text).await?, None))
     }
 
     /// Every job, a queued one with why it waits.
     pub async fn jobs(&self) -> Result<Vec<Job>> {
-        Ok(self.store.jobs().await?.into_iter().map(|j| self.job_view(self.life.annotate(j))).collect())
+        let mut out = vec![];
+        for j in self.store.jobs().await? {
+            let membership = self.life.membership_view(&j).await?;
+            out.push(self.job_view(self.life.annotate(j), membership));
+        }
+        Ok(out)
     }
 
     pub async fn job(&self, id: i64) -> Result<Job> {
-        Ok(self.job_view(self.life.annotate(self.store.job(id).await?)))
+        let j = self.store.job(id).await?;
+        let membership = self.life.membership_view(&j).await?;
+        Ok(self.job_view(self.life.annotate(j), membership))
     }
 
     pub async fn cancel(&self, id: i64) -> Result<Job> {
-        Ok(self.job_view(control::cancel(self.store, self.fleet, &self.life.signals, id, "cancelled by the operator").await?))
+        Ok(self.job_view(control::cancel(self.store, self.fleet, &self.life.signals, id, "cancelled by the operator").await?, None))
     }
 
     /// The job's events after `after`, oldest first, at most a page.

@@ -13,6 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Mutex;
 
+use motley_contract::views::MembershipView;
 use motley_contract::PlanDocument;
 use motley_proto::v1::{instruction, Instruction, Membership as MembershipMsg};
 
@@ -158,6 +159,18 @@ impl Life {
             self.send_membership(job.id, job.generation, &now.membership, &now.ranks);
         }
         Ok(Some(now.members().cloned().collect()))
+    }
+
+    /// A degraded job's membership in force, for its view (docs/keep-going.md); None for a job
+    /// in any other state.
+    pub async fn membership_view(&self, job: &JobRecord) -> Result<Option<MembershipView>> {
+        if job.state != JobState::Degraded {
+            return Ok(None);
+        }
+        let Some(e) = self.store.last_event(job.id, job.generation, membership::EVENT).await? else { return Ok(None) };
+        let m: Membership = serde_json::from_str(&e.message)
+            .map_err(|err| crate::error::CoordinatorError::Conflict(format!("stored {}: {err}", membership::EVENT)))?;
+        Ok(Some(m.view()))
     }
 
     /// The launch has ended (over, or relaunched): forget what was sent for it.

@@ -38,6 +38,19 @@ pub struct Membership {
     pub throughput_share: f64,
 }
 
+impl Membership {
+    /// What the job's view shows of it.
+    pub fn view(&self) -> motley_contract::views::MembershipView {
+        motley_contract::views::MembershipView {
+            epoch: self.epoch,
+            replicas: self.replicas.clone(),
+            lost: self.lost.clone(),
+            throughput_share: self.throughput_share,
+            reason: self.reason.clone(),
+        }
+    }
+}
+
 /// Whether a job with this plan keeps going through a lost replica: the job file allows it
 /// (`keep_going`, default yes), the plan has replicas to lose, and its optimizer state is not
 /// sharded across them (ZeRO-1: a lost replica takes shards with it, so those jobs recover

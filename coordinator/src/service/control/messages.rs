@@ -31,6 +31,7 @@ impl From<Job> for pb::Job {
         let v = j.view;
         pb::Job {
             checkpoint_cloud: v.checkpoint_cloud,
+            membership_json: v.membership.map(|m| serde_json::to_string(&m).expect("a membership serialises")),
             id: v.id,
             name: v.name,
             state: v.state.to_string(),

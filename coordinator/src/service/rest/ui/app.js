@@ -32,6 +32,17 @@ function h(tag, attrs = {}, ...children) {
   return el;
 }
 
+// A degraded job's state with the share of the plan's throughput its members keep.
+function stateLabel(job) {
+  return job.membership ? `${job.state} ${Math.round(job.membership.throughput_share * 100)}%` : job.state;
+}
+
+// The membership a degraded job trains under (docs/keep-going.md), as `motley job show` says it.
+function membershipLine(m) {
+  return `Keeping going: epoch ${m.epoch}: replicas ${m.replicas.join(', ')} train (${m.lost.join(', ')} lost); ` +
+    `${Math.round(m.throughput_share * 100)}% of the plan's throughput: ${m.reason}`;
+}
+
 function badge(state, label = state) {
   return h('span', { class: `badge s-${state}` }, label);
 }
@@ -230,7 +241,7 @@ function jobsPage(view) {
         h('tbody', {}, jobs.map((j) => h('tr', { 'data-job': j.id },
           h('td', {}, h('a', { href: `#/jobs/${j.id}`, id: `job-link-${j.id}` }, `#${j.id}`)),
           h('td', {}, j.name),
-          h('td', {}, badge(j.state)),
+          h('td', {}, badge(j.state, stateLabel(j))),
           h('td', { class: 'num' }, j.generation),
           h('td', { class: 'reason' }, j.reason ?? ''),
           h('td', {}, when(j.updated_at_ms)))))));
@@ -412,6 +423,7 @@ function jobPage(view, id) {
         h('p', {}, `Generation ${job.generation}`),
         h('p', {}, `Submitted ${when(job.created_at_ms)}`),
         over ? null : h('button', { type: 'button', id: 'cancel', class: 'danger', onclick: cancel }, 'Cancel job')),
+      job.membership ? h('p', { id: 'job-membership' }, membershipLine(job.membership)) : null,
       job.reason ? h('p', { class: 'reason', id: 'job-reason' }, ['submitted', 'planning'].includes(job.state) ? `Waiting: ${job.reason}` : job.reason) : null);
     for (;;) {
       const batch = await api(`/jobs/${id}/events?after=${lastSeq}`);
