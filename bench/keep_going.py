@@ -19,7 +19,8 @@ into the agents' memory tier and a file:// cloud, run three ways one after the o
 Each reports the time from submission to `succeeded`, the steps run (committed steps, and steps
 recomputed after a restore), the time from the kill to the first step committed after the loss
 was dealt with (the first progress line of a new membership epoch, or of the next generation;
-lines are printed one step late, so this is an upper bound by a step), and the median step time
+a job that keeps going prints a step's line as it commits; with `keep_going: false` lines are
+printed one step late, an upper bound by a step there), and the median step time
 before and after the kill.
 
     bench/keep_going.py                        # all three, a table (about 2 minutes here)

@@ -35,6 +35,7 @@ import torch
 
 from .components.checkpoint import CheckpointError
 from .components.cpu_share import CpuShareError, enter_share
+from .components.rank_exit import end_rank
 from .components.progress import emit, emit_eval, log_samples, memory_line
 from .spec import PlanError
 from .components.stage_files import hf_names
@@ -252,7 +253,8 @@ def main(argv=None) -> int:
         print(f"motley_torch.train: {e}", file=sys.stderr, flush=True)
         _end_rank_on_error(2)
         return 2
-    _end_rank(code)
+    # Over: its groups destroyed, its files closed, its checkpoint's manifest written.
+    end_rank(code)
     return code
 
 
@@ -266,31 +268,7 @@ def _end_rank_on_error(code: int):
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        _end_rank(code)
-
-
-def _end_rank(code: int):
-    """A rank whose run is over (its groups destroyed, its files closed, its checkpoint's
-    manifest written) ends here, with `code`, without the interpreter's teardown: there, C++
-    threads of gloo, the store and the profiler that still hold Python objects can abort the
-    process (SIGABRT, "terminate called without an active exception": exit -6 after a run that
-    succeeded), and the agent would take a finished rank for a failed one. What the teardown
-    would have done that matters is done first: the standard streams flushed, inductor's
-    compile workers (processes that inherited the rank's log) stopped, logging's handlers
-    flushed."""
-    import logging
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if "torch._inductor.async_compile" in sys.modules:
-        try:
-            sys.modules["torch._inductor.async_compile"].shutdown_compile_workers()
-        except Exception as e:  # the exit code is the run's; a worker left behind is said
-            print(f"motley_torch.train: stopping inductor's compile workers: {e}", file=sys.stderr, flush=True)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        end_rank(code)
 
 
 if __name__ == "__main__":

@@ -269,9 +269,6 @@ class Trainer:
             # The step commits on every member or on none (`keep_going`); the loss's sum is the votes'.
             mine = float(local) if self.reports_loss else None
             self.held = (step, t_step, used, skipped)
-            # The last step's line before this step's vote: a step that commits had its
-            # predecessor's line printed by the leader (`_next_epoch` relies on it).
-            self.flush_loss(next_start=t_step)
             voted = self.keep.vote(step, mine)
         if self.args.save_grads and step == self.start:
             save_params_distributed(view, self.model, self.args.save_grads, grads=True)
@@ -289,7 +286,9 @@ class Trainer:
         total = voted if voted is not None else self._start_loss_sum(local)
         self.flush_loss(next_start=t_step)
         self.pending = (step, total, t_step, used, skipped, view.epoch)
-        if timed:
+        if timed or voted is not None:
+            # A voted step's sum is in hand: its line goes out as it commits, so a leader lost
+            # during the next step leaves no committed step unprinted (`_next_epoch`).
             self.flush_loss()
         mark()
         if timed:
@@ -387,7 +386,8 @@ class Trainer:
         roll = self.keep.next_epoch(step, cause, keep_going.make_gloo_or_nccl(view, self.keep.timeout))
         self.view = view = self.keep.view
         self.plan = view.plan
-        # The last committed step's line, its sum already voted: the new leader prints it.
+        # Every committed step's line went out as it committed; a step rolled forward here is
+        # printed below by the new leader (the old one went before reading its decision).
         self.flush_loss()
         if roll is not None:
             held_step, t_step, used, skipped = self.held

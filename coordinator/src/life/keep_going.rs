@@ -162,15 +162,20 @@ impl Life {
     }
 
     /// A degraded job's membership in force, for its view (docs/keep-going.md); None for a job
-    /// in any other state.
+    /// in any other state. An event that does not read as a membership is logged and left out
+    /// of the view: one job's view does not fail the list.
     pub async fn membership_view(&self, job: &JobRecord) -> Result<Option<MembershipView>> {
         if job.state != JobState::Degraded {
             return Ok(None);
         }
         let Some(e) = self.store.last_event(job.id, job.generation, membership::EVENT).await? else { return Ok(None) };
-        let m: Membership = serde_json::from_str(&e.message)
-            .map_err(|err| crate::error::CoordinatorError::Conflict(format!("stored {}: {err}", membership::EVENT)))?;
-        Ok(Some(m.view()))
+        match serde_json::from_str::<Membership>(&e.message) {
+            Ok(m) => Ok(Some(m.view())),
+            Err(err) => {
+                tracing::warn!(job = job.id, "stored {} does not read as a membership: {err}", membership::EVENT);
+                Ok(None)
+            }
+        }
     }
 
     /// The launch has ended (over, or relaunched): forget what was sent for it.

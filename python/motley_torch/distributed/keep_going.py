@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
+from ..components.rank_exit import end_rank
 from .membership import (ENV, EpochGroup, Membership, MembershipError, epoch_groups, hop_key, members, read, reshared,
                          ring_key)
 
@@ -190,8 +191,7 @@ class KeepGoing:
         if view.replica not in m.replicas:
             print(f"motley-membership epoch {m.epoch}: replica {view.replica} is not a member ({m.reason}); "
                   f"rank {view.rank} stops", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(LEFT_OUT_EXIT)
+            end_rank(LEFT_OUT_EXIT)
         plan = reshared(self.full_plan, m)
         mine = members(self.full_plan, m)
         # The coordinator keeps the store where it was while its host leads, and moves it to
