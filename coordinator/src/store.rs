@@ -19,10 +19,28 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use crate::error::{CoordinatorError, Result};
 use crate::job::JobState;
 
+/// `sqlx::FromRow` for a record read by column name, each field from the column of its name and
+/// each `flatten` field from the same row: what sqlx's derive writes, without its proc-macro
+/// (store/migrations.rs says why the build leaves sqlx's macros out).
+macro_rules! impl_from_row {
+    ($ty:ident { $($field:ident),* $(,)? } $(flatten { $($flat:ident),+ $(,)? })?) => {
+        impl<'r> sqlx::FromRow<'r, sqlx::any::AnyRow> for $ty {
+            fn from_row(row: &'r sqlx::any::AnyRow) -> std::result::Result<Self, sqlx::Error> {
+                use sqlx::Row;
+                Ok(Self {
+                    $($field: row.try_get(stringify!($field))?,)*
+                    $($($flat: sqlx::FromRow::from_row(row)?,)+)?
+                })
+            }
+        }
+    };
+}
+
 mod checkpoints;
 mod cluster;
 mod events;
 mod jobs;
+mod migrations;
 mod nodes;
 mod profiles;
 mod ranks;
@@ -31,15 +49,13 @@ mod reports;
 mod secrets;
 pub use checkpoints::Holding;
 pub use events::Event;
+pub use migrations::migrator;
 pub use nodes::NodeRecord;
 pub use profiles::{NewProfile, ProfileRecord, ProfileRun, RunKey, RunState};
 pub use ranks::{FailedRank, HeldGpu, RankRecord, RankSummary};
 pub use recovery::{RecoveryCause, Spent};
 use reports::ReportQueue;
 pub use reports::{RankReport, RanksReported};
-
-/// `sqlx::migrate!` embeds `migrations/` in the binary.
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
 pub use motley_contract::views::NodeState;
 
@@ -57,7 +73,7 @@ pub struct JobRecord {
 }
 
 /// One rank of a launch: where it runs and which layers it holds (the seam for checkpoints).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RankAssignment {
     pub rank: i64,
     pub node: String,
@@ -68,6 +84,8 @@ pub struct RankAssignment {
     pub layer_start: i64,
     pub layer_end: i64,
 }
+
+impl_from_row!(RankAssignment { rank, node, local_rank, gpu, replica, stage, layer_start, layer_end });
 
 /// A handle on the database; cheap to clone.
 #[derive(Clone)]
@@ -158,7 +176,7 @@ impl Store {
             // file reads while the leader writes.
             sqlx::query("PRAGMA journal_mode=WAL").execute(pool).await?;
         }
-        MIGRATOR.run(pool).await?;
+        migrator().run(pool).await?;
         cluster::load(pool).await
     }
 

@@ -39,7 +39,7 @@ on_both!(the_identity_is_made_once_and_kept_across_restarts, |one: String, two: 
     // Coordinators opening a migrated database at once (HA, first start): one identity.
     sqlx::any::install_default_drivers();
     let pool = sqlx::any::AnyPoolOptions::new().max_connections(1).connect(&sqlite_rwc(&one)).await.unwrap();
-    sqlx::migrate!("../migrations").run(&pool).await.unwrap();
+    motley_coordinator::store::migrator().run(&pool).await.unwrap();
     pool.close().await;
     let opened = futures_join((0..3).map(|_| {
         let url = one.clone();
@@ -69,7 +69,7 @@ on_both!(jobs_numbered_before_the_identity_keep_their_checkpoint_prefix, |one: S
     // A database as the version before the identity left it: three jobs numbered.
     sqlx::any::install_default_drivers();
     let pool = sqlx::any::AnyPoolOptions::new().max_connections(1).connect(&sqlite_rwc(&one)).await.unwrap();
-    sqlx::migrate!("../migrations").run_to(10, &pool).await.unwrap();
+    motley_coordinator::store::migrator().run_to(10, &pool).await.unwrap();
     sqlx::query("UPDATE counters SET value = 3 WHERE name = 'job_id'").execute(&pool).await.unwrap();
     pool.close().await;
 

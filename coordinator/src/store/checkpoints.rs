@@ -10,7 +10,7 @@ use super::{now_ms, Store};
 use crate::error::{CoordinatorError, Result};
 
 /// One file one node holds.
-#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Holding {
     pub job_id: i64,
     pub generation: i64,
@@ -34,6 +34,25 @@ pub struct Holding {
     pub chunk_bytes: i64,
     pub crc32c: String,
 }
+
+impl_from_row!(Holding {
+    job_id,
+    generation,
+    step,
+    file,
+    node,
+    tier,
+    bytes,
+    block,
+    part,
+    tp_rank,
+    tp_size,
+    rank,
+    layers,
+    world_size,
+    chunk_bytes,
+    crc32c
+});
 
 impl Holding {
     /// The file as the checkpoint format's manifest lists it (its crcs, when reported).

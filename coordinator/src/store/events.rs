@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::Store;
 use crate::error::Result;
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Event {
     pub seq: i64,
     pub job_id: Option<i64>,
@@ -16,6 +16,8 @@ pub struct Event {
     pub message: String,
     pub at_ms: i64,
 }
+
+impl_from_row!(Event { seq, job_id, generation, kind, message, at_ms });
 
 impl Store {
     /// Record an event that is not part of another change (a lost lease, say).

@@ -9,17 +9,18 @@ use super::{now_ms, Store};
 use crate::error::{CoordinatorError, Result};
 
 /// A stored profile: the measurement, and its id and time.
-#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ProfileRecord {
     pub id: i64,
     #[serde(flatten)]
-    #[sqlx(flatten)]
     pub profile: NewProfile,
     pub measured_at_ms: i64,
 }
 
+impl_from_row!(ProfileRecord { id, measured_at_ms } flatten { profile });
+
 /// A measured profile: its key, where it was measured, and the profiles file entry.
-#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct NewProfile {
     pub gpu: String,
     pub model: String,
@@ -37,6 +38,8 @@ pub struct NewProfile {
     #[schema(value_type = Object)]
     pub entry: String,
 }
+
+impl_from_row!(NewProfile { gpu, model, model_hash, tp, micro_batch, seq_len, dtype, torch, device, node, entry });
 
 fn as_json<S: serde::Serializer>(text: &str, s: S) -> std::result::Result<S::Ok, S::Error> {
     serde_json::from_str::<serde_json::Value>(text).unwrap_or(serde_json::Value::Null).serialize(s)

@@ -17,14 +17,15 @@ pub struct HeldGpu {
     pub running: bool,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RankRecord {
-    #[sqlx(flatten)]
     pub assignment: RankAssignment,
     /// assigned | running | exited | lost
     pub state: String,
     pub exit_code: Option<i64>,
 }
+
+impl_from_row!(RankRecord { state, exit_code } flatten { assignment });
 
 impl Store {
     pub async fn ranks(&self, id: i64, generation: i64) -> Result<Vec<RankRecord>> {
