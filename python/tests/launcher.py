@@ -4,6 +4,7 @@ rank (agent/src/ranks/supervisor/launch.rs), MOTLEY_NCCL_GROUPS written as contr
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -201,6 +202,8 @@ def eval_losses(stdout: str) -> List[tuple]:
 
 def single_process(model: str, global_batch: int, seq_len: int, steps: int, seed: int, save: Optional[Path] = None,
                    extra: Optional[List[str]] = None) -> List[float]:
+    """The losses of a single-process run (`--single-process`) with these flags: a new process
+    every call (reference_losses shares one run between tests)."""
     cmd = [PYTHON, "-m", "motley_torch.train", "--single-process", "--model", model, "--global-batch",
            str(global_batch), "--seq-len", str(seq_len), "--steps", str(steps), "--seed", str(seed), *(extra or [])]
     if save is not None:
@@ -209,6 +212,18 @@ def single_process(model: str, global_batch: int, seq_len: int, steps: int, seed
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     return losses(out.stdout)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model: str, global_batch: int, seq_len: int, steps: int, seed: int) -> tuple:
+    return tuple(single_process(model, global_batch, seq_len, steps, seed))
+
+
+def reference_losses(model: str, global_batch: int, seq_len: int, steps: int, seed: int) -> List[float]:
+    """single_process's losses, one run per set of flags for the whole session: the reference an
+    end-to-end test's losses are held to (the run is deterministic; the suite's time is its
+    processes, BENCHMARKS "Tests on both cores")."""
+    return list(_reference(model, global_batch, seq_len, steps, seed))
 
 
 # ---- plans written by hand in the documented form --------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from launcher import DATA, REPO, motley_bin, single_process
+from launcher import DATA, REPO, motley_bin, reference_losses
 from tolerance import assert_steps_close, layers_of
 
 CLUSTER = DATA / "dev-2x1.yaml"
@@ -117,7 +117,7 @@ def test_train_tiny_through_dev_up(tmp_path: Path):
     plan = json.loads((rank0[0].parent / "plan.json").read_text())
     gb, seq = plan["global_batch"], plan["seq_len"]
     assert (gb, seq) == (spec["global_batch"], model["seq_len"])
-    want = single_process(str(MODEL), gb, seq, STEPS, SEED)
+    want = reference_losses(str(MODEL), gb, seq, STEPS, SEED)
     got = [x for _, x in from_log]
     assert_steps_close(got, want, layers_of(MODEL), "losses through dev up against the single process's")
     assert want[-1] < want[0], "the loss falls"
@@ -158,7 +158,7 @@ def test_profiles_measured_by_agents_through_dev_up(tmp_path: Path):
     rank0 = [p for p in logs if p.name == "rank-0.log"]
     assert len(rank0) == 1, f"{[str(p) for p in logs]}"
     got = [x for _, x in step_losses(rank0[0].read_text())]
-    want = single_process(str(MODEL), spec["global_batch"], 16, STEPS, SEED)
+    want = reference_losses(str(MODEL), spec["global_batch"], 16, STEPS, SEED)
     assert len(got) == STEPS, report
     assert_steps_close(got, want, layers_of(MODEL), "losses through dev up against the single process's")
 

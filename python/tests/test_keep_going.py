@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher import DATA, free_port, hand_plan, losses, single_process, start_ranks, wait_ranks
+from launcher import DATA, free_port, hand_plan, losses, reference_losses, start_ranks, wait_ranks
 from tolerance import assert_steps_close
 
 STEPS = 8
@@ -69,7 +69,7 @@ def test_survivors_keep_training_through_a_lost_replica_with_the_single_process_
     plan = three_replicas()
     work = tmp_path / "run"
     member_file = work / "membership.json"
-    want = single_process(str(DATA / MODEL), 12, 16, STEPS, SEED)
+    want = reference_losses(str(DATA / MODEL), 12, 16, STEPS, SEED)
     procs = start_ranks(plan, ["--steps", str(STEPS), "--seed", str(SEED), "--timeout", "60"], work,
                         extra_env={"MOTLEY_KEEP_GOING": "1", "MOTLEY_MEMBERSHIP": str(member_file)})
     try:
@@ -113,7 +113,7 @@ def test_two_losses_in_a_row_leave_the_last_replica_training_alone_with_the_same
     plan = three_replicas()
     work = tmp_path / "run"
     member_file = work / "membership.json"
-    want = single_process(str(DATA / MODEL), 12, 16, STEPS, SEED)
+    want = reference_losses(str(DATA / MODEL), 12, 16, STEPS, SEED)
     procs = start_ranks(plan, ["--steps", str(STEPS), "--seed", str(SEED), "--timeout", "60"], work,
                         extra_env={"MOTLEY_KEEP_GOING": "1", "MOTLEY_MEMBERSHIP": str(member_file)})
     by = {r["rank"]: p for r, p, *_ in procs}
@@ -215,7 +215,7 @@ def test_a_lost_node_stops_only_its_replica_through_the_coordinator_and_agents(t
         for x in before + after:
             assert by_step.setdefault(x["step"], x["loss"]) == x["loss"], f"step {x['step']} printed twice, differently"
         assert sorted(by_step) == list(range(steps)), "every step committed once, none lost"
-        want = single_process(str(DEV_MODEL), 12, spec["seq_len"], steps, seed)
+        want = reference_losses(str(DEV_MODEL), 12, spec["seq_len"], steps, seed)
         assert_steps_close([by_step[s] for s in range(steps)], want, 4, "losses through the node loss")
     finally:
         c.close()
@@ -249,7 +249,7 @@ def test_a_coordinator_restarted_while_degraded_goes_on_from_its_recorded_member
         assert kinds.count("membership_changed") == 1 and "recovering" not in kinds, kinds
         lines = lines_of(rank0)
         assert sorted({x["step"] for x in lines}) == list(range(steps)) and lines[-1]["epoch"] == 1
-        want = single_process(str(DEV_MODEL), 12, spec["seq_len"], steps, seed)
+        want = reference_losses(str(DEV_MODEL), 12, spec["seq_len"], steps, seed)
         assert_steps_close([x["loss"] for x in lines], want, 4, "losses through the loss and the restart")
     finally:
         c.close()

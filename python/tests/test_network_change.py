@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 import netcluster as nc
-from launcher import motley_bin, single_process
+from launcher import motley_bin, reference_losses
 from netns import Net, requirements
 from tolerance import assert_steps_close, layers_of
 
@@ -166,7 +166,9 @@ def test_a_10x_drop_between_the_islands_switches_the_job_to_one_island_at_its_ne
     re-plans on the measured links, decides to switch, and at the next complete checkpoint the
     job recovers (cause replan) onto a plan inside one island, finishes, and its losses are the
     single process's from the restored step on."""
-    steps = 300
+    # The switch came at step 40 in runs on 2-core machines (the drop, hold, probes and the next
+    # checkpoint): room for it five times over.
+    steps = 200
     c, jid = start(tmp_path, islands, steps, {"threshold": 0.3, "hold": "4s", "cooldown": "10m"}, steps=steps)
     try:
         islands.shape_link(nc.DROP_MBIT)
@@ -224,7 +226,7 @@ def test_a_10x_drop_between_the_islands_switches_the_job_to_one_island_at_its_ne
         new = c.plan(jid)
         assert any(nc.plan_nodes(new) <= set(v) for v in nc.ISLANDS.values()), new
         assert new["network"]["source"] == "measured", new["network"]
-        reference = single_process(str(nc.MODEL_FILE), nc.GLOBAL_BATCH, nc.model()["seq_len"], steps, SEED)
+        reference = reference_losses(str(nc.MODEL_FILE), nc.GLOBAL_BATCH, nc.model()["seq_len"], steps, SEED)
         before, after = nc.rank0_losses(tmp_path, jid, 1), nc.rank0_losses(tmp_path, jid, 2)
         assert after and after[0][0] == step and after[-1][0] == steps - 1, (step, after[:2], after[-1:])
         both = before + after

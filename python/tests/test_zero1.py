@@ -5,6 +5,7 @@ a restore onto another dp re-shards, and the memory line shows the optimizer sta
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 from pathlib import Path
@@ -58,7 +59,10 @@ def one_replica():
         dict(layers=[0, 2], tp=1, dp=1, gpus=[("a", 0)]), dict(layers=[2, 4], tp=1, dp=1, gpus=[("a", 1)])])])
 
 
+@functools.lru_cache(maxsize=None)
 def single(*extra):
+    """The single process's steps with these flags, one run per set of flags for the module (the
+    reference several plans are held to)."""
     r = subprocess.run([PYTHON, "-m", "motley_torch.train", "--single-process", "--model", str(MODEL),
                         "--global-batch", "8", "--seq-len", "16", "--seed", "4", *extra], capture_output=True,
                        text=True, env=python_env(OMP_NUM_THREADS="1"), timeout=300)
