@@ -49,7 +49,7 @@ fn rank_started(pid: u32) {
 /// the lease's grace period), so a host whose agent died does not keep training alone.
 pub fn wrapper_main(exit_file: &Path, lease_file: Option<&Path>, program: &str, args: &[String]) -> i32 {
     for s in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
-        // SAFETY: installs an async-signal-safe handler that does nothing.
+        // SAFETY: installs an async-signal-safe handler (it only stores to two atomics).
         unsafe {
             libc::signal(s, note_signal as extern "C" fn(libc::c_int) as libc::sighandler_t);
         }
