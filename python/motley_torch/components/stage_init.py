@@ -10,30 +10,25 @@ import os
 import torch
 
 from ..models.transformer import GPTStage
+from .adamw import AdamW
 from ..model_source import load_model
 from ..spec import ModelSpec, PlanError
 
 
 def make_optimizer(params, args):
-    """AdamW with its state made at once (zeros, as its first step would make them): the first
-    step's peak memory is then every later step's (the memory line and the cost model compare
-    it), and a stage that does not fit fails before training rather than after a step.
+    """AdamW (components/adamw.py) with its state made at once (zeros, as its first step would
+    make them): the first step's peak memory is then every later step's (the memory line and the
+    cost model compare it), and a stage that does not fit fails before training rather than
+    after a step.
 
     On CUDA the fused kernel (one launch for every tensor, `fused=True`), elsewhere the
     multi-tensor one (`foreach=True`): the same AdamW maths as the per-parameter loop, without
     its Python and launch cost per parameter."""
     params = list(params)
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
-    kind = {"fused": True} if fused else {"foreach": True}
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay, **kind)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state[p]
-            if not st:
-                # As AdamW's own first step makes it: a device scalar for the fused kernel.
-                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if fused else torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    opt = AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay,
+                fused=fused, foreach=not fused)
+    opt.init_state()
     return opt
 
 

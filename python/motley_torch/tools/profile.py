@@ -319,13 +319,15 @@ def time_head(ctx: Ctx) -> Tuple[float, float]:
 def optimizer_and_fixed(ctx: Ctx) -> Tuple[float, int, int]:
     """(median AdamW step ms over one layer's parameters, the layer's fixed bytes: parameters +
     gradients + AdamW's exp_avg and exp_avg_sq, parameter count of the shard)."""
-    import torch
+    from types import SimpleNamespace
+
+    from ..components.stage_init import make_optimizer
 
     m = ctx.blocks(1)
     x = ctx.randn(ctx.args.micro_batch, ctx.seq, ctx.spec.hidden)
     m(x).float().square().mean().backward()
-    # The trainer's optimizer (stage_init.make_optimizer), state in the parameter dtype.
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    # The trainer's optimizer and kernel (stage_init.make_optimizer), state in the parameter dtype.
+    opt = make_optimizer(m.parameters(), SimpleNamespace(lr=1e-3, weight_decay=0.01))
     times = []
     for i in range(ctx.args.warmup + ctx.args.runs):
         ctx.timer.sync()
