@@ -114,7 +114,8 @@ def run_one(mode: str, args, root: Path) -> dict:
         events = c.events(jid)
         got = lines(tmp, jid)
         # Every step printed once per run of it: a restore prints the recomputed steps again.
-        printed = [d["step"] for _, _, d in got]
+        # A new leader's line marked "again" repeats the last committed step's (docs/keep-going.md).
+        printed = [d["step"] for _, _, d in got if not d.get("again")]
         times_before = [d["step_s"] for _, _, d in got if kill_step is None or d["step"] < kill_step]
         times_after = [d["step_s"] for _, _, d in got if kill_step is not None and d["step"] > kill_step + 2]
         changed = [json.loads(e["message"]) for e in events if e["kind"] == "membership_changed"]

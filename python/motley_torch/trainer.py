@@ -148,6 +148,7 @@ class Trainer:
                   file=sys.stderr, flush=True)
         self.reports_loss = view.is_last_stage and view.tp_rank == 0
         self.pending = None  # the last step's loss line, its sum still in flight
+        self.last_line = None  # the last line flushed (every rank: `_next_epoch`)
         self.start = 0
         position = {"samples": 0}
         if args.ckpt_restore:
@@ -211,9 +212,16 @@ class Trainer:
             work.wait()
             loss = float(t.item())
         end = next_start if next_start is not None else time.perf_counter()
+        # Every member keeps the line: a new leader prints it again when the old one was lost
+        # (`_next_epoch`).
+        self.last_line = (step, loss, end - t_step, used, skipped, epoch)
         if self.view.rank == self.view.leader:
-            emit(step, loss, self.plan.global_batch * self.seq, end - t_step, used, skipped,
-                 self.flops_per_token, self.peak_tflops, epoch=epoch)
+            self._emit(self.last_line)
+
+    def _emit(self, line: tuple, again: bool = False):
+        step, loss, step_s, used, skipped, epoch = line
+        emit(step, loss, self.plan.global_batch * self.seq, step_s, used, skipped,
+             self.flops_per_token, self.peak_tflops, epoch=epoch, again=again)
 
     def _global_sum(self, value: float) -> float:
         t, work = self._start_loss_sum(value)
@@ -383,12 +391,19 @@ class Trainer:
         if self.keep is None or not (isinstance(cause, keep_going.StepAborted) or collective_failed(cause)):
             raise cause
         view = self.view
+        old_leader = view.leader
         roll = self.keep.next_epoch(step, cause, keep_going.make_gloo_or_nccl(view, self.keep.timeout))
         self.view = view = self.keep.view
         self.plan = view.plan
         # Every committed step's line went out as it committed; a step rolled forward here is
         # printed below by the new leader (the old one went before reading its decision).
         self.flush_loss()
+        if (view.rank == view.leader != old_leader and roll is None and self.last_line is not None
+                and self.last_line[0] == step - 1):
+            # The old leader may have gone between a step's commit and its line: the new one
+            # prints the last committed step's line again, marked (the same loss; readers keep
+            # one line per step, docs/keep-going.md).
+            self._emit(self.last_line, again=True)
         if roll is not None:
             held_step, t_step, used, skipped = self.held
             if not skipped:

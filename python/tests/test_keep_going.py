@@ -100,6 +100,14 @@ def test_survivors_keep_training_through_a_lost_replica_with_the_single_process_
     else:
         lines = before + after
         assert not [x for r in survivors if r.rank != leader for x in losses(r.stdout)], "only the leader prints"
+    # A new leader prints the last committed step's line again, marked (its predecessor may have
+    # gone before printing it): the same loss, and only when the leader changed.
+    again = [x for x in lines if x.get("again")]
+    assert len(again) == (1 if leader != 0 else 0), again
+    first = {x["step"]: x for x in lines if not x.get("again")}
+    for x in again:
+        assert x["step"] not in first or first[x["step"]]["loss"] == x["loss"], (x, first.get(x["step"]))
+    lines = [x for x in lines if not x.get("again") or x["step"] not in first]
     steps = [x["step"] for x in lines]
     assert steps == list(range(STEPS)), f"every step once, none lost or repeated: {steps}"
     assert {x["epoch"] for x in lines} == {0, 1} and [x["epoch"] for x in lines] == sorted(x["epoch"] for x in lines)

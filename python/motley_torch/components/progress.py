@@ -13,11 +13,12 @@ import torch
 
 def emit(step: int, loss: float, tokens: int = 0, step_s: float = 0.0, loss_scale: float = 1.0,
          skipped: bool = False, flops_per_token: float = 0.0, peak_tflops: Optional[float] = None,
-         epoch: int = 0):
+         epoch: int = 0, again: bool = False):
     """One progress line: the global mean loss, tokens per second, the step's wall seconds, the
     loss scale the step ran with and whether an overflow skipped its update; `mfu` (components.mfu)
     when the GPUs' summed peak is known; the job's membership epoch (0 until a replica is lost,
-    docs/keep-going.md)."""
+    docs/keep-going.md); `"again": true` on a line a new leader prints a second time (the old one
+    may have gone before printing it)."""
     from .mfu import mfu
 
     tps = tokens / step_s if step_s > 0 else 0.0
@@ -26,6 +27,8 @@ def emit(step: int, loss: float, tokens: int = 0, step_s: float = 0.0, loss_scal
     u = mfu(tps, flops_per_token, peak_tflops)
     if u is not None:
         line["mfu"] = round(u, 5)
+    if again:
+        line["again"] = True
     print(json.dumps(line), flush=True)
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import sys
+import threading
 import time
 from typing import Dict, List, Optional
 
@@ -39,6 +41,50 @@ WAIT_SLICE_S = 0.5
 
 class StepAborted(Exception):
     """The step did not commit: its gradients are discarded and it runs again."""
+
+
+class _GaveUp(Exception):
+    pass
+
+
+class GlooWaiter:
+    """A thread that waits for gloo works one at a time, while the rank's own thread waits for
+    it in slices and reads the membership file between them. A timed wait on gloo's work is no
+    harmless slice: when a send's or a receive's wait times out, gloo closes every pair of the
+    group's context ("Application timeout caused pair closure"), so a pipeline hop whose peer
+    took longer than a slice (a slow first step) broke the step on every rank of the replica.
+    The thread's wait has no timeout but the group's own."""
+
+    def __init__(self):
+        self.q: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="motley-gloo-wait").start()
+
+    def _run(self):
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            work, failed, done = item
+            try:
+                work.wait()
+            except BaseException as e:  # handed to the rank's thread, which raises it
+                failed.append(e)
+            done.set()
+
+    def wait(self, work, gave_up) -> bool:
+        """`work` done (or its error raised); _GaveUp once `gave_up()` says so between slices."""
+        failed, done = [], threading.Event()
+        self.q.put((work, failed, done))
+        while not done.wait(WAIT_SLICE_S):
+            if gave_up():
+                raise _GaveUp()
+        if failed:
+            raise failed[0]
+        return True
+
+    def retire(self):
+        """The thread ends once its current wait does (the group's timeout, at the latest)."""
+        self.q.put(None)
 
 
 def enabled(view, zero1: bool) -> bool:
@@ -106,6 +152,7 @@ class KeepGoing:
         if tied_pg is not None:
             groups["tied"] = tied_pg
         view.wait_work = self.wait_work
+        self.waiter = GlooWaiter() if view.backend == "gloo" else None
         self.epoch = Epoch(Membership.initial(view.plan), address, tcp, dist.PrefixStore(f"{_PREFIX}/0", tcp), view,
                            groups)
         self._newest: Optional[Membership] = None
@@ -123,7 +170,16 @@ class KeepGoing:
         """Wait for a cross-replica collective in slices, reading the membership file between
         them: a member that gave up on the step (it saw a newer membership, or a collective of
         its own failed) may still hold its end of this one open, and gloo's abort does not
-        close it, so the wait would last the group's whole timeout."""
+        close it, so the wait would last the group's whole timeout. Over gloo the wait itself
+        runs on `GlooWaiter`'s thread (a timed gloo wait breaks the group)."""
+        if self.waiter is not None:
+            try:
+                return self.waiter.wait(work, lambda: self.newer() is not None)
+            except _GaveUp:
+                # Its thread stays in the given-up wait until the group is torn down.
+                self.waiter.retire()
+                self.waiter = GlooWaiter()
+                raise StepAborted("a newer membership is out while waiting in a collective") from None
         slice_ = datetime.timedelta(seconds=WAIT_SLICE_S)
         while True:
             began = time.monotonic()
