@@ -5,9 +5,9 @@ checkpoints, ZeRO-1 and the memory line read it as they would read `torch.optim.
 
 Why not `torch.optim.AdamW` itself: its constructor, `zero_grad` and `step` are wrapped by
 torch's dynamo guards (`torch._disable_dynamo`, `_use_grad_for_differentiable`), which import
-`torch._dynamo` (and with it inductor, sympy and triton's bindings) on first use: 1.3-1.9 s of
-CPU in every rank that never compiles, paid again on every restart of a recovery
-(BENCHMARKS.md, "A rank's fixed CPU"). The kernels are the same; a rank that compiles imports
+`torch._dynamo` (and with it inductor, sympy and triton's bindings) on first use: about 1.3 s
+of CPU in every rank process that never compiles, paid again on every restart of a recovery
+(BENCHMARKS.md, "A rank's fixed CPU, without dynamo"). The kernels are the same; a rank that compiles imports
 dynamo for its blocks anyway, and the functional API is what compiled optimizers trace.
 """
 
