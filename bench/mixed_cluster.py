@@ -39,6 +39,7 @@ otherwise idle machine. Everything it makes is removed when it ends, also on Ctr
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import shlex
@@ -169,25 +170,33 @@ def sequences_per_gpu(c: dict, micro_batch: int) -> dict:
             for gpu, n in sorted(gpus.items())}
 
 
-def profile_all(cluster: nc.NetCluster, c: dict, model: str, micro_batch: int, seq_len: int | None) -> dict:
+def profile_all(cluster: nc.NetCluster, c: dict, model: str, micro_batch: int, seq_len: int | None,
+                together: bool = False) -> dict:
     """Stored profiles measured by an agent of each GPU type, at every count of sequences a GPU
-    of the type may take (`sequences_per_gpu`): a profiles file."""
-    entries = []
-    for gpu, counts in sequences_per_gpu(c, micro_batch).items():
-        for m in counts:
-            args = ["profile", "run", "--model", model, "--tp", "1", "--micro-batch", str(m), "--gpu", gpu,
-                    "--wait", "-o", "json"]
-            if seq_len:
-                args += ["--seq-len", str(seq_len)]
-            t = time.time()
-            out = cluster.cli(*args, check=False, timeout=900)
-            if out.returncode != 0:
-                raise BenchError(f"profiling {gpu} failed ({out.returncode}): {out.stdout} {out.stderr}\n{cluster.logs()}")
-            run = json.loads(out.stdout)
-            shown = json.loads(cluster.cli("profile", "show", str(run["profile"]), "-o", "json").stdout)
-            entries.append(shown["entry"])
-            log(f"profiled {gpu} at {m} sequences in {time.time() - t:.0f} s (profile {run['profile']})")
-    return {"profiles": entries}
+    of the type may take (`sequences_per_gpu`): a profiles file. `together`: every profile runs
+    at once, so each emulated device is measured while the others compute, as the ranks of a
+    plan run (docs/emulation.md, "Profiles under load")."""
+    wanted = [(gpu, m) for gpu, counts in sequences_per_gpu(c, micro_batch).items() for m in counts]
+
+    def one(gpu: str, m: int) -> dict:
+        args = ["profile", "run", "--model", model, "--tp", "1", "--micro-batch", str(m), "--gpu", gpu,
+                "--wait", "-o", "json"]
+        if seq_len:
+            args += ["--seq-len", str(seq_len)]
+        t = time.time()
+        out = cluster.cli(*args, check=False, timeout=900)
+        if out.returncode != 0:
+            raise BenchError(f"profiling {gpu} failed ({out.returncode}): {out.stdout} {out.stderr}\n{cluster.logs()}")
+        run = json.loads(out.stdout)
+        shown = json.loads(cluster.cli("profile", "show", str(run["profile"]), "-o", "json").stdout)
+        log(f"profiled {gpu} at {m} sequences in {time.time() - t:.0f} s (profile {run['profile']})")
+        return shown["entry"]
+
+    if not together:
+        return {"profiles": [one(gpu, m) for gpu, m in wanted]}
+    with concurrent.futures.ThreadPoolExecutor(len(wanted)) as pool:
+        futures = [pool.submit(one, gpu, m) for gpu, m in wanted]
+        return {"profiles": [f.result() for f in futures]}
 
 
 def plan(tmp: Path, system: str, args, seq_len: int | None) -> dict:
@@ -316,6 +325,10 @@ def main() -> int:
     p.add_argument("--timings", action="store_true",
                    help="every rank writes its steps' timings (the trainer's --timings); each system's row then "
                         "carries `terms`: per replica, the plan's sync and optimizer terms beside the measured phases")
+    p.add_argument("--profiles-apart", action="store_true",
+                   help="profile the GPU types one after another on an otherwise idle machine (by default every "
+                        "profile runs at once: each emulated device measured while the others compute, as a plan's "
+                        "ranks run)")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
     args = p.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -355,7 +368,8 @@ def main() -> int:
         links = measured_links(net, c)
         (root / "bandwidth.yaml").write_text(yaml.safe_dump({"pairs": links["pairs"]}))
         log(f"links: inside {links['inside_gb_per_s']} GB/s, across {links['across_gb_per_s']} GB/s")
-        (root / "profiles.yaml").write_text(yaml.safe_dump(profile_all(cluster, c, model, args.micro_batch, seq_len)))
+        (root / "profiles.yaml").write_text(yaml.safe_dump(profile_all(cluster, c, model, args.micro_batch, seq_len,
+                                                                         together=not args.profiles_apart)))
         plans = {s: plan(root, s, args, seq_len) for s in only}
         for s, doc in plans.items():
             (root / f"plan-{s}.json").write_text(json.dumps(doc, indent=1))

@@ -148,9 +148,12 @@ pub struct LayerCost {
     /// Forward and backward seconds of 1, 2, 4 and 8 consecutive layers when a profile measured
     /// them (AutoHet eq. 5: a stage's layers cost the blocks of their count's binary digits).
     pub blocks: Option<[(f64, f64); 4]>,
-    /// Extra forward+backward seconds when the stage holds the embedding / the output head.
-    pub embed_time: f64,
-    pub head_time: f64,
+    /// Extra (forward, backward) seconds when the stage holds the embedding / the output head,
+    /// as measured where the profile has them: the runtime's head computes the loss's gradient
+    /// inside its forward pass (models/head_loss.py), so its measured forward holds most of its
+    /// time, and a 1F1B schedule's critical path depends on which pass carries it.
+    pub embed: (f64, f64),
+    pub head: (f64, f64),
     /// Bytes per GPU: weights+grads+optimizer of one layer, activations of one layer per
     /// in-flight micro-batch, and the extras of the first / last stage.
     pub layer_state: f64,
@@ -289,16 +292,18 @@ impl<'a> CostModel<'a> {
             // copies of the weights are one per step, in the state bytes.
             None => s * m * activations::layer_token_bytes(self.model, precision, zero1, s, !self.opts.eager).per_gpu(t),
         };
-        // Measured extras where the profile has them (forward plus backward).
-        let measured = |f: Option<f64>, b: Option<f64>| Some(scale * (f? + b?) / 1e3);
-        let embed_time = profiled.and_then(|p| measured(p.embed_fwd_ms, p.embed_bwd_ms)).unwrap_or(3.0 * embed_bytes / mem_bw);
-        let head_time = profiled.and_then(|p| measured(p.head_fwd_ms, p.head_bwd_ms)).unwrap_or(3.0 * head_fwd);
+        // Measured extras where the profile has them, each pass as measured; else the roofline's
+        // forward and twice that backward.
+        let measured = |f: Option<f64>, b: Option<f64>| Some((scale * f? / 1e3, scale * b? / 1e3));
+        let embed_bytes_s = embed_bytes / mem_bw;
+        let embed = profiled.and_then(|p| measured(p.embed_fwd_ms, p.embed_bwd_ms)).unwrap_or((embed_bytes_s, 2.0 * embed_bytes_s));
+        let head = profiled.and_then(|p| measured(p.head_fwd_ms, p.head_bwd_ms)).unwrap_or((head_fwd, 2.0 * head_fwd));
         LayerCost {
             fwd,
             bwd,
             blocks,
-            embed_time,
-            head_time,
+            embed,
+            head,
             layer_state: layer_params_gpu * opt_bytes_per_param,
             layer_act,
             embed_state: embed_params_gpu * opt_bytes_per_param,
@@ -347,12 +352,12 @@ impl<'a> CostModel<'a> {
             None => (n as f64 * c.fwd, n as f64 * c.bwd),
         };
         if first {
-            f += c.embed_time / 3.0;
-            b += c.embed_time * 2.0 / 3.0;
+            f += c.embed.0;
+            b += c.embed.1;
         }
         if last {
-            f += c.head_time / 3.0;
-            b += c.head_time * 2.0 / 3.0;
+            f += c.head.0;
+            b += c.head.1;
         }
         (f, b)
     }
@@ -597,18 +602,27 @@ mod wire_and_optimizer_tests {
         let (c, model) = (cluster(), Model::new(crate::model::model_by_name("gpt3-1.3b").unwrap(), None).unwrap());
         let opts = PlanOptions::default();
         let mut p = LayerProfile::per_layer("A100-80G", 1, 2, 30.0, 60.0, Some(8.0));
-        p.head_fwd_ms = Some(10.0);
-        p.head_bwd_ms = Some(20.0);
+        p.head_fwd_ms = Some(25.0);
+        p.head_bwd_ms = Some(5.0);
         let profiles = ProfileSet { profiles: vec![p, LayerProfile::per_layer("A100-80G", 1, 8, 100.0, 200.0, None)] };
         let cm = CostModel { cluster: &c, model: &model, profiles: &profiles, opts: &opts };
         let cost = |dp, micro_batch| cm.layer_cost(StageKind { class: 0, tp: 1, dp }, micro_batch);
         let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
         let exact = cost(1, 2);
-        assert!(close(exact.fwd, 0.030) && close(exact.bwd, 0.060) && close(exact.head_time, 0.030));
+        assert!(close(exact.fwd, 0.030) && close(exact.bwd, 0.060));
+        assert!(close(exact.head.0, 0.025) && close(exact.head.1, 0.005), "{exact:?}");
+        // The last stage's passes carry the head's measured forward and backward as measured
+        // (the runtime's head computes the loss's gradient in its forward: most of its time is
+        // there, and the 1F1B critical path depends on which pass holds it).
+        let (f, b) = CostModel::stage_time(&exact, 1, false, true);
+        assert!(close(f, 0.055) && close(b, 0.065), "{f} {b}");
         // Micro-batch 2 over two GPUs: one sequence each, half the measured pass (not the
         // catalog peak, which would price it in microseconds).
         let split = cost(2, 2);
-        assert!(close(split.fwd, 0.015) && close(split.bwd, 0.030) && close(split.head_time, 0.015), "{split:?}");
+        assert!(
+            close(split.fwd, 0.015) && close(split.bwd, 0.030) && close(split.head.0, 0.0125) && close(split.head.1, 0.0025),
+            "{split:?}"
+        );
         assert!(close(split.layer_act, 4.0 * 1024.0 * 1024.0));
         // Three sequences: the nearest entry by ratio is micro-batch 2, scaled by 1.5.
         assert!(close(cost(1, 3).fwd, 0.045));
