@@ -138,25 +138,86 @@ def cluster_doc(c: dict) -> dict:
 # ---- the steps ---------------------------------------------------------------------------------
 
 
-def measured_links(net: Net, c: dict) -> dict:
-    """`--bandwidth` pairs: every pair inside an island at its measured TCP rate, every pair
-    across at the shaped link's (GB/s), each the median of three transfers."""
-    def rate(a, b, mb):
-        return statistics.median(net.transfer(a, b, megabytes=mb) for _ in range(3)) / 1000.0
+class LinkShares:
+    """A CPU cgroup per emulated node at its share, for the link measurements' two ends: a rank
+    on an emulated node runs the kernel's network stack (its TCP sends and receives, gloo's
+    copies) inside its node's share, so a transfer measured unconfined overstates what its ranks
+    can move (docs/emulation.md, "Links measured inside the shares"). The period rule is the
+    agent's (5 ms of CPU time in every 5/F ms, `agent/src/ranks/cpu_share.rs`)."""
 
-    islands = [v for v in c["islands"].values() if v]
-    inside = {k: rate(v[0], v[1], 32.0) for k, v in c["islands"].items() if len(v) > 1}
-    across = None
-    if len(islands) == 2:
-        across = rate(islands[0][0], islands[1][0], max(0.5, c["across_mbit"] / 8 / 4))
+    def __init__(self, shares: dict):
+        self.root, self.v2 = self._find()
+        self.dirs = {}
+        for node, share in shares.items():
+            d = self.root / f"motley-bench-link-{os.getpid()}-{node}"
+            d.mkdir(exist_ok=True)
+            period = min(1_000_000, max(1_000, round(5_000 / min(share, 1.0))))
+            quota = max(1_000, round(share * period))
+            if self.v2:
+                (d / "cpu.max").write_text(f"{quota} {period}")
+            else:
+                (d / "cpu.cfs_period_us").write_text(str(period))
+                (d / "cpu.cfs_quota_us").write_text(str(quota))
+            self.dirs[node] = d
+
+    @staticmethod
+    def _find():
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                point = left.split()[4]
+                fstype, _, opts = (right.split() + ["", "", ""])[:3]
+                if fstype == "cgroup" and "cpu" in opts.split(","):
+                    return Path(point), False
+        v2 = Path("/sys/fs/cgroup")
+        control = v2 / "cgroup.subtree_control"
+        if control.exists() and "cpu" in control.read_text().split():
+            return v2, True
+        raise BenchError("no cgroup hierarchy with the cpu controller to hold the link measurements to the nodes' "
+                         "shares (cgroup v1's cpu, or cgroup v2 with cpu in /sys/fs/cgroup/cgroup.subtree_control); "
+                         "--links-unconfined measures them outside the shares")
+
+    def procs(self, node: str) -> str:
+        return str(self.dirs[node] / "cgroup.procs")
+
+    def close(self):
+        for d in self.dirs.values():
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+def measured_links(net: Net, c: dict, shares: LinkShares | None = None) -> dict:
+    """`--bandwidth` pairs, each the median of three TCP transfers (GB/s): inside an island and
+    across the shaped link, with each end held to its node's CPU share (`LinkShares`; unconfined
+    without), once per pair of distinct shares (nodes of equal shares move bytes alike)."""
+    share = {n: float(e["emulate"]["cpu"]) for n, e in c["entries"].items()}
+    measured: dict = {}
+
+    def rate(a, b):
+        across = net.island_of[a] != net.island_of[b]
+        key = (across, net.island_of[a], net.island_of[b], share[a], share[b])
+        if key not in measured:
+            mb = max(0.5, c["across_mbit"] / 8 / 4) if across else 32.0
+            procs = (shares.procs(a), shares.procs(b)) if shares else (None, None)
+            measured[key] = statistics.median(net.transfer(a, b, megabytes=mb, procs=procs) for _ in range(3)) / 1000.0
+        return measured[key]
+
     pairs = []
     nodes = list(c["entries"])
+    inside: dict = {}
+    across = None
     for i, a in enumerate(nodes):
         for b in nodes[i + 1:]:
+            gbs = rate(a, b)
             ia, ib = net.island_of[a], net.island_of[b]
-            gbs = inside[ia] if ia == ib else across
+            if ia == ib:
+                inside[ia] = min(inside.get(ia, gbs), gbs)
+            else:
+                across = min(across if across is not None else gbs, gbs)
             pairs.append({"a": a, "b": b, "gb_per_s": round(gbs, 6)})
-    return {"pairs": pairs, "inside_gb_per_s": inside, "across_gb_per_s": across}
+    return {"pairs": pairs, "inside_gb_per_s": inside, "across_gb_per_s": across, "confined": shares is not None}
 
 
 def sequences_per_gpu(c: dict, micro_batch: int) -> dict:
@@ -325,6 +386,9 @@ def main() -> int:
     p.add_argument("--timings", action="store_true",
                    help="every rank writes its steps' timings (the trainer's --timings); each system's row then "
                         "carries `terms`: per replica, the plan's sync and optimizer terms beside the measured phases")
+    p.add_argument("--links-unconfined", action="store_true",
+                   help="measure the links with both ends outside the nodes' CPU shares (by default each end is held "
+                        "to its node's share, as its ranks' network stack is)")
     p.add_argument("--profiles-apart", action="store_true",
                    help="profile the GPU types one after another on an otherwise idle machine (by default every "
                         "profile runs at once: each emulated device measured while the others compute, as a plan's "
@@ -365,9 +429,16 @@ def main() -> int:
         cluster = nc.NetCluster(root, net, c["entries"], gpu_types=c["gpu_types"],
                                 agent_args=["--probe-duty", "0", "--python", sys.executable])
         cluster.wait_live()
-        links = measured_links(net, c)
+        link_shares = None if args.links_unconfined else LinkShares(
+            {n: float(e["emulate"]["cpu"]) for n, e in c["entries"].items()})
+        try:
+            links = measured_links(net, c, link_shares)
+        finally:
+            if link_shares is not None:
+                link_shares.close()
         (root / "bandwidth.yaml").write_text(yaml.safe_dump({"pairs": links["pairs"]}))
-        log(f"links: inside {links['inside_gb_per_s']} GB/s, across {links['across_gb_per_s']} GB/s")
+        log(f"links ({'inside the shares' if links['confined'] else 'unconfined'}): inside "
+            f"{links['inside_gb_per_s']} GB/s (the slowest pair), across {links['across_gb_per_s']} GB/s")
         (root / "profiles.yaml").write_text(yaml.safe_dump(profile_all(cluster, c, model, args.micro_batch, seq_len,
                                                                          together=not args.profiles_apart)))
         plans = {s: plan(root, s, args, seq_len) for s in only}
@@ -392,6 +463,7 @@ def main() -> int:
     s["machine"] = {"nproc": os.cpu_count(), "uname": os.uname().release}
     s["across_mbit"] = c["across_mbit"]
     s["inside_gb_per_s"] = links["inside_gb_per_s"]
+    s["links_confined"] = links["confined"]
     if args.output == "json":
         for r in rows:
             print(json.dumps({k: v for k, v in r.items() if k != "losses"} | {"final_loss": r["losses"][-1]}))

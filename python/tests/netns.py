@@ -32,7 +32,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 PREFIX_RE = re.compile(r"^mt(\d+)")
 # Processes a run started outside its namespaces (the coordinator), by the run's prefix: a later
@@ -336,13 +336,20 @@ class Net:
             return ["ip", "netns", "exec", self.ns[node], *argv]
         return ["ip", "netns", "exec", self.ns[node], "sh", "-c", cgroup_mounts() + ' && exec "$@"', "sh", *argv]
 
-    def transfer(self, src: str, dst: str, megabytes: float = 4.0, timeout: float = 60.0) -> float:
+    def transfer(self, src: str, dst: str, megabytes: float = 4.0, timeout: float = 60.0,
+                 procs: Tuple[Optional[str], Optional[str]] = (None, None)) -> float:
         """Send `megabytes` over TCP from node `src` to node `dst` (a node name, or "root" for the
-        root namespace at the gateway address): the receiver's MB/s."""
+        root namespace at the gateway address): the receiver's MB/s. `procs`: the `cgroup.procs`
+        files the sender and the receiver write themselves into first (an emulated node's CPU
+        share: the kernel's network stack then runs in it, as it does for that node's ranks)."""
         dst_ip = self.gateway if dst == "root" else self.ip[dst]
+
+        def enter(path: Optional[str]) -> str:
+            return f"open({path!r}, 'w').write('0')\n" if path else ""
+
         # The kernel picks the port: a fixed one may be held by another socket in the namespace
         # (an agent's connection takes its local port from the same range).
-        server = textwrap.dedent(f"""
+        server = enter(procs[1]) + textwrap.dedent(f"""
             import socket, sys, time
             s = socket.socket()
             s.bind(({dst_ip!r}, 0)); s.listen(1); print("ready", s.getsockname()[1], flush=True)
@@ -356,7 +363,7 @@ class Net:
                 n += len(b)
             print(n / max(1e-9, time.monotonic() - t0) / 1e6, flush=True)
         """)
-        client = textwrap.dedent(f"""
+        client = enter(procs[0]) + textwrap.dedent(f"""
             import socket, sys
             c = socket.create_connection(({dst_ip!r}, int(sys.argv[1])), timeout=10)
             chunk, left = b"x" * (1 << 16), int({megabytes} * 1e6)
@@ -364,13 +371,14 @@ class Net:
                 c.sendall(chunk[:left]); left -= len(chunk)
             c.close()
         """)
-        srv_argv = [sys.executable, "-c", server] if dst == "root" else self.argv(dst, [sys.executable, "-c", server])
+        srv_argv = [sys.executable, "-c", server] if dst == "root" else self.argv(dst, [sys.executable, "-c", server],
+                                                                                    cgroups=procs[1] is not None)
         srv = subprocess.Popen(srv_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             ready = srv.stdout.readline().split()
             assert ready[:1] == ["ready"] and len(ready) == 2, srv.stderr.read()
             cli = [sys.executable, "-c", client, ready[1]]
-            cli_argv = cli if src == "root" else self.argv(src, cli)
+            cli_argv = cli if src == "root" else self.argv(src, cli, cgroups=procs[0] is not None)
             subprocess.run(cli_argv, check=True, timeout=timeout, capture_output=True)
             out, err = srv.communicate(timeout=timeout)
             return float(out.strip())

@@ -19,7 +19,7 @@ from launcher import REPO, motley_bin
 
 sys.path.insert(0, str(REPO / "bench"))
 import mixed_cluster as mc  # noqa: E402
-from netns import requirements  # noqa: E402
+from netns import Net, requirements  # noqa: E402
 
 
 def write(tmp_path: Path, doc: dict) -> Path:
@@ -88,6 +88,49 @@ def test_the_summary_compares_motley_with_the_best_baseline_measured_and_predict
     assert s["loss_max_diff"] == pytest.approx(5e-5)
 
 
+def test_links_are_measured_with_each_end_inside_its_nodes_cpu_share(tmp_path: Path):
+    """An emulated node's ranks run the network stack inside their share, so the bench measures
+    each pair with the sender and the receiver each held to its node's share: both cgroups have
+    the agent's quota and ran the transfers (throttled periods counted), and nodes of equal
+    shares are measured once."""
+    why = requirements()
+    if why:
+        pytest.fail(why)
+    c = mc.read_cluster(write(tmp_path, {"name": "t", "nodes": [node("fast", "A100-80G", 0.5, gbps=1),
+                                                                 node("slow", "V100-32G", 0.25, gbps=1, count=2)]}))
+    net = Net(c["islands"])
+    shares = mc.LinkShares({n: float(e["emulate"]["cpu"]) for n, e in c["entries"].items()})
+    try:
+        calls = []
+        real = net.transfer
+
+        def counted(a, b, **kw):
+            calls.append((a, b, kw["procs"]))
+            return real(a, b, **kw)
+
+        net.transfer = counted
+        links = mc.measured_links(net, c, shares)
+        assert links["confined"] and len(links["pairs"]) == 3
+        assert all(p["gb_per_s"] > 0 for p in links["pairs"])
+        # fast-slow once (the two slow nodes' shares are equal), slow-slow once: three transfers each.
+        assert len(calls) == 6, calls
+        assert all(procs[0].endswith("/cgroup.procs") and procs[1].endswith("/cgroup.procs") for _, _, procs in calls)
+        for n, share in (("n0", 0.5), ("n1", 0.25), ("n2", 0.25)):
+            d = shares.dirs[n]
+            if shares.v2:
+                quota, period = map(int, (d / "cpu.max").read_text().split())
+            else:
+                quota, period = int((d / "cpu.cfs_quota_us").read_text()), int((d / "cpu.cfs_period_us").read_text())
+            assert (quota, period) == (5000, round(5000 / share)), (n, quota, period)
+        ran = {n: dict(line.split() for line in (shares.dirs[n] / "cpu.stat").read_text().splitlines())
+               for n in ("n0", "n1")}
+        assert all(int(st["nr_periods"]) > 0 for st in ran.values()), ran
+    finally:
+        shares.close()
+        net.close()
+    assert not any(d.exists() for d in shares.dirs.values()), "the cgroups are removed"
+
+
 def test_the_whole_bench_runs_motley_and_a_baseline_and_prints_the_contracts_lines(tmp_path: Path):
     """Two nodes of two speeds in one island, a tiny model, a few steps: the JSON lines of the
     contract, the losses of both plans the same, the prediction a number for each."""
@@ -125,6 +168,7 @@ def test_the_whole_bench_runs_motley_and_a_baseline_and_prints_the_contracts_lin
     for k in ("speedup_vs_best_baseline_measured", "speedup_vs_best_baseline_predicted", "max_prediction_error"):
         assert isinstance(s[k], float), (k, s)
     assert s["loss_max_diff"] <= mc.LOSS_TOLERANCE
+    assert s["links_confined"] is True, "the links are measured inside the nodes' shares by default"
     # Both nodes' agents profiled their own type (the bench keeps the profiles file).
     prof = yaml.safe_load((tmp_path / "runs" / "profiles.yaml").read_text())
     assert sorted(p["gpu"] for p in prof["profiles"]) == ["A100-80G", "V100-32G"]
