@@ -8,6 +8,7 @@ process's over the same samples."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher import DATA, free_port, hand_plan, losses, reference_losses, start_ranks, wait_ranks
-from tolerance import assert_steps_close
+from launcher import DATA, free_port, hand_plan, losses, reference_losses, single_process, start_ranks, wait_ranks
+from tolerance import assert_close_rel, assert_steps_close, gradient_ops
 
 STEPS = 8
 SEED = 5
@@ -64,13 +65,23 @@ def write_membership(path: Path, text: str):
     os.replace(tmp, path)
 
 
+@pytest.fixture(scope="module")
+def reference_params(tmp_path_factory) -> Path:
+    """The single process's parameters after STEPS steps (one run for the module)."""
+    out = tmp_path_factory.mktemp("reference")
+    single_process(str(DATA / MODEL), 12, 16, STEPS, SEED, out)
+    return out / "params.safetensors"
+
+
 @pytest.mark.parametrize("lost", ["pipeline-with-rank-0", "single-gpu-replica"])
-def test_survivors_keep_training_through_a_lost_replica_with_the_single_process_losses(tmp_path, lost):
+def test_survivors_keep_training_through_a_lost_replica_with_the_single_process_losses(tmp_path, lost,
+                                                                                      reference_params):
     plan = three_replicas()
     work = tmp_path / "run"
     member_file = work / "membership.json"
     want = reference_losses(str(DATA / MODEL), 12, 16, STEPS, SEED)
-    procs = start_ranks(plan, ["--steps", str(STEPS), "--seed", str(SEED), "--timeout", "60"], work,
+    procs = start_ranks(plan, ["--steps", str(STEPS), "--seed", str(SEED), "--timeout", "60",
+                               "--save-params", str(tmp_path / "params")], work,
                         extra_env={"MOTLEY_KEEP_GOING": "1", "MOTLEY_MEMBERSHIP": str(member_file)})
     try:
         wait_for_line(work / "rank0.out", 2, procs)
@@ -112,6 +123,20 @@ def test_survivors_keep_training_through_a_lost_replica_with_the_single_process_
     assert steps == list(range(STEPS)), f"every step once, none lost or repeated: {steps}"
     assert {x["epoch"] for x in lines} == {0, 1} and [x["epoch"] for x in lines] == sorted(x["epoch"] for x in lines)
     assert_steps_close([x["loss"] for x in lines], want, 4, "losses through the loss against the single process's")
+    # --save-params at the end: the leader's replica writes the whole model and the leader merges
+    # it, replica 0 lost or not; the parameters are the single process's (compared normwise, as
+    # test_distributed compares a plan's: AdamW's steps on the rounding noise of a zero gradient
+    # differ in sign between any two runs).
+    from safetensors.torch import load_file
+
+    got, ref = load_file(str(tmp_path / "params" / "params.safetensors")), load_file(str(reference_params))
+    assert sorted(got) == sorted(ref)
+    assert not list((tmp_path / "params").glob("params-stage*")), "the stage files are merged and removed"
+    norm = max(t.abs().max().item() for t in ref.values())
+    for k in sorted(got):
+        assert_close_rel(got[k], ref[k], math.sqrt(STEPS) * gradient_ops(4), f"parameter {k} after {STEPS} steps",
+                         scale=norm)
+
 
 
 def test_two_losses_in_a_row_leave_the_last_replica_training_alone_with_the_same_losses(tmp_path):

@@ -1,6 +1,7 @@
 """A run's parameters (or gradients) written out whole: in a distributed run each stage's full
-tensors are gathered by one TP group, then merged by rank 0 into one safetensors file
-(`--save-params`, `--save-grads`) or a Hugging Face directory (`--save-hf`).
+tensors are gathered by one TP group of one replica, then merged by the leader (rank 0, or the
+lowest surviving rank of a job that lost replica 0: docs/keep-going.md) into one safetensors
+file (`--save-params`, `--save-grads`) or a Hugging Face directory (`--save-hf`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def hf_names(spec: ModelSpec, state) -> list:
 
 
 def save_hf_distributed(view, model: GPTStage, args, zero=None):
-    """The stages' full tensors go to staging files in DIR (write_stage_files); rank 0 then
+    """The stages' full tensors go to staging files in DIR (write_stage_files); the leader then
     streams them into the Hugging Face directory (shards of at most 5 GB) and removes the
     staging files. DIR must be one directory for all stages (one host or a shared file system);
     otherwise this fails naming the missing stage file. `zero`: as write_stage_files."""
@@ -32,7 +33,7 @@ def save_hf_distributed(view, model: GPTStage, args, zero=None):
 
     out_dir = args.save_hf
     staging = write_stage_files(view, model, out_dir, ".motley-stage{s}.safetensors", zero=zero)
-    if view.rank == 0:
+    if view.rank == getattr(view, "leader", 0):
         hf_out.prepare(args, keep={os.path.basename(p) for p in staging})
         from safetensors import safe_open
 
@@ -60,23 +61,27 @@ def save_hf_distributed(view, model: GPTStage, args, zero=None):
         hf_out.finish(args)
 
 
+def writer_replica(view) -> int:
+    """The replica whose stages write the files: the leader's (rank 0's, replica 0, until a
+    membership without it names another leader: docs/keep-going.md). Every replica holds every
+    layer, so any one whole replica writes the whole model."""
+    return view.plan.stage_of(getattr(view, "leader", 0)).replica
+
+
 def write_stage_files(view, model: GPTStage, out_dir: str, pattern: str, grads: bool = False, zero=None) -> list:
-    """Every rank calls this: replica 0's first TP group of every stage gathers its stage's full
-    tensors (or gradients) and its TP rank 0 writes them to DIR/pattern ({s}: the stage); after
-    a barrier, returns the paths of all stages' files (on this node only when DIR is not
-    shared). Under ZeRO-1 (`zero`: a zero.ZeroOne) with half weights the parameters written are
+    """Every rank calls this: the writer replica's (`writer_replica`) first TP group of every
+    stage gathers its stage's full tensors (or gradients) and its TP rank 0 writes them to
+    DIR/pattern ({s}: the stage); after a barrier of the members, returns the paths of the
+    writer replica's stage files (on this node only when DIR is not shared), which the leader
+    merges. Under ZeRO-1 (`zero`: a zero.ZeroOne) with half weights the parameters written are
     the fp32 masters, gathered from their owners, as a checkpoint's model units hold them
     (docs/checkpoint.md, "ZeRO-1"), not their bf16/fp16 copies."""
     import torch.distributed as dist
 
-    if getattr(view, "leader", 0) != 0:
-        # Rank 0 is replica 0's first: it went with the replica (docs/keep-going.md).
-        raise PlanError(f"{out_dir}: replica 0 writes the stage files and rank 0 merges them, and replica 0 was lost "
-                        f"(membership epoch {view.epoch}); save a checkpoint's export instead (python -m "
-                        f"motley_torch.export) once the job is whole again")
     os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, pattern.format(s=s)) for s in range(view.pp_size)]
-    writes = view.replica == 0 and view.stage_dp_rank == 0
+    writer = writer_replica(view)
+    paths = [os.path.join(out_dir, pattern.format(s=s)) for s in range(len(view.plan.replicas[writer].stages))]
+    writes = view.replica == writer and view.stage_dp_rank == 0
     values = zero.export_masters(writes) if zero is not None and not grads else None
     if writes:
         tp_pg = view.tp_group.pg if view.tp_group is not None else None
@@ -89,12 +94,12 @@ def write_stage_files(view, model: GPTStage, out_dir: str, pattern: str, grads: 
 
 
 def save_params_distributed(view, model: GPTStage, out_dir: str, grads: bool = False, zero=None):
-    """The stages' full tensors (write_stage_files: DIR/params-stage{s}.safetensors); rank 0
+    """The stages' full tensors (write_stage_files: DIR/params-stage{s}.safetensors); the leader
     then merges them into DIR/params.safetensors (when DIR is shared, as on one host;
     otherwise the stage files stay where they were written). `zero`: as write_stage_files."""
     stem = "grads" if grads else "params"
     parts = write_stage_files(view, model, out_dir, stem + "-stage{s}.safetensors", grads=grads, zero=zero)
-    if view.rank == 0:
+    if view.rank == getattr(view, "leader", 0):
         from safetensors.torch import load_file
 
         if all(os.path.exists(p) for p in parts):
