@@ -188,10 +188,66 @@ class LinkShares:
                 pass
 
 
-def measured_links(net: Net, c: dict, shares: LinkShares | None = None) -> dict:
-    """`--bandwidth` pairs, each the median of three TCP transfers (GB/s): inside an island and
-    across the shaped link, with each end held to its node's CPU share (`LinkShares`; unconfined
-    without), once per pair of distinct shares (nodes of equal shares move bytes alike)."""
+# One side of a two-process gloo all-reduce: the ring the ranks' gradient sync runs, on the
+# interface the agents give their ranks, each end in its node's share once torch is loaded.
+GLOO_SIDE = """
+import os, statistics, sys, time, datetime
+import torch, torch.distributed as dist
+rank, host, port, mb, procs = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+torch.set_num_threads(1)
+store = dist.TCPStore(host, port, 2, rank == 0, datetime.timedelta(seconds=60), wait_for_workers=False)
+if rank == 0:
+    print("ready", store.port, flush=True)
+if procs != "-":
+    open(procs, "w").write("0")
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+x = torch.ones(int(mb * 1e6 / 4))
+dist.all_reduce(x[: len(x) // 8])
+times = []
+for _ in range(3):
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    times.append(time.perf_counter() - t0)
+if rank == 0:
+    print(x.numel() * 4 / statistics.median(times) / 1e6, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def gloo_rate(net: Net, a: str, b: str, mb: float, procs=(None, None), timeout: float = 180.0) -> float:
+    """MB/s of a two-rank gloo all-reduce of `mb` MB between nodes `a` and `b` (the median of
+    three): the bytes over the time, which is the rate the planner's ring formula, 2(n-1)/n x
+    bytes / rate, gives back at n = 2. `procs`: each end's share, as `Net.transfer`'s."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+
+    def argv(node, rank, port, path):
+        cmd = [sys.executable, "-c", GLOO_SIDE, str(rank), net.ip[a], str(port), str(mb), path or "-"]
+        return net.argv(node, cmd, cgroups=path is not None)
+
+    first = subprocess.Popen(argv(a, 0, 0, procs[0]), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
+    try:
+        ready = first.stdout.readline().split()
+        if ready[:1] != ["ready"] or len(ready) != 2:
+            raise BenchError(f"gloo link measurement {a}-{b}: {first.stderr.read()[-2000:]}")
+        second = subprocess.run(argv(b, 1, int(ready[1]), procs[1]), capture_output=True, text=True, timeout=timeout,
+                                env=env)
+        out, err = first.communicate(timeout=timeout)
+        if first.returncode != 0 or second.returncode != 0:
+            raise BenchError(f"gloo link measurement {a}-{b} failed: {err[-2000:]} {second.stderr[-2000:]}")
+        return float(out.strip())
+    finally:
+        if first.poll() is None:
+            first.kill()
+
+
+def measured_links(net: Net, c: dict, shares: LinkShares | None = None, by: str = "gloo") -> dict:
+    """`--bandwidth` pairs (GB/s): inside an island and across the shaped link, each the median
+    of three two-rank gloo all-reduces (`gloo_rate`: the ring the ranks' gradient sync runs) or,
+    `by="tcp"`, of three TCP transfers; each end held to its node's CPU share (`LinkShares`;
+    unconfined without), once per pair of distinct shares (nodes of equal shares move bytes
+    alike)."""
     share = {n: float(e["emulate"]["cpu"]) for n, e in c["entries"].items()}
     measured: dict = {}
 
@@ -201,7 +257,11 @@ def measured_links(net: Net, c: dict, shares: LinkShares | None = None) -> dict:
         if key not in measured:
             mb = max(0.5, c["across_mbit"] / 8 / 4) if across else 32.0
             procs = (shares.procs(a), shares.procs(b)) if shares else (None, None)
-            measured[key] = statistics.median(net.transfer(a, b, megabytes=mb, procs=procs) for _ in range(3)) / 1000.0
+            if by == "gloo":
+                measured[key] = gloo_rate(net, a, b, mb, procs) / 1000.0
+            else:
+                measured[key] = statistics.median(net.transfer(a, b, megabytes=mb, procs=procs)
+                                                  for _ in range(3)) / 1000.0
         return measured[key]
 
     pairs = []
@@ -217,7 +277,8 @@ def measured_links(net: Net, c: dict, shares: LinkShares | None = None) -> dict:
             else:
                 across = min(across if across is not None else gbs, gbs)
             pairs.append({"a": a, "b": b, "gb_per_s": round(gbs, 6)})
-    return {"pairs": pairs, "inside_gb_per_s": inside, "across_gb_per_s": across, "confined": shares is not None}
+    return {"pairs": pairs, "inside_gb_per_s": inside, "across_gb_per_s": across, "confined": shares is not None,
+            "by": by}
 
 
 def sequences_per_gpu(c: dict, micro_batch: int) -> dict:
@@ -389,6 +450,9 @@ def main() -> int:
     p.add_argument("--links-unconfined", action="store_true",
                    help="measure the links with both ends outside the nodes' CPU shares (by default each end is held "
                         "to its node's share, as its ranks' network stack is)")
+    p.add_argument("--links-by", choices=("gloo", "tcp"), default="gloo",
+                   help="measure each link by a two-rank gloo all-reduce (the ring the ranks' gradient sync runs; the "
+                        "default) or by a TCP transfer")
     p.add_argument("--profiles-apart", action="store_true",
                    help="profile the GPU types one after another on an otherwise idle machine (by default every "
                         "profile runs at once: each emulated device measured while the others compute, as a plan's "
@@ -432,12 +496,12 @@ def main() -> int:
         link_shares = None if args.links_unconfined else LinkShares(
             {n: float(e["emulate"]["cpu"]) for n, e in c["entries"].items()})
         try:
-            links = measured_links(net, c, link_shares)
+            links = measured_links(net, c, link_shares, by=args.links_by)
         finally:
             if link_shares is not None:
                 link_shares.close()
         (root / "bandwidth.yaml").write_text(yaml.safe_dump({"pairs": links["pairs"]}))
-        log(f"links ({'inside the shares' if links['confined'] else 'unconfined'}): inside "
+        log(f"links (by {links['by']}, {'inside the shares' if links['confined'] else 'unconfined'}): inside "
             f"{links['inside_gb_per_s']} GB/s (the slowest pair), across {links['across_gb_per_s']} GB/s")
         (root / "profiles.yaml").write_text(yaml.safe_dump(profile_all(cluster, c, model, args.micro_batch, seq_len,
                                                                          together=not args.profiles_apart)))
@@ -464,6 +528,7 @@ def main() -> int:
     s["across_mbit"] = c["across_mbit"]
     s["inside_gb_per_s"] = links["inside_gb_per_s"]
     s["links_confined"] = links["confined"]
+    s["links_by"] = links["by"]
     if args.output == "json":
         for r in rows:
             print(json.dumps({k: v for k, v in r.items() if k != "losses"} | {"final_loss": r["losses"][-1]}))

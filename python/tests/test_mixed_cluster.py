@@ -89,10 +89,10 @@ def test_the_summary_compares_motley_with_the_best_baseline_measured_and_predict
 
 
 def test_links_are_measured_with_each_end_inside_its_nodes_cpu_share(tmp_path: Path):
-    """An emulated node's ranks run the network stack inside their share, so the bench measures
-    each pair with the sender and the receiver each held to its node's share: both cgroups have
-    the agent's quota and ran the transfers (throttled periods counted), and nodes of equal
-    shares are measured once."""
+    """An emulated node's ranks run the network stack and gloo's ring inside their share, so the
+    bench measures each pair with both ends each held to its node's share: by a two-rank gloo
+    all-reduce (the default) or a TCP transfer. The cgroups have the agent's quota and ran the
+    measurements (periods counted), and nodes of equal shares are measured once."""
     why = requirements()
     if why:
         pytest.fail(why)
@@ -101,6 +101,24 @@ def test_links_are_measured_with_each_end_inside_its_nodes_cpu_share(tmp_path: P
     net = Net(c["islands"])
     shares = mc.LinkShares({n: float(e["emulate"]["cpu"]) for n, e in c["entries"].items()})
     try:
+        for n, share in (("n0", 0.5), ("n1", 0.25), ("n2", 0.25)):
+            d = shares.dirs[n]
+            if shares.v2:
+                quota, period = map(int, (d / "cpu.max").read_text().split())
+            else:
+                quota, period = int((d / "cpu.cfs_quota_us").read_text()), int((d / "cpu.cfs_period_us").read_text())
+            assert (quota, period) == (5000, round(5000 / share)), (n, quota, period)
+
+        def periods():
+            return {n: int(dict(line.split() for line in (shares.dirs[n] / "cpu.stat").read_text().splitlines())
+                            ["nr_periods"]) for n in ("n0", "n1")}
+
+        gloo = mc.measured_links(net, c, shares)
+        assert gloo["by"] == "gloo" and gloo["confined"] and len(gloo["pairs"]) == 3
+        assert all(p["gb_per_s"] > 0 for p in gloo["pairs"]), gloo
+        after_gloo = periods()
+        assert all(v > 0 for v in after_gloo.values()), after_gloo
+
         calls = []
         real = net.transfer
 
@@ -109,22 +127,12 @@ def test_links_are_measured_with_each_end_inside_its_nodes_cpu_share(tmp_path: P
             return real(a, b, **kw)
 
         net.transfer = counted
-        links = mc.measured_links(net, c, shares)
-        assert links["confined"] and len(links["pairs"]) == 3
-        assert all(p["gb_per_s"] > 0 for p in links["pairs"])
+        tcp = mc.measured_links(net, c, shares, by="tcp")
+        assert tcp["by"] == "tcp" and all(p["gb_per_s"] > 0 for p in tcp["pairs"])
         # fast-slow once (the two slow nodes' shares are equal), slow-slow once: three transfers each.
         assert len(calls) == 6, calls
         assert all(procs[0].endswith("/cgroup.procs") and procs[1].endswith("/cgroup.procs") for _, _, procs in calls)
-        for n, share in (("n0", 0.5), ("n1", 0.25), ("n2", 0.25)):
-            d = shares.dirs[n]
-            if shares.v2:
-                quota, period = map(int, (d / "cpu.max").read_text().split())
-            else:
-                quota, period = int((d / "cpu.cfs_quota_us").read_text()), int((d / "cpu.cfs_period_us").read_text())
-            assert (quota, period) == (5000, round(5000 / share)), (n, quota, period)
-        ran = {n: dict(line.split() for line in (shares.dirs[n] / "cpu.stat").read_text().splitlines())
-               for n in ("n0", "n1")}
-        assert all(int(st["nr_periods"]) > 0 for st in ran.values()), ran
+        assert all(v > after_gloo[n] for n, v in periods().items()), "the transfers ran in the shares too"
     finally:
         shares.close()
         net.close()
@@ -168,7 +176,7 @@ def test_the_whole_bench_runs_motley_and_a_baseline_and_prints_the_contracts_lin
     for k in ("speedup_vs_best_baseline_measured", "speedup_vs_best_baseline_predicted", "max_prediction_error"):
         assert isinstance(s[k], float), (k, s)
     assert s["loss_max_diff"] <= mc.LOSS_TOLERANCE
-    assert s["links_confined"] is True, "the links are measured inside the nodes' shares by default"
+    assert s["links_confined"] is True and s["links_by"] == "gloo", "by gloo, inside the nodes' shares, by default"
     # Both nodes' agents profiled their own type (the bench keeps the profiles file).
     prof = yaml.safe_load((tmp_path / "runs" / "profiles.yaml").read_text())
     assert sorted(p["gpu"] for p in prof["profiles"]) == ["A100-80G", "V100-32G"]
