@@ -18,7 +18,9 @@ coordinator and agents:
     baseline (`--baseline megatron|whale|fast-only`);
  3. run: each plan pinned (`plan:`) as one job, one after the other on the same cluster, the
     same model, seed, data, global batch and steps; the reference trainer on every rank (fp32,
-    gloo over the node's eth0).
+    gloo over the node's eth0). Before each run after the first, every type is profiled again
+    and that plan priced from those profiles as given (`motley plan --price`): the prediction
+    is of the devices as they run then (`--profiles once` keeps the first profiles' price).
 
 For each system it reports the plan's predicted iteration seconds, the measured median
 iteration seconds (rank 0's `step_s`, after --warmup steps), tokens/s, and the losses, which
@@ -62,7 +64,7 @@ sys.path.insert(0, str(REPO / "python"))
 os.environ.setdefault("MOTLEY_BIN", str(REPO / "target" / "ci" / "motley"))
 
 import netcluster as nc  # noqa: E402
-from netns import Net, requirements  # noqa: E402
+from netns import Net, cpu_cgroup_root, requirements  # noqa: E402
 
 SYSTEMS = ("motley", "megatron", "whale", "fast-only")
 BASELINES = SYSTEMS[1:]
@@ -162,20 +164,11 @@ class LinkShares:
 
     @staticmethod
     def _find():
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                point = left.split()[4]
-                fstype, _, opts = (right.split() + ["", "", ""])[:3]
-                if fstype == "cgroup" and "cpu" in opts.split(","):
-                    return Path(point), False
-        v2 = Path("/sys/fs/cgroup")
-        control = v2 / "cgroup.subtree_control"
-        if control.exists() and "cpu" in control.read_text().split():
-            return v2, True
-        raise BenchError("no cgroup hierarchy with the cpu controller to hold the link measurements to the nodes' "
-                         "shares (cgroup v1's cpu, or cgroup v2 with cpu in /sys/fs/cgroup/cgroup.subtree_control); "
-                         "--links-unconfined measures them outside the shares")
+        try:
+            return cpu_cgroup_root()
+        except RuntimeError as e:
+            raise BenchError(f"{e} to hold the link measurements to the nodes' shares; --links-unconfined measures "
+                             "them outside the shares")
 
     def procs(self, node: str) -> str:
         return str(self.dirs[node] / "cgroup.procs")
@@ -336,6 +329,29 @@ def plan(tmp: Path, system: str, args, seq_len: int | None) -> dict:
     return json.loads(out.stdout)
 
 
+def price(tmp: Path, system: str, args, profiles: Path) -> dict:
+    """`system`'s plan (plan-SYSTEM.json) priced as given from `profiles` and the measured
+    links (`motley plan --price`): the same GPUs, stages and shares, a prediction from the
+    devices as they measure now."""
+    argv = [os.environ["MOTLEY_BIN"], "plan", "--cluster", str(tmp / "cluster.yaml"), "--model", args.model,
+            "--price", str(tmp / f"plan-{system}.json"), "--profiles", str(profiles),
+            "--bandwidth", str(tmp / "bandwidth.yaml"), "-o", "json"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise BenchError(f"motley plan --price ({system}) failed: {out.stderr.strip()}")
+    return json.loads(out.stdout)
+
+
+def steal_s() -> float:
+    """Seconds of CPU time the hypervisor has taken from this machine since boot (/proc/stat's
+    `steal`, all CPUs): what a run's share of it says about the host beside the bench."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 def shape(doc: dict) -> str:
     """A plan in a few words: each replica's stages as GPU type x count [layers]."""
     out = []
@@ -345,7 +361,10 @@ def shape(doc: dict) -> str:
     return " ; ".join(out)
 
 
-def run_plan(cluster: nc.NetCluster, tmp: Path, system: str, doc: dict, args) -> dict:
+def run_plan(cluster: nc.NetCluster, tmp: Path, system: str, doc: dict, args, priced: dict | None = None) -> dict:
+    """Run `doc` pinned as one job; `priced`, the same plan priced from profiles retaken just
+    before (`price`), gives the prediction when there is one."""
+    priced = priced or doc
     model = yaml.safe_load(Path(args.model).read_text()) if Path(args.model).is_file() else args.model
     job = nc.train_job(f"mixed-{system}", model, args.global_batch, args.steps, SEED, args.steps, tmp / "cloud",
                        plan=doc, replan="off", profiling={"mode": "off"})
@@ -353,7 +372,7 @@ def run_plan(cluster: nc.NetCluster, tmp: Path, system: str, doc: dict, args) ->
     job["run"] += " --dtype fp32"
     if args.timings:
         job["run"] += f" --timings {shlex.quote(str(tmp.resolve() / f'timings-{system}-{{rank}}.jsonl'))}"
-    t0 = time.time()
+    t0, steal0 = time.time(), steal_s()
     jid = cluster.submit(job)
     state = cluster.wait_done(jid, args.timeout)
     if state["state"] != "succeeded":
@@ -366,11 +385,12 @@ def run_plan(cluster: nc.NetCluster, tmp: Path, system: str, doc: dict, args) ->
         raise BenchError(f"{system}: rank 0 printed {len(steps)} steps, no more than --warmup {args.warmup}")
     measured = statistics.median(d["step_s"] for d in steps[args.warmup:])
     seq = doc["seq_len"]
-    return {"system": system, "predicted_s": round(doc["iteration_time_s"], 4), "measured_s": round(measured, 4),
+    return {"system": system, "predicted_s": round(priced["iteration_time_s"], 4), "measured_s": round(measured, 4),
             "tokens_per_s": round(args.global_batch * seq / measured, 1),
-            "predicted_tokens_per_s": round(doc["tokens_per_s"], 1), "plan": shape(doc),
-            "losses": losses, "wall_s": round(time.time() - t0, 1),
-            **({"terms": step_terms(tmp, system, doc, args.warmup)} if args.timings else {})}
+            "predicted_tokens_per_s": round(priced["tokens_per_s"], 1),
+            "predicted_at_plan_s": round(doc["iteration_time_s"], 4), "plan": shape(doc),
+            "losses": losses, "wall_s": round(time.time() - t0, 1), "steal_s": round(steal_s() - steal0, 2),
+            **({"terms": step_terms(tmp, system, priced, args.warmup)} if args.timings else {})}
 
 
 # What a step's timings line splits a step into (motley_torch/trainer.py, `_write_timings`).
@@ -457,6 +477,11 @@ def main() -> int:
                    help="profile the GPU types one after another on an otherwise idle machine (by default every "
                         "profile runs at once: each emulated device measured while the others compute, as a plan's "
                         "ranks run)")
+    p.add_argument("--profiles", choices=("beside", "once"), default="beside",
+                   help="beside (the default): before each system's run after the first, profile every GPU type "
+                        "again and price that system's plan from those profiles (`motley plan --price`), so each "
+                        "prediction is of the devices as they run then; once: every prediction from the profiles "
+                        "the plans were made from")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
     args = p.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -503,15 +528,27 @@ def main() -> int:
         (root / "bandwidth.yaml").write_text(yaml.safe_dump({"pairs": links["pairs"]}))
         log(f"links (by {links['by']}, {'inside the shares' if links['confined'] else 'unconfined'}): inside "
             f"{links['inside_gb_per_s']} GB/s (the slowest pair), across {links['across_gb_per_s']} GB/s")
-        (root / "profiles.yaml").write_text(yaml.safe_dump(profile_all(cluster, c, model, args.micro_batch, seq_len,
-                                                                         together=not args.profiles_apart)))
+        def profiles(path: Path) -> Path:
+            path.write_text(yaml.safe_dump(profile_all(cluster, c, model, args.micro_batch, seq_len,
+                                                       together=not args.profiles_apart)))
+            return path
+
+        profiles(root / "profiles.yaml")
         plans = {s: plan(root, s, args, seq_len) for s in only}
         for s, doc in plans.items():
             (root / f"plan-{s}.json").write_text(json.dumps(doc, indent=1))
             log(f"{s}: predicted {doc['iteration_time_s']:.3f} s/iteration: {shape(doc)}")
-        for s in only:
-            row = run_plan(cluster, root, s, plans[s], args)
-            log(f"{s}: measured {row['measured_s']} s/iteration (predicted {row['predicted_s']}), {row['wall_s']} s")
+        for i, s in enumerate(only):
+            priced = None
+            if args.profiles == "beside" and i > 0:
+                # The host's speed drifts over the minutes between the first profiles and this
+                # run (docs/emulation.md, "Profiles beside each run"): measure the devices again.
+                priced = price(root, s, args, profiles(root / f"profiles-{s}.yaml"))
+                log(f"{s}: priced {priced['iteration_time_s']:.3f} s/iteration from profiles retaken now "
+                    f"({plans[s]['iteration_time_s']:.3f} from the first)")
+            row = run_plan(cluster, root, s, plans[s], args, priced)
+            log(f"{s}: measured {row['measured_s']} s/iteration (predicted {row['predicted_s']}), {row['wall_s']} s, "
+                f"{row['steal_s']} s of CPU stolen by the host")
             for t in row.get("terms", []):
                 log(f"  replica {t['replica']}: predicted {t['predicted']}, measured (slowest rank, ms) "
                     f"{t['measured_slowest_rank']}")
@@ -529,6 +566,7 @@ def main() -> int:
     s["inside_gb_per_s"] = links["inside_gb_per_s"]
     s["links_confined"] = links["confined"]
     s["links_by"] = links["by"]
+    s["profiles"] = args.profiles
     if args.output == "json":
         for r in rows:
             print(json.dumps({k: v for k, v in r.items() if k != "losses"} | {"final_loss": r["losses"][-1]}))

@@ -61,6 +61,13 @@ pub struct PlanArgs {
     /// (symmetric on the fastest GPU type alone, the rest idle).
     #[arg(long, value_enum, conflicts_with = "exhaustive")]
     baseline: Option<BaselineArg>,
+    /// Price this plan document (`motley plan -o json`, a job's `plan:`) as given instead of
+    /// searching: its GPUs, stages and shares kept, its iteration priced from these inputs
+    /// (--profiles, --bandwidth, --calibration), as a job that pins it is priced. Its global
+    /// batch, micro-batch, seq_len, precision, recompute, ZeRO-1 and compiled blocks are the
+    /// plan's; a flag that contradicts one of them is refused.
+    #[arg(long, value_name = "PLAN", conflicts_with_all = ["exhaustive", "baseline"])]
+    price: Option<PathBuf>,
     /// Search mode: exact for small clusters, fast for large ones, auto picks.
     #[arg(long, value_enum, default_value_t = Mode::Auto)]
     search: Mode,
@@ -123,7 +130,7 @@ pub fn write_svg(path: &std::path::Path, plan: &serde_json::Value) -> Result<(),
 }
 
 /// `--precision auto|fp16|bf16|fp32`.
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
 pub enum PrecisionArg {
     Auto,
     Fp16,
@@ -258,13 +265,23 @@ fn solver_error(a: &PlanArgs, e: SolverError) -> InputError {
     }
 }
 
-pub fn run_plan(a: PlanArgs) -> Result<String, InputError> {
-    let l = load(&a)?;
-    let report = match a.baseline {
-        Some(b) => motley_solver::report::baseline(&l.request(&a), b.into()),
-        None => motley_solver::plan(&l.request(&a)),
+pub fn run_plan(mut a: PlanArgs) -> Result<String, InputError> {
+    let given = match &a.price {
+        Some(path) => Some(read_plan(path)?),
+        None => None,
+    };
+    if let (Some(path), Some(doc)) = (a.price.clone(), &given) {
+        take_from_plan(&mut a, doc, &path.display().to_string())?;
     }
-    .map_err(|e| solver_error(&a, e))?;
+    let l = load(&a)?;
+    let report = match (&given, a.baseline) {
+        (Some(doc), _) => motley_solver::report::given(&l.request(&a), doc).map_err(|e| match e {
+            SolverError::InvalidInput { .. } => inputs::in_file(&a.price.as_ref().expect("given").display().to_string(), e),
+            other => solver_error(&a, other),
+        })?,
+        (None, Some(b)) => motley_solver::report::baseline(&l.request(&a), b.into()).map_err(|e| solver_error(&a, e))?,
+        (None, None) => motley_solver::plan(&l.request(&a)).map_err(|e| solver_error(&a, e))?,
+    };
     if let Some(path) = &a.svg {
         write_svg(path, &serde_json::to_value(&report).expect("report serialises"))?;
     }
@@ -273,6 +290,58 @@ pub fn run_plan(a: PlanArgs) -> Result<String, InputError> {
         Output::Table if a.explain => format!("{}{}", table::render(&report, a.compare), table::render_network(&report.comm_groups)),
         Output::Table => table::render(&report, a.compare),
     })
+}
+
+/// A plan document from a file (`motley plan -o json` output; YAML reads too).
+fn read_plan(path: &std::path::Path) -> Result<PlanDocument, InputError> {
+    let origin = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| InputError(format!("{origin}: cannot read plan file: {e}")))?;
+    inputs::parse_yaml(&text, &origin)
+}
+
+/// `--price`: the settings a plan was made under are the plan's. A flag left out takes the
+/// plan's value; one that says otherwise is refused, naming both, so nothing is priced under
+/// settings the plan does not run with.
+fn take_from_plan(a: &mut PlanArgs, doc: &PlanDocument, origin: &str) -> Result<(), InputError> {
+    let clash = |flag: &str, asked: String, has: String| {
+        InputError(format!("{flag}: {asked}, but the plan ({origin}) has {has}; drop {flag} or give {has}"))
+    };
+    // --global-batch has a default, so it cannot tell left out from given: the plan's is used,
+    // as `motley replan --current` does.
+    a.global_batch = doc.global_batch;
+    match a.micro_batch {
+        Some(m) if m != doc.micro_batch => return Err(clash("--micro-batch", m.to_string(), doc.micro_batch.to_string())),
+        _ => a.micro_batch = Some(doc.micro_batch),
+    }
+    match (a.seq_len, doc.seq_len) {
+        (Some(asked), Some(has)) if asked != has => return Err(clash("--seq-len", asked.to_string(), has.to_string())),
+        (None, Some(has)) => a.seq_len = Some(has),
+        _ => {}
+    }
+    if let Some(p) = doc.precision {
+        let has = match p {
+            motley_solver::Precision::Fp16 => PrecisionArg::Fp16,
+            motley_solver::Precision::Bf16 => PrecisionArg::Bf16,
+            motley_solver::Precision::Fp32 => PrecisionArg::Fp32,
+        };
+        if a.precision != PrecisionArg::Auto && a.precision != has {
+            return Err(clash("--precision", format!("{:?}", a.precision).to_lowercase(), format!("{p:?}").to_lowercase()));
+        }
+        a.precision = has;
+    }
+    for (flag, asked, has, what) in [
+        ("--recompute", a.recompute, doc.recompute, "no activation recomputation"),
+        ("--zero1", a.zero1, doc.zero1, "optimizer states unsharded"),
+        ("--eager", a.eager, !doc.compiled, "compiled blocks"),
+    ] {
+        if asked && !has {
+            return Err(InputError(format!("{flag}: given, but the plan ({origin}) was made with {what}; drop {flag}")));
+        }
+    }
+    a.recompute = doc.recompute;
+    a.zero1 = doc.zero1;
+    a.eager = !doc.compiled;
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -297,6 +366,11 @@ pub fn run_replan(mut a: ReplanArgs) -> Result<String, InputError> {
     }
     if a.horizon.is_nan() || a.horizon <= 0.0 {
         return Err(InputError("--horizon: must be a positive number of iterations".into()));
+    }
+    if a.plan.price.is_some() {
+        return Err(InputError(
+            "--price: replan weighs a new plan against the running one (--current); drop --price (motley plan --price prices one plan as given)".into(),
+        ));
     }
     if a.plan.baseline.is_some() {
         return Err(InputError(

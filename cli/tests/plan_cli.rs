@@ -344,3 +344,58 @@ fn a_plan_on_emulated_gpus_says_so_and_a_bad_share_names_the_field() {
     let err = String::from_utf8(motley(&["plan", "--cluster", f.to_str().unwrap(), "--model", "gpt3-1.3b"]).stderr).unwrap();
     assert!(err.contains("cpus"), "{err}");
 }
+
+/// The GPUs of every stage of a plan document, replica by replica: its shape, which `--price`
+/// keeps.
+fn stage_gpus(v: &serde_json::Value) -> Vec<serde_json::Value> {
+    v["replicas"].as_array().unwrap().iter().flat_map(|r| r["stages"].as_array().unwrap().iter().map(|s| s["gpus"].clone())).collect()
+}
+
+#[test]
+fn a_plan_priced_as_given_keeps_its_shape_and_takes_its_price_from_the_inputs() {
+    let lab = ["plan", "--cluster", "examples/lab.yaml", "--model", "llama-13b"];
+    let megatron = json(&[&lab[..], &["--baseline", "megatron"]].concat());
+    let file = write_temp("priced-megatron.json", &serde_json::to_string(&megatron).unwrap());
+    let file = file.to_str().unwrap();
+    // The same inputs: the same plan at the same price, searched by nobody.
+    let again = json(&[&lab[..], &["--price", file]].concat());
+    check_contract(&again, 40);
+    assert_eq!(again["search"]["mode"], "given");
+    assert_eq!(stage_gpus(&again), stage_gpus(&megatron));
+    let (t0, t1) = (megatron["iteration_time_s"].as_f64().unwrap(), again["iteration_time_s"].as_f64().unwrap());
+    assert!((t1 - t0).abs() <= 1e-9 * t0, "{t1} against {t0}");
+    // Slower devices (half the efficiency): the same plan, priced slower, not re-planned.
+    let slow = json(&[&lab[..], &["--price", file, "--efficiency", "0.25"]].concat());
+    assert_eq!(stage_gpus(&slow), stage_gpus(&megatron));
+    assert!(slow["iteration_time_s"].as_f64().unwrap() > 1.3 * t0, "{slow} against {t0}");
+    // The plan's settings are its own: its global batch is used, a contradicting flag refused.
+    let other_batch = json(&[&lab[..], &["--price", file, "--global-batch", "512"]].concat());
+    assert_eq!(other_batch["global_batch"], megatron["global_batch"]);
+    let mb = megatron["micro_batch"].as_u64().unwrap();
+    for (flag, value) in [("--micro-batch", (mb * 2).to_string()), ("--seq-len", "1024".to_string())] {
+        let out = motley(&[&lab[..], &["--price", file, flag, &value]].concat());
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert!(err.contains(flag) && err.contains(&value) && err.contains(file), "{flag}: {err}");
+    }
+    let out = motley(&[&lab[..], &["--price", file, "--zero1"]].concat());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(err.contains("--zero1: given, but the plan"), "{err}");
+    let out = motley(&[&lab[..], &["--price", file, "--baseline", "whale"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8(out.stderr).unwrap().contains("cannot be used with"));
+    // A plan that is not this cluster's is refused naming the GPU's field and the file.
+    let mut moved = megatron.clone();
+    for g in moved["replicas"][0]["stages"][0]["gpus"].as_array_mut().unwrap() {
+        g["node"] = "nowhere".into();
+    }
+    let moved_file = write_temp("priced-moved.json", &serde_json::to_string(&moved).unwrap());
+    let out = motley(&[&lab[..], &["--price", moved_file.to_str().unwrap()]].concat());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("replicas[0].stages[0].gpus[0].node") && err.contains("nowhere"), "{err}");
+    let out = motley(&["replan", "--current", file, "--cluster", "examples/lab.yaml", "--model", "llama-13b", "--price", file]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8(out.stderr).unwrap().contains("--price: replan weighs"));
+}

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 PREFIX_RE = re.compile(r"^mt(\d+)")
@@ -188,6 +189,32 @@ def _unshape(dev: str, ns: Optional[str] = None):
     _run("tc", "qdisc", "del", "dev", dev, "root", check=False, ns=ns)
 
 
+def mounts():
+    """This process's mounts from /proc/self/mountinfo: (mount point, file system type, mount
+    options as a list), in order."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            point = left.split()[4]
+            fstype, _, opts = (right.split() + ["", "", ""])[:3]
+            yield point, fstype, opts.split(",")
+
+
+def cpu_cgroup_root() -> tuple:
+    """Where CPU cgroups are made here: (the root of the hierarchy with the cpu controller, is it
+    cgroup v2): cgroup v1's cpu hierarchy where one is mounted, else the unified tree when cpu
+    is among its root's subtree controllers."""
+    for point, fstype, opts in mounts():
+        if fstype == "cgroup" and "cpu" in opts:
+            return Path(point), False
+    v2 = Path("/sys/fs/cgroup")
+    control = v2 / "cgroup.subtree_control"
+    if control.exists() and "cpu" in control.read_text().split():
+        return v2, True
+    raise RuntimeError("no cgroup hierarchy with the cpu controller (cgroup v1's cpu, or cgroup v2 with cpu in "
+                       "/sys/fs/cgroup/cgroup.subtree_control)")
+
+
 def cgroup_mounts() -> str:
     """A shell command that mounts, in a namespace `ip netns exec` made, the cgroup hierarchies
     that hold the CPU controller where the root namespace has them. `ip netns exec` mounts a
@@ -196,20 +223,16 @@ def cgroup_mounts() -> str:
     with the same controllers attaches the existing hierarchy (the same cgroups, the same
     quotas), as mounting cgroup2 attaches the one unified tree."""
     cmds = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            point = left.split()[4]
-            fstype, _, opts = (right.split() + ["", "", ""])[:3]
-            if not point.startswith("/sys/fs/cgroup"):
-                continue
-            if point == "/sys/fs/cgroup" and fstype == "tmpfs":
-                cmds.insert(0, "mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup")
-            elif fstype == "cgroup2":
-                cmds.append(f"mkdir -p {point} && mount -t cgroup2 cgroup2 {point}")
-            elif fstype == "cgroup" and "cpu" in opts.split(","):
-                controllers = ",".join(o for o in opts.split(",") if o in ("cpu", "cpuacct"))
-                cmds.append(f"mkdir -p {point} && mount -t cgroup -o {controllers} cgroup {point}")
+    for point, fstype, opts in mounts():
+        if not point.startswith("/sys/fs/cgroup"):
+            continue
+        if point == "/sys/fs/cgroup" and fstype == "tmpfs":
+            cmds.insert(0, "mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup")
+        elif fstype == "cgroup2":
+            cmds.append(f"mkdir -p {point} && mount -t cgroup2 cgroup2 {point}")
+        elif fstype == "cgroup" and "cpu" in opts:
+            controllers = ",".join(o for o in opts if o in ("cpu", "cpuacct"))
+            cmds.append(f"mkdir -p {point} && mount -t cgroup -o {controllers} cgroup {point}")
     if not cmds:
         raise RuntimeError("no cgroup hierarchy with the cpu controller under /sys/fs/cgroup to mount in a namespace")
     return " && ".join(cmds)

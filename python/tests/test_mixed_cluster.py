@@ -177,6 +177,21 @@ def test_the_whole_bench_runs_motley_and_a_baseline_and_prints_the_contracts_lin
         assert isinstance(s[k], float), (k, s)
     assert s["loss_max_diff"] <= mc.LOSS_TOLERANCE
     assert s["links_confined"] is True and s["links_by"] == "gloo", "by gloo, inside the nodes' shares, by default"
+    # Profiles beside each run: the second system's plan priced from profiles retaken before it.
+    assert s["profiles"] == "beside"
+    motley_row, fast_row = lines[0], lines[1]
+    assert motley_row["predicted_s"] == motley_row["predicted_at_plan_s"], "the first run is priced from the first profiles"
+    retaken = yaml.safe_load((tmp_path / "runs" / "profiles-fast-only.yaml").read_text())
+    assert sorted(p["gpu"] for p in retaken["profiles"]) == ["A100-80G", "V100-32G"]
+    planned = json.loads((tmp_path / "runs" / "plan-fast-only.json").read_text())
+    assert fast_row["predicted_at_plan_s"] == round(planned["iteration_time_s"], 4)
+    runs = tmp_path / "runs"
+    again = subprocess.run([b, "plan", "--cluster", str(runs / "cluster.yaml"), "--model", str(model),
+                            "--price", str(runs / "plan-fast-only.json"), "--profiles", str(runs / "profiles-fast-only.yaml"),
+                            "--bandwidth", str(runs / "bandwidth.yaml"), "-o", "json"], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert fast_row["predicted_s"] == round(json.loads(again.stdout)["iteration_time_s"], 4), "priced from the retaken profiles"
+    assert fast_row["steal_s"] >= 0
     # Both nodes' agents profiled their own type (the bench keeps the profiles file).
     prof = yaml.safe_load((tmp_path / "runs" / "profiles.yaml").read_text())
     assert sorted(p["gpu"] for p in prof["profiles"]) == ["A100-80G", "V100-32G"]
