@@ -40,7 +40,8 @@ pub struct GenerationCurves {
     /// Bytes at the start of the log that were not read (only its tail is).
     #[serde(default)]
     pub skipped_bytes: u64,
-    /// Why the log could not be read (its node's agent is gone, say); no points then.
+    /// Why the log could not be read (its node's agent is gone, say); no points from it then
+    /// (a generation read from two logs keeps the other's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -148,9 +149,54 @@ pub fn parse_generation(generation: i64, log: &str) -> GenerationCurves {
     }
 }
 
+impl GenerationCurves {
+    /// One generation's curves from two logs of it, `later` the log that went on printing
+    /// (keep going: the new leader's after rank 0's replica was lost, docs/keep-going.md): the
+    /// steps of both, a step both printed as `later` printed it (a new leader prints the last
+    /// committed step again), the counts added, and the reasons of both logs that could not be
+    /// read.
+    pub fn then(self, later: GenerationCurves) -> GenerationCurves {
+        let mut points: BTreeMap<i64, StepPoint> = self.points.into_iter().map(|p| (p.step, p)).collect();
+        points.extend(later.points.into_iter().map(|p| (p.step, p)));
+        let mut evals: BTreeMap<i64, EvalPoint> = self.evals.into_iter().map(|e| (e.step, e)).collect();
+        evals.extend(later.evals.into_iter().map(|e| (e.step, e)));
+        let error = match (self.error, later.error) {
+            (Some(a), Some(b)) => Some(format!("{a}; {b}")),
+            (a, b) => a.or(b),
+        };
+        GenerationCurves {
+            generation: self.generation,
+            points: points.into_values().collect(),
+            evals: evals.into_values().collect(),
+            non_finite: self.non_finite + later.non_finite,
+            skipped_bytes: self.skipped_bytes + later.skipped_bytes,
+            error,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_generation_read_from_two_logs_keeps_every_step_once_and_the_later_line_of_a_step_both_printed() {
+        let rank0 = parse_generation(1, "{\"step\": 1, \"loss\": 4}\n{\"step\": 2, \"loss\": 3.5}\n{\"step\": 2, \"eval_loss\": 3.9}\n");
+        let leader = parse_generation(
+            1,
+            "{\"step\": 2, \"loss\": 3.5, \"again\": true}\n{\"step\": 3, \"loss\": NaN}\n{\"step\": 3, \"loss\": 3.25}\n",
+        );
+        let both = rank0.then(GenerationCurves { skipped_bytes: 10, ..leader });
+        assert_eq!(both.points.iter().map(|p| (p.step, p.loss)).collect::<Vec<_>>(), [(1, 4.0), (2, 3.5), (3, 3.25)]);
+        assert_eq!(both.evals, [EvalPoint { step: 2, eval_loss: 3.9 }]);
+        assert_eq!((both.generation, both.non_finite, both.skipped_bytes, both.error.as_deref()), (1, 1, 10, None));
+        // A log that could not be read says why; the other's steps are kept.
+        let gone = GenerationCurves { generation: 1, error: Some("node n0 has no live agent".into()), ..Default::default() };
+        let after = gone.clone().then(parse_generation(1, "{\"step\": 4, \"loss\": 3}\n"));
+        assert_eq!((after.points.len(), after.error.as_deref()), (1, Some("node n0 has no live agent")));
+        let neither = gone.clone().then(GenerationCurves { error: Some("node n2 has no live agent".into()), ..gone });
+        assert_eq!(neither.error.as_deref(), Some("node n0 has no live agent; node n2 has no live agent"));
+    }
 
     /// Rank 0's log of one generation: points, an eval, lines to ignore, losses that are not
     /// finite, a cut last line (the drawing's tests read it too).

@@ -3,7 +3,8 @@
 //! "step_s"}`, `{"step", "eval_loss"}`, with a NaN loss and other output among them) runs,
 //! and `GET /api/v1/jobs/{id}/curves` answers its points, `/curves.svg` draws them; a job not
 //! launched has none; a generation whose agent is gone says why; curves read while rank 0's log
-//! grows answer what a fresh read would.
+//! grows answer what a fresh read would; a job that keeps going after rank 0's replica is lost
+//! draws on from the new leader's log.
 
 use crate::common;
 
@@ -138,4 +139,64 @@ printf '%s\n' 'resumed' '{{"step": 2, "loss": 3.75}}' '{{"step": 3, "loss": 3.5}
     assert_eq!(steps(&curves), [(1, 4.5), (2, 3.75), (3, 3.5)], "step 2 printed again: its later line; {curves}");
     assert_eq!(curves["generations"][0]["skipped_bytes"], 0);
     assert_eq!(c.json("GET", &format!("/api/v1/jobs/{id}/curves"), "", 200), curves, "read again: the same");
+}
+
+/// A job of two replicas (one GPU each) keeps going when rank 0's replica fails
+/// (docs/keep-going.md): rank 0 prints steps 1 and 2 and exits 1; rank 1, the next epoch's
+/// leader, prints step 2 again (as a new leader does) and step 3. The curve goes on through the
+/// loss: steps 1-3 in one generation, each once, from both logs.
+#[test]
+fn the_curves_go_on_in_the_new_leaders_log_after_rank_0s_replica_is_lost() {
+    let dir = common::temp_dir();
+    let port_base = common::master_port_base();
+    let c = Coordinator::start(&dir, &["--heartbeat-ms", "500", "--master-port-base", &port_base]);
+    let agent_token = c.agent_token.clone().unwrap();
+    let _agent = Agent::new(&c.grpc_url(), "node-0", "examples/nodes/a100.yaml", &dir.join("agent"))
+        .arg("--allow-root-ranks")
+        .args(["--token", &agent_token])
+        .spawn();
+    until("the agent registered", || c.json("GET", "/api/v1/nodes", "", 200)[0]["live"] == true);
+    let go = dir.join("go");
+    let script = dir.join("lose0.sh");
+    std::fs::write(
+        &script,
+        format!(
+            r#"if [ "$RANK" = 0 ]; then
+  printf '%s\n' '{{"step": 1, "loss": 4.5, "epoch": 0}}' '{{"step": 2, "loss": 4.0, "epoch": 0}}'
+  until [ -e {go} ]; do sleep 0.05; done
+  exit 1
+fi
+until grep -Eq '"leader": ?1[,}}]' "$MOTLEY_MEMBERSHIP" 2>/dev/null; do sleep 0.05; done
+printf '%s\n' '{{"step": 2, "loss": 4.0, "epoch": 1, "again": true}}' '{{"step": 3, "loss": 3.5, "epoch": 1}}'
+"#,
+            go = go.display()
+        ),
+    )
+    .unwrap();
+    let replica = |gpu: u32| {
+        format!("{{samples: 2, micro_batches: 2, stages: [{{layers: [0, 4], gpu: A100-80G, tp: 1, dp: 1, gpus: [{{node: node-0, index: {gpu}}}]}}]}}")
+    };
+    let job = format!(
+        "name: lose0\nmodel: {{name: four, layers: 4, hidden: 64, heads: 4, seq_len: 32, vocab: 128}}\nglobal_batch: 4\n\
+         run: 'sh {}'\nplan: {{global_batch: 4, micro_batch: 1, replicas: [{}, {}]}}\n",
+        script.display(),
+        replica(0),
+        replica(1)
+    );
+    let id = c.json("POST", "/api/v1/jobs", &job, 201)["id"].as_i64().unwrap();
+    // Rank 0 fails only once every rank runs: a job keeps going from `running`.
+    wait_for_state(&c, id, &["running"]);
+    std::fs::write(&go, b"").unwrap();
+    let done = wait_for_state(&c, id, &["succeeded", "failed"]);
+    assert_eq!((done["state"].as_str(), done["generation"].as_i64()), (Some("succeeded"), Some(1)), "{done}");
+    let curves = c.json("GET", &format!("/api/v1/jobs/{id}/curves"), "", 200);
+    let gens = curves["generations"].as_array().unwrap();
+    assert_eq!(gens.len(), 1, "{curves}");
+    let steps: Vec<(i64, f64)> =
+        gens[0]["points"].as_array().unwrap().iter().map(|p| (p["step"].as_i64().unwrap(), p["loss"].as_f64().unwrap())).collect();
+    assert_eq!(steps, [(1, 4.5), (2, 4.0), (3, 3.5)], "{curves}");
+    assert!(gens[0].get("error").is_none(), "{curves}");
+    let (status, svg) = c.call("GET", &format!("/api/v1/jobs/{id}/curves.svg"), "");
+    assert_eq!(status, 200);
+    assert!(svg.contains(r#"<polyline class="loss" data-generation="1" data-points="3""#), "{svg}");
 }

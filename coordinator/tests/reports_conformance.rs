@@ -136,6 +136,11 @@ conformance!(a_degraded_launch_keeps_its_generation_and_its_newest_membership_re
     s.record_event(Some(job.id), Some(g + 1), "membership_changed", "{\"epoch\": 9}").await.unwrap();
     let last = s.last_event(job.id, g, "membership_changed").await.unwrap().unwrap();
     assert_eq!((last.kind.as_str(), last.message.as_str(), last.generation), ("membership_changed", "{\"epoch\": 2}", Some(g)));
+    // Every membership of the launch, oldest first (the curves follow each epoch's leader).
+    let all = s.launch_events(job.id, g, "membership_changed", 100).await.unwrap();
+    assert_eq!(all.iter().map(|e| e.message.as_str()).collect::<Vec<_>>(), ["{\"epoch\": 1}", "{\"epoch\": 2}"]);
+    assert_eq!(s.launch_events(job.id, g, "membership_changed", 1).await.unwrap().len(), 1, "at most the limit");
+    assert!(s.launch_events(job.id, g, "keep_going", 100).await.unwrap().is_empty());
     let j = s.transition_at(job.id, Some(g), JobState::Degraded, Some("node n1 lost")).await.unwrap();
     assert_eq!((j.state, j.generation, j.reason.as_deref()), (JobState::Degraded, g, Some("node n1 lost")));
     assert!(s.transition_at(job.id, Some(g), JobState::Running, None).await.is_err(), "never whole again in place");

@@ -41,6 +41,20 @@ impl Store {
         .await?)
     }
 
+    /// Every event of `kind` of launch (job, generation), oldest first, at most `limit`.
+    pub async fn launch_events(&self, job: i64, generation: i64, kind: &str, limit: i64) -> Result<Vec<Event>> {
+        Ok(sqlx::query_as::<_, Event>(
+            "SELECT seq, job_id, generation, kind, message, at_ms FROM events WHERE job_id = $1 AND generation = $2 \
+             AND kind = $3 ORDER BY seq LIMIT $4",
+        )
+        .bind(job)
+        .bind(generation)
+        .bind(kind)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
     /// Events after `after` (all jobs, or one), oldest first, at most `limit`.
     pub async fn events(&self, job: Option<i64>, after: i64, limit: i64) -> Result<Vec<Event>> {
         let events =

@@ -2,13 +2,14 @@
 //! agents serve them, `agent/src/logs/`, with the agents' token; an https logs URL is
 //! checked against `--agent-ca-cert`): one chunk from an offset (`GET
 //! /api/v1/jobs/{id}/ranks/{rank}/logs`), or a log's tail; and a job's training curves, read
-//! from rank 0's log of each generation (`GET /api/v1/jobs/{id}/curves[.svg]`, read by
-//! `motley_contract::curves`, drawn by `motley_draw::curves`).
+//! from rank 0's log of each generation and, where the job kept going through a lost replica,
+//! each new leader's (`GET /api/v1/jobs/{id}/curves[.svg]`, read by `motley_contract::curves`,
+//! drawn by `motley_draw::curves`).
 //!
 //! Bounded: a chunk is at most [`LOG_CHUNK`] bytes; the curves read at most the last
-//! [`CURVES_TAIL`] bytes of rank 0's log in each of the newest [`CURVES_GENERATIONS`]
+//! [`CURVES_TAIL`] bytes of each log in each of the newest [`CURVES_GENERATIONS`]
 //! generations (the bytes before are counted, `skipped_bytes`, and not drawn). What was read
-//! is kept per (job, generation) (`curves::CurvesCache`): a later read fetches only the bytes
+//! is kept per (job, generation, rank) (`curves::CurvesCache`): a later read fetches only the bytes
 //! written since, and answers what reading the tail afresh would.
 
 pub mod curves;
@@ -146,9 +147,10 @@ fn cut_to_line(mut bytes: Vec<u8>, start: u64) -> (Vec<u8>, u64) {
 
 /// Job `id`'s training curves: rank 0's log of each generation (the newest
 /// [`CURVES_GENERATIONS`]), its last [`CURVES_TAIL`] bytes, read from the agent of the node
-/// that held rank 0 in that generation's launch, only the bytes `cache` has not seen. A
-/// generation whose log cannot be read is there with the reason (`error`); one whose rank 0
-/// has not written yet is there empty.
+/// that held rank 0 in that generation's launch, only the bytes `cache` has not seen; then, in a
+/// launch that kept going (docs/keep-going.md), the log of each later epoch's leader, which
+/// prints the progress lines once rank 0's replica is lost. A generation whose log cannot be
+/// read is there with the reason (`error`); one whose rank 0 has not written yet is there empty.
 pub async fn curves(
     store: &Store,
     fleet: &Fleet,
@@ -160,28 +162,61 @@ pub async fn curves(
     let first = (job.generation - CURVES_GENERATIONS + 1).max(1);
     let mut sources = vec![];
     for generation in first..=job.generation {
-        match locate(store, fleet, access, id, generation, 0).await {
-            Ok(src) => sources.push((generation, Ok(src))),
-            // A launch without a rank 0 draws nothing.
-            Err(CoordinatorError::NotFound { .. }) => {}
-            Err(e) => sources.push((generation, Err(e))),
+        let mut logs = vec![];
+        for rank in printing_ranks(store, id, generation).await? {
+            match locate(store, fleet, access, id, generation, rank).await {
+                Ok(src) => logs.push((rank, Ok(src))),
+                // A launch without that rank draws nothing of it.
+                Err(CoordinatorError::NotFound { .. }) => {}
+                Err(e) => logs.push((rank, Err(e))),
+            }
+        }
+        if !logs.is_empty() {
+            sources.push((generation, logs));
         }
     }
     let cache = cache.clone();
     let generations = tokio::task::spawn_blocking(move || {
         sources
             .into_iter()
-            .map(|(generation, src)| match src.and_then(|s| cache.read(id, generation, &s, CURVES_TAIL)) {
-                Ok(read) => read,
-                // Rank 0 has not started writing.
-                Err(CoordinatorError::NotFound { .. }) => GenerationCurves { generation, ..Default::default() },
-                Err(e) => GenerationCurves { generation, error: Some(e.to_string()), ..Default::default() },
+            .map(|(generation, logs)| {
+                logs.into_iter()
+                    .map(|(rank, src)| match src.and_then(|s| cache.read_rank((id, generation, rank), &s, CURVES_TAIL)) {
+                        Ok(read) => read,
+                        // The rank has not started writing.
+                        Err(CoordinatorError::NotFound { .. }) => GenerationCurves { generation, ..Default::default() },
+                        Err(e) => GenerationCurves { generation, error: Some(e.to_string()), ..Default::default() },
+                    })
+                    .reduce(GenerationCurves::then)
+                    .unwrap_or(GenerationCurves { generation, ..Default::default() })
             })
             .collect()
     })
     .await
     .map_err(|e| CoordinatorError::Unavailable(format!("log fetch: {e}")))?;
     Ok((job, Curves { generations }))
+}
+
+/// The memberships a launch may record (one per lost replica); more are not followed.
+const MAX_EPOCHS: i64 = 64;
+
+/// The ranks whose logs hold a launch's progress lines, in the order they printed them: rank 0,
+/// then each later epoch's leader (the `leader` of its `membership_changed` document).
+async fn printing_ranks(store: &Store, id: i64, generation: i64) -> Result<Vec<i64>, CoordinatorError> {
+    #[derive(serde::Deserialize)]
+    struct Leader {
+        leader: i64,
+    }
+    let mut ranks = vec![0];
+    for e in store.launch_events(id, generation, "membership_changed", MAX_EPOCHS).await? {
+        // A document that does not read names no leader; its epoch's lines are not drawn.
+        if let Ok(Leader { leader }) = serde_json::from_str(&e.message) {
+            if !ranks.contains(&leader) {
+                ranks.push(leader);
+            }
+        }
+    }
+    Ok(ranks)
 }
 
 #[cfg(test)]

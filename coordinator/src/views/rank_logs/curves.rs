@@ -219,9 +219,12 @@ impl Window {
     }
 }
 
-/// The windows of the (job, generation)s read lately.
+/// Which log a window reads: (job, generation, rank).
+type LogKey = (i64, i64, i64);
+
+/// The windows of the (job, generation, rank) logs read lately.
 pub struct CurvesCache {
-    slots: Mutex<HashMap<(i64, i64), Slot>>,
+    slots: Mutex<HashMap<LogKey, Slot>>,
     /// Counts reads, for least-recently-read order.
     clock: std::sync::atomic::AtomicU64,
     /// About how many bytes of windows are kept ([`CACHE_BYTES`]).
@@ -250,10 +253,17 @@ impl CurvesCache {
     /// only what is new since the last read. Blocking (`LogRead`); concurrent reads of one log
     /// wait for each other, so the second finds the first's bytes.
     pub fn read(&self, job: i64, generation: i64, log: &dyn LogRead, tail: u64) -> Result<GenerationCurves, CoordinatorError> {
+        self.read_rank((job, generation, 0), log, tail)
+    }
+
+    /// The curves in the log of rank `key.2` of launch (`key.0`, `key.1`), as [`Self::read`]:
+    /// after rank 0's replica is lost, the lines go on in the new leader's log.
+    pub fn read_rank(&self, key: LogKey, log: &dyn LogRead, tail: u64) -> Result<GenerationCurves, CoordinatorError> {
+        let (_, generation, _) = key;
         let used = self.clock.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let window = {
             let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-            let slot = slots.entry((job, generation)).or_insert_with(|| Slot { window: Default::default(), weight: 0, used });
+            let slot = slots.entry(key).or_insert_with(|| Slot { window: Default::default(), weight: 0, used });
             slot.used = used;
             slot.window.clone()
         };
@@ -265,12 +275,12 @@ impl CurvesCache {
         }
         let weight = w.weight();
         drop(w);
-        self.settle((job, generation), weight);
+        self.settle(key, weight);
         read
     }
 
     /// Record a window's size and forget the least recently read beyond the budget.
-    fn settle(&self, key: (i64, i64), weight: usize) {
+    fn settle(&self, key: LogKey, weight: usize) {
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(s) = slots.get_mut(&key) {
             s.weight = weight;
