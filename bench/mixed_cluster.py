@@ -394,7 +394,7 @@ def run_plan(cluster: nc.NetCluster, tmp: Path, system: str, doc: dict, args, pr
 
 
 # What a step's timings line splits a step into (motley_torch/trainer.py, `_write_timings`).
-PHASES = ("step", "pipeline", "finish", "grad_sync", "optimizer", "loss_sync")
+PHASES = ("step", "pipeline", "finish", "grad_sync", "vote", "optimizer", "loss_sync")
 
 
 def predicted_terms(rep: dict) -> dict:
@@ -544,6 +544,7 @@ def main() -> int:
                 # The host's speed drifts over the minutes between the first profiles and this
                 # run (docs/emulation.md, "Profiles beside each run"): measure the devices again.
                 priced = price(root, s, args, profiles(root / f"profiles-{s}.yaml"))
+                (root / f"priced-{s}.json").write_text(json.dumps(priced, indent=1))
                 log(f"{s}: priced {priced['iteration_time_s']:.3f} s/iteration from profiles retaken now "
                     f"({plans[s]['iteration_time_s']:.3f} from the first)")
             row = run_plan(cluster, root, s, plans[s], args, priced)

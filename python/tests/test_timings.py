@@ -13,7 +13,7 @@ from launcher import DATA, check_ok, hand_plan, launch, losses
 from motley_torch.distributed.pipeline import one_f_one_b
 
 PHASES = ("recv", "compute", "send")
-STEP_PHASES = ("finish", "grad_sync", "optimizer", "loss_sync")
+STEP_PHASES = ("finish", "grad_sync", "vote", "optimizer", "loss_sync")
 
 
 def test_timings_file_has_every_micro_batch_of_every_step(tmp_path):
