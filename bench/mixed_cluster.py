@@ -18,9 +18,9 @@ coordinator and agents:
     baseline (`--baseline megatron|whale|fast-only`);
  3. run: each plan pinned (`plan:`) as one job, one after the other on the same cluster, the
     same model, seed, data, global batch and steps; the reference trainer on every rank (fp32,
-    gloo over the node's eth0). Before each run after the first, every type is profiled again
-    and that plan priced from those profiles as given (`motley plan --price`): the prediction
-    is of the devices as they run then (`--profiles once` keeps the first profiles' price).
+    gloo over the node's eth0). With `--profiles beside`, every type is profiled again before
+    each run after the first and that plan priced from those profiles as given (`motley plan
+    --price`).
 
 For each system it reports the plan's predicted iteration seconds, the measured median
 iteration seconds (rank 0's `step_s`, after --warmup steps), tokens/s, and the losses, which
@@ -477,11 +477,11 @@ def main() -> int:
                    help="profile the GPU types one after another on an otherwise idle machine (by default every "
                         "profile runs at once: each emulated device measured while the others compute, as a plan's "
                         "ranks run)")
-    p.add_argument("--profiles", choices=("beside", "once"), default="beside",
-                   help="beside (the default): before each system's run after the first, profile every GPU type "
-                        "again and price that system's plan from those profiles (`motley plan --price`), so each "
-                        "prediction is of the devices as they run then; once: every prediction from the profiles "
-                        "the plans were made from")
+    p.add_argument("--profiles", choices=("once", "beside"), default="once",
+                   help="once (the default): every prediction from the profiles the plans were made from; beside: "
+                        "before each system's run after the first, profile every GPU type again and price that "
+                        "system's plan from those profiles (`motley plan --price`; `predicted_at_plan_s` keeps the "
+                        "first price). On a 2-vCPU host the first profiles predicted better (docs/emulation.md)")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
     args = p.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]

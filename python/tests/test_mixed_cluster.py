@@ -156,7 +156,8 @@ def test_the_whole_bench_runs_motley_and_a_baseline_and_prints_the_contracts_lin
                                      "vocab": 128}))
     out = subprocess.run([sys.executable, str(REPO / "bench" / "mixed_cluster.py"), "--cluster", str(cluster),
                           "--model", str(model), "--global-batch", "4", "--micro-batch", "1", "--steps", "4",
-                          "--warmup", "1", "--only", "motley,fast-only", "--keep", str(tmp_path / "runs"), "--timings", "-o", "json"],
+                          "--warmup", "1", "--only", "motley,fast-only", "--keep", str(tmp_path / "runs"), "--timings",
+                          "--profiles", "beside", "-o", "json"],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, MOTLEY_BIN=b))
     assert out.returncode == 0, out.stderr[-4000:]
     lines = [json.loads(x) for x in out.stdout.splitlines()]
