@@ -17,6 +17,19 @@ fn until(what: &str, mut ok: impl FnMut() -> bool) {
     common::until_every(what, Duration::from_millis(100), || ok().then_some(()));
 }
 
+/// A coordinator (with tokens) and one live agent, `node-0` (eight A100s), that runs ranks as root.
+fn coordinator_and_agent(dir: &std::path::Path) -> (Coordinator, common::Proc) {
+    let port_base = common::master_port_base();
+    let c = Coordinator::start(dir, &["--heartbeat-ms", "500", "--master-port-base", &port_base]);
+    let agent_token = c.agent_token.clone().or_else(|| c.token.clone()).unwrap();
+    let agent = Agent::new(&c.grpc_url(), "node-0", "examples/nodes/a100.yaml", &dir.join("agent"))
+        .arg("--allow-root-ranks")
+        .args(["--token", &agent_token])
+        .spawn();
+    until("the agent registered", || c.json("GET", "/api/v1/nodes", "", 200)[0]["live"] == true);
+    (c, agent)
+}
+
 const LINES: &str = r#"[ "$RANK" = 0 ] || exit 0
 echo "loading the model"
 printf '%s\n' '{"step": 1, "loss": 4.5, "tokens_per_s": 1000.5, "step_s": 0.25}' \
@@ -30,14 +43,7 @@ printf '%s\n' '{"step": 1, "loss": 4.5, "tokens_per_s": 1000.5, "step_s": 0.25}'
 #[test]
 fn a_jobs_training_lines_come_back_as_points_and_a_picture() {
     let dir = common::temp_dir();
-    let port_base = common::master_port_base();
-    let c = Coordinator::start(&dir, &["--heartbeat-ms", "500", "--master-port-base", &port_base]);
-    let agent_token = c.agent_token.clone().or_else(|| c.token.clone()).unwrap();
-    let agent = Agent::new(&c.grpc_url(), "node-0", "examples/nodes/a100.yaml", &dir.join("agent"))
-        .arg("--allow-root-ranks")
-        .args(["--token", &agent_token])
-        .spawn();
-    until("the agent registered", || c.json("GET", "/api/v1/nodes", "", 200)[0]["live"] == true);
+    let (c, agent) = coordinator_and_agent(&dir);
 
     let script = dir.join("train.sh");
     std::fs::write(&script, LINES).unwrap();
@@ -101,14 +107,7 @@ fn a_jobs_training_lines_come_back_as_points_and_a_picture() {
 #[test]
 fn curves_read_while_the_log_grows_answer_as_a_fresh_read() {
     let dir = common::temp_dir();
-    let port_base = common::master_port_base();
-    let c = Coordinator::start(&dir, &["--heartbeat-ms", "500", "--master-port-base", &port_base]);
-    let agent_token = c.agent_token.clone().unwrap();
-    let _agent = Agent::new(&c.grpc_url(), "node-0", "examples/nodes/a100.yaml", &dir.join("agent"))
-        .arg("--allow-root-ranks")
-        .args(["--token", &agent_token])
-        .spawn();
-    until("the agent registered", || c.json("GET", "/api/v1/nodes", "", 200)[0]["live"] == true);
+    let (c, _agent) = coordinator_and_agent(&dir);
     let go = dir.join("go");
     let script = dir.join("grow.sh");
     std::fs::write(
@@ -148,14 +147,7 @@ printf '%s\n' 'resumed' '{{"step": 2, "loss": 3.75}}' '{{"step": 3, "loss": 3.5}
 #[test]
 fn the_curves_go_on_in_the_new_leaders_log_after_rank_0s_replica_is_lost() {
     let dir = common::temp_dir();
-    let port_base = common::master_port_base();
-    let c = Coordinator::start(&dir, &["--heartbeat-ms", "500", "--master-port-base", &port_base]);
-    let agent_token = c.agent_token.clone().unwrap();
-    let _agent = Agent::new(&c.grpc_url(), "node-0", "examples/nodes/a100.yaml", &dir.join("agent"))
-        .arg("--allow-root-ranks")
-        .args(["--token", &agent_token])
-        .spawn();
-    until("the agent registered", || c.json("GET", "/api/v1/nodes", "", 200)[0]["live"] == true);
+    let (c, _agent) = coordinator_and_agent(&dir);
     let go = dir.join("go");
     let script = dir.join("lose0.sh");
     std::fs::write(
