@@ -26,10 +26,17 @@ before and after the kill.
     bench/keep_going.py                        # all three, a table (about 2 minutes here)
     bench/keep_going.py --steps 400 --only keep-going,whole -o json
     bench/keep_going.py --kill node --heartbeat-ms 1000 --only keep-going
+    bench/keep_going.py --kill node --back-after 5 --only keep-going     # and back to full strength
+    bench/keep_going.py --kill node --period 20 --steps 2000 --only none,keep-going
+
+`--back-after S` starts n1's agent again S seconds after the kill: the degraded job goes back to
+its whole plan at its next complete checkpoint (docs/keep-going.md), and `back_to_full_s` is the
+time from the return to the first step of that generation. `--period T` kills n1 every T seconds
+(back T/2 later with --kill node) until the job ends, and `steps_per_hour` compares the runs.
 
 `--kill node` kills n1's agent with its rank instead (a vanished node, seen when its lease
-lapses: 3 base intervals, `--heartbeat-ms`); a pinned plan cannot recover whole without n1, so
-that kill is for `keep-going` alone.
+lapses: 3 base intervals, `--heartbeat-ms`); a pinned plan cannot recover whole without n1 (the
+recovery fails at once, before any return), so that kill is for `keep-going` alone.
 
 Needs target/ci/motley with motley-coordinator and motley-agent beside it (or MOTLEY_BIN) and
 the project's venv (python/run-tests makes it).
@@ -74,6 +81,12 @@ def lines(work: Path, jid: int) -> list:
     return out
 
 
+def mark(got: list) -> tuple:
+    """Where the job is: its newest generation with a line, and that generation's newest epoch."""
+    gen = max((g for g, _, _ in got), default=1)
+    return gen, max((d.get("epoch", 0) for g, _, d in got if g == gen), default=0)
+
+
 def run_one(mode: str, args, root: Path) -> dict:
     tmp = root / mode
     tmp.mkdir(parents=True)
@@ -81,29 +94,50 @@ def run_one(mode: str, args, root: Path) -> dict:
     try:
         c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
         extra = {"checkpoint": {"every": args.every, "keep": 2, "cloud": f"file://{tmp / 'cloud'}"},
-                 "max_restarts": 1, "keep_going": mode not in ("whole", "none-off")}
+                 "max_restarts": 100 if args.period else 1, "max_preemptions": 100 if args.period else 1,
+                 "keep_going": mode not in ("whole", "none-off")}
         t0 = time.monotonic()
         jid = c.submit(three_node_job(args.steps, SEED, **extra))
-        killed_at = kill_step = None
-        next_after_kill = None
+        kills = []  # per kill: when, after which step, where the job was, when n1 came back
+        n1_up, first_line = True, None
         while True:
             now = time.monotonic()
             got = lines(tmp, jid)
-            if killed_at is None and not mode.startswith("none") and got:
-                kill_step = max(d["step"] for _, _, d in got)
-                if kill_step + 1 >= args.steps * args.kill_at:
+            state = c.get(f"/api/v1/jobs/{jid}")["state"]
+            if got and first_line is None:
+                first_line = now
+            if not mode.startswith("none") and got and n1_up:
+                step = max(d["step"] for _, _, d in got)
+                if args.period:
+                    # A spot node every --period s, back --back-after s later; a kill is held while
+                    # the job launches or restores (the cycle measured, not a failure mid-restore).
+                    due = (now - (kills[-1]["at"] if kills else first_line) >= args.period
+                           and state in ("running", "degraded"))
+                else:
+                    due = not kills and step + 1 >= args.steps * args.kill_at
+                if due:
                     if args.kill == "node":
                         c.kill_node("n1")
+                        n1_up = False
                     else:
                         kill_ranks("n1")
-                    killed_at = time.monotonic()
-                    log(f"{mode}: n1 killed after step {kill_step}")
-            elif killed_at is not None and next_after_kill is None:
-                # The first step committed after the loss was dealt with: under a new epoch, or
-                # by the next generation.
-                if any(d.get("epoch", 0) > 0 or gen > 1 for gen, _, d in got):
-                    next_after_kill = now - killed_at
-            state = c.get(f"/api/v1/jobs/{jid}")["state"]
+                    kills.append({"at": now, "after_step": step, "mark": mark(got), "back": None,
+                                  "next_step_s": None, "full_s": None})
+                    log(f"{mode}: n1 killed after step {step}")
+            if kills and not n1_up and args.back_after is not None and now - kills[-1]["at"] >= args.back_after:
+                c.start_agent("n1", dict(NODES)["n1"])
+                n1_up = True
+                kills[-1]["back"] = (now, mark(got))
+                log(f"{mode}: n1's agent back")
+            for k in kills:
+                if k["next_step_s"] is None and mark(got) > k["mark"]:
+                    # The first step committed after the loss was dealt with: under a new epoch,
+                    # or by the next generation.
+                    k["next_step_s"] = now - k["at"]
+                if k["back"] is not None and k["full_s"] is None and mark(got)[0] > k["back"][1][0]:
+                    # Full strength: the first step of a generation launched after the return
+                    # (the whole pinned plan again).
+                    k["full_s"] = now - k["back"][0]
             if state in ("succeeded", "failed", "cancelled"):
                 break
             if now - t0 > args.timeout:
@@ -116,20 +150,32 @@ def run_one(mode: str, args, root: Path) -> dict:
         # Every step printed once per run of it: a restore prints the recomputed steps again.
         # A new leader's line marked "again" repeats the last committed step's (docs/keep-going.md).
         printed = [d["step"] for _, _, d in got if not d.get("again")]
+        kill_step = kills[0]["after_step"] if kills else None
         times_before = [d["step_s"] for _, _, d in got if kill_step is None or d["step"] < kill_step]
         times_after = [d["step_s"] for _, _, d in got if kill_step is not None and d["step"] > kill_step + 2]
         changed = [json.loads(e["message"]) for e in events if e["kind"] == "membership_changed"]
+        first = kills[0] if kills else {}
         return {
-            "mode": mode, "kill": args.kill, "heartbeat_ms": args.heartbeat_ms, "state": final["state"], "generation": final["generation"], "wall_s": round(wall, 2),
-            "steps": args.steps, "steps_run": len(printed), "recomputed": len(printed) - len(set(printed)),
-            "killed_after_step": kill_step,
-            "kill_to_next_step_s": round(next_after_kill, 3) if next_after_kill is not None else None,
+            "mode": mode, "kill": args.kill, "heartbeat_ms": args.heartbeat_ms, "period_s": args.period,
+            "back_after_s": args.back_after, "state": final["state"], "generation": final["generation"],
+            "wall_s": round(wall, 2), "steps": args.steps,
+            "steps_per_hour": round(args.steps / wall * 3600) if final["state"] == "succeeded" else 0,
+            "steps_run": len(printed), "recomputed": len(printed) - len(set(printed)),
+            "kills": len(kills), "killed_after_step": kill_step,
+            "kill_to_next_step_s": _round(first.get("next_step_s")),
+            "back_to_full_s": _round(first.get("full_s")),
+            "kill_to_next_step_s_each": [_round(k["next_step_s"]) for k in kills],
+            "back_to_full_s_each": [_round(k["full_s"]) for k in kills if k["back"] is not None],
             "median_step_s_before": round(statistics.median(times_before), 4) if times_before else None,
             "median_step_s_after": round(statistics.median(times_after), 4) if times_after else None,
             "epochs": [m["epoch"] for m in changed], "kinds": sorted({e["kind"] for e in events} - {"rank"}),
         }
     finally:
         c.close()
+
+
+def _round(x):
+    return round(x, 3) if x is not None else None
 
 
 def main():
@@ -139,11 +185,20 @@ def main():
     ap.add_argument("--kill-at", type=float, default=0.4, help="kill n1 once this share of the steps ran")
     ap.add_argument("--only", default="none-off,none,keep-going,whole")
     ap.add_argument("--kill", choices=["rank", "node"], default="rank")
+    ap.add_argument("--back-after", type=float, default=None, metavar="S",
+                    help="--kill node: start n1's agent again S seconds after each kill")
+    ap.add_argument("--period", type=float, default=None, metavar="T",
+                    help="kill n1 every T seconds (from the first step line), not once; with --kill node, "
+                         "back T/2 later unless --back-after says otherwise")
     ap.add_argument("--heartbeat-ms", type=int, default=250, help="the coordinator's base interval")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--keep", help="run in this new directory and keep it (the logs)")
     ap.add_argument("-o", "--output", choices=["table", "json"], default="table")
     args = ap.parse_args()
+    if args.period is not None and args.kill == "node" and args.back_after is None:
+        args.back_after = args.period / 2
+    if args.back_after is not None and args.kill != "node":
+        ap.error("--back-after: only a killed node comes back (--kill node)")
     if args.kill == "node" and "whole" in args.only.split(","):
         ap.error("--kill node: the pinned plan cannot recover whole without n1; use --only none,keep-going")
     if args.keep:
@@ -156,8 +211,9 @@ def main():
     if args.output == "json":
         print(json.dumps(rows, indent=1))
         return
-    cols = ["mode", "state", "generation", "wall_s", "steps_run", "recomputed", "killed_after_step",
-            "kill_to_next_step_s", "median_step_s_before", "median_step_s_after"]
+    cols = ["mode", "state", "generation", "wall_s", "steps_per_hour", "steps_run", "recomputed", "kills",
+            "killed_after_step", "kill_to_next_step_s", "back_to_full_s", "median_step_s_before",
+            "median_step_s_after"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r[k]) for k in cols))

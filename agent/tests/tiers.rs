@@ -47,6 +47,7 @@ fn write_step(root: &Path, job: i64, step: u64, rank: u32, bytes: usize, manifes
         world_size: 2,
         units: vec![UnitEntry { key, file: motley_checkpoint::crc::file_entry(&unit, &data, CHUNK), tensors: Default::default() }],
         ranks: vec![RankEntry { rank, file: motley_checkpoint::crc::file_entry(&rank_file, b"rank state", CHUNK) }],
+        lost_ranks: vec![],
     };
     let text = serde_json::to_vec(&piece).unwrap();
     std::fs::write(dir.join(piece_file_name(rank)), &text).unwrap();
@@ -102,6 +103,27 @@ fn a_whole_memory_step_moves_to_disk_verified_and_the_older_memory_step_goes() {
     std::fs::remove_dir_all(gen_dir(&work, 7, 1)).unwrap();
     t.tier_pass();
     assert!(steps_in(&shm, 7).is_empty());
+}
+
+#[test]
+fn a_step_without_the_pieces_of_a_lost_replicas_ranks_is_whole_when_the_members_name_them() {
+    // This node ran ranks 0 and 1; rank 1's replica was lost and the job kept going, so rank 1
+    // wrote no piece of step 10 (docs/keep-going.md). Rank 0's piece names it lost: the step is
+    // whole here. Step 20 lacks rank 1's piece and names nobody lost: not whole, not moved.
+    let (work, shm) = (scratch("lost-work"), scratch("lost-shm"));
+    launch_dir(&work, 8, &[0, 1]);
+    let t = Tierer::new(work.clone(), Some(shm.clone()));
+    let mem10 = write_step(&shm, 8, 10, 0, 200, false);
+    let piece = mem10.join(piece_file_name(0));
+    let mut m: Manifest = serde_json::from_slice(&std::fs::read(&piece).unwrap()).unwrap();
+    m.lost_ranks = vec![1];
+    std::fs::write(&piece, serde_json::to_vec(&m).unwrap()).unwrap();
+    write_step(&shm, 8, 20, 0, 200, false);
+    let notes = t.tier_pass();
+    assert!(notes.iter().any(|n| n.contains("step 10") && n.contains("copied from memory to disk, verified")), "{notes:?}");
+    assert_eq!(steps_in(&work, 8), [10], "{notes:?}");
+    let merged = Manifest::load(&step_dir(&work, 8, 1, 10)).unwrap();
+    assert_eq!(merged.lost_ranks, [1], "the lost ranks survive the copy and the merge");
 }
 
 #[test]

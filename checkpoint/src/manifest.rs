@@ -169,6 +169,11 @@ pub struct Manifest {
     pub units: Vec<UnitEntry>,
     #[serde(default)]
     pub ranks: Vec<RankEntry>,
+    /// Ranks of the plan that wrote no piece: their replica was lost and the job kept going
+    /// (docs/keep-going.md). The epoch's leader wrote their rank files, so a complete step still
+    /// has one per rank; a node's agent takes a step as whole without their pieces.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lost_ranks: Vec<u32>,
 }
 
 fn conflict(field: impl Into<String>, a: impl fmt::Display, b: impl fmt::Display) -> CkptError {
@@ -184,6 +189,7 @@ impl Manifest {
         };
         let mut units: BTreeMap<UnitKey, UnitEntry> = BTreeMap::new();
         let mut ranks: BTreeMap<u32, RankEntry> = BTreeMap::new();
+        let mut lost_ranks = std::collections::BTreeSet::new();
         let header = |m: &Manifest| (m.format.clone(), m.step, m.layers, m.world_size);
         let h0 = header(&first);
         for m in std::iter::once(first).chain(pieces) {
@@ -214,6 +220,7 @@ impl Manifest {
                 }
                 ranks.insert(r.rank, r);
             }
+            lost_ranks.extend(m.lost_ranks);
         }
         Ok(Manifest {
             format: h0.0,
@@ -222,6 +229,7 @@ impl Manifest {
             world_size: h0.3,
             units: units.into_values().collect(),
             ranks: ranks.into_values().collect(),
+            lost_ranks: lost_ranks.into_iter().collect(),
         })
     }
 
@@ -342,5 +350,33 @@ mod bounded_tests {
         // The merged manifest's own, larger limit takes it.
         assert_eq!(read_json::<Manifest>(&p).unwrap().step, 1);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[cfg(test)]
+mod lost_rank_tests {
+    use super::*;
+
+    fn piece(rank: u32, lost: Vec<u32>) -> Manifest {
+        let file = FileEntry { file: rank_file_name(rank), bytes: 1, chunk_bytes: 16, crc32c: vec![0] };
+        Manifest {
+            format: FORMAT.into(),
+            step: 4,
+            layers: 1,
+            world_size: 4,
+            units: vec![],
+            ranks: vec![RankEntry { rank, file }],
+            lost_ranks: lost,
+        }
+    }
+
+    #[test]
+    fn the_lost_ranks_of_a_steps_pieces_merge_and_are_absent_where_none_were_lost() {
+        let m = Manifest::merge([piece(0, vec![2, 3]), piece(1, vec![2, 3])]).unwrap();
+        assert_eq!(m.lost_ranks, [2, 3]);
+        let text = serde_json::to_string(&piece(0, vec![])).unwrap();
+        assert!(!text.contains("lost_ranks"), "a step of every rank reads as before: {text}");
+        let back: Manifest = serde_json::from_str(&text).unwrap();
+        assert!(back.lost_ranks.is_empty());
     }
 }

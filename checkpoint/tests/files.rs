@@ -86,8 +86,9 @@ fn units_of(block: Block, part: Part, tp: u32, step: u64) -> Vec<Unit> {
 /// A step at TP 2 written as 2 ranks would: each its units, its rank file and its piece.
 fn write_step(root: &Path, step: u64, tp: u32) -> std::path::PathBuf {
     let dir = root.join(step_dir_name(step));
-    let mut pieces: Vec<Manifest> =
-        (0..tp).map(|_| Manifest { format: FORMAT.into(), step, layers: LAYERS, world_size: tp, units: vec![], ranks: vec![] }).collect();
+    let mut pieces: Vec<Manifest> = (0..tp)
+        .map(|_| Manifest { format: FORMAT.into(), step, layers: LAYERS, world_size: tp, units: vec![], ranks: vec![], lost_ranks: vec![] })
+        .collect();
     for b in blocks() {
         for p in [Part::Model, Part::Optimizer] {
             for u in units_of(b, p, tp, step) {

@@ -32,6 +32,7 @@ fn prepared_step(dir: &Path, fill: u8) -> PathBuf {
         world_size: 1,
         units: vec![UnitEntry { key, file: motley_checkpoint::crc::file_entry(&unit, &data, 1024), tensors: Default::default() }],
         ranks: vec![RankEntry { rank: 0, file: motley_checkpoint::crc::file_entry(&rank, b"rank state", 1024) }],
+        lost_ranks: vec![],
     };
     let text = serde_json::to_vec(&piece).unwrap();
     std::fs::write(step.join(piece_file_name(0)), &text).unwrap();

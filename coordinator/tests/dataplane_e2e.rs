@@ -111,7 +111,7 @@ fn a_huge_step_of_one_job_leaves_another_jobs_holdings_in_the_bitmap() {
                 }
             })
             .collect();
-        let m = Manifest { format: FORMAT.into(), step, layers: 62, world_size: 1, units, ranks: vec![] };
+        let m = Manifest { format: FORMAT.into(), step, layers: 62, world_size: 1, units, ranks: vec![], lost_ranks: vec![] };
         std::fs::write(step_dir.join(piece_file_name(0)), serde_json::to_vec(&m).unwrap()).unwrap();
     };
     piece(4, 1, 12_000, &work.join(format!("jobs/{one}/1/ckpt/{}", step_dir_name(4))));

@@ -326,10 +326,15 @@ class Trainer:
         from .components import checkpoint
 
         args = self.args
+        # While the job goes on without a replica, the members save the step whole: the leader's
+        # replica writes every unit, the leader the lost ranks' rank files (docs/keep-going.md).
+        members = set(self.keep.epoch.members) if self.keep is not None else None
+        lost = [r for r in range(self.view.world_size) if members is not None and r not in members]
         checkpoint.save(self.view, self.model, self.sync.optimizer, step, args.ckpt_dir, seed=args.seed,
                         global_batch=self.plan.global_batch, lr=args.lr, asynchronous=args.ckpt_async,
                         scaler=self.scaler.state() if self.scaler.enabled else None, zero=self.sync.zero,
-                        hf_source=os.path.abspath(args.init_from_hf) if args.init_from_hf else None)
+                        hf_source=os.path.abspath(args.init_from_hf) if args.init_from_hf else None,
+                        lost_ranks=lost)
 
     def run(self) -> int:
         args, view = self.args, self.view
@@ -362,12 +367,16 @@ class Trainer:
                 self.flush_loss()
             if step in self.due:
                 self.evaluate(step)
-            if due_save and self.view.epoch > 0:
-                # A checkpoint is every rank's pieces (`checkpoint.save`); a lost replica's are gone.
-                print(f"motley-checkpoint skipped at step {step}: epoch {self.view.epoch} has lost replicas "
-                      f"{list(self.keep.epoch.m.lost)} (docs/keep-going.md)", file=sys.stderr, flush=True)
-            elif due_save:
-                self.save(step)
+            if due_save:
+                try:
+                    self.save(step)
+                except Exception as e:
+                    # A member lost while the ranks agreed on the last save (this step committed
+                    # everywhere: no roll forward). Every member gives this save up; the next
+                    # one is whole (docs/keep-going.md).
+                    self._next_epoch(step, e)  # or raises: not a lost replica's doing
+                    print(f"motley-checkpoint step {step} not saved: a member was lost while saving; the next "
+                          f"save is under epoch {self.view.epoch}", file=sys.stderr, flush=True)
         view = self.view
         self.source.close()
         if args.ckpt_dir:

@@ -21,6 +21,8 @@ from launcher import DATA, free_port, hand_plan, losses, reference_losses, singl
 from tolerance import assert_close_rel, assert_steps_close, gradient_ops
 
 STEPS = 8
+# Saved after the kill (at the step-2 line): in epoch 1, by the members alone.
+DEGRADED_SAVE = 5
 SEED = 5
 MODEL = "tiny4.yaml"
 
@@ -80,8 +82,10 @@ def test_survivors_keep_training_through_a_lost_replica_with_the_single_process_
     work = tmp_path / "run"
     member_file = work / "membership.json"
     want = reference_losses(str(DATA / MODEL), 12, 16, STEPS, SEED)
+    ckpt = tmp_path / "ckpt"
     procs = start_ranks(plan, ["--steps", str(STEPS), "--seed", str(SEED), "--timeout", "60",
-                               "--save-params", str(tmp_path / "params")], work,
+                               "--save-params", str(tmp_path / "params"), "--ckpt-dir", str(ckpt),
+                               "--ckpt-every", str(DEGRADED_SAVE)], work,
                         extra_env={"MOTLEY_KEEP_GOING": "1", "MOTLEY_MEMBERSHIP": str(member_file)})
     try:
         wait_for_line(work / "rank0.out", 2, procs)
@@ -136,6 +140,37 @@ def test_survivors_keep_training_through_a_lost_replica_with_the_single_process_
     for k in sorted(got):
         assert_close_rel(got[k], ref[k], math.sqrt(STEPS) * gradient_ops(4), f"parameter {k} after {STEPS} steps",
                          scale=norm)
+    check_degraded_step(ckpt, killed, plan, want)
+
+
+def check_degraded_step(ckpt: Path, killed, plan: dict, want):
+    """The step saved while a replica was lost is whole: the leader's replica wrote every unit,
+    the leader the lost ranks' rank files, the manifest names them lost; the Rust reader finds
+    it complete; the whole plan restored from it goes on with the single process's losses."""
+    import subprocess
+
+    from launcher import check_ok, launch
+    from test_checkpoint import ckpt_bin, step_files
+
+    from motley_torch.components import checkpoint
+
+    sdir = ckpt / checkpoint.step_dir_name(DEGRADED_SAVE)
+    m = checkpoint.verify_step(str(sdir))
+    assert m["lost_ranks"] == killed and [r["rank"] for r in m["ranks"]] == [0, 1, 2, 3], m["ranks"]
+    assert not [r for r in killed if (sdir / checkpoint.piece_file_name(r)).exists()], "the lost ranks wrote nothing"
+    for r in killed:
+        h = checkpoint.read_header(str(sdir / checkpoint.rank_file_name(r)))
+        assert h["rank"] == r and h["lost"]["epoch"] == 1 and h["lost"]["rng_of_rank"] not in killed, h
+    out = subprocess.run([ckpt_bin(), "verify", str(sdir)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    res = launch(plan, ["--steps", str(STEPS), "--seed", str(SEED)], ckpt.parent / "restored",
+                 extra_env={"MOTLEY_CKPT_RESTORE": json.dumps(step_files(sdir))})
+    check_ok(res)
+    lines = progress(res[0].stdout)
+    assert [x["step"] for x in lines] == list(range(DEGRADED_SAVE, STEPS)), lines
+    assert_steps_close([x["loss"] for x in lines], want[DEGRADED_SAVE:], 4,
+                       "restored from the step saved while degraded, against the single process",
+                       steps=range(DEGRADED_SAVE, STEPS))
 
 
 
@@ -284,5 +319,57 @@ def test_a_coordinator_restarted_while_degraded_goes_on_from_its_recorded_member
         assert sorted({x["step"] for x in lines}) == list(range(steps)) and lines[-1]["epoch"] == 1
         want = reference_losses(str(DEV_MODEL), 12, spec["seq_len"], steps, seed)
         assert_steps_close([x["loss"] for x in lines], want, 4, "losses through the loss and the restart")
+    finally:
+        c.close()
+
+
+def test_a_lost_node_back_takes_the_degraded_job_to_full_strength_at_its_next_checkpoint(tmp_path):
+    """n2 (replica 2) vanishes with its agent. The job goes on degraded and saves its steps whole
+    without it (the leader writes the lost rank's file: the coordinator finds them complete).
+    n2's agent comes back: at the next step the members save, the job is restored onto its whole
+    pinned plan under generation 2 and succeeds; every step's loss, before, during and after,
+    is the single process's."""
+    from test_recovery import Cluster
+
+    spec = yaml.safe_load(DEV_MODEL.read_text())
+    steps, seed, every = 600, 5, 10
+    c = Cluster(tmp_path, NODES)
+    try:
+        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
+        jid = c.submit(three_node_job(steps, seed, checkpoint={"every": every, "keep": 2}))
+        rank0 = tmp_path / "agents" / "n0" / "jobs" / str(jid) / "1" / "rank-0.log"
+        c.wait(lambda: len(lines_of(rank0)) >= 20, 120, every=0.1)
+        c.kill_node("n2")
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "degraded", 60, every=0.1)
+        epoch1 = c.wait(lambda: [x["step"] for x in lines_of(rank0) if x["epoch"] == 1], 60, every=0.1)[0]
+
+        def saved_degraded():
+            return [s["step"] for s in c.get(f"/api/v1/jobs/{jid}/checkpoints") if s["complete"] and s["step"] > epoch1]
+        c.wait(saved_degraded, 60, every=0.2)
+        c.start_agent("n2", dict(NODES)["n2"])
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
+        final, events = c.get(f"/api/v1/jobs/{jid}"), c.events(jid)
+        kinds = [e["kind"] for e in events]
+        assert final["state"] == "succeeded" and final["generation"] == 2, f"{final}\n{kinds}\n{c.logs()}"
+        assert final.get("reason") is None, final
+        assert kinds.count("membership_changed") == 1 and "degraded" in kinds, kinds
+        recovering = next(e["message"] for e in events if e["kind"] == "recovering")
+        assert "take its lost replicas back" in recovering and "saved while degraded" in recovering, recovering
+        planned = json.loads(next(e["message"] for e in events if e["kind"] == "recovery_planned"))
+        restored = planned["step"]
+        assert restored > epoch1 and restored % every == 0, (planned, epoch1)
+        plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
+        assert sum(len(s["gpus"]) for r in plan["replicas"] for s in r["stages"]) == 4, plan
+        # Generation 2 runs all three replicas again (epoch 0 of the whole plan), from the step
+        # saved while degraded.
+        after = lines_of(tmp_path / "agents" / "n0" / "jobs" / str(jid) / "2" / "rank-0.log")
+        assert after and after[0]["step"] == restored and {x["epoch"] for x in after} == {0}, after[:3]
+        assert [x["step"] for x in after] == list(range(restored, steps))
+        before = lines_of(rank0)
+        want = reference_losses(str(DEV_MODEL), 12, spec["seq_len"], steps, seed)
+        assert_steps_close([x["loss"] for x in before], [want[x["step"]] for x in before], 4,
+                           "generation 1's losses through the loss", steps=[x["step"] for x in before])
+        assert_steps_close([x["loss"] for x in after], want[restored:], 4,
+                           "generation 2's losses from the step saved while degraded", steps=range(restored, steps))
     finally:
         c.close()

@@ -200,7 +200,9 @@ fn whole(dir: &Dir, ranks: &BTreeSet<u32>) -> std::result::Result<Vec<(PathBuf, 
     if pieces.is_empty() {
         return Err("no manifest piece yet".into());
     }
-    let have: BTreeSet<u32> = pieces.iter().flat_map(|(_, m)| m.ranks.iter().map(|r| r.rank)).collect();
+    // A rank of this node whose replica was lost while the job kept going writes no piece; the
+    // members' pieces name it (`lost_ranks`), and the leader wrote its rank file.
+    let have: BTreeSet<u32> = pieces.iter().flat_map(|(_, m)| m.ranks.iter().map(|r| r.rank).chain(m.lost_ranks.iter().copied())).collect();
     if let Some(r) = ranks.iter().find(|r| !have.contains(r)) {
         return Err(format!("rank {r} of this node has not written its piece"));
     }

@@ -219,7 +219,8 @@ impl Node {
     pub fn piece(&self, step: u64, files: &[(&str, &[u8])]) -> PathBuf {
         use motley_checkpoint::{Manifest, RankEntry};
         let ranks = files.iter().map(|(f, b)| RankEntry { rank: 0, file: motley_checkpoint::crc::file_entry(f, b, 1 << 20) }).collect();
-        let m = Manifest { format: motley_checkpoint::FORMAT.into(), step, layers: 4, world_size: 1, units: vec![], ranks };
+        let m =
+            Manifest { format: motley_checkpoint::FORMAT.into(), step, layers: 4, world_size: 1, units: vec![], ranks, lost_ranks: vec![] };
         let path = self.dir.join(format!("piece-{step}-{}.json", files.len()));
         std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();

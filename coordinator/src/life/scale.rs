@@ -1,5 +1,7 @@
 //! Scale-up: nodes that come back (or are added) take a running job up at its next complete
-//! checkpoint, by the recovery path (docs/recovery.md).
+//! checkpoint, by the recovery path (docs/recovery.md). A degraded job (docs/keep-going.md)
+//! goes back to full strength the same way: once its lost node is back, at the next step its
+//! members saved whole, it is restored onto the whole plan, a pinned one included.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
@@ -31,9 +33,9 @@ impl Memory {
 impl Life {
     pub(super) async fn scale_up(&self, jobs: &[JobRecord]) -> Result<()> {
         let (store, fleet) = (&self.store, &*self.fleet);
-        let running: Vec<&JobRecord> = jobs.iter().filter(|j| j.state == JobState::Running).collect();
+        let running: Vec<&JobRecord> = jobs.iter().filter(|j| matches!(j.state, JobState::Running | JobState::Degraded)).collect();
         {
-            let launched = jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running));
+            let launched = jobs.iter().filter(|j| matches!(j.state, JobState::Launching | JobState::Running | JobState::Degraded));
             let keep: HashSet<(i64, i64)> = launched.map(|j| (j.id, j.generation)).collect();
             self.scale.lock().retain(|k, _| keep.contains(k));
         }
@@ -43,8 +45,11 @@ impl Life {
         let nodes = store.nodes().await?;
         for j in running {
             let Ok(spec) = serde_json::from_str::<JobSpec>(&j.spec) else { continue };
-            if spec.checkpoint.is_none() || spec.plan.is_some() {
-                continue; // nothing to resume from, or a plan the job carries (never re-planned)
+            let degraded = j.state == JobState::Degraded;
+            if spec.checkpoint.is_none() || (spec.plan.is_some() && !degraded) {
+                // Nothing to resume from, or a plan the job carries (never re-planned; a degraded
+                // one goes back to it, whole).
+                continue;
             }
             let live = usable_nodes(&nodes, fleet, &spec);
             let key = (j.id, j.generation);
@@ -56,8 +61,15 @@ impl Life {
             if live == seen.0 {
                 continue;
             }
-            let ranks = store.ranks(j.id, j.generation).await?;
-            if spec.resources.gpus.is_some_and(|g| ranks.len() as u32 >= g) {
+            // The ranks that train now: a degraded launch's members' alone.
+            let ranks = match degraded {
+                true => match self.launched(j).await? {
+                    Some(now) => now.members().count(),
+                    None => continue,
+                },
+                false => store.ranks(j.id, j.generation).await?.len(),
+            };
+            if spec.resources.gpus.is_some_and(|g| ranks as u32 >= g) {
                 continue; // already at its GPU budget
             }
             let newest = crate::views::checkpoints::newest_complete(store, j.id).await?;
@@ -71,15 +83,14 @@ impl Life {
                     let taken = crate::planning::taken(store, fleet, jobs).await?;
                     let more = match crate::planning::plan_for_recovery(store, fleet, j, &taken).await {
                         Ok(crate::planning::RecoveryPlan { ranks: new_ranks, .. }) => {
-                            if new_ranks.len() <= ranks.len() {
+                            if new_ranks.len() <= ranks {
                                 tracing::info!(
                                     job = j.id,
-                                    "no scale-up: with {live} live nodes the planner gives it {} GPUs, it has {}",
+                                    "no scale-up: with {live} live nodes the planner gives it {} GPUs, it has {ranks}",
                                     new_ranks.len(),
-                                    ranks.len()
                                 );
                             }
-                            new_ranks.len() > ranks.len()
+                            new_ranks.len() > ranks
                         }
                         Err(e) => {
                             tracing::info!(job = j.id, "no scale-up: {e}");
@@ -90,8 +101,16 @@ impl Life {
                         self.scale.lock().insert(key, (live, None));
                         continue;
                     }
-                    let reason =
-                        format!("{} live nodes can take it (it was launched when {} were); scaling up from step {newest}", live, seen.0);
+                    let reason = match degraded {
+                        true => format!(
+                            "{live} live nodes can take its lost replicas back (it went on without them when {} were); \
+                             scaling up from step {newest}, saved while degraded",
+                            seen.0
+                        ),
+                        false => {
+                            format!("{live} live nodes can take it (it was launched when {} were); scaling up from step {newest}", seen.0)
+                        }
+                    };
                     if store.begin_recovery(j.id, j.generation, RecoveryCause::ScaleUp, 0, &reason).await.is_ok() {
                         tracing::info!(job = j.id, "{reason}");
                         crate::agents::launch::stop_job(store, fleet, &self.signals, j.id, j.generation, "scaling up").await;

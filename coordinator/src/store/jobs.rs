@@ -61,7 +61,7 @@ impl Store {
     pub async fn unfinished_jobs(&self) -> Result<Vec<JobRecord>> {
         let rows = sqlx::query(
             "SELECT id, name, spec, state, generation, reason, created_at_ms, updated_at_ms FROM jobs \
-             WHERE state IN ('submitted', 'planning', 'launching', 'running', 'recovering') ORDER BY id",
+             WHERE state IN ('submitted', 'planning', 'launching', 'running', 'degraded', 'recovering') ORDER BY id",
         )
         .fetch_all(&self.pool)
         .await?;

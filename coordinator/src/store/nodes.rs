@@ -54,7 +54,7 @@ impl Store {
         let mut tx = self.pool.begin().await?;
         let busy = sqlx::query(
             "SELECT r.job_id FROM ranks r JOIN jobs j ON j.id = r.job_id WHERE r.node = $1 AND \
-             (r.state = 'running' OR (j.state IN ('submitted', 'planning', 'launching', 'running', 'recovering') AND r.generation = j.generation)) \
+             (r.state = 'running' OR (j.state IN ('submitted', 'planning', 'launching', 'running', 'degraded', 'recovering') AND r.generation = j.generation)) \
              ORDER BY r.job_id LIMIT 1",
         )
         .bind(name)

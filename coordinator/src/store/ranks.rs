@@ -45,10 +45,10 @@ impl Store {
     pub async fn held_gpus(&self) -> Result<Vec<HeldGpu>> {
         let rows = sqlx::query(
             "SELECT r.node, r.gpu, r.job_id, r.state FROM ranks r JOIN jobs j ON j.id = r.job_id \
-             WHERE (j.state IN ('launching', 'running', 'recovering') AND r.generation = j.generation) \
+             WHERE (j.state IN ('launching', 'running', 'degraded', 'recovering') AND r.generation = j.generation) \
              UNION ALL \
              SELECT r.node, r.gpu, r.job_id, r.state FROM ranks r JOIN jobs j ON j.id = r.job_id \
-             WHERE r.state = 'running' AND NOT (j.state IN ('launching', 'running', 'recovering') AND r.generation = j.generation) \
+             WHERE r.state = 'running' AND NOT (j.state IN ('launching', 'running', 'degraded', 'recovering') AND r.generation = j.generation) \
              ORDER BY 1, 2",
         )
         .fetch_all(&self.pool)

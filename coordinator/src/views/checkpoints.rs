@@ -59,6 +59,7 @@ pub(crate) fn completeness(files: &[&Holding]) -> Option<String> {
         world_size: first.world_size as u32,
         units: vec![],
         ranks: vec![],
+        lost_ranks: vec![],
     };
     let entry = |h: &Holding| FileEntry { file: h.file.clone(), bytes: h.bytes as u64, chunk_bytes: 0, crc32c: vec![] };
     for h in files {

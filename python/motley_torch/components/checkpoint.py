@@ -199,10 +199,12 @@ def _units(model, optimizer, zero=None) -> Dict[Tuple[object, str], Dict[str, Tu
 
 
 class _Pending:
-    """The rank's one save in flight (or written but not yet agreed on)."""
+    """The rank's one save in flight (or written but not yet agreed on); `pieces`: the ranks
+    whose pieces make the step (every rank, or an epoch's members where the job kept going
+    without a replica: the leader's piece lists the lost ranks' rank files)."""
 
-    def __init__(self, step: int, sdir: str, world_size: int, rank: int):
-        self.step, self.sdir, self.world_size, self.rank = step, sdir, world_size, rank
+    def __init__(self, step: int, sdir: str, pieces: List[int], rank: int):
+        self.step, self.sdir, self.pieces, self.rank = step, sdir, pieces, rank
         self.thread = None  # threading.Thread while writing in the background
         self.error: BaseException = None
 
@@ -224,20 +226,36 @@ def _snapshot(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+def writer_replica(view) -> int:
+    """The replica whose stages write the units: the leader's (rank 0's, replica 0, until a
+    membership without it names another leader: docs/keep-going.md). Every replica holds every
+    layer, so any one whole replica writes the whole model."""
+    leader = getattr(view, "leader", 0)
+    # Global rank 0 is replica 0's first stage in every plan (ranks are numbered replica by
+    # replica): no plan needed to say so.
+    return 0 if leader == 0 else view.plan.stage_of(leader).replica
+
+
 def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_batch: int, lr: float,
-               copy: bool, scaler: Optional[dict] = None, zero=None, hf_source: Optional[str] = None):
+               copy: bool, scaler: Optional[dict] = None, zero=None, hf_source: Optional[str] = None,
+               lost_ranks: Tuple[int, ...] = ()):
     """Collect what step `step` writes (copied into host memory when `copy`) and return the
-    function that writes it: the rank's units, its rank file, then its piece."""
+    function that writes it: the rank's units, its rank file (the leader also the lost ranks'),
+    then its piece."""
     grab = _snapshot if copy else (lambda t: t)
     # The launch writing it (the agent's MOTLEY_GENERATION): recorded in every file's header, so
     # a restore can tell a step saved twice, by two launches, from one (docs/checkpoint.md).
     written_by = _writing_generation()
     piece = {"format": FORMAT, "step": step, "layers": model.spec.layers, "world_size": view.world_size,
              "units": [], "ranks": []}
+    if lost_ranks:
+        # Ranks of the plan that wrote nothing (their replica was lost, the job kept going): a
+        # node's agent takes its step as whole without their pieces (docs/checkpoint.md).
+        piece["lost_ranks"] = sorted(lost_ranks)
     todo = []  # (block, part, tp_rank, tp_size, specs, {name: tensor}, sharding or None)
-    # Without ZeRO-1 replica 0's first TP group writes every unit of its stage; with it, each
-    # block's owner in its ring (the ring holds every copy of the block at this TP rank).
-    if zero is not None or (view.replica == 0 and view.stage_dp_rank == 0):
+    # Without ZeRO-1 the writer replica's first TP group writes every unit of its stage; with it,
+    # each block's owner in its ring (the ring holds every copy of the block at this TP rank).
+    if zero is not None or (view.replica == writer_replica(view) and view.stage_dp_rank == 0):
         for (block, part), tensors in sorted(_units(model, optimizer, zero).items(), key=lambda kv: str(kv[0])):
             replicated = all(s["layout"]["kind"] == "replicated" for s, _ in tensors.values())
             if replicated and view.tp_rank != 0:
@@ -255,6 +273,10 @@ def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_b
                    **({"generation": written_by} if written_by is not None else {})}
     rng = torch.get_rng_state()  # a new tensor: already a copy
     rank = view.rank
+    # The leader writes each lost rank's rank file: what is not per layer is the same for every
+    # rank but the RNG state, which a restore then takes from the leader's (as it takes the
+    # lowest rank's where a re-planned job has ranks the step has no file of).
+    stand_ins = sorted(lost_ranks) if rank == getattr(view, "leader", 0) else []
 
     def write():
         os.makedirs(sdir, mode=0o700, exist_ok=True)
@@ -274,9 +296,12 @@ def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_b
             entry["tensors"] = specs
             piece["units"].append(entry)
             del data
-        data = _safetensors_bytes({"rng.torch": rng}, rank_header)
-        write_atomic(os.path.join(sdir, rank_file_name(rank)), data)
-        piece["ranks"].append(dict(rank=rank, **file_entry(rank_file_name(rank), data)))
+        for r, header in [(rank, rank_header)] + [
+                (r, dict(rank_header, rank=r, lost={"epoch": getattr(view, "epoch", 0), "rng_of_rank": rank}))
+                for r in stand_ins]:
+            data = _safetensors_bytes({"rng.torch": rng}, header)
+            write_atomic(os.path.join(sdir, rank_file_name(r)), data)
+            piece["ranks"].append(dict(rank=r, **file_entry(rank_file_name(r), data)))
         write_atomic(os.path.join(sdir, piece_file_name(rank)), json.dumps(piece, indent=1).encode())
         todo.clear()  # drop the snapshot as soon as it is written
 
@@ -307,8 +332,8 @@ def flush():
                               f"{type(p.error).__name__}: {p.error}") from p.error
 
 
-def _merge_manifest(sdir: str, world_size: int):
-    pieces = [os.path.join(sdir, piece_file_name(r)) for r in range(world_size)]
+def _merge_manifest(sdir: str, ranks: List[int]):
+    pieces = [os.path.join(sdir, piece_file_name(r)) for r in ranks]
     if all(os.path.exists(x) for x in pieces):
         write_atomic(os.path.join(sdir, MANIFEST), json.dumps(merge([_read_json(x) for x in pieces]), indent=1).encode())
 
@@ -326,7 +351,8 @@ def _agree_max(view, values: List[int]) -> List[int]:
 def finish(view, _merge_later: bool = False):
     """Complete the checkpoint in flight: wait for this rank's writer, agree with every rank that
     all writes succeeded (an all-reduce: collective, every rank calls it, after its last save),
-    then global rank 0 writes the step's manifest.json when every piece is in its directory.
+    then the leader (global rank 0, or the lowest rank of the members where the job kept going
+    without a replica) writes the step's manifest.json when every piece is in its directory.
     Raises CheckpointError on every rank if any rank's write failed. No-op without a save.
     (`_merge_later`: return the manifest's writing as a function instead, for save's writer.)"""
     global _pending
@@ -345,11 +371,13 @@ def finish(view, _merge_later: bool = False):
     if failed:
         raise CheckpointError(f"checkpoint step {p.step} ({p.sdir}): another rank's write failed (see its log); "
                               f"this step is incomplete")
-    if p.rank != 0:
+    # The leader now: a step saved before a replica was lost is merged by the new leader, when
+    # the pieces of every rank that saved it are there.
+    if view.rank != getattr(view, "leader", 0):
         return None
     if _merge_later:
-        return lambda: _merge_manifest(p.sdir, p.world_size)
-    _merge_manifest(p.sdir, p.world_size)
+        return lambda: _merge_manifest(p.sdir, p.pieces)
+    _merge_manifest(p.sdir, p.pieces)
     return None
 
 
@@ -421,11 +449,15 @@ class SaveNotice:
 
 
 def save(view, model, optimizer, step: int, directory: str, seed: int, global_batch: int, lr: float,
-         asynchronous: bool = None, scaler: Optional[dict] = None, zero=None, hf_source: Optional[str] = None) -> str:
+         asynchronous: bool = None, scaler: Optional[dict] = None, zero=None, hf_source: Optional[str] = None,
+         lost_ranks: Tuple[int, ...] = ()) -> str:
     """Checkpoint step `step` (optimizer steps taken) under `directory`/step-S: this rank's units
-    (replica 0's first TP group of each stage; all-replicated blocks once, by TP rank 0, as tp
-    0-1), its rank file and its manifest piece; global rank 0 writes the merged manifest.json
-    when every piece is in its directory. Collective: every rank calls it, at the same steps.
+    (the writer replica's first TP group of each stage; all-replicated blocks once, by TP rank
+    0, as tp 0-1), its rank file and its manifest piece; the leader writes the merged
+    manifest.json when every piece is in its directory. Collective: every rank of the view's
+    world group calls it, at the same steps. `lost_ranks`: ranks of the plan that are not members
+    (a job that kept going without their replica: docs/keep-going.md); they write nothing, the
+    leader writes their rank files and the leader's replica the units.
 
     Asynchronous (default; `asynchronous=False` or MOTLEY_CKPT_ASYNC=0: synchronous): first
     finish() the previous save (wait, agree, merge its manifest; raises if it failed), then copy
@@ -439,10 +471,14 @@ def save(view, model, optimizer, step: int, directory: str, seed: int, global_ba
     # writer thread before this step's files (not in the caller's stall).
     merge_prev = finish(view, _merge_later=asynchronous)
     sdir = os.path.join(directory, step_dir_name(step))
+    if lost_ranks and zero is not None:
+        raise CheckpointError("lost_ranks: a ZeRO-1 step is every ring member's shards; such a job recovers whole "
+                              "(docs/keep-going.md)")
     write = _write_job(view, model, optimizer, step, sdir, seed, global_batch, lr, copy=asynchronous, scaler=scaler,
-                       zero=zero, hf_source=hf_source)
+                       zero=zero, hf_source=hf_source, lost_ranks=tuple(lost_ranks))
     job = write if merge_prev is None else (lambda: (merge_prev(), write()))
-    p = _Pending(step, sdir, view.world_size, view.rank)
+    lost = set(lost_ranks)
+    p = _Pending(step, sdir, [r for r in range(view.world_size) if r not in lost], view.rank)
     _pending = p
     if asynchronous:
         p.thread = threading.Thread(target=_run, args=(job, p), name=f"motley-ckpt-{step}", daemon=False)
@@ -461,7 +497,7 @@ def _read_json(path: str):
 def merge(pieces: List[dict]) -> dict:
     """The union of one step's pieces (docs/checkpoint.md; `Manifest::merge` in Rust)."""
     head = {k: pieces[0][k] for k in ("format", "step", "layers", "world_size")}
-    units, ranks = {}, {}
+    units, ranks, lost = {}, {}, set()
     for p in pieces:
         for k, v in head.items():
             if p[k] != v:
@@ -470,7 +506,11 @@ def merge(pieces: List[dict]) -> dict:
             units[(u["block"], u["part"], u["tp_rank"], u["tp_size"])] = u
         for r in p["ranks"]:
             ranks[r["rank"]] = r
-    return dict(head, units=[units[k] for k in sorted(units)], ranks=[ranks[k] for k in sorted(ranks)])
+        lost.update(p.get("lost_ranks", ()))
+    out = dict(head, units=[units[k] for k in sorted(units)], ranks=[ranks[k] for k in sorted(ranks)])
+    if lost:
+        out["lost_ranks"] = sorted(lost)
+    return out
 
 
 def verify_step(step_dir: str) -> dict:

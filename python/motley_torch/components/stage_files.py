@@ -11,6 +11,7 @@ import sys
 
 from ..models.transformer import GPTStage
 from ..spec import ModelSpec, PlanError
+from .checkpoint import writer_replica  # the same replica writes checkpoints' units
 from .stage_init import save_file
 
 
@@ -60,12 +61,6 @@ def save_hf_distributed(view, model: GPTStage, args, zero=None):
             os.remove(p)
         hf_out.finish(args)
 
-
-def writer_replica(view) -> int:
-    """The replica whose stages write the files: the leader's (rank 0's, replica 0, until a
-    membership without it names another leader: docs/keep-going.md). Every replica holds every
-    layer, so any one whole replica writes the whole model."""
-    return view.plan.stage_of(getattr(view, "leader", 0)).replica
 
 
 def write_stage_files(view, model: GPTStage, out_dir: str, pattern: str, grads: bool = False, zero=None) -> list:

@@ -18,6 +18,7 @@ fn write_step(gen_dir: &Path, step: u64, rank: u32, bytes: u64) {
         world_size: 2,
         units: vec![UnitEntry { key, file: entry(&unit, bytes), tensors: Default::default() }],
         ranks: vec![RankEntry { rank, file: entry(&rank_file, 1) }],
+        lost_ranks: vec![],
     };
     let path = dir.join(motley_checkpoint::manifest::piece_file_name(rank));
     std::fs::write(path, serde_json::to_vec(&piece).unwrap()).unwrap();
@@ -109,7 +110,7 @@ fn write_bloated_piece(step_dir: &Path, claimed: u64, entries: u32, crcs: usize)
             UnitEntry { key, file, tensors: Default::default() }
         })
         .collect();
-    let piece = Manifest { format: FORMAT.into(), step: claimed, layers: entries, world_size: 1, units, ranks: vec![] };
+    let piece = Manifest { format: FORMAT.into(), step: claimed, layers: entries, world_size: 1, units, ranks: vec![], lost_ranks: vec![] };
     std::fs::write(step_dir.join(motley_checkpoint::manifest::piece_file_name(0)), serde_json::to_vec(&piece).unwrap()).unwrap();
 }
 
