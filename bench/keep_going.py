@@ -35,8 +35,9 @@ time from the return to the first step of that generation. `--period T` kills n1
 (back T/2 later with --kill node) until the job ends, and `steps_per_hour` compares the runs.
 
 `--kill node` kills n1's agent with its rank instead (a vanished node, seen when its lease
-lapses: 3 base intervals, `--heartbeat-ms`); a pinned plan cannot recover whole without n1 (the
-recovery fails at once, before any return), so that kill is for `keep-going` alone.
+lapses: 3 base intervals, `--heartbeat-ms`); a pinned plan recovers whole only onto its own
+nodes (the recovery waits for n1: docs/recovery.md), so `whole` takes that kill with
+`--back-after` alone.
 
 Needs target/ci/motley with motley-coordinator and motley-agent beside it (or MOTLEY_BIN) and
 the project's venv (python/run-tests makes it).
@@ -199,8 +200,9 @@ def main():
         args.back_after = args.period / 2
     if args.back_after is not None and args.kill != "node":
         ap.error("--back-after: only a killed node comes back (--kill node)")
-    if args.kill == "node" and "whole" in args.only.split(","):
-        ap.error("--kill node: the pinned plan cannot recover whole without n1; use --only none,keep-going")
+    if args.kill == "node" and "whole" in args.only.split(",") and args.back_after is None:
+        ap.error("--kill node: the pinned plan recovers whole only once n1 is back; add --back-after S, or use "
+                 "--only none,keep-going")
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=False)
         rows = [run_one(m, args, Path(args.keep)) for m in args.only.split(",")]

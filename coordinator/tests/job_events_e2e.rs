@@ -24,6 +24,7 @@ const MODEL: &str = "{name: one, layers: 1, hidden: 64, heads: 4, seq_len: 32, v
 /// A stand-in agent: registered, heartbeating; `send` adds a message of its own (also
 /// `keep_going_e2e`'s).
 pub(crate) struct FakeAgent {
+    node: String,
     epoch: i64,
     tx: mpsc::Sender<AgentStatus>,
     instructions: mpsc::UnboundedReceiver<Instruction>,
@@ -33,11 +34,16 @@ pub(crate) struct FakeAgent {
 
 impl FakeAgent {
     pub(crate) async fn start(c: &Coordinator) -> FakeAgent {
+        FakeAgent::start_as(c, "n0").await
+    }
+
+    /// The agent of node `node` (one of four A100s, as `NODE`).
+    pub(crate) async fn start_as(c: &Coordinator, node: &str) -> FakeAgent {
         let token = c.agent_token.clone().unwrap();
         let mut agents = AgentClient::connect(c.grpc_url()).await.unwrap();
         let reply = agents
             .register(RegisterRequest {
-                node: "n0".into(),
+                node: node.into(),
                 inventory_json: NODE.into(),
                 token: token.clone(),
                 data_url: "127.0.0.1:7400".into(),
@@ -49,7 +55,7 @@ impl FakeAgent {
         let (tx, rx) = mpsc::channel(16);
         let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
         request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
-        let beat = AgentStatus { node: "n0".into(), epoch: reply.epoch, load: Some(pb::NodeLoad::default()), ..Default::default() };
+        let beat = AgentStatus { node: node.into(), epoch: reply.epoch, load: Some(pb::NodeLoad::default()), ..Default::default() };
         tx.send(AgentStatus { seq: 1, full: true, ..beat.clone() }).await.unwrap();
         let mut inbound = agents.heartbeat(request).await.unwrap().into_inner();
         let (to_test, instructions) = mpsc::unbounded_channel();
@@ -66,12 +72,12 @@ impl FakeAgent {
                 }
             })
         };
-        FakeAgent { epoch: reply.epoch, tx, instructions, beats, seq: 1 }
+        FakeAgent { node: node.into(), epoch: reply.epoch, tx, instructions, beats, seq: 1 }
     }
 
     pub(crate) async fn send(&mut self, status: AgentStatus) {
         self.seq += 1;
-        self.tx.send(AgentStatus { node: "n0".into(), epoch: self.epoch, seq: self.seq, ..status }).await.unwrap();
+        self.tx.send(AgentStatus { node: self.node.clone(), epoch: self.epoch, seq: self.seq, ..status }).await.unwrap();
     }
 
     /// The next `Launch` sent down.

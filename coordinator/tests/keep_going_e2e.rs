@@ -5,6 +5,7 @@
 //! job `degraded` under the same generation, the agent handed the membership (and told to stop
 //! a lost replica's ranks still running); the members alone decide the job's end. When no
 //! replica survives whole the job ends as it would have (no checkpoint: failed), saying why.
+//! A pinned plan's whole-job recovery waits for the node it lost.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -134,4 +135,48 @@ async fn the_members_alone_end_a_degraded_job_and_keep_going_false_fails_it_at_o
     let j = state_becomes(&c, id, "failed").await;
     assert!(j["reason"].as_str().unwrap().contains("rank 3 on node n0 exited with code 9"), "{j}");
     assert!(!events(&c, id).await.iter().any(|(k, _)| k == "membership_changed"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_plans_recovery_waits_for_its_lost_node_and_goes_on_when_it_is_back() {
+    // One replica over n0 and n1, pinned: losing n1 leaves nothing to keep going with, and the
+    // plan fits nowhere else. The recovery waits for n1 (docs/recovery.md, "A pinned plan's
+    // nodes"), as a spot node comes back, and relaunches onto both once it has.
+    let c = Arc::new(Coordinator::start(&temp_dir(), &["--heartbeat-ms", "300"]));
+    let mut n0 = FakeAgent::start_as(&c, "n0").await;
+    let n1 = FakeAgent::start_as(&c, "n1").await;
+    let stage = |layers: &str, node: &str| format!("{{layers: {layers}, gpu: A100-80G, tp: 1, dp: 1, gpus: [{{node: {node}, index: 0}}]}}");
+    let spec = format!(
+        "name: pinned\nmodel: {MODEL}\nglobal_batch: 4\nrun: 'true'\ncheckpoint: {{every: 10}}\nmax_preemptions: 1\n\
+         plan: {{global_batch: 4, micro_batch: 2, replicas: [{{samples: 4, micro_batches: 2, stages: [{}, {}]}}]}}\n",
+        stage("[0, 2]", "n0"),
+        stage("[2, 4]", "n1")
+    );
+    let id = call(&c, "POST", "/api/v1/jobs", &spec, 201).await["id"].as_i64().unwrap();
+    n0.launch().await;
+    n0.send(AgentStatus { ranks: vec![ran(id, 0, "running", None)], ..Default::default() }).await;
+    let mut n1 = n1;
+    n1.launch().await;
+    n1.send(AgentStatus { ranks: vec![ran(id, 1, "running", None)], ..Default::default() }).await;
+    state_becomes(&c, id, "running").await;
+
+    drop(n1); // n1 vanishes: its lease lapses after 3 intervals
+    state_becomes(&c, id, "recovering").await;
+    n0.send(AgentStatus { ranks: vec![ran(id, 0, "exited", Some(143))], ..Default::default() }).await;
+    let start = Instant::now();
+    let waiting = loop {
+        if let Some((_, m)) = events(&c, id).await.into_iter().find(|(k, _)| k == "recovery_waiting") {
+            break m;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "no recovery_waiting: {:?}", events(&c, id).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(waiting.contains("n1") && waiting.contains("36 s"), "{waiting}");
+    assert_eq!(call(&c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await["state"], "recovering", "it waits, not fails");
+
+    let mut back = FakeAgent::start_as(&c, "n1").await;
+    let relaunched = back.launch().await;
+    assert_eq!((relaunched.job, relaunched.generation), (id, 2));
+    let j = call(&c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await;
+    assert_eq!((j["state"].as_str(), j["generation"].as_i64()), (Some("launching"), Some(2)), "{j}");
 }

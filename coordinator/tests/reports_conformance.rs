@@ -2,13 +2,14 @@
 //! against the PostgreSQL on 127.0.0.1:5432 (a fresh database per test, dropped after), as
 //! `store_conformance.rs` runs the rest of the store: a launch whose ranks all started moves
 //! `running` in the same commit, its event before the ranks' later exits; a launch that lost a
-//! replica moves `degraded` and its newest membership is read back (docs/keep-going.md).
+//! replica moves `degraded` and its newest membership is read back (docs/keep-going.md); a
+//! degraded job is unfinished, holds its GPUs and keeps its nodes.
 
 use crate::common;
 
 use std::future::Future;
 
-use motley_coordinator::{JobState, RankAssignment, Store};
+use motley_coordinator::{CoordinatorError, JobState, RankAssignment, Store};
 
 fn run<F: Future>(f: F) -> F::Output {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap().block_on(f)
@@ -146,5 +147,23 @@ conformance!(a_degraded_launch_keeps_its_generation_and_its_newest_membership_re
     assert!(s.transition_at(job.id, Some(g), JobState::Running, None).await.is_err(), "never whole again in place");
     let j = s.transition_at(job.id, Some(g), JobState::Succeeded, None).await.unwrap();
     assert_eq!((j.state, j.reason), (JobState::Succeeded, None), "a job that kept going succeeds with no failure reason");
+    s.close().await;
+});
+
+conformance!(a_degraded_job_is_unfinished_holds_its_gpus_and_keeps_its_nodes, |url: String| async move {
+    // A job that goes on without a lost replica (docs/keep-going.md) is as launched as a running
+    // one: the tick looks at it, other jobs are not planned onto its GPUs, its nodes stay.
+    let s = Store::open(&url).await.unwrap();
+    s.register_node("n0", "{}").await.unwrap();
+    let job = s.submit_job("degraded", "{}").await.unwrap();
+    s.transition(job.id, JobState::Planning, None).await.unwrap();
+    s.start_generation(job.id, "{}", &ranks(&["n0"])).await.unwrap();
+    s.transition(job.id, JobState::Running, None).await.unwrap();
+    s.transition(job.id, JobState::Degraded, Some("node n1 lost")).await.unwrap();
+    let unfinished: Vec<i64> = s.unfinished_jobs().await.unwrap().iter().map(|j| j.id).collect();
+    assert_eq!(unfinished, [job.id], "a degraded job is unfinished");
+    let held: Vec<(String, i64)> = s.held_gpus().await.unwrap().into_iter().map(|h| (h.node, h.job)).collect();
+    assert_eq!(held, [("n0".to_string(), job.id)], "its GPUs are held");
+    assert!(matches!(s.remove_node("n0").await, Err(CoordinatorError::Conflict(_))), "its node is not removed under it");
     s.close().await;
 });

@@ -290,24 +290,6 @@ conformance!(gpus_are_held_by_launched_jobs_and_by_ranks_still_running, |url: St
     s.close().await;
 });
 
-conformance!(a_degraded_job_is_unfinished_holds_its_gpus_and_keeps_its_nodes, |url: String| async move {
-    // A job that goes on without a lost replica (docs/keep-going.md) is as launched as a running
-    // one: the tick looks at it, other jobs are not planned onto its GPUs, its nodes stay.
-    let s = Store::open(&url).await.unwrap();
-    s.register_node("n0", "{}").await.unwrap();
-    let job = s.submit_job("degraded", "{}").await.unwrap();
-    s.transition(job.id, JobState::Planning, None).await.unwrap();
-    s.start_generation(job.id, "{}", &ranks(&["n0"])).await.unwrap();
-    s.transition(job.id, JobState::Running, None).await.unwrap();
-    s.transition(job.id, JobState::Degraded, Some("node n1 lost")).await.unwrap();
-    let unfinished: Vec<i64> = s.unfinished_jobs().await.unwrap().iter().map(|j| j.id).collect();
-    assert_eq!(unfinished, [job.id], "a degraded job is unfinished");
-    let held: Vec<(String, i64)> = s.held_gpus().await.unwrap().into_iter().map(|h| (h.node, h.job)).collect();
-    assert_eq!(held, [("n0".to_string(), job.id)], "its GPUs are held");
-    assert!(matches!(s.remove_node("n0").await, Err(CoordinatorError::Conflict(_))), "its node is not removed under it");
-    s.close().await;
-});
-
 conformance!(concurrent_terminal_moves_let_exactly_one_win, |url: String| async move {
     let s = Store::open(&url).await.unwrap();
     s.register_node("n0", "{}").await.unwrap();

@@ -96,6 +96,9 @@ impl Recoveries {
 pub const ATTEMPTS: u32 = 3;
 /// Base intervals the old launch's ranks get to stop before the recovery plans without them.
 pub const STOP_INTERVALS: u32 = 10;
+/// Base intervals a recovery waits for the nodes its pinned plan names before it fails: a
+/// spot node that vanished comes back (docs/recovery.md, "A pinned plan's nodes").
+pub const PINNED_WAIT_INTERVALS: u32 = 120;
 
 impl Life {
     /// One recovery, from the old launch's stop to the next launch (or the job's failure).
@@ -112,6 +115,19 @@ impl Life {
         for attempt in 1..=ATTEMPTS {
             if store.job(id).await?.state != JobState::Recovering {
                 return Ok(()); // cancelled, or another leader moved it
+            }
+            let gone = self.wait_for_pinned_nodes(&job, &spec).await?;
+            if store.job(id).await?.state != JobState::Recovering {
+                return Ok(());
+            }
+            if !gone.is_empty() {
+                let why = format!(
+                    "recovery: the pinned plan's node(s) {} did not come back within {} s; bring them back and submit the job \
+                     again, or remove plan: to let the planner use what is there",
+                    gone.join(", "),
+                    (fleet.base * PINNED_WAIT_INTERVALS).as_secs()
+                );
+                return fail(store, fleet, &self.signals, id, old, &why).await;
             }
             let jobs = store.unfinished_jobs().await?;
             let taken = crate::planning::taken(store, fleet, &jobs).await?;
@@ -208,6 +224,33 @@ impl Life {
 }
 
 impl Life {
+    /// The nodes of the job's pinned plan (`plan:`) that are not live: waited for, up to
+    /// `PINNED_WAIT_INTERVALS` base intervals, said once in an event `recovery_waiting`.
+    /// Returns those still missing then (none once all are back, or for a job the planner plans).
+    async fn wait_for_pinned_nodes(&self, job: &JobRecord, spec: &JobSpec) -> Result<Vec<String>> {
+        let Some(plan) = &spec.plan else { return Ok(vec![]) };
+        let fleet = &self.fleet;
+        let nodes: std::collections::BTreeSet<&str> =
+            plan.replicas.iter().flat_map(|r| &r.stages).flat_map(|s| &s.gpus).map(|g| g.node.as_str()).collect();
+        let missing = || nodes.iter().filter(|n| !fleet.live(n)).map(|n| n.to_string()).collect::<Vec<_>>();
+        let mut gone = missing();
+        if gone.is_empty() {
+            return Ok(gone);
+        }
+        let wait = fleet.base * PINNED_WAIT_INTERVALS;
+        let note = format!("the pinned plan's node(s) {} are not live: waiting up to {} s for them", gone.join(", "), wait.as_secs());
+        self.store.record_event(Some(job.id), Some(job.generation), "recovery_waiting", &note).await?;
+        let until = Instant::now() + wait;
+        while !gone.is_empty() && Instant::now() < until {
+            if self.store.job(job.id).await?.state != JobState::Recovering {
+                return Ok(vec![]); // cancelled, or another leader moved it: the caller looks again
+            }
+            tokio::time::sleep(fleet.base).await;
+            gone = missing();
+        }
+        Ok(gone)
+    }
+
     /// The rates and data planes of the nodes a restore involves.
     fn node_infos(&self, files: &[crate::store::Holding], needs: &BTreeMap<String, restore_plan::NodeNeeds>) -> BTreeMap<String, NodeInfo> {
         let fleet = &self.fleet;

@@ -381,7 +381,8 @@ function jobPage(view, id) {
           grid.nodes.map((n) => h('td', {}, r.held[n] ? r.held[n].join('+') : '—')))))));
   };
 
-  // A recovery's events: `recovering` (why), `recovery_planned` and `recovery_done` (JSON).
+  // A recovery's events: `recovering` (why), `recovery_planned` and `recovery_done` (JSON),
+  // `recovery_waiting` (a pinned plan's nodes waited for).
   const noteRecovery = (e) => {
     const json = () => { try { return JSON.parse(e.message); } catch { return null; } };
     if (e.kind === 'recovering') recovered.push({ why: e.message, planned: null, done: null, retries: 0 });
@@ -390,6 +391,7 @@ function jobPage(view, id) {
     if (e.kind === 'recovery_planned') last.planned = json();
     else if (e.kind === 'recovery_done') last.done = json();
     else if (e.kind === 'recovery_retry') last.retries += 1;
+    else if (e.kind === 'recovery_waiting') last.waiting = e.message;
     else if (e.kind === 'failed' && !last.done) last.failed = e.message;
     return e.kind.startsWith('recover') || e.kind === 'failed';
   };
@@ -410,7 +412,7 @@ function jobPage(view, id) {
           h('td', { class: 'num' }, secs(r.done && r.done.transfer_s)),
           h('td', { class: 'num' }, secs(r.done && r.done.total_s)),
           h('td', { class: 'num' }, mb((r.done && r.done.bytes) || (r.planned && r.planned.bytes))),
-          h('td', {}, r.done ? `relaunched${r.retries ? ` after ${r.retries} retries` : ''}` : (r.failed ? `failed: ${r.failed}` : 'in progress')))))));
+          h('td', {}, r.done ? `relaunched${r.retries ? ` after ${r.retries} retries` : ''}` : (r.failed ? `failed: ${r.failed}` : (r.waiting ? `in progress: ${r.waiting}` : 'in progress'))))))));
   };
 
   const refresh = async () => {
