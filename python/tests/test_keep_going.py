@@ -324,15 +324,16 @@ def test_a_coordinator_restarted_while_degraded_goes_on_from_its_recorded_member
 
 
 def test_a_lost_node_back_takes_the_degraded_job_to_full_strength_at_its_next_checkpoint(tmp_path):
-    """n2 (replica 2) vanishes with its agent. The job goes on degraded and saves its steps whole
-    without it (the leader writes the lost rank's file: the coordinator finds them complete).
-    n2's agent comes back: at the next step the members save, the job is restored onto its whole
-    pinned plan under generation 2 and succeeds; every step's loss, before, during and after,
-    is the single process's."""
+    """n2 (replica 2) vanishes with its agent; the job goes on degraded. n2's agent comes back:
+    the members are asked to save at their next step (the job's own `every` is far off), the
+    step is whole without replica 2 (the leader writes the lost rank's file: the coordinator
+    finds it complete), and the job is restored from it onto its whole pinned plan under
+    generation 2 and succeeds; every step's loss, before, during and after, is the single
+    process's."""
     from test_recovery import Cluster
 
     spec = yaml.safe_load(DEV_MODEL.read_text())
-    steps, seed, every = 600, 5, 10
+    steps, seed, every = 600, 5, 1000
     c = Cluster(tmp_path, NODES)
     try:
         c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
@@ -342,10 +343,7 @@ def test_a_lost_node_back_takes_the_degraded_job_to_full_strength_at_its_next_ch
         c.kill_node("n2")
         c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "degraded", 60, every=0.1)
         epoch1 = c.wait(lambda: [x["step"] for x in lines_of(rank0) if x["epoch"] == 1], 60, every=0.1)[0]
-
-        def saved_degraded():
-            return [s["step"] for s in c.get(f"/api/v1/jobs/{jid}/checkpoints") if s["complete"] and s["step"] > epoch1]
-        c.wait(saved_degraded, 60, every=0.2)
+        assert not c.get(f"/api/v1/jobs/{jid}/checkpoints"), "no step saved before the return (every: 1000)"
         c.start_agent("n2", dict(NODES)["n2"])
         c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
         final, events = c.get(f"/api/v1/jobs/{jid}"), c.events(jid)
@@ -354,10 +352,10 @@ def test_a_lost_node_back_takes_the_degraded_job_to_full_strength_at_its_next_ch
         assert final.get("reason") is None, final
         assert kinds.count("membership_changed") == 1 and "degraded" in kinds, kinds
         recovering = next(e["message"] for e in events if e["kind"] == "recovering")
-        assert "take its lost replicas back" in recovering and "saved while degraded" in recovering, recovering
+        assert "node(s) n2 of its lost replicas are back" in recovering and "saved while degraded" in recovering, recovering
         planned = json.loads(next(e["message"] for e in events if e["kind"] == "recovery_planned"))
         restored = planned["step"]
-        assert restored > epoch1 and restored % every == 0, (planned, epoch1)
+        assert epoch1 < restored < every, (planned, epoch1)
         plan = c.get(f"/api/v1/jobs/{jid}/plan")["plan"]
         assert sum(len(s["gpus"]) for r in plan["replicas"] for s in r["stages"]) == 4, plan
         # Generation 2 runs all three replicas again (epoch 0 of the whole plan), from the step

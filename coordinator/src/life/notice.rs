@@ -93,21 +93,10 @@ impl Life {
                 let (Ok(ranks), Ok(before)) = (store.ranks(job.id, job.generation).await, newest_started(store, job.id).await) else {
                     return false;
                 };
-                let now_ms = crate::store::now_ms();
-                let notice = SaveNow {
-                    job: job.id,
-                    generation: job.generation,
-                    notice: now_ms,
-                    deadline_unix_ms: now_ms + deadline.as_millis() as i64,
-                };
                 let mut nodes: Vec<String> = ranks.into_iter().map(|r| r.assignment.node).collect();
                 nodes.sort_unstable();
                 nodes.dedup();
-                let mut told = 0;
-                for n in &nodes {
-                    told += usize::from(fleet.send(n, Instruction { kind: Some(instruction::Kind::SaveNow(notice)) }));
-                }
-                if told == 0 {
+                if !self.ask_to_save(job, &nodes, deadline) {
                     return false;
                 }
                 self.notices.lock().insert(
@@ -124,6 +113,19 @@ impl Life {
             tracing::warn!(job = job.id, "recording the preemption notice: {e}");
         }
         true
+    }
+
+    /// Ask launch `job`'s ranks on `nodes` to save at their next step: a `SaveNow` numbered by
+    /// the wall clock, its deadline `deadline` away. True when some node was told.
+    pub(super) fn ask_to_save(&self, job: &JobRecord, nodes: &[String], deadline: Duration) -> bool {
+        let now_ms = crate::store::now_ms();
+        let notice =
+            SaveNow { job: job.id, generation: job.generation, notice: now_ms, deadline_unix_ms: now_ms + deadline.as_millis() as i64 };
+        let mut told = false;
+        for n in nodes {
+            told |= self.fleet.send(n, Instruction { kind: Some(instruction::Kind::SaveNow(notice)) });
+        }
+        told
     }
 
     /// A new leader takes over the notices in flight from the `preemption_notice` events of each

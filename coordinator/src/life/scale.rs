@@ -1,7 +1,8 @@
 //! Scale-up: nodes that come back (or are added) take a running job up at its next complete
 //! checkpoint, by the recovery path (docs/recovery.md). A degraded job (docs/keep-going.md)
-//! goes back to full strength the same way: once its lost node is back, at the next step its
-//! members saved whole, it is restored onto the whole plan, a pinned one included.
+//! goes back to full strength the same way: once its lost node is back, its members are asked
+//! to save at their next step, and from that step it is restored onto the whole plan, a pinned
+//! one included.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
@@ -10,7 +11,12 @@ use super::{usable_nodes, Life};
 use crate::error::Result;
 use crate::job::spec::JobSpec;
 use crate::job::JobState;
-use crate::store::{JobRecord, RecoveryCause};
+use crate::planning::membership;
+use crate::store::{JobRecord, NodeRecord, RecoveryCause};
+
+/// How far away the deadline of a degraded job's save-now is, in base intervals (the ranks save
+/// at their next step whatever it says; it bounds nothing else).
+const SAVE_NOW_INTERVALS: u32 = 10;
 
 /// A running launch's live nodes when first seen, and the newest complete step when more were.
 type Seen = (usize, Option<i64>);
@@ -54,11 +60,21 @@ impl Life {
             let live = usable_nodes(&nodes, fleet, &spec);
             let key = (j.id, j.generation);
             let seen = *self.scale.lock().entry(key).or_insert((live, None));
-            if live < seen.0 {
+            // A running launch grows once more nodes are live than when it was first seen; a
+            // degraded one goes back whole once a node of its lost replicas is back.
+            let back = match degraded {
+                true => self.lost_nodes_back(j, &nodes).await?,
+                false => vec![],
+            };
+            if degraded && back.is_empty() {
                 self.scale.lock().insert(key, (live, None));
                 continue;
             }
-            if live == seen.0 {
+            if !degraded && live < seen.0 {
+                self.scale.lock().insert(key, (live, None));
+                continue;
+            }
+            if !degraded && live == seen.0 {
                 continue;
             }
             // The ranks that train now: a degraded launch's members' alone.
@@ -76,6 +92,11 @@ impl Life {
             match seen.1 {
                 None => {
                     self.scale.lock().insert(key, (seen.0, Some(newest)));
+                    if degraded {
+                        // Its next complete step is when it goes back whole: asked for now (the
+                        // save-on-notice path), not left to the job's next `every`.
+                        self.ask_members_to_save(j).await?;
+                    }
                 }
                 Some(then) if newest > then => {
                     // Only if the planner would use more GPUs now: otherwise the restart buys nothing,
@@ -103,9 +124,9 @@ impl Life {
                     }
                     let reason = match degraded {
                         true => format!(
-                            "{live} live nodes can take its lost replicas back (it went on without them when {} were); \
-                             scaling up from step {newest}, saved while degraded",
-                            seen.0
+                            "node(s) {} of its lost replicas are back and can take them again; scaling up from step {newest}, \
+                             saved while degraded",
+                            back.join(", ")
                         ),
                         false => {
                             format!("{live} live nodes can take it (it was launched when {} were); scaling up from step {newest}", seen.0)
@@ -119,6 +140,37 @@ impl Life {
                 }
                 Some(_) => {}
             }
+        }
+        Ok(())
+    }
+}
+
+impl Life {
+    /// The nodes of a degraded launch's lost replicas that are live and registered again after
+    /// the membership that lost them (both durable: the membership's event, the node's
+    /// registration). A rank that failed on a node that stayed up brings nothing back by itself:
+    /// a replica lost to its own failure is not relaunched over and over for free.
+    async fn lost_nodes_back(&self, j: &JobRecord, nodes: &[NodeRecord]) -> Result<Vec<String>> {
+        let Some(now) = self.launched(j).await? else { return Ok(vec![]) };
+        let Some(changed) = self.store.last_event(j.id, j.generation, membership::EVENT).await? else { return Ok(vec![]) };
+        let members = &now.membership.replicas;
+        let lost: HashSet<&str> =
+            now.ranks.iter().filter(|r| !members.contains(&(r.assignment.replica as u32))).map(|r| r.assignment.node.as_str()).collect();
+        Ok(nodes
+            .iter()
+            .filter(|n| lost.contains(n.name.as_str()) && self.fleet.live(&n.name) && n.registered_at_ms > changed.at_ms)
+            .map(|n| n.name.clone())
+            .collect())
+    }
+
+    /// A degraded launch's members save at their next step (a `SaveNow` to their nodes).
+    async fn ask_members_to_save(&self, j: &JobRecord) -> Result<()> {
+        let Some(now) = self.launched(j).await? else { return Ok(()) };
+        let mut nodes: Vec<String> = now.members().map(|r| r.assignment.node.clone()).collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        if self.ask_to_save(j, &nodes, self.fleet.base * SAVE_NOW_INTERVALS) {
+            tracing::info!(job = j.id, "a lost replica's node is back: the members save now, to go back whole from that step");
         }
         Ok(())
     }
