@@ -130,7 +130,7 @@ async fn until_events(c: &Arc<Coordinator>, id: i64, what: &str, f: impl Fn(&[(S
 }
 
 /// A complete checkpoint step of the one-layer, one-rank model.
-fn step_holdings(job: i64, step: u64) -> Vec<CkptHolding> {
+pub(crate) fn step_holdings(job: i64, step: u64) -> Vec<CkptHolding> {
     let unit = |block: &str, part: &str| CkptHolding {
         job,
         generation: 1,

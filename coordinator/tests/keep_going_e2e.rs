@@ -180,3 +180,51 @@ async fn a_pinned_plans_recovery_waits_for_its_lost_node_and_goes_on_when_it_is_
     let j = call(&c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await;
     assert_eq!((j["state"].as_str(), j["generation"].as_i64()), (Some("launching"), Some(2)), "{j}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_degraded_job_goes_back_whole_when_its_lost_node_returns_not_after_its_own_rank_failed() {
+    // Two one-GPU replicas of a one-layer model, pinned: replica 0 on n0, replica 1 on n1.
+    let c = Arc::new(Coordinator::start(&temp_dir(), &["--heartbeat-ms", "300"]));
+    let mut n0 = FakeAgent::start_as(&c, "n0").await;
+    let mut n1 = FakeAgent::start_as(&c, "n1").await;
+    let replica = |node: &str| {
+        format!("{{samples: 2, micro_batches: 1, stages: [{{layers: [0, 1], gpu: A100-80G, tp: 1, dp: 1, gpus: [{{node: {node}, index: 0}}]}}]}}")
+    };
+    let spec = format!(
+        "name: back\nmodel: {{name: one, layers: 1, hidden: 64, heads: 4, seq_len: 32, vocab: 128}}\nglobal_batch: 4\nrun: 'true'\n\
+         checkpoint: {{every: 100}}\nplan: {{global_batch: 4, micro_batch: 2, replicas: [{}, {}]}}\n",
+        replica("n0"),
+        replica("n1")
+    );
+    let id = call(&c, "POST", "/api/v1/jobs", &spec, 201).await["id"].as_i64().unwrap();
+    n0.launch().await;
+    n1.launch().await;
+    n0.send(AgentStatus { ranks: vec![ran(id, 0, "running", None)], ..Default::default() }).await;
+    n1.send(AgentStatus { ranks: vec![ran(id, 1, "running", None)], ..Default::default() }).await;
+    state_becomes(&c, id, "running").await;
+
+    // Replica 1's own rank fails on n1, which stays up: the job goes on degraded, and nothing
+    // brings the replica back (it would fail again, each time for free).
+    n1.send(AgentStatus { ranks: vec![ran(id, 1, "exited", Some(1))], ..Default::default() }).await;
+    membership(&mut n0).await;
+    state_becomes(&c, id, "degraded").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await; // five base intervals of scale-up looks
+    assert_eq!(call(&c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await["state"], "degraded");
+
+    // n1's agent registers again after the loss: the member is asked to save now, and once
+    // that step is whole (the leader wrote rank 1's file) the job goes back to its whole plan.
+    drop(n1);
+    let _n1 = FakeAgent::start_as(&c, "n1").await;
+    let save = n0.next(|k| if let instruction::Kind::SaveNow(s) = k { Some(s) } else { None }).await;
+    assert_eq!((save.job, save.generation), (id, 1));
+    let mut whole = crate::job_events_e2e::step_holdings(id, 7);
+    for h in &mut whole {
+        h.world_size = 2;
+    }
+    let stand_in = whole.iter().find(|h| h.rank == 0).cloned().unwrap();
+    whole.push(motley_proto::v1::CkptHolding { rank: 1, file: "rank.00001.safetensors".into(), ..stand_in });
+    n0.send(AgentStatus { holdings: whole, holdings_sent: true, ..Default::default() }).await;
+    state_becomes(&c, id, "recovering").await;
+    let why = events(&c, id).await.into_iter().find(|(k, _)| k == "recovering").map(|(_, m)| m).unwrap();
+    assert!(why.contains("node(s) n1 of its lost replicas are back") && why.contains("from step 7"), "{why}");
+}
