@@ -52,7 +52,10 @@ def wait_for_line(path: Path, step: int, procs, timeout: float = 120.0):
 
 
 def progress(stdout: str):
-    return [d for d in (json.loads(x) for x in stdout.splitlines() if x.startswith("{")) if "loss" in d]
+    """The progress lines of a rank's output; of a log still being written, its whole lines only
+    (the last piece may be a line half written)."""
+    whole = stdout.split("\n")[:-1]
+    return [d for d in (json.loads(x) for x in whole if x.startswith("{")) if "loss" in d]
 
 
 def membership(epoch: int, replicas, lost, micro_batches, port: int, leader: int) -> str:
