@@ -166,9 +166,9 @@ class Trainer:
         # of the step at which any of them saw it (one integer all-reduced per step).
         self.notice = None
         if args.ckpt_dir:
-            from .components import checkpoint
+            from .components.save_notice import SaveNotice
 
-            self.notice = checkpoint.SaveNotice.from_env()
+            self.notice = SaveNotice.from_env()
         self.profiler = None
         if getattr(args, "torch_profile", None):
             from .components.torch_profile import StepProfiler

@@ -1,7 +1,7 @@
 //! Preemption notices (`SaveNow`, docs/recovery.md): one of a launch's nodes goes away at a
 //! deadline, so its ranks should save a checkpoint at their next step. The agent writes the
 //! notice into the launch directory, where every rank looks once per step
-//! (MOTLEY_CKPT_NOTICE; `motley_torch.components.checkpoint.SaveNotice`):
+//! (MOTLEY_CKPT_NOTICE; `motley_torch.components.save_notice.SaveNotice`):
 //!
 //! ```json
 //! {"notice": 1764000000000, "deadline_unix_ms": 1764000120000}
