@@ -177,6 +177,41 @@ def check_degraded_step(ckpt: Path, killed, plan: dict, want):
 
 
 
+def test_a_replica_lost_while_every_step_is_saved_stops_nobody_else(tmp_path):
+    """A checkpoint after every step, written in the caller (--ckpt-sync): the kill lands in a
+    step or in a save's agreement, whichever it meets; the survivors go on either way (a save
+    whose agreement failed is given up on every member) with the single process's losses, and
+    the last step saved is whole."""
+    from motley_torch.components import checkpoint
+
+    plan = three_replicas()
+    work = tmp_path / "run"
+    member_file = work / "membership.json"
+    ckpt = tmp_path / "ckpt"
+    want = reference_losses(str(DATA / MODEL), 12, 16, STEPS, SEED)
+    procs = start_ranks(plan, ["--steps", str(STEPS), "--seed", str(SEED), "--timeout", "60", "--ckpt-dir", str(ckpt),
+                               "--ckpt-every", "1", "--ckpt-sync"], work,
+                        extra_env={"MOTLEY_KEEP_GOING": "1", "MOTLEY_MEMBERSHIP": str(member_file)})
+    try:
+        wait_for_line(work / "rank0.out", 2, procs)
+        os.killpg({r["rank"]: p for r, p, *_ in procs}[2].pid, signal.SIGKILL)
+        time.sleep(0.3)
+        write_membership(member_file, membership(1, [0, 2], [1], {0: 4, 2: 2}, int(procs[0][4]["MASTER_PORT"]), 0))
+    finally:
+        results = wait_ranks(procs, work, 180)
+    survivors = [r for r in results if r.rank != 2]
+    for r in survivors:
+        assert r.returncode == 0, f"rank {r.rank} exit {r.returncode}\n{r.log[-4000:]}"
+    lines = progress({r.rank: r for r in results}[0].stdout)
+    by_step = {}
+    for x in lines:
+        assert by_step.setdefault(x["step"], x["loss"]) == x["loss"], f"step {x['step']} printed twice, differently"
+    assert sorted(by_step) == list(range(STEPS))
+    assert_steps_close([by_step[s] for s in range(STEPS)], want, 4, "losses with a save after every step")
+    m = checkpoint.verify_step(str(ckpt / checkpoint.step_dir_name(STEPS)))
+    assert m["lost_ranks"] == [2] and [r["rank"] for r in m["ranks"]] == [0, 1, 2, 3], m["ranks"]
+
+
 def test_two_losses_in_a_row_leave_the_last_replica_training_alone_with_the_same_losses(tmp_path):
     """Replica 1 first (epoch 1: the store stays with rank 0), then replica 0 with rank 0 and
     the store (epoch 2: rank 3 alone, hosting the store on another port); the last replica
