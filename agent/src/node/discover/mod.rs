@@ -63,6 +63,7 @@ pub fn catalog_gpu(nvml_name: &str, memory_bytes: u64) -> Option<&'static str> {
             }
         }
         _ if has("H100") => "H100",
+        _ if has("H200") => "H200",
         _ if has("H800") => "H800",
         _ if has("H20") => "H20",
         _ if has("V100") || has("V100S") => {

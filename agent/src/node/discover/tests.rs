@@ -139,10 +139,10 @@ fn no_gpu_or_an_unknown_one_names_the_inventory_flag() {
     let e = discover("n0", &t.0, &gpus).1.unwrap_err().to_string();
     assert!(e.contains("different types") && e.contains("--inventory FILE"), "{e}");
     for g in &mut gpus {
-        g.name = "NVIDIA H200".into();
+        g.name = "NVIDIA L40S".into();
     }
     let e = discover("n0", &t.0, &gpus).1.unwrap_err().to_string();
-    assert!(e.contains("'NVIDIA H200' is not in the planner's catalogue"), "{e}");
+    assert!(e.contains("'NVIDIA L40S' is not in the planner's catalogue"), "{e}");
 }
 
 #[test]
@@ -154,7 +154,7 @@ fn nvml_names_map_to_the_catalogue() {
         ("NVIDIA H100 80GB HBM3", gib(80), Some("H100")),
         ("NVIDIA H800", gib(80), Some("H800")),
         ("NVIDIA H20", gib(96), Some("H20")),
-        ("NVIDIA H200", gib(141), None),
+        ("NVIDIA H200", gib(140), Some("H200")),
         ("Tesla V100-SXM2-32GB", gib(32), Some("V100-32G")),
         ("Tesla V100-PCIE-16GB", gib(16), Some("V100-16G")),
         ("NVIDIA RTX A6000", gib(48), Some("A6000")),
