@@ -151,6 +151,10 @@ class Trainer:
         self.last_line = None  # the last line flushed (every rank: `_next_epoch`)
         self.start = 0
         position = {"samples": 0}
+        if args.ckpt_dir or args.ckpt_restore:
+            from .components import checkpoint
+
+            checkpoint.require_modules()
         if args.ckpt_restore:
             from .components import checkpoint
 

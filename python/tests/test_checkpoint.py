@@ -161,3 +161,19 @@ def test_restore_lists_and_corruption_are_named(run, tmp_path):
     assert out.returncode == 1
     assert "unit layer.00001.model.tp0-2.safetensors: chunk 0 (bytes 0.." in out.stderr, out.stderr
     assert "fetch the unit again from another holder" in out.stderr
+
+
+def test_a_python_without_crc32c_is_refused_when_the_rank_starts(tmp_path):
+    """Checkpoints checksum every file with crc32c: a rank whose Python cannot import it ends at
+    its start (exit 2, naming the package and the fix), before any step, rather than at its
+    first save an interval later (every restart would lose the same steps again)."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "crc32c.py").write_text('raise ImportError("no crc32c in this Python (the test\'s stand-in)")\n')
+    pythonpath = os.pathsep.join([str(shadow), str(REPO / "python"), os.environ.get("PYTHONPATH", "")])
+    res = launch(plan(1), ["--steps", str(STEPS), "--seed", str(SEED), "--ckpt-every", str(EVERY)], tmp_path / "run",
+                 extra_env={"MOTLEY_CKPT_DIR": str(tmp_path / "ckpt"), "PYTHONPATH": pythonpath})
+    for r in res:
+        assert r.returncode == 2, (r.rank, r.returncode, r.log[-2000:])
+        assert "checkpoints need the crc32c package" in r.log and "pip install crc32c" in r.log, r.log[-2000:]
+        assert losses(r.stdout) == [], "no step was taken"

@@ -75,6 +75,18 @@ def block_of(name: str):
 # ---- files -------------------------------------------------------------------------------------
 
 
+def require_modules():
+    """Checkpoints need the crc32c package (every file's chunks are checksummed): checked when
+    the rank starts, not at its first save an interval later (a Python without it would lose
+    every step up to there, and so would each restart)."""
+    try:
+        import crc32c  # noqa: F401
+    except ImportError as e:
+        raise CheckpointError(f"checkpoints need the crc32c package, which this Python ({sys.executable}) cannot "
+                              f"import ({e}): pip install crc32c (python/README.md, \"What a rank's Python "
+                              f"needs\")") from None
+
+
 def chunk_crcs(data: bytes, chunk: int = CHUNK_BYTES) -> List[int]:
     import crc32c
 
