@@ -132,8 +132,12 @@ fn search_in(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure], budget_t
     // skip those whose bound the incumbent already meets.
     let bounds: Vec<f64> = runs.iter().map(|(_, d)| fluid_lower_bound(d)).collect();
     stats.lower_bound = bounds.iter().copied().reduce(f64::min);
+    // Bounds equal to a millionth (the fluid bound is bisected to a billionth) count as equal,
+    // and then the larger micro-batch goes first: where two configurations price the same, the
+    // first found is kept, and fewer, larger micro-batches run faster (`tp_micro_batch_space`).
+    let bucket = |b: f64| if b.is_finite() && b > 0.0 { (b.ln() * 1e6).round() as i64 } else { i64::MAX };
     let mut order: Vec<usize> = (0..runs.len()).collect();
-    order.sort_by(|&a, &b| bounds[a].total_cmp(&bounds[b]));
+    order.sort_by_key(|&i| (bucket(bounds[i]), std::cmp::Reverse(runs[i].0.micro_batch)));
     let per_run_budget = budget_total / runs.len().max(1) as u64;
     for i in order {
         let incumbent = best.as_ref().map_or(f64::INFINITY, |b| b.0);
