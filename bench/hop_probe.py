@@ -7,8 +7,11 @@ twelve times; prints per case the receiver's milliseconds from the send's post t
 return (median of the last ten).
 
 Cases: `idle` (both ends wait), `sendbusy` (the sender computes 300 ms after posting),
-`recvbusy` (the receiver computes 60 ms before waiting), and `recvbusy-mainonly` (the same with
-only the receiver's main thread in its share, via cgroup v1's `tasks`, gloo's threads outside).
+`recvbusy` (the receiver posts its receive, computes 60 ms, then waits: the pipeline's receives
+posted ahead over gloo), `recvbusy-late` (the receiver computes 60 ms, then posts and waits: the
+pipeline before it posted ahead; gloo moves nothing until the receive is posted), and
+`recvbusy-mainonly` (as `recvbusy` with only the receiver's main thread in its share, via cgroup
+v1's `tasks`, gloo's threads outside).
 
     sudo .venv/bin/python bench/hop_probe.py
 """
@@ -60,10 +63,13 @@ for _ in range(12):
         w.wait()
     else:
         t = torch.zeros(1, dtype=torch.float64)
-        w = dist.irecv(x, 0, tag=2)
+        late = case == "recvbusy-late"
+        w = None if late else dist.irecv(x, 0, tag=2)
         dist.recv(t, 0, tag=1)
         if case.startswith("recvbusy"):
             compute(0.06)
+        if late:
+            w = dist.irecv(x, 0, tag=2)
         w.wait()
         res.append((time.perf_counter() - t.item()) * 1e3)
 if rank == 1:
@@ -85,7 +91,7 @@ def main() -> int:
     try:
         # The A100 node sends to a V100 node across the link, as Whale's lab plan's last hop.
         a, b = "n1", "n2"
-        for case in ("idle", "sendbusy", "recvbusy", "recvbusy-mainonly"):
+        for case in ("idle", "sendbusy", "recvbusy", "recvbusy-late", "recvbusy-mainonly"):
             argv = lambda rank, port, node: net.argv(node, [sys.executable, "-c", SIDE, str(rank), net.ip[a], str(port),
                                                             shares.procs(node), str(hop), case], cgroups=True)
             first = subprocess.Popen(argv(0, 0, a), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -9,7 +9,15 @@ A hop joins stage s (dp TP-groups) and stage s+1 (dp' TP-groups), whose dp may d
 every pair (sender slice d, receiver slice e) whose rows of the micro-batch overlap, TP rank j
 of sender group d sends the overlapping rows to TP rank j of receiver group e over the hop's
 pp group; gradients go back over the same pairs. Sends are non-blocking (kept until the step
-ends), receives blocking, which with the 1F1B order cannot deadlock.
+ends); a forward or backward waits for its receives, which with the 1F1B order cannot deadlock.
+
+Receives posted ahead (gloo): gloo moves a message only once its receive is posted (a send waits
+for the peer's "ready to receive"), so a receive posted when the rank needs it exposes the whole
+transfer on the rank's path. Over gloo the step posts each kind of receive (activations from the
+previous stage, gradients from the next) `RECV_AHEAD` micro-batches ahead of its use, from the
+step's start, so a hop's transfer runs while the rank computes. Over NCCL receives are posted
+when needed: the host does not wait there (a wait orders the streams), and a receive posted
+ahead of a send on the same pair's stream can deadlock the two ranks.
 
 Loss scaling: a last-stage rank's loss is the sum of its tokens' cross-entropy over
 (global_batch * seq_len), i.e. its local mean times its share of the samples; summing the
@@ -32,6 +40,9 @@ import torch
 import torch.distributed as dist
 
 from .groups import RankView
+
+# How many micro-batches ahead of its use a receive is posted over gloo (module docstring).
+RECV_AHEAD = 2
 
 
 def one_f_one_b(num_stages: int, stage: int, num_micro: int) -> List[Tuple[str, int]]:
@@ -95,6 +106,11 @@ class Pipeline:
                 if ds == d:
                     self.send_to.append((nxt.ranks[e * nxt.tp + j], rows))
         self.pending = []
+        self.recv_ahead = RECV_AHEAD if view.backend == "gloo" else 0
+        # Receives posted and not yet taken, by (kind "F" activations | "B" gradients, micro-batch);
+        # the next micro-batch of each kind to post. Reset at each step's start.
+        self._posted: Dict[Tuple[str, int], list] = {}
+        self._next_post = {"F": 0, "B": 0}
         self.timings: Optional[StepTimings] = None  # set to time the micro-batches
         # The forward passes run under it (precision.autocast: torch.autocast for bf16/fp16).
         self.autocast = contextlib.nullcontext
@@ -119,17 +135,44 @@ class Pipeline:
             w = dist.isend(t, dst=dst, group=self._pg(group))
         self.pending.append((w, t))
 
-    def _recv(self, shape, src: int, group) -> torch.Tensor:
+    def _post_recv(self, shape, src: int, group):
         t = torch.empty(shape, dtype=self.dtype, device=self.v.device)
         peer = self._peer(group, src)
         if "group_peer" in peer:
             w = dist.irecv(t, group=self._pg(group), group_src=peer["group_peer"])
         else:
             w = dist.irecv(t, src=src, group=self._pg(group))
-        # Waited for as the view says: under keep-going, in slices that give up when a newer
-        # membership is out (a peer of this replica gave up on the step).
-        self.v.wait(w)
-        return t
+        return w, t
+
+    def _start_receives(self, num_micro: int, kinds=("F", "B")):
+        """A step's start: nothing posted yet; over gloo, the first receives of each kind."""
+        self._posted, self._next_post = {}, {"F": 0, "B": 0}
+        for kind in kinds:
+            self._post_until(kind, min(num_micro, self.recv_ahead) - 1)
+
+    def _post_until(self, kind: str, last: int):
+        """Post the receives of `kind` for every micro-batch up to `last`, in order (a pair's
+        messages match in the order posted)."""
+        peers, group = (self.recv_from, self.v.pp_prev_group) if kind == "F" else (self.send_to, self.v.pp_next_group)
+        if not peers:
+            return
+        while self._next_post[kind] <= last:
+            k = self._next_post[kind]
+            self._posted[(kind, k)] = [self._post_recv((b - a, self.seq_len, self.hidden), src, group)
+                                       for src, (a, b) in peers]
+            self._next_post[kind] = k + 1
+
+    def _receive(self, kind: str, k: int, num_micro: int) -> List[torch.Tensor]:
+        """Micro-batch k's tensors of `kind`, one per peer in row order, once they are here;
+        posts the receives `recv_ahead` micro-batches beyond it first."""
+        self._post_until(kind, min(num_micro - 1, k + self.recv_ahead))
+        out = []
+        for w, t in self._posted.pop((kind, k)):
+            # Waited for as the view says: under keep-going, in slices that give up when a newer
+            # membership is out (a peer of this replica gave up on the step).
+            self.v.wait(w)
+            out.append(t)
+        return out
 
     def step(self, micro: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: float) -> float:
         """Forward and backward every micro-batch (inputs, targets of this rank's rows; only
@@ -148,6 +191,8 @@ class Pipeline:
     def _step(self, micro: List[Tuple[torch.Tensor, torch.Tensor]], loss_scale: float) -> float:
         v = self.v
         order = one_f_one_b(v.pp_size, v.stage, len(micro))
+        n = len(micro)
+        self._start_receives(n)
         saved: Dict[int, tuple] = {}
         total: Optional[torch.Tensor] = None
         tm = self.timings
@@ -159,8 +204,7 @@ class Pipeline:
                 if v.is_first_stage:
                     x = micro[k][0].to(v.device)
                 else:
-                    parts = [self._recv((b - a, self.seq_len, self.hidden), src, v.pp_prev_group)
-                             for src, (a, b) in self.recv_from]
+                    parts = self._receive("F", k, n)
                     x_in = torch.cat(parts) if len(parts) > 1 else parts[0]
                     x_in.requires_grad_()
                     x = x_in
@@ -191,10 +235,13 @@ class Pipeline:
                         t1 = clock()
                     out.backward()
                 else:
-                    grad = torch.empty_like(out)
-                    for src, (a, b) in self.send_to:
-                        grad[a - self.my_lo : b - self.my_lo] = self._recv((b - a, self.seq_len, self.hidden), src,
-                                                                           v.pp_next_group)
+                    parts = self._receive("B", k, n)
+                    if len(parts) == 1 and parts[0].shape == out.shape:
+                        grad = parts[0]
+                    else:
+                        grad = torch.empty_like(out)
+                        for t, (_, (a, b)) in zip(parts, self.send_to):
+                            grad[a - self.my_lo : b - self.my_lo] = t
                     if tm is not None:
                         t1 = clock()
                     torch.autograd.backward(out, grad)
@@ -214,13 +261,14 @@ class Pipeline:
         (padding) count for nothing."""
         v = self.v
         total = 0.0
+        n = len(micro)
+        self._start_receives(n, kinds=("F",))
         with torch.no_grad():
-            for inputs, targets in micro:
+            for k, (inputs, targets) in enumerate(micro):
                 if v.is_first_stage:
                     x = inputs.to(v.device)
                 else:
-                    parts = [self._recv((b - a, self.seq_len, self.hidden), src, v.pp_prev_group)
-                             for src, (a, b) in self.recv_from]
+                    parts = self._receive("F", k, n)
                     x = torch.cat(parts) if len(parts) > 1 else parts[0]
                 if v.is_last_stage:
                     with self.autocast():
