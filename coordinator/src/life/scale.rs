@@ -7,6 +7,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
+use super::keep_going::Launched;
 use super::{usable_nodes, Life};
 use crate::error::Result;
 use crate::job::spec::JobSpec;
@@ -61,29 +62,25 @@ impl Life {
             let key = (j.id, j.generation);
             let seen = *self.scale.lock().entry(key).or_insert((live, None));
             // A running launch grows once more nodes are live than when it was first seen; a
-            // degraded one goes back whole once a node of its lost replicas is back.
-            let back = match degraded {
-                true => self.lost_nodes_back(j, &nodes).await?,
-                false => vec![],
-            };
-            if degraded && back.is_empty() {
-                self.scale.lock().insert(key, (live, None));
-                continue;
-            }
-            if !degraded && live < seen.0 {
-                self.scale.lock().insert(key, (live, None));
-                continue;
-            }
-            if !degraded && live == seen.0 {
-                continue;
-            }
-            // The ranks that train now: a degraded launch's members' alone.
-            let ranks = match degraded {
-                true => match self.launched(j).await? {
-                    Some(now) => now.members().count(),
-                    None => continue,
-                },
-                false => store.ranks(j.id, j.generation).await?.len(),
+            // degraded one goes back whole once a node of its lost replicas is back. `ranks`: the
+            // ranks that train now (a degraded launch's members' alone).
+            let (ranks, back, now) = if degraded {
+                let Some(now) = self.launched(j).await? else { continue };
+                let back = self.lost_nodes_back(j, &now, &nodes).await?;
+                if back.is_empty() {
+                    self.scale.lock().insert(key, (live, None));
+                    continue;
+                }
+                (now.members().count(), back, Some(now))
+            } else {
+                match live.cmp(&seen.0) {
+                    std::cmp::Ordering::Less => {
+                        self.scale.lock().insert(key, (live, None));
+                        continue;
+                    }
+                    std::cmp::Ordering::Equal => continue,
+                    std::cmp::Ordering::Greater => (store.ranks(j.id, j.generation).await?.len(), vec![], None),
+                }
             };
             if spec.resources.gpus.is_some_and(|g| ranks as u32 >= g) {
                 continue; // already at its GPU budget
@@ -92,10 +89,10 @@ impl Life {
             match seen.1 {
                 None => {
                     self.scale.lock().insert(key, (seen.0, Some(newest)));
-                    if degraded {
+                    if let Some(now) = &now {
                         // Its next complete step is when it goes back whole: asked for now (the
                         // save-on-notice path), not left to the job's next `every`.
-                        self.ask_members_to_save(j).await?;
+                        self.ask_members_to_save(j, now);
                     }
                 }
                 Some(then) if newest > then => {
@@ -150,8 +147,7 @@ impl Life {
     /// the membership that lost them (both durable: the membership's event, the node's
     /// registration). A rank that failed on a node that stayed up brings nothing back by itself:
     /// a replica lost to its own failure is not relaunched over and over for free.
-    async fn lost_nodes_back(&self, j: &JobRecord, nodes: &[NodeRecord]) -> Result<Vec<String>> {
-        let Some(now) = self.launched(j).await? else { return Ok(vec![]) };
+    async fn lost_nodes_back(&self, j: &JobRecord, now: &Launched, nodes: &[NodeRecord]) -> Result<Vec<String>> {
         let Some(changed) = self.store.last_event(j.id, j.generation, membership::EVENT).await? else { return Ok(vec![]) };
         let members = &now.membership.replicas;
         let lost: HashSet<&str> =
@@ -164,14 +160,12 @@ impl Life {
     }
 
     /// A degraded launch's members save at their next step (a `SaveNow` to their nodes).
-    async fn ask_members_to_save(&self, j: &JobRecord) -> Result<()> {
-        let Some(now) = self.launched(j).await? else { return Ok(()) };
+    fn ask_members_to_save(&self, j: &JobRecord, now: &Launched) {
         let mut nodes: Vec<String> = now.members().map(|r| r.assignment.node.clone()).collect();
         nodes.sort_unstable();
         nodes.dedup();
         if self.ask_to_save(j, &nodes, self.fleet.base * SAVE_NOW_INTERVALS) {
             tracing::info!(job = j.id, "a lost replica's node is back: the members save now, to go back whole from that step");
         }
-        Ok(())
     }
 }
