@@ -2,7 +2,7 @@
 """Motley's trainer beside a careful user's baseline, on one CUDA GPU, in one run.
 
     python3 bench/gpu/mfu.py [-o table|json] [--steps 14] [--skip 4] [--models gpu-check,llama-1b]
-                             [--variants motley,baseline,motley-eager]
+                             [--variants motley,baseline,motley-eager] [--micro-batches N]
 
 Models (llama family, bf16 compute under autocast over fp32 master weights on both sides, the same
 precision recipe):
@@ -100,16 +100,17 @@ def run_baseline(model_name: str, steps: int) -> dict:
     return parse(r.stdout)
 
 
-def run_motley(model_name: str, steps: int, extra: list) -> dict:
+def run_motley(model_name: str, steps: int, extra: list, micro_batches: int = 1) -> dict:
     from launcher import check_ok, hand_plan, launch
 
     spec, batch = MODELS[model_name]
-    plan = hand_plan(spec, batch, batch, [dict(micro_batches=1, stages=[dict(layers=[0, spec["layers"]], tp=1, dp=1,
-                                                                         gpus=[("n", 0)])])])
+    plan = hand_plan(spec, batch, batch // micro_batches,
+                     [dict(micro_batches=micro_batches, stages=[dict(layers=[0, spec["layers"]], tp=1, dp=1,
+                                                                     gpus=[("n", 0)])])])
     plan["precision"] = "bf16"
     args = ["--steps", str(steps), "--seed", "1", "--lr", "3e-4", "--dtype", "bf16", *extra]
     with tempfile.TemporaryDirectory() as d:
-        res = launch(plan, args, Path(d), timeout=1800)
+        res = launch(plan, args, Path(d), timeout=1800, cuda=True)
     check_ok(res)
     return parse(res[0].stdout)
 
@@ -151,10 +152,16 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=4)
     p.add_argument("--models", default="gpu-check,llama-1b")
     p.add_argument("--variants", default="motley,baseline")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                   help="Motley's step in N micro-batches (the plan's); the baseline's stays one batch")
     p.add_argument("--profile-dir", metavar="DIR",
                    help="Motley's runs also write the trainer's --torch-profile into DIR/MODEL-VARIANT")
     p.add_argument("--baseline-child", metavar="MODEL", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    chosen = [m for m in a.models.split(",") if m in MODELS]
+    if a.micro_batches < 1 or any(MODELS[m][1] % a.micro_batches for m in chosen):
+        p.error(f"--micro-batches: {a.micro_batches} must divide the batch of every model asked for "
+                f"({', '.join(f'{m} {MODELS[m][1]}' for m in chosen)})")
     if a.baseline_child:
         baseline_child(a.baseline_child, a.steps)
         return 0
@@ -176,7 +183,7 @@ def main(argv=None) -> int:
                 extra = list(VARIANTS.get(v, []))
                 if a.profile_dir and v != "baseline":
                     extra += ["--torch-profile", os.path.join(os.path.abspath(a.profile_dir), f"{m}-{v}")]
-                got = run_baseline(m, a.steps) if v == "baseline" else run_motley(m, a.steps, extra)
+                got = run_baseline(m, a.steps) if v == "baseline" else run_motley(m, a.steps, extra, a.micro_batches)
                 row = summarise(m, v, got, a.skip)
             except Exception as e:  # one failed system is reported, the others still measured
                 row = {"model": m, "system": v, "error": str(e)[-1500:]}

@@ -3,7 +3,8 @@
 # ./gpu-out): the environment, the CUDA tests, bench/gpu/mfu.py (Motley beside the baseline) and
 # python/gpu-check. Each part has its own time limit so a slow one cannot eat the others' (60 +
 # 300 + 240 s at most: one device call of 600 s; gpu-check compiles its blocks once per precision).
-#   bench/gpu/session.sh [OUT]      (MFU_VARIANTS, MFU_MODELS, GPU_CHECK_STEPS, GPU_CHECK_PRECISIONS override)
+#   bench/gpu/session.sh [OUT]      (MFU_VARIANTS, MFU_MODELS, GPU_CHECK_STEPS, GPU_CHECK_PRECISIONS,
+#                                    GPU_CHECK_CHECKS override)
 # GPU_PLANS=DIR: gpu-check also runs every plan DIR holds against its memory_gib_per_gpu (make
 # them here with bench/gpu/plans.sh DIR: the GPU machine has no motley binary). gpu-check prints
 # a `gpu-check row` line per check to gpu-check.err as it finishes, so a bound cuts no result.
@@ -33,5 +34,6 @@ if [ -n "${GPU_PLANS:-}" ]; then
   done
 fi
 timeout "${GPU_CHECK_TIMEOUT:-240}" python/gpu-check -o json --steps "${GPU_CHECK_STEPS:-8}" \
-  --precisions "${GPU_CHECK_PRECISIONS:-bf16,fp16}" "${plans[@]}" > "$out/gpu-check.json" 2> "$out/gpu-check.err"
+  --precisions "${GPU_CHECK_PRECISIONS:-bf16,fp16}" --checks "${GPU_CHECK_CHECKS:-train,nccl,profile,multi-gpu,memory}" \
+  "${plans[@]}" > "$out/gpu-check.json" 2> "$out/gpu-check.err"
 echo "gpu-check rc=$?" >> "$out/gpu-check.err"

@@ -110,14 +110,17 @@ class RankResult:
 
 def launch(plan: dict, args: List[str], workdir: Path, timeout: float = 240.0, extended: bool = True,
            module: str = "motley_torch.train", extra_env: Optional[Dict[str, str]] = None,
-           rank_env: Optional[Dict[int, Dict[str, str]]] = None) -> List[RankResult]:
+           rank_env: Optional[Dict[int, Dict[str, str]]] = None, cuda: bool = False) -> List[RankResult]:
     """Start every rank of `plan` on localhost (gloo on the CPU), wait, collect outputs.
-    `extra_env` goes to every rank, then `rank_env[RANK]` to that rank."""
-    return wait_ranks(start_ranks(plan, args, workdir, extended, module, extra_env, rank_env), workdir, timeout)
+    `extra_env` goes to every rank, then `rank_env[RANK]` to that rank. `cuda`: each rank sees
+    its plan GPU, as an agent's would (NCCL); otherwise none, also on a machine with GPUs (a
+    plan's nodes "a" and "b" both name GPU 0, which one machine's ranks cannot share)."""
+    return wait_ranks(start_ranks(plan, args, workdir, extended, module, extra_env, rank_env, cuda), workdir, timeout)
 
 
 def start_ranks(plan: dict, args: List[str], workdir: Path, extended: bool = True, module: str = "motley_torch.train",
-                extra_env: Optional[Dict[str, str]] = None, rank_env: Optional[Dict[int, Dict[str, str]]] = None):
+                extra_env: Optional[Dict[str, str]] = None, rank_env: Optional[Dict[int, Dict[str, str]]] = None,
+                cuda: bool = False):
     """`launch`'s start: every rank's process, its own session, running; `wait_ranks` collects."""
     workdir.mkdir(parents=True, exist_ok=True)
     plan_path = workdir / "plan.json"
@@ -135,7 +138,7 @@ def start_ranks(plan: dict, args: List[str], workdir: Path, extended: bool = Tru
         env.update({
             "RANK": str(r["rank"]), "WORLD_SIZE": str(len(ranks)), "LOCAL_RANK": str(r["local_rank"]),
             "LOCAL_WORLD_SIZE": str(r["local_world_size"]), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "CUDA_VISIBLE_DEVICES": str(r["gpu"]), "MOTLEY_NODE": r["node"], "MOTLEY_JOB": "1",
+            "CUDA_VISIBLE_DEVICES": str(r["gpu"]) if cuda else "", "MOTLEY_NODE": r["node"], "MOTLEY_JOB": "1",
             "MOTLEY_GENERATION": "0", "MOTLEY_REPLICA": str(r["replica"]), "MOTLEY_STAGE": str(r["stage"]),
             "MOTLEY_LAYER_START": str(r["layer_start"]), "MOTLEY_LAYER_END": str(r["layer_end"]),
             "MOTLEY_PLAN": str(plan_path), "MOTLEY_TP_RANK": str(r["tp_rank"]), "MOTLEY_TP_SIZE": str(r["tp_size"]),

@@ -109,3 +109,16 @@ def test_precisions_are_checked_by_name(bad):
     with pytest.raises(SystemExit) as e:
         main(["--precisions", bad])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("bad", ["speed", "train,memroy", ""])
+def test_checks_are_named_from_the_list(bad, capsys):
+    """--checks names only train, nccl, profile, multi-gpu, memory: anything else is refused
+    (exit 2) before any GPU is looked at, naming the flag and the names it takes."""
+    from motley_torch.tools.gpu_check import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--checks", bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--checks" in err and "multi-gpu" in err

@@ -1,6 +1,6 @@
 """`python/gpu-check`: what only a machine with CUDA GPUs can check, in one command.
 
-    python/gpu-check [-o table|json] [--steps 20] [--seq-len 512] [--plan FILE ...]
+    python/gpu-check [-o table|json] [--steps 20] [--seq-len 512] [--plan FILE ...] [--checks LIST]
 
 On one GPU:
 - the reference llama (8 layers, hidden 1024, 16 heads / 8 KV heads, vocab 32000) trains with
@@ -179,7 +179,7 @@ def check_memory(plan_file: str, seq: int) -> List[dict]:
         plan = json.load(f)
     args = ["--steps", "2", "--seed", "1", "--dtype", plan.get("precision") or "bf16"]
     with tempfile.TemporaryDirectory() as d:
-        res = launch(plan, args, Path(d), timeout=900)
+        res = launch(plan, args, Path(d), timeout=900, cuda=True)
     name = os.path.basename(plan_file)
     rows = []
     for r in res:
@@ -229,13 +229,17 @@ def check_multi_gpu(model_file: str, precision: str, seq: int) -> List[dict]:
                                                     dict(layers=[4, 8], tp=1, dp=1, gpus=[("n", 1)])])])):
         plan = hand_plan(spec, 8, 2, reps)
         with tempfile.TemporaryDirectory() as d:
-            res = launch(plan, args, Path(d), timeout=1800)
+            res = launch(plan, args, Path(d), timeout=1800, cuda=True)
         bad = [r for r in res if r.returncode != 0]
         got = _losses(res[0].stdout) if not bad else []
         diff = max((abs(a["loss"] - b["loss"]) for a, b in zip(got, one)), default=float("inf"))
         rows.append({"check": f"train {name} (nccl)", "precision": precision, "ok": not bad and diff <= 5e-2,
                      "detail": f"max |loss - single| {diff:.4f}" if not bad else f"rank {bad[0].rank} exit {bad[0].returncode}"})
     return rows
+
+
+# What `--checks` can name; every one runs by default.
+CHECKS = ("train", "nccl", "profile", "multi-gpu", "memory")
 
 
 def main(argv=None) -> int:
@@ -251,7 +255,14 @@ def main(argv=None) -> int:
     p.add_argument("--plan", action="append", default=[], metavar="FILE",
                    help="also run this plan (motley plan -o json, for this machine's GPUs) and check every rank's "
                         "peak memory against the plan's memory_gib_per_gpu (within 10%%); repeatable")
+    p.add_argument("--checks", metavar="LIST", default=",".join(CHECKS),
+                   help=f"which checks run, comma-separated (default: all of {', '.join(CHECKS)}; memory runs only "
+                        "with --plan)")
     a = p.parse_args(argv)
+    checks = a.checks.split(",")
+    unknown = [x for x in checks if x not in CHECKS]
+    if unknown or not a.checks:
+        p.error(f"--checks: {a.checks!r}; use a comma-separated list of {', '.join(CHECKS)}")
     if a.precisions is not None:
         bad = [x for x in a.precisions.split(",") if x not in ("bf16", "fp16", "fp32")]
         if bad or not a.precisions:
@@ -278,15 +289,19 @@ def main(argv=None) -> int:
                 print("gpu-check row " + json.dumps(r), file=sys.stderr, flush=True)
             rows.extend(new)
 
-        for pr in precisions:
-            done([check_training(model_file, pr, a.steps, a.seq_len, name, compile_=a.compile)])
-        done(fp16_against_bf16(rows))
-        done([check_nccl()])
-        done([check_profile(model_file, a.seq_len)])
-        if torch.cuda.device_count() >= 2:
+        if "train" in checks:
+            for pr in precisions:
+                done([check_training(model_file, pr, a.steps, a.seq_len, name, compile_=a.compile)])
+            done(fp16_against_bf16(rows))
+        if "nccl" in checks:
+            done([check_nccl()])
+        if "profile" in checks:
+            done([check_profile(model_file, a.seq_len)])
+        if "multi-gpu" in checks and torch.cuda.device_count() >= 2:
             done(check_multi_gpu(model_file, precisions[0], a.seq_len))
-        for plan_file in a.plan:
-            done(check_memory(plan_file, a.seq_len))
+        if "memory" in checks:
+            for plan_file in a.plan:
+                done(check_memory(plan_file, a.seq_len))
     doc = {"cuda": True, "device": name, "gpus": torch.cuda.device_count(), "torch": torch.__version__, "checks": rows}
     print(json.dumps(doc) if a.output == "json" else f"{name} x {doc['gpus']}, torch {torch.__version__}\n" + render(rows))
     return 0 if all(r["ok"] for r in rows) else 1
