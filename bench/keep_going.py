@@ -121,7 +121,7 @@ def run_one(mode: str, args, root: Path) -> dict:
                         c.kill_node("n1")
                         n1_up = False
                     else:
-                        kill_ranks("n1")
+                        kill_ranks("n1", c.tmp)
                     kills.append({"at": now, "after_step": step, "mark": mark(got), "back": None,
                                   "next_step_s": None, "full_s": None})
                     log(f"{mode}: n1 killed after step {step}")

@@ -130,7 +130,7 @@ class Cluster:
         """SIGKILL the node's agent and every rank it started (as a vanished spot node)."""
         self.agents[name].kill()
         self.agents[name].wait()
-        kill_ranks(name)
+        kill_ranks(name, self.tmp)
 
     def logs(self) -> str:
         out = []
@@ -159,16 +159,19 @@ class Cluster:
                         pass
 
 
-def kill_ranks(node: str):
-    """SIGKILL every process an agent started as a rank of `node` (its wrapper and the rank)."""
+def kill_ranks(node: str, within: Path):
+    """SIGKILL every process an agent of the cluster under `within` started as a rank of `node`
+    (its wrapper and the rank): another cluster's node of the same name, a test or bench
+    running beside this one, is not touched (its ranks' environment names its own directory)."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
-        if f"MOTLEY_NODE={node}".encode() in env:
+        env = raw.split(b"\0")
+        if f"MOTLEY_NODE={node}".encode() in env and str(within).encode() in raw:
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except OSError:
