@@ -156,8 +156,6 @@ class Trainer:
 
             checkpoint.require_modules()
         if args.ckpt_restore:
-            from .components import checkpoint
-
             self.start = checkpoint.restore(view, model, self.sync.optimizer,
                                             checkpoint.restore_list(args.ckpt_restore), position=position,
                                             zero=self.sync.zero)

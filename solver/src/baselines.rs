@@ -76,7 +76,7 @@ pub fn best_baseline(cm: &CostModel, which: Baseline) -> Option<(f64, PlanStruct
                 continue;
             }
             let max_r = groups.len() as u32 / pp;
-            // Largest first: on a tie the first is kept (`search::tp_micro_batch_space`).
+            // Largest first: on a tie the first is kept, as in the search (`search::search_in`).
             let sizes = cm.opts.micro_batch.map_or(vec![8u32, 4, 2, 1], |b| vec![b]);
             for b in sizes {
                 if !cm.opts.global_batch.is_multiple_of(b) {

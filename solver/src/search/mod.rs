@@ -133,8 +133,10 @@ fn search_in(cm: &CostModel, mode: SearchMode, seeds: &[PlanStructure], budget_t
     let bounds: Vec<f64> = runs.iter().map(|(_, d)| fluid_lower_bound(d)).collect();
     stats.lower_bound = bounds.iter().copied().reduce(f64::min);
     // Bounds equal to a millionth (the fluid bound is bisected to a billionth) count as equal,
-    // and then the larger micro-batch goes first: where two configurations price the same, the
-    // first found is kept, and fewer, larger micro-batches run faster (`tp_micro_batch_space`).
+    // and then the larger micro-batch goes first: where two configurations price the same (a
+    // one-stage replica on the roofline, whose step is its tokens however split), the first found
+    // is kept, and fewer, larger micro-batches run faster on a GPU (fewer kernel launches: 32
+    // micro-batches of one sequence ran 19x slower than one of 32 on an H200, BENCHMARKS.md).
     let bucket = |b: f64| if b.is_finite() && b > 0.0 { (b.ln() * 1e6).round() as i64 } else { i64::MAX };
     let mut order: Vec<usize> = (0..runs.len()).collect();
     order.sort_by_key(|&i| (bucket(bounds[i]), std::cmp::Reverse(runs[i].0.micro_batch)));

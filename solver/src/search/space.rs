@@ -29,12 +29,9 @@ pub(super) fn configurations(cm: &CostModel, mode: SearchMode) -> Vec<Config> {
 
 /// The (tp, micro-batch) pairs a search in `mode` tries for a model of `heads` heads on nodes
 /// of at most `max_gpus_per_node` GPUs: tp a power of two dividing the heads and fitting a
-/// node, micro-batches 8 down to 1 (4 in fast mode) dividing the global batch, or what `opts`
-/// pins. (The coordinator asks agents to profile exactly these.) Largest first: where two
-/// micro-batch sizes price the same (a one-stage replica on the roofline, where a step's time
-/// is its tokens' however they are split), the search keeps the first, and fewer, larger
-/// micro-batches are what a GPU runs faster (fewer kernel launches, larger matmuls: 32
-/// micro-batches of one sequence ran 19x slower than one of 32 on an H200, BENCHMARKS.md).
+/// node, micro-batches 1 to 8 (4 in fast mode) dividing the global batch, or what `opts` pins.
+/// (The coordinator asks agents to profile exactly these.) Where two sizes price the same, the
+/// search keeps the larger (`search_in`'s order).
 pub fn tp_micro_batch_space(heads: u32, max_gpus_per_node: u32, opts: &crate::cost::PlanOptions, mode: SearchMode) -> Vec<(u32, u32)> {
     let tps: Vec<u32> = match opts.tp {
         Some(t) => vec![t],
@@ -43,7 +40,7 @@ pub fn tp_micro_batch_space(heads: u32, max_gpus_per_node: u32, opts: &crate::co
     let b_max = if mode == SearchMode::Fast { FAST_MAX_MICRO_BATCH } else { 8 };
     let bs: Vec<u32> = match opts.micro_batch {
         Some(b) => vec![b],
-        None => (0..4).rev().map(|i| 1u32 << i).filter(|&b| b <= b_max && opts.global_batch.is_multiple_of(b)).collect(),
+        None => (0..4).map(|i| 1u32 << i).filter(|&b| b <= b_max && opts.global_batch.is_multiple_of(b)).collect(),
     };
     tps.iter().flat_map(|&tp| bs.iter().filter(|&&b| opts.global_batch.is_multiple_of(b)).map(move |&b| (tp, b))).collect()
 }
