@@ -90,6 +90,10 @@ pub struct PlanArgs {
     /// Fraction of peak tensor FLOPS a layer reaches in the roofline estimate.
     #[arg(long, default_value_t = 0.5)]
     efficiency: f64,
+    /// Milliseconds the host takes to launch one layer's forward per micro-batch (its backward
+    /// twice that): the roofline's floor on a layer's pass; 0 turns it off.
+    #[arg(long, default_value_t = motley_solver::cost::HOST_LAYER_MS)]
+    host_layer_ms: f64,
     /// GiB kept free on every GPU (CUDA context, NCCL buffers, fragmentation).
     #[arg(long, default_value_t = 1.5)]
     reserve_gib: f64,
@@ -181,6 +185,9 @@ fn check_options(a: &PlanArgs) -> Result<(), InputError> {
     if !(a.efficiency > 0.0 && a.efficiency <= 1.0) {
         return bad("--efficiency", "must be in (0, 1]");
     }
+    if !(a.host_layer_ms >= 0.0 && a.host_layer_ms <= 1000.0) {
+        return bad("--host-layer-ms", "must be in [0, 1000] milliseconds (0: no floor)");
+    }
     if !(a.reserve_gib >= 0.0 && a.reserve_gib.is_finite()) {
         return bad("--reserve-gib", "must be a non-negative number");
     }
@@ -230,6 +237,7 @@ fn load(a: &PlanArgs) -> Result<Loaded, InputError> {
         global_batch: a.global_batch,
         micro_batch: a.micro_batch,
         efficiency: a.efficiency,
+        host_layer_ms: a.host_layer_ms,
         recompute: a.recompute,
         eager: a.eager,
         zero1: a.zero1,

@@ -275,6 +275,10 @@ fn bad_models_and_flags_are_refused() {
     refused(&["plan", "--cluster", "examples/lab.yaml", "--model", "gpt3-1.3b", "--micro-batch", "3"], &["--micro-batch", "divisor"]);
     refused(&["plan", "--cluster", "examples/lab.yaml", "--model", "gpt3-1.3b", "--global-batch", "0"], &["--global-batch"]);
     refused(&["plan", "--cluster", "examples/lab.yaml", "--model", "gpt3-1.3b", "--tp", "3"], &["--tp", "power of two"]);
+    refused(
+        &["plan", "--cluster", "examples/lab.yaml", "--model", "gpt3-1.3b", "--host-layer-ms=-1"],
+        &["--host-layer-ms", "milliseconds"],
+    );
     refused(&["plan", "--cluster", "examples/lab.yaml", "--model", "gpt3-1.3b", "--tp", "16"], &["--tp", "largest node (8 GPUs)"]);
     refused(&["plan", "--cluster", "examples/lab.yaml", "--model", "examples/tiny-gpt.yaml", "--tp", "8"], &["--tp", "12 attention heads"]);
     refused(&["plan", "--cluster", "/nonexistent/c.yaml", "--model", "gpt3-1.3b"], &["/nonexistent/c.yaml", "cannot read"]);

@@ -132,7 +132,7 @@ def test_profiles_measured_by_agents_through_dev_up(tmp_path: Path):
     spec["run"] = f"{shlex.quote(sys.executable)} -m motley_torch.train --steps {STEPS} --seed {SEED}"
     spec["envs"] = dict(spec.get("envs") or {}, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "python"))
     # Micro-batch 2: 2 sequences per GPU, or 1 where a stage's GPUs split it: two profiles.
-    spec["plan_options"] = {"micro_batch": 2}
+    spec["plan_options"] = dict(spec.get("plan_options") or {}, micro_batch=2)
     spec["profiling"] = {"mode": "only"}
     job = tmp_path / "train-tiny-profiled.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))

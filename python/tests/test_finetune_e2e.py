@@ -67,6 +67,8 @@ def test_finetune_a_hf_llama_on_real_text_through_dev_up(tmp_path: Path):
              f"--steps {STEPS} --seed {SEED} --lr 3e-3")
     job = {
         "name": "finetune", "model": str(model), "global_batch": 32, "resources": {"gpus": 3},
+        # As examples/jobs/finetune-llama.yaml: CPU ranks, the GPUs' compute priced alone.
+        "plan_options": {"host_layer_ms": 0},
         "run": f"{shlex.quote(sys.executable)} -m motley_torch.train {train} --save-hf {tmp_path / 'out'}",
         "envs": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "python")},
     }

@@ -412,3 +412,47 @@ def test_a_lost_node_back_takes_the_degraded_job_to_full_strength_at_its_next_ch
                            "generation 2's losses from the step saved while degraded", steps=range(restored, steps))
     finally:
         c.close()
+
+
+def test_a_notice_to_a_degraded_jobs_member_saves_now_and_recovers_from_that_step(tmp_path):
+    """n2 (replica 2) vanishes: the job goes on degraded. n1, a member's node, is then drained
+    with a deadline (a spot node's preemption notice): the members save at their next step (the
+    job's `every` is far off), the step is whole without replica 2, and the job recovers whole
+    from it. Its pinned plan waits for its nodes: n2 comes back, n1 is undrained, and generation
+    2 runs on from the step saved on notice with the single process's losses."""
+    from test_recovery import Cluster
+
+    spec = yaml.safe_load(DEV_MODEL.read_text())
+    steps, seed, every = 300, 7, 1000
+    c = Cluster(tmp_path, NODES)
+    try:
+        c.wait(lambda: sum(n["live"] for n in c.get("/api/v1/nodes")) == 3, 30)
+        jid = c.submit(three_node_job(steps, seed, checkpoint={"every": every, "keep": 2}, max_preemptions=2))
+        rank0 = tmp_path / "agents" / "n0" / "jobs" / str(jid) / "1" / "rank-0.log"
+        c.wait(lambda: len(lines_of(rank0)) >= 20, 120, every=0.1)
+        c.kill_node("n2")
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "degraded", 60, every=0.1)
+        epoch1 = c.wait(lambda: [x["step"] for x in lines_of(rank0) if x["epoch"] == 1], 60, every=0.1)[0]
+        c.node("drain", "n1", "--deadline", "60s", "-o", "json")
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "recovering", 60, every=0.2)
+        events = c.events(jid)
+        notice = json.loads(next(e["message"] for e in events if e["kind"] == "preemption_notice"))
+        assert notice["node"] == "n1" and notice["deadline_s"] == 60, notice
+        recovering = next(e["message"] for e in events if e["kind"] == "recovering")
+        assert "saved on notice" in recovering, recovering
+        c.start_agent("n2", dict(NODES)["n2"])
+        c.node("undrain", "n1")
+        c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("succeeded", "failed", "cancelled"), 240, every=0.5)
+        final, events = c.get(f"/api/v1/jobs/{jid}"), c.events(jid)
+        kinds = [e["kind"] for e in events]
+        assert final["state"] == "succeeded" and final["generation"] == 2, f"{final}\n{kinds}\n{c.logs()}"
+        planned = json.loads(next(e["message"] for e in events if e["kind"] == "recovery_planned"))
+        restored = planned["step"]
+        assert epoch1 <= restored < every, (planned, epoch1)
+        after = lines_of(tmp_path / "agents" / "n0" / "jobs" / str(jid) / "2" / "rank-0.log")
+        assert [x["step"] for x in after] == list(range(restored, steps)), after[:3]
+        want = reference_losses(str(DEV_MODEL), 12, spec["seq_len"], steps, seed)
+        assert_steps_close([x["loss"] for x in after], want[restored:], 4,
+                           "generation 2's losses from the step saved on notice while degraded", steps=range(restored, steps))
+    finally:
+        c.close()

@@ -200,6 +200,8 @@ def tiny_job(tmp: Path, steps: int = STEPS) -> dict:
         "name": "recover-tiny",
         "model": yaml.safe_load(MODEL.read_text()),
         "global_batch": GLOBAL_BATCH,
+        # CPU ranks: the GPUs' compute priced alone (no launch floor), so the plan spans the nodes.
+        "plan_options": {"host_layer_ms": 0},
         "run": f"{shlex.quote(sys.executable)} -m motley_torch.train --steps {steps} --seed {SEED}",
         "envs": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "python")},
         "checkpoint": {"every": EVERY, "keep": 2, "cloud": f"file://{tmp / 'cloud'}"},

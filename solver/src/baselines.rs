@@ -77,7 +77,8 @@ pub fn best_baseline(cm: &CostModel, which: Baseline) -> Option<(f64, PlanStruct
             }
             let max_r = groups.len() as u32 / pp;
             // Largest first: on a tie the first is kept, as in the search (`search::search_in`).
-            let sizes = cm.opts.micro_batch.map_or(vec![8u32, 4, 2, 1], |b| vec![b]);
+            let largest = crate::search::MAX_SEARCHED_MICRO_BATCH;
+            let sizes = cm.opts.micro_batch.map_or_else(|| (0..=largest.ilog2()).rev().map(|i| 1u32 << i).collect(), |b| vec![b]);
             for b in sizes {
                 if !cm.opts.global_batch.is_multiple_of(b) {
                     continue;

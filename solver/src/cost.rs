@@ -12,6 +12,11 @@ pub mod activations;
 pub mod contention;
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+/// The host's launch time of one layer's forward per micro-batch, the roofline's default: on an
+/// H200 each micro-batch of a compiled 8-layer llama cost 16-20 ms that did not shrink with its
+/// size (1 x 32 sequences 0.035 s a step, 4 x 8 0.061-0.101 s, 32 x 1 0.59-0.73 s; BENCHMARKS.md,
+/// "What each micro-batch costs on a GPU"): about 2.1 ms a layer, 0.7 forward and 1.4 backward.
+pub const HOST_LAYER_MS: f64 = 0.7;
 
 /// Planner knobs that are not part of the cluster or the model.
 #[derive(Debug, Clone, PartialEq)]
@@ -22,6 +27,10 @@ pub struct PlanOptions {
     pub micro_batch: Option<u32>,
     /// Fraction of peak tensor FLOPS a transformer layer reaches (roofline estimate).
     pub efficiency: f64,
+    /// Milliseconds the host takes to launch one layer's forward for one micro-batch (its
+    /// backward twice that): the roofline's floor on a layer's pass, however little work the
+    /// micro-batch holds (BENCHMARKS.md, "What each micro-batch costs on a GPU"). 0: no floor.
+    pub host_layer_ms: f64,
     /// Full activation recomputation.
     pub recompute: bool,
     /// Price the eager runtime's saved activations (`--compile off`, CPU runs) instead of
@@ -51,6 +60,7 @@ impl Default for PlanOptions {
             global_batch: 256,
             micro_batch: None,
             efficiency: 0.5,
+            host_layer_ms: HOST_LAYER_MS,
             recompute: false,
             eager: false,
             zero1: false,
@@ -83,6 +93,9 @@ impl PlanOptions {
         }
         if !(self.efficiency > 0.0 && self.efficiency <= 1.0) {
             return Err(SolverError::invalid("efficiency", "must be in (0, 1]"));
+        }
+        if !(self.host_layer_ms >= 0.0 && self.host_layer_ms <= 1000.0) {
+            return Err(SolverError::invalid("host_layer_ms", "must be a number of milliseconds in [0, 1000] (0: no floor)"));
         }
         if !(self.reserve_gib >= 0.0 && self.reserve_gib.is_finite()) {
             return Err(SolverError::invalid("reserve_gib", "must be a non-negative number of GiB"));
@@ -266,8 +279,10 @@ impl<'a> CostModel<'a> {
                 let compute = m * self.model.layer_fwd_flops / t / peak;
                 let compute_bwd = m * self.model.layer_fwd_flops / t / peak_bwd;
                 let bytes = 2.0 * self.model.layer_params / t + 34.0 * m * s * h / t;
-                let fwd = compute.max(bytes / mem_bw) + 2.0 * tp_allreduce;
-                (fwd, 2.0 * compute_bwd.max(bytes / mem_bw) + 2.0 * tp_allreduce)
+                // A pass is its GPU work or its launches on the host, whichever is longer.
+                let host = self.opts.host_layer_ms / 1e3;
+                let fwd = compute.max(bytes / mem_bw).max(host) + 2.0 * tp_allreduce;
+                (fwd, 2.0 * compute_bwd.max(bytes / mem_bw).max(host) + 2.0 * tp_allreduce)
             }
         };
         let bwd = if self.opts.recompute { bwd + fwd } else { bwd };

@@ -8,6 +8,7 @@ mod common;
 mod contention;
 mod exactness;
 mod limits;
+mod micro_batch;
 mod network;
 mod provision;
 mod restore;

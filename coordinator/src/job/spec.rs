@@ -25,6 +25,7 @@
 //!   zero1: false              # shard optimizer states over a stage's data-parallel GPUs
 //!   reserve_gib: 1.5          # GiB kept free on every GPU
 //!   efficiency: 0.5           # roofline: fraction of peak a layer reaches
+//!   host_layer_ms: 0.7        # roofline: the host's launch of a layer's forward per micro-batch (0: none)
 //!   p2p_blocking: false       # pipeline sends block the stage (Megatron-LM's 1F1B)
 //!   precision: auto           # auto | bf16 | fp16 | fp32 (auto: bf16 where every GPU has bf16 tensor cores)
 //! checkpoint:                 # checkpoints (optional; docs/checkpoint.md)
@@ -108,6 +109,8 @@ pub struct PlanOptionsSpec {
     pub reserve_gib: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub efficiency: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_layer_ms: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub p2p_blocking: Option<bool>,
     /// auto (the default), fp16, bf16 or fp32, as `motley plan --precision`.
@@ -477,6 +480,7 @@ impl JobSpec {
         opts.global_batch = self.global_batch;
         opts.micro_batch = p.micro_batch;
         opts.efficiency = p.efficiency.unwrap_or(d.efficiency);
+        opts.host_layer_ms = p.host_layer_ms.unwrap_or(d.host_layer_ms);
         opts.recompute = p.recompute.unwrap_or(d.recompute);
         opts.zero1 = p.zero1.unwrap_or(d.zero1);
         opts.reserve_gib = p.reserve_gib.unwrap_or(d.reserve_gib);

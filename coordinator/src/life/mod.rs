@@ -225,15 +225,21 @@ impl Life {
             Err(e) => return tracing::warn!(node, "cannot read the jobs of a leaving node: {e}"),
         };
         for j in jobs.into_iter().filter(|j| j.state.is_launched()) {
-            let on_node = self.store.ranks(j.id, j.generation).await.is_ok_and(|r| r.iter().any(|r| r.assignment.node == node));
+            let on_node = if j.state == JobState::Degraded {
+                // A lost replica's ranks are out already: only a member's count.
+                self.degraded_members(&j).await.ok().flatten().is_some_and(|m| m.iter().any(|r| r.assignment.node == node))
+            } else {
+                self.store.ranks(j.id, j.generation).await.is_ok_and(|r| r.iter().any(|r| r.assignment.node == node))
+            };
             if !on_node {
                 continue;
             }
             if lost && self.keep_going(&j, |r| r.assignment.node == node, reason).await {
                 continue; // the replicas with nothing there keep going
             }
-            // A degraded job saves no checkpoint (a lost replica's pieces are gone): no notice.
-            if let Some(d) = deadline.filter(|_| !lost && j.state != JobState::Degraded) {
+            // A degraded job's members save whole steps (docs/keep-going.md), so it takes a
+            // notice as a running job does.
+            if let Some(d) = deadline.filter(|_| !lost) {
                 if self.give_notice(&j, node, d).await {
                     continue; // recovers once its ranks saved, or at the deadline (`notice`)
                 }

@@ -135,7 +135,7 @@ impl Life {
         let store = &self.store;
         let mut resumed = 0;
         for job in store.unfinished_jobs().await? {
-            if !matches!(job.state, JobState::Launching | JobState::Running) {
+            if !matches!(job.state, JobState::Launching | JobState::Running | JobState::Degraded) {
                 continue;
             }
             let Some(p) = from_events(store, &job).await? else { continue };
@@ -199,7 +199,7 @@ impl Life {
                 }
             };
             let Ok(job) = store.job(id).await else { continue };
-            if job.generation != p.generation || !matches!(job.state, JobState::Launching | JobState::Running) {
+            if job.generation != p.generation || !matches!(job.state, JobState::Launching | JobState::Running | JobState::Degraded) {
                 forget(); // recovered already (the node's lease ended, a rank failed), or over
                 continue;
             }

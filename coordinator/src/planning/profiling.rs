@@ -178,6 +178,10 @@ pub async fn gpus_in_use(store: &Store) -> Result<Vec<(String, u32)>> {
     Ok(store.running_profile_runs().await?.into_iter().flat_map(|r| r.gpus.into_iter().map(move |g| (r.node.clone(), g))).collect())
 }
 
+/// The most sequences per GPU a profile run measures when the job leaves the micro-batch to
+/// the planner (`wanted_configs`).
+pub const PROFILED_MAX_SEQUENCES: u32 = 8;
+
 /// What the planner may use for a job, or why it waits.
 #[derive(Debug)]
 pub enum Prepared {
@@ -191,12 +195,17 @@ pub enum Prepared {
 /// The (tp, sequences per GPU) pairs the planner's search prices for one GPU type with up to
 /// `gpus_per_node` GPUs a node: its (tp, micro-batch) space (`motley_solver`'s own), each
 /// micro-batch split over a stage's dp of 1, 2, 4 or 8 GPUs (a profile's `micro_batch` is
-/// sequences per GPU).
+/// sequences per GPU). Unless the job pins its micro-batch, at most `PROFILED_MAX_SEQUENCES`
+/// per GPU are measured: the larger sizes the search tries are priced from the largest
+/// measured, scaled linearly (`ProfileSet::lookup_scaled`), so a profile never prices more
+/// sequences cheaper per sequence than it measured, and the runs stay short.
 pub fn wanted_configs(model: &Model, opts: &PlanOptions, mode: SearchMode, gpus_per_node: u32) -> Vec<(u32, u32)> {
     let space = motley_solver::search::tp_micro_batch_space(model.spec.heads, gpus_per_node, opts, mode);
+    let most = if opts.micro_batch.is_some() { u32::MAX } else { PROFILED_MAX_SEQUENCES };
     let mut out: Vec<(u32, u32)> = space
         .iter()
         .flat_map(|&(t, b)| [1u32, 2, 4, 8].into_iter().filter(move |&d| b.is_multiple_of(d)).map(move |d| (t, b / d)))
+        .filter(|&(_, per_gpu)| per_gpu <= most)
         .collect();
     out.sort_unstable();
     out.dedup();
@@ -626,7 +635,14 @@ mod tests {
         let opts = PlanOptions { global_batch: 4, ..PlanOptions::default() };
         assert_eq!(wanted_configs(&model, &opts, SearchMode::Exact, 2), vec![(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)]);
         // A pinned micro-batch of 4 is 4, 2 or 1 sequences per GPU (dp 1, 2, 4 in a stage).
-        let pinned = PlanOptions { tp: Some(2), micro_batch: Some(4), ..opts };
+        let pinned = PlanOptions { tp: Some(2), micro_batch: Some(4), ..opts.clone() };
         assert_eq!(wanted_configs(&model, &pinned, SearchMode::Exact, 8), vec![(2, 1), (2, 2), (2, 4)]);
+        // The search tries micro-batches up to 32; a run measures up to 8 sequences a GPU, the
+        // rest priced from those. A pinned 16 is measured as pinned (16 to 2 a GPU at dp 1 to 8).
+        let large = PlanOptions { global_batch: 64, ..opts };
+        let sizes: Vec<u32> = wanted_configs(&model, &large, SearchMode::Exact, 1).into_iter().map(|(_, b)| b).collect();
+        assert_eq!(sizes, vec![1, 2, 4, 8]);
+        let pinned = PlanOptions { micro_batch: Some(16), ..large };
+        assert_eq!(wanted_configs(&model, &pinned, SearchMode::Exact, 1), vec![(1, 2), (1, 4), (1, 8), (1, 16)]);
     }
 }

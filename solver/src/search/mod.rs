@@ -27,7 +27,7 @@ use dfs::Dfs;
 use fluid::{fluid_lower_bound, fluid_plan};
 use shapes::Shape;
 use space::{build_shapes_in_parallel, configurations};
-pub use space::{configurations_for_oracle, max_stages, shape_kinds, tp_micro_batch_space, units_per_class};
+pub use space::{configurations_for_oracle, max_stages, shape_kinds, tp_micro_batch_space, units_per_class, MAX_SEARCHED_MICRO_BATCH};
 
 /// How hard to search.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,6 +13,10 @@ const FAST_SHAPES: usize = 12;
 /// Fast mode's narrower space: micro-batches up to 4, stage dp up to 2, at most two node
 /// classes per replica.
 const FAST_MAX_MICRO_BATCH: u32 = 4;
+/// The exact space's largest micro-batch: one GPU's whole batch of a small model in one pass
+/// (32 sequences of 512 tokens ran 2.9x faster than 4 micro-batches of 8 on an H200,
+/// BENCHMARKS.md); memory bounds it where it does not fit.
+pub const MAX_SEARCHED_MICRO_BATCH: u32 = 32;
 const FAST_MAX_STAGE_DP: u32 = 2;
 const FAST_MAX_CLASSES_PER_REPLICA: usize = 2;
 /// Fast mode's greedy layer splits: bottlenecks up to this factor above the smallest.
@@ -29,7 +33,8 @@ pub(super) fn configurations(cm: &CostModel, mode: SearchMode) -> Vec<Config> {
 
 /// The (tp, micro-batch) pairs a search in `mode` tries for a model of `heads` heads on nodes
 /// of at most `max_gpus_per_node` GPUs: tp a power of two dividing the heads and fitting a
-/// node, micro-batches 1 to 8 (4 in fast mode) dividing the global batch, or what `opts` pins.
+/// node, micro-batches powers of two to 32 (4 in fast mode) dividing the global batch, or what
+/// `opts` pins.
 /// (The coordinator asks agents to profile exactly these.) Where two sizes price the same, the
 /// search keeps the larger (`search_in`'s order).
 pub fn tp_micro_batch_space(heads: u32, max_gpus_per_node: u32, opts: &crate::cost::PlanOptions, mode: SearchMode) -> Vec<(u32, u32)> {
@@ -37,10 +42,10 @@ pub fn tp_micro_batch_space(heads: u32, max_gpus_per_node: u32, opts: &crate::co
         Some(t) => vec![t],
         None => (0..8).map(|i| 1u32 << i).filter(|&t| t <= max_gpus_per_node && heads.is_multiple_of(t)).collect(),
     };
-    let b_max = if mode == SearchMode::Fast { FAST_MAX_MICRO_BATCH } else { 8 };
+    let b_max = if mode == SearchMode::Fast { FAST_MAX_MICRO_BATCH } else { MAX_SEARCHED_MICRO_BATCH };
     let bs: Vec<u32> = match opts.micro_batch {
         Some(b) => vec![b],
-        None => (0..4).map(|i| 1u32 << i).filter(|&b| b <= b_max && opts.global_batch.is_multiple_of(b)).collect(),
+        None => (0..6).map(|i| 1u32 << i).filter(|&b| b <= b_max && opts.global_batch.is_multiple_of(b)).collect(),
     };
     tps.iter().flat_map(|&tp| bs.iter().filter(|&&b| opts.global_batch.is_multiple_of(b)).map(move |&b| (tp, b))).collect()
 }

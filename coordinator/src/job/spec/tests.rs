@@ -98,6 +98,9 @@ fn plan_options_pin_the_planners_flags_and_name_bad_ones() {
     assert!(err("{micro_batch: 0}").starts_with("plan_options.micro_batch:"));
     assert!(err("{efficiency: 1.5}").starts_with("plan_options.efficiency:"));
     assert!(err("{reserve_gib: -1}").starts_with("plan_options.reserve_gib:"));
+    assert!(err("{host_layer_ms: -0.5}").starts_with("plan_options.host_layer_ms:"));
+    let floor = JobSpec::parse(&format!("{GOOD}plan_options: {{host_layer_ms: 0}}\n")).unwrap().plan_options().unwrap().0;
+    assert_eq!((floor.host_layer_ms, opts.host_layer_ms), (0.0, motley_solver::cost::HOST_LAYER_MS));
     assert!(err("{max_stages: 100000}").starts_with("plan_options.max_stages:"));
     assert!(err("{seq_len: 0}").starts_with("plan_options.seq_len:"), "{}", err("{seq_len: 0}"));
     assert!(err("{search: thorough}").contains("search"));
