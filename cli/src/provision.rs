@@ -63,6 +63,10 @@ pub struct ProvisionArgs {
     /// Fraction of peak tensor FLOPS a layer reaches in the roofline estimate.
     #[arg(long, default_value_t = 0.5)]
     pub efficiency: f64,
+    /// Milliseconds the host takes to launch one layer's forward per micro-batch (backward
+    /// twice): the roofline's floor on a layer's pass, as `motley plan`'s; 0 turns it off.
+    #[arg(long, default_value_t = motley_solver::cost::HOST_LAYER_MS)]
+    pub host_layer_ms: f64,
     /// GiB kept free on every GPU.
     #[arg(long, default_value_t = 1.5)]
     pub reserve_gib: f64,
@@ -93,6 +97,9 @@ pub fn run(a: ProvisionArgs) -> Result<String, InputError> {
     if !(a.efficiency > 0.0 && a.efficiency <= 1.0) {
         return bad("--efficiency", "must be in (0, 1]");
     }
+    if !(a.host_layer_ms >= 0.0 && a.host_layer_ms <= 1000.0) {
+        return bad("--host-layer-ms", "must be in [0, 1000] milliseconds (0: no floor)");
+    }
     if !(a.reserve_gib >= 0.0 && a.reserve_gib.is_finite()) {
         return bad("--reserve-gib", "must be a non-negative number");
     }
@@ -113,6 +120,7 @@ pub fn run(a: ProvisionArgs) -> Result<String, InputError> {
         global_batch: a.global_batch,
         micro_batch: a.micro_batch,
         efficiency: a.efficiency,
+        host_layer_ms: a.host_layer_ms,
         recompute: a.recompute,
         reserve_gib: a.reserve_gib,
         ..PlanOptions::default()

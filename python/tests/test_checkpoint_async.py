@@ -149,6 +149,28 @@ def test_a_failing_write_is_raised_by_the_next_save_and_by_finish(view, tmp_path
         checkpoint.save(view, model, opt, 4, str(tmp_path), asynchronous=False, **KW)
 
 
+def test_a_save_whose_agreement_failed_is_not_agreed_on_again(view, tmp_path, monkeypatch):
+    """A member lost during a save's agreement (a job that keeps going): the all-reduce may fail on
+    this rank and end on its peers. The save is given up here, so the next save runs the one
+    agreement its peers run, not a second one for the step given up (which left the peers in
+    the next step's pipeline and this rank in an all-reduce of its own: a deadlock)."""
+    model, opt = trained()
+    real, calls = checkpoint._agree_max, []
+
+    def lost_member(v, values):
+        calls.append(values)
+        if len(calls) == 1:
+            raise RuntimeError("Connection reset by peer")
+        return real(v, values)
+
+    monkeypatch.setattr(checkpoint, "_agree_max", lost_member)
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        checkpoint.save(view, model, opt, 3, str(tmp_path), asynchronous=False, **KW)
+    checkpoint.save(view, model, opt, 4, str(tmp_path), asynchronous=False, **KW)
+    assert len(calls) == 2, f"one agreement per save: {calls}"
+    assert (tmp_path / "step-00000004" / "manifest.json").exists()
+
+
 def test_a_bad_MOTLEY_CKPT_ASYNC_is_named(monkeypatch):
     monkeypatch.setenv("MOTLEY_CKPT_ASYNC", "maybe")
     with pytest.raises(checkpoint.CheckpointError, match="MOTLEY_CKPT_ASYNC: 'maybe' is not 0 or 1"):

@@ -226,8 +226,7 @@ impl Life {
         };
         for j in jobs.into_iter().filter(|j| j.state.is_launched()) {
             let on_node = if j.state == JobState::Degraded {
-                // A lost replica's ranks are out already: only a member's count.
-                self.degraded_members(&j).await.ok().flatten().is_some_and(|m| m.iter().any(|r| r.assignment.node == node))
+                self.member_on(&j, node).await
             } else {
                 self.store.ranks(j.id, j.generation).await.is_ok_and(|r| r.iter().any(|r| r.assignment.node == node))
             };

@@ -90,7 +90,13 @@ impl Life {
         let (before, nodes) = match earlier {
             Some(before) => (before, vec![]),
             None => {
-                let (Ok(ranks), Ok(before)) = (store.ranks(job.id, job.generation).await, newest_started(store, job.id).await) else {
+                // A degraded job's lost replicas have no ranks to save: its members' nodes only.
+                let ranks = if job.state == JobState::Degraded {
+                    self.degraded_members(job).await.ok().flatten()
+                } else {
+                    store.ranks(job.id, job.generation).await.ok()
+                };
+                let (Some(ranks), Ok(before)) = (ranks, newest_started(store, job.id).await) else {
                     return false;
                 };
                 let mut nodes: Vec<String> = ranks.into_iter().map(|r| r.assignment.node).collect();
@@ -113,6 +119,11 @@ impl Life {
             tracing::warn!(job = job.id, "recording the preemption notice: {e}");
         }
         true
+    }
+
+    /// Whether `node` holds ranks of degraded `job`'s members (a lost replica's are out already).
+    pub(super) async fn member_on(&self, job: &JobRecord, node: &str) -> bool {
+        self.degraded_members(job).await.ok().flatten().is_some_and(|m| m.iter().any(|r| r.assignment.node == node))
     }
 
     /// Ask launch `job`'s ranks on `nodes` to save at their next step: a `SaveNow` numbered by
@@ -139,6 +150,9 @@ impl Life {
                 continue;
             }
             let Some(p) = from_events(store, &job).await? else { continue };
+            if job.state == JobState::Degraded && !self.member_on(&job, &p.node).await {
+                continue; // its node's replica was lost since: the job keeps going without it
+            }
             let (node, left) = (p.node.clone(), p.deadline.saturating_duration_since(Instant::now()));
             if self.notices.lock().insert(job.id, p).is_none() {
                 tracing::info!(job = job.id, node, "preemption notice taken over: the node leaves in {left:?}");
@@ -201,6 +215,12 @@ impl Life {
             let Ok(job) = store.job(id).await else { continue };
             if job.generation != p.generation || !matches!(job.state, JobState::Launching | JobState::Running | JobState::Degraded) {
                 forget(); // recovered already (the node's lease ended, a rank failed), or over
+                continue;
+            }
+            if job.state == JobState::Degraded && !self.member_on(&job, &p.node).await {
+                // The noticed node's replica was lost since (its lease lapsed, its rank failed):
+                // the members keep going without it, and nothing of the job leaves with the node.
+                forget();
                 continue;
             }
             if store.node(&p.node).await.is_ok_and(|n| n.state != NodeState::Draining) {

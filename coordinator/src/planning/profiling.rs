@@ -369,8 +369,11 @@ pub fn check_measured(report: &motley_solver::PlanDocument, nodes: &[NodeSpec], 
         let per_gpu = report.micro_batch / st.dp.max(1);
         for g in &st.gpus {
             let gpu = gpu_of.get(g.node.as_str()).copied().unwrap_or("?");
-            if profiles.lookup(gpu, st.tp, per_gpu).is_none() {
-                missing.insert(format!("{gpu} tp {} micro-batch {per_gpu}", st.tp));
+            // Sizes above what a run measures are priced from the largest it does
+            // (`wanted_configs`): that one is the measurement the plan stands on.
+            let measured = per_gpu.min(PROFILED_MAX_SEQUENCES);
+            if profiles.lookup(gpu, st.tp, measured).is_none() {
+                missing.insert(format!("{gpu} tp {} micro-batch {measured}", st.tp));
             }
         }
     }
@@ -644,5 +647,33 @@ mod tests {
         assert_eq!(sizes, vec![1, 2, 4, 8]);
         let pinned = PlanOptions { micro_batch: Some(16), ..large };
         assert_eq!(wanted_configs(&model, &pinned, SearchMode::Exact, 1), vec![(1, 2), (1, 4), (1, 8), (1, 16)]);
+    }
+
+    #[test]
+    fn a_plan_at_more_sequences_than_a_run_measures_stands_on_the_largest_measured() {
+        use motley_solver::{plan, Cluster, ClusterSpec, PlanRequest};
+        let spec: ClusterSpec = serde_norway::from_str("name: one\nnodes:\n  - {name: g, gpu: H100, gpus: 1}\n").unwrap();
+        let cluster = Cluster::from_spec(&spec).unwrap();
+        let model = Model::new(motley_solver::model::model_by_name("gpt3-1.3b").unwrap(), None).unwrap();
+        let opts = PlanOptions { global_batch: 16, ..PlanOptions::default() };
+        // What `profiling.mode: only` has measured: up to 8 sequences a GPU, as `wanted_configs` asks.
+        let runs = |sizes: &[u32]| ProfileSet {
+            profiles: sizes.iter().map(|&b| LayerProfile::per_layer("H100", 1, b, 0.5 * f64::from(b), f64::from(b), Some(1.0))).collect(),
+        };
+        let measured = runs(&[1, 2, 4, 8]);
+        let request = PlanRequest {
+            cluster: &cluster,
+            model: &model,
+            profiles: &measured,
+            opts: &opts,
+            mode: SearchMode::Exact,
+            exhaustive: false,
+            seeds: vec![],
+        };
+        let doc = plan(&request).unwrap();
+        assert_eq!(doc.micro_batch, 16, "16 priced from 8 ties with 2 x 8: the larger is kept");
+        check_measured(&doc, &spec.nodes, &measured).unwrap();
+        let e = check_measured(&doc, &spec.nodes, &runs(&[1, 2, 4])).unwrap_err().to_string();
+        assert!(e.contains("profiling.mode") && e.contains("H100 tp 1 micro-batch 8"), "{e}");
     }
 }

@@ -376,8 +376,12 @@ def finish(view, _merge_later: bool = False):
         flush()
     except CheckpointError as e:
         local = e
-    (failed,) = _agree_max(view, [1 if local is not None else 0])
+    # Forgotten before the agreement: one that fails (a member lost mid-collective, where a job
+    # keeps going) gives the save up on this rank, and the next save must not agree on it again.
+    # A collective can end on some ranks and fail on others; a rank still holding this save
+    # would run one all-reduce more than its peers at the next save, and they would deadlock.
     _pending = None
+    (failed,) = _agree_max(view, [1 if local is not None else 0])
     if local is not None:
         raise local
     if failed:
