@@ -4,6 +4,7 @@
 pub mod ckpt;
 pub mod client;
 pub mod dev;
+pub mod drain;
 pub mod emulate;
 pub mod inputs;
 pub mod model;
@@ -27,6 +28,13 @@ pub mod exit {
     pub const ERROR: u8 = 2;
     /// `job watch` / `dev up`: the job ended cancelled (also after Ctrl-C in `dev up`).
     pub const JOB_CANCELLED: u8 = 3;
+    /// `job watch`, and deploy/slurm/motley.sbatch: preempted, and resumable (EX_TEMPFAIL). The
+    /// watch was stopped by SIGTERM or SIGUSR1 (what Slurm, Kubernetes and spot clouds send
+    /// before they take the machine) while the job was not over: the coordinator keeps it, and
+    /// it resumes from its newest complete step. Worth retrying (Slurm's `RequeueExit`,
+    /// SkyPilot's `recover_on_exit_codes`, a Kubernetes Job's `podFailurePolicy`); no other
+    /// non-zero code is (docs/slurm.md, "Exit codes").
+    pub const PREEMPTED: u8 = 75;
 
     /// The code for a job that ended in `state` (`succeeded`, `failed`, `cancelled`).
     pub fn for_job_state(state: &str) -> u8 {
@@ -39,7 +47,8 @@ pub mod exit {
 
     /// The codes for `--help`.
     pub const HELP: &str = "Exit codes: 0 success (for `job watch` and `dev up`: the job succeeded), \
-                            1 the watched job failed, 2 bad input, usage or a coordinator error, 3 the watched job was cancelled.";
+                            1 the watched job failed, 2 bad input, usage or a coordinator error, 3 the watched job was cancelled, \
+                            75 the watch was stopped by SIGTERM or SIGUSR1 while the job was not over (preempted: retry).";
 }
 
 /// What a command prints on standard output, and the process's exit code.

@@ -54,7 +54,7 @@ fn main() -> ExitCode {
         Command::Replan(args) => motley::plan::run_replan(args).map(Outcome::from),
         Command::Provision(a) => motley::provision::run(a).map(Outcome::from),
         Command::RestorePlan(a) => motley::restore::run(a).map(Outcome::from),
-        Command::Node(c) => motley::remote::run_node(c).map(Outcome::from),
+        Command::Node(c) => motley::remote::run_node(c),
         Command::Job(c) => motley::remote::run_job(c),
         Command::Dev(c) => motley::dev::run(c),
         Command::Model(c) => motley::model::run(c).map(Outcome::from),

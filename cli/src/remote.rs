@@ -34,11 +34,18 @@ pub enum NodeCommand {
     /// Give the node no new ranks. Jobs that checkpoint and have max_preemptions left move off
     /// it; the others keep running there.
     Drain {
-        name: String,
+        /// One node, or several at once (a whole allocation).
+        #[arg(required = true, value_name = "NAME")]
+        names: Vec<String>,
         /// The node goes away after this long (a preemption notice: `90s`, `2m`): the jobs there
         /// save a checkpoint at their next step first and move off from it.
         #[arg(long, value_parser = humantime::parse_duration, value_name = "DURATION")]
         deadline: Option<std::time::Duration>,
+        /// With --deadline: wait until every job with a rank on the nodes has saved a new step
+        /// (whole in its checkpoint cloud when it names one) or ended; exit 1 if one saved
+        /// nothing by the deadline (it resumes from its older step).
+        #[arg(long, requires = "deadline")]
+        wait: bool,
         #[command(flatten)]
         remote: Remote,
     },
@@ -86,7 +93,7 @@ pub enum JobCommand {
         remote: Remote,
     },
     /// Print the job's events as they happen until it is over; exit 0 if it succeeded, 1 if it
-    /// failed, 3 if it was cancelled.
+    /// failed, 3 if it was cancelled, 75 if SIGTERM or SIGUSR1 stopped the watch first.
     #[command(after_help = crate::exit::HELP)]
     Watch {
         id: i64,
@@ -243,7 +250,15 @@ pub(crate) fn render(out: Output, v: &Value, human: impl Fn(&Value) -> String) -
     }
 }
 
-pub fn run_node(cmd: NodeCommand) -> Result<String, InputError> {
+pub fn run_node(cmd: NodeCommand) -> Result<Outcome, InputError> {
+    if let NodeCommand::Drain { names, deadline: Some(deadline), wait: true, remote } = cmd {
+        let (text, saved) = crate::drain::drain_and_wait(&Client::new(&remote)?, &names, deadline)?;
+        return Ok(Outcome { text, code: if saved { exit::SUCCESS } else { exit::JOB_FAILED } });
+    }
+    node_text(cmd).map(Outcome::from)
+}
+
+fn node_text(cmd: NodeCommand) -> Result<String, InputError> {
     match cmd {
         NodeCommand::List(r) => {
             let v = Client::new(&r)?.call("GET", "/nodes", None)?;
@@ -260,11 +275,16 @@ pub fn run_node(cmd: NodeCommand) -> Result<String, InputError> {
             let v = Client::new(&remote)?.call("PUT", &format!("/nodes/{}", path_segment(&name)), Some(&text))?;
             Ok(render(remote.output, &v, |v| format!("node {} registered (agent epoch {})", s(&v["name"]), s(&v["agent_epoch"]))))
         }
-        NodeCommand::Drain { name, deadline, remote } => {
+        NodeCommand::Drain { names, deadline, remote, .. } => {
             // Whole seconds, at least one: a deadline is never sent as "none".
             let query = deadline.map_or(String::new(), |d| format!("?deadline_s={}", d.as_secs_f64().ceil().max(1.0) as u64));
-            let v = Client::new(&remote)?.call("POST", &format!("/nodes/{}/drain{query}", path_segment(&name)), None)?;
-            Ok(render(remote.output, &v, |v| format!("node {} is {}", s(&v["name"]), s(&v["state"]))))
+            let c = Client::new(&remote)?;
+            let mut out = vec![];
+            for name in &names {
+                let v = c.call("POST", &format!("/nodes/{}/drain{query}", path_segment(name)), None)?;
+                out.push(render(remote.output, &v, |v| format!("node {} is {}", s(&v["name"]), s(&v["state"]))));
+            }
+            Ok(out.join("\n"))
         }
         NodeCommand::Undrain { name, remote } => {
             let v = Client::new(&remote)?.call("POST", &format!("/nodes/{}/undrain", path_segment(&name)), None)?;
@@ -487,9 +507,14 @@ fn membership_of(e: &Value) -> Option<motley_contract::views::MembershipView> {
 }
 
 /// Poll the job's events (every 200 ms) and print each once, until the job is over; the exit
-/// code says how it ended (`exit::for_job_state`).
+/// code says how it ended (`exit::for_job_state`), or `exit::PREEMPTED` when SIGTERM or SIGUSR1
+/// stopped the watch first (the machine it runs on is being taken; the job is not over).
 fn watch(id: i64, remote: &Remote) -> Result<Outcome, InputError> {
     use std::io::Write;
+    let stopped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGUSR1] {
+        signal_hook::flag::register(signal, stopped.clone()).map_err(|e| InputError(format!("cannot handle signal {signal}: {e}")))?;
+    }
     let c = Client::new(remote)?;
     let mut after = 0i64;
     loop {
@@ -514,6 +539,15 @@ fn watch(id: i64, remote: &Remote) -> Result<Outcome, InputError> {
         if ["succeeded", "failed", "cancelled"].contains(&state) {
             let reason = job["reason"].as_str().map_or(String::new(), |r| format!(": {}", crate::table::escape(r)));
             return Ok(Outcome { text: format!("job {id} {}{reason}", s(&job["state"])), code: exit::for_job_state(state) });
+        }
+        if stopped.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(Outcome {
+                text: format!(
+                    "job {id} is {}: the watch was stopped by a signal (preempted); the job resumes from its newest complete step",
+                    s(&job["state"])
+                ),
+                code: exit::PREEMPTED,
+            });
         }
         std::thread::sleep(Duration::from_millis(200));
     }

@@ -104,6 +104,10 @@ struct Args {
     /// Export spans over OTLP/gRPC to this collector (e.g. http://otel-collector:4317).
     #[arg(long, env = "MOTLEY_OTLP_ENDPOINT")]
     otlp_endpoint: Option<String>,
+    /// The checkpoint cloud (file:///ABSOLUTE/PATH, s3://, gs://, az://) of every job whose
+    /// `checkpoint:` names none: a Slurm allocation's shared storage (docs/slurm.md).
+    #[arg(long, env = "MOTLEY_CHECKPOINT_CLOUD")]
+    checkpoint_cloud: Option<String>,
     /// GPU types beyond the planner's catalog: a YAML file with the cluster file's `gpu_types:`
     /// list (a cluster file will do). Nodes may then name them.
     #[arg(long, env = "MOTLEY_GPU_TYPES")]
@@ -270,6 +274,9 @@ fn check_ports_and_egress(args: &Args) -> anyhow::Result<()> {
         args.cloud_egress_mb_s.is_finite() && args.cloud_egress_mb_s > 0.0,
         "--cloud-egress-mb-s: must be a rate above 0 MB/s (e.g. 1200)"
     );
+    if let Some(url) = &args.checkpoint_cloud {
+        motley_coordinator::job::spec::cloud_url(url).map_err(|e| anyhow::anyhow!("--checkpoint-cloud: {e}"))?;
+    }
     Ok(())
 }
 
@@ -283,6 +290,7 @@ fn restore_settings(args: &Args, data_plane_key: motley_coordinator::life::DataP
             RestoreMode::CloudOnly => motley_coordinator::planning::restore_plan::Mode::CloudOnly,
         },
         data_plane_key: Some(data_plane_key),
+        default_cloud: args.checkpoint_cloud.clone(),
     }
 }
 

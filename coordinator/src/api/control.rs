@@ -33,9 +33,10 @@ pub async fn declare_node(store: &Store, name: &str, entry: &str) -> Result<i64>
 }
 
 /// Submit a job file: validated and stored as `submitted`, then queued (`life::queue`).
+/// `default_cloud`: the checkpoint cloud of a job that checkpoints and names none.
 #[tracing::instrument(skip_all)]
-pub async fn submit(store: &Store, signals: &JobSignals, text: &str) -> Result<JobRecord> {
-    let spec = JobSpec::parse(text)?;
+pub async fn submit(store: &Store, signals: &JobSignals, text: &str, default_cloud: Option<&str>) -> Result<JobRecord> {
+    let spec = JobSpec::parse(text)?.with_default_cloud(default_cloud);
     let json = serde_json::to_string(&spec).expect("a job spec serialises");
     let job = store.submit_job(&spec.name, &json).await?;
     signals.kick_queue();

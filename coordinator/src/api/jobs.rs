@@ -71,7 +71,7 @@ impl Operations<'_> {
 
     /// Validate and store a job file; the queue plans it in the background (`control::submit`).
     pub async fn submit(&self, text: &str) -> Result<Job> {
-        Ok(self.job_view(control::submit(self.store, &self.life.signals, text).await?, None))
+        Ok(self.job_view(control::submit(self.store, &self.life.signals, text, self.life.settings.default_cloud.as_deref()).await?, None))
     }
 
     /// Every job, a queued one with why it waits.

@@ -222,7 +222,7 @@ pub const DEFAULT_KEEP: u32 = 2;
 /// An object store URL the agents can upload to: `file:///ABSOLUTE/PATH`, `s3://BUCKET[/PREFIX]`,
 /// `gs://BUCKET[/PREFIX]` or `az://CONTAINER[/PREFIX]` (the cloud ones need the agent built with
 /// the provider's feature; the agent says which when it is not).
-fn cloud_url(url: &str) -> std::result::Result<(), String> {
+pub fn cloud_url(url: &str) -> std::result::Result<(), String> {
     let fix = "give file:///ABSOLUTE/PATH, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or az://CONTAINER/PREFIX";
     let Some((scheme, rest)) = url.split_once("://") else { return Err(format!("'{url}' is not a URL; {fix}")) };
     match scheme {
@@ -502,6 +502,15 @@ impl JobSpec {
             Search::Fast => SearchMode::Fast,
         };
         Ok((opts, mode))
+    }
+
+    /// The job with `url` (checked at start-up with `cloud_url`) as its checkpoint cloud when it
+    /// checkpoints and names none; as it was otherwise.
+    pub fn with_default_cloud(mut self, url: Option<&str>) -> JobSpec {
+        if let (Some(c), Some(url)) = (self.checkpoint.as_mut(), url) {
+            c.cloud.get_or_insert_with(|| url.to_string());
+        }
+        self
     }
 
     /// The environment every rank gets from the job: its `envs`, and MOTLEY_CKPT_EVERY when it

@@ -47,7 +47,7 @@ pub use capabilities::DataPlaneKey;
 pub const GRACE_INTERVALS: u32 = 10;
 
 /// The coordinator's recovery settings (flags).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Settings {
     /// The object store's egress, shared by all nodes (MB/s): the restore planner's cloud rate.
     pub cloud_egress_mb_s: f64,
@@ -55,11 +55,14 @@ pub struct Settings {
     /// Signs the capabilities each `Restore` carries (`capabilities`); none: restores carry
     /// none, and the agents' data planes refuse their fetches from peers.
     pub data_plane_key: Option<DataPlaneKey>,
+    /// The checkpoint cloud of a job whose `checkpoint:` names none (`--checkpoint-cloud`): a
+    /// Slurm allocation's shared storage (docs/slurm.md), where a requeued job finds its steps.
+    pub default_cloud: Option<String>,
 }
 
 impl Default for Settings {
     fn default() -> Settings {
-        Settings { cloud_egress_mb_s: 1200.0, mode: Mode::Planned, data_plane_key: None }
+        Settings { cloud_egress_mb_s: 1200.0, mode: Mode::Planned, data_plane_key: None, default_cloud: None }
     }
 }
 

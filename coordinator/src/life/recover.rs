@@ -4,7 +4,9 @@
 //! transaction with the budget it spends. Then one task of the leader per recovering job:
 //!
 //! 1. stops what is left of the old launch (its GPUs come back);
-//! 2. plans the job again on what it can use now, the plan it replaces seeding the search
+//! 2. waits while no GPU it may use is free on a live node (every node lost or drained at
+//!    once, up to `PINNED_WAIT_INTERVALS`; event `recovery_waiting`), then plans the job
+//!    again on what it can use now, the plan it replaces seeding the search
 //!    (`planning::plan_for_recovery`); an event `plan` says why when GPUs it may use stay idle;
 //! 3. picks the newest checkpoint step whose every file can be read now (the bitmap);
 //! 4. plans the restore (`restore_plan`: local reads first, peers, each missing byte from the
@@ -129,6 +131,10 @@ impl Life {
                 );
                 return fail(store, fleet, &self.signals, id, old, &why).await;
             }
+            self.wait_for_free_gpus(&job).await?;
+            if store.job(id).await?.state != JobState::Recovering {
+                return Ok(());
+            }
             let jobs = store.unfinished_jobs().await?;
             let taken = crate::planning::taken(store, fleet, &jobs).await?;
             let (plan, ranks) = match crate::planning::plan_for_recovery(store, fleet, &job, &taken).await {
@@ -158,7 +164,7 @@ impl Life {
                 motley_contract::PlanDocument::from_json(&plan).map_err(|e| CoordinatorError::Conflict(format!("the new plan: {e}")))?;
             let built = restore_plan::needs(&files, &doc.placements()).and_then(|needs| {
                 let nodes: BTreeMap<String, NodeInfo> = self.node_infos(&files, &needs);
-                let s = self.settings;
+                let s = &self.settings;
                 // Where the job's launches uploaded (`launch::dispatch`): this cluster's prefix.
                 let cloud = store.cluster().checkpoint_cloud(&spec, id).unwrap_or_default();
                 restore_plan::build(id, next, step, &files, &needs, &nodes, s.cloud_egress_mb_s, &cloud, s.mode, 0)
@@ -249,6 +255,37 @@ impl Life {
             gone = missing();
         }
         Ok(gone)
+    }
+
+    /// Wait, up to `PINNED_WAIT_INTERVALS` base intervals, while no GPU the job may use is free on a
+    /// live node (every node of the job lost or drained at once: a whole allocation preempted,
+    /// docs/slurm.md), said once in an event `recovery_waiting`. The job keeps its checkpoints
+    /// and resumes from them on whatever comes back; still nothing then, the re-plan fails it
+    /// as before ("nothing to recover onto").
+    async fn wait_for_free_gpus(&self, job: &JobRecord) -> Result<()> {
+        let (store, fleet) = (&self.store, &*self.fleet);
+        let free = || async {
+            let jobs = store.unfinished_jobs().await?;
+            let taken = crate::planning::taken(store, fleet, &jobs).await?;
+            crate::planning::free_for_recovery(store, fleet, job, &taken).await
+        };
+        if free().await? > 0 {
+            return Ok(());
+        }
+        let wait = fleet.base * PINNED_WAIT_INTERVALS;
+        let note = format!("no free GPU on a live node (its nodes are lost or drained): waiting up to {} s for nodes", wait.as_secs());
+        store.record_event(Some(job.id), Some(job.generation), "recovery_waiting", &note).await?;
+        let until = Instant::now() + wait;
+        while Instant::now() < until {
+            if store.job(job.id).await?.state != JobState::Recovering {
+                return Ok(());
+            }
+            tokio::time::sleep(fleet.base).await;
+            if free().await? > 0 {
+                return Ok(());
+            }
+        }
+        Ok(())
     }
 
     /// The rates and data planes of the nodes a restore involves.

@@ -188,6 +188,22 @@ pub struct RecoveryPlan {
     pub fewer_gpus: Option<String>,
 }
 
+/// The GPUs a recovering job could be planned on now (what `plan_for_recovery` offers it): none
+/// while every node it may use is lost, drained or held by other jobs (an offer that cannot be
+/// made counts as none: `plan_for_recovery` then says why).
+pub async fn free_for_recovery(store: &Store, fleet: &Fleet, job: &JobRecord, taken: &Taken) -> Result<u32> {
+    let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
+    let mut others = taken.clone();
+    for gpus in others.values_mut() {
+        gpus.retain(|_, j| *j != job.id);
+    }
+    match offer(store, &spec, Some((fleet, &others))).await {
+        Ok(offer) => Ok(offer.free),
+        Err(CoordinatorError::Conflict(_)) => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
 /// Plan a recovering job again on what it can use now: live, active nodes within its
 /// resources, every GPU no other job holds (its own old launch's included: its ranks were
 /// stopped). The plan it replaces seeds the search when all its GPUs are offered again, so the

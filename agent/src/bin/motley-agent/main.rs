@@ -106,11 +106,14 @@ async fn agent(args: Args, work_dir: PathBuf, node: String, inventory: String) -
         }
         None => None,
     };
-    if motley_agent::ranks::users::euid() == 0 {
-        match args.allow_root_ranks {
-            true => tracing::warn!(node = %node, "allow_root_ranks: jobs that name no user run their ranks as root"),
-            false => tracing::info!(node = %node, "running as root: ranks run as their job's user; jobs that name none are refused"),
-        }
+    match motley_agent::ranks::users::euid() {
+        0 if args.allow_root_ranks => tracing::warn!(node = %node, "allow_root_ranks: jobs that name no user run their ranks as root"),
+        0 => tracing::info!(node = %node, "running as root: ranks run as their job's user; jobs that name none are refused"),
+        // A Slurm allocation's agent (docs/slurm.md): everything works but what needs root.
+        uid => tracing::info!(
+            node = %node,
+            "running as uid {uid}, not root: ranks run as this user (a job naming another user is refused), in rank cgroups only where this user may make them"
+        ),
     }
     motley_agent::checkpoints::file_roots::configure(&args.cloud_file_root, args.allow_root_ranks)?;
     if motley_agent::ranks::lease::clear_if_lapsed(&work_dir) {
