@@ -316,6 +316,11 @@ def test_slurms_warning_signal_saves_exits_75_and_the_requeued_job_resumes_from_
     first = (work / f"slurm-{jid}.out").read_text()
     assert "preempted (USR1)" in first and "saved, whole in its checkpoint cloud" in first, first
     assert "resumable: requeue this Slurm job (exit 75)" in first, first
+    # The watch, stopped by the script's SIGTERM, said so (its own exit 75).
+    assert "the watch was stopped by a signal (preempted)" in first, first
+    # The job named no cloud: the coordinator's, on the state directory, took the step.
+    cloud = state_of(work, jid) / "cloud"
+    assert list(cloud.glob("*/jobs/1/1/step-*/layer.*.safetensors")), f"no step in {cloud}: {sorted(cloud.rglob('*'))[:20]}"
     # Eligible again after cred_expire (not sooner: a requeued job started before its old
     # credential expires is killed, "Job credential revoked").
     j = finished(slurm, jid, 300)

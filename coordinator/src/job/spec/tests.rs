@@ -73,6 +73,20 @@ fn checkpoint_fields_reach_the_ranks_and_bad_ones_are_named() {
 }
 
 #[test]
+fn the_coordinators_default_cloud_goes_only_to_a_job_that_checkpoints_and_names_none() {
+    let cloud = |t: &str| {
+        let spec = JobSpec::parse(t).unwrap().with_default_cloud(Some("file:///shared/state/cloud"));
+        spec.checkpoint.and_then(|c| c.cloud)
+    };
+    assert_eq!(cloud(&format!("{GOOD}checkpoint: {{every: 5}}\n")).as_deref(), Some("file:///shared/state/cloud"));
+    assert_eq!(cloud(&format!("{GOOD}checkpoint: {{every: 5, cloud: 's3://own/x'}}\n")).as_deref(), Some("s3://own/x"));
+    assert_eq!(cloud(GOOD), None, "a job that does not checkpoint gets no cloud");
+    let none = JobSpec::parse(&format!("{GOOD}checkpoint: {{every: 5}}\n")).unwrap().with_default_cloud(None);
+    assert_eq!(none.checkpoint.unwrap().cloud, None);
+    assert!(cloud_url("file://relative").is_err() && cloud_url("file:///abs").is_ok(), "the flag is checked as the field is");
+}
+
+#[test]
 fn relaunch_budgets_need_a_checkpoint() {
     let err = |t: &str| JobSpec::parse(t).unwrap_err().to_string();
     assert!(err(&format!("{GOOD}max_preemptions: 2\n")).starts_with("max_preemptions: a relaunch resumes"));
