@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::client::Client;
+use crate::client::{path_segment, Client};
 use crate::inputs::InputError;
-use crate::remote::{path_segment, s};
+use crate::table::escape;
 
 /// After the deadline, the time a save just made is given to reach the cloud.
 const UPLOAD_GRACE: Duration = Duration::from_secs(15);
@@ -34,7 +34,8 @@ pub fn drain_and_wait(c: &Client, names: &[String], deadline: Duration) -> Resul
     for name in names {
         let query = format!("?deadline_s={}", deadline.as_secs_f64().ceil().max(1.0) as u64);
         let v = c.call("POST", &format!("/nodes/{}/drain{query}", path_segment(name)), None)?;
-        lines.push(format!("node {} is {}", s(&v["name"]), s(&v["state"])));
+        let text = |field: &str| escape(v[field].as_str().unwrap_or_default()).into_owned();
+        lines.push(format!("node {} is {}", text("name"), text("state")));
     }
     let until = Instant::now() + deadline + UPLOAD_GRACE;
     loop {
