@@ -4,9 +4,11 @@ without root, a job trains to its end with the single process's losses, Slurm's 
 saves the job and exits 75, Slurm requeues it (RequeueExit=75), and the requeued run resumes from
 the saved step with the uninterrupted run's losses; a bad job file fails with exit 2.
 
-The set-up is this machine as a one-node Slurm cluster: munged, slurmctld and slurmd started
-here (as root) from a generated slurm.conf in a scratch directory, and stopped afterwards.
-Debian's slurm-wlm and munge provide them (.ci/run installs them where missing)."""
+The set-up is this machine as a two-node Slurm cluster: munged, slurmctld and two slurmd
+(`slurmd -N a0`, `-N b0`, each a node of its own partition, pa and pb) started here (as root)
+from a generated slurm.conf in a scratch directory, and stopped afterwards. A heterogeneous job
+takes a node of each partition. Debian's slurm-wlm and munge provide them (.ci/run installs them
+where missing)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ MODEL = DATA / "tiny-dev.yaml"
 GLOBAL_BATCH = 8
 SEED = 5
 USER = "nobody"
+# The two nodes this machine plays (slurmd -N), each the only node of its partition (pa, pb).
+NODES = ("a0", "b0")
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "srun")
 # Slurm's wait before a requeued job may start again is the credential lifetime (cred_expire,
@@ -138,13 +142,12 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={sock},cred_expire={CRED_EXPIRE_S}
 SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
 StateSaveLocation={self.root / 'state'}
-SlurmdSpoolDir={self.root / 'spool'}
+SlurmdSpoolDir={self.root / 'spool'}/%n
 SlurmctldPidFile={self.root / 'run' / 'slurmctld.pid'}
-SlurmdPidFile={self.root / 'run' / 'slurmd.pid'}
+SlurmdPidFile={self.root / 'run' / 'slurmd-%n.pid'}
 SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}
-SlurmdLogFile={self.root / 'log' / 'slurmd.log'}
+SlurmdLogFile={self.root / 'log' / 'slurmd-%n.log'}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -154,19 +157,25 @@ ReturnToService=2
 JobRequeue=1
 RequeueExit=75
 KillWait=5
-NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+# Heterogeneous jobs are scheduled by the backfill scheduler only: look every second.
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1
+NodeName=a0 NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs={os.cpu_count()} State=UNKNOWN
+NodeName=b0 NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs={os.cpu_count()} State=UNKNOWN
+PartitionName=pa Nodes=a0 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=pb Nodes=b0 MaxTime=INFINITE State=UP OverSubscribe=YES
 """)
         self.spawn([sbin("munged"), "-F", "--force", "-S", str(sock), f"--key-file={key}",
                     f"--log-file={self.root / 'log' / 'munged.log'}", f"--pid-file={self.root / 'munge' / 'pid'}",
                     f"--seed-file={self.root / 'munge' / 'seed'}"])
         self.wait(lambda: sock.exists(), 10, "munged's socket")
         self.spawn([sbin("slurmctld"), "-D", "-f", str(self.conf)])
-        self.spawn([sbin("slurmd"), "-D", "-f", str(self.conf)])
-        self.wait(lambda: self.run("sinfo", "-h", "-o", "%T").stdout.strip() == "idle", 60, "the node idle in sinfo")
+        for node in NODES:
+            self.spawn([sbin("slurmd"), "-D", "-f", str(self.conf), "-N", node], f"slurmd-{node}")
+        self.wait(lambda: self.run("sinfo", "-h", "-N", "-o", "%T").stdout.split() == ["idle"] * len(NODES), 60, "both nodes idle in sinfo")
 
-    def spawn(self, cmd):
-        log = open(self.root / "log" / f"{Path(cmd[0]).name}.out", "w")
+    def spawn(self, cmd, name: str = ""):
+        log = open(self.root / "log" / f"{name or Path(cmd[0]).name}.out", "w")
         self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True))
 
     def run(self, *cmd: str, check: bool = False) -> subprocess.CompletedProcess:
@@ -204,13 +213,17 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         f.write_text(yaml.safe_dump(job))
         return f
 
-    def sbatch(self, work: Path, job_file: Path, **env: str) -> int:
-        inventory = work / "node.yaml"
-        inventory.write_text(yaml.safe_dump({"gpu": "P100", "gpus": 1, "nics": [{"name": "eth0", "kind": "ethernet", "gbps": 25}]}))
+    def sbatch(self, work: Path, job_file: Path, options: tuple = (), inventory: Path = None) -> int:
+        """Submit the shipped script as the user (`options`: sbatch's, e.g. a heterogeneous job's
+        components); every agent registers `inventory` (a node entry, or a directory of them),
+        by default one P100."""
+        if inventory is None:
+            inventory = work / "node.yaml"
+            inventory.write_text(yaml.safe_dump(node_entry("P100")))
         full = dict(self.env, PATH=f"{self.root / 'bin'}:/usr/sbin:/usr/bin:/bin", MOTLEY_INVENTORY=str(inventory),
-                    MOTLEY_HEARTBEAT_MS="250", MOTLEY_SAVE_DEADLINE_S="60", RUST_LOG="info", **env)
+                    MOTLEY_HEARTBEAT_MS="250", MOTLEY_SAVE_DEADLINE_S="60", RUST_LOG="info")
         out = subprocess.run(["runuser", "-u", USER, "--", sbin("sbatch"), "--parsable", f"--chdir={work}",
-                              f"--output={work / 'slurm-%j.out'}", str(self.root / "motley.sbatch"), str(job_file)],
+                              f"--output={work / 'slurm-%j.out'}", *options, str(self.root / "motley.sbatch"), str(job_file)],
                              capture_output=True, text=True, env=full, timeout=60)
         assert out.returncode == 0, out.stderr
         return int(out.stdout.strip().split(";")[0])
@@ -259,6 +272,10 @@ def slurm():
         yield s
     finally:
         s.close()
+
+
+def node_entry(gpu: str) -> dict:
+    return {"gpu": gpu, "gpus": 1, "nics": [{"name": "eth0", "kind": "ethernet", "gbps": 25}]}
 
 
 def state_of(work: Path, jid: int) -> Path:
@@ -351,3 +368,30 @@ def test_a_bad_job_file_fails_the_batch_job_with_exit_2_and_says_why(slurm: Slur
     output = (work / f"slurm-{jid}.out").read_text()
     assert (j["JobState"], j["ExitCode"], j.get("Restarts")) == ("FAILED", "2:0", "0"), f"{j}\n{output}"
     assert "global_batch" in output, output
+
+
+def test_a_heterogeneous_job_runs_one_plan_across_its_components(slurm: Slurm):
+    """`sbatch -p pa -N1 : -p pb -N1`: a P100 node from one partition and a T4 node from the
+    other in one allocation. The script starts each component's agent in a step of that
+    component, and the planner's one plan spans both (a pipeline: the P100 takes the first
+    layers, the T4 the rest); its losses are the single process's."""
+    work = slurm.workdir("het")
+    inventories = work / "nodes"
+    inventories.mkdir()
+    for node, gpu in zip(NODES, ("P100", "T4")):
+        (inventories / f"{node}.yaml").write_text(yaml.safe_dump(node_entry(gpu)))
+    for p in (inventories, *inventories.iterdir()):
+        os.chown(p, pwd.getpwnam(USER).pw_uid, pwd.getpwnam(USER).pw_gid)
+    steps = 12
+    jid = slurm.sbatch(work, slurm.job_file(work, steps, every=1000), ("-p", "pa", "-N1", ":", "-p", "pb", "-N1"), inventories)
+    j = finished(slurm, jid, 240)
+    output = (work / f"slurm-{jid}.out").read_text()
+    assert (j["JobState"], j["ExitCode"]) == ("COMPLETED", "0:0"), f"{j}\n{output}\n{slurm.logs()}"
+    assert "on a0 b0;" in output and "2 agents live" in output, output
+    ran = {p.parts[-5] for p in (state_of(work, jid) / "agents").glob("*/jobs/1/1/rank-*.log")}
+    assert ran == set(NODES), f"the plan's ranks ran on {ran}\n{output}"
+    got = rank0_losses(work, jid, 1)
+    spec = yaml.safe_load(MODEL.read_text())
+    reference = reference_losses(str(MODEL), GLOBAL_BATCH, spec["seq_len"], steps, SEED)
+    assert [s for s, _ in got] == list(range(steps)), got
+    assert_steps_close([x for _, x in got], reference, layers_of(MODEL), "the heterogeneous allocation's losses against the single process's")
