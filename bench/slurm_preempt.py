@@ -11,13 +11,17 @@ as nobody through deploy/slurm/motley.sbatch), side by side in one go:
           next run's coordinator takes the job over and recovers it from its newest periodic
           step in the cloud.
 
-The job: the tiny-dev model on one emulated GPU, checkpointing every EVERY steps, the
-signal sent once rank 0 has reported AT steps. Per run: steps_redone = the steps rank 0 had
+The job: a 4-layer model of hidden HIDDEN (sequences of SEQ tokens, 8 a step) on one emulated
+GPU, checkpointing every EVERY steps, the signal sent once rank 0 has reported AT steps (steps
+of a few hundred ms on one core: a step of the tests' tiny model takes 7 ms, and the control
+plane's half second would be 70 of them). Per run: steps_redone = the steps rank 0 had
 finished when the allocation went (its last line) + 1 - the step the requeued run starts at
-(work done twice); signal_to_requeued_s = the signal -> Slurm shows the job requeued;
+(work done twice), and redone_s = that times rank 0's median step time (the work in seconds:
+these CPU steps take milliseconds, so a control plane's half second is many of them);
+signal_to_requeued_s = the signal -> Slurm shows the job requeued;
 requeued_to_step_s = the job running again -> the requeued run's first step line.
 
-    python bench/slurm_preempt.py [--reps 2] [--every 50] [--at 70] [-o json]
+    python bench/slurm_preempt.py [--reps 2] [--every 10] [--at 15] [--hidden 256] [--seq 64] [-o json]
 
 Needs root, Debian's slurm-wlm and munge, the motley binaries (MOTLEY_BIN, default
 target/ci/motley) and the venv's torch.
@@ -43,13 +47,21 @@ import test_slurm as ts  # noqa: E402
 STEPS = 2000
 
 
-def one(slurm: ts.Slurm, name: str, mode: str, every: int, at: int) -> dict:
+def step_lines(work: Path, jid: int, generation: int) -> list:
+    out = []
+    for log in (ts.state_of(work, jid) / "agents").glob(f"*/jobs/*/{generation}/rank-0.log"):
+        out += [json.loads(x) for x in log.read_text().splitlines() if x.startswith('{"step"')]
+    return out
+
+
+def one(slurm: ts.Slurm, name: str, mode: str, every: int, at: int, hidden: int, seq: int) -> dict:
     work = slurm.workdir(name)
     job_file = slurm.job_file(work, STEPS, every=every)
     job = ts.yaml.safe_load(job_file.read_text())
     # A killed allocation's ranks are lost with their node: whichever budget the coordinator
     # charges, one is left.
     job["max_restarts"] = 2
+    job["model"] = {"name": f"bench-{hidden}", "layers": 4, "hidden": hidden, "heads": 8, "seq_len": seq, "vocab": 512}
     job_file.write_text(ts.yaml.safe_dump(job))
     jid = slurm.sbatch(work, job_file)
     slurm.wait(lambda: len(ts.rank0_losses(work, jid, 1)) >= at, 300, f"{at} steps")
@@ -68,6 +80,7 @@ def one(slurm: ts.Slurm, name: str, mode: str, every: int, at: int) -> dict:
     slurm.wait(lambda: ts.rank0_losses(work, jid, 2), 240, "the requeued run's first step", every=0.1)
     first_step_at = time.time()
     resumed = ts.rank0_losses(work, jid, 2)[0][0]
+    step_s = statistics.median(x["step_s"] for x in step_lines(work, jid, 1)[1:])
     slurm.run("scancel", str(jid))
     slurm.wait(lambda: slurm.job(jid).get("JobState") not in ("RUNNING", "COMPLETING", "PENDING"), 60, "the job ended", every=0.2)
     return {
@@ -76,6 +89,7 @@ def one(slurm: ts.Slurm, name: str, mode: str, every: int, at: int) -> dict:
         "last_step_before": last,
         "resumed_at": resumed,
         "steps_redone": last + 1 - resumed,
+        "redone_s": round((last + 1 - resumed) * step_s, 3),
         "signal_to_requeued_s": round(requeued - sent, 2),
         "requeued_to_step_s": round(first_step_at - running, 2),
     }
@@ -84,8 +98,10 @@ def one(slurm: ts.Slurm, name: str, mode: str, every: int, at: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--every", type=int, default=50)
-    p.add_argument("--at", type=int, default=70)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--at", type=int, default=15)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=64)
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     a = p.parse_args()
     gone = ts.missing()
@@ -97,7 +113,7 @@ def main() -> int:
     try:
         for r in range(a.reps):
             for mode in ("warned", "killed"):
-                rows.append(one(slurm, f"{mode}-{r}", mode, a.every, a.at))
+                rows.append(one(slurm, f"{mode}-{r}", mode, a.every, a.at, a.hidden, a.seq))
                 print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
         slurm.close()
@@ -106,7 +122,7 @@ def main() -> int:
         return 0
     for mode in ("warned", "killed"):
         mine = [x for x in rows if x["mode"] == mode]
-        print(f"{mode:7s} steps redone {[x['steps_redone'] for x in mine]} (median {statistics.median(x['steps_redone'] for x in mine)}), "
+        print(f"{mode:7s} steps redone {[x['steps_redone'] for x in mine]} ({[x['redone_s'] for x in mine]} s of work), "
               f"signal -> requeued {[x['signal_to_requeued_s'] for x in mine]} s, "
               f"running again -> first step {[x['requeued_to_step_s'] for x in mine]} s")
     return 0

@@ -93,12 +93,13 @@ class Slurm:
         shutil.copytree(REPO / "python" / "motley_torch", self.root / "python" / "motley_torch",
                         ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy2(REPO / "deploy" / "slurm" / "motley.sbatch", self.root / "motley.sbatch")
-        # The venv by hard links (no bytes copied): the same files, in a directory nobody can
-        # reach. Its python finds its packages from its own path (pyvenv.cfg beside bin/).
+        # The venv by hard links (no bytes copied; a copy where /tmp is another file system): the
+        # same files, in a directory the user can reach. Its python finds its packages from its
+        # own path (pyvenv.cfg beside bin/).
         venv = Path(sys.prefix).resolve()
         assert (venv / "pyvenv.cfg").exists(), f"the tests' Python is not a venv's ({venv}): {USER} needs a venv with torch"
-        assert os.stat(venv).st_dev == os.stat(self.root).st_dev, f"{venv} and /tmp are on different file systems: no hard links"
-        subprocess.run(["cp", "-al", str(venv), str(self.root / "venv")], check=True)
+        link = "-al" if os.stat(venv).st_dev == os.stat(self.root).st_dev else "-a"
+        subprocess.run(["cp", link, str(venv), str(self.root / "venv")], check=True)
         assert not (self.root / "venv").is_symlink() and (self.root / "venv").stat().st_ino != venv.stat().st_ino
         self.reachable_interpreter(venv)
         for p in [self.root / "python", *(self.root / "python").rglob("*")]:
