@@ -1,10 +1,12 @@
 //! `motley node drain NODE... --deadline D --wait`: a preemption notice given to several nodes at
 //! once (a whole Slurm allocation about to end, docs/slurm.md) and waited out. Each launched job
 //! with a rank on those nodes saves its next step on the notice (docs/recovery.md, "Preemption
-//! notices"); the command returns once every such job has a complete step newer than the newest
-//! it had before the drain, whole in its checkpoint cloud when it names one (the nodes' disks go
-//! with the allocation), or has ended. Past the deadline (and a few seconds for the upload) it
-//! gives up, naming each job that saved nothing new: that job resumes from its older step.
+//! notices"); the command returns once every such job has moved off the nodes (`recovering`:
+//! the coordinator took its save, or the deadline passed) with its newest complete step whole in
+//! its checkpoint cloud when it names one (the nodes' disks go with the allocation), or has
+//! ended. A job that saved nothing newer than before the drain is named (it resumes from its
+//! older step), as is one no notice moves (no checkpoint, no `max_preemptions`). Past the
+//! deadline and a few seconds for the upload it gives up.
 
 use std::time::{Duration, Instant};
 
@@ -38,23 +40,29 @@ pub fn drain_and_wait(c: &Client, names: &[String], deadline: Duration) -> Resul
         lines.push(format!("node {} is {}", text("name"), text("state")));
     }
     let until = Instant::now() + deadline + UPLOAD_GRACE;
+    let mut all_saved = true;
     loop {
         let mut left = vec![];
         for job in saving {
             match saved(c, &job)? {
-                Some(line) => lines.push(line),
+                Some((line, new)) => {
+                    lines.push(line);
+                    all_saved &= new;
+                }
                 None => left.push(job),
             }
         }
         saving = left;
         if saving.is_empty() {
-            return Ok((lines.join("\n"), true));
+            return Ok((lines.join("\n"), all_saved));
         }
         if Instant::now() >= until {
             for job in &saving {
                 lines.push(format!(
-                    "job {}: no step newer than {} saved (and whole in its cloud) by the deadline; it resumes from its newest complete step",
-                    job.id, job.before
+                    "job {}: not moved off the nodes with a step newer than {} whole in its cloud by the deadline and {} s more",
+                    job.id,
+                    job.before,
+                    UPLOAD_GRACE.as_secs()
                 ));
             }
             return Ok((lines.join("\n"), false));
@@ -86,25 +94,34 @@ fn newest_complete(c: &Client, id: i64) -> Result<i64, InputError> {
     Ok(steps.as_array().into_iter().flatten().filter(|st| st["complete"] == true).filter_map(|st| st["step"].as_i64()).max().unwrap_or(-1))
 }
 
-/// What a job's save came to, once it is done: `None` while it is not.
-fn saved(c: &Client, job: &Saving) -> Result<Option<String>, InputError> {
+/// A job's drain once it is done with, and whether it saved a new step: `None` while it is not.
+fn saved(c: &Client, job: &Saving) -> Result<Option<(String, bool)>, InputError> {
     let view = c.call("GET", &format!("/jobs/{}", job.id), None)?;
     let state = view["state"].as_str().unwrap_or("");
     if ["succeeded", "failed", "cancelled"].contains(&state) {
-        return Ok(Some(format!("job {}: {state}", job.id)));
+        return Ok(Some((format!("job {}: {state}", job.id), true)));
     }
-    if view["spec"]["checkpoint"].is_null() {
-        return Ok(Some(format!("job {}: does not checkpoint (no checkpoint: in its job file): nothing to save", job.id)));
+    if view["spec"]["checkpoint"].is_null() || view["spec"]["max_preemptions"].as_u64().unwrap_or(0) == 0 {
+        let why = "a notice does not move it (it needs checkpoint: and max_preemptions of at least 1): nothing is saved";
+        return Ok(Some((format!("job {}: {why}", job.id), false)));
     }
-    let step = newest_complete(c, job.id)?;
-    if step <= job.before {
+    // Until the coordinator takes a save (or the deadline passes) the job stays where it is: a
+    // periodic step finished meanwhile is not the notice's.
+    if state != "recovering" {
         return Ok(None);
     }
+    let step = newest_complete(c, job.id)?;
+    let new = step > job.before;
+    let what = if new {
+        format!("step {step} saved")
+    } else {
+        format!("nothing newer than step {} saved: it resumes from step {step}", job.before)
+    };
     if view["checkpoint_cloud"].is_null() {
-        return Ok(Some(format!("job {}: step {step} saved (on its nodes' disks: the job names no checkpoint cloud)", job.id)));
+        return Ok(Some((format!("job {}: {what} (on its nodes' disks: the job names no checkpoint cloud)", job.id), new)));
     }
     let grid = c.call("GET", &format!("/jobs/{}/checkpoints/grid?step={step}", job.id), None)?;
-    Ok(whole_in_cloud(&grid).then(|| format!("job {}: step {step} saved, whole in its checkpoint cloud", job.id)))
+    Ok(whole_in_cloud(&grid).then(|| (format!("job {}: {what}, whole in its checkpoint cloud", job.id), new)))
 }
 
 /// Every file of a step's grid has a copy in the cloud.

@@ -57,7 +57,7 @@ def missing() -> list:
 def need_slurm():
     gone = missing()
     if gone:
-        why = f"a one-node Slurm needs {', '.join(gone)} (Debian: apt-get install slurm-wlm munge; .ci/run does)"
+        why = f"a two-node Slurm on this machine needs {', '.join(gone)} (Debian: apt-get install slurm-wlm munge; .ci/run does)"
         if os.environ.get("CI"):
             pytest.fail(why)  # CI runs every test: a missing piece fails, never skips
         pytest.skip(why)
@@ -356,6 +356,23 @@ def test_slurms_warning_signal_saves_exits_75_and_the_requeued_job_resumes_from_
     reference = reference_losses(str(MODEL), GLOBAL_BATCH, spec["seq_len"], steps, SEED)
     assert_steps_close([x for _, x in after], [reference[s] for s, _ in after], layers_of(MODEL),
                        "losses after the requeue against the uninterrupted run's", steps=[s for s, _ in after])
+
+
+def test_a_job_no_notice_can_move_is_not_requeued_on_the_signal(slurm: Slurm):
+    """max_preemptions: 0: a drain with a deadline does not save the job, so a requeued run could
+    not resume it: the script exits 1 (not 75) and Slurm does not requeue it."""
+    work = slurm.workdir("unmovable")
+    job_file = slurm.job_file(work, 4000, every=100_000)
+    job = yaml.safe_load(job_file.read_text())
+    job["max_preemptions"] = 0
+    job_file.write_text(yaml.safe_dump(job))
+    jid = slurm.sbatch(work, job_file)
+    slurm.wait(lambda: len(rank0_losses(work, jid, 1)) >= 5, 180, "five steps")
+    slurm.run("scancel", "--signal=USR1", "--batch", str(jid), check=True)
+    j = finished(slurm, jid, 120)
+    output = (work / f"slurm-{jid}.out").read_text()
+    assert (j["JobState"], j["ExitCode"], j.get("Restarts")) == ("FAILED", "1:0", "0"), f"{j}\n{output}\n{slurm.logs()}"
+    assert "preempted (USR1)" in output and "(exit 75)" not in output, output
 
 
 def test_a_bad_job_file_fails_the_batch_job_with_exit_2_and_says_why(slurm: Slurm):

@@ -261,7 +261,9 @@ impl Life {
     /// live node (every node of the job lost or drained at once: a whole allocation preempted,
     /// docs/slurm.md), said once in an event `recovery_waiting`. The job keeps its checkpoints
     /// and resumes from them on whatever comes back; still nothing then, the re-plan fails it
-    /// as before ("nothing to recover onto").
+    /// as before ("nothing to recover onto"). The clock starts once the old launch's nodes are
+    /// gone: drained nodes still live are uploading the step the job resumes from, which may
+    /// take longer than the wait.
     async fn wait_for_free_gpus(&self, job: &JobRecord) -> Result<()> {
         let (store, fleet) = (&self.store, &*self.fleet);
         let free = || async {
@@ -273,9 +275,14 @@ impl Life {
             return Ok(());
         }
         let wait = fleet.base * PINNED_WAIT_INTERVALS;
-        let note = format!("no free GPU on a live node (its nodes are lost or drained): waiting up to {} s for nodes", wait.as_secs());
+        let note = format!(
+            "no free GPU on a live node (its nodes are lost or drained): waiting for nodes, up to {} s once its drained nodes are gone",
+            wait.as_secs()
+        );
         store.record_event(Some(job.id), Some(job.generation), "recovery_waiting", &note).await?;
-        let until = Instant::now() + wait;
+        let old: std::collections::BTreeSet<String> =
+            store.ranks(job.id, job.generation).await?.into_iter().map(|r| r.assignment.node).collect();
+        let mut until = Instant::now() + wait;
         while Instant::now() < until {
             if store.job(job.id).await?.state != JobState::Recovering {
                 return Ok(());
@@ -283,6 +290,9 @@ impl Life {
             tokio::time::sleep(fleet.base).await;
             if free().await? > 0 {
                 return Ok(());
+            }
+            if old.iter().any(|n| fleet.live(n)) {
+                until = Instant::now() + wait;
             }
         }
         Ok(())
