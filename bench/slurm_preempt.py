@@ -56,14 +56,10 @@ def step_lines(work: Path, jid: int, generation: int) -> list:
 
 def one(slurm: ts.Slurm, name: str, mode: str, every: int, at: int, hidden: int, seq: int) -> dict:
     work = slurm.workdir(name)
-    job_file = slurm.job_file(work, STEPS, every=every)
-    job = ts.yaml.safe_load(job_file.read_text())
     # A killed allocation's ranks are lost with their node: whichever budget the coordinator
     # charges, one is left.
-    job["max_restarts"] = 2
-    job["model"] = {"name": f"bench-{hidden}", "layers": 4, "hidden": hidden, "heads": 8, "seq_len": seq, "vocab": 512}
-    job_file.write_text(ts.yaml.safe_dump(job))
-    jid = slurm.sbatch(work, job_file)
+    model = {"name": f"bench-{hidden}", "layers": 4, "hidden": hidden, "heads": 8, "seq_len": seq, "vocab": 512}
+    jid = slurm.sbatch(work, slurm.job_file(work, STEPS, every=every, max_restarts=2, model=model))
     slurm.wait(lambda: len(ts.rank0_losses(work, jid, 1)) >= at, 300, f"{at} steps")
     sent = time.time()
     if mode == "warned":

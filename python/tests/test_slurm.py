@@ -12,7 +12,6 @@ where missing)."""
 
 from __future__ import annotations
 
-import json
 import os
 import pwd
 import shutil
@@ -28,6 +27,7 @@ import pytest
 import yaml
 
 from launcher import DATA, REPO, free_port, motley_bin, reference_losses
+from test_recovery import rank0_losses as launch_losses
 from tolerance import assert_steps_close, layers_of
 
 MODEL = DATA / "tiny-dev.yaml"
@@ -198,7 +198,8 @@ PartitionName=pb Nodes=b0 MaxTime=INFINITE State=UP OverSubscribe=YES
         os.chown(d, pwd.getpwnam(USER).pw_uid, pwd.getpwnam(USER).pw_gid)
         return d
 
-    def job_file(self, work: Path, steps: int, every: int) -> Path:
+    def job_file(self, work: Path, steps: int, every: int, **fields) -> Path:
+        """The tests' job file (`fields` replace its own)."""
         job = {
             "name": "slurm-tiny",
             "model": yaml.safe_load(MODEL.read_text()),
@@ -209,6 +210,7 @@ PartitionName=pb Nodes=b0 MaxTime=INFINITE State=UP OverSubscribe=YES
             # No cloud: the script gives the coordinator one on the state directory.
             "checkpoint": {"every": every, "keep": 2},
             "max_preemptions": 2,
+            **fields,
         }
         f = work / "job.yaml"
         f.write_text(yaml.safe_dump(job))
@@ -284,15 +286,9 @@ def state_of(work: Path, jid: int) -> Path:
 
 
 def rank0_losses(work: Path, jid: int, generation: int) -> list:
-    """(step, loss) lines rank 0 of the Motley job's launch `generation` printed."""
-    out = []
-    for log in (state_of(work, jid) / "agents").glob(f"*/jobs/*/{generation}/rank-0.log"):
-        for line in log.read_text().splitlines():
-            if line.startswith("{"):
-                d = json.loads(line)
-                if "loss" in d:
-                    out.append((d["step"], d["loss"]))
-    return out
+    """(step, loss) lines rank 0 of the Motley job's launch `generation` printed (job 1: each Slurm
+    job's coordinator numbers its own)."""
+    return launch_losses(state_of(work, jid), 1, generation)
 
 
 def finished(slurm: Slurm, jid: int, timeout: float) -> dict:
@@ -362,11 +358,7 @@ def test_a_job_no_notice_can_move_is_not_requeued_on_the_signal(slurm: Slurm):
     """max_preemptions: 0: a drain with a deadline does not save the job, so a requeued run could
     not resume it: the script exits 1 (not 75) and Slurm does not requeue it."""
     work = slurm.workdir("unmovable")
-    job_file = slurm.job_file(work, 4000, every=100_000)
-    job = yaml.safe_load(job_file.read_text())
-    job["max_preemptions"] = 0
-    job_file.write_text(yaml.safe_dump(job))
-    jid = slurm.sbatch(work, job_file)
+    jid = slurm.sbatch(work, slurm.job_file(work, 4000, every=100_000, max_preemptions=0))
     slurm.wait(lambda: len(rank0_losses(work, jid, 1)) >= 5, 180, "five steps")
     slurm.run("scancel", "--signal=USR1", "--batch", str(jid), check=True)
     j = finished(slurm, jid, 120)
@@ -377,11 +369,7 @@ def test_a_job_no_notice_can_move_is_not_requeued_on_the_signal(slurm: Slurm):
 
 def test_a_bad_job_file_fails_the_batch_job_with_exit_2_and_says_why(slurm: Slurm):
     work = slurm.workdir("bad")
-    job_file = slurm.job_file(work, 4, every=1000)
-    job = yaml.safe_load(job_file.read_text())
-    job["global_batch"] = 0
-    job_file.write_text(yaml.safe_dump(job))
-    jid = slurm.sbatch(work, job_file)
+    jid = slurm.sbatch(work, slurm.job_file(work, 4, every=1000, global_batch=0))
     j = finished(slurm, jid, 120)
     output = (work / f"slurm-{jid}.out").read_text()
     assert (j["JobState"], j["ExitCode"], j.get("Restarts")) == ("FAILED", "2:0", "0"), f"{j}\n{output}"

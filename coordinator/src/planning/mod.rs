@@ -192,16 +192,23 @@ pub struct RecoveryPlan {
 /// while every node it may use is lost, drained or held by other jobs (an offer that cannot be
 /// made counts as none: `plan_for_recovery` then says why).
 pub async fn free_for_recovery(store: &Store, fleet: &Fleet, job: &JobRecord, taken: &Taken) -> Result<u32> {
+    match recovery_offer(store, fleet, job, taken).await {
+        Ok((_, offer)) => Ok(offer.free),
+        Err(CoordinatorError::Conflict(_)) => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+/// A recovering job's spec and what it is offered now: every GPU of a live, active node within
+/// its resources that no other job holds (its own old launch's included: its ranks were stopped).
+async fn recovery_offer(store: &Store, fleet: &Fleet, job: &JobRecord, taken: &Taken) -> Result<(JobSpec, Offer)> {
     let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
     let mut others = taken.clone();
     for gpus in others.values_mut() {
         gpus.retain(|_, j| *j != job.id);
     }
-    match offer(store, &spec, Some((fleet, &others))).await {
-        Ok(offer) => Ok(offer.free),
-        Err(CoordinatorError::Conflict(_)) => Ok(0),
-        Err(e) => Err(e),
-    }
+    let offer = offer(store, &spec, Some((fleet, &others))).await?;
+    Ok((spec, offer))
 }
 
 /// Plan a recovering job again on what it can use now: live, active nodes within its
@@ -212,12 +219,7 @@ pub async fn free_for_recovery(store: &Store, fleet: &Fleet, job: &JobRecord, ta
 /// the restore is in place.
 #[tracing::instrument(skip(store, fleet, taken))]
 pub async fn plan_for_recovery(store: &Store, fleet: &Fleet, job: &JobRecord, taken: &Taken) -> Result<RecoveryPlan> {
-    let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
-    let mut others = taken.clone();
-    for gpus in others.values_mut() {
-        gpus.retain(|_, j| *j != job.id);
-    }
-    let offer = offer(store, &spec, Some((fleet, &others))).await?;
+    let (spec, offer) = recovery_offer(store, fleet, job, taken).await?;
     if offer.free == 0 {
         return Err(CoordinatorError::Conflict("no free GPU on a live node: nothing to recover onto".into()));
     }
