@@ -103,7 +103,17 @@ class Trainer:
         check_flags_against_plan(args)
         given = load_model(args.model) if args.model else None
         hf_spec = load_model(args.init_from_hf) if args.init_from_hf else None
-        view = self.view = init(args.plan, model=given or hf_spec, timeout_s=args.timeout)
+        # A rank the agent started to rejoin a job that kept going takes its groups from the
+        # epoch's store and its state from the members' (distributed/rejoin.py).
+        self.began = time.monotonic()
+        self.joining = _joining(args, given or hf_spec)
+        if self.joining is not None:
+            from .distributed.rejoin import join_view
+
+            view, join_tcp = join_view(self.joining[0], self.joining[1], args.timeout)
+            self.view = view
+        else:
+            view = self.view = init(args.plan, model=given or hf_spec, timeout_s=args.timeout)
         plan = self.plan = view.plan
         print("motley-view " + json.dumps(view.summary(), sort_keys=True), file=sys.stderr, flush=True)
         check_model(plan.model, given, args.model)
@@ -139,9 +149,14 @@ class Trainer:
         self.scale = 1.0 / (plan.global_batch * seq)
         self.flops_per_token = train_flops_per_token(spec, seq)
         self.device_peak = device_peak(view.device, precision)
-        self.peak_tflops = self._world_peak(self.device_peak)
+        # A joining rank meets the world only in its epoch (`_move`).
+        self.peak_tflops = self._world_peak(self.device_peak) if self.joining is None else None
         self.keep = None
-        if keep_going.enabled(view, zero1):
+        if self.joining is not None:
+            self.keep = keep_going.KeepGoing(view, args.timeout, joining=self.joining[1], tcp=join_tcp)
+            print(f"motley-keep-going on: rank {view.rank} rejoins in epoch {self.joining[1].epoch} from the "
+                  f"members' live state (docs/keep-going.md)", file=sys.stderr, flush=True)
+        elif keep_going.enabled(view, zero1):
             tied = self.sync.tied.group if self.sync.tied is not None else None
             self.keep = keep_going.KeepGoing(view, args.timeout, tied)
             print("motley-keep-going on: a lost replica's share goes to the others (docs/keep-going.md)",
@@ -155,7 +170,7 @@ class Trainer:
             from .components import checkpoint
 
             checkpoint.require_modules()
-        if args.ckpt_restore:
+        if args.ckpt_restore and self.joining is None:
             self.start = checkpoint.restore(view, model, self.sync.optimizer,
                                             checkpoint.restore_list(args.ckpt_restore), position=position,
                                             zero=self.sync.zero)
@@ -340,10 +355,22 @@ class Trainer:
 
     def run(self) -> int:
         args, view = self.args, self.view
-        if self.start in self.due:
-            self.evaluate(self.start)
-        step = self.start
+        if self.joining is not None:
+            self.keep.ready()
+            step = self._move(None)  # or raises: the members it was to join are gone
+        else:
+            if self.start in self.due:
+                self.evaluate(self.start)
+            step = self.start
         while step < args.steps:
+            if self.keep is not None and self.keep.move_due is not None:
+                # Every member moves to the epoch the last committed step's votes named, here, at
+                # the same step boundary (a replica comes back: `_move`).
+                try:
+                    step = self._move(step)
+                except Exception as e:
+                    step = self._next_epoch(step, e)  # or raises: not a lost replica's doing
+                    continue
             # A newer membership is acted on only where every member sees the step fail (a
             # collective with a lost member, or the vote): never at a step's start, where a
             # peer of the same replica may already wait in the pipeline for this rank.
@@ -394,7 +421,8 @@ class Trainer:
         if args.save_hf:
             save_hf_distributed(view, self.model, args, zero=self.sync.zero)
         dist.barrier(group=view.world_group)
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a rank that rejoined never had the launch's default group
+            dist.destroy_process_group()
         return 0
 
     def _next_epoch(self, step: int, cause: BaseException) -> int:
@@ -408,8 +436,8 @@ class Trainer:
         view = self.view
         old_leader = view.leader
         roll = self.keep.next_epoch(step, cause, keep_going.make_gloo_or_nccl(view, self.keep.timeout))
-        self.view = view = self.keep.view
-        self.plan = view.plan
+        self._take_epoch_view()
+        view = self.view
         # Every committed step's line went out as it committed; a step rolled forward here is
         # printed below by the new leader (the old one went before reading its decision).
         self.flush_loss()
@@ -427,12 +455,93 @@ class Trainer:
             self.pending = (held_step, roll, t_step, used, skipped, self.keep.committed_epoch)
             step += 1
         self.sync.optimizer.zero_grad(set_to_none=True)
-        self.sync.close()
-        self.sync = self._make_sync(view, optimizer=self.sync.optimizer)
-        # Sends of the given-up step stay on the old hop groups (aborted): the new ones start clean.
-        self.pipe.v, self.pipe.pending = view, []
+        self._new_sync()
+        self._rejoin()
         self.peak_tflops = self._world_peak(self.device_peak)
         return step
+
+    def _take_epoch_view(self):
+        self.view = self.keep.view
+        self.plan = self.view.plan
+
+    def _new_sync(self):
+        """The gradient sync of the epoch's groups (the optimizer and its state kept)."""
+        self.sync.close()
+        self.sync = self._make_sync(self.view, optimizer=self.sync.optimizer)
+        # Sends of a given-up step stay on the old hop groups (aborted): the new ones start clean.
+        self.pipe.v, self.pipe.pending = self.view, []
+
+    def _move(self, step: Optional[int]) -> int:
+        """Move to the epoch `keep.move_due` names at the boundary before `step` (a joining rank:
+        None, its first step is the members'): meet its members, make its groups, and hand the
+        joining ranks their state. Returns the step to run."""
+        _, step = self.keep.move(step, keep_going.make_gloo_or_nccl(self.view, self.keep.timeout))
+        self._take_epoch_view()
+        self._new_sync()
+        if not self.keep.loaded:
+            self._start_at(step)
+        self._rejoin()
+        self.peak_tflops = self._world_peak(self.device_peak)
+        return step
+
+    def _start_at(self, step: int):
+        """A joining rank's run from the members' step: its data from there, its scalars theirs."""
+        from .components.feed import StepSource, due_evals
+
+        args = self.args
+        self.start = step
+        self.source.close()
+        self.source = StepSource(args, self.plan.model.vocab, self.seq, self.plan.global_batch,
+                                 samples_consumed=step * self.plan.global_batch)
+        self.due = set(due_evals(step, args.steps, args.eval_every)) - {step} if self.evals is not None else set()
+
+    def _rejoin(self):
+        """Where the epoch has joining ranks: each layer's weights and AdamW state from the
+        members' live state (`rejoin.copy_live_state`), the trainer's scalars through the store."""
+        joiners = set(self.keep.joiners)
+        if not joiners:
+            return
+        from .distributed.membership import epoch_groups
+        from .distributed.rejoin import copy_live_state
+
+        view, sync = self.view, self.sync
+        began = time.monotonic()
+        tied = None
+        if sync.tied is not None:
+            holders = [g for g in epoch_groups(self.keep.full_plan, self.keep.epoch.m, True) if g.key == "tied"]
+            tied = (sync.tied.group, list(holders[0].ranks) if holders else [view.rank], sync.tied.params)
+        synced = [(n, p) for n, p in self.model.named_parameters() if sync.tied is None or n not in sync.tied.names]
+        taken = copy_live_state(view, synced, self.model.segment_of, sync.optimizer, joiners, tied)
+        state = self.keep.share({"scaler": self.scaler.state() if self.scaler.enabled else None,
+                                 "notice": self.notice.handled if self.notice is not None else 0})
+        if not self.keep.loaded:
+            if state.get("scaler") is not None:
+                self.scaler.load(state["scaler"], "the members' loss scale")
+            if self.notice is not None:
+                self.notice.handled = int(state.get("notice") or 0)
+            self.keep.loaded = True
+            print("motley-rejoined " + json.dumps({
+                "epoch": view.epoch, "replica": view.replica, "rank": view.rank, "step": self.start, "bytes": taken,
+                "seconds": round(time.monotonic() - self.began, 3),
+                "copy_seconds": round(time.monotonic() - began, 3)}, sort_keys=True), file=sys.stderr, flush=True)
+
+
+def _joining(args, model):
+    """(plan, membership) when this rank was started to rejoin (distributed/rejoin.py), else None."""
+    if os.environ.get("MOTLEY_KEEP_GOING") != "1":
+        return None
+    from .distributed.rejoin import joining
+    from .plan import Plan
+
+    path = args.plan or os.environ.get("MOTLEY_PLAN")
+    rank = os.environ.get("RANK", "")
+    if not path or not rank.isdigit():
+        return None  # joining the job names what is missing
+    plan = Plan.load(path, model)
+    if int(rank) >= len(plan.ranks):
+        return None
+    m = joining(plan, int(rank))
+    return (plan, m) if m is not None else None
 
 
 def run_rank(args) -> int:

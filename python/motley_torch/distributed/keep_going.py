@@ -11,25 +11,36 @@ stay the single process's. The loss line's global sum is the sum of the votes.
 A collective that fails (a member's process is gone: gloo's connection closes) aborts the step
 the same way: the rank aborts the epoch's cross-replica groups at once (a peer blocked in them
 is released), waits for the newer membership the coordinator opens, and meets the other
-members in its store (`Epoch.open`). Groups inside a replica (TP, pipeline hops) are kept: a
-member replica lost none of its ranks.
+members in its store (`KeepGoing.next_epoch`). TP groups are kept: a member replica lost none
+of its ranks.
+
+A membership that loses no member (a lost replica coming back: `joining`) aborts nothing. Each
+vote carries the newest epoch its rank has seen; once a step commits, every member has read the
+same votes, so every member moves to that epoch at the same step boundary (`KeepGoing.move`),
+where the joining ranks, started afresh, meet them and take their layers' live state
+(`rejoin`).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import queue
 import sys
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
 from ..components.rank_exit import end_rank
 from .membership import (ENV, EpochGroup, Membership, MembershipError, epoch_groups, hop_key, members, read, reshared,
                          ring_key)
+
+# What a joining rank publishes in an epoch's store where the others publish their step: it
+# holds no state yet and takes it from them (`rejoin`).
+JOINING = "join"
 
 # The exit code of a rank whose replica a newer membership left out (its agent stops it too).
 LEFT_OUT_EXIT = 3
@@ -136,11 +147,35 @@ class Epoch:
 class KeepGoing:
     """The transaction around each step and the move from one epoch to the next."""
 
-    def __init__(self, view, timeout_s: float, tied_pg=None):
+    def __init__(self, view, timeout_s: float, tied_pg=None, joining: Optional[Membership] = None, tcp=None):
         self.path = os.environ[ENV]
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.full_plan = view.plan
+        # The epoch every member moves to at the next step boundary (a newer one some member saw
+        # by a committed step's votes), and whether this rank holds the job's state: a joining
+        # rank does not until it has taken it (`rejoin`).
+        self.move_due: Optional[int] = None
+        self.loaded = joining is None
+        self.joiners: List[int] = []
+        self._newest: Optional[Membership] = None
+        self.voted: Optional[int] = None
+        self.committed: Optional[tuple] = None
+        self.committed_epoch = 0
+        view.wait_work = self.wait_work
+        self.waiter = GlooWaiter() if view.backend == "gloo" else None
+        if joining is not None:
+            # Before its first epoch a joining rank is a member of none: the epoch before the one
+            # it joins, with no groups, its store the one it joins at.
+            before = Membership(joining.epoch - 1, (), (), {}, joining.store_host, joining.store_port, -1)
+            self.epoch = Epoch(before, (joining.store_host, joining.store_port), tcp, None, view, {})
+            self.move_due = joining.epoch
+            return
+        # The launch's TCPStore itself, not torch's "default_pg" prefix over it: a rank that
+        # rejoins connects to the same address with a client of its own (`rejoin`), and its keys
+        # must be these.
         tcp = dist.distributed_c10d._get_default_store()
+        while isinstance(tcp, dist.PrefixStore):
+            tcp = tcp.underlying_store
         address = (os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT", "0")))
         # Epoch 0's groups across replicas are the plan's: its world, the segment rings, the
         # tied matrix's group (aborted like any epoch's when a member is lost).
@@ -151,16 +186,10 @@ class KeepGoing:
         groups["world"] = dist.group.WORLD
         if tied_pg is not None:
             groups["tied"] = tied_pg
-        view.wait_work = self.wait_work
-        self.waiter = GlooWaiter() if view.backend == "gloo" else None
         self.epoch = Epoch(Membership.initial(view.plan), address, tcp, dist.PrefixStore(f"{_PREFIX}/0", tcp), view,
                            groups)
-        self._newest: Optional[Membership] = None
-        # The last step whose gradients this rank holds whole (it voted), and the last step it
-        # committed with that step's loss sum: what a new epoch's members compare.
-        self.voted: Optional[int] = None
-        self.committed: Optional[tuple] = None
-        self.committed_epoch = 0
+        # `voted`: the last step whose gradients this rank holds whole (it voted); `committed`:
+        # the last step it committed, with that step's loss sum: what a new epoch's members compare.
 
     @property
     def view(self):
@@ -174,7 +203,7 @@ class KeepGoing:
         runs on `GlooWaiter`'s thread (a timed gloo wait breaks the group)."""
         if self.waiter is not None:
             try:
-                return self.waiter.wait(work, lambda: self.newer() is not None)
+                return self.waiter.wait(work, self.gave_up)
             except _GaveUp:
                 # Its thread stays in the given-up wait until the group is torn down.
                 self.waiter.retire()
@@ -189,7 +218,7 @@ class KeepGoing:
                 # A slice that ended early is the collective's own error, not the slice's.
                 if "timed out" not in str(e).lower() or time.monotonic() - began < WAIT_SLICE_S * 0.9:
                     raise
-            if self.newer() is not None:
+            if self.gave_up():
                 raise StepAborted("a newer membership is out while waiting in a collective")
 
     def newer(self) -> Optional[Membership]:
@@ -200,16 +229,41 @@ class KeepGoing:
         m = self._newest
         return m if m is not None and m.epoch > self.epoch.m.epoch else None
 
+    def _seen(self) -> int:
+        """The newest epoch this rank would move to after this step: a newer membership's, once
+        the ranks it names joining have said they are ready (`ready`), so the members train on
+        while a joining rank starts (its interpreter, its model) rather than wait for it."""
+        m = self.newer()
+        if m is None:
+            return self.epoch.m.epoch
+        if m.joining and (m.store_host, m.store_port) == self.epoch.address and self.epoch.tcp is not None:
+            ranks = [rk for r in m.joining for st in self.full_plan.replicas[r].stages for rk in st.ranks]
+            if not self.epoch.tcp.check([f"{_PREFIX}/{m.epoch}/ready/{rk}" for rk in ranks]):
+                return self.epoch.m.epoch
+        return m.epoch
+
+    def ready(self):
+        """A joining rank, built and waiting for its state: the members may move now (`_seen`)."""
+        dist.PrefixStore(f"{_PREFIX}/{self.move_due}", self.epoch.tcp).set(f"ready/{self.view.rank}", "1")
+
+    def gave_up(self) -> bool:
+        """Whether a newer membership leaves out a replica of this epoch: the step in flight
+        cannot commit then. One that only adds replicas (they come back) aborts nothing: the
+        members move to it at a step boundary."""
+        m = self.newer()
+        return m is not None and any(r not in m.replicas for r in self.epoch.m.replicas)
+
     def vote(self, step: int, loss: Optional[float]) -> Optional[float]:
         """This rank's vote on `step`; returns the global loss sum (the votes') if the step
         commits, raises StepAborted if it does not."""
         ep, rank = self.epoch, self.view.rank
         store = ep.store
         self.voted = step
+        seen = self._seen()
         try:
-            store.set(f"s{step}/v/{rank}", "-" if loss is None else repr(float(loss)))
+            store.set(f"s{step}/v/{rank}", ("-" if loss is None else repr(float(loss))) + f"@{seen}")
             keys = [f"s{step}/v/{r}" for r in ep.members]
-            all_in = _poll(store, keys, time.monotonic() + self.timeout.total_seconds(), lambda: self.newer() is not None)
+            all_in = _poll(store, keys, time.monotonic() + self.timeout.total_seconds(), self.gave_up)
             want = b"commit" if all_in else b"abort"
             decided = store.compare_set(f"s{step}/decision", "", want.decode())
             if decided != b"commit":
@@ -219,8 +273,14 @@ class KeepGoing:
             # The store went with its host (the epoch's leader): the step did not commit here,
             # and may have elsewhere (`next_epoch` rolls this rank forward then).
             raise StepAborted(f"step {step}: the epoch's store failed ({str(e)[:200]})") from e
-        total = sum(float(v) for v in votes if v != b"-")
+        parts = [v.decode().split("@") for v in votes]
+        total = sum(float(loss) for loss, _ in parts if loss != "-")
         self.committed = (step, total)
+        # Every member read these votes: the newest epoch any of them saw is where they all move
+        # before the next step.
+        newest_seen = max(int(e) for _, e in parts)
+        if newest_seen > ep.m.epoch:
+            self.move_due = newest_seen
         return total
 
     def next_epoch(self, step: int, cause: BaseException, make_groups) -> Optional[float]:
@@ -235,14 +295,36 @@ class KeepGoing:
         whole gradients: they commit it now (returned: its loss sum, which a member that read
         the decision hands over). Returns None when every member is at `step`."""
         self.epoch.abort()
+        m = self._wait_newer(self.epoch.m.epoch + 1, f"step {step} failed ({str(cause)[:200]})", cause)
+        return self._enter(m, step, cause, make_groups)[0]
+
+    def move(self, step: Optional[int], make_groups) -> Tuple[Optional[float], int]:
+        """At a step boundary (before `step`; a joining rank: None), move to the epoch the last
+        committed step's votes named (`move_due`), or a newer one: the same meeting as after a
+        failed step, with nothing aborted mid-step. Returns (a rolled-forward step's loss sum or
+        None, the step the members run next)."""
+        due, self.move_due = self.move_due, None
+        m = self._wait_newer(due, "a member saw it" if self.loaded else "joining the job", None)
+        self.epoch.abort()
+        return self._enter(m, step, None, make_groups)
+
+    def _wait_newer(self, epoch: int, why: str, cause) -> Membership:
+        """The membership of `epoch` or newer, once the agent has written it (within the timeout)."""
         until = time.monotonic() + self.timeout.total_seconds()
         m = self.newer()
-        while m is None:
+        while m is None or m.epoch < epoch:
             if time.monotonic() > until:
-                raise MembershipError(f"step {step} failed ({str(cause)[:200]}) and no newer membership came in "
+                raise MembershipError(f"{why}, and no membership of epoch {epoch} or newer came in "
                                       f"{self.timeout.total_seconds():.0f} s ({ENV})") from cause
             time.sleep(0.02)
             m = self.newer()
+        return m
+
+    def _enter(self, m: Membership, step: Optional[int], cause, make_groups=None) -> Tuple[Optional[float], int]:
+        """Meet epoch `m`'s members in its store, compare where they are, make the epoch's groups
+        and take its view. A rank that holds the job's state publishes its step, a joining one
+        `JOINING` (it runs from the others' step, `joiners` then names it)."""
+        make_groups = make_groups or self._make_groups
         view = self.view
         if view.replica not in m.replicas:
             print(f"motley-membership epoch {m.epoch}: replica {view.replica} is not a member ({m.reason}); "
@@ -250,10 +332,11 @@ class KeepGoing:
             end_rank(LEFT_OUT_EXIT)
         plan = reshared(self.full_plan, m)
         mine = members(self.full_plan, m)
+        until = time.monotonic() + self.timeout.total_seconds()
         # The coordinator keeps the store where it was while its host leads, and moves it to
         # the new leader's node, on the other of the launch's two ports, when it does not.
         address = (m.store_host, m.store_port)
-        if address == self.epoch.address:
+        if address == self.epoch.address and self.epoch.tcp is not None:
             tcp = self.epoch.tcp
         else:
             tcp = dist.TCPStore(m.store_host, m.store_port, None, view.rank == m.leader, self.timeout,
@@ -261,16 +344,23 @@ class KeepGoing:
         store = dist.PrefixStore(f"{_PREFIX}/{m.epoch}", tcp)
         # Every member redoes the same step: one that committed a step the others did not (its
         # decision read just before the old store's host went) cannot be made whole here.
-        if self.committed is not None and self.committed[0] == step - 1:
+        if step is not None and self.committed is not None and self.committed[0] == step - 1:
             store.set(f"loss/{step - 1}", repr(self.committed[1]))
-        store.set(f"joined/{view.rank}", str(step))
+        store.set(f"joined/{view.rank}", str(step) if self.loaded else JOINING)
         _poll(store, [f"joined/{r}" for r in mine], until + self.timeout.total_seconds(), lambda: False)
-        steps = {int(v) for v in store.multi_get([f"joined/{r}" for r in mine])}
+        said = dict(zip(mine, (v.decode() for v in store.multi_get([f"joined/{r}" for r in mine]))))
+        self.joiners = sorted(r for r, v in said.items() if v == JOINING)
+        steps = {int(v) for v in said.values() if v != JOINING}
+        if not steps:
+            raise MembershipError(f"epoch {m.epoch}: every member is joining; none holds the job's state")
         roll = None
-        if steps == {step, step + 1} and self.voted == step:
+        if not self.loaded:
+            step = max(steps)  # where the members that hold the state go on (after any roll forward)
+        elif steps == {step, step + 1} and self.voted == step:
             roll = float(store.get(f"loss/{step}"))
             self.committed = (step, roll)
             self.committed_epoch = self.epoch.m.epoch  # the others committed it in the old epoch
+            step += 1
         elif steps not in ({step}, {step - 1, step}):
             raise MembershipError(f"epoch {m.epoch}: the members are at steps {sorted(steps)}, this rank at {step} "
                                   f"(its last vote: step {self.voted}); the job recovers whole from its checkpoint")
@@ -279,10 +369,30 @@ class KeepGoing:
         groups = make_groups(list(mine_groups.values()), store)
         new_view = _epoch_view(view, plan, m, groups, mine_groups)
         self.epoch = Epoch(m, address, tcp, store, new_view, groups)
+        if cause is not None:
+            what = f"committing step {step - 1} as the others did" if roll is not None else f"redoing step {step}"
+            here = f"; here: {type(cause).__name__}: {str(cause)[:160]}"
+        else:
+            what = f"from step {step}" + (f", ranks {self.joiners} joining" if self.joiners else "")
+            here = ""
         print(f"motley-membership epoch {m.epoch} replicas {list(m.replicas)} lost {list(m.lost)} leader {m.leader}: "
-              + (f"committing step {step} as the others did" if roll is not None else f"redoing step {step}")
-              + f" ({m.reason}; here: {type(cause).__name__}: {str(cause)[:160]})", file=sys.stderr, flush=True)
-        return roll
+              f"{what} ({m.reason}{here})", file=sys.stderr, flush=True)
+        return roll, step
+
+    def share(self, state: dict) -> dict:
+        """The trainer's state beside the weights (the loss scale, the notices acted on), from
+        the epoch's leader to the joining ranks (through the epoch's store)."""
+        key = "trainer"
+        if self.view.rank == self.epoch.m.leader:
+            self.epoch.store.set(key, json.dumps(state))
+            return state
+        if self.loaded:
+            return state
+        _poll(self.epoch.store, [key], time.monotonic() + self.timeout.total_seconds(), lambda: False)
+        return json.loads(self.epoch.store.get(key))
+
+    def _make_groups(self, groups, store):
+        return make_gloo_or_nccl(self.view, self.timeout)(groups, store)
 
 
 def make_gloo_or_nccl(view, timeout: datetime.timedelta):

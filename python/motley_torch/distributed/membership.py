@@ -9,10 +9,12 @@ ranks look once per step (MOTLEY_MEMBERSHIP):
     {"epoch": 1, "replicas": [0, 2], "lost": [1], "micro_batches": {"0": 5, "2": 3},
      "store": {"host": "10.0.0.4", "port": 29503}, "leader": 0, "reason": "node b lost"}
 
-`leader` is the lowest global rank of the members: it hosts the epoch's rendezvous store at
-`store` and prints the progress lines. Epoch 0 is the plan itself, met at MASTER_ADDR. This
-module is pure: the document, the members, the re-shared plan and each epoch's groups' ranks;
-`keep_going` does the collectives.
+`leader` is the lowest global rank of the members that train on (not `joining`): it hosts the
+epoch's rendezvous store at `store` and prints the progress lines. `joining` (optional) names the
+member replicas that come back: their ranks start afresh in the same launch and take their
+layers' weights and optimizer state from the others' live state (`rejoin`). Epoch 0 is the plan
+itself, met at MASTER_ADDR. This module is pure: the document, the members, the re-shared plan
+and each epoch's groups' ranks; `keep_going` does the collectives.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Membership:
     store_port: Optional[int]
     leader: int
     reason: str = ""
+    joining: Tuple[int, ...] = ()
 
     @staticmethod
     def initial(plan: Plan) -> "Membership":
@@ -94,10 +97,16 @@ class Membership:
         port = store.get("port")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise MembershipError(f"{where}.store.port: expected a port, got {port!r}")
+        joining = doc.get("joining", [])
+        if (not isinstance(joining, list) or not all(isinstance(r, int) and r in reps for r in joining)
+                or len(set(joining)) == len(set(reps))):
+            raise MembershipError(f"{where}.joining: expected a list of member replicas that come back, at least one "
+                                  f"member training on; got {joining!r}")
         m = Membership(epoch, tuple(sorted(reps)), tuple(sorted(lost)), split, store["host"], port, whole("leader"),
-                       str(doc.get("reason", "")))
-        if m.leader != min(members(plan, m)):
-            raise MembershipError(f"{where}.leader: {m.leader}, but the members' lowest rank is {min(members(plan, m))}")
+                       str(doc.get("reason", "")), tuple(sorted(set(joining))))
+        if m.leader != leader_of(plan, m):
+            raise MembershipError(f"{where}.leader: {m.leader}, but the lowest rank of the members training on is "
+                                  f"{leader_of(plan, m)}")
         return m
 
 
@@ -126,6 +135,12 @@ def members(plan: Plan, m: Membership) -> List[int]:
     return sorted(rk for r in m.replicas for st in plan.replicas[r].stages for rk in st.ranks)
 
 
+def leader_of(plan: Plan, m: Membership) -> int:
+    """The epoch's leader: the lowest global rank of the members that are not joining (a joining
+    rank has no state to lead with, and the store stays with the ranks that hold it)."""
+    return min(rk for r in m.replicas if r not in m.joining for st in plan.replicas[r].stages for rk in st.ranks)
+
+
 def reshared(plan: Plan, m: Membership) -> Plan:
     """The plan with the members' split: each member replica's micro-batches as `m` says, every
     other replica none, the rows of the global batch handed out in replica order as the planner
@@ -145,6 +160,19 @@ class EpochGroup:
     kind: str
     ranks: Tuple[int, ...]
     layers: Tuple[int, int] = (0, 0)
+
+
+def joiner_tp_groups(plan: Plan, replica: int) -> List[EpochGroup]:
+    """The TP groups of a joining replica, which its ranks make among themselves from the
+    epoch's store (a rank started afresh cannot meet the launch's default group, from which the
+    plan's TP groups were made); every other member keeps its own."""
+    out = []
+    for s, st in enumerate(plan.replicas[replica].stages):
+        for d in range(st.dp):
+            ranks = tuple(st.tp_group_ranks(d))
+            if len(ranks) > 1:
+                out.append(EpochGroup(f"tp/{replica}/{s}/{d}", "tp", ranks, tuple(st.layers)))
+    return out
 
 
 def ring_key(layers, tp_rank: int) -> str:
