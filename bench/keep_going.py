@@ -29,9 +29,11 @@ before and after the kill.
     bench/keep_going.py --kill node --back-after 5 --only keep-going     # and back to full strength
     bench/keep_going.py --kill node --period 20 --steps 2000 --only none,keep-going
 
-`--back-after S` starts n1's agent again S seconds after the kill: the degraded job goes back to
-its whole plan at its next complete checkpoint (docs/keep-going.md), and `back_to_full_s` is the
-time from the return to the first step of that generation. `--period T` kills n1 every T seconds
+`--back-after S` starts n1's agent again S seconds after the kill: the degraded job's lost
+replica rejoins from the members' live state (docs/keep-going.md; `whole`: the job recovers
+onto its whole plan), and `back_to_full_s` is the time from the return to the first step at
+full strength (the first line of the epoch that took the replica back, or of the next
+generation). `--period T` kills n1 every T seconds
 (back T/2 later with --kill node) until the job ends, and `steps_per_hour` compares the runs.
 
 `--kill node` kills n1's agent with its rank instead (a vanished node, seen when its lease
@@ -135,9 +137,9 @@ def run_one(mode: str, args, root: Path) -> dict:
                     # The first step committed after the loss was dealt with: under a new epoch,
                     # or by the next generation.
                     k["next_step_s"] = now - k["at"]
-                if k["back"] is not None and k["full_s"] is None and mark(got)[0] > k["back"][1][0]:
-                    # Full strength: the first step of a generation launched after the return
-                    # (the whole pinned plan again).
+                if k["back"] is not None and k["full_s"] is None and mark(got) > k["back"][1]:
+                    # Full strength: the first step of the epoch the replica rejoined in, or of a
+                    # generation launched after the return (the whole pinned plan again).
                     k["full_s"] = now - k["back"][0]
             if state in ("succeeded", "failed", "cancelled"):
                 break

@@ -155,6 +155,7 @@ fn launch_as(job: i64, generation: i64, run: &str, ranks: &[i64], port: u16, use
             })
             .collect(),
         peers: vec![],
+        ..Default::default()
     })
 }
 

@@ -81,6 +81,7 @@ impl JobState {
                 | (Running, Succeeded)
                 | (Running, Degraded)
                 | (Degraded, Succeeded)
+                | (Degraded, Running)
                 | (Degraded, Recovering)
                 | (Running, Launching)
                 | (Launching, Launching)
@@ -155,13 +156,14 @@ mod tests {
 
     #[test]
     fn into_and_out_of_degraded_exactly() {
-        // Only a running job loses a replica and keeps going; a degraded one ends, or recovers
-        // whole (the last replica lost), never relaunches directly or runs whole again here.
+        // Only a running job loses a replica and keeps going; a degraded one ends, recovers
+        // whole (the last replica lost), or runs whole again once its lost replicas rejoined
+        // from the members' live state; it never relaunches directly.
         for s in JobState::ALL {
             assert_eq!(s.can_become(Degraded), s == Running, "{s} -> degraded");
         }
         for t in JobState::ALL {
-            let out = matches!(t, Succeeded | Recovering | Failed | Cancelled);
+            let out = matches!(t, Succeeded | Recovering | Running | Failed | Cancelled);
             assert_eq!(Degraded.can_become(t), out, "degraded -> {t}");
         }
         assert!(Degraded.is_launched() && Running.is_launched() && Launching.is_launched() && !Recovering.is_launched());

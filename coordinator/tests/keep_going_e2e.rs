@@ -182,7 +182,7 @@ async fn a_pinned_plans_recovery_waits_for_its_lost_node_and_goes_on_when_it_is_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_degraded_job_goes_back_whole_when_its_lost_node_returns_not_after_its_own_rank_failed() {
+async fn a_lost_replica_rejoins_when_its_node_returns_not_after_its_own_rank_failed() {
     // Two one-GPU replicas of a one-layer model, pinned: replica 0 on n0, replica 1 on n1.
     let c = Arc::new(Coordinator::start(&temp_dir(), &["--heartbeat-ms", "300"]));
     let mut n0 = FakeAgent::start_as(&c, "n0").await;
@@ -211,20 +211,35 @@ async fn a_degraded_job_goes_back_whole_when_its_lost_node_returns_not_after_its
     tokio::time::sleep(Duration::from_millis(1500)).await; // five base intervals of scale-up looks
     assert_eq!(call(&c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await["state"], "degraded");
 
-    // n1's agent registers again after the loss: the member is asked to save now, and once
-    // that step is whole (the leader wrote rank 1's file) the job goes back to its whole plan.
+    // n1's agent registers again after the loss: replica 1 rejoins from the member's live state,
+    // no save and no restart. The member's node gets epoch 2 naming it joining; n1 gets rank 1
+    // again, in the same launch, with that epoch's document and no restore.
     drop(n1);
-    let _n1 = FakeAgent::start_as(&c, "n1").await;
-    let save = n0.next(|k| if let instruction::Kind::SaveNow(s) = k { Some(s) } else { None }).await;
-    assert_eq!((save.job, save.generation), (id, 1));
-    let mut whole = crate::job_events_e2e::step_holdings(id, 7);
-    for h in &mut whole {
-        h.world_size = 2;
-    }
-    let stand_in = whole.iter().find(|h| h.rank == 0).cloned().unwrap();
-    whole.push(motley_proto::v1::CkptHolding { rank: 1, file: "rank.00001.safetensors".into(), ..stand_in });
-    n0.send(AgentStatus { holdings: whole, holdings_sent: true, ..Default::default() }).await;
-    state_becomes(&c, id, "recovering").await;
-    let why = events(&c, id).await.into_iter().find(|(k, _)| k == "recovering").map(|(_, m)| m).unwrap();
-    assert!(why.contains("node(s) n1 of its lost replicas are back") && why.contains("from step 7"), "{why}");
+    let mut n1 = FakeAgent::start_as(&c, "n1").await;
+    let (m, doc) = membership(&mut n0).await;
+    assert_eq!(m.epoch, 2, "{doc}");
+    assert_eq!(
+        (&doc["replicas"], &doc["lost"], &doc["joining"]),
+        (&serde_json::json!([0, 1]), &serde_json::json!([]), &serde_json::json!([1]))
+    );
+    assert_eq!((&doc["leader"], &doc["micro_batches"]), (&serde_json::json!(0), &serde_json::json!({"0": 1, "1": 1})), "{doc}");
+    let launch = n1.launch().await;
+    assert_eq!((launch.generation, launch.join_epoch), (1, 2));
+    assert_eq!(launch.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(), [1]);
+    assert_eq!(serde_json::from_str::<Value>(&launch.membership).unwrap(), doc);
+    assert!(!launch.envs.contains_key("MOTLEY_CKPT_RESTORE_STEP"), "{:?}", launch.envs);
+    let j = call(&c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await;
+    assert_eq!((&j["state"], &j["generation"]), (&serde_json::json!("degraded"), &serde_json::json!(1)), "whole again only once it runs");
+    // Its rank runs: the job is whole again, its reason cleared, the replica recorded as back.
+    n1.send(AgentStatus { ranks: vec![ran(id, 1, "running", None)], ..Default::default() }).await;
+    let j = state_becomes(&c, id, "running").await;
+    assert!(j["reason"].is_null() && j["generation"] == 1, "{j}");
+    let said = events(&c, id).await;
+    let rejoined: Value = serde_json::from_str(&said.iter().find(|(k, _)| k == "rejoined").expect("a rejoined event").1).unwrap();
+    assert_eq!(
+        (&rejoined["epoch"], &rejoined["replica"], &rejoined["ranks"]),
+        (&serde_json::json!(2), &serde_json::json!(1), &serde_json::json!([1]))
+    );
+    assert!(rejoined["seconds"].as_f64().is_some_and(|s| s >= 0.0), "{rejoined}");
+    assert!(!said.iter().any(|(k, _)| k == "recovering"), "{said:?}");
 }

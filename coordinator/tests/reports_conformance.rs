@@ -144,7 +144,18 @@ conformance!(a_degraded_launch_keeps_its_generation_and_its_newest_membership_re
     assert!(s.launch_events(job.id, g, "keep_going", 100).await.unwrap().is_empty());
     let j = s.transition_at(job.id, Some(g), JobState::Degraded, Some("node n1 lost")).await.unwrap();
     assert_eq!((j.state, j.generation, j.reason.as_deref()), (JobState::Degraded, g, Some("node n1 lost")));
-    assert!(s.transition_at(job.id, Some(g), JobState::Running, None).await.is_err(), "never whole again in place");
+    // Its lost replica's ranks assigned again to rejoin (fenced on degraded and the generation);
+    // a running rank is left alone.
+    s.report_rank(job.id, g, 1, "lost", None).await.unwrap();
+    assert!(s.reassign_ranks(job.id, g + 1, &[1], 2).await.is_err(), "another generation's");
+    assert_eq!(s.reassign_ranks(job.id, g, &[0, 1], 2).await.unwrap(), 1, "the lost one only");
+    let states: Vec<String> = s.ranks(job.id, g).await.unwrap().into_iter().map(|r| r.state).collect();
+    assert_eq!(states, ["assigned", "assigned"]);
+    // ... and once they run, whole again in place: the loss's reason goes.
+    let j = s.transition_at(job.id, Some(g), JobState::Running, None).await.unwrap();
+    assert_eq!((j.state, j.generation, j.reason), (JobState::Running, g, None));
+    assert!(s.reassign_ranks(job.id, g, &[1], 3).await.is_err(), "only a degraded job's replicas rejoin");
+    s.transition_at(job.id, Some(g), JobState::Degraded, Some("node n1 lost")).await.unwrap();
     let j = s.transition_at(job.id, Some(g), JobState::Succeeded, None).await.unwrap();
     assert_eq!((j.state, j.reason), (JobState::Succeeded, None), "a job that kept going succeeds with no failure reason");
     s.close().await;

@@ -475,6 +475,13 @@ class Trainer:
         """Move to the epoch `keep.move_due` names at the boundary before `step` (a joining rank:
         None, its first step is the members'): meet its members, make its groups, and hand the
         joining ranks their state. Returns the step to run."""
+        if self.keep.loaded and self.args.ckpt_dir:
+            from .components import checkpoint
+
+            # A save's agreement is the next save's first collective (`checkpoint.finish`); a
+            # joining rank has none to agree on: the members agree on theirs among themselves,
+            # here, before the epoch's world includes it.
+            checkpoint.finish(self.view)
         _, step = self.keep.move(step, keep_going.make_gloo_or_nccl(self.view, self.keep.timeout))
         self._take_epoch_view()
         self._new_sync()

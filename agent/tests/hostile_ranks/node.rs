@@ -177,6 +177,7 @@ impl Node {
             world_size: 1,
             ranks: vec![RankLaunch { rank: 0, local_rank: 0, local_world_size: 1, layer_end: 4, ..Default::default() }],
             peers: vec![],
+            ..Default::default()
         }));
     }
 

@@ -13,7 +13,7 @@ use crate::job::spec::JobSpec;
 use crate::job::JobState;
 use crate::state::fleet::Fleet;
 use crate::state::signals::JobSignals;
-use crate::store::Store;
+use crate::store::{JobRecord, Store};
 
 /// A launch not acknowledged (every rank running) within this many base intervals of this
 /// leader seeing it fails: an instruction or an agent was lost on the way.
@@ -88,6 +88,55 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, signals: &JobSignals, id: i6
     if job.state != JobState::Launching {
         return Ok(());
     }
+    let launches = match launches(store, fleet, &job).await? {
+        Ok(l) => l,
+        Err(reason) => {
+            fail(store, fleet, signals, id, job.generation, &reason).await;
+            return Ok(());
+        }
+    };
+    for (node, launch) in launches {
+        if !fleet.send_launch(&node, launch) {
+            let reason = format!("node {node} has no live agent to launch on");
+            fail(store, fleet, signals, id, job.generation, &reason).await;
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// Start ranks `ranks` of a degraded job's current launch again, to rejoin in epoch `epoch`
+/// (docs/keep-going.md): their nodes' part of the launch, with the epoch's membership document
+/// the agents write before starting them; never a restore (they take their state from the
+/// members). False when a node has no live agent (the next look tries again).
+pub async fn send_rejoin(
+    store: &Store,
+    fleet: &Fleet,
+    job: &JobRecord,
+    ranks: &[i64],
+    epoch: i64,
+    document: &str,
+) -> Result<bool, CoordinatorError> {
+    let Ok(launches) = launches(store, fleet, job).await? else { return Ok(false) };
+    let mut all = true;
+    for (node, mut launch) in launches {
+        launch.ranks.retain(|r| ranks.contains(&r.rank));
+        if launch.ranks.is_empty() {
+            continue;
+        }
+        launch.envs.remove(RESTORE_STEP_ENV);
+        launch.envs.remove(RESTORE_GENERATION_ENV);
+        launch.join_epoch = epoch;
+        launch.membership = document.to_string();
+        all &= fleet.send_launch(&node, launch);
+    }
+    Ok(all)
+}
+
+/// The launch of `job`'s current generation, node by node, as its agents get it; Err(why) when
+/// its stored plan does not read (the launch cannot run).
+async fn launches(store: &Store, fleet: &Fleet, job: &JobRecord) -> Result<Result<Vec<(String, Launch)>, String>, CoordinatorError> {
+    let id = job.id;
     let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| CoordinatorError::Conflict(format!("stored job spec: {e}")))?;
     let plan = store.plan(id, job.generation).await?;
     let ranks = store.ranks(id, job.generation).await?;
@@ -104,23 +153,12 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, signals: &JobSignals, id: i6
         }
     }
     let world = ranks.len() as i64;
-    let Some(first) = ranks.first() else { return Ok(()) };
+    let Some(first) = ranks.first() else { return Ok(Ok(vec![])) };
     let master_addr = fleet.address(&first.assignment.node).unwrap_or_else(|| "127.0.0.1".into());
     let master_port = master_port(fleet.master_port_base, id, job.generation);
     let doc = match motley_contract::PlanDocument::from_json(&plan) {
         Ok(doc) => doc,
-        Err(e) => {
-            fail(
-                store,
-                fleet,
-                signals,
-                id,
-                job.generation,
-                &format!("the stored plan of generation {} does not read: {e}", job.generation),
-            )
-            .await;
-            return Ok(());
-        }
+        Err(e) => return Ok(Err(format!("the stored plan of generation {} does not read: {e}", job.generation))),
     };
     // The other replicas keep training through a lost one (docs/keep-going.md): the ranks
     // vote on each step and watch their membership file (the agents' MOTLEY_MEMBERSHIP).
@@ -151,6 +189,7 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, signals: &JobSignals, id: i6
         });
     }
     let plan_nodes: std::collections::BTreeSet<String> = by_node.keys().cloned().collect();
+    let mut out = Vec::with_capacity(by_node.len());
     for (node, mut list) in by_node {
         let n = list.len() as i64;
         for r in &mut list {
@@ -168,14 +207,12 @@ pub async fn dispatch(store: &Store, fleet: &Fleet, signals: &JobSignals, id: i6
             ranks: list,
             user: spec.user.clone().unwrap_or_default(),
             peers: peers(fleet, &plan_nodes, &node),
+            join_epoch: 0,
+            membership: String::new(),
         };
-        if !fleet.send_launch(&node, launch) {
-            let reason = format!("node {node} has no live agent to launch on");
-            fail(store, fleet, signals, id, job.generation, &reason).await;
-            return Ok(());
-        }
+        out.push((node, launch));
     }
-    Ok(())
+    Ok(Ok(out))
 }
 
 /// The other nodes of a launch with the data plane each registered, which the node probes the

@@ -23,7 +23,10 @@ use crate::error::Result;
 use crate::job::spec::JobSpec;
 use crate::job::JobState;
 use crate::planning::membership::{self, CannotKeepGoing, Membership, StoreAddr};
-use crate::store::{JobRecord, RankRecord};
+use crate::store::{JobRecord, NodeRecord, RankRecord};
+
+/// The event of a replica back in the job (its message: epoch, replica, ranks, seconds).
+pub const REJOINED: &str = "rejoined";
 
 /// The room's memory: one membership change at a time (two reports of one loss must not open
 /// two epochs), and the epoch this leader last sent per launch.
@@ -150,15 +153,119 @@ impl Life {
     }
 
     /// A degraded launch's look: send its membership where this leader has not (a new leader,
-    /// an agent that was away), and return its members' ranks.
+    /// an agent that was away; and the joining ranks' launch with it), and return its members'
+    /// ranks.
     pub(super) async fn degraded_members(&self, job: &JobRecord) -> Result<Option<Vec<RankRecord>>> {
         let Some(now) = self.launched(job).await? else { return Ok(None) };
         let key = (job.id, job.generation);
         let sent = self.memberships.sent.lock().expect("memberships").get(&key).copied();
         if now.membership.epoch > 0 && sent != Some(now.membership.epoch) {
             self.send_membership(job.id, job.generation, &now.membership, &now.ranks);
+            self.send_joining(job, &now).await?;
         }
         Ok(Some(now.members().cloned().collect()))
+    }
+
+    /// Lost replicas whose nodes are back (live, registered after the membership that lost
+    /// them, their old ranks ended) rejoin a degraded job from the members' live state
+    /// (docs/keep-going.md): the next epoch names them `joining`, their ranks are assigned again
+    /// and started afresh in the same launch; no member stops, nothing is restored. True when
+    /// the job was handed such an epoch.
+    pub(super) async fn rejoin_lost(&self, job: &JobRecord, nodes: &[NodeRecord]) -> Result<bool> {
+        let _one_at_a_time = self.memberships.changing.lock().await;
+        let job = self.store.job(job.id).await?;
+        if job.state != JobState::Degraded {
+            return Ok(false);
+        }
+        let Some(now) = self.launched(&job).await? else { return Ok(false) };
+        if now.membership.lost.is_empty() {
+            return Ok(false);
+        }
+        let Some(changed) = self.store.last_event(job.id, job.generation, membership::EVENT).await? else { return Ok(false) };
+        let back_nodes: BTreeSet<&str> =
+            nodes.iter().filter(|n| self.fleet.live(&n.name) && n.registered_at_ms > changed.at_ms).map(|n| n.name.as_str()).collect();
+        let of = |replica: u32| now.ranks.iter().filter(move |r| r.assignment.replica as u32 == replica);
+        let back: BTreeSet<u32> = now
+            .membership
+            .lost
+            .iter()
+            .copied()
+            .filter(|&r| of(r).next().is_some() && of(r).all(|x| back_nodes.contains(x.assignment.node.as_str()) && x.state != "running"))
+            .collect();
+        if back.is_empty() {
+            return Ok(false);
+        }
+        let mut names: Vec<&str> = back.iter().flat_map(|&r| of(r).map(|x| x.assignment.node.as_str())).collect();
+        names.sort_unstable();
+        names.dedup();
+        let reason = format!(
+            "node(s) {} of replica(s) {} are back: they rejoin from the members' live state",
+            names.join(", "),
+            back.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+        );
+        let next = match membership::rejoin(&now.plan, &now.membership, &back, &reason) {
+            Ok(Some(m)) => m,
+            Ok(None) => return Ok(false),
+            Err(CannotKeepGoing(why)) => {
+                tracing::warn!(job = job.id, "no rejoin: {why}");
+                return Ok(false);
+            }
+        };
+        let ranks: Vec<i64> = back.iter().flat_map(|&r| of(r).map(|x| x.assignment.rank)).collect();
+        // The ranks first: a crash between the two leaves them assigned to a replica still lost,
+        // which the next look takes up again.
+        self.store.reassign_ranks(job.id, job.generation, &ranks, next.epoch).await?;
+        let doc = serde_json::to_string(&next).map_err(|e| crate::error::CoordinatorError::Conflict(e.to_string()))?;
+        self.store.record_event(Some(job.id), Some(job.generation), membership::EVENT, &doc).await?;
+        tracing::info!(job = job.id, epoch = next.epoch, "{reason}");
+        let now = Launched { membership: next, ranks: self.store.ranks(job.id, job.generation).await?, plan: now.plan };
+        self.send_membership(job.id, job.generation, &now.membership, &now.ranks);
+        self.send_joining(&job, &now).await?;
+        Ok(true)
+    }
+
+    /// The joining replicas' ranks not started yet, sent to their nodes with the epoch's document.
+    async fn send_joining(&self, job: &JobRecord, now: &Launched) -> Result<()> {
+        let m = &now.membership;
+        let ranks: Vec<i64> = now
+            .ranks
+            .iter()
+            .filter(|r| m.joining.contains(&(r.assignment.replica as u32)) && r.state == "assigned")
+            .map(|r| r.assignment.rank)
+            .collect();
+        if ranks.is_empty() {
+            return Ok(());
+        }
+        let doc = serde_json::to_string(m).map_err(|e| crate::error::CoordinatorError::Conflict(e.to_string()))?;
+        if !launch::send_rejoin(&self.store, &self.fleet, job, &ranks, m.epoch, &doc).await? {
+            // Sent again at the next look (`degraded_members`).
+            self.memberships.sent.lock().expect("memberships").remove(&(job.id, job.generation));
+        }
+        Ok(())
+    }
+
+    /// A degraded launch none of whose replicas is lost any more, every member's rank running:
+    /// it runs whole again (`degraded -> running`), and each replica that rejoined is recorded
+    /// (`rejoined`: the epoch, the replica, its ranks, the seconds since the epoch opened).
+    pub(super) async fn whole_again(&self, job: &JobRecord, members: &[RankRecord]) -> Result<()> {
+        if members.is_empty() || !members.iter().all(|r| r.state == "running") {
+            return Ok(());
+        }
+        let Some(e) = self.store.last_event(job.id, job.generation, membership::EVENT).await? else { return Ok(()) };
+        let Ok(m) = serde_json::from_str::<Membership>(&e.message) else { return Ok(()) };
+        if !m.lost.is_empty() {
+            return Ok(());
+        }
+        if launch::move_job(&self.store, job.id, job.generation, JobState::Running, None).await {
+            let seconds = (crate::store::now_ms() - e.at_ms) as f64 / 1000.0;
+            for &replica in &m.joining {
+                let ranks: Vec<i64> =
+                    members.iter().filter(|r| r.assignment.replica as u32 == replica).map(|r| r.assignment.rank).collect();
+                let doc = serde_json::json!({"epoch": m.epoch, "replica": replica, "ranks": ranks, "seconds": seconds});
+                self.store.record_event(Some(job.id), Some(job.generation), REJOINED, &doc.to_string()).await?;
+            }
+        }
+        Ok(())
     }
 
     /// A degraded job's membership in force, for its view (docs/keep-going.md); None for a job

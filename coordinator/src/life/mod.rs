@@ -167,6 +167,8 @@ impl Life {
             self.forget_membership(job.id, job.generation);
             self.signals.kick_queue();
         }
+        // Lost replicas that rejoined: whole again once their ranks run.
+        self.whole_again(job, &members).await?;
         Ok(())
     }
 

@@ -1,23 +1,16 @@
 //! Scale-up: nodes that come back (or are added) take a running job up at its next complete
 //! checkpoint, by the recovery path (docs/recovery.md). A degraded job (docs/keep-going.md)
-//! goes back to full strength the same way: once its lost node is back, its members are asked
-//! to save at their next step, and from that step it is restored onto the whole plan, a pinned
-//! one included.
+//! goes back to full strength without either: once a lost replica's node is back, the replica
+//! rejoins from the members' live state (`keep_going::rejoin_lost`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
-use super::keep_going::Launched;
 use super::{usable_nodes, Life};
 use crate::error::Result;
 use crate::job::spec::JobSpec;
 use crate::job::JobState;
-use crate::planning::membership;
-use crate::store::{JobRecord, NodeRecord, RecoveryCause};
-
-/// How far away the deadline of a degraded job's save-now is, in base intervals (the ranks save
-/// at their next step whatever it says; it bounds nothing else).
-const SAVE_NOW_INTERVALS: u32 = 10;
+use crate::store::{JobRecord, RecoveryCause};
 
 /// A running launch's live nodes when first seen, and the newest complete step when more were.
 type Seen = (usize, Option<i64>);
@@ -53,34 +46,27 @@ impl Life {
         for j in running {
             let Ok(spec) = serde_json::from_str::<JobSpec>(&j.spec) else { continue };
             let degraded = j.state == JobState::Degraded;
-            if spec.checkpoint.is_none() || (spec.plan.is_some() && !degraded) {
-                // Nothing to resume from, or a plan the job carries (never re-planned; a degraded
-                // one goes back to it, whole).
+            if degraded {
+                // A lost replica whose node is back rejoins from the members' live state, without
+                // a checkpoint or a restart (docs/keep-going.md).
+                self.rejoin_lost(j, &nodes).await?;
+                continue;
+            }
+            if spec.checkpoint.is_none() || spec.plan.is_some() {
+                // Nothing to resume from, or a plan the job carries (never re-planned).
                 continue;
             }
             let live = usable_nodes(&nodes, fleet, &spec);
             let key = (j.id, j.generation);
             let seen = *self.scale.lock().entry(key).or_insert((live, None));
-            // A running launch grows once more nodes are live than when it was first seen; a
-            // degraded one goes back whole once a node of its lost replicas is back. `ranks`: the
-            // ranks that train now (a degraded launch's members' alone).
-            let (ranks, back, now) = if degraded {
-                let Some(now) = self.launched(j).await? else { continue };
-                let back = self.lost_nodes_back(j, &now, &nodes).await?;
-                if back.is_empty() {
+            // A running launch grows once more nodes are live than when it was first seen.
+            let ranks = match live.cmp(&seen.0) {
+                std::cmp::Ordering::Less => {
                     self.scale.lock().insert(key, (live, None));
                     continue;
                 }
-                (now.members().count(), back, Some(now))
-            } else {
-                match live.cmp(&seen.0) {
-                    std::cmp::Ordering::Less => {
-                        self.scale.lock().insert(key, (live, None));
-                        continue;
-                    }
-                    std::cmp::Ordering::Equal => continue,
-                    std::cmp::Ordering::Greater => (store.ranks(j.id, j.generation).await?.len(), vec![], None),
-                }
+                std::cmp::Ordering::Equal => continue,
+                std::cmp::Ordering::Greater => store.ranks(j.id, j.generation).await?.len(),
             };
             if spec.resources.gpus.is_some_and(|g| ranks as u32 >= g) {
                 continue; // already at its GPU budget
@@ -89,11 +75,6 @@ impl Life {
             match seen.1 {
                 None => {
                     self.scale.lock().insert(key, (seen.0, Some(newest)));
-                    if let Some(now) = &now {
-                        // Its next complete step is when it goes back whole: asked for now (the
-                        // save-on-notice path), not left to the job's next `every`.
-                        self.ask_members_to_save(j, now);
-                    }
                 }
                 Some(then) if newest > then => {
                     // Only if the planner would use more GPUs now: otherwise the restart buys nothing,
@@ -119,16 +100,8 @@ impl Life {
                         self.scale.lock().insert(key, (live, None));
                         continue;
                     }
-                    let reason = match degraded {
-                        true => format!(
-                            "node(s) {} of its lost replicas are back and can take them again; scaling up from step {newest}, \
-                             saved while degraded",
-                            back.join(", ")
-                        ),
-                        false => {
-                            format!("{live} live nodes can take it (it was launched when {} were); scaling up from step {newest}", seen.0)
-                        }
-                    };
+                    let reason =
+                        format!("{live} live nodes can take it (it was launched when {} were); scaling up from step {newest}", seen.0);
                     if store.begin_recovery(j.id, j.generation, RecoveryCause::ScaleUp, 0, &reason).await.is_ok() {
                         tracing::info!(job = j.id, "{reason}");
                         crate::agents::launch::stop_job(store, fleet, &self.signals, j.id, j.generation, "scaling up").await;
@@ -139,33 +112,5 @@ impl Life {
             }
         }
         Ok(())
-    }
-}
-
-impl Life {
-    /// The nodes of a degraded launch's lost replicas that are live and registered again after
-    /// the membership that lost them (both durable: the membership's event, the node's
-    /// registration). A rank that failed on a node that stayed up brings nothing back by itself:
-    /// a replica lost to its own failure is not relaunched over and over for free.
-    async fn lost_nodes_back(&self, j: &JobRecord, now: &Launched, nodes: &[NodeRecord]) -> Result<Vec<String>> {
-        let Some(changed) = self.store.last_event(j.id, j.generation, membership::EVENT).await? else { return Ok(vec![]) };
-        let members = &now.membership.replicas;
-        let lost: HashSet<&str> =
-            now.ranks.iter().filter(|r| !members.contains(&(r.assignment.replica as u32))).map(|r| r.assignment.node.as_str()).collect();
-        Ok(nodes
-            .iter()
-            .filter(|n| lost.contains(n.name.as_str()) && self.fleet.live(&n.name) && n.registered_at_ms > changed.at_ms)
-            .map(|n| n.name.clone())
-            .collect())
-    }
-
-    /// A degraded launch's members save at their next step (a `SaveNow` to their nodes).
-    fn ask_members_to_save(&self, j: &JobRecord, now: &Launched) {
-        let mut nodes: Vec<String> = now.members().map(|r| r.assignment.node.clone()).collect();
-        nodes.sort_unstable();
-        nodes.dedup();
-        if self.ask_to_save(j, &nodes, self.fleet.base * SAVE_NOW_INTERVALS) {
-            tracing::info!(job = j.id, "a lost replica's node is back: the members save now, to go back whole from that step");
-        }
     }
 }

@@ -29,13 +29,18 @@ pub struct Membership {
     pub lost: Vec<u32>,
     pub micro_batches: BTreeMap<String, u32>,
     pub store: StoreAddr,
-    /// The lowest global rank of the members: it hosts the store and prints the progress.
+    /// The lowest global rank of the members training on (none `joining`, where it can be
+    /// helped): it hosts the store and prints the progress.
     pub leader: u32,
     pub reason: String,
     /// What the planner's prices make of the members' share of the plan's throughput (the
     /// plan's iteration time over the members' with the new split; 0 where the plan has none).
     #[serde(default)]
     pub throughput_share: f64,
+    /// Member replicas that come back in this epoch: their ranks start afresh in the same launch
+    /// and take their state from the others' live state (docs/keep-going.md).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub joining: Vec<u32>,
 }
 
 impl Membership {
@@ -70,6 +75,7 @@ pub fn initial(plan: &PlanDocument, master: StoreAddr) -> Membership {
         leader: 0,
         reason: String::new(),
         throughput_share: 1.0,
+        joining: vec![],
     }
 }
 
@@ -109,7 +115,10 @@ pub fn next(
         return Err(CannotKeepGoing(format!("no replica survives whole ({reason})")));
     }
     let (split, time) = split(plan, &members)?;
-    let leader = first_ranks(plan)[members[0] as usize];
+    // A replica that was joining may not hold the job's state yet: it leads only where no
+    // other member is left.
+    let lead = members.iter().copied().find(|r| !current.joining.contains(r)).unwrap_or(members[0]);
+    let leader = first_ranks(plan)[lead as usize];
     let store = if leader == current.leader {
         current.store.clone()
     } else {
@@ -127,7 +136,45 @@ pub fn next(
         leader,
         reason: reason.to_string(),
         throughput_share: if time > 0.0 && plan.iteration_time_s > 0.0 { plan.iteration_time_s / time } else { 0.0 },
+        joining: vec![],
     })
+}
+
+/// The membership in which lost replicas `back` (those of `current.lost`) rejoin: members
+/// again, named `joining`, the split the planner's allocator gives the members (the plan's own
+/// when every replica is a member again), the store and leader as they are (a joining rank has
+/// no state to lead with). None when none of `back` is lost.
+pub fn rejoin(
+    plan: &PlanDocument,
+    current: &Membership,
+    back: &BTreeSet<u32>,
+    reason: &str,
+) -> Result<Option<Membership>, CannotKeepGoing> {
+    let joining: Vec<u32> = current.lost.iter().copied().filter(|r| back.contains(r)).collect();
+    if joining.is_empty() {
+        return Ok(None);
+    }
+    let mut members: Vec<u32> = current.replicas.iter().copied().chain(joining.iter().copied()).collect();
+    members.sort_unstable();
+    let lost: Vec<u32> = current.lost.iter().copied().filter(|r| !back.contains(r)).collect();
+    let (micro_batches, share) = if lost.is_empty() {
+        (plan.replicas.iter().enumerate().map(|(i, r)| (i.to_string(), r.micro_batches)).collect(), 1.0)
+    } else {
+        let (split, time) = split(plan, &members)?;
+        let share = if time > 0.0 && plan.iteration_time_s > 0.0 { plan.iteration_time_s / time } else { 0.0 };
+        (split.into_iter().map(|(r, k)| (r.to_string(), k)).collect(), share)
+    };
+    Ok(Some(Membership {
+        epoch: current.epoch + 1,
+        replicas: members,
+        lost,
+        micro_batches,
+        store: current.store.clone(),
+        leader: current.leader,
+        reason: reason.to_string(),
+        throughput_share: share,
+        joining,
+    }))
 }
 
 /// The members' split of the plan's micro-batches, by the planner's exact allocator
@@ -221,6 +268,27 @@ mod tests {
         assert!(keeps_going(None, &p) && !keeps_going(Some(false), &p));
         let one = plan(&[(4, 1.0, 1)]);
         assert!(!keeps_going(Some(true), &one), "one replica: nothing to keep going with");
+    }
+
+    #[test]
+    fn a_lost_replica_rejoins_under_the_same_leader_and_store_and_never_leads_while_joining() {
+        let p = plan(&[(6, 1.0, 1), (3, 2.0, 1), (3, 2.0, 1)]);
+        let ports = (29502, 29503);
+        // Replica 0 (rank 0, the store) lost: rank 1 leads on the other port.
+        let m1 = next(&p, &initial(&p, master()), &BTreeSet::from([0]), "n0 lost", |r| format!("h{r}"), ports).unwrap();
+        assert_eq!((m1.leader, m1.store.port), (1, 29503));
+        assert_eq!(rejoin(&p, &m1, &BTreeSet::from([2]), "x").unwrap(), None, "replica 2 was not lost");
+        let m2 = rejoin(&p, &m1, &BTreeSet::from([0]), "n0 back").unwrap().unwrap();
+        assert_eq!((m2.epoch, m2.replicas.clone(), m2.lost.clone(), m2.joining.clone()), (2, vec![0, 1, 2], vec![], vec![0]));
+        assert_eq!((m2.leader, m2.store.clone()), (1, m1.store.clone()), "the store stays with the rank that holds the state");
+        assert_eq!(m2.micro_batches, BTreeMap::from([("0".into(), 6), ("1".into(), 3), ("2".into(), 3)]), "the plan's own split");
+        assert_eq!(m2.throughput_share, 1.0);
+        let doc = serde_json::to_value(&m2).unwrap();
+        assert_eq!(doc["joining"], serde_json::json!([0]));
+        assert!(serde_json::to_value(&m1).unwrap().get("joining").is_none(), "absent when none joins");
+        // Replica 1 lost while replica 0 still joins: replica 2 leads, not the joining one.
+        let m3 = next(&p, &m2, &BTreeSet::from([1]), "n1 lost", |r| format!("h{r}"), ports).unwrap();
+        assert_eq!((m3.replicas.clone(), m3.leader, m3.joining.clone()), (vec![0, 2], 2, vec![]));
     }
 
     #[test]

@@ -90,7 +90,9 @@ impl Store {
         self.check_term(&mut tx).await?;
         // A reason says why the job is where it is: a job that succeeded after a recovery does
         // not keep the failure that started the recovery (the events keep it).
-        let carried = if to == JobState::Succeeded { None } else { job.reason.clone() };
+        // Nor does a degraded job whose lost replicas rejoined: it runs whole again.
+        let whole_again = job.state == JobState::Degraded && to == JobState::Running;
+        let carried = if to == JobState::Succeeded || whole_again { None } else { job.reason.clone() };
         // A compare-and-set on what was read (state and generation) and on the term, in SQL:
         // a concurrent move, a relaunch, or a new leader between the read and this write makes
         // it match no row.

@@ -39,6 +39,40 @@ impl Store {
         .await?)
     }
 
+    /// A degraded launch's lost replica rejoins (docs/keep-going.md): its ranks that ended
+    /// (`lost`, or `exited`) are `assigned` again, to be started afresh in the same launch, with
+    /// an event each. Fenced like a job move: the job must still be `degraded` at `generation`,
+    /// under this leader's term. Returns how many ranks were reassigned.
+    pub async fn reassign_ranks(&self, id: i64, generation: i64, ranks: &[i64], epoch: i64) -> Result<usize> {
+        let mut tx = self.pool.begin().await?;
+        let job = super::job_in(&mut tx, id).await?;
+        if job.generation != generation {
+            return Err(CoordinatorError::StaleGeneration { job: id, given: generation, current: job.generation });
+        }
+        if job.state != crate::job::JobState::Degraded {
+            return Err(CoordinatorError::Conflict(format!("job {id} is {}; only a degraded job's replicas rejoin", job.state)));
+        }
+        self.check_term(&mut tx).await?;
+        let mut events = vec![];
+        for &rank in ranks {
+            let done = sqlx::query(
+                "UPDATE ranks SET state = 'assigned', exit_code = NULL WHERE job_id = $1 AND generation = $2 AND rank = $3 \
+                 AND state IN ('lost', 'exited')",
+            )
+            .bind(id)
+            .bind(generation)
+            .bind(rank)
+            .execute(&mut *tx)
+            .await?;
+            if done.rows_affected() == 1 {
+                events.push((id, generation, format!("job {id}: rank {rank} assigned again, to rejoin in epoch {epoch}")));
+            }
+        }
+        rank_events(&mut tx, &events).await?;
+        tx.commit().await?;
+        Ok(events.len())
+    }
+
     /// GPUs held by ranks: every rank of a launched (`launching` or `running`) job's current
     /// launch, and ranks of other launches still reported `running` (a job that is over whose
     /// ranks have not exited yet). Sorted by node, GPU.
@@ -119,7 +153,7 @@ impl Store {
         }
         let rows = sqlx::query(
             "SELECT r.job_id, r.generation, r.rank FROM ranks r JOIN jobs j ON j.id = r.job_id AND r.generation = j.generation \
-             WHERE r.node = $1 AND r.state = 'running' AND j.state IN ('launching', 'running') ORDER BY r.job_id, r.rank",
+             WHERE r.node = $1 AND r.state = 'running' AND j.state IN ('launching', 'running', 'degraded') ORDER BY r.job_id, r.rank",
         )
         .bind(node)
         .fetch_all(&mut *tx)

@@ -9,8 +9,8 @@ ranks look once per step (MOTLEY_MEMBERSHIP):
     {"epoch": 1, "replicas": [0, 2], "lost": [1], "micro_batches": {"0": 5, "2": 3},
      "store": {"host": "10.0.0.4", "port": 29503}, "leader": 0, "reason": "node b lost"}
 
-`leader` is the lowest global rank of the members that train on (not `joining`): it hosts the
-epoch's rendezvous store at `store` and prints the progress lines. `joining` (optional) names the
+`leader` is the first rank of a member replica that trains on (not `joining`; the lowest such as
+a rule): it hosts the epoch's rendezvous store at `store` and prints the progress lines. `joining` (optional) names the
 member replicas that come back: their ranks start afresh in the same launch and take their
 layers' weights and optimizer state from the others' live state (`rejoin`). Epoch 0 is the plan
 itself, met at MASTER_ADDR. This module is pure: the document, the members, the re-shared plan
@@ -104,9 +104,13 @@ class Membership:
                                   f"member training on; got {joining!r}")
         m = Membership(epoch, tuple(sorted(reps)), tuple(sorted(lost)), split, store["host"], port, whole("leader"),
                        str(doc.get("reason", "")), tuple(sorted(set(joining))))
-        if m.leader != leader_of(plan, m):
-            raise MembershipError(f"{where}.leader: {m.leader}, but the lowest rank of the members training on is "
-                                  f"{leader_of(plan, m)}")
+        # The lowest rank of the members training on, as a rule; the coordinator passes over a
+        # replica that was joining in the epoch before (it may hold no state yet), so any rank of
+        # a member replica not joining may lead.
+        leaders = {st.ranks[0] for r in m.replicas if r not in m.joining for st in plan.replicas[r].stages[:1]}
+        if m.leader not in leaders:
+            raise MembershipError(f"{where}.leader: {m.leader} is not the first rank of a member replica training on "
+                                  f"(those are {sorted(leaders)})")
         return m
 
 
@@ -133,12 +137,6 @@ def read(path: Optional[str], plan: Plan) -> Optional[Membership]:
 def members(plan: Plan, m: Membership) -> List[int]:
     """The global ranks of the member replicas, ascending."""
     return sorted(rk for r in m.replicas for st in plan.replicas[r].stages for rk in st.ranks)
-
-
-def leader_of(plan: Plan, m: Membership) -> int:
-    """The epoch's leader: the lowest global rank of the members that are not joining (a joining
-    rank has no state to lead with, and the store stays with the ranks that hold it)."""
-    return min(rk for r in m.replicas if r not in m.joining for st in plan.replicas[r].stages for rk in st.ranks)
 
 
 def reshared(plan: Plan, m: Membership) -> Plan:

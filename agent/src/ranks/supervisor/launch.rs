@@ -17,7 +17,10 @@ impl Supervisor {
     /// Start the launch's ranks; a rank that cannot start is reported as exited with 127, one
     /// refused as the user the launch names (or as root, see `users`) with 126, the reason in
     /// its log either way. A launch of an older generation than one this agent already has for
-    /// the job is ignored.
+    /// the job is ignored. A launch with a `join_epoch` (a lost replica rejoining, docs/keep-going.md)
+    /// starts its ranks afresh in the running launch: one of them that ended here is replaced (its
+    /// log kept beside, as `rank-N.log.before-EPOCH`), and the epoch's membership is written
+    /// where they look before any starts.
     pub fn launch(&self, l: Launch) {
         if self.pruned.lock().expect("pruned lock").contains(&(l.job, l.generation)) {
             tracing::warn!(node = %self.node, "ignoring a launch of job {} generation {}: it ended and was pruned", l.job, l.generation);
@@ -47,10 +50,22 @@ impl Supervisor {
                 _ => Ok(()),
             })
             .map_err(|e| e.to_string());
+        let prepared = match prepared {
+            Ok(()) if l.join_epoch > 0 => self.prepare_join(&l, &dir),
+            other => other,
+        };
         for r in &l.ranks {
             let key = (l.job, l.generation, r.rank);
+            if l.join_epoch > 0 && prepared.is_ok() {
+                let mut ranks = self.lock();
+                if ranks.get(&key).is_some_and(|x| !matches!(x.state, State::Running { .. })) {
+                    ranks.remove(&key);
+                    drop(ranks);
+                    keep_log(&dir, r.rank, l.join_epoch);
+                }
+            }
             if self.lock().contains_key(&key) {
-                continue; // the same instruction twice
+                continue; // the same instruction twice (a joining rank: still running here)
             }
             let started = match (&who, prepared.clone()) {
                 (Err(why), _) => Err((users::REFUSED, why.clone())),
@@ -71,6 +86,24 @@ impl Supervisor {
             }
         }
         self.changed.notify_one();
+    }
+
+    /// A joining launch's membership, written where its ranks look before they start (they
+    /// read it to know they join, and whom).
+    fn prepare_join(&self, l: &Launch, dir: &Path) -> Result<(), String> {
+        let m = motley_proto::v1::Membership {
+            job: l.job,
+            generation: l.generation,
+            epoch: l.join_epoch,
+            document: l.membership.clone(),
+            stop_ranks: vec![],
+        };
+        match crate::ranks::membership::write(&self.work_dir, &m) {
+            Ok(_) => Ok(()),
+            // The same epoch (or a newer one) is there already: the Membership sent beside it.
+            Err(crate::AgentError::StaleMembership { .. }) => Ok(()),
+            Err(e) => Err(format!("the joining ranks' membership (epoch {}) in {}: {e}", l.join_epoch, dir.display())),
+        }
     }
 
     /// A rank that never started: why, in its log (what `motley job logs` shows), and its exit
@@ -370,6 +403,14 @@ pub(crate) fn rank_nccl(
         )
     })?;
     Ok((groups, common))
+}
+
+/// The log of a rank that ended, kept beside when it is started again to rejoin (its lines up
+/// to the loss stay readable). Best effort: a log that cannot be moved is started afresh.
+fn keep_log(dir: &Path, rank: i64, epoch: i64) {
+    if let Ok(d) = crate::safe_fs::open_under(dir, 3) {
+        let _ = d.rename(&format!("rank-{rank}.log"), &format!("rank-{rank}.log.before-{epoch}"));
+    }
 }
 
 #[cfg(test)]

@@ -610,4 +610,36 @@ mod tests {
         assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(libc::SIGTERM));
         std::fs::remove_dir_all(&work).unwrap();
     }
+    /// A lost replica rejoining (docs/keep-going.md): a launch with a `join_epoch` starts again
+    /// a rank of the launch that ended here (its old log kept beside), after writing the
+    /// epoch's membership; the same launch without one is a duplicate and changes nothing.
+    #[tokio::test]
+    async fn a_joining_launch_starts_an_ended_rank_again_after_writing_its_membership() {
+        let work = work_dir("join");
+        let dir = finished(&work, 3, false);
+        let s = supervisor(&work);
+        s.adopt();
+        let launch = |join_epoch: i64| Launch {
+            job: 3,
+            generation: 1,
+            ranks: vec![RankLaunch { rank: 0, ..Default::default() }],
+            plan_json: "{}".into(),
+            join_epoch,
+            membership: if join_epoch > 0 { format!("{{\"epoch\": {join_epoch}, \"replicas\": [0]}}") } else { String::new() },
+            ..Default::default()
+        };
+        s.launch(launch(0));
+        assert_eq!(std::fs::read_to_string(rank_file(&dir, 0, "log")).unwrap(), "done\n", "a duplicate launch: nothing");
+        s.launch(launch(2));
+        assert_eq!(std::fs::read_to_string(dir.join("rank-0.log.before-2")).unwrap(), "done\n", "the old log kept");
+        let m: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("membership.json")).unwrap()).unwrap();
+        assert_eq!(m["epoch"], 2);
+        // Started again: as root without allow_root_ranks it is refused (126), elsewhere the plan
+        // "{}" does not read (127); either way a new end, not the old exit 0.
+        let sent = s.report(1, true);
+        assert_eq!(sent.len(), 1, "{sent:?}");
+        assert!(sent[0].state == "exited" && matches!(sent[0].exit_code, Some(126 | 127)), "{sent:?}");
+        assert!(std::fs::read_to_string(rank_file(&dir, 0, "log")).unwrap().contains("not started"));
+        std::fs::remove_dir_all(&work).unwrap();
+    }
 }
