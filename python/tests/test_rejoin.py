@@ -136,6 +136,66 @@ def test_a_lost_replica_rejoins_from_the_members_live_state_with_the_single_proc
                          scale=norm)
 
 
+
+def test_a_replica_lost_again_once_rejoined_is_left_out_and_rejoins_later(tmp_path, reference):
+    """Replica 1 is lost (epoch 1); its rank is started to rejoin (epoch 2) and killed again as
+    soon as it has its state: the coordinator's next membership leaves it out (epoch 3), the
+    members go on without it, and a second start rejoins it (epoch 4). Every step's loss is
+    still the single process's, and the job ends at full strength. (Killed earlier, between
+    saying it is ready and the epoch's groups being made, it would cost the members the
+    groups' timeout: docs/keep-going.md.)"""
+    want, _ = reference
+    plan = three_replicas()
+    work = tmp_path / "run"
+    member_file = work / "membership.json"
+    args = ["--steps", str(STEPS), "--seed", str(SEED), "--timeout", "60"]
+    procs = start_ranks(plan, args, work, extra_env={"MOTLEY_KEEP_GOING": "1", "MOTLEY_MEMBERSHIP": str(member_file)})
+    port = int(procs[0][4]["MASTER_PORT"])
+    survivors = [x for x in procs if x[0]["rank"] != 2]
+    late = []
+
+    def epoch_line(n: int):
+        until = time.monotonic() + 120
+        while not [x for x in leader_lines(work, [0]) if x["epoch"] == n]:
+            assert time.monotonic() < until, (work / "rank0.log").read_text()[-3000:]
+            time.sleep(0.05)
+
+    try:
+        wait_for_line(work / "rank0.out", 2, procs)
+        os.killpg(next(p for r, p, *_ in procs if r["rank"] == 2).pid, signal.SIGKILL)
+        time.sleep(0.3)
+        write_membership(member_file, membership(1, [0, 2], [1], {0: 4, 2: 2}, port, 0))
+        epoch_line(1)
+        write_membership(member_file, membership(2, [0, 1, 2], [], FULL, port, 0, joining=[1]))
+        first = restart(procs, 2, args, work)
+        log = work / "rank2.rejoin.log"
+        until = time.monotonic() + 120
+        while "motley-rejoined " not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < until and first[1].poll() is None, log.read_text() if log.exists() else ""
+            time.sleep(0.02)
+        os.killpg(first[1].pid, signal.SIGKILL)
+        first[1].wait()
+        first[2].close()
+        first[3].close()
+        time.sleep(0.3)
+        write_membership(member_file, membership(3, [0, 2], [1], {0: 4, 2: 2}, port, 0))
+        epoch_line(3)
+        write_membership(member_file, membership(4, [0, 1, 2], [], FULL, port, 0, joining=[1]))
+        late = [restart(procs, 2, args, work)]
+    finally:
+        results = wait_ranks(survivors + late, work, 240)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exit {r.returncode}\n{r.log[-4000:]}"
+    joined = (work / "rank2.rejoin.log").read_text()
+    took = json.loads(next(x for x in joined.splitlines() if x.startswith("motley-rejoined ")).split(" ", 1)[1])
+    assert took["epoch"] == 4, took
+    lines = leader_lines(work, [0])
+    assert [x["step"] for x in lines] == list(range(STEPS)), "every step once, none lost or repeated"
+    epochs = [x["epoch"] for x in lines]
+    assert epochs == sorted(epochs) and {0, 1, 3, 4} <= set(epochs) and epochs[-1] == 4, sorted(set(epochs))
+    assert_steps_close([x["loss"] for x in lines], want, 4, "losses through a loss, a rejoin lost and a rejoin")
+
+
 # ---- the membership document's `joining` (pure) ----------------------------------------------
 
 def _plan():

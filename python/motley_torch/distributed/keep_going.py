@@ -222,8 +222,10 @@ class KeepGoing:
                 raise StepAborted("a newer membership is out while waiting in a collective")
 
     def newer(self) -> Optional[Membership]:
-        """A membership newer than the current epoch's, if the agent wrote one."""
-        if self._newest is None or self._newest.epoch <= self.epoch.m.epoch:
+        """A membership newer than the current epoch's, if the agent wrote one. One that names
+        ranks joining is read again until the members move to it: a newer one may replace it
+        (the joining rank lost before it was ready)."""
+        if self._newest is None or self._newest.epoch <= self.epoch.m.epoch or self._newest.joining:
             m = read(self.path, self.full_plan)
             self._newest = m
         m = self._newest
