@@ -155,6 +155,7 @@ class KeepGoing:
         # by a committed step's votes), and whether this rank holds the job's state: a joining
         # rank does not until it has taken it (`rejoin`).
         self.move_due: Optional[int] = None
+        self.move_to: Optional[Membership] = None
         self.loaded = joining is None
         self.joiners: List[int] = []
         self._newest: Optional[Membership] = None
@@ -221,11 +222,11 @@ class KeepGoing:
             if self.gave_up():
                 raise StepAborted("a newer membership is out while waiting in a collective")
 
-    def newer(self) -> Optional[Membership]:
-        """A membership newer than the current epoch's, if the agent wrote one. One that names
-        ranks joining is read again until the members move to it: a newer one may replace it
-        (the joining rank lost before it was ready)."""
-        if self._newest is None or self._newest.epoch <= self.epoch.m.epoch or self._newest.joining:
+    def newer(self, fresh: bool = False) -> Optional[Membership]:
+        """A membership newer than the current epoch's, if the agent wrote one. Read again while
+        none is newer, and whenever `fresh` (once a step, and while waiting to move): the file
+        holds the newest only, and a newer one may replace the one read."""
+        if fresh or self._newest is None or self._newest.epoch <= self.epoch.m.epoch:
             m = read(self.path, self.full_plan)
             self._newest = m
         m = self._newest
@@ -235,7 +236,7 @@ class KeepGoing:
         """The newest epoch this rank would move to after this step: a newer membership's, once
         the ranks it names joining have said they are ready (`ready`), so the members train on
         while a joining rank starts (its interpreter, its model) rather than wait for it."""
-        m = self.newer()
+        m = self.newer(fresh=True)
         if m is None:
             return self.epoch.m.epoch
         if m.joining and (m.store_host, m.store_port) == self.epoch.address and self.epoch.tcp is not None:
@@ -252,7 +253,7 @@ class KeepGoing:
         """Whether a newer membership leaves out a replica of this epoch: the step in flight
         cannot commit then. One that only adds replicas (they come back) aborts nothing: the
         members move to it at a step boundary."""
-        m = self.newer()
+        m = self.newer(fresh=True)
         return m is not None and any(r not in m.replicas for r in self.epoch.m.replicas)
 
     def vote(self, step: int, loss: Optional[float]) -> Optional[float]:
@@ -263,6 +264,10 @@ class KeepGoing:
         self.voted = step
         seen = self._seen()
         try:
+            if seen > ep.m.epoch:
+                # The epoch's document beside the vote: every member moves to the newest any of
+                # them saw, and enters it from here, whatever its own file holds by then.
+                store.set(f"doc/{seen}", json.dumps(self._newest.to_doc()))
             store.set(f"s{step}/v/{rank}", ("-" if loss is None else repr(float(loss))) + f"@{seen}")
             keys = [f"s{step}/v/{r}" for r in ep.members]
             all_in = _poll(store, keys, time.monotonic() + self.timeout.total_seconds(), self.gave_up)
@@ -283,6 +288,8 @@ class KeepGoing:
         newest_seen = max(int(e) for _, e in parts)
         if newest_seen > ep.m.epoch:
             self.move_due = newest_seen
+            self.move_to = Membership.parse(json.loads(store.get(f"doc/{newest_seen}")), self.full_plan,
+                                            f"the epoch's store (doc/{newest_seen})")
         return total
 
     def next_epoch(self, step: int, cause: BaseException, make_groups) -> Optional[float]:
@@ -306,20 +313,23 @@ class KeepGoing:
         failed step, with nothing aborted mid-step. Returns (a rolled-forward step's loss sum or
         None, the step the members run next)."""
         due, self.move_due = self.move_due, None
-        m = self._wait_newer(due, "a member saw it" if self.loaded else "joining the job", None)
+        if self.loaded:
+            m = self.move_to  # the document the votes named, from the store
+        else:
+            m = self._wait_newer(due, "joining the job", None)
         self.epoch.abort()
         return self._enter(m, step, None, make_groups)
 
     def _wait_newer(self, epoch: int, why: str, cause) -> Membership:
         """The membership of `epoch` or newer, once the agent has written it (within the timeout)."""
         until = time.monotonic() + self.timeout.total_seconds()
-        m = self.newer()
+        m = self.newer(fresh=True)
         while m is None or m.epoch < epoch:
             if time.monotonic() > until:
                 raise MembershipError(f"{why}, and no membership of epoch {epoch} or newer came in "
                                       f"{self.timeout.total_seconds():.0f} s ({ENV})") from cause
             time.sleep(0.02)
-            m = self.newer()
+            m = self.newer(fresh=True)
         return m
 
     def _enter(self, m: Membership, step: Optional[int], cause, make_groups=None) -> Tuple[Optional[float], int]:
@@ -349,7 +359,33 @@ class KeepGoing:
         if step is not None and self.committed is not None and self.committed[0] == step - 1:
             store.set(f"loss/{step - 1}", repr(self.committed[1]))
         store.set(f"joined/{view.rank}", str(step) if self.loaded else JOINING)
-        _poll(store, [f"joined/{r}" for r in mine], until + self.timeout.total_seconds(), lambda: False)
+        # One decision per epoch's meeting, the first rank's (`compare_set`), which every member
+        # follows: meet here once every member is in, or go on to a newer epoch one of them
+        # read while some were missing (its document left in this store). A member never
+        # enters an epoch the others left.
+        keys = [f"joined/{r}" for r in mine]
+        later = {}
+
+        def newer_one() -> bool:
+            n = self.newer(fresh=True)
+            if n is None or n.epoch <= m.epoch:
+                return False
+            later["m"] = n
+            return True
+
+        if _poll(store, keys, until + self.timeout.total_seconds(), newer_one):
+            want = "enter"
+        else:
+            store.set(f"doc/{later['m'].epoch}", json.dumps(later["m"].to_doc()))
+            want = f"leave:{later['m'].epoch}"
+        decided = store.compare_set("meeting", "", want).decode()
+        if decided.startswith("leave:"):
+            e = int(decided.split(":", 1)[1])
+            n = Membership.parse(json.loads(store.get(f"doc/{e}")), self.full_plan, f"the epoch's store (doc/{e})")
+            print(f"motley-membership epoch {m.epoch}: not met (epoch {e} is out); moving on to it",
+                  file=sys.stderr, flush=True)
+            self.epoch = Epoch(m, address, tcp, store, view, {})
+            return self._enter(n, step, cause, make_groups)
         said = dict(zip(mine, (v.decode() for v in store.multi_get([f"joined/{r}" for r in mine]))))
         self.joiners = sorted(r for r, v in said.items() if v == JOINING)
         steps = {int(v) for v in said.values() if v != JOINING}

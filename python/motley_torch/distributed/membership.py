@@ -48,6 +48,17 @@ class Membership:
     reason: str = ""
     joining: Tuple[int, ...] = ()
 
+    def to_doc(self) -> dict:
+        """The document as the agent writes it (what `parse` reads): handed between ranks in an
+        epoch's store, so that every member enters the same epoch whatever its own file holds."""
+        doc = {"epoch": self.epoch, "replicas": list(self.replicas), "lost": list(self.lost),
+               "micro_batches": {str(k): v for k, v in self.micro_batches.items()},
+               "store": {"host": self.store_host, "port": self.store_port}, "leader": self.leader,
+               "reason": self.reason}
+        if self.joining:
+            doc["joining"] = list(self.joining)
+        return doc
+
     @staticmethod
     def initial(plan: Plan) -> "Membership":
         """Epoch 0: every replica, the plan's split, the job's own store."""
