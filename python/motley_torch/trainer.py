@@ -203,7 +203,9 @@ class Trainer:
         cluster's GPUs each count their own), or None when any rank's is unknown."""
         t = torch.tensor([mine or 0.0, 0.0 if mine else 1.0], dtype=torch.float64 if self.view.backend == "gloo"
                          else torch.float32, device=self.view.device)
-        dist.all_reduce(t, group=self.view.world_group)
+        # Waited as every cross-replica collective (`RankView.wait`): after a new epoch's making,
+        # a member lost just then must not hold the others for the group's whole timeout.
+        self.view.wait(dist.all_reduce(t, group=self.view.world_group, async_op=True))
         return float(t[0]) if float(t[1]) == 0 else None
 
     def _start_loss_sum(self, local) -> tuple:
