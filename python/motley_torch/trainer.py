@@ -432,9 +432,20 @@ class Trainer:
         the coordinator opened (its groups, the members' split) and return the step to run
         there: `step` again, or the next one where the others committed it (this rank then
         commits it too, with the gradients it holds: `KeepGoing.next_epoch`). Re-raises
-        `cause` when it is not a lost replica's doing or the job does not keep going."""
-        if self.keep is None or not (isinstance(cause, keep_going.StepAborted) or collective_failed(cause)):
-            raise cause
+        `cause` when it is not a lost replica's doing or the job does not keep going. Another
+        loss while moving (the epoch's groups being made, its first collectives) moves on to
+        the epoch after it, from where this rank then is."""
+        while True:
+            if self.keep is None or not (isinstance(cause, keep_going.StepAborted) or collective_failed(cause)):
+                raise cause
+            try:
+                return self._next_epoch_once(step, cause)
+            except _Moved as moved:
+                step, cause = moved.step, moved.cause
+            except Exception as e:
+                cause = e
+
+    def _next_epoch_once(self, step: int, cause: BaseException) -> int:
         view = self.view
         old_leader = view.leader
         roll = self.keep.next_epoch(step, cause, keep_going.make_gloo_or_nccl(view, self.keep.timeout))
@@ -457,9 +468,13 @@ class Trainer:
             self.pending = (held_step, roll, t_step, used, skipped, self.keep.committed_epoch)
             step += 1
         self.sync.optimizer.zero_grad(set_to_none=True)
-        self._new_sync()
-        self._rejoin()
-        self.peak_tflops = self._world_peak(self.device_peak)
+        try:
+            self._new_sync()
+            self._rejoin()
+            self.peak_tflops = self._world_peak(self.device_peak)
+        except Exception as e:
+            # The step (rolled forward or not) stands: the next epoch is met from it.
+            raise _Moved(step, e) from e
         return step
 
     def _take_epoch_view(self):
@@ -533,6 +548,14 @@ class Trainer:
                 "epoch": view.epoch, "replica": view.replica, "rank": view.rank, "step": self.start, "bytes": taken,
                 "seconds": round(time.monotonic() - self.began, 3),
                 "copy_seconds": round(time.monotonic() - began, 3)}, sort_keys=True), file=sys.stderr, flush=True)
+
+
+class _Moved(Exception):
+    """A move to a new epoch that failed after its step was settled (`Trainer._next_epoch`)."""
+
+    def __init__(self, step: int, cause: BaseException):
+        super().__init__(str(cause))
+        self.step, self.cause = step, cause
 
 
 def _joining(args, model):

@@ -404,7 +404,7 @@ class KeepGoing:
                                   f"(its last vote: step {self.voted}); the job recovers whole from its checkpoint")
         mine_groups = {g.key: g for g in epoch_groups(self.full_plan, m, plan.model.tie_embeddings)
                        if view.rank in g.ranks}
-        groups = make_groups(list(mine_groups.values()), store)
+        groups = self._sliced(lambda: make_groups(list(mine_groups.values()), store), m)
         new_view = _epoch_view(view, plan, m, groups, mine_groups)
         self.epoch = Epoch(m, address, tcp, store, new_view, groups)
         if cause is not None:
@@ -416,6 +416,32 @@ class KeepGoing:
         print(f"motley-membership epoch {m.epoch} replicas {list(m.replicas)} lost {list(m.lost)} leader {m.leader}: "
               f"{what} ({m.reason}{here})", file=sys.stderr, flush=True)
         return roll, step
+
+    def _sliced(self, make, m: Membership):
+        """`make()` (the epoch's groups: gloo's rendezvous waits for every member, and cannot be
+        waited in slices itself) on a thread of its own, waited in slices; StepAborted once a
+        membership newer than `m` leaves one of its replicas out (a member lost while the groups
+        were made: the others would wait out the groups' timeout). The given-up thread ends at
+        that timeout."""
+        out: list = []
+        failed: list = []
+        done = threading.Event()
+
+        def run():
+            try:
+                out.append(make())
+            except BaseException as e:  # raised on the rank's thread
+                failed.append(e)
+            done.set()
+
+        threading.Thread(target=run, daemon=True, name="motley-epoch-groups").start()
+        while not done.wait(WAIT_SLICE_S):
+            n = self.newer(fresh=True)
+            if n is not None and n.epoch > m.epoch and any(r not in n.replicas for r in m.replicas):
+                raise StepAborted(f"epoch {n.epoch} is out while epoch {m.epoch}'s groups were made")
+        if failed:
+            raise failed[0]
+        return out[0]
 
     def share(self, state: dict) -> dict:
         """The trainer's state beside the weights (the loss scale, the notices acted on), from
