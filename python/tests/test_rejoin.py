@@ -144,9 +144,7 @@ def test_a_replica_lost_again_once_rejoined_is_left_out_and_rejoins_later(tmp_pa
     """Replica 1 is lost (epoch 1); its rank is started to rejoin (epoch 2) and killed again as
     soon as it has its state: the coordinator's next membership leaves it out (epoch 3), the
     members go on without it, and a second start rejoins it (epoch 4). Every step's loss is
-    still the single process's, and the job ends at full strength. (Killed earlier, between
-    saying it is ready and the epoch's groups being made, it would cost the members the
-    groups' timeout: docs/keep-going.md.)"""
+    still the single process's, and the job ends at full strength."""
     want, _ = reference
     plan = three_replicas()
     work = tmp_path / "run"
