@@ -222,6 +222,19 @@ def test_a_joining_replica_is_a_member_that_never_leads_and_every_field_is_check
                        (dict(doc, joining=[5]), "joining"), (dict(doc, joining="0"), "joining")):
         with pytest.raises(MembershipError, match=f"m.{field}"):
             Membership.parse(bad, plan, "m")
+    # Which newer membership ends an epoch's groups: one that leaves a member out, or names one
+    # of its members joining again (its ranks were lost in between); not one that only adds.
+    from motley_torch.distributed.keep_going import superseded
+
+    def mm(epoch, replicas, lost, joining=(), leader=0):
+        split = {0: 3, 1: 2, 2: 1} if len(replicas) == 3 else {r: 6 // len(replicas) for r in replicas}
+        return Membership.parse(json.loads(membership(epoch, replicas, lost, split, 29500, leader, joining)), plan, "m")
+
+    one, two_back = mm(1, [0, 2], [1]), mm(2, [0, 1, 2], [], joining=[1])
+    assert not superseded(one, two_back), "a join only adds"
+    assert superseded(two_back, mm(3, [0, 2], [1])), "a member lost"
+    assert superseded(two_back, mm(5, [0, 1, 2], [], joining=[1])), "a member lost and back again in between"
+    assert not superseded(one, mm(5, [0, 1, 2], [], joining=[1])), "a join of a replica that was not a member"
     # Any member replica's first rank may lead when none joins (the coordinator passes over one
     # that was joining the epoch before), but never a rank inside a replica.
     assert Membership.parse(dict(doc, joining=[], leader=0), plan, "m").leader == 0

@@ -106,6 +106,14 @@ def enabled(view, zero1: bool) -> bool:
             and len(view.plan.replicas) > 1 and not zero1)
 
 
+def superseded(m: Membership, n: Membership) -> bool:
+    """Whether newer membership `n` ends epoch `m`'s groups: it leaves out one of `m`'s replicas,
+    or names one of them joining (the coordinator opens a rejoin only after the loss that left
+    it out: its ranks in `m` are gone, whoever runs them now). One that only adds replicas does
+    not: the members move to it at a step boundary."""
+    return any(r not in n.replicas for r in m.replicas) or any(r in m.replicas for r in n.joining)
+
+
 def _poll(store, keys: List[str], until: float, newer) -> bool:
     """Wait for `keys` in `store`: True once all are set, False when `newer()` says a newer
     membership is out. The store's own wait wakes at once when the last key is set (no polling
@@ -250,11 +258,10 @@ class KeepGoing:
         dist.PrefixStore(f"{_PREFIX}/{self.move_due}", self.epoch.tcp).set(f"ready/{self.view.rank}", "1")
 
     def gave_up(self) -> bool:
-        """Whether a newer membership leaves out a replica of this epoch: the step in flight
-        cannot commit then. One that only adds replicas (they come back) aborts nothing: the
-        members move to it at a step boundary."""
+        """Whether a newer membership ends this epoch (`superseded`): the step in flight cannot
+        commit then."""
         m = self.newer(fresh=True)
-        return m is not None and any(r not in m.replicas for r in self.epoch.m.replicas)
+        return m is not None and superseded(self.epoch.m, m)
 
     def vote(self, step: int, loss: Optional[float]) -> Optional[float]:
         """This rank's vote on `step`; returns the global loss sum (the votes') if the step
@@ -437,7 +444,7 @@ class KeepGoing:
         threading.Thread(target=run, daemon=True, name="motley-epoch-groups").start()
         while not done.wait(WAIT_SLICE_S):
             n = self.newer(fresh=True)
-            if n is not None and n.epoch > m.epoch and any(r not in n.replicas for r in m.replicas):
+            if n is not None and n.epoch > m.epoch and superseded(m, n):
                 raise StepAborted(f"epoch {n.epoch} is out while epoch {m.epoch}'s groups were made")
         if failed:
             raise failed[0]
