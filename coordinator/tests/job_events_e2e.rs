@@ -154,7 +154,7 @@ pub(crate) fn step_holdings(job: i64, step: u64) -> Vec<CkptHolding> {
 }
 
 pub(crate) fn ran(job: i64, rank: i64, state: &str, exit_code: Option<i64>) -> RankStatus {
-    RankStatus { job, generation: 1, rank, state: state.into(), exit_code }
+    RankStatus { job, generation: 1, rank, state: state.into(), exit_code, rejoined: None }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

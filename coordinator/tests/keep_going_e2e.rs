@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::common::{temp_dir, Coordinator};
 use crate::job_events_e2e::{call, events, ran, FakeAgent};
-use motley_proto::v1::{instruction, AgentStatus, Membership};
+use motley_proto::v1::{instruction, AgentStatus, Membership, RankRejoined, RankStatus};
 use serde_json::Value;
 
 const MODEL: &str = "{name: four, layers: 4, hidden: 64, heads: 4, seq_len: 32, vocab: 128}";
@@ -230,15 +230,27 @@ async fn a_lost_replica_rejoins_when_its_node_returns_not_after_its_own_rank_fai
     assert!(!launch.envs.contains_key("MOTLEY_CKPT_RESTORE_STEP"), "{:?}", launch.envs);
     let j = call(&c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await;
     assert_eq!((&j["state"], &j["generation"]), (&serde_json::json!("degraded"), &serde_json::json!(1)), "whole again only once it runs");
-    // Its rank runs: the job is whole again, its reason cleared, the replica recorded as back.
+    // Its rank runs, but has not copied the members' state yet: still degraded.
     n1.send(AgentStatus { ranks: vec![ran(id, 1, "running", None)], ..Default::default() }).await;
+    tokio::time::sleep(Duration::from_millis(900)).await; // three base intervals of looks
+    assert_eq!(call(&c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await["state"], "degraded", "whole only once it copied");
+    // A copy told for an older epoch is not this one's.
+    let copied = |epoch| RankRejoined { epoch, bytes: 2_613_248, seconds: 4.5, copy_seconds: 0.07 };
+    n1.send(AgentStatus { ranks: vec![RankStatus { rejoined: Some(copied(1)), ..ran(id, 1, "running", None) }], ..Default::default() })
+        .await;
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(call(&c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await["state"], "degraded", "an older epoch's copy");
+    // Its agent tells what it copied in epoch 2: the job is whole again, its reason cleared,
+    // the replica recorded as back with the bytes.
+    n1.send(AgentStatus { ranks: vec![RankStatus { rejoined: Some(copied(2)), ..ran(id, 1, "running", None) }], ..Default::default() })
+        .await;
     let j = state_becomes(&c, id, "running").await;
     assert!(j["reason"].is_null() && j["generation"] == 1, "{j}");
     let said = events(&c, id).await;
     let rejoined: Value = serde_json::from_str(&said.iter().find(|(k, _)| k == "rejoined").expect("a rejoined event").1).unwrap();
     assert_eq!(
-        (&rejoined["epoch"], &rejoined["replica"], &rejoined["ranks"]),
-        (&serde_json::json!(2), &serde_json::json!(1), &serde_json::json!([1]))
+        (&rejoined["epoch"], &rejoined["replica"], &rejoined["ranks"], &rejoined["bytes"], &rejoined["copy_seconds"]),
+        (&serde_json::json!(2), &serde_json::json!(1), &serde_json::json!([1]), &serde_json::json!(2_613_248), &serde_json::json!(0.07))
     );
     assert!(rejoined["seconds"].as_f64().is_some_and(|s| s >= 0.0), "{rejoined}");
     assert!(!said.iter().any(|(k, _)| k == "recovering"), "{said:?}");

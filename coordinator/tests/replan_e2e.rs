@@ -173,8 +173,14 @@ async fn a_running_jobs_link_that_drops_is_reported_once_and_weighed_for_a_repla
     for agent in [&mut a, &mut b] {
         let launch = agent.launch().await;
         assert_eq!(launch.job, id);
-        let ranks =
-            launch.ranks.iter().map(|r| RankStatus { job: id, generation: 1, rank: r.rank, state: "running".into(), exit_code: None });
+        let ranks = launch.ranks.iter().map(|r| RankStatus {
+            job: id,
+            generation: 1,
+            rank: r.rank,
+            state: "running".into(),
+            exit_code: None,
+            rejoined: None,
+        });
         agent.send(AgentStatus { ranks: ranks.collect(), ..Default::default() }).await;
     }
     let plan = call(&c, "GET", &format!("/api/v1/jobs/{id}/plan"), "", 200).await;
@@ -266,8 +272,14 @@ async fn a_recovery_that_leaves_gpus_idle_says_why_beside_the_plan_it_replaces()
     let mut ranks = vec![];
     for agent in [&mut a, &mut b] {
         let launch = agent.launch().await;
-        let running =
-            launch.ranks.iter().map(|r| RankStatus { job: id, generation: 1, rank: r.rank, state: "running".into(), exit_code: None });
+        let running = launch.ranks.iter().map(|r| RankStatus {
+            job: id,
+            generation: 1,
+            rank: r.rank,
+            state: "running".into(),
+            exit_code: None,
+            rejoined: None,
+        });
         agent.send(AgentStatus { ranks: running.collect(), ..Default::default() }).await;
         ranks.push(launch.ranks.iter().map(|r| r.rank).collect::<Vec<_>>());
     }
@@ -284,7 +296,8 @@ async fn a_recovery_that_leaves_gpus_idle_says_why_beside_the_plan_it_replaces()
         assert!(start.elapsed() < Duration::from_secs(20), "the measurement never arrived: {net}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let exited = |rank: i64, code: i64| RankStatus { job: id, generation: 1, rank, state: "exited".into(), exit_code: Some(code) };
+    let exited =
+        |rank: i64, code: i64| RankStatus { job: id, generation: 1, rank, state: "exited".into(), exit_code: Some(code), rejoined: None };
     a.send(AgentStatus { ranks: ranks[0].iter().map(|&r| exited(r, 1)).collect(), ..Default::default() }).await;
     b.send(AgentStatus { ranks: ranks[1].iter().map(|&r| exited(r, 143)).collect(), ..Default::default() }).await;
     let start = Instant::now();
@@ -308,7 +321,7 @@ async fn a_recovery_that_leaves_gpus_idle_says_why_beside_the_plan_it_replaces()
     // It runs to the end: succeeded, and no failure is its reason.
     let agent = if on_a { &mut a } else { &mut b };
     let rank = launch.ranks[0].rank;
-    let status = |state: &str, exit_code| RankStatus { job: id, generation: 2, rank, state: state.into(), exit_code };
+    let status = |state: &str, exit_code| RankStatus { job: id, generation: 2, rank, state: state.into(), exit_code, rejoined: None };
     agent.send(AgentStatus { ranks: vec![status("running", None)], ..Default::default() }).await;
     agent.send(AgentStatus { ranks: vec![status("exited", Some(0))], ..Default::default() }).await;
     let start = Instant::now();

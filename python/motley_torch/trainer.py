@@ -526,7 +526,7 @@ class Trainer:
         if not joiners:
             return
         from .distributed.membership import epoch_groups
-        from .distributed.rejoin import copy_live_state
+        from .distributed.rejoin import copy_live_state, tell_rejoined
 
         view, sync = self.view, self.sync
         began = time.monotonic()
@@ -544,10 +544,10 @@ class Trainer:
             if self.notice is not None:
                 self.notice.handled = int(state.get("notice") or 0)
             self.keep.loaded = True
-            print("motley-rejoined " + json.dumps({
+            tell_rejoined({
                 "epoch": view.epoch, "replica": view.replica, "rank": view.rank, "step": self.start, "bytes": taken,
                 "seconds": round(time.monotonic() - self.began, 3),
-                "copy_seconds": round(time.monotonic() - began, 3)}, sort_keys=True), file=sys.stderr, flush=True)
+                "copy_seconds": round(time.monotonic() - began, 3)})
 
 
 class _Moved(Exception):
@@ -562,9 +562,14 @@ def _joining(args, model):
     """(plan, membership) when this rank was started to rejoin (distributed/rejoin.py), else None."""
     if os.environ.get("MOTLEY_KEEP_GOING") != "1":
         return None
+    from .distributed.membership import ENV
     from .distributed.rejoin import joining
     from .plan import Plan
 
+    # Only a rank started to rejoin finds a membership there at its start (its agent writes it
+    # first): every other rank is spared reading the plan here.
+    if not os.path.exists(os.environ.get(ENV, "")):
+        return None
     path = args.plan or os.environ.get("MOTLEY_PLAN")
     rank = os.environ.get("RANK", "")
     if not path or not rank.isdigit():

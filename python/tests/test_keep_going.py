@@ -413,6 +413,8 @@ def test_a_lost_node_back_rejoins_its_replica_from_the_members_live_state(tmp_pa
         took = next(json.loads(x.split(" ", 1)[1]) for x in (n2 / "rank-3.log").read_text().splitlines()
                     if x.startswith("motley-rejoined "))
         assert took["epoch"] == 2 and took["bytes"] > 0, took
+        # The event carries what the rank copied, as its agent read it from the rank's file.
+        assert (rejoined[0]["bytes"], rejoined[0]["copy_seconds"]) == (took["bytes"], took["copy_seconds"]), (rejoined, took)
         assert (n2 / "rank-3.log.before-2").exists()
         lines = lines_of(rank0)
         assert [x["step"] for x in lines] == list(range(steps)), "every step once, rank 0 leading throughout"

@@ -2,9 +2,10 @@
 //! ranks again: `rank-R.json` (the record: node, job, generation, rank, process group, boot id
 //! and the wrapper's start time, log), `rank-R.exit` (the exit code, written by the rank's
 //! wrapper), `rank-R.reported` (the coordinator acknowledged the rank's end, so a later agent
-//! does not report it again), `rank-R.stopping`, `rank-R.groups.json`, `rank-R.log`. Each is
-//! written whole or not at all (`workdir`); a record that does not parse is skipped with a
-//! note all the same.
+//! does not report it again), `rank-R.stopping`, `rank-R.groups.json`, `rank-R.log`, and the
+//! rank's own `rank-R.rejoined` (what a joining rank copied from its peers). Each is written
+//! whole or not at all (`workdir`); a record that does not parse is skipped with a note all the
+//! same.
 //!
 //! Records stay the agent's: a record not owned by the agent's user is never trusted (a rank
 //! can write in its own launch directory, and a forged record would have the agent signal a
@@ -104,6 +105,48 @@ pub fn read_exit(dir: &Path, rank: i64) -> Exit {
 pub async fn read_exit_off(dir: &Path, rank: i64) -> Exit {
     let dir = dir.to_path_buf();
     tokio::task::spawn_blocking(move || read_exit(&dir, rank)).await.unwrap_or_else(|e| Exit::Bad(format!("reading the exit file: {e}")))
+}
+
+/// The environment variable naming the rank's `rank-R.rejoined` file.
+pub const REJOINED_ENV: &str = "MOTLEY_REJOINED";
+
+/// The most of a rejoined file the agent reads: one JSON line of four numbers.
+pub const REJOINED_LIMIT: u64 = 1024;
+
+pub fn rejoined_name(rank: i64) -> String {
+    format!("rank-{rank}.rejoined")
+}
+
+/// What a rank of a joining replica copied from the members' live state (docs/keep-going.md,
+/// "Back to full strength"), as the rank wrote it (renamed into place):
+/// `{"epoch": 3, "bytes": 2613248, "seconds": 4.1, "copy_seconds": 0.07}`.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+pub struct Rejoined {
+    pub epoch: i64,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub copy_seconds: f64,
+}
+
+/// The rank's rejoined file in launch directory `dir`: None while there is none; an error
+/// naming what is wrong when it is not one. The rank writes it, so it is read like an exit
+/// file (through the directory's handle, a regular file, within a limit) and checked: a
+/// positive epoch, finite non-negative seconds.
+pub fn read_rejoined(dir: &Path, rank: i64) -> std::result::Result<Option<Rejoined>, String> {
+    let name = rejoined_name(rank);
+    let path = dir.join(&name);
+    let bytes = match crate::safe_fs::open_under(dir, 3).and_then(|d| d.read(&name, REJOINED_LIMIT)) {
+        Ok(b) => b,
+        Err(AgentError::Io { err, .. }) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{}: not read ({e})", path.display())),
+    };
+    let r: Rejoined =
+        serde_json::from_slice(&bytes).map_err(|e| format!("{}: not {{epoch, bytes, seconds, copy_seconds}} ({e})", path.display()))?;
+    let seconds_ok = |x: f64| x.is_finite() && x >= 0.0;
+    if r.epoch < 1 || !seconds_ok(r.seconds) || !seconds_ok(r.copy_seconds) {
+        return Err(format!("{}: epoch must be 1 or more and the seconds finite and not negative ({r:?})", path.display()));
+    }
+    Ok(Some(r))
 }
 
 /// The most of a record the agent reads: a few hundred bytes are a record.

@@ -230,6 +230,7 @@ fn launched(shared: &Shared, outbox: &Outbox, mine: &mut Vec<(i64, i64, i64)>, l
         rank: r.rank,
         state: "running".into(),
         exit_code: None,
+        rejoined: None,
     }));
 }
 

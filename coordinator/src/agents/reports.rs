@@ -2,11 +2,12 @@
 //! translates its message into a `NodeReport` and sends the stops this returns): rank reports
 //! committed in order, the ranks that must stop (of a job that is over, of a superseded launch,
 //! unknown here), the node's checkpoint holdings replaced, profile runs' results, restore
-//! results handed to the facts, and on a session's full list the ranks it no longer has lost.
+//! results and rejoined ranks handed to the facts, and on a session's full list the ranks it
+//! no longer has lost.
 //! The job's life moves the reported jobs on (`JobSignals::reported`); this room never calls
 //! up into it.
 
-use motley_proto::v1::RestoreResult;
+use motley_proto::v1::{RankRejoined, RestoreResult};
 
 use crate::error::CoordinatorError;
 use crate::state::facts::Facts;
@@ -24,6 +25,9 @@ pub struct NodeReport {
     /// Profile runs that ended: (request, the profile's JSON, an error; empty when it ran).
     pub profiles: Vec<(i64, String, String)>,
     pub restores: Vec<RestoreResult>,
+    /// Running ranks of a joining replica and what each copied from its peers: (job,
+    /// generation, rank, what).
+    pub rejoins: Vec<(i64, i64, i64, RankRejoined)>,
     /// The session's full list of ranks: every rank of this node it does not name is gone.
     pub full: bool,
 }
@@ -75,6 +79,10 @@ pub async fn apply(store: &Store, facts: &Facts, signals: &JobSignals, report: N
     }
     for r in report.restores {
         facts.restored(&report.node, r);
+    }
+    // Before the jobs are moved on: a rejoined rank is what lets a degraded job run whole again.
+    for (job, generation, rank, r) in report.rejoins {
+        facts.rejoined(job, generation, rank, r);
     }
     if let Some(known) = known {
         // A launch queued on the session before this one may never have reached the agent:

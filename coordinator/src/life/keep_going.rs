@@ -8,7 +8,8 @@
 //! distributed.keep_going`). When no replica survives whole the job recovers whole, as before.
 //!
 //! Durable: the memberships (events). Rebuilt: which epoch this leader sent to the agents (a
-//! new leader sends the current one again; agents refuse an older epoch than they hold).
+//! new leader sends the current one again; agents refuse an older epoch than they hold), and
+//! what each joining rank copied (`Facts`: an agent's session opens with every rank, with it).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Mutex;
@@ -25,7 +26,8 @@ use crate::job::JobState;
 use crate::planning::membership::{self, CannotKeepGoing, Membership, StoreAddr};
 use crate::store::{JobRecord, NodeRecord, RankRecord};
 
-/// The event of a replica back in the job (its message: epoch, replica, ranks, seconds).
+/// The event of a replica back in the job (its message: epoch, replica, ranks, bytes, seconds,
+/// copy_seconds).
 pub const REJOINED: &str = "rejoined";
 
 /// The room's memory: one membership change at a time (two reports of one loss must not open
@@ -244,9 +246,11 @@ impl Life {
         Ok(())
     }
 
-    /// A degraded launch none of whose replicas is lost any more, every member's rank running:
-    /// it runs whole again (`degraded -> running`), and each replica that rejoined is recorded
-    /// (`rejoined`: the epoch, the replica, its ranks, the seconds since the epoch opened).
+    /// A degraded launch none of whose replicas is lost any more, every member's rank running
+    /// and every joining rank's copy from the members' live state told by its agent: it runs
+    /// whole again (`degraded -> running`), and each replica that rejoined is recorded
+    /// (`rejoined`: the epoch, the replica, its ranks, the bytes its ranks copied, the seconds
+    /// since the epoch opened, and the longest copy).
     pub(super) async fn whole_again(&self, job: &JobRecord, members: &[RankRecord]) -> Result<()> {
         if members.is_empty() || !members.iter().all(|r| r.state == "running") {
             return Ok(());
@@ -256,14 +260,29 @@ impl Life {
         if !m.lost.is_empty() {
             return Ok(());
         }
+        let mut rejoined = vec![];
+        for &replica in &m.joining {
+            let ranks: Vec<i64> = members.iter().filter(|r| r.assignment.replica as u32 == replica).map(|r| r.assignment.rank).collect();
+            let told: Vec<_> =
+                ranks.iter().filter_map(|&rank| self.facts.rejoin(job.id, job.generation, rank)).filter(|x| x.epoch == m.epoch).collect();
+            // A rank still copying (or whose agent has not told it yet): not whole yet.
+            if told.len() < ranks.len() {
+                return Ok(());
+            }
+            let bytes: u64 = told.iter().map(|x| x.bytes).sum();
+            let copy_seconds = told.iter().map(|x| x.copy_seconds).fold(0.0, f64::max);
+            rejoined.push((replica, ranks, bytes, copy_seconds));
+        }
         if launch::move_job(&self.store, job.id, job.generation, JobState::Running, None).await {
             let seconds = (crate::store::now_ms() - e.at_ms) as f64 / 1000.0;
-            for &replica in &m.joining {
-                let ranks: Vec<i64> =
-                    members.iter().filter(|r| r.assignment.replica as u32 == replica).map(|r| r.assignment.rank).collect();
-                let doc = serde_json::json!({"epoch": m.epoch, "replica": replica, "ranks": ranks, "seconds": seconds});
+            for (replica, ranks, bytes, copy_seconds) in rejoined {
+                let doc = serde_json::json!({
+                    "epoch": m.epoch, "replica": replica, "ranks": ranks, "bytes": bytes, "seconds": seconds,
+                    "copy_seconds": copy_seconds,
+                });
                 self.store.record_event(Some(job.id), Some(job.generation), REJOINED, &doc.to_string()).await?;
             }
+            self.facts.forget_rejoins(job.id, job.generation);
         }
         Ok(())
     }
@@ -288,5 +307,6 @@ impl Life {
     /// The launch has ended (over, or relaunched): forget what was sent for it.
     pub(super) fn forget_membership(&self, id: i64, generation: i64) {
         self.memberships.sent.lock().expect("memberships").remove(&(id, generation));
+        self.facts.forget_rejoins(id, generation);
     }
 }

@@ -345,6 +345,7 @@ fn node_report(status: &AgentStatus) -> NodeReport {
         holdings,
         profiles: status.profiles.iter().map(|p| (p.request, p.profile_json.clone(), p.error.clone())).collect(),
         restores: status.restores.clone(),
+        rejoins: status.ranks.iter().filter_map(|r| r.rejoined.map(|x| (r.job, r.generation, r.rank, x))).collect(),
         full: status.full,
     }
 }

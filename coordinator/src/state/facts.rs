@@ -1,14 +1,16 @@
-//! What agents told the leader about their nodes and their restores, as plain facts the job
-//! step (`life`) reads: each node's data plane and checkpoint rates (told at registration) and
-//! the result of each restore it was asked for. In memory only: an agent tells its data plane
-//! again when it registers with a new leader, and a recovery in flight starts over there
+//! What agents told the leader about their nodes, their restores and their rejoined ranks, as
+//! plain facts the job step (`life`) reads: each node's data plane and checkpoint rates (told at
+//! registration), the result of each restore it was asked for, and what each rank of a joining
+//! replica copied from its peers (docs/keep-going.md). In memory only: an agent tells its data
+//! plane again when it registers with a new leader, its session's first message lists every
+//! rank with what it copied, and a recovery in flight starts over there
 //! (docs/recovery.md, docs/state.md). The agents' sessions (`service::agent`) write here and
 //! know nothing of what reads it.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use motley_proto::v1::RestoreResult;
+use motley_proto::v1::{RankRejoined, RestoreResult};
 
 /// A live node as its agent told it: where its data plane listens and its rates (the restore
 /// planner's view of a node).
@@ -27,6 +29,8 @@ pub struct NodeInfo {
 pub struct Facts {
     nodes: Mutex<HashMap<String, NodeInfo>>,
     restores: Mutex<HashMap<(i64, i64, String), RestoreResult>>,
+    /// By (job, generation, rank).
+    rejoins: Mutex<HashMap<(i64, i64, i64), RankRejoined>>,
     changed: tokio::sync::Notify,
 }
 
@@ -55,6 +59,21 @@ impl Facts {
     /// Forget the job's restore results (a new attempt asks again).
     pub fn forget_restores(&self, job: i64) {
         self.restores.lock().expect("restores").retain(|(j, _, _), _| *j != job);
+    }
+
+    /// An agent reported that a rank of a joining replica took its state from its peers.
+    pub fn rejoined(&self, job: i64, generation: i64, rank: i64, r: RankRejoined) {
+        self.rejoins.lock().expect("rejoins").insert((job, generation, rank), r);
+    }
+
+    /// What rank `rank` of launch (job, generation) copied when it last rejoined, if told.
+    pub fn rejoin(&self, job: i64, generation: i64, rank: i64) -> Option<RankRejoined> {
+        self.rejoins.lock().expect("rejoins").get(&(job, generation, rank)).copied()
+    }
+
+    /// Forget the launch's rejoined ranks (it ended, or runs whole again).
+    pub fn forget_rejoins(&self, job: i64, generation: i64) {
+        self.rejoins.lock().expect("rejoins").retain(|&(j, g, _), _| (j, g) != (job, generation));
     }
 
     /// Resolves at the next restore result or `nudge` (register interest before looking).

@@ -418,3 +418,14 @@ def _find(groups: List[Group], kind: str, ranks: List[int], what: str, layers=No
         if g.kind == kind and sorted(g.ranks) == want and (layers is None or tuple(g.layers) == tuple(layers)):
             return g
     raise RankEnvError(f"comm_groups: the plan has no {kind} group for {what} (ranks {want})")
+
+
+def group_on_store(store, key: str, index: int, size: int, backend: str, timeout: datetime.timedelta):
+    """A process group made afresh on `store` under the prefix `group/KEY` (keep going's epochs,
+    a joining rank's TP group: no collective over the launch's world), with `timeout`."""
+    sub = dist.PrefixStore(f"group/{key}", store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(sub, index, size, opts)
+    return dist.ProcessGroupGloo(sub, index, size, timeout)

@@ -86,16 +86,22 @@ class GlooWaiter:
         """`work` done (or its error raised); _GaveUp once `gave_up()` says so between slices."""
         failed, done = [], threading.Event()
         self.q.put((work, failed, done))
-        while not done.wait(WAIT_SLICE_S):
-            if gave_up():
-                raise _GaveUp()
-        if failed:
-            raise failed[0]
+        _waited_in_slices(done, failed, gave_up)
         return True
 
     def retire(self):
         """The thread ends once its current wait does (the group's timeout, at the latest)."""
         self.q.put(None)
+
+
+def _waited_in_slices(done: threading.Event, failed: list, gave_up) -> None:
+    """Wait for another thread's `done` in slices, asking `gave_up()` between them (_GaveUp);
+    raise what that thread put in `failed`."""
+    while not done.wait(WAIT_SLICE_S):
+        if gave_up():
+            raise _GaveUp()
+    if failed:
+        raise failed[0]
 
 
 def enabled(view, zero1: bool) -> bool:
@@ -442,12 +448,18 @@ class KeepGoing:
             done.set()
 
         threading.Thread(target=run, daemon=True, name="motley-epoch-groups").start()
-        while not done.wait(WAIT_SLICE_S):
+        newer: list = []
+
+        def gave_up() -> bool:
             n = self.newer(fresh=True)
             if n is not None and n.epoch > m.epoch and superseded(m, n):
-                raise StepAborted(f"epoch {n.epoch} is out while epoch {m.epoch}'s groups were made")
-        if failed:
-            raise failed[0]
+                newer.append(n)
+            return bool(newer)
+
+        try:
+            _waited_in_slices(done, failed, gave_up)
+        except _GaveUp:
+            raise StepAborted(f"epoch {newer[0].epoch} is out while epoch {m.epoch}'s groups were made") from None
         return out[0]
 
     def share(self, state: dict) -> dict:
@@ -471,18 +483,10 @@ def make_gloo_or_nccl(view, timeout: datetime.timedelta):
     created afresh under a store prefix naming it (no collective over the old world: a world
     group that includes dead ranks blocks), in the one order every rank uses."""
     def make(groups: List[EpochGroup], store) -> Dict[str, object]:
-        out = {}
-        for g in groups:
-            sub = dist.PrefixStore(f"group/{g.key}", store)
-            idx, size = g.ranks.index(view.rank), len(g.ranks)
-            if view.backend == "nccl":
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                pg = dist.ProcessGroupNCCL(sub, idx, size, opts)
-            else:
-                pg = dist.ProcessGroupGloo(sub, idx, size, timeout)
-            out[g.key] = pg
-        return out
+        from .groups import group_on_store
+
+        return {g.key: group_on_store(store, g.key, g.ranks.index(view.rank), len(g.ranks), view.backend, timeout)
+                for g in groups}
     return make
 
 

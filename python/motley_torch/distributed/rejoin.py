@@ -45,7 +45,7 @@ def join_view(plan: Plan, m: Membership, timeout_s: float):
     """The rank's view before it joins epoch `m`: the plan's place, its TP groups made among its
     replica's ranks from the epoch's store, every other group still to come from the epoch
     (`KeepGoing.move`). Returns (view, the store's client)."""
-    from .groups import Group, _check_env_against_plan, _env_int, _view, RankEnvError
+    from .groups import Group, _check_env_against_plan, _env_int, _view, RankEnvError, group_on_store
 
     rank = _env_int("RANK")
     place = plan.ranks[rank]
@@ -66,14 +66,7 @@ def join_view(plan: Plan, m: Membership, timeout_s: float):
     for g in joiner_tp_groups(plan, place.replica):
         if rank not in g.ranks:
             continue
-        sub = dist.PrefixStore(f"group/{g.key}", store)
-        idx, size = g.ranks.index(rank), len(g.ranks)
-        if backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(sub, idx, size, opts)
-        else:
-            pg = dist.ProcessGroupGloo(sub, idx, size, timeout)
+        pg = group_on_store(store, g.key, g.ranks.index(rank), len(g.ranks), backend, timeout)
         view.tp_group = Group(-1, "tp", list(g.ranks), g.layers, place.replica, place.stage, pg=pg)
     if len(view.tp_ranks) > 1 and (view.tp_group is None or view.tp_group.pg is None):
         raise RankEnvError(f"rank {rank}: no TP group of its replica to join in epoch {m.epoch}")
@@ -135,3 +128,24 @@ def copy_live_state(view, named_params, segment_of, optimizer, joiners: Set[int]
             source = min(r for r in holders if r not in joiners)
             taken += _copy(params, optimizer, pg, view.rank == source, mine, view)
     return taken
+
+
+REJOINED_ENV = "MOTLEY_REJOINED"
+
+
+def tell_rejoined(record: dict) -> None:
+    """Say what this joining rank copied: a `motley-rejoined` line in its log, and the file its
+    agent reads and reports (MOTLEY_REJOINED, `rank-R.rejoined`: epoch, bytes, seconds,
+    copy_seconds), whose report lets the coordinator call the job whole again and record its
+    `rejoined` event (docs/keep-going.md). Written whole or not at all."""
+    import json
+    import sys
+
+    print("motley-rejoined " + json.dumps(record, sort_keys=True), file=sys.stderr, flush=True)
+    path = os.environ.get(REJOINED_ENV)
+    if not path:
+        return
+    from ..components.checkpoint import write_atomic
+
+    told = {k: record[k] for k in ("epoch", "bytes", "seconds", "copy_seconds")}
+    write_atomic(path, json.dumps(told).encode())

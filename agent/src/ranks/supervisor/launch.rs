@@ -246,6 +246,8 @@ impl Supervisor {
             (crate::ranks::notice::ENV, crate::ranks::notice::path(dir).display().to_string()),
             // Where a new membership will be after a lost replica (`membership`): the same.
             (crate::ranks::membership::ENV, crate::ranks::membership::path(dir).display().to_string()),
+            // Where a joining rank says what it copied from its peers (`rankfiles::read_rejoined`).
+            (crate::ranks::rankfiles::REJOINED_ENV, dir.join(crate::ranks::rankfiles::rejoined_name(r.rank)).display().to_string()),
             // Checkpoints go into the memory tier (or the launch's directory), where the agent
             // reports them from and tiers them.
             ("MOTLEY_CKPT_DIR", self.rank_ckpt_dir(l, dir, user).display().to_string()),
@@ -410,6 +412,8 @@ pub(crate) fn rank_nccl(
 fn keep_log(dir: &Path, rank: i64, epoch: i64) {
     if let Ok(d) = crate::safe_fs::open_under(dir, 3) {
         let _ = d.rename(&format!("rank-{rank}.log"), &format!("rank-{rank}.log.before-{epoch}"));
+        // What the earlier process copied is not this one's (`rankfiles::read_rejoined`).
+        let _ = d.remove_file(&crate::ranks::rankfiles::rejoined_name(rank));
     }
 }
 

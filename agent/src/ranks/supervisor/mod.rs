@@ -36,26 +36,21 @@ enum State {
     Lost,
 }
 
-/// A state as the coordinator sees it (a stop under way is still running).
+/// A state as the coordinator sees it (a stop under way is still running; a running rank of a
+/// joining replica, once it copied its state from its peers, says what it copied).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Report {
-    Running,
+    Running(Option<rankfiles::Rejoined>),
     Exited(i64),
     Lost,
 }
 
-impl State {
-    fn report(&self) -> Report {
-        match *self {
-            State::Running { .. } => Report::Running,
-            State::Exited(code) => Report::Exited(code),
-            State::Lost => Report::Lost,
-        }
-    }
-}
-
 struct Rank {
     state: State,
+    /// What the rank wrote in `rank-R.rejoined` (`report::look_for_rejoins`), once read.
+    rejoined: Option<rankfiles::Rejoined>,
+    /// Its rejoined file was bad and the agent's log said so (said once).
+    rejoined_bad: bool,
     /// The state the coordinator acknowledged.
     told: Option<Report>,
     /// The state last sent in this session, and when: sent again if unacknowledged after an
@@ -66,12 +61,20 @@ struct Rank {
 
 impl Rank {
     fn new(state: State, dir: PathBuf) -> Rank {
-        Rank { state, told: None, sent: None, dir }
+        Rank { state, rejoined: None, rejoined_bad: false, told: None, sent: None, dir }
+    }
+
+    fn report(&self) -> Report {
+        match self.state {
+            State::Running { .. } => Report::Running(self.rejoined),
+            State::Exited(code) => Report::Exited(code),
+            State::Lost => Report::Lost,
+        }
     }
 
     /// Its current state is acknowledged (nothing more to send or keep).
     fn settled(&self) -> bool {
-        self.told == Some(self.state.report())
+        self.told == Some(self.report())
     }
 }
 
@@ -630,7 +633,9 @@ mod tests {
         };
         s.launch(launch(0));
         assert_eq!(std::fs::read_to_string(rank_file(&dir, 0, "log")).unwrap(), "done\n", "a duplicate launch: nothing");
+        std::fs::write(dir.join("rank-0.rejoined"), r#"{"epoch": 1, "bytes": 1, "seconds": 1, "copy_seconds": 1}"#).unwrap();
         s.launch(launch(2));
+        assert!(!dir.join("rank-0.rejoined").exists(), "the earlier process's copy is not the new one's");
         assert_eq!(std::fs::read_to_string(dir.join("rank-0.log.before-2")).unwrap(), "done\n", "the old log kept");
         let m: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("membership.json")).unwrap()).unwrap();
         assert_eq!(m["epoch"], 2);
