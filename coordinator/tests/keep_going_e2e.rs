@@ -255,3 +255,69 @@ async fn a_lost_replica_rejoins_when_its_node_returns_not_after_its_own_rank_fai
     assert!(rejoined["seconds"].as_f64().is_some_and(|s| s >= 0.0), "{rejoined}");
     assert!(!said.iter().any(|(k, _)| k == "recovering"), "{said:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_replica_whose_node_stays_away_rejoins_on_a_free_gpu_of_a_node_of_its_shape() {
+    // Two one-GPU replicas of a one-layer model, pinned: replica 0 on n0's GPU 0, replica 1 on
+    // n1's GPU 0. Both nodes have four A100s on the same NIC: n0 has three free.
+    let c = Arc::new(Coordinator::start(&temp_dir(), &["--heartbeat-ms", "300"]));
+    let mut n0 = FakeAgent::start_as(&c, "n0").await;
+    let mut n1 = FakeAgent::start_as(&c, "n1").await;
+    let replica = |node: &str| {
+        format!("{{samples: 2, micro_batches: 1, stages: [{{layers: [0, 1], gpu: A100-80G, tp: 1, dp: 1, gpus: [{{node: {node}, index: 0}}]}}]}}")
+    };
+    let spec = format!(
+        "name: away\nmodel: {{name: one, layers: 1, hidden: 64, heads: 4, seq_len: 32, vocab: 128}}\nglobal_batch: 4\nrun: 'true'\n\
+         checkpoint: {{every: 100}}\nplan: {{global_batch: 4, micro_batch: 2, replicas: [{}, {}]}}\n",
+        replica("n0"),
+        replica("n1")
+    );
+    let id = call(&c, "POST", "/api/v1/jobs", &spec, 201).await["id"].as_i64().unwrap();
+    n0.launch().await;
+    n1.launch().await;
+    n0.send(AgentStatus { ranks: vec![ran(id, 0, "running", None)], ..Default::default() }).await;
+    n1.send(AgentStatus { ranks: vec![ran(id, 1, "running", None)], ..Default::default() }).await;
+    state_becomes(&c, id, "running").await;
+
+    // n1 vanishes and stays away: replica 1 is lost, then rejoins on n0's lowest free GPU (1),
+    // the plan amended for it, under the same generation and store, with nothing restored.
+    drop(n1);
+    let (m, doc) = membership(&mut n0).await;
+    assert_eq!((m.epoch, &doc["lost"]), (1, &serde_json::json!([1])), "{doc}");
+    let (m, doc) = membership(&mut n0).await;
+    assert_eq!(m.epoch, 2, "{doc}");
+    assert_eq!(
+        (&doc["replicas"], &doc["lost"], &doc["joining"]),
+        (&serde_json::json!([0, 1]), &serde_json::json!([]), &serde_json::json!([1]))
+    );
+    assert!(doc["reason"].as_str().unwrap().contains("n1 -> n0"), "{doc}");
+    let launch = n0.launch().await;
+    assert_eq!((launch.generation, launch.join_epoch), (1, 2));
+    assert_eq!(launch.ranks.iter().map(|r| (r.rank, r.gpu)).collect::<Vec<_>>(), [(1, 1)]);
+    let plan: Value = serde_json::from_str(&launch.plan_json).unwrap();
+    assert_eq!(plan["replicas"][1]["stages"][0]["gpus"], serde_json::json!([{"node": "n0", "index": 1}]), "the plan amended");
+    assert_eq!(plan["replicas"][0]["stages"][0]["gpus"], serde_json::json!([{"node": "n0", "index": 0}]));
+    assert!(!launch.envs.contains_key("MOTLEY_CKPT_RESTORE_STEP"), "{:?}", launch.envs);
+    let said = events(&c, id).await;
+    assert!(said.iter().any(|(_, m)| m.contains("rank 1 assigned again, to rejoin in epoch 2, on node n0 GPU 1")), "{said:?}");
+
+    // It runs and tells its copy: whole again, generation 1, the rejoined event.
+    let copied = RankRejoined { epoch: 2, bytes: 1_000, seconds: 3.0, copy_seconds: 0.01 };
+    n0.send(AgentStatus {
+        ranks: vec![ran(id, 0, "running", None), RankStatus { rejoined: Some(copied), ..ran(id, 1, "running", None) }],
+        ..Default::default()
+    })
+    .await;
+    let j = state_becomes(&c, id, "running").await;
+    assert!(j["reason"].is_null() && j["generation"] == 1, "{j}");
+    let said = events(&c, id).await;
+    let rejoined: Value = serde_json::from_str(&said.iter().find(|(k, _)| k == "rejoined").expect("a rejoined event").1).unwrap();
+    assert_eq!((&rejoined["replica"], &rejoined["bytes"]), (&serde_json::json!(1), &serde_json::json!(1_000)));
+    assert!(!said.iter().any(|(k, _)| k == "recovering"), "{said:?}");
+
+    // n1 back later: the job is whole, nothing moves back.
+    let _n1 = FakeAgent::start_as(&c, "n1").await;
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let j = call(&c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await;
+    assert_eq!((&j["state"], &j["generation"]), (&serde_json::json!("running"), &serde_json::json!(1)), "{j}");
+}

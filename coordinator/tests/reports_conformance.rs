@@ -151,6 +151,16 @@ conformance!(a_degraded_launch_keeps_its_generation_and_its_newest_membership_re
     assert_eq!(s.reassign_ranks(job.id, g, &[0, 1], 2).await.unwrap(), 1, "the lost one only");
     let states: Vec<String> = s.ranks(job.id, g).await.unwrap().into_iter().map(|r| r.state).collect();
     assert_eq!(states, ["assigned", "assigned"]);
+    // Onto another node (its own lease lapsed, its rank there still recorded running): the rank
+    // and the launch's plan move together.
+    s.report_rank(job.id, g, 1, "running", None).await.unwrap();
+    let onto = RankAssignment { rank: 1, node: "n0".into(), local_rank: 1, gpu: 1, replica: 1, stage: 0, layer_start: 0, layer_end: 2 };
+    assert!(s.move_ranks(job.id, g + 1, std::slice::from_ref(&onto), "{\"moved\": 1}", 2).await.is_err(), "another generation's");
+    assert_eq!(s.plan(job.id, g).await.unwrap(), "{}", "nothing moved");
+    assert_eq!(s.move_ranks(job.id, g, &[onto], "{\"moved\": 1}", 2).await.unwrap(), 1);
+    let r1 = s.ranks(job.id, g).await.unwrap().remove(1);
+    assert_eq!((r1.assignment.node.as_str(), r1.assignment.gpu, r1.assignment.local_rank, r1.state.as_str()), ("n0", 1, 1, "assigned"));
+    assert_eq!(s.plan(job.id, g).await.unwrap(), "{\"moved\": 1}");
     // ... and once they run, whole again in place: the loss's reason goes.
     let j = s.transition_at(job.id, Some(g), JobState::Running, None).await.unwrap();
     assert_eq!((j.state, j.generation, j.reason), (JobState::Running, g, None));

@@ -368,13 +368,16 @@ def test_a_coordinator_restarted_while_degraded_goes_on_from_its_recorded_member
         c.close()
 
 
-def test_a_lost_node_back_rejoins_its_replica_from_the_members_live_state(tmp_path):
-    """n2 (replica 2) vanishes with its agent; the job goes on degraded. n2's agent comes back:
-    the coordinator opens epoch 2 naming replica 2 `joining`, assigns its rank again and starts
-    it afresh in the same launch; the members move to epoch 2 at a step boundary, the rank takes
-    every layer's weights and AdamW state from them, and the job runs whole again (`rejoined`,
-    `degraded -> running`) under generation 1, without a checkpoint (it has none), a restart or
-    a restore; every step's loss, before, during and after, is the single process's."""
+@pytest.mark.parametrize("back_as", ["n2", "n3"])
+def test_a_lost_node_back_rejoins_its_replica_from_the_members_live_state(tmp_path, back_as):
+    """n2 (replica 2) vanishes with its agent; the job goes on degraded. n2's agent comes back
+    (or, `n3`, a new node of n2's shape: the spot node replaced under another name): the
+    coordinator opens epoch 2 naming replica 2 `joining`, assigns its rank again (on n3, the
+    plan amended for it) and starts it afresh in the same launch; the members move to epoch 2
+    at a step boundary, the rank takes every layer's weights and AdamW state from them, and the
+    job runs whole again (`rejoined`, `degraded -> running`) under generation 1, without a
+    checkpoint (it has none), a restart or a restore; every step's loss, before, during and
+    after, is the single process's."""
     from test_recovery import Cluster
 
     spec = yaml.safe_load(DEV_MODEL.read_text())
@@ -388,7 +391,7 @@ def test_a_lost_node_back_rejoins_its_replica_from_the_members_live_state(tmp_pa
         c.kill_node("n2")
         c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] == "degraded", 60, every=0.1)
         c.wait(lambda: [x["step"] for x in lines_of(rank0) if x["epoch"] == 1], 60, every=0.1)
-        c.start_agent("n2", dict(NODES)["n2"])
+        c.start_agent(back_as, dict(NODES)["n2"])
         c.wait(lambda: c.get(f"/api/v1/jobs/{jid}")["state"] in ("running", "succeeded", "failed", "cancelled"), 120,
                every=0.2)
         final = c.wait(lambda: (lambda j: j["state"] in ("succeeded", "failed", "cancelled") and j)(
@@ -402,20 +405,20 @@ def test_a_lost_node_back_rejoins_its_replica_from_the_members_live_state(tmp_pa
         assert [(m["epoch"], m["replicas"], m["lost"], m.get("joining")) for m in changed] == [
             (1, [0, 1], [2], None), (2, [0, 1, 2], [], [2])], changed
         assert changed[1]["micro_batches"] == {"0": 3, "1": 2, "2": 1} and changed[1]["leader"] == 0, changed[1]
-        assert "n2" in changed[1]["reason"], changed[1]
+        assert ("n2" if back_as == "n2" else "n2 -> n3") in changed[1]["reason"], changed[1]
         rejoined = [json.loads(e["message"]) for e in events if e["kind"] == "rejoined"]
         assert len(rejoined) == 1 and (rejoined[0]["epoch"], rejoined[0]["replica"], rejoined[0]["ranks"]) == (2, 2, [3])
         assert kinds.index("degraded") < kinds.index("membership_changed", kinds.index("degraded") + 1) < \
             kinds.index("running", kinds.index("degraded")) < kinds.index("rejoined"), kinds
         # The rank started afresh took its state from the members (its log; the one before the
         # loss kept beside it), and the job's last steps ran at full strength in epoch 2.
-        n2 = tmp_path / "agents" / "n2" / "jobs" / str(jid) / "1"
+        n2 = tmp_path / "agents" / back_as / "jobs" / str(jid) / "1"
         took = next(json.loads(x.split(" ", 1)[1]) for x in (n2 / "rank-3.log").read_text().splitlines()
                     if x.startswith("motley-rejoined "))
         assert took["epoch"] == 2 and took["bytes"] > 0, took
         # The event carries what the rank copied, as its agent read it from the rank's file.
         assert (rejoined[0]["bytes"], rejoined[0]["copy_seconds"]) == (took["bytes"], took["copy_seconds"]), (rejoined, took)
-        assert (n2 / "rank-3.log.before-2").exists()
+        assert (n2 / "rank-3.log.before-2").exists() == (back_as == "n2"), "the log before the loss kept beside"
         lines = lines_of(rank0)
         assert [x["step"] for x in lines] == list(range(steps)), "every step once, rank 0 leading throughout"
         epochs = [x["epoch"] for x in lines]

@@ -17,6 +17,7 @@ use std::sync::Mutex;
 use motley_contract::views::MembershipView;
 use motley_contract::PlanDocument;
 use motley_proto::v1::{instruction, Instruction, Membership as MembershipMsg};
+use motley_solver::hardware::NodeSpec;
 
 use super::Life;
 use crate::agents::launch;
@@ -24,6 +25,7 @@ use crate::error::Result;
 use crate::job::spec::JobSpec;
 use crate::job::JobState;
 use crate::planning::membership::{self, CannotKeepGoing, Membership, StoreAddr};
+use crate::planning::substitute;
 use crate::store::{JobRecord, NodeRecord, RankRecord};
 
 /// The event of a replica back in the job (its message: epoch, replica, ranks, bytes, seconds,
@@ -195,7 +197,8 @@ impl Life {
             .filter(|&r| of(r).next().is_some() && of(r).all(|x| back_nodes.contains(x.assignment.node.as_str()) && x.state != "running"))
             .collect();
         if back.is_empty() {
-            return Ok(false);
+            // Its nodes away: another node of their shape may take the replica.
+            return self.rejoin_elsewhere(&job, now, nodes).await;
         }
         let mut names: Vec<&str> = back.iter().flat_map(|&r| of(r).map(|x| x.assignment.node.as_str())).collect();
         names.sort_unstable();
@@ -224,6 +227,67 @@ impl Life {
         self.send_membership(job.id, job.generation, &now.membership, &now.ranks);
         self.send_joining(&job, &now).await?;
         Ok(true)
+    }
+
+    /// A lost replica whose nodes are all away rejoins on live nodes of their shape with GPUs
+    /// free (`planning::substitute`; one replica per look, the lowest): the plan is amended for
+    /// it and its ranks move there in one transaction, then it rejoins as on its own nodes.
+    async fn rejoin_elsewhere(&self, job: &JobRecord, now: Launched, nodes: &[NodeRecord]) -> Result<bool> {
+        let Ok(spec) = serde_json::from_str::<JobSpec>(&job.spec) else { return Ok(false) };
+        let mine = |n: &str| spec.resources.nodes.is_empty() || spec.resources.nodes.iter().any(|m| m == n);
+        let shape = |n: &NodeRecord| serde_json::from_str::<NodeSpec>(&n.inventory).ok();
+        let held: BTreeSet<(String, i64)> = self.store.held_gpus().await?.into_iter().map(|g| (g.node, g.gpu)).collect();
+        let candidates: Vec<substitute::Candidate> = nodes
+            .iter()
+            .filter(|n| n.state == crate::store::NodeState::Active && self.fleet.live(&n.name) && mine(&n.name))
+            .filter_map(|n| {
+                let spec = shape(n)?;
+                let free = (0..spec.gpus).filter(|&i| !held.contains(&(n.name.clone(), i as i64))).collect();
+                Some(substitute::Candidate { name: n.name.clone(), spec, free })
+            })
+            .collect();
+        for &replica in &now.membership.lost {
+            let away: BTreeSet<&str> =
+                now.ranks.iter().filter(|r| r.assignment.replica as u32 == replica).map(|r| r.assignment.node.as_str()).collect();
+            if away.is_empty() || !away.iter().all(|n| !self.fleet.live(n) && self.fleet.lapsed(n)) {
+                continue; // its own nodes are there (a rank failed), or only just gone: not moved
+            }
+            let lost: BTreeMap<String, NodeSpec> =
+                nodes.iter().filter(|n| away.contains(n.name.as_str())).filter_map(|n| Some((n.name.clone(), shape(n)?))).collect();
+            let Some(moves) = substitute::places(&now.plan, replica, &lost, &candidates) else { continue };
+            let plan = substitute::moved(&now.plan, &moves);
+            let mut to: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+            for (from, onto) in &moves {
+                to.entry(from.node.as_str()).or_default().insert(onto.node.as_str());
+            }
+            let said: Vec<String> =
+                to.iter().map(|(f, t)| format!("{f} -> {}", t.iter().copied().collect::<Vec<_>>().join(", "))).collect();
+            let reason = format!(
+                "node(s) of replica {replica} are away: it rejoins from the members' live state on node(s) of their shape ({})",
+                said.join("; ")
+            );
+            let next = match membership::rejoin(&plan, &now.membership, &BTreeSet::from([replica]), &reason) {
+                Ok(Some(m)) => m,
+                Ok(None) => return Ok(false),
+                Err(CannotKeepGoing(why)) => {
+                    tracing::warn!(job = job.id, "no rejoin elsewhere: {why}");
+                    return Ok(false);
+                }
+            };
+            let assigned: Vec<_> = crate::planning::ranks_of(&plan).into_iter().filter(|a| a.replica as u32 == replica).collect();
+            let text = serde_json::to_string(&plan).map_err(|e| crate::error::CoordinatorError::Conflict(e.to_string()))?;
+            // The ranks and the plan first (one transaction): a crash before the membership
+            // leaves the replica lost, on its new nodes, and the next look takes it up again.
+            self.store.move_ranks(job.id, job.generation, &assigned, &text, next.epoch).await?;
+            let doc = serde_json::to_string(&next).map_err(|e| crate::error::CoordinatorError::Conflict(e.to_string()))?;
+            self.store.record_event(Some(job.id), Some(job.generation), membership::EVENT, &doc).await?;
+            tracing::info!(job = job.id, epoch = next.epoch, "{reason}");
+            let now = Launched { membership: next, ranks: self.store.ranks(job.id, job.generation).await?, plan };
+            self.send_membership(job.id, job.generation, &now.membership, &now.ranks);
+            self.send_joining(job, &now).await?;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// The joining replicas' ranks not started yet, sent to their nodes with the epoch's document.

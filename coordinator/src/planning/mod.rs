@@ -9,6 +9,7 @@
 pub mod membership;
 pub mod profiling;
 pub mod restore_plan;
+pub mod substitute;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 

@@ -255,6 +255,12 @@ impl Fleet {
         self.leases().get(node).is_some_and(|l| l.open() && l.last_seen.elapsed() <= self.lease_length())
     }
 
+    /// Whether the node's lease has lapsed: nothing heard from its agent for a lease's length
+    /// (a stream that just closed, an agent restarting, is not that yet).
+    pub fn lapsed(&self, node: &str) -> bool {
+        self.leases().get(node).is_none_or(|l| l.last_seen.elapsed() > self.lease_length())
+    }
+
     /// The load the node's agent last reported, if it is live.
     pub fn load(&self, node: &str) -> Option<NodeLoad> {
         let leases = self.leases();

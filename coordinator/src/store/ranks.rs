@@ -44,6 +44,25 @@ impl Store {
     /// an event each. Fenced like a job move: the job must still be `degraded` at `generation`,
     /// under this leader's term. Returns how many ranks were reassigned.
     pub async fn reassign_ranks(&self, id: i64, generation: i64, ranks: &[i64], epoch: i64) -> Result<usize> {
+        self.rejoin_ranks(id, generation, ranks, None, epoch).await
+    }
+
+    /// `reassign_ranks` onto other nodes (`planning::substitute`): each of `to`'s ranks moves to
+    /// its node and GPU, and the launch's plan becomes `plan` (which names them there), in one
+    /// transaction: a crash leaves the ranks and the plan both as they were, or both moved.
+    pub async fn move_ranks(&self, id: i64, generation: i64, to: &[RankAssignment], plan: &str, epoch: i64) -> Result<usize> {
+        let ranks: Vec<i64> = to.iter().map(|a| a.rank).collect();
+        self.rejoin_ranks(id, generation, &ranks, Some((to, plan)), epoch).await
+    }
+
+    async fn rejoin_ranks(
+        &self,
+        id: i64,
+        generation: i64,
+        ranks: &[i64],
+        moved: Option<(&[RankAssignment], &str)>,
+        epoch: i64,
+    ) -> Result<usize> {
         let mut tx = self.pool.begin().await?;
         let job = super::job_in(&mut tx, id).await?;
         if job.generation != generation {
@@ -53,24 +72,56 @@ impl Store {
             return Err(CoordinatorError::Conflict(format!("job {id} is {}; only a degraded job's replicas rejoin", job.state)));
         }
         self.check_term(&mut tx).await?;
-        let mut events = vec![];
+        let (mut events, mut reassigned) = (vec![], 0);
         for &rank in ranks {
-            let done = sqlx::query(
-                "UPDATE ranks SET state = 'assigned', exit_code = NULL WHERE job_id = $1 AND generation = $2 AND rank = $3 \
-                 AND state IN ('lost', 'exited')",
-            )
-            .bind(id)
-            .bind(generation)
-            .bind(rank)
-            .execute(&mut *tx)
-            .await?;
+            let to = moved.and_then(|(to, _)| to.iter().find(|a| a.rank == rank));
+            let done = match to {
+                None => {
+                    sqlx::query(
+                        "UPDATE ranks SET state = 'assigned', exit_code = NULL WHERE job_id = $1 AND generation = $2 AND rank = $3 \
+                         AND state IN ('lost', 'exited')",
+                    )
+                    .bind(id)
+                    .bind(generation)
+                    .bind(rank)
+                    .execute(&mut *tx)
+                    .await?
+                }
+                // Its old node's lease lapsed: a rank still recorded running there is taken as
+                // lost (its agent, if it comes back, is told to stop what this leader does not
+                // know there).
+                Some(a) => {
+                    sqlx::query(
+                        "UPDATE ranks SET state = 'assigned', exit_code = NULL, node = $1, gpu = $2, local_rank = $3 \
+                         WHERE job_id = $4 AND generation = $5 AND rank = $6 AND state IN ('lost', 'exited', 'running')",
+                    )
+                    .bind(&a.node)
+                    .bind(a.gpu)
+                    .bind(a.local_rank)
+                    .bind(id)
+                    .bind(generation)
+                    .bind(rank)
+                    .execute(&mut *tx)
+                    .await?
+                }
+            };
             if done.rows_affected() == 1 {
-                events.push((id, generation, format!("job {id}: rank {rank} assigned again, to rejoin in epoch {epoch}")));
+                reassigned += 1;
+                let whereto = to.map(|a| format!(", on node {} GPU {}", a.node, a.gpu)).unwrap_or_default();
+                events.push((id, generation, format!("job {id}: rank {rank} assigned again, to rejoin in epoch {epoch}{whereto}")));
             }
+        }
+        if let Some((_, plan)) = moved {
+            sqlx::query("UPDATE plans SET plan = $1 WHERE job_id = $2 AND generation = $3")
+                .bind(plan)
+                .bind(id)
+                .bind(generation)
+                .execute(&mut *tx)
+                .await?;
         }
         rank_events(&mut tx, &events).await?;
         tx.commit().await?;
-        Ok(events.len())
+        Ok(reassigned)
     }
 
     /// GPUs held by ranks: every rank of a launched (`launching` or `running`) job's current
