@@ -147,24 +147,42 @@ conformance!(a_degraded_launch_keeps_its_generation_and_its_newest_membership_re
     // Its lost replica's ranks assigned again to rejoin (fenced on degraded and the generation);
     // a running rank is left alone.
     s.report_rank(job.id, g, 1, "lost", None).await.unwrap();
-    assert!(s.reassign_ranks(job.id, g + 1, &[1], 2).await.is_err(), "another generation's");
-    assert_eq!(s.reassign_ranks(job.id, g, &[0, 1], 2).await.unwrap(), 1, "the lost one only");
+    assert!(s.reassign_ranks(job.id, g + 1, &[1], 2, ("membership_changed", "{\"epoch\": 2}")).await.is_err(), "another generation's");
+    assert_eq!(s.reassign_ranks(job.id, g, &[0, 1], 2, ("membership_changed", "{\"epoch\": 2}")).await.unwrap(), 1, "the lost one only");
     let states: Vec<String> = s.ranks(job.id, g).await.unwrap().into_iter().map(|r| r.state).collect();
     assert_eq!(states, ["assigned", "assigned"]);
     // Onto another node (its own lease lapsed, its rank there still recorded running): the rank
     // and the launch's plan move together.
     s.report_rank(job.id, g, 1, "running", None).await.unwrap();
     let onto = RankAssignment { rank: 1, node: "n0".into(), local_rank: 1, gpu: 1, replica: 1, stage: 0, layer_start: 0, layer_end: 2 };
-    assert!(s.move_ranks(job.id, g + 1, std::slice::from_ref(&onto), "{\"moved\": 1}", 2).await.is_err(), "another generation's");
+    assert!(
+        s.move_ranks(job.id, g + 1, std::slice::from_ref(&onto), "{\"moved\": 1}", 2, ("membership_changed", "{\"epoch\": 3}"))
+            .await
+            .is_err(),
+        "another generation's"
+    );
     assert_eq!(s.plan(job.id, g).await.unwrap(), "{}", "nothing moved");
-    assert_eq!(s.move_ranks(job.id, g, &[onto], "{\"moved\": 1}", 2).await.unwrap(), 1);
+    assert_eq!(
+        s.move_ranks(job.id, g, std::slice::from_ref(&onto), "{\"moved\": 1}", 2, ("membership_changed", "{\"epoch\": 3}")).await.unwrap(),
+        1
+    );
     let r1 = s.ranks(job.id, g).await.unwrap().remove(1);
     assert_eq!((r1.assignment.node.as_str(), r1.assignment.gpu, r1.assignment.local_rank, r1.state.as_str()), ("n0", 1, 1, "assigned"));
     assert_eq!(s.plan(job.id, g).await.unwrap(), "{\"moved\": 1}");
+    let last = s.last_event(job.id, g, "membership_changed").await.unwrap().unwrap();
+    assert_eq!(last.message, "{\"epoch\": 3}", "the epoch with the move");
+    // All or nothing: a rank that is not there fails the move, and nothing of it lands.
+    let ghost = RankAssignment { rank: 9, node: "n0".into(), local_rank: 2, gpu: 2, replica: 1, stage: 0, layer_start: 0, layer_end: 2 };
+    assert!(s.move_ranks(job.id, g, &[ghost], "{\"moved\": 2}", 3, ("membership_changed", "{\"epoch\": 4}")).await.is_err());
+    assert_eq!(s.plan(job.id, g).await.unwrap(), "{\"moved\": 1}");
+    assert_eq!(s.last_event(job.id, g, "membership_changed").await.unwrap().unwrap().message, "{\"epoch\": 3}");
     // ... and once they run, whole again in place: the loss's reason goes.
     let j = s.transition_at(job.id, Some(g), JobState::Running, None).await.unwrap();
     assert_eq!((j.state, j.generation, j.reason), (JobState::Running, g, None));
-    assert!(s.reassign_ranks(job.id, g, &[1], 3).await.is_err(), "only a degraded job's replicas rejoin");
+    assert!(
+        s.reassign_ranks(job.id, g, &[1], 3, ("membership_changed", "{\"epoch\": 3}")).await.is_err(),
+        "only a degraded job's replicas rejoin"
+    );
     s.transition_at(job.id, Some(g), JobState::Degraded, Some("node n1 lost")).await.unwrap();
     let j = s.transition_at(job.id, Some(g), JobState::Succeeded, None).await.unwrap();
     assert_eq!((j.state, j.reason), (JobState::Succeeded, None), "a job that kept going succeeds with no failure reason");

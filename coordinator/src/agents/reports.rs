@@ -47,6 +47,9 @@ pub async fn apply(store: &Store, facts: &Facts, signals: &JobSignals, report: N
     let mut stops = vec![];
     let mut stop = |job: i64, generation: i64, reason: &str| stops.push(StopRanks { job, generation, reason: reason.into() });
     let running: Vec<i64> = report.ranks.iter().filter(|r| r.state == "running").map(|r| r.job).collect();
+    let alive: std::collections::HashSet<(i64, i64, i64)> =
+        report.ranks.iter().filter(|r| r.state == "running").map(|r| (r.job, r.generation, r.rank)).collect();
+    let mut unknown = vec![];
     // A full list's ranks, read before the reports are handed to the store.
     let known: Option<Vec<(i64, i64, i64)>> = report.full.then(|| report.ranks.iter().map(|r| (r.job, r.generation, r.rank)).collect());
     let mut jobs = vec![];
@@ -65,10 +68,17 @@ pub async fn apply(store: &Store, facts: &Facts, signals: &JobSignals, report: N
         }
         // Ranks the coordinator does not know here: stopped, and acknowledged like the rest so
         // the agent does not resend them forever.
-        for (job, generation, rank) in done.unknown {
+        // One that ended is only acknowledged: its launch may run other ranks here (a replica
+        // that rejoined on other nodes leaves its old ranks' ends on the node it left, whose
+        // agent reports them in every session).
+        for &(job, generation, rank) in &done.unknown {
+            if !alive.contains(&(job, generation, rank)) {
+                continue;
+            }
             tracing::warn!(node = %report.node, job, generation, rank, "a rank this coordinator does not know here; stopping it");
             stop(job, generation, "the coordinator does not know this rank on this node");
         }
+        unknown = done.unknown;
         jobs = done.jobs;
     }
     if let Some(held) = &report.holdings {
@@ -81,8 +91,11 @@ pub async fn apply(store: &Store, facts: &Facts, signals: &JobSignals, report: N
         facts.restored(&report.node, r);
     }
     // Before the jobs are moved on: a rejoined rank is what lets a degraded job run whole again.
+    // (Not a rank this node does not hold: an old process's copy is not the rank's now.)
     for (job, generation, rank, r) in report.rejoins {
-        facts.rejoined(job, generation, rank, r);
+        if !unknown.contains(&(job, generation, rank)) {
+            facts.rejoined(job, generation, rank, r);
+        }
     }
     if let Some(known) = known {
         // A launch queued on the session before this one may never have reached the agent:

@@ -217,11 +217,9 @@ impl Life {
             }
         };
         let ranks: Vec<i64> = back.iter().flat_map(|&r| of(r).map(|x| x.assignment.rank)).collect();
-        // The ranks first: a crash between the two leaves them assigned to a replica still lost,
-        // which the next look takes up again.
-        self.store.reassign_ranks(job.id, job.generation, &ranks, next.epoch).await?;
+        // The ranks and the epoch in one transaction.
         let doc = serde_json::to_string(&next).map_err(|e| crate::error::CoordinatorError::Conflict(e.to_string()))?;
-        self.store.record_event(Some(job.id), Some(job.generation), membership::EVENT, &doc).await?;
+        self.store.reassign_ranks(job.id, job.generation, &ranks, next.epoch, (membership::EVENT, &doc)).await?;
         tracing::info!(job = job.id, epoch = next.epoch, "{reason}");
         let now = Launched { membership: next, ranks: self.store.ranks(job.id, job.generation).await?, plan: now.plan };
         self.send_membership(job.id, job.generation, &now.membership, &now.ranks);
@@ -236,7 +234,9 @@ impl Life {
         let Ok(spec) = serde_json::from_str::<JobSpec>(&job.spec) else { return Ok(false) };
         let mine = |n: &str| spec.resources.nodes.is_empty() || spec.resources.nodes.iter().any(|m| m == n);
         let shape = |n: &NodeRecord| serde_json::from_str::<NodeSpec>(&n.inventory).ok();
-        let held: BTreeSet<(String, i64)> = self.store.held_gpus().await?.into_iter().map(|g| (g.node, g.gpu)).collect();
+        // Every rank's GPU in the store (other jobs', this job's), and those profile runs measure on.
+        let mut held: BTreeSet<(String, i64)> = self.store.held_gpus().await?.into_iter().map(|g| (g.node, g.gpu)).collect();
+        held.extend(crate::planning::profiling::gpus_in_use(&self.store).await?.into_iter().map(|(n, g)| (n, g as i64)));
         let candidates: Vec<substitute::Candidate> = nodes
             .iter()
             .filter(|n| n.state == crate::store::NodeState::Active && self.fleet.live(&n.name) && mine(&n.name))
@@ -274,13 +274,11 @@ impl Life {
                     return Ok(false);
                 }
             };
-            let assigned: Vec<_> = crate::planning::ranks_of(&plan).into_iter().filter(|a| a.replica as u32 == replica).collect();
+            let assigned = moved_ranks(&plan, replica, &now.ranks);
             let text = serde_json::to_string(&plan).map_err(|e| crate::error::CoordinatorError::Conflict(e.to_string()))?;
-            // The ranks and the plan first (one transaction): a crash before the membership
-            // leaves the replica lost, on its new nodes, and the next look takes it up again.
-            self.store.move_ranks(job.id, job.generation, &assigned, &text, next.epoch).await?;
+            // The ranks, the plan and the epoch in one transaction.
             let doc = serde_json::to_string(&next).map_err(|e| crate::error::CoordinatorError::Conflict(e.to_string()))?;
-            self.store.record_event(Some(job.id), Some(job.generation), membership::EVENT, &doc).await?;
+            self.store.move_ranks(job.id, job.generation, &assigned, &text, next.epoch, (membership::EVENT, &doc)).await?;
             tracing::info!(job = job.id, epoch = next.epoch, "{reason}");
             let now = Launched { membership: next, ranks: self.store.ranks(job.id, job.generation).await?, plan };
             self.send_membership(job.id, job.generation, &now.membership, &now.ranks);
@@ -373,4 +371,21 @@ impl Life {
         self.memberships.sent.lock().expect("memberships").remove(&(id, generation));
         self.facts.forget_rejoins(id, generation);
     }
+}
+
+/// The ranks of `replica` as `plan` (amended) places them; their local ranks numbered after the
+/// launch's other ranks already on each node (theirs do not change).
+fn moved_ranks(plan: &PlanDocument, replica: u32, ranks: &[RankRecord]) -> Vec<crate::store::RankAssignment> {
+    let mut next: HashMap<String, i64> = HashMap::new();
+    for r in ranks.iter().filter(|r| r.assignment.replica as u32 != replica) {
+        let n = next.entry(r.assignment.node.clone()).or_insert(0);
+        *n = (*n).max(r.assignment.local_rank + 1);
+    }
+    let mut out: Vec<_> = crate::planning::ranks_of(plan).into_iter().filter(|a| a.replica as u32 == replica).collect();
+    for a in &mut out {
+        let n = next.entry(a.node.clone()).or_insert(0);
+        a.local_rank = *n;
+        *n += 1;
+    }
+    out
 }

@@ -58,7 +58,8 @@ pub fn places(
 }
 
 /// `plan` with every GPU `moves` names replaced (the replica's stages, every communication
-/// group holding them, and each such group's per-node settings carried to the new node).
+/// group holding them, and each such group's per-node settings copied to the new node, and
+/// dropped from the old one where none of the group's GPUs is left there).
 pub fn moved(plan: &PlanDocument, moves: &BTreeMap<GpuRef, GpuRef>) -> PlanDocument {
     let mut out = plan.clone();
     let swap = |g: &mut GpuRef| {
@@ -74,8 +75,11 @@ pub fn moved(plan: &PlanDocument, moves: &BTreeMap<GpuRef, GpuRef>) -> PlanDocum
         }
         c.gpus.iter_mut().for_each(swap);
         for (from, to) in &nodes {
-            if let Some(env) = c.node_env.remove(*from) {
-                c.node_env.entry(to.to_string()).or_insert(env);
+            let Some(env) = c.node_env.get(*from).cloned() else { continue };
+            c.node_env.entry(to.to_string()).or_insert(env);
+            // Kept for the group's GPUs still there (another replica's).
+            if !c.gpus.iter().any(|g| g.node == *from) {
+                c.node_env.remove(*from);
             }
         }
     }

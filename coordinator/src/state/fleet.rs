@@ -78,6 +78,8 @@ pub struct Fleet {
     leases: Mutex<HashMap<String, Lease>>,
     /// When `expire` last looked (the continuity of this process).
     last_look: Mutex<Option<Instant>>,
+    /// When this fleet (this leader's) began: a node with no lease here lapses from then.
+    started: Instant,
     /// When `expire` last found this process had not been running (monotonic, and wall ms).
     last_pause: Mutex<Option<(Instant, i64)>>,
     heartbeats: AtomicU64,
@@ -100,6 +102,7 @@ impl Fleet {
             heartbeats: AtomicU64::new(0),
             launches: AtomicU64::new(0),
             links: crate::state::links::Links::new(base),
+            started: Instant::now(),
         })
     }
 
@@ -256,9 +259,14 @@ impl Fleet {
     }
 
     /// Whether the node's lease has lapsed: nothing heard from its agent for a lease's length
-    /// (a stream that just closed, an agent restarting, is not that yet).
+    /// (a stream that just closed, an agent restarting, is not that yet). A node this leader
+    /// has never heard from lapses a lease's length after it started leading (its agents
+    /// register again within a heartbeat or two of a failover).
     pub fn lapsed(&self, node: &str) -> bool {
-        self.leases().get(node).is_none_or(|l| l.last_seen.elapsed() > self.lease_length())
+        match self.leases().get(node) {
+            Some(l) => l.last_seen.elapsed() > self.lease_length(),
+            None => self.started.elapsed() > self.lease_length() * 2,
+        }
     }
 
     /// The load the node's agent last reported, if it is live.

@@ -41,18 +41,29 @@ impl Store {
 
     /// A degraded launch's lost replica rejoins (docs/keep-going.md): its ranks that ended
     /// (`lost`, or `exited`) are `assigned` again, to be started afresh in the same launch, with
-    /// an event each. Fenced like a job move: the job must still be `degraded` at `generation`,
-    /// under this leader's term. Returns how many ranks were reassigned.
-    pub async fn reassign_ranks(&self, id: i64, generation: i64, ranks: &[i64], epoch: i64) -> Result<usize> {
-        self.rejoin_ranks(id, generation, ranks, None, epoch).await
+    /// an event each, and `then` (the epoch's membership: kind, message) recorded in the same
+    /// transaction, so a crash leaves neither or both. Fenced like a job move: the job must
+    /// still be `degraded` at `generation`, under this leader's term. Returns how many ranks
+    /// were reassigned.
+    pub async fn reassign_ranks(&self, id: i64, generation: i64, ranks: &[i64], epoch: i64, then: (&str, &str)) -> Result<usize> {
+        self.rejoin_ranks(id, generation, ranks, None, epoch, then).await
     }
 
     /// `reassign_ranks` onto other nodes (`planning::substitute`): each of `to`'s ranks moves to
-    /// its node and GPU, and the launch's plan becomes `plan` (which names them there), in one
-    /// transaction: a crash leaves the ranks and the plan both as they were, or both moved.
-    pub async fn move_ranks(&self, id: i64, generation: i64, to: &[RankAssignment], plan: &str, epoch: i64) -> Result<usize> {
+    /// its node and GPU (from any state: its old node's lease lapsed, so a rank still recorded
+    /// running there is taken as lost, and one assigned there never started), and the launch's
+    /// plan becomes `plan` (which names them there), all or nothing.
+    pub async fn move_ranks(
+        &self,
+        id: i64,
+        generation: i64,
+        to: &[RankAssignment],
+        plan: &str,
+        epoch: i64,
+        then: (&str, &str),
+    ) -> Result<usize> {
         let ranks: Vec<i64> = to.iter().map(|a| a.rank).collect();
-        self.rejoin_ranks(id, generation, &ranks, Some((to, plan)), epoch).await
+        self.rejoin_ranks(id, generation, &ranks, Some((to, plan)), epoch, then).await
     }
 
     async fn rejoin_ranks(
@@ -62,6 +73,7 @@ impl Store {
         ranks: &[i64],
         moved: Option<(&[RankAssignment], &str)>,
         epoch: i64,
+        then: (&str, &str),
     ) -> Result<usize> {
         let mut tx = self.pool.begin().await?;
         let job = super::job_in(&mut tx, id).await?;
@@ -93,7 +105,7 @@ impl Store {
                 Some(a) => {
                     sqlx::query(
                         "UPDATE ranks SET state = 'assigned', exit_code = NULL, node = $1, gpu = $2, local_rank = $3 \
-                         WHERE job_id = $4 AND generation = $5 AND rank = $6 AND state IN ('lost', 'exited', 'running')",
+                         WHERE job_id = $4 AND generation = $5 AND rank = $6",
                     )
                     .bind(&a.node)
                     .bind(a.gpu)
@@ -105,6 +117,9 @@ impl Store {
                     .await?
                 }
             };
+            if done.rows_affected() != 1 && to.is_some() {
+                return Err(CoordinatorError::not_found(format!("rank {rank} of job {id} generation {generation}, to move")));
+            }
             if done.rows_affected() == 1 {
                 reassigned += 1;
                 let whereto = to.map(|a| format!(", on node {} GPU {}", a.node, a.gpu)).unwrap_or_default();
@@ -120,6 +135,7 @@ impl Store {
                 .await?;
         }
         rank_events(&mut tx, &events).await?;
+        Self::event(&mut tx, Some(id), Some(generation), then.0, then.1).await?;
         tx.commit().await?;
         Ok(reassigned)
     }

@@ -417,7 +417,14 @@ class KeepGoing:
                                   f"(its last vote: step {self.voted}); the job recovers whole from its checkpoint")
         mine_groups = {g.key: g for g in epoch_groups(self.full_plan, m, plan.model.tie_embeddings)
                        if view.rank in g.ranks}
-        groups = self._sliced(lambda: make_groups(list(mine_groups.values()), store), m)
+        # The groups are made over a store client of their own: a TCPStore client runs one
+        # operation at a time, and a rendezvous given up (`_sliced`: a member lost meanwhile)
+        # waits in it until the groups' timeout; on the rank's own client that wait held every
+        # later vote and meeting of this rank for a minute (BENCHMARKS.md, the node lost every
+        # minute).
+        own = dist.TCPStore(m.store_host, m.store_port, None, False, self.timeout, wait_for_workers=False)
+        group_store = dist.PrefixStore(f"{_PREFIX}/{m.epoch}", own)
+        groups = self._sliced(lambda: make_groups(list(mine_groups.values()), group_store), m)
         new_view = _epoch_view(view, plan, m, groups, mine_groups)
         self.epoch = Epoch(m, address, tcp, store, new_view, groups)
         if cause is not None:

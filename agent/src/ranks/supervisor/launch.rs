@@ -57,8 +57,11 @@ impl Supervisor {
         for r in &l.ranks {
             let key = (l.job, l.generation, r.rank);
             if l.join_epoch > 0 && prepared.is_ok() {
+                // Started afresh unless it runs here: also a rank this agent does not hold (its
+                // end reported before this agent started, or never run here), whose earlier
+                // process's files must not pass for this one's.
                 let mut ranks = self.lock();
-                if ranks.get(&key).is_some_and(|x| !matches!(x.state, State::Running { .. })) {
+                if !ranks.get(&key).is_some_and(|x| matches!(x.state, State::Running { .. })) {
                     ranks.remove(&key);
                     drop(ranks);
                     keep_log(&dir, r.rank, l.join_epoch);

@@ -49,7 +49,8 @@ struct Rank {
     state: State,
     /// What the rank wrote in `rank-R.rejoined` (`report::look_for_rejoins`), once read.
     rejoined: Option<rankfiles::Rejoined>,
-    /// Its rejoined file was bad and the agent's log said so (said once).
+    /// Its rejoined file was bad and the agent's log said so (said once; read again at each
+    /// report: the rank may write a good one).
     rejoined_bad: bool,
     /// The state the coordinator acknowledged.
     told: Option<Report>,
@@ -645,6 +646,13 @@ mod tests {
         assert_eq!(sent.len(), 1, "{sent:?}");
         assert!(sent[0].state == "exited" && matches!(sent[0].exit_code, Some(126 | 127)), "{sent:?}");
         assert!(std::fs::read_to_string(rank_file(&dir, 0, "log")).unwrap().contains("not started"));
+        // An agent that never held the rank (its end reported before it started): the same.
+        let fresh = supervisor(&work);
+        std::fs::write(dir.join("rank-0.rejoined"), r#"{"epoch": 2, "bytes": 1, "seconds": 1, "copy_seconds": 1}"#).unwrap();
+        std::fs::write(rank_file(&dir, 0, "reported"), "").unwrap();
+        fresh.adopt();
+        fresh.launch(launch(3));
+        assert!(!dir.join("rank-0.rejoined").exists() && dir.join("rank-0.log.before-3").exists());
         std::fs::remove_dir_all(&work).unwrap();
     }
 }

@@ -105,7 +105,8 @@ impl Supervisor {
     /// Read the rejoined file (`rankfiles::read_rejoined`) of each running rank that has not
     /// told one: a rank of a joining replica writes it once it copied its state from its peers,
     /// and the report that carries it is what lets the coordinator call the job whole again.
-    /// The files are read off the ranks' lock; a bad one is said once in the agent's log.
+    /// The files are read off the ranks' lock; a bad one is said once in the agent's log (and
+    /// read again at each report, as a missing one is).
     fn look_for_rejoins(&self) {
         let running = |s: &State| match *s {
             State::Running { pgid, start, .. } => Some((pgid, start)),
@@ -114,7 +115,7 @@ impl Supervisor {
         let waiting: Vec<(Key, (i32, u64), std::path::PathBuf)> = self
             .lock()
             .iter()
-            .filter(|(_, r)| r.rejoined.is_none() && !r.rejoined_bad)
+            .filter(|(_, r)| r.rejoined.is_none())
             .filter_map(|(&k, r)| running(&r.state).map(|p| (k, p, r.dir.clone())))
             .collect();
         for (key, process, dir) in waiting {
@@ -124,10 +125,11 @@ impl Supervisor {
             let Some(r) = ranks.get_mut(&key).filter(|r| running(&r.state) == Some(process)) else { continue };
             match read {
                 Ok(found) => r.rejoined = found,
-                Err(why) => {
+                Err(why) if !r.rejoined_bad => {
                     tracing::warn!(node = %self.node, job = key.0, rank = key.2, "{why}; the rank's rejoin is not reported");
                     r.rejoined_bad = true;
                 }
+                Err(_) => {}
             }
         }
     }
@@ -168,7 +170,7 @@ mod tests {
         let told = sent[0].rejoined.expect("rank 0's copy");
         assert_eq!((sent[0].rank, told.epoch, told.bytes, told.seconds, told.copy_seconds), (0, 3, 2_613_248, 4.5, 0.07));
         s.ack(3);
-        assert!(s.report(4, false).is_empty(), "told, and the bad file is not read again");
+        assert!(s.report(4, false).is_empty(), "told; the bad file is not reported");
         let full = s.report(5, true);
         assert_eq!(full.iter().map(|r| (r.rank, r.rejoined.as_ref().map(|x| x.epoch))).collect::<Vec<_>>(), [(0, Some(3)), (1, None)]);
 
@@ -182,6 +184,11 @@ mod tests {
         }
         let sent = s2.report(1, true);
         assert!(sent.len() == 2 && sent.iter().all(|r| r.rejoined.is_none()), "{sent:?}");
+        // The rank writes a good one after all: read at the next report.
+        std::fs::remove_file(dir.join("rank-2.rejoined")).unwrap();
+        std::fs::rename(dir.join("good"), dir.join("rank-2.rejoined")).unwrap();
+        let sent = s2.report(2, true);
+        assert_eq!(sent.iter().map(|r| (r.rank, r.rejoined.map(|x| x.epoch))).collect::<Vec<_>>(), [(2, Some(3)), (3, None)]);
         std::fs::remove_dir_all(&work).unwrap();
     }
 }
