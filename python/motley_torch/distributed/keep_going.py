@@ -141,6 +141,39 @@ def _poll(store, keys: List[str], until: float, newer) -> bool:
             pass  # the slice ended: look at the membership file, then wait again
 
 
+class _Reaper:
+    """Holds each aborted epoch's process groups for twice their collectives' timeout, then drops
+    them on a thread of its own. A gloo group's destructor waits for its work queue to drain:
+    one dropped on the rank's thread (the last reference going with the old view, or with the
+    traceback of the step that failed) while a collective with a lost peer was still in its
+    queue held that thread until the collective timed out, a minute (the stalls of a node lost
+    every 20 s or every minute: BENCHMARKS.md). Held here, no other reference is the last one
+    while that wait can last."""
+
+    def __init__(self):
+        self.q: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="motley-group-reaper").start()
+
+    def hold(self, groups: list, seconds: float):
+        self.q.put((time.monotonic() + seconds, groups))
+
+    def _run(self):
+        while True:
+            until, groups = self.q.get()
+            time.sleep(max(0.0, until - time.monotonic()))
+            del groups  # the destructors run here, if these were the last references
+
+
+_REAPER: Optional[_Reaper] = None
+
+
+def _reaper() -> _Reaper:
+    global _REAPER
+    if _REAPER is None:
+        _REAPER = _Reaper()
+    return _REAPER
+
+
 class Epoch:
     """One epoch's store and cross-replica groups, and the view of the rank under it."""
 
@@ -148,13 +181,15 @@ class Epoch:
         self.m, self.address, self.tcp, self.store, self.view, self.groups = m, address, tcp, store, view, groups
         self.members = members(view.plan, m)
 
-    def abort(self):
-        """Abort this epoch's cross-replica groups: a peer blocked in one of them is released."""
+    def abort(self, timeout_s: float):
+        """Abort this epoch's cross-replica groups: a peer blocked in one of them is released.
+        They are dropped by the reaper once their collectives have timed out (`_Reaper`)."""
         for pg in self.groups.values():
             try:
                 pg.abort()
             except Exception:  # an aborted or broken group may refuse again; it is dropped anyway
                 pass
+        _reaper().hold(list(self.groups.values()), 2 * timeout_s)
         self.groups = {}
 
 
@@ -316,7 +351,7 @@ class KeepGoing:
         between the decision and some members' reading it, those members hold that step's
         whole gradients: they commit it now (returned: its loss sum, which a member that read
         the decision hands over). Returns None when every member is at `step`."""
-        self.epoch.abort()
+        self.epoch.abort(self.timeout.total_seconds())
         m = self._wait_newer(self.epoch.m.epoch + 1, f"step {step} failed ({str(cause)[:200]})", cause)
         return self._enter(m, step, cause, make_groups)[0]
 
@@ -330,7 +365,7 @@ class KeepGoing:
             m = self.move_to  # the document the votes named, from the store
         else:
             m = self._wait_newer(due, "joining the job", None)
-        self.epoch.abort()
+        self.epoch.abort(self.timeout.total_seconds())
         return self._enter(m, step, None, make_groups)
 
     def _wait_newer(self, epoch: int, why: str, cause) -> Membership:
