@@ -14,6 +14,10 @@ pub enum CoordinatorError {
     /// The request does not fit the current state (a transition not allowed from here).
     #[error("{0}")]
     Conflict(String),
+    /// A launch or a move onto GPUs another job's launch took meanwhile: plan again on what is
+    /// free now.
+    #[error("{0}")]
+    GpusHeld(String),
     /// An instruction or report of an older launch: the job has moved on.
     #[error("job {job}: generation {given} is stale; the current generation is {current}")]
     StaleGeneration { job: i64, given: i64, current: i64 },
@@ -61,7 +65,7 @@ impl CoordinatorError {
             CoordinatorError::InvalidInput { .. } => 3, // INVALID_ARGUMENT
             CoordinatorError::NotFound { .. } => 5,     // NOT_FOUND
             CoordinatorError::Conflict(_) => 9,         // FAILED_PRECONDITION
-            CoordinatorError::StaleGeneration { .. } | CoordinatorError::StaleAgent { .. } => 10, // ABORTED
+            CoordinatorError::StaleGeneration { .. } | CoordinatorError::StaleAgent { .. } | CoordinatorError::GpusHeld(_) => 10, // ABORTED
             CoordinatorError::Unauthenticated(_) => 16, // UNAUTHENTICATED
             CoordinatorError::PermissionDenied(_) => 7, // PERMISSION_DENIED
             CoordinatorError::TooLarge(_) => 8,         // RESOURCE_EXHAUSTED
@@ -78,7 +82,10 @@ impl CoordinatorError {
         match self {
             CoordinatorError::InvalidInput { .. } => 400,
             CoordinatorError::NotFound { .. } => 404,
-            CoordinatorError::Conflict(_) | CoordinatorError::StaleGeneration { .. } | CoordinatorError::StaleAgent { .. } => 409,
+            CoordinatorError::Conflict(_)
+            | CoordinatorError::GpusHeld(_)
+            | CoordinatorError::StaleGeneration { .. }
+            | CoordinatorError::StaleAgent { .. } => 409,
             CoordinatorError::Unauthenticated(_) => 401,
             CoordinatorError::PermissionDenied(_) => 403,
             CoordinatorError::TooLarge(_) => 413,

@@ -39,12 +39,17 @@ impl FakeAgent {
 
     /// The agent of node `node` (one of four A100s, as `NODE`).
     pub(crate) async fn start_as(c: &Coordinator, node: &str) -> FakeAgent {
+        FakeAgent::start_with(c, node, NODE).await
+    }
+
+    /// The agent of node `node` with inventory `inventory` (JSON).
+    pub(crate) async fn start_with(c: &Coordinator, node: &str, inventory: &str) -> FakeAgent {
         let token = c.agent_token.clone().unwrap();
         let mut agents = AgentClient::connect(c.grpc_url()).await.unwrap();
         let reply = agents
             .register(RegisterRequest {
                 node: node.into(),
-                inventory_json: NODE.into(),
+                inventory_json: inventory.into(),
                 token: token.clone(),
                 data_url: "127.0.0.1:7400".into(),
                 ..Default::default()

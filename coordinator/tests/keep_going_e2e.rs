@@ -42,6 +42,36 @@ async fn state_becomes(c: &Arc<Coordinator>, id: i64, want: &str) -> Value {
     }
 }
 
+/// A job pinned to two one-GPU replicas of a one-layer model (`model`'s other fields), replica
+/// 0 on n0's GPU 0 and replica 1 on n1's GPU 0 (each node four A100s on one NIC), the global
+/// batch split evenly; both ranks running. Returns the agents and the job.
+async fn two_one_gpu_replicas(c: &Arc<Coordinator>, name: &str, model: &str, global_batch: u32) -> (FakeAgent, FakeAgent, i64) {
+    let mut n0 = FakeAgent::start_as(c, "n0").await;
+    let mut n1 = FakeAgent::start_as(c, "n1").await;
+    let k = global_batch / 4;
+    let replica = |node: &str| {
+        format!(
+            "{{samples: {}, micro_batches: {k}, stages: [{{layers: [0, 1], gpu: A100-80G, tp: 1, dp: 1, gpus: [{{node: {node}, index: 0}}]}}]}}",
+            2 * k
+        )
+    };
+    let spec = format!(
+        "name: {name}\nmodel: {{name: one, layers: 1, {model}}}\nglobal_batch: {global_batch}\nrun: 'true'\n\
+         checkpoint: {{every: 100}}\nplan: {{global_batch: {global_batch}, micro_batch: 2, replicas: [{}, {}]}}\n",
+        replica("n0"),
+        replica("n1")
+    );
+    let id = call(c, "POST", "/api/v1/jobs", &spec, 201).await["id"].as_i64().unwrap();
+    n0.launch().await;
+    n1.launch().await;
+    n0.send(AgentStatus { ranks: vec![ran(id, 0, "running", None)], ..Default::default() }).await;
+    n1.send(AgentStatus { ranks: vec![ran(id, 1, "running", None)], ..Default::default() }).await;
+    state_becomes(c, id, "running").await;
+    (n0, n1, id)
+}
+
+const SMALL: &str = "hidden: 64, heads: 4, seq_len: 32, vocab: 128";
+
 async fn membership(agent: &mut FakeAgent) -> (Membership, Value) {
     let m = agent.next(|k| if let instruction::Kind::Membership(m) = k { Some(m) } else { None }).await;
     let doc: Value = serde_json::from_str(&m.document).unwrap();
@@ -185,23 +215,7 @@ async fn a_pinned_plans_recovery_waits_for_its_lost_node_and_goes_on_when_it_is_
 async fn a_lost_replica_rejoins_when_its_node_returns_not_after_its_own_rank_failed() {
     // Two one-GPU replicas of a one-layer model, pinned: replica 0 on n0, replica 1 on n1.
     let c = Arc::new(Coordinator::start(&temp_dir(), &["--heartbeat-ms", "300"]));
-    let mut n0 = FakeAgent::start_as(&c, "n0").await;
-    let mut n1 = FakeAgent::start_as(&c, "n1").await;
-    let replica = |node: &str| {
-        format!("{{samples: 2, micro_batches: 1, stages: [{{layers: [0, 1], gpu: A100-80G, tp: 1, dp: 1, gpus: [{{node: {node}, index: 0}}]}}]}}")
-    };
-    let spec = format!(
-        "name: back\nmodel: {{name: one, layers: 1, hidden: 64, heads: 4, seq_len: 32, vocab: 128}}\nglobal_batch: 4\nrun: 'true'\n\
-         checkpoint: {{every: 100}}\nplan: {{global_batch: 4, micro_batch: 2, replicas: [{}, {}]}}\n",
-        replica("n0"),
-        replica("n1")
-    );
-    let id = call(&c, "POST", "/api/v1/jobs", &spec, 201).await["id"].as_i64().unwrap();
-    n0.launch().await;
-    n1.launch().await;
-    n0.send(AgentStatus { ranks: vec![ran(id, 0, "running", None)], ..Default::default() }).await;
-    n1.send(AgentStatus { ranks: vec![ran(id, 1, "running", None)], ..Default::default() }).await;
-    state_becomes(&c, id, "running").await;
+    let (mut n0, mut n1, id) = two_one_gpu_replicas(&c, "back", SMALL, 4).await;
 
     // Replica 1's own rank fails on n1, which stays up: the job goes on degraded, and nothing
     // brings the replica back (it would fail again, each time for free).
@@ -261,23 +275,7 @@ async fn a_lost_replica_whose_node_stays_away_rejoins_on_a_free_gpu_of_a_node_of
     // Two one-GPU replicas of a one-layer model, pinned: replica 0 on n0's GPU 0, replica 1 on
     // n1's GPU 0. Both nodes have four A100s on the same NIC: n0 has three free.
     let c = Arc::new(Coordinator::start(&temp_dir(), &["--heartbeat-ms", "300"]));
-    let mut n0 = FakeAgent::start_as(&c, "n0").await;
-    let mut n1 = FakeAgent::start_as(&c, "n1").await;
-    let replica = |node: &str| {
-        format!("{{samples: 2, micro_batches: 1, stages: [{{layers: [0, 1], gpu: A100-80G, tp: 1, dp: 1, gpus: [{{node: {node}, index: 0}}]}}]}}")
-    };
-    let spec = format!(
-        "name: away\nmodel: {{name: one, layers: 1, hidden: 64, heads: 4, seq_len: 32, vocab: 128}}\nglobal_batch: 4\nrun: 'true'\n\
-         checkpoint: {{every: 100}}\nplan: {{global_batch: 4, micro_batch: 2, replicas: [{}, {}]}}\n",
-        replica("n0"),
-        replica("n1")
-    );
-    let id = call(&c, "POST", "/api/v1/jobs", &spec, 201).await["id"].as_i64().unwrap();
-    n0.launch().await;
-    n1.launch().await;
-    n0.send(AgentStatus { ranks: vec![ran(id, 0, "running", None)], ..Default::default() }).await;
-    n1.send(AgentStatus { ranks: vec![ran(id, 1, "running", None)], ..Default::default() }).await;
-    state_becomes(&c, id, "running").await;
+    let (mut n0, n1, id) = two_one_gpu_replicas(&c, "away", SMALL, 4).await;
 
     // n1 vanishes and stays away: replica 1 is lost, then rejoins on n0's lowest free GPU (1),
     // the plan amended for it, under the same generation and store, with nothing restored.
@@ -320,4 +318,58 @@ async fn a_lost_replica_whose_node_stays_away_rejoins_on_a_free_gpu_of_a_node_of
     tokio::time::sleep(Duration::from_millis(900)).await;
     let j = call(&c, "GET", &format!("/api/v1/jobs/{id}"), "", 200).await;
     assert_eq!((&j["state"], &j["generation"]), (&serde_json::json!("running"), &serde_json::json!(1)), "{j}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_replica_with_no_node_of_its_shape_rejoins_on_the_fastest_type_that_fits_priced_and_split_again() {
+    // The same two A100 replicas, a model big enough for compute to weigh, twelve sequences:
+    // three micro-batches each. n0's other GPUs are taken by a job of their own; a T4 node (no
+    // bf16, the plan's precision) and an H100 node are live.
+    let c = Arc::new(Coordinator::start(&temp_dir(), &["--heartbeat-ms", "300"]));
+    let (mut n0, n1, id) = two_one_gpu_replicas(&c, "retype", "hidden: 2048, heads: 16, seq_len: 1024, vocab: 32000", 12).await;
+    let plan_before = call(&c, "GET", &format!("/api/v1/jobs/{id}/plan"), "", 200).await["plan"].clone();
+    let precision = plan_before["precision"].clone();
+    let one = |gpu: u32| {
+        format!("{{samples: 2, micro_batches: 1, stages: [{{layers: [0, 1], gpu: A100-80G, tp: 1, dp: 1, gpus: [{{node: n0, index: {gpu}}}]}}]}}")
+    };
+    let filler = format!(
+        "name: filler\nmodel: {{name: one, layers: 1, {SMALL}}}\nglobal_batch: 6\nrun: 'true'\n\
+         plan: {{global_batch: 6, micro_batch: 2, replicas: [{}, {}, {}]}}\n",
+        one(1),
+        one(2),
+        one(3)
+    );
+    let filler = call(&c, "POST", "/api/v1/jobs", &filler, 201).await["id"].as_i64().unwrap();
+    n0.launch().await;
+    let both = (0..3).map(|r| ran(filler, r, "running", None)).chain([ran(id, 0, "running", None)]).collect();
+    n0.send(AgentStatus { ranks: both, ..Default::default() }).await;
+    state_becomes(&c, filler, "running").await;
+    let nic = r#""nics": [{"name": "eth0", "kind": "ethernet", "gbps": 25}]"#;
+    let _t = FakeAgent::start_with(&c, "t", &format!(r#"{{"gpu": "T4", "gpus": 1, {nic}}}"#)).await;
+    let mut h = FakeAgent::start_with(&c, "h", &format!(r#"{{"gpu": "H100", "gpus": 1, {nic}}}"#)).await;
+
+    drop(n1);
+    let (m, doc) = membership(&mut n0).await;
+    assert_eq!((m.epoch, &doc["lost"]), (1, &serde_json::json!([1])), "{doc}");
+    let (m, doc) = membership(&mut n0).await;
+    assert_eq!(m.epoch, 2, "{doc}");
+    let reason = doc["reason"].as_str().unwrap();
+    assert!(reason.contains("of another shape, H100 GPUs") && reason.contains("n1 -> h"), "{doc}");
+    let launch = h.launch().await;
+    assert_eq!((launch.generation, launch.join_epoch), (1, 2));
+    assert_eq!(launch.ranks.iter().map(|r| (r.rank, r.gpu)).collect::<Vec<_>>(), [(1, 0)]);
+    let plan: Value = serde_json::from_str(&launch.plan_json).unwrap();
+    let stage = &plan["replicas"][1]["stages"][0];
+    assert_eq!((&stage["gpu"], &stage["gpus"]), (&serde_json::json!("H100"), &serde_json::json!([{"node": "h", "index": 0}])), "{plan}");
+    assert_eq!(plan["precision"], precision, "the plan's precision kept");
+    // Priced on the H100 (faster than the A100 it replaces), the batch split again by it: the
+    // membership hands out the amended plan's split, every sample once.
+    assert!(stage["fwd_s"].as_f64().unwrap() < plan_before["replicas"][1]["stages"][0]["fwd_s"].as_f64().unwrap(), "{plan}");
+    let split: Vec<u64> = (0..2).map(|r| plan["replicas"][r]["micro_batches"].as_u64().unwrap()).collect();
+    assert_eq!(doc["micro_batches"], serde_json::json!({"0": split[0], "1": split[1]}), "{doc}");
+    assert!(split[0] + split[1] == 6 && split[1] > split[0], "the H100 takes more: {split:?}");
+    assert_eq!(plan["replicas"][1]["samples"].as_u64(), Some(2 * split[1]));
+    // The plan's links name where its GPUs are now.
+    let links = plan["network"]["links"].as_array().expect("a network section");
+    assert!(links.iter().all(|l| l["a"] != "n1" && l["b"] != "n1") && !links.is_empty(), "{plan}");
 }

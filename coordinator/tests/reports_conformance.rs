@@ -189,6 +189,56 @@ conformance!(a_degraded_launch_keeps_its_generation_and_its_newest_membership_re
     s.close().await;
 });
 
+conformance!(no_two_launches_claim_one_gpu_a_launch_and_a_move_alike, |url: String| async move {
+    // A queued job planned on what was free when it looked, and a lost replica's move planned
+    // on the same: whichever commits second is refused, naming the GPU, and nothing of it lands.
+    let s = Store::open(&url).await.unwrap();
+    for n in ["n0", "n1"] {
+        s.register_node(n, "{}").await.unwrap();
+    }
+    let on = |rank: i64, node: &str, gpu: i64| RankAssignment {
+        rank,
+        node: node.into(),
+        local_rank: 0,
+        gpu,
+        replica: rank,
+        stage: 0,
+        layer_start: 0,
+        layer_end: 2,
+    };
+    let a = s.submit_job("a", "{}").await.unwrap();
+    s.transition(a.id, JobState::Planning, None).await.unwrap();
+    let g = s.start_generation(a.id, "{}", &[on(0, "n0", 0), on(1, "n1", 0)]).await.unwrap();
+    s.transition_at(a.id, Some(g), JobState::Running, None).await.unwrap();
+    s.transition_at(a.id, Some(g), JobState::Degraded, Some("node n1 lost")).await.unwrap();
+    s.report_rank(a.id, g, 1, "lost", None).await.unwrap();
+
+    let b = s.submit_job("b", "{}").await.unwrap();
+    s.transition(b.id, JobState::Planning, None).await.unwrap();
+    let e = s.start_generation(b.id, "{\"b\": 1}", &[on(0, "n0", 0)]).await.unwrap_err();
+    assert!(matches!(&e, CoordinatorError::GpusHeld(m) if m.contains("n0:0") && m.contains(&format!("job {}", a.id))), "{e}");
+    let j = s.job(b.id).await.unwrap();
+    assert_eq!((j.state, j.generation), (JobState::Planning, 0), "nothing of the launch landed");
+    assert!(s.ranks(b.id, 1).await.unwrap().is_empty());
+    // A degraded job holds its lost rank's GPU too (its node may come back): b takes others.
+    let e = s.start_generation(b.id, "{\"b\": 1}", &[on(0, "n1", 0)]).await.unwrap_err();
+    assert!(matches!(&e, CoordinatorError::GpusHeld(m) if m.contains("n1:0")), "{e}");
+    s.start_generation(b.id, "{\"b\": 1}", &[on(0, "n1", 1), on(1, "n0", 1)]).await.unwrap();
+
+    // a's lost replica moves: not onto b's GPU, onto a free one.
+    let e = s.move_ranks(a.id, g, &[on(1, "n0", 1)], "{\"moved\": 1}", 2, ("membership_changed", "{\"epoch\": 2}")).await.unwrap_err();
+    assert!(matches!(&e, CoordinatorError::GpusHeld(m) if m.contains("n0:1")), "{e}");
+    assert_eq!(s.plan(a.id, g).await.unwrap(), "{}", "nothing moved");
+    assert!(s.last_event(a.id, g, "membership_changed").await.unwrap().is_none());
+    assert_eq!(s.move_ranks(a.id, g, &[on(1, "n0", 2)], "{\"moved\": 1}", 2, ("membership_changed", "{\"epoch\": 2}")).await.unwrap(), 1);
+    // A job that is over holds nothing: a later launch takes its GPUs.
+    s.transition(b.id, JobState::Cancelled, Some("done with it")).await.unwrap();
+    let c = s.submit_job("c", "{}").await.unwrap();
+    s.transition(c.id, JobState::Planning, None).await.unwrap();
+    s.start_generation(c.id, "{}", &[on(0, "n0", 1)]).await.unwrap();
+    s.close().await;
+});
+
 conformance!(a_degraded_job_is_unfinished_holds_its_gpus_and_keeps_its_nodes, |url: String| async move {
     // A job that goes on without a lost replica (docs/keep-going.md) is as launched as a running
     // one: the tick looks at it, other jobs are not planned onto its GPUs, its nodes stay.

@@ -227,9 +227,11 @@ impl Life {
         Ok(true)
     }
 
-    /// A lost replica whose nodes are all away rejoins on live nodes of their shape with GPUs
-    /// free (`planning::substitute`; one replica per look, the lowest): the plan is amended for
-    /// it and its ranks move there in one transaction, then it rejoins as on its own nodes.
+    /// A lost replica whose nodes are all away rejoins on live nodes with GPUs free
+    /// (`planning::substitute`; one replica per look, the lowest): of their shape where there
+    /// are, else of the GPU type that prices the job fastest. The plan is amended for it (and
+    /// priced again: the links, and on another type the replica's times and the batch's split)
+    /// and its ranks move there in one transaction, then it rejoins as on its own nodes.
     async fn rejoin_elsewhere(&self, job: &JobRecord, now: Launched, nodes: &[NodeRecord]) -> Result<bool> {
         let Ok(spec) = serde_json::from_str::<JobSpec>(&job.spec) else { return Ok(false) };
         let mine = |n: &str| spec.resources.nodes.is_empty() || spec.resources.nodes.iter().any(|m| m == n);
@@ -254,16 +256,22 @@ impl Life {
             }
             let lost: BTreeMap<String, NodeSpec> =
                 nodes.iter().filter(|n| away.contains(n.name.as_str())).filter_map(|n| Some((n.name.clone(), shape(n)?))).collect();
-            let Some(moves) = substitute::places(&now.plan, replica, &lost, &candidates) else { continue };
-            let plan = substitute::moved(&now.plan, &moves);
+            let Some(Substitute { plan, moves, retyped }) = self.substitute(job, &spec, &now.plan, replica, &lost, &candidates).await
+            else {
+                continue;
+            };
             let mut to: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
             for (from, onto) in &moves {
                 to.entry(from.node.as_str()).or_default().insert(onto.node.as_str());
             }
             let said: Vec<String> =
                 to.iter().map(|(f, t)| format!("{f} -> {}", t.iter().copied().collect::<Vec<_>>().join(", "))).collect();
+            let how = match &retyped {
+                None => "of their shape".to_string(),
+                Some(gpu) => format!("of another shape, {gpu} GPUs: the replica priced there and the batch split again"),
+            };
             let reason = format!(
-                "node(s) of replica {replica} are away: it rejoins from the members' live state on node(s) of their shape ({})",
+                "node(s) of replica {replica} are away: it rejoins from the members' live state on node(s) {how} ({})",
                 said.join("; ")
             );
             let next = match membership::rejoin(&plan, &now.membership, &BTreeSet::from([replica]), &reason) {
@@ -286,6 +294,58 @@ impl Life {
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// Where lost `replica` goes (its nodes `lost`, away): onto candidates of their shape, the
+    /// plan amended and priced again for its links (the settings as they were where pricing
+    /// fails: the same shape runs as planned); else onto candidates of one other GPU type, the
+    /// replica's stages and layers kept, priced on that type, the global batch split again by
+    /// the new prices and priced once more: of the types that fit (memory, precision, measured
+    /// profiles where the job asks for them), the fastest plan. None where nothing fits.
+    async fn substitute(
+        &self,
+        job: &JobRecord,
+        spec: &JobSpec,
+        plan: &PlanDocument,
+        replica: u32,
+        lost: &BTreeMap<String, NodeSpec>,
+        candidates: &[substitute::Candidate],
+    ) -> Option<Substitute> {
+        let (store, fleet) = (&self.store, &*self.fleet);
+        if let Some(moves) = substitute::places(plan, replica, lost, candidates, |l, c| substitute::same_shape(l, &c.spec)) {
+            let amended = substitute::moved(plan, &moves);
+            let plan = match crate::planning::price_amended(store, fleet, spec, &amended).await {
+                Ok(priced) => priced,
+                Err(e) => {
+                    tracing::warn!(job = job.id, "the moved replica {replica}'s plan kept unpriced: {e}");
+                    amended
+                }
+            };
+            return Some(Substitute { plan, moves, retyped: None });
+        }
+        let types: BTreeSet<&str> = candidates.iter().map(|c| c.spec.gpu.as_str()).collect();
+        let mut best: Option<Substitute> = None;
+        for gpu in types {
+            let fits = |l: &NodeSpec, c: &substitute::Candidate| c.spec.gpu == gpu && substitute::alike(l, &c.spec);
+            let Some(moves) = substitute::places(plan, replica, lost, candidates, fits) else { continue };
+            let amended = substitute::retyped(&substitute::moved(plan, &moves), replica, gpu);
+            let priced = match crate::planning::price_amended(store, fleet, spec, &amended).await {
+                Ok(p) => membership::split_all(&p).map_err(|CannotKeepGoing(why)| why),
+                Err(e) => Err(e.to_string()),
+            };
+            let priced = match priced {
+                Ok(split) => crate::planning::price_amended(store, fleet, spec, &split).await.map_err(|e| e.to_string()),
+                Err(why) => Err(why),
+            };
+            match priced {
+                Ok(p) if best.as_ref().is_none_or(|b| p.iteration_time_s < b.plan.iteration_time_s) => {
+                    best = Some(Substitute { plan: p, moves, retyped: Some(gpu.to_string()) });
+                }
+                Ok(_) => {}
+                Err(why) => tracing::debug!(job = job.id, "replica {replica} does not move onto {gpu} GPUs: {why}"),
+            }
+        }
+        best
     }
 
     /// The joining replicas' ranks not started yet, sent to their nodes with the epoch's document.
@@ -371,6 +431,14 @@ impl Life {
         self.memberships.sent.lock().expect("memberships").remove(&(id, generation));
         self.facts.forget_rejoins(id, generation);
     }
+}
+
+/// Where a lost replica goes: the plan amended (and priced) for it, its GPUs' moves, and the
+/// GPU type it now computes on where that is not its own.
+struct Substitute {
+    plan: PlanDocument,
+    moves: BTreeMap<motley_contract::GpuRef, motley_contract::GpuRef>,
+    retyped: Option<String>,
 }
 
 /// The ranks of `replica` as `plan` (amended) places them; their local ranks numbered after the

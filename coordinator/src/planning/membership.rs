@@ -177,6 +177,19 @@ pub fn rejoin(
     }))
 }
 
+/// `plan` with the global batch split again over all its replicas by the speeds it is priced
+/// at (a replica re-priced on another GPU type takes the share its new speed earns).
+pub fn split_all(plan: &PlanDocument) -> Result<PlanDocument, CannotKeepGoing> {
+    let all: Vec<u32> = (0..plan.replicas.len() as u32).collect();
+    let (shares, _) = split(plan, &all)?;
+    let mut out = plan.clone();
+    for (i, r) in out.replicas.iter_mut().enumerate() {
+        r.micro_batches = shares[&(i as u32)];
+        r.samples = Some(r.micro_batches * plan.micro_batch);
+    }
+    Ok(out)
+}
+
 /// The members' split of the plan's micro-batches, by the planner's exact allocator
 /// (`search::alloc`), and the iteration time it prices. Each member's time for k micro-batches
 /// is read off what the plan priced: a period of its slowest stage's forward and backward, and a

@@ -141,7 +141,12 @@ pub async fn plan_job(store: &Store, fleet: &Fleet, id: i64, taken: &Taken) -> R
                 store.transition(id, JobState::Planning, None).await?;
             }
             let plan = serde_json::to_string(&report).expect("a plan serialises");
-            store.start_generation(id, &plan, &ranks).await?;
+            match store.start_generation(id, &plan, &ranks).await {
+                // Another claim (a lost replica's move) landed since this pass looked: the
+                // next pass plans on what is free then.
+                Err(CoordinatorError::GpusHeld(why)) => return Ok(Planned::Waiting(why)),
+                done => done?,
+            };
             Ok(Planned::Launched(store.job(id).await?))
         }
         // Other jobs hold some of its GPUs: what is free may not fit it (too few per node for
@@ -280,6 +285,53 @@ pub async fn replan_running(store: &Store, fleet: &Fleet, job: &JobRecord, taken
     planned
         .map_err(|e| CoordinatorError::Conflict(format!("planner: {e}")))?
         .map_err(|e| CoordinatorError::Conflict(format!("re-plan: {e}")))
+}
+
+/// A running launch's plan amended in place (a lost replica moved onto other nodes,
+/// `substitute`), checked and priced as given on the nodes it names now (their whole
+/// inventories, the links measured among them), in the precision it runs in: its stages'
+/// times, its communication groups' settings and its `network` section are those of where its
+/// GPUs are now. Refused, naming the field, where a moved stage does not fit its new GPUs'
+/// memory or their type lacks the plan's precision. Nothing is stored.
+pub async fn price_amended(store: &Store, fleet: &Fleet, spec: &JobSpec, plan: &PlanDocument) -> Result<PlanDocument> {
+    let names: BTreeSet<&str> = plan.replicas.iter().flat_map(|r| &r.stages).flat_map(|s| &s.gpus).map(|g| g.node.as_str()).collect();
+    let mut nodes = vec![];
+    for n in store.nodes().await?.into_iter().filter(|n| names.contains(n.name.as_str())) {
+        let entry: NodeSpec = serde_json::from_str(&n.inventory)
+            .map_err(|e| CoordinatorError::Conflict(format!("node {}: stored inventory: {e}", n.name)))?;
+        nodes.push(entry);
+    }
+    let listed: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();
+    let measured = fleet.links.bandwidth_spec(&listed);
+    // A job planned on measured profiles only moves where they were measured.
+    let only_measured = (spec.profiling().mode == ProfilingMode::Only).then(|| nodes.clone());
+    let declared = Cluster::from_spec(&ClusterSpec { name: "live".into(), nodes, gpu_types: crate::state::catalog::declared() })
+        .map_err(|e| CoordinatorError::Conflict(format!("inventory: {e}")))?;
+    let (cluster, measured) = with_measurements(&declared, measured);
+    let model = spec.model()?;
+    let (mut opts, mode) = spec.plan_options()?;
+    opts.precision = plan.precision.unwrap_or_else(|| spec.precision(&cluster));
+    let profiles = crate::planning::profiling::stored_for(store, spec).await?;
+    let doc = plan.clone();
+    let deadline = deadline(fleet, spec);
+    let pricer = tokio::task::spawn_blocking(move || {
+        let req =
+            PlanRequest { cluster: &cluster, model: &model, profiles: &profiles, opts: &opts, mode, exhaustive: false, seeds: vec![] };
+        motley_solver::report::given(&req, &doc).map(|report| (report, profiles))
+    });
+    let priced = tokio::time::timeout(deadline, pricer)
+        .await
+        .map_err(|_| CoordinatorError::DeadlineExceeded(format!("pricing the amended plan took longer than {} ms", deadline.as_millis())))?
+        .map_err(|e| CoordinatorError::Conflict(format!("pricer: {e}")))?;
+    let (mut report, profiles) = priced.map_err(|e| match e {
+        motley_solver::SolverError::InvalidInput { field, message } => CoordinatorError::invalid(field, message),
+        other => CoordinatorError::Conflict(other.to_string()),
+    })?;
+    if let Some(nodes) = &only_measured {
+        crate::planning::profiling::check_measured(&report, nodes, &profiles)?;
+    }
+    report.network = plan_network(&report, &declared, measured.as_ref());
+    Ok(report)
 }
 
 /// A plan naming real GPU indices, in the offer's numbers (the solver numbers its free GPUs

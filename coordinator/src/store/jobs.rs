@@ -137,6 +137,7 @@ impl Store {
         if !job.state.can_become(JobState::Launching) {
             return Err(CoordinatorError::Conflict(format!("job {id} is {}; it cannot be launched", job.state)));
         }
+        super::ranks::gpus_free_of_others(&mut tx, id, ranks).await?;
         let generation = job.generation + 1;
         let now = now_ms();
         sqlx::query(

@@ -84,6 +84,9 @@ impl Store {
             return Err(CoordinatorError::Conflict(format!("job {id} is {}; only a degraded job's replicas rejoin", job.state)));
         }
         self.check_term(&mut tx).await?;
+        if let Some((to, _)) = moved {
+            gpus_free_of_others(&mut tx, id, to).await?;
+        }
         let (mut events, mut reassigned) = (vec![], 0);
         for &rank in ranks {
             let to = moved.and_then(|(to, _)| to.iter().find(|a| a.rank == rank));
@@ -267,4 +270,32 @@ pub struct FailedRank {
     pub node: String,
     pub exit_code: Option<i64>,
     pub lost: bool,
+}
+
+/// Inside a launch's or a move's transaction, after `check_term` took the leader row (so two
+/// claims are read and written one after the other): refuse, naming one, if any GPU of
+/// `ranks` is held by another job's current launch (launching, running, degraded or
+/// recovering). The caller planned on what was free when it looked; another claim may have
+/// landed since.
+pub(super) async fn gpus_free_of_others(tx: &mut sqlx::Transaction<'_, sqlx::Any>, id: i64, ranks: &[RankAssignment]) -> Result<()> {
+    let rows = sqlx::query(
+        "SELECT r.node, r.gpu, r.job_id FROM ranks r JOIN jobs j ON j.id = r.job_id \
+         WHERE j.id <> $1 AND j.state IN ('launching', 'running', 'degraded', 'recovering') AND r.generation = j.generation",
+    )
+    .bind(id)
+    .fetch_all(&mut **tx)
+    .await?;
+    let mut held = std::collections::HashMap::new();
+    for r in &rows {
+        held.insert((r.try_get::<String, _>("node")?, r.try_get::<i64, _>("gpu")?), r.try_get::<i64, _>("job_id")?);
+    }
+    for a in ranks {
+        if let Some(other) = held.get(&(a.node.clone(), a.gpu)) {
+            return Err(CoordinatorError::GpusHeld(format!(
+                "job {id}: GPU {}:{} (rank {}) is held by job {other}'s launch; plan again on what is free now",
+                a.node, a.gpu, a.rank
+            )));
+        }
+    }
+    Ok(())
 }
