@@ -102,12 +102,15 @@ conformance!(a_launch_is_running_before_the_exits_reported_with_its_start, |url:
     let moved = events.iter().position(|e| e.starts_with("running ")).expect("moved running");
     assert_eq!(events[moved - 1], format!("rank job {id}: rank 1 running"));
     assert_eq!(events[moved + 1], format!("rank job {id}: rank 1 exited (exit code 0)"));
+    // Its GPU is its own until the leader ends it (a launch holds its GPUs, store::ranks).
+    s.transition(id, JobState::Succeeded, None).await.unwrap();
 
     // A failed rank is the leader's to decide on (restart or fail): no move.
     let id = launched("failing", s.clone()).await;
     s.report_ranks_from(Some(("n0", 1)), vec![report(id, 0, "exited", Some(1)), report(id, 1, "running", None)]).await.unwrap();
     assert_eq!(s.job(id).await.unwrap().state, JobState::Launching);
     assert!(!kinds(s.clone(), id).await.iter().any(|e| e.starts_with("running ")));
+    s.transition(id, JobState::Failed, Some("rank 0 exited with code 1")).await.unwrap();
 
     // A coordinator that no longer leads moves nothing; the reports still apply.
     let term = s.claim_leadership("http://old", "http://old").await.unwrap();
