@@ -194,7 +194,7 @@ def main():
                     help="kill n1 every T seconds (from the first step line), not once; with --kill node, "
                          "back T/2 later unless --back-after says otherwise")
     ap.add_argument("--heartbeat-ms", type=int, default=250, help="the coordinator's base interval")
-    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds each mode's job may take")
     ap.add_argument("--keep", help="run in this new directory and keep it (the logs)")
     ap.add_argument("-o", "--output", choices=["table", "json"], default="table")
     args = ap.parse_args()
@@ -205,13 +205,21 @@ def main():
     if args.kill == "node" and "whole" in args.only.split(",") and args.back_after is None:
         ap.error("--kill node: the pinned plan recovers whole only once n1 is back; add --back-after S, or use "
                  "--only none,keep-going")
+    def each(root: Path) -> list:
+        rows = []
+        for m in args.only.split(","):
+            rows.append(run_one(m, args, root))
+            # Each mode's row as it ends: a later mode that fails leaves the earlier ones said.
+            log(json.dumps(rows[-1]))
+        return rows
+
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=False)
-        rows = [run_one(m, args, Path(args.keep)) for m in args.only.split(",")]
+        rows = each(Path(args.keep))
     else:
         with tempfile.TemporaryDirectory(prefix="motley-keep-going-") as d:
             os.chmod(d, 0o755)
-            rows = [run_one(m, args, Path(d)) for m in args.only.split(",")]
+            rows = each(Path(d))
     if args.output == "json":
         print(json.dumps(rows, indent=1))
         return

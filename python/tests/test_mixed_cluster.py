@@ -18,6 +18,7 @@ import yaml
 from launcher import REPO, motley_bin
 
 sys.path.insert(0, str(REPO / "bench"))
+import keep_going_mixed as kgm  # noqa: E402
 import mixed_cluster as mc  # noqa: E402
 from netns import Net, requirements  # noqa: E402
 
@@ -86,6 +87,19 @@ def test_the_summary_compares_motley_with_the_best_baseline_measured_and_predict
     assert s["order_measured"] == ["motley", "whale", "megatron", "fast-only"]
     assert s["order_predicted"] == ["motley", "whale", "megatron", "fast-only"]
     assert s["loss_max_diff"] == pytest.approx(5e-5)
+
+
+def test_the_node_lost_by_default_is_the_last_replica_apart_from_rank_0s():
+    """bench/keep_going_mixed.py loses the node of the last replica that lives on one node
+    other than rank 0's (rank 0 keeps leading and printing), and says so when none does."""
+    def rep(*nodes):
+        return {"samples": 2, "stages": [{"gpu": "A100-80G", "layers": [0, 2], "gpus": [{"node": n, "index": 0}]}
+                                         for n in nodes]}
+    assert kgm.default_victim({"replicas": [rep("n0"), rep("n1"), rep("n2")]}) == "n2"
+    # The last replica spans two nodes, the one before shares rank 0's node: the second.
+    assert kgm.default_victim({"replicas": [rep("n0"), rep("n1"), rep("n0"), rep("n2", "n3")]}) == "n1"
+    with pytest.raises(mc.BenchError, match="--lose"):
+        kgm.default_victim({"replicas": [rep("n0"), rep("n0")]})
 
 
 def test_links_are_measured_with_each_end_inside_its_nodes_cpu_share(tmp_path: Path):
