@@ -8,21 +8,24 @@ shares), the agents' profiles of every GPU type, and Motley's plan made from the
 one job that keeps going (the default for two replicas or more). Once --lose-after steps ran,
 one node's agent and every rank on it are SIGKILLed (a vanished spot node; by default the node
 of the last replica that does not hold rank 0). The coordinator opens the next membership: the
-survivors split the same global batch by the planner's prices (`membership_changed`'s
-`throughput_share`: the plan's iteration time over the survivors' with the new split).
+survivors split the same global batch by the coordinator's prices (`membership_changed`'s
+`micro_batches`).
 
 On a machine whose ranks share the cores unconfined, losing a rank frees CPU for the others
 (bench/keep_going.py's runs cannot show this); here every rank is held to its share, as a GPU
-does not speed up when its neighbour dies. Reported, from the coordinator's own prices (the
-pinned plan as it priced it) and rank 0's step times (medians after --warmup steps, and after
-the first two steps of the new epoch):
+does not speed up when its neighbour dies. Predictions are `motley plan`'s from the agents'
+profiles and the measured links: the whole plan as planned, and the survivors with the split
+they ran priced as given (`motley plan --price`); measurements are rank 0's step times (medians
+after --warmup steps, and after the first two steps of the new epoch):
 
   predicted_full_s / measured_full_s           the whole plan before the loss
-  predicted_degraded_s / measured_degraded_s   the survivors: predicted = full / throughput_share
+  predicted_degraded_s / measured_degraded_s   the survivors with the membership's split
   degraded_vs_predicted                        predicted_degraded_s / measured_degraded_s (the
                                                goal: 0.9 or more)
   degraded_vs_full_error                       how much further the survivors' measurement is
                                                from its prediction than the whole plan's
+  phases                                       each rank's median ms per step phase (--timings),
+                                               before the loss and degraded
 
     sudo .venv/bin/python bench/keep_going_mixed.py --cluster bench/mixed/two-speed.yaml \\
         --model bench/mixed/model.yaml -o json
@@ -85,6 +88,38 @@ def default_victim(doc: dict) -> str:
     raise mc.BenchError(f"no replica lives on one node apart from rank 0's: {mc.shape(doc)}; name one with --lose")
 
 
+def survivors(doc: dict, split: dict) -> dict:
+    """The plan as the members run it: the lost replicas left out, each member's micro-batches
+    those of the membership's split (`micro_batches`, keyed by replica index)."""
+    out = dict(doc)
+    out["replicas"] = [dict(r, micro_batches=split[str(i)], samples=split[str(i)] * doc["micro_batch"])
+                       for i, r in enumerate(doc["replicas"]) if str(i) in split]
+    # Its rings are the members' (rebuilt per epoch); the pricer derives them from the replicas.
+    out.pop("comm_groups", None)
+    return out
+
+
+def phases(root: Path, lost_after: int, first_degraded) -> dict:
+    """Each rank's median milliseconds per phase of a step (the trainer's --timings), before the
+    loss and from the second degraded step on."""
+    keys = ("step_ms", "pipeline_ms", "finish_ms", "grad_sync_ms", "vote_ms", "optimizer_ms", "loss_sync_ms")
+    out = {}
+    for path in sorted(root.glob("timings-*.jsonl")):
+        recs = [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")]
+        if not recs:
+            continue
+        rank = recs[0]["rank"]
+        # A redone step writes its line again: the last one of each step counts.
+        by_step = {r["step"]: r for r in recs}
+        for name, pick in (("before", lambda s: s < lost_after),
+                           ("degraded", lambda s: first_degraded is not None and s > first_degraded + 1)):
+            sel = [r for s, r in by_step.items() if pick(s)]
+            if sel:
+                out.setdefault(f"rank{rank}", {})[name] = {
+                    k: round(statistics.median(r[k] for r in sel), 1) for k in keys if k in sel[0]}
+    return out
+
+
 def median_after(steps: list, skip: int):
     xs = [d["step_s"] for d in steps[skip:]]
     return round(statistics.median(xs), 4) if xs else None
@@ -95,8 +130,11 @@ def run(cluster: nc.NetCluster, root: Path, doc: dict, args) -> dict:
     job = nc.train_job("keep-going-mixed", model, args.global_batch, args.steps, mc.SEED, args.steps, root / "cloud",
                        plan=doc, replan="off", profiling={"mode": "off"})
     job.pop("checkpoint")
-    job["run"] += " --dtype fp32"
+    # The coordinator splits the batch among the survivors by its own prices (profiling off:
+    # the catalog's, in the job's precision); the bench prices the split it chose.
+    job["run"] += f" --dtype fp32 --timings {shlex.quote(str(root.resolve() / 'timings-{rank}.jsonl'))}"
     victim = args.lose or default_victim(doc)
+    steal0 = mc.steal_s()
     jid = cluster.submit(job)
     t0, killed = time.monotonic(), None
     while True:
@@ -119,27 +157,36 @@ def run(cluster: nc.NetCluster, root: Path, doc: dict, args) -> dict:
         raise mc.BenchError(f"no membership_changed: {[e['kind'] for e in events]}")
     m = changed[0]
     priced = cluster.plan(jid)
+    # The survivors as the coordinator split the batch among them, priced as given by the same
+    # profiles and links as the whole plan (`motley plan --price`).
+    degraded = survivors(doc, m["micro_batches"])
+    (root / "plan-degraded.json").write_text(json.dumps(degraded, indent=1))
+    deg_priced = mc.price(root, "degraded", args, root / "profiles.yaml")
     lines = [d for d in nc.rank0_lines(cluster.tmp, jid, state["generation"]) if "step_s" in d]
     before = [d for d in lines if d.get("epoch", 0) == 0 and d["step"] < killed[1]]
     after = [d for d in lines if d.get("epoch", 0) == m["epoch"]]
-    full_p, share = priced["iteration_time_s"], m["throughput_share"]
+    share = m["throughput_share"]
+    full_p, deg_p = doc["iteration_time_s"], deg_priced["iteration_time_s"]
     full_m, deg_m = median_after(before, args.warmup), median_after(after, 2)
     if full_m is None or deg_m is None:
         raise mc.BenchError(f"too few steps: {len(before)} before the loss, {len(after)} after; more --steps")
-    deg_p = full_p / share if share > 0 else None
     row = {
         "plan": mc.shape(doc), "lost": args.names.get(victim, victim), "lost_after_step": killed[1],
         "state": state["state"], "generation": state["generation"], "epochs": [x["epoch"] for x in changed],
-        "members": m["replicas"], "split": m["micro_batches"], "throughput_share_predicted": round(share, 4),
-        "throughput_share_measured": round(full_m / deg_m, 4),
+        "members": m["replicas"], "split": m["micro_batches"],
+        "throughput_share_coordinator": round(share, 4), "coordinator_priced_full_s": round(priced["iteration_time_s"], 4),
+        "throughput_share_predicted": round(full_p / deg_p, 4), "throughput_share_measured": round(full_m / deg_m, 4),
         "predicted_full_s": round(full_p, 4), "measured_full_s": full_m,
         "predicted_degraded_s": round(deg_p, 4) if deg_p else None, "measured_degraded_s": deg_m,
         "degraded_vs_predicted": round(deg_p / deg_m, 4) if deg_p else None,
         "full_vs_predicted": round(full_p / full_m, 4),
         "steps_before": len(before), "steps_degraded": len(after),
-        "plan_priced_by_cli_s": round(doc["iteration_time_s"], 4),
+        # CPU time the hypervisor took from this machine during the job: what says a run was
+        # disturbed from outside.
+        "steal_s": round(mc.steal_s() - steal0, 2),
+        "phases": phases(root, killed[1], after[0]["step"] if after else None),
     }
-    row["degraded_vs_full_error"] = round(deg_m / deg_p - full_m / full_p, 4) if deg_p else None
+    row["degraded_vs_full_error"] = round(deg_m / deg_p - full_m / full_p, 4)
     return row
 
 

@@ -102,6 +102,19 @@ def test_the_node_lost_by_default_is_the_last_replica_apart_from_rank_0s():
         kgm.default_victim({"replicas": [rep("n0"), rep("n0")]})
 
 
+def test_the_survivors_plan_is_the_members_with_the_memberships_split():
+    """bench/keep_going_mixed.py prices the survivors as they run: the lost replica left out,
+    each member's micro-batches (and samples) those of `membership_changed`'s split, the rings
+    left for the pricer to derive."""
+    def rep(mb):
+        return {"samples": 2 * mb, "micro_batches": mb, "stages": [{"gpu": "A100-80G", "layers": [0, 2], "gpus": []}]}
+    doc = {"micro_batch": 2, "global_batch": 16, "replicas": [rep(3), rep(3), rep(2)], "comm_groups": [{"ranks": [0]}]}
+    out = kgm.survivors(doc, {"0": 5, "2": 3})
+    assert [(r["micro_batches"], r["samples"]) for r in out["replicas"]] == [(5, 10), (3, 6)]
+    assert "comm_groups" not in out
+    assert [r["micro_batches"] for r in doc["replicas"]] == [3, 3, 2], "the plan itself is left as it was"
+
+
 def test_links_are_measured_with_each_end_inside_its_nodes_cpu_share(tmp_path: Path):
     """An emulated node's ranks run the network stack and gloo's ring inside their share, so the
     bench measures each pair with both ends each held to its node's share: by a two-rank gloo
