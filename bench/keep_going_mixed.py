@@ -40,9 +40,7 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,22 +58,6 @@ import netcluster as nc  # noqa: E402
 from netns import Net, requirements  # noqa: E402
 
 log = mc.log
-
-
-def lose_node(cluster: nc.NetCluster, node: str):
-    """SIGKILL `node`'s agent and everything running in its namespace (its ranks)."""
-    p = cluster.agents[node]
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except OSError:
-        p.kill()
-    p.wait()
-    pids = subprocess.run(["ip", "netns", "pids", cluster.net.ns[node]], capture_output=True, text=True).stdout
-    for pid in pids.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
 
 
 def default_victim(doc: dict) -> str:
@@ -141,7 +123,7 @@ def run(cluster: nc.NetCluster, root: Path, doc: dict, args) -> dict:
         state = cluster.job(jid)
         lines = [d for d in nc.rank0_lines(cluster.tmp, jid, 1) if "step_s" in d]
         if killed is None and lines and lines[-1]["step"] + 1 >= args.lose_after:
-            lose_node(cluster, victim)
+            cluster.lose_node(victim)
             killed = (time.monotonic(), lines[-1]["step"])
             log(f"{victim} ({args.names.get(victim, victim)}) lost after step {killed[1]}")
         if state["state"] in ("succeeded", "failed", "cancelled"):

@@ -180,22 +180,36 @@ class NetCluster:
             out.append(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}")
         return "\n".join(out)
 
+    def lose_node(self, node: str):
+        """`node` vanishes: its agent and everything running in its namespace (its ranks) are
+        SIGKILLed."""
+        _kill(self.agents[node])
+        self._kill_namespace(node)
+
+    def _kill_namespace(self, node: str):
+        # Ranks run in their own sessions: whatever still runs in a node's namespace goes too.
+        pids = subprocess.run(["ip", "netns", "pids", self.net.ns[node]], capture_output=True, text=True).stdout
+        for pid in pids.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+
     def close(self):
         for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except OSError:
-                    p.kill()
-                p.wait()
-        # Ranks run in their own sessions: whatever still runs in a node's namespace goes too.
+            _kill(p)
         for node in self.net.nodes:
-            pids = subprocess.run(["ip", "netns", "pids", self.net.ns[node]], capture_output=True, text=True).stdout
-            for pid in pids.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (OSError, ValueError):
-                    pass
+            self._kill_namespace(node)
+
+
+def _kill(p: subprocess.Popen):
+    """SIGKILL `p` and its process group, and reap it."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            p.kill()
+        p.wait()
 
 
 # ---- jobs ----------------------------------------------------------------------------------------
