@@ -429,6 +429,24 @@ impl<'a> CostModel<'a> {
             Rings::Shared { bw, intra } => (*bw, !intra),
         }
     }
+    /// Seconds of the optimizer step of a stage of kind `k` holding `layers` layers (and the
+    /// embedding or head when `first` or `last`). The search's shapes and the evaluation of a
+    /// whole plan both price the step here, so the plan the search keeps is priced as reported.
+    pub fn optimizer_time(&self, c: &LayerCost, k: StageKind, layers: u32, first: bool, last: bool) -> f64 {
+        // Adam reads and writes ~28 bytes per parameter (fp32 master, m, v; fp16 w, g);
+        // ZeRO-1 steps 1/dp of the states. A profile's measured step per layer replaces the
+        // estimate (scaled the same way under ZeRO-1), for the embedding and head too: the
+        // step is elementwise, so the device's measured seconds per parameter price every
+        // parameter it steps, where the catalog's peak memory bandwidth is never reached (and
+        // says nothing of an emulated device).
+        let per_param = if self.opts.zero1 { 4.0 + 24.0 / k.dp as f64 } else { 28.0 };
+        let stage_params_gpu = layers as f64 * c.layer_params_gpu + c.ends_params_gpu(first, last);
+        match c.optimizer_layer {
+            Some(o) if c.layer_params_gpu > 0.0 => stage_params_gpu * o / c.layer_params_gpu * per_param / 28.0,
+            _ => stage_params_gpu * per_param / c.mem_bw,
+        }
+    }
+
     /// Time terms of a replica with stage kinds `kinds`, `layers[i]` layers on stage i.
     pub fn replica_time(
         &self,
@@ -456,22 +474,9 @@ impl<'a> CostModel<'a> {
                 latency += hops[i];
             }
             let params = layers[i] as f64 * self.model.layer_params + self.model.ends_params(first, last);
-            let extra_params_gpu = costs[i].ends_params_gpu(first, last);
             exposed = exposed.max(self.sync_time(ctx, kinds[i], params) * ring_shares[i] - pre_bwd);
             pre_bwd += b;
-            // Adam reads and writes ~28 bytes per parameter (fp32 master, m, v; fp16 w, g);
-            // ZeRO-1 steps 1/dp of the states. A profile's measured step of one layer replaces
-            // the estimate (scaled the same way under ZeRO-1), for the embedding and head too:
-            // the step is elementwise, so the device's measured seconds per parameter price
-            // every parameter it steps, where the catalog's peak memory bandwidth is never
-            // reached (and says nothing of an emulated device).
-            let per_param = if self.opts.zero1 { 4.0 + 24.0 / kinds[i].dp as f64 } else { 28.0 };
-            let stage_params_gpu = layers[i] as f64 * costs[i].layer_params_gpu + extra_params_gpu;
-            let step = match costs[i].optimizer_layer {
-                Some(o) if costs[i].layer_params_gpu > 0.0 => stage_params_gpu * o / costs[i].layer_params_gpu * per_param / 28.0,
-                _ => stage_params_gpu * per_param / costs[i].mem_bw,
-            };
-            optimizer = optimizer.max(step);
+            optimizer = optimizer.max(self.optimizer_time(&costs[i], kinds[i], layers[i], first, last));
         }
         ReplicaTime { latency, period: self.period(&busy, &hops), exposed_sync: exposed.max(0.0), optimizer }
     }

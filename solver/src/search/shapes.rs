@@ -307,9 +307,7 @@ impl Shape {
                 latency += hops[i];
             }
             sync_params.push(layers[i] as f64 * cm.model.layer_params + cm.model.ends_params(first, last));
-            let params_gpu = layers[i] as f64 * c.layer_params_gpu + c.ends_params_gpu(first, last);
-            let per_param = if cm.opts.zero1 { 4.0 + 24.0 / self.kinds[i].dp as f64 } else { 28.0 };
-            optimizer = optimizer.max(params_gpu * per_param / c.mem_bw);
+            optimizer = optimizer.max(cm.optimizer_time(c, self.kinds[i], layers[i], first, last));
             pre_bwd.push(pre);
             pre += b;
         }
