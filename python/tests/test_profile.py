@@ -247,3 +247,17 @@ def test_the_wall_clock_counts_time_the_thread_is_stopped_and_keeps_the_mean():
     sleeps = iter([0.0, 0.0, 0.0, 0.0, 0.09, 0.0])  # forward, backward, three times: one stopped forward
     f, b = prof.median_fwd_bwd(ctx, lambda: _time.sleep(next(sleeps)), lambda _: _time.sleep(next(sleeps)), lambda: None)
     assert 25 <= f < 80 and b < 10, (f, b)  # the mean of 0, 0 and 90 ms, not the median 0
+
+
+def test_the_optimizer_is_timed_over_eight_layers_unless_a_gpu_cannot_hold_them():
+    """One layer's AdamW step, repeated, keeps its state in the cache; a stage's step does not
+    (profile.optimizer_layers): eight layers on the CPU, fewer where a GPU's free memory could
+    not hold four copies of them within half of it."""
+    layer = 100 << 20
+    assert prof.optimizer_layers(layer, None) == 8
+    assert prof.optimizer_layers(layer, 64 * layer) == 8
+    assert prof.optimizer_layers(layer, 63 * layer) == 4
+    assert prof.optimizer_layers(layer, 8 * layer) == 1
+    assert prof.optimizer_layers(layer, layer) == 1  # never fewer than one layer
+    with pytest.raises(ValueError):
+        prof.optimizer_layers(0, None)

@@ -17,7 +17,7 @@
 //!     embed_bwd_ms: 0.5  # (last stage), per micro-batch
 //!     head_fwd_ms: 2.0
 //!     head_bwd_ms: 4.1
-//!     optimizer_ms: 0.3  # the optimizer step of one layer's parameters
+//!     optimizer_ms: 0.3  # the optimizer step per layer (timed over eight layers at once)
 //!     fixed_mib: 1536    # parameters, gradients and optimizer state of one layer's shard
 //!     model: gpt3-1.3b   # what was measured: the model (and a hash of its spec), sequence
 //!     model_hash: 5f...  # length, data type, torch version and device

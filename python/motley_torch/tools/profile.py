@@ -24,7 +24,9 @@ parameters not at all; on CUDA cross-checked against `torch.cuda.memory_allocate
 `max_memory_allocated`, a warning on stderr when they disagree), the fixed memory of one layer's
 TP shard (parameters + gradients + AdamW's two moments, in the parameter dtype as the trainer
 keeps them), the embedding's and the final LN + head + loss' forward/backward times, and the
-AdamW step over one layer's parameters.
+AdamW step per layer, timed over eight layers' parameters at once as a stage steps them, each
+step after a backward pass over them (`optimizer_layers`: fewer where a GPU's free memory could
+not hold eight layers' state).
 
 One entry per (gpu, tp, micro_batch) under `profiles:`; with --output FILE an existing entry for
 the same key is replaced and the others kept (written to a temporary name, then renamed);
@@ -316,26 +318,68 @@ def time_head(ctx: Ctx) -> Tuple[float, float]:
     return median_fwd_bwd(ctx, fwd, lambda loss: loss.backward(), _zero_grads(head), collective=False)
 
 
+def optimizer_layers(layer_bytes: int, free_bytes: Optional[int]) -> int:
+    """How many layers the optimizer step is timed over: the deepest of BLOCKS whose parameters,
+    gradients and AdamW's two moments (4 x `layer_bytes` a layer) take at most half of
+    `free_bytes` (a GPU's free memory; None on the CPU, where the blocks' timing already held
+    them). A stage steps all its layers at once, far more than any cache holds, and one layer's
+    step run again and again keeps its state in the cache: timed that way on a 2-core Xeon a
+    layer of bench/mixed/model.yaml stepped in 2.5-2.7 ms of CPU, where the trainer's step of
+    eight took 3.9 ms a layer and the same step over eight layers here, each after a backward
+    pass, 3.6-4.0 (BENCHMARKS.md, "The optimizer step timed over a stage's worth of layers")."""
+    if layer_bytes <= 0:
+        raise ValueError("layer_bytes must be positive")
+    fits = [n for n in BLOCKS if free_bytes is None or 4 * n * layer_bytes <= free_bytes // 2]
+    return max(fits, default=BLOCKS[0])
+
+
 def optimizer_and_fixed(ctx: Ctx) -> Tuple[float, int, int]:
-    """(median AdamW step ms over one layer's parameters, the layer's fixed bytes: parameters +
-    gradients + AdamW's exp_avg and exp_avg_sq, parameter count of the shard)."""
+    """(AdamW step ms per layer, timed over `optimizer_layers` layers' parameters at once; one
+    layer's fixed bytes: parameters + gradients + AdamW's exp_avg and exp_avg_sq; one layer's
+    parameter count of the shard)."""
     from types import SimpleNamespace
+
+    import torch
 
     from ..components.stage_init import make_optimizer
 
-    m = ctx.blocks(1)
+    one = ctx.blocks(1)
+    layer_bytes = sum(p.numel() * p.element_size() for p in one.parameters())
+    del one
+    free = None
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(ctx.device)[0]
+    n = optimizer_layers(layer_bytes, free)
+    if ctx.tp > 1:
+        # The TP ranks run the stack's forward and backward together: one depth for all of them.
+        import torch.distributed as dist
+
+        t = torch.tensor([n], device=ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.group)
+        n = int(t.item())
+    m = ctx.blocks(n)
     x = ctx.randn(ctx.args.micro_batch, ctx.seq, ctx.spec.hidden)
-    m(x).float().square().mean().backward()
+    zero = _zero_grads(m)
+
+    def backward():
+        zero()
+        m(x).float().square().mean().backward()
+
+    backward()
     # The trainer's optimizer and kernel (stage_init.make_optimizer), state in the parameter dtype.
     opt = make_optimizer(m.parameters(), SimpleNamespace(lr=1e-3, weight_decay=0.01))
     times = []
     for i in range(ctx.args.warmup + ctx.args.runs):
+        # Each step after a backward pass over the stack, as a step comes after the last
+        # micro-batch's backward (untimed): what the step reads is where a training step finds it.
+        backward()
         ctx.timer.sync()
         t, _ = ctx.timer(opt.step)
         if i >= ctx.args.warmup:
-            times.append(t)
+            times.append(t / n)
     fixed, count = 0, 0
-    for p in m.parameters():
+    for p in m[0].parameters():
         count += p.numel()
         fixed += p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size()
         st = opt.state[p]
