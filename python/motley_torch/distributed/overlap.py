@@ -11,6 +11,15 @@ and writes the sums back. Buckets are cut in reverse parameter order (the order 
 pass finishes them), the same on every member of a ring, so every member launches the same
 buckets in the same order. The sums are those of `schedule.allreduce_gradients` (the same
 elements added), so the losses still equal the single process's.
+
+Gradients as views of their bucket (fp32 parameters, the plain path's): each bucket keeps one
+flat fp32 buffer, and every step starts with the buffer zeroed and each parameter's `.grad` a view
+of its slice, so the backward pass accumulates straight into the buffer (autograd adds a
+gradient into an existing `.grad` in place), the all-reduce runs on the buffer itself, and the
+sums are the gradients: no copy into a bucket at launch and none back after it (torch DDP's
+`gradient_as_bucket_view`). A bucket of other types (ZeRO-1's half weights) is copied as before.
+On a CPU share those two copies of every gradient were most of what the gradient sync cost
+beyond the ring itself (BENCHMARKS.md, "The gradient sync without copies").
 """
 
 from __future__ import annotations
@@ -29,6 +38,34 @@ class _Bucket:
         self.ready = 0
         self.work = None
         self.flat: Optional[torch.Tensor] = None
+        # Gradients as views (module docstring): the flat buffer and each parameter's slice.
+        self.buffer: Optional[torch.Tensor] = None
+        self.views: List[torch.Tensor] = []
+
+    def as_views(self):
+        """Keep a flat fp32 buffer whose slices are the parameters' gradients."""
+        p0 = self.params[0]
+        self.buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=p0.device)
+        off = 0
+        for p in self.params:
+            self.views.append(self.buffer[off: off + p.numel()].view_as(p))
+            off += p.numel()
+
+    def attach(self):
+        """A step's start: the buffer zeroed, every gradient its view."""
+        self.buffer.zero_()
+        for p, v in zip(self.params, self.views):
+            p.grad = v
+
+    def gather(self):
+        """At launch: any gradient that is not its view (something replaced `.grad`) copied
+        into it, so the buffer holds every gradient."""
+        for p, v in zip(self.params, self.views):
+            if p.grad is None:
+                p.grad = v
+            elif p.grad.data_ptr() != v.data_ptr():
+                v.copy_(p.grad)
+                p.grad = v
 
 
 class HookedBuckets:
@@ -122,11 +159,24 @@ class OverlappedReducer(HookedBuckets):
                 size += n
             if cur:
                 self._add(seg.group.pg, cur)
+        for b in self.buckets:
+            if all(p.dtype == torch.float32 and p.device == b.params[0].device for p in b.params):
+                b.as_views()
         self._register_hooks()
 
+    def start_step(self, micro_batches: int):
+        super().start_step(micro_batches)
+        for b in self.buckets:
+            if b.buffer is not None:
+                b.attach()
+
     def _launch(self, b: _Bucket):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        b.flat = torch.cat([g.reshape(-1).float() for g in grads])
+        if b.buffer is not None:
+            b.gather()
+            b.flat = b.buffer
+        else:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+            b.flat = torch.cat([g.reshape(-1).float() for g in grads])
         try:
             b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=b.group, async_op=True)
         except RuntimeError as e:
@@ -141,6 +191,9 @@ class OverlappedReducer(HookedBuckets):
         self._launch_rest()
         for b in self.launched:
             self.view.wait(b.work)
+            if b.buffer is not None:
+                b.work, b.flat = None, None  # the sums are the gradients (views of the buffer)
+                continue
             off = 0
             for p in b.params:
                 n = p.numel()
