@@ -57,6 +57,19 @@ def free_port() -> int:
 # ---- what the coordinator and the agent compute, re-implemented from the Rust sources --------
 
 
+def two_gloo_ranks(worker: str, timeout: float = 120.0) -> List[str]:
+    """Run `worker` (Python source; argv: its rank, then a free port for a two-rank gloo group
+    on localhost) as ranks 0 and 1 at once; each rank's stdout once both exited 0."""
+    port = str(free_port())
+    env = python_env(OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", worker, str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return [out for out, _ in outs]
+
+
 def ranks_of(plan: dict) -> List[dict]:
     """coordinator/src/planning/mod.rs `ranks_of` (and the local ranks the launch gives each node)."""
     out, local = [], {}

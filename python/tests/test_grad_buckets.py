@@ -6,10 +6,8 @@ before. Two gloo ranks on localhost; every sum checked against the gradients eac
 alone."""
 
 import json
-import subprocess
-import sys
 
-from launcher import free_port, python_env
+from launcher import two_gloo_ranks
 
 WORKER = r"""
 import json, sys, types, torch, torch.distributed as dist
@@ -57,14 +55,7 @@ dist.destroy_process_group()
 def test_fp32_gradients_are_views_of_their_bucket_and_sum_in_place():
     import torch
 
-    port = str(free_port())
-    env = python_env(OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), port], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    r0, r1 = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    r0, r1 = (json.loads(out.strip().splitlines()[-1]) for out in two_gloo_ranks(WORKER))
     assert r0["buckets"] == 3
     # The bucket that holds the bf16 layer is copied (its fp32 bias too); every other gradient
     # lies inside its bucket's buffer.
