@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -68,6 +69,17 @@ def two_gloo_ranks(worker: str, timeout: float = 120.0) -> List[str]:
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return [out for out, _ in outs]
+
+
+def kill_group(p: subprocess.Popen):
+    """SIGKILL `p` and its process group (it leads one: started with start_new_session), and
+    reap it."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            p.kill()
+        p.wait()
 
 
 def ranks_of(plan: dict) -> List[dict]:
@@ -183,9 +195,7 @@ def wait_ranks(procs, workdir: Path, timeout: float) -> List[RankResult]:
             timed_out = True
     results = []
     for r, p, out, err, env in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, 9)
-            p.wait()
+        kill_group(p)
         out.close()
         err.close()
         n = r["rank"]

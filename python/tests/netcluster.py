@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 
 import yaml
 
-from launcher import REPO, free_port, motley_bin
+from launcher import REPO, free_port, kill_group, motley_bin
 from netns import Net
 
 
@@ -183,7 +183,7 @@ class NetCluster:
     def lose_node(self, node: str):
         """`node` vanishes: its agent and everything running in its namespace (its ranks) are
         SIGKILLed."""
-        _kill(self.agents[node])
+        kill_group(self.agents[node])
         self._kill_namespace(node)
 
     def _kill_namespace(self, node: str):
@@ -197,19 +197,9 @@ class NetCluster:
 
     def close(self):
         for p in self.procs:
-            _kill(p)
+            kill_group(p)
         for node in self.net.nodes:
             self._kill_namespace(node)
-
-
-def _kill(p: subprocess.Popen):
-    """SIGKILL `p` and its process group, and reap it."""
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except OSError:
-            p.kill()
-        p.wait()
 
 
 # ---- jobs ----------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from launcher import DATA, REPO, free_port, motley_bin, reference_losses
+from launcher import DATA, REPO, free_port, kill_group, motley_bin, reference_losses
 from tolerance import assert_steps_close, layers_of
 
 MODEL = DATA / "tiny-dev.yaml"
@@ -140,12 +140,7 @@ class Cluster:
 
     def close(self):
         for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except OSError:
-                    p.kill()
-                p.wait()
+            kill_group(p)
         for pid in os.listdir("/proc"):
             if pid.isdigit():
                 try:

@@ -324,9 +324,10 @@ def optimizer_layers(layer_bytes: int, free_bytes: Optional[int]) -> int:
     `free_bytes` (a GPU's free memory; None on the CPU, where the blocks' timing already held
     them). A stage steps all its layers at once, far more than any cache holds, and one layer's
     step run again and again keeps its state in the cache: timed that way on a 2-core Xeon a
-    layer of bench/mixed/model.yaml stepped in 2.5-2.7 ms of CPU, where the trainer's step of
+    layer of bench/mixed/model.yaml stepped in 2.5-2.75 ms of CPU, where the trainer's step of
     eight took 3.9 ms a layer and the same step over eight layers here, each after a backward
-    pass, 3.6-4.0 (BENCHMARKS.md, "The optimizer step timed over a stage's worth of layers")."""
+    pass, 3.55-4.0 (bench/optimizer_probe.py; BENCHMARKS.md, "The optimizer step as a stage runs
+    it")."""
     if layer_bytes <= 0:
         raise ValueError("layer_bytes must be positive")
     fits = [n for n in BLOCKS if free_bytes is None or 4 * n * layer_bytes <= free_bytes // 2]
@@ -343,21 +344,20 @@ def optimizer_and_fixed(ctx: Ctx) -> Tuple[float, int, int]:
 
     from ..components.stage_init import make_optimizer
 
-    one = ctx.blocks(1)
-    layer_bytes = sum(p.numel() * p.element_size() for p in one.parameters())
-    del one
-    free = None
+    n = optimizer_layers(1, None)  # on the CPU: the blocks' timing already held the deepest stack
     if ctx.device.type == "cuda":
+        one = ctx.blocks(1)
+        layer_bytes = sum(p.numel() * p.element_size() for p in one.parameters())
+        del one
         torch.cuda.empty_cache()
-        free = torch.cuda.mem_get_info(ctx.device)[0]
-    n = optimizer_layers(layer_bytes, free)
-    if ctx.tp > 1:
+        n = optimizer_layers(layer_bytes, torch.cuda.mem_get_info(ctx.device)[0])
         # The TP ranks run the stack's forward and backward together: one depth for all of them.
-        import torch.distributed as dist
+        if ctx.tp > 1:
+            import torch.distributed as dist
 
-        t = torch.tensor([n], device=ctx.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.group)
-        n = int(t.item())
+            t = torch.tensor([n], device=ctx.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.group)
+            n = int(t.item())
     m = ctx.blocks(n)
     x = ctx.randn(ctx.args.micro_batch, ctx.seq, ctx.spec.hidden)
     zero = _zero_grads(m)
