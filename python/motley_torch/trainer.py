@@ -161,6 +161,10 @@ class Trainer:
             self.keep = keep_going.KeepGoing(view, args.timeout, tied)
             print("motley-keep-going on: a lost replica's share goes to the others (docs/keep-going.md)",
                   file=sys.stderr, flush=True)
+        if self.keep is not None and args.ckpt_dir:
+            from .components import checkpoint
+
+            self.keep.carry = checkpoint.pending_label  # compared where the members meet (`_settle_saves`)
         self.reports_loss = view.is_last_stage and view.tp_rank == 0
         self.pending = None  # the last step's loss line, its sum still in flight
         self.last_line = None  # the last line flushed (every rank: `_next_epoch`)
@@ -450,6 +454,7 @@ class Trainer:
         old_leader = view.leader
         roll = self.keep.next_epoch(step, cause, keep_going.make_gloo_or_nccl(view, self.keep.timeout))
         self._take_epoch_view()
+        self._settle_saves()
         view = self.view
         # Every committed step's line went out as it committed; a step rolled forward here is
         # printed below by the new leader (the old one went before reading its decision).
@@ -477,6 +482,22 @@ class Trainer:
             raise _Moved(step, e) from e
         return step
 
+    def _settle_saves(self):
+        """After a meeting: every member must agree on the same save in flight at its next save
+        (`checkpoint.finish`, one all-reduce on a rank that holds one). A member that rolled a
+        step forward skipped what the others did between that step and the next, a save among
+        it (or their agreement on the one before, given up when the lost replica broke it), so
+        where the members hold different saves each gives its own up: one all-reduce more on
+        some of them deadlocked the next save (docs/keep-going.md)."""
+        if self.keep is None or not self.args.ckpt_dir or len(set(self.keep.carried.values())) < 2:
+            return
+        from .components import checkpoint
+
+        step = checkpoint.give_up()
+        if step is not None:
+            print(f"motley-checkpoint step {step} not saved: the members met holding different saves "
+                  f"({self.keep.carried}); the next save is under epoch {self.view.epoch}", file=sys.stderr, flush=True)
+
     def _take_epoch_view(self):
         self.view = self.keep.view
         self.plan = self.view.plan
@@ -501,6 +522,7 @@ class Trainer:
             checkpoint.finish(self.view)
         _, step = self.keep.move(step, keep_going.make_gloo_or_nccl(self.view, self.keep.timeout))
         self._take_epoch_view()
+        self._settle_saves()
         self._new_sync()
         if not self.keep.loaded:
             self._start_at(step)

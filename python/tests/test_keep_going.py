@@ -113,6 +113,16 @@ def test_survivors_keep_training_through_a_lost_replica_with_the_single_process_
         assert "motley-membership epoch 1" in r.log, r.log[-3000:]
         assert "motley-keep-going on" in r.log
     leader = 2 if lost == "pipeline-with-rank-0" else 0
+    check_lines(by_rank, survivors, leader, want)
+    # --save-params at the end: the leader's replica writes the whole model and the leader merges
+    # it, replica 0 lost or not; the parameters are the single process's.
+    check_params(tmp_path / "params", reference_params)
+    check_degraded_step(ckpt, killed, plan)
+
+
+def check_lines(by_rank, survivors, leader: int, want):
+    """Every step's line once, epoch 0's then 1's, with the single process's losses: rank 0's
+    before the loss and the leader's after."""
     before = progress(by_rank[0].stdout)
     after = progress(by_rank[leader].stdout)
     if leader == 0:
@@ -136,20 +146,71 @@ def test_survivors_keep_training_through_a_lost_replica_with_the_single_process_
     assert steps == list(range(STEPS)), f"every step once, none lost or repeated: {steps}"
     assert {x["epoch"] for x in lines} == {0, 1} and [x["epoch"] for x in lines] == sorted(x["epoch"] for x in lines)
     assert_steps_close([x["loss"] for x in lines], want, 4, "losses through the loss against the single process's")
-    # --save-params at the end: the leader's replica writes the whole model and the leader merges
-    # it, replica 0 lost or not; the parameters are the single process's (compared normwise, as
-    # test_distributed compares a plan's: AdamW's steps on the rounding noise of a zero gradient
-    # differ in sign between any two runs).
+
+
+def check_params(params: Path, reference_params: Path):
+    """The merged --save-params file holds the single process's parameters (compared normwise, as
+    test_distributed compares a plan's: AdamW's steps on the rounding noise of a zero gradient
+    differ in sign between any two runs)."""
     from safetensors.torch import load_file
 
-    got, ref = load_file(str(tmp_path / "params" / "params.safetensors")), load_file(str(reference_params))
+    got, ref = load_file(str(params / "params.safetensors")), load_file(str(reference_params))
     assert sorted(got) == sorted(ref)
-    assert not list((tmp_path / "params").glob("params-stage*")), "the stage files are merged and removed"
+    assert not list(params.glob("params-stage*")), "the stage files are merged and removed"
     norm = max(t.abs().max().item() for t in ref.values())
     for k in sorted(got):
         assert_close_rel(got[k], ref[k], math.sqrt(STEPS) * gradient_ops(4), f"parameter {k} after {STEPS} steps",
                          scale=norm)
-    check_degraded_step(ckpt, killed, plan)
+
+
+def test_a_survivor_that_missed_a_commit_rolls_it_forward_and_the_saves_stay_agreed(tmp_path, reference_params):
+    """Replica 0 goes with rank 0, the store's host, after step 3 committed for ranks 0-2 and
+    before rank 3 (held after its vote) read the decision. Rank 2 went on to save step 4 and
+    failed in step 4; rank 3 commits step 3 as the others did. The two meet holding different
+    saves (rank 2 step 4's, rank 3 none), so both give theirs up: had rank 2 kept it, its next
+    save would agree on it in one all-reduce more than rank 3 runs, and the last agreement or
+    --save-params' barrier would wait out the timeout. The losses, the parameters and the last
+    save are the single process's."""
+    from motley_torch.components import checkpoint
+
+    plan = three_replicas()
+    work = tmp_path / "run"
+    member_file, release = work / "membership.json", tmp_path / "release"
+    want = reference_losses(str(DATA / MODEL), 12, 16, STEPS, SEED)
+    ckpt = tmp_path / "ckpt"
+    procs = start_ranks(plan, ["--steps", str(STEPS), "--seed", str(SEED), "--timeout", "60",
+                               "--save-params", str(tmp_path / "params"), "--ckpt-dir", str(ckpt),
+                               "--ckpt-every", str(SAVE_EVERY)], work,
+                        extra_env={"MOTLEY_KEEP_GOING": "1", "MOTLEY_MEMBERSHIP": str(member_file)},
+                        rank_env={3: {"MOTLEY_TEST_HOLD_AFTER_VOTE": f"3:{release}"}})
+    try:
+        # Rank 2's piece of step 4: it read step 3's decision and saved.
+        piece = ckpt / checkpoint.step_dir_name(SAVE_EVERY) / checkpoint.piece_file_name(2)
+        until = time.monotonic() + 120
+        while not piece.exists():
+            dead = [r["rank"] for r, p, *_ in procs if p.poll() is not None]
+            assert not dead and time.monotonic() < until, f"no {piece}; ranks ended: {dead}"
+            time.sleep(0.05)
+        for r, p, *_ in procs:
+            if r["rank"] in (0, 1):
+                os.killpg(p.pid, signal.SIGKILL)
+        time.sleep(0.3)
+        write_membership(member_file, membership(1, [1, 2], [0], {1: 3, 2: 3}, free_port(), 2))
+    finally:
+        release.touch()
+        results = wait_ranks(procs, work, 180)
+    by_rank = {r.rank: r for r in results}
+    survivors = [by_rank[2], by_rank[3]]
+    for r in survivors:
+        assert r.returncode == 0, f"rank {r.rank} exit {r.returncode}\n{r.log[-4000:]}"
+    assert "committing step 3 as the others did" in by_rank[3].log, by_rank[3].log[-3000:]
+    assert "redoing step 4" in by_rank[2].log, by_rank[2].log[-3000:]
+    assert f"motley-checkpoint step {SAVE_EVERY} not saved: the members met holding different saves" in by_rank[2].log
+    check_lines(by_rank, survivors, 2, want)
+    check_params(tmp_path / "params", reference_params)
+    assert not (ckpt / checkpoint.step_dir_name(SAVE_EVERY) / checkpoint.MANIFEST).exists(), "the given-up save"
+    m = checkpoint.verify_step(str(ckpt / checkpoint.step_dir_name(DEGRADED_SAVE)))
+    assert m["lost_ranks"] == [0, 1] and [r["rank"] for r in m["ranks"]] == [0, 1, 2, 3], m["ranks"]
 
 
 def check_degraded_step(ckpt: Path, killed, plan: dict):

@@ -344,6 +344,28 @@ def flush():
                               f"{type(p.error).__name__}: {p.error}") from p.error
 
 
+def pending_label() -> str:
+    """The step of this rank's save still to be agreed on (`finish`), or "-": what the members of
+    a job that keeps going compare when they meet (docs/keep-going.md)."""
+    return "-" if _pending is None else str(_pending.step)
+
+
+def give_up() -> Optional[int]:
+    """Forget this rank's save still to be agreed on, once its writer is done (local; no
+    collective): the step it was, or None. Its files stay without a manifest: never taken for a
+    whole step (docs/checkpoint.md)."""
+    global _pending
+    p = _pending
+    if p is None:
+        return None
+    try:
+        flush()
+    except CheckpointError as e:
+        print(f"motley_torch.checkpoint: {e}", file=sys.stderr, flush=True)
+    _pending = None
+    return p.step
+
+
 def _merge_manifest(sdir: str, ranks: List[int]):
     pieces = [os.path.join(sdir, piece_file_name(r)) for r in ranks]
     if all(os.path.exists(x) for x in pieces):

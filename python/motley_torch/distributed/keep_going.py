@@ -104,6 +104,21 @@ def _waited_in_slices(done: threading.Event, failed: list, gave_up) -> None:
         raise failed[0]
 
 
+def _held_for_test(step: int, timeout_s: float) -> None:
+    """A test's hold on one rank between its vote on a step and its reading of the decision
+    (MOTLEY_TEST_HOLD_AFTER_VOTE="STEP:PATH" in that rank's environment: until PATH exists, or
+    the timeout): the window in which the store's host can go after the step committed for the
+    other members, which a test cannot otherwise hit at will (python/tests/test_keep_going.py)."""
+    held = os.environ.get("MOTLEY_TEST_HOLD_AFTER_VOTE")
+    if not held:
+        return
+    s, path = held.split(":", 1)
+    until = time.monotonic() + timeout_s
+    if int(s) == step:
+        while not os.path.exists(path) and time.monotonic() < until:
+            time.sleep(0.02)
+
+
 def enabled(view, zero1: bool) -> bool:
     """Keep going where the coordinator asked for it (MOTLEY_KEEP_GOING=1, a membership file to
     watch) and the plan has replicas to lose; ZeRO-1 shards optimizer state across replicas, so
@@ -207,6 +222,12 @@ class KeepGoing:
         self.move_to: Optional[Membership] = None
         self.loaded = joining is None
         self.joiners: List[int] = []
+        # What the trainer hands each meeting beside its step (`carry()`, a short string without
+        # "|": its checkpoint save still to be agreed on), and what the members holding the
+        # job's state handed at the last meeting (`carried`, by rank): state a member's roll
+        # forward skipped (the others' work between two steps) shows there as a difference.
+        self.carry = lambda: ""
+        self.carried: Dict[int, str] = {}
         self._newest: Optional[Membership] = None
         self.voted: Optional[int] = None
         self.committed: Optional[tuple] = None
@@ -317,6 +338,7 @@ class KeepGoing:
                 # them saw, and enters it from here, whatever its own file holds by then.
                 store.set(f"doc/{seen}", json.dumps(self._newest.to_doc()))
             store.set(f"s{step}/v/{rank}", ("-" if loss is None else repr(float(loss))) + f"@{seen}")
+            _held_for_test(step, self.timeout.total_seconds())
             keys = [f"s{step}/v/{r}" for r in ep.members]
             all_in = _poll(store, keys, time.monotonic() + self.timeout.total_seconds(), self.gave_up)
             want = b"commit" if all_in else b"abort"
@@ -406,7 +428,7 @@ class KeepGoing:
         # decision read just before the old store's host went) cannot be made whole here.
         if step is not None and self.committed is not None and self.committed[0] == step - 1:
             store.set(f"loss/{step - 1}", repr(self.committed[1]))
-        store.set(f"joined/{view.rank}", str(step) if self.loaded else JOINING)
+        store.set(f"joined/{view.rank}", (str(step) if self.loaded else JOINING) + "|" + self.carry())
         # One decision per epoch's meeting, the first rank's (`compare_set`), which every member
         # follows: meet here once every member is in, or go on to a newer epoch one of them
         # read while some were missing (its document left in this store). A member never
@@ -434,9 +456,10 @@ class KeepGoing:
                   file=sys.stderr, flush=True)
             self.epoch = Epoch(m, address, tcp, store, view, {})
             return self._enter(n, step, cause, make_groups)
-        said = dict(zip(mine, (v.decode() for v in store.multi_get([f"joined/{r}" for r in mine]))))
-        self.joiners = sorted(r for r, v in said.items() if v == JOINING)
-        steps = {int(v) for v in said.values() if v != JOINING}
+        said = dict(zip(mine, (v.decode().split("|", 1) for v in store.multi_get([f"joined/{r}" for r in mine]))))
+        self.joiners = sorted(r for r, (v, _) in said.items() if v == JOINING)
+        self.carried = {r: c for r, (v, c) in said.items() if v != JOINING}
+        steps = {int(v) for v, _ in said.values() if v != JOINING}
         if not steps:
             raise MembershipError(f"epoch {m.epoch}: every member is joining; none holds the job's state")
         roll = None
