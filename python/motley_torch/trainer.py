@@ -248,7 +248,7 @@ class Trainer:
 
     def _global_sum(self, value: float) -> float:
         t, work = self._start_loss_sum(value)
-        work.wait()
+        self.view.wait(work)  # as every cross-replica collective: a member lost must not hold it
         return float(t.item())
 
     def evaluate(self, at: int):
@@ -390,28 +390,7 @@ class Trainer:
             if self.profiler is not None:
                 self.profiler.after(step)
             step += 1
-            try:
-                noticed = self.notice is not None and self.notice.due(self.view)
-            except Exception as e:
-                self._next_epoch(step, e)  # the step committed everywhere: no roll forward
-                noticed = False  # seen again at the next step's look (its number is not handled)
-            if noticed:
-                print(f"motley-notice {self.notice.handled}: saving step {step}", file=sys.stderr, flush=True)
-            due_save = noticed or (args.ckpt_dir and args.ckpt_every > 0 and step % args.ckpt_every == 0)
-            if step in self.due or due_save or step == args.steps:
-                self.flush_loss()
-            if step in self.due:
-                self.evaluate(step)
-            if due_save:
-                try:
-                    self.save(step)
-                except Exception as e:
-                    # A member lost while the ranks agreed on the last save (this step committed
-                    # everywhere: no roll forward). Every member gives this save up; the next
-                    # one is whole (docs/keep-going.md).
-                    self._next_epoch(step, e)  # or raises: not a lost replica's doing
-                    print(f"motley-checkpoint step {step} not saved: a member was lost while saving; the next "
-                          f"save is under epoch {self.view.epoch}", file=sys.stderr, flush=True)
+            self._between_steps(step)
         view = self.view
         self.source.close()
         if args.ckpt_dir:
@@ -430,6 +409,42 @@ class Trainer:
         if dist.is_initialized():  # a rank that rejoined never had the launch's default group
             dist.destroy_process_group()
         return 0
+
+    def _between_steps(self, step: int):
+        """What the ranks do before `step` (the last one committed): a preemption notice's
+        look, the save, the evaluation. A member lost meanwhile (the step committed everywhere:
+        no roll forward) gives up the rest on this rank, as a member that rolled that step
+        forward after the loss does all of it: the saves they then hold are settled where they
+        meet (`_settle_saves`), and the next ones are whole (docs/keep-going.md). The save comes
+        before the evaluation, so a loss during the evaluation finds it made."""
+        args = self.args
+
+        def given_up(what: str, e: BaseException):
+            self._next_epoch(step, e)  # or raises: not a lost replica's doing
+            print(f"motley-{what} before step {step} given up: a member was lost meanwhile; the job goes on under "
+                  f"epoch {self.view.epoch}", file=sys.stderr, flush=True)
+
+        try:
+            noticed = self.notice is not None and self.notice.due(self.view)
+        except Exception as e:
+            return given_up("notice", e)  # seen again at the next step's look (its number is not handled)
+        if noticed:
+            print(f"motley-notice {self.notice.handled}: saving step {step}", file=sys.stderr, flush=True)
+        due_save = noticed or (args.ckpt_dir and args.ckpt_every > 0 and step % args.ckpt_every == 0)
+        if step in self.due or due_save or step == args.steps:
+            self.flush_loss()
+        if due_save:
+            try:
+                self.save(step)
+            except Exception as e:
+                # A member lost while the ranks agreed on the last save: every member gives this
+                # save up; the next one is whole.
+                return given_up("checkpoint", e)
+        if step in self.due:
+            try:
+                self.evaluate(step)
+            except Exception as e:
+                return given_up("eval", e)
 
     def _next_epoch(self, step: int, cause: BaseException) -> int:
         """Step `step` did not commit here because a replica was lost: move to the membership

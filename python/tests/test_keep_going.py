@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher import DATA, free_port, hand_plan, losses, reference_losses, single_process, start_ranks, wait_ranks
+from launcher import (DATA, eval_losses, free_port, hand_plan, losses, reference_losses, single_process, start_ranks,
+                      wait_ranks)
 from tolerance import assert_close_rel, assert_steps_close, gradient_ops
 
 STEPS = 8
@@ -165,12 +166,15 @@ def check_params(params: Path, reference_params: Path):
 
 def test_a_survivor_that_missed_a_commit_rolls_it_forward_and_the_saves_stay_agreed(tmp_path, reference_params):
     """Replica 0 goes with rank 0, the store's host, after step 3 committed for ranks 0-2 and
-    before rank 3 (held after its vote) read the decision. Rank 2 went on to save step 4 and
-    failed in step 4; rank 3 commits step 3 as the others did. The two meet holding different
-    saves (rank 2 step 4's, rank 3 none), so both give theirs up: had rank 2 kept it, its next
-    save would agree on it in one all-reduce more than rank 3 runs, and the last agreement or
-    --save-params' barrier would wait out the timeout. The losses, the parameters and the last
-    save are the single process's."""
+    before rank 3 (held after its vote) read the decision. Rank 2 went on to save step 4, and
+    its evaluation there failed; rank 3 commits step 3 as the others did. The two meet holding
+    different saves (rank 2 step 4's, rank 3 none), so both give theirs up: had rank 2 kept it,
+    its next save would agree on it in one all-reduce more than rank 3 runs, and the last
+    agreement or --save-params' barrier would wait out the timeout. Rank 2 gives the rest of
+    step 4's boundary up (the evaluation), as rank 3 never ran it. The losses, the parameters
+    and the last save are the single process's, and the evaluation at the end is printed."""
+    from test_train_data import dataset
+
     from motley_torch.components import checkpoint
 
     plan = three_replicas()
@@ -180,7 +184,8 @@ def test_a_survivor_that_missed_a_commit_rolls_it_forward_and_the_saves_stay_agr
     ckpt = tmp_path / "ckpt"
     procs = start_ranks(plan, ["--steps", str(STEPS), "--seed", str(SEED), "--timeout", "60",
                                "--save-params", str(tmp_path / "params"), "--ckpt-dir", str(ckpt),
-                               "--ckpt-every", str(SAVE_EVERY)], work,
+                               "--ckpt-every", str(SAVE_EVERY), "--eval-data", str(dataset(tmp_path / "eval.bin")),
+                               "--eval-samples", "5", "--eval-every", str(SAVE_EVERY)], work,
                         extra_env={"MOTLEY_KEEP_GOING": "1", "MOTLEY_MEMBERSHIP": str(member_file)},
                         rank_env={3: {"MOTLEY_TEST_HOLD_AFTER_VOTE": f"3:{release}"}})
     try:
@@ -206,6 +211,8 @@ def test_a_survivor_that_missed_a_commit_rolls_it_forward_and_the_saves_stay_agr
     assert "committing step 3 as the others did" in by_rank[3].log, by_rank[3].log[-3000:]
     assert "redoing step 4" in by_rank[2].log, by_rank[2].log[-3000:]
     assert f"motley-checkpoint step {SAVE_EVERY} not saved: the members met holding different saves" in by_rank[2].log
+    assert f"motley-eval before step {SAVE_EVERY} given up: a member was lost meanwhile" in by_rank[2].log
+    assert [s for s, _ in eval_losses(by_rank[2].stdout)] == [STEPS], "the leader's evaluation at the end"
     check_lines(by_rank, survivors, 2, want)
     check_params(tmp_path / "params", reference_params)
     assert not (ckpt / checkpoint.step_dir_name(SAVE_EVERY) / checkpoint.MANIFEST).exists(), "the given-up save"
