@@ -16,8 +16,9 @@ Systems:
   defaults on CUDA (`--compile auto`: compiled blocks, fused AdamW, the chunked head loss);
 - `baseline`: transformers' LlamaForCausalLM (SDPA attention) under `torch.compile`, AdamW
   `fused=True`, bf16 autocast, `F.cross_entropy` on the float logits, the same batches;
-- `motley-eager` (`--compile off`), `motley-cudagraphs` (`--cuda-graphs`) and `motley-zero1`
-  (`--zero1`: bf16 weights beside fp32 masters) on request.
+- `motley-eager` (`--compile off`), `motley-cudagraphs` (`--cuda-graphs`), `motley-zero1`
+  (`--zero1`: bf16 weights beside fp32 masters) and `motley-half` (`--half-weights`: the same
+  without ZeRO-1) on request.
 Each system's tokens/s is the median over the steps after the first `--skip` (compilation and
 warm-up), its MFU components.mfu's (6 N + 12 L H S FLOPs per token over the GPU's dense bf16
 peak), its peak the CUDA allocator's maximum. `-o json`: one line per (model, system)
@@ -140,9 +141,11 @@ def summarise(model_name: str, system: str, got: dict, skip: int) -> dict:
 
 
 # motley-zero1: ZeRO-1 on the one rank keeps the weights in bf16 beside fp32 masters, so the
-# forward casts no weight (one cast per step, after the optimizer).
+# forward casts no weight (one cast per step, after the optimizer). motley-half: the plain
+# path's half weights (`--half-weights`), the same one cast per step; autocast casts every
+# weight once per micro-batch, so the two part only with --micro-batches above 1.
 VARIANTS = {"motley": [], "motley-eager": ["--compile", "off"], "motley-cudagraphs": ["--cuda-graphs"],
-            "motley-zero1": ["--zero1"]}
+            "motley-zero1": ["--zero1"], "motley-half": ["--half-weights"]}
 
 
 def main(argv=None) -> int:

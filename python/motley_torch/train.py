@@ -77,6 +77,11 @@ def parse_args(argv=None):
     p.add_argument("--zero1", action="store_true",
                    help="shard the fp32 master weights and AdamW state over each layer segment's dp ring "
                         "(ZeRO-1; also on when the plan's zero1 is)")
+    p.add_argument("--half-weights", action="store_true",
+                   help="bf16/fp16: keep the model's parameters in the compute type and fp32 masters beside them "
+                        "for the optimizer, cast once per step after the optimizer step, instead of autocast "
+                        "casting every weight on every micro-batch (gradients still summed in fp32); no --save-grads, "
+                        "and a job with it recovers whole rather than keep going without a lost replica")
     p.add_argument("--no-overlap", action="store_true",
                    help="reduce the gradients after the step's pipeline instead, one buffer per layer segment")
     p.add_argument("--save-params", metavar="DIR",
@@ -239,6 +244,9 @@ def main(argv=None) -> int:
         args.ckpt_async = False if args.ckpt_sync else async_default()
         if args.single_process and (args.ckpt_every or args.ckpt_restore):
             raise PlanError("--ckpt-every/--ckpt-restore: checkpoints are written and read by ranks, not --single-process")
+        if args.single_process and args.half_weights:
+            raise PlanError("--half-weights: the ranks' runtime keeps half weights; --single-process is the fp32-weights "
+                            "reference: drop one of them")
         from .models import hf_out
 
         hf_out.check_args(args)

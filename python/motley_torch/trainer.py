@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .components.data import device_micro_batches, rank_micro_batches
 from .distributed import keep_going
-from .distributed.gradient_sync import SAVE_GRADS_ZERO1, gradient_sync
+from .distributed.gradient_sync import SAVE_GRADS_HALF, SAVE_GRADS_ZERO1, gradient_sync
 from .model_source import load_model
 from .components.progress import emit, emit_eval, log_samples, memory_line
 from .spec import ModelSpec, PlanError
@@ -41,6 +41,8 @@ def check_flags_against_plan(args):
     ranks meet: a contradiction is refused naming both values, never silently replaced. So is
     --save-grads under the plan's ZeRO-1: a rank that left once the groups were made would
     leave a peer still making them to fail on a reset connection, not on the flags."""
+    if args.save_grads and getattr(args, "half_weights", False):
+        raise PlanError(SAVE_GRADS_HALF)
     if args.seq_len is None and args.global_batch is None and not args.save_grads:
         return
     path = args.plan or os.environ.get("MOTLEY_PLAN")
@@ -57,6 +59,23 @@ def check_flags_against_plan(args):
         if given is not None and doc.get(key) != given:
             raise PlanError(f"{flag}: {given}, but the plan ({path}) has {key} {doc.get(key)}; every rank runs the "
                             f"plan's: drop {flag} or plan for {given}")
+
+
+def half_weights(args, precision: str, zero1: bool, model):
+    """`--half-weights`: the model's parameters cast to the compute type, fp32 masters beside
+    them (`distributed.half_weights`); None without it, and under ZeRO-1, which keeps half
+    weights its own way."""
+    if not args.half_weights or zero1:
+        return None
+    from .components.precision import HALF
+    from .distributed.half_weights import HalfWeights
+
+    if precision not in HALF:
+        raise PlanError(f"--half-weights: the compute type is {precision} (--dtype {args.dtype}), which has no half "
+                        f"weights to keep; give --dtype bf16 or fp16, or drop --half-weights")
+    print(f"motley-half-weights on: {precision} weights, fp32 masters, one cast per step", file=sys.stderr,
+          flush=True)
+    return HalfWeights(model, HALF[precision])
 
 
 def check_model(plan_model: ModelSpec, given: Optional[ModelSpec], ref: str):
@@ -136,9 +155,11 @@ class Trainer:
                   "blocks save about 1.5x the activations it priced: plan with `motley plan --eager` to run "
                   "--compile off", file=sys.stderr, flush=True)
         zero1 = args.zero1 or plan.zero1
+        self.half = half_weights(args, precision, zero1, model)
         self._make_sync = lambda v, optimizer=None: gradient_sync(
             v, model, zero1=zero1, overlap=not args.no_overlap, bucket_mb=args.bucket_mb, half=HALF.get(precision),
-            make_optimizer=lambda ps: make_optimizer(ps, args), save_grads=bool(args.save_grads), optimizer=optimizer)
+            make_optimizer=lambda ps: make_optimizer(ps, args), save_grads=bool(args.save_grads), optimizer=optimizer,
+            half_weights=self.half)
         self.sync = self._make_sync(view)
         if self.sync.zero is not None:
             print(f"motley-zero1 on: {len(self.sync.zero.master)} of {len(list(model.parameters()))} parameters "
@@ -156,7 +177,7 @@ class Trainer:
             self.keep = keep_going.KeepGoing(view, args.timeout, joining=self.joining[1], tcp=join_tcp)
             print(f"motley-keep-going on: rank {view.rank} rejoins in epoch {self.joining[1].epoch} from the "
                   f"members' live state (docs/keep-going.md)", file=sys.stderr, flush=True)
-        elif keep_going.enabled(view, zero1):
+        elif keep_going.enabled(view, zero1, self.half is not None):
             tied = self.sync.tied.group if self.sync.tied is not None else None
             self.keep = keep_going.KeepGoing(view, args.timeout, tied)
             print("motley-keep-going on: a lost replica's share goes to the others (docs/keep-going.md)",
@@ -177,7 +198,7 @@ class Trainer:
         if args.ckpt_restore and self.joining is None:
             self.start = checkpoint.restore(view, model, self.sync.optimizer,
                                             checkpoint.restore_list(args.ckpt_restore), position=position,
-                                            zero=self.sync.zero)
+                                            zero=self.sync.zero, masters=self._masters())
             self.scaler.load(position.get("scaler"), "MOTLEY_CKPT_RESTORE")
             print(f"motley-restore step {self.start} samples {position['samples']}", file=sys.stderr, flush=True)
         self.source = StepSource(args, spec.vocab, seq, plan.global_batch, samples_consumed=position["samples"])
@@ -201,6 +222,15 @@ class Trainer:
             if os.path.dirname(path):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
             self.tfile = open(path, "a")
+
+    def _masters(self):
+        """Parameter -> fp32 master where the weights are kept in half precision (`HalfWeights`)."""
+        return self.half.master if self.half is not None else None
+
+    def _exporter(self):
+        """What `--save-params` / `--save-hf` take the fp32 masters from (ZeRO-1's or the half
+        weights'), or None where the parameters are the masters."""
+        return self.sync.zero if self.sync.zero is not None else self.half
 
     def _world_peak(self, mine):
         """The summed peak TFLOPS of every GPU of the job (the MFU's denominator: a mixed
@@ -356,6 +386,7 @@ class Trainer:
         checkpoint.save(self.view, self.model, self.sync.optimizer, step, args.ckpt_dir, seed=args.seed,
                         global_batch=self.plan.global_batch, lr=args.lr, asynchronous=args.ckpt_async,
                         scaler=self.scaler.state() if self.scaler.enabled else None, zero=self.sync.zero,
+                        masters=self._masters(),
                         hf_source=os.path.abspath(args.init_from_hf) if args.init_from_hf else None,
                         lost_ranks=lost)
 
@@ -402,9 +433,9 @@ class Trainer:
         if self.tfile is not None:
             self.tfile.close()
         if args.save_params:
-            save_params_distributed(view, self.model, args.save_params, zero=self.sync.zero)
+            save_params_distributed(view, self.model, args.save_params, zero=self._exporter())
         if args.save_hf:
-            save_hf_distributed(view, self.model, args, zero=self.sync.zero)
+            save_hf_distributed(view, self.model, args, zero=self._exporter())
         dist.barrier(group=view.world_group)
         if dist.is_initialized():  # a rank that rejoined never had the launch's default group
             dist.destroy_process_group()

@@ -165,9 +165,11 @@ def param_specs(model) -> Dict[str, dict]:
     return out
 
 
-def _units(model, optimizer, zero=None) -> Dict[Tuple[object, str], Dict[str, Tuple[dict, torch.Tensor]]]:
+def _units(model, optimizer, zero=None, masters=None) -> Dict[Tuple[object, str], Dict[str, Tuple[dict, torch.Tensor]]]:
     """(block, part) -> {tensor name: (spec, local tensor)}. Under ZeRO-1 (`zero`: a
-    zero.ZeroOne), only the blocks this rank owns, from their fp32 masters."""
+    zero.ZeroOne), only the blocks this rank owns, from their fp32 masters; with half weights
+    (`masters`: parameter -> its fp32 master, `half_weights.HalfWeights.master`), every block
+    from its masters."""
     specs = param_specs(model)
     units: Dict[Tuple[object, str], Dict[str, Tuple[dict, torch.Tensor]]] = {}
     named = list(model.named_parameters())
@@ -183,6 +185,9 @@ def _units(model, optimizer, zero=None) -> Dict[Tuple[object, str], Dict[str, Tu
             if not zero.owns(b):
                 continue
             p = zero.master[p]
+            spec = dict(spec, dtype=_DTYPES[p.dtype])
+        elif masters is not None:
+            p = masters[p]
             spec = dict(spec, dtype=_DTYPES[p.dtype])
         units.setdefault((b, "model"), {})[name] = (spec, p)
         st = optimizer.state.get(p, {})
@@ -250,7 +255,7 @@ def writer_replica(view) -> int:
 
 def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_batch: int, lr: float,
                copy: bool, scaler: Optional[dict] = None, zero=None, hf_source: Optional[str] = None,
-               lost_ranks: Tuple[int, ...] = ()):
+               lost_ranks: Tuple[int, ...] = (), masters=None):
     """Collect what step `step` writes (copied into host memory when `copy`) and return the
     function that writes it: the rank's units, its rank file (the leader also the lost ranks'),
     then its piece."""
@@ -268,7 +273,7 @@ def _write_job(view, model, optimizer, step: int, sdir: str, seed: int, global_b
     # Without ZeRO-1 the writer replica's first TP group writes every unit of its stage; with it,
     # each block's owner in its ring (the ring holds every copy of the block at this TP rank).
     if zero is not None or (view.replica == writer_replica(view) and view.stage_dp_rank == 0):
-        for (block, part), tensors in sorted(_units(model, optimizer, zero).items(), key=lambda kv: str(kv[0])):
+        for (block, part), tensors in sorted(_units(model, optimizer, zero, masters).items(), key=lambda kv: str(kv[0])):
             replicated = all(s["layout"]["kind"] == "replicated" for s, _ in tensors.values())
             if replicated and view.tp_rank != 0:
                 continue
@@ -421,14 +426,14 @@ def finish(view, _merge_later: bool = False):
 
 def save(view, model, optimizer, step: int, directory: str, seed: int, global_batch: int, lr: float,
          asynchronous: bool = None, scaler: Optional[dict] = None, zero=None, hf_source: Optional[str] = None,
-         lost_ranks: Tuple[int, ...] = ()) -> str:
+         lost_ranks: Tuple[int, ...] = (), masters=None) -> str:
     """Checkpoint step `step` (optimizer steps taken) under `directory`/step-S: this rank's units
     (the writer replica's first TP group of each stage; all-replicated blocks once, by TP rank
     0, as tp 0-1), its rank file and its manifest piece; the leader writes the merged
     manifest.json when every piece is in its directory. Collective: every rank of the view's
     world group calls it, at the same steps. `lost_ranks`: ranks of the plan that are not members
     (a job that kept going without their replica: docs/keep-going.md); they write nothing, the
-    leader writes their rank files and the leader's replica the units.
+    leader writes their rank files and the leader's replica the units. `masters`: as `_units`.
 
     Asynchronous (default; `asynchronous=False` or MOTLEY_CKPT_ASYNC=0: synchronous): first
     finish() the previous save (wait, agree, merge its manifest; raises if it failed), then copy
@@ -446,7 +451,7 @@ def save(view, model, optimizer, step: int, directory: str, seed: int, global_ba
         raise CheckpointError("lost_ranks: a ZeRO-1 step is every ring member's shards; such a job recovers whole "
                               "(docs/keep-going.md)")
     write = _write_job(view, model, optimizer, step, sdir, seed, global_batch, lr, copy=asynchronous, scaler=scaler,
-                       zero=zero, hf_source=hf_source, lost_ranks=tuple(lost_ranks))
+                       zero=zero, hf_source=hf_source, lost_ranks=tuple(lost_ranks), masters=masters)
     job = write if merge_prev is None else (lambda: (merge_prev(), write()))
     lost = set(lost_ranks)
     p = _Pending(step, sdir, [r for r in range(view.world_size) if r not in lost], view.rank)
@@ -587,11 +592,13 @@ def check_generation(headers: Dict[str, dict], expected: Optional[int]) -> Optio
 
 
 def restore(view, model, optimizer, paths: List[str], position: Optional[dict] = None, zero=None,
-            generation: Optional[int] = None) -> int:
+            generation: Optional[int] = None, masters=None) -> int:
     """Load this rank's model and optimizer state, and its rank file, from exactly `paths`
     (docs/checkpoint.md, "Environment"); returns the step to resume at. Under ZeRO-1 (`zero`)
     every block's model unit is read, and the optimizer units of the blocks the rank owns now,
-    whatever sharding wrote them. Every file must be of one step and one generation: the
+    whatever sharding wrote them; with half weights (`masters`, as `_units`) the masters and
+    the optimizer state take the units, the half weights their cast. Every file must be of one
+    step and one generation: the
     `generation` given, else $MOTLEY_CKPT_RESTORE_GENERATION's where it is set."""
     from safetensors.torch import load_file
 
@@ -641,6 +648,9 @@ def restore(view, model, optimizer, paths: List[str], position: Optional[dict] =
                 if p not in zero.master:
                     continue
                 p = zero.master[p]
+                p.copy_(t.to(dtype=p.dtype, device=p.device))
+            elif masters is not None:
+                p = masters[p]
                 p.copy_(t.to(dtype=p.dtype, device=p.device))
             opt = loaded[(b, "optimizer")]
             st = {}

@@ -14,6 +14,10 @@ branch in the step:
 - `ZeroOneSync`: each bucket reduced onto the rank that owns its blocks, which steps their fp32
   masters and broadcasts them back (`zero.ZeroOne`; `--zero1` or the plan's `zero1`).
 
+With half weights (`half_weights.HalfWeights`, `--half-weights on`) the first two reduce and step
+the fp32 masters' gradients instead of the model's parameters', and cast the masters into the
+half weights after the optimizer step.
+
 Every way adds the same elements, so the losses equal the single process's.
 """
 
@@ -124,9 +128,12 @@ class GradientSync:
 
 
 class AllReduce(GradientSync):
-    def __init__(self, view, model, synced, optimizer, tied: Optional[TiedSync]):
+    """`synced`: (name, what holds the gradient): the model's parameter, or its fp32 master
+    where `half` keeps the parameters in half precision."""
+
+    def __init__(self, view, model, synced, optimizer, tied: Optional[TiedSync], half=None):
         super().__init__(optimizer, tied)
-        self.view, self.model, self.synced = view, model, synced
+        self.view, self.model, self.synced, self.half = view, model, synced, half
 
     def _sync_segments(self):
         from .pipeline import allreduce_gradients
@@ -134,15 +141,25 @@ class AllReduce(GradientSync):
         allreduce_gradients(self.view, self.synced, self.model.segment_of)
 
     def stepped(self):
-        return self.model.parameters()
+        return self.model.parameters() if self.half is None else self.half.masters()
+
+    def masters(self):
+        return () if self.half is None else self.half.masters()
+
+    def end_step(self, skipped: bool):
+        if self.half is not None and not skipped:
+            self.half.refresh()
 
 
 class Overlapped(AllReduce):
-    def __init__(self, view, model, synced, optimizer, tied: Optional[TiedSync], bucket_mb: float):
-        super().__init__(view, model, synced, optimizer, tied)
+    def __init__(self, view, model, synced, optimizer, tied: Optional[TiedSync], bucket_mb: float, half=None):
+        super().__init__(view, model, synced, optimizer, tied, half)
         from .overlap import OverlappedReducer
 
-        self.reducer = OverlappedReducer(view, synced, model.segment_of, bucket_mb)
+        # The hooks go on the parameters autograd accumulates into (the half weights'), the
+        # buckets hold the gradients' holders (their masters).
+        hook_on = {m: p for p, m in half.master.items()} if half is not None else None
+        self.reducer = OverlappedReducer(view, synced, model.segment_of, bucket_mb, hook_on=hook_on)
 
     def start_step(self, micro_batches: int):
         self.reducer.start_step(micro_batches)
@@ -186,14 +203,31 @@ SAVE_GRADS_ZERO1 = ("--save-grads: not with ZeRO-1 (--zero1 or the plan's zero1)
                     "owner; drop one of them")
 
 
+SAVE_GRADS_HALF = ("--save-grads: not with --half-weights on (the gradients are summed into the fp32 masters as "
+                   "they come); drop one of them")
+
+
 def gradient_sync(view, model, *, zero1: bool, overlap: bool, bucket_mb: float, half: Optional[torch.dtype],
                   make_optimizer: Callable[[object], object], save_grads: bool = False,
-                  optimizer=None) -> GradientSync:
+                  optimizer=None, half_weights=None) -> GradientSync:
     """The plan's and flags' way for this rank. Every rank calls it in the same order: the tied
     group is a new process group. `optimizer`: the one to keep (a new membership's sync, over
-    the same parameters and their state) instead of a new one."""
+    the same parameters and their state) instead of a new one. `half_weights`: the model's
+    `HalfWeights` (not with ZeRO-1, which keeps half weights its own way)."""
     tied = tied_group(view, model)
     synced = [(n, p) for n, p in model.named_parameters() if tied is None or n not in tied.names]
+    if half_weights is not None and not zero1:
+        if save_grads:
+            raise PlanError(SAVE_GRADS_HALF)
+        synced = [(n, half_weights.master[p]) for n, p in synced]
+        if tied is not None:
+            # The tied matrix's sum in fp32 (`TiedSync.sums`) goes to the masters as it is.
+            tied.params = [half_weights.master[p] for p in tied.params]
+        if optimizer is None:
+            optimizer = make_optimizer(half_weights.masters())
+        if overlap:
+            return Overlapped(view, model, synced, optimizer, tied, bucket_mb, half=half_weights)
+        return AllReduce(view, model, synced, optimizer, tied, half=half_weights)
     if zero1:
         from .zero import ZeroOne
 

@@ -119,12 +119,14 @@ def _held_for_test(step: int, timeout_s: float) -> None:
             time.sleep(0.02)
 
 
-def enabled(view, zero1: bool) -> bool:
+def enabled(view, zero1: bool, half_weights: bool = False) -> bool:
     """Keep going where the coordinator asked for it (MOTLEY_KEEP_GOING=1, a membership file to
     watch) and the plan has replicas to lose; ZeRO-1 shards optimizer state across replicas, so
-    a lost one takes shards with it: its jobs recover whole (docs/keep-going.md)."""
+    a lost one takes shards with it: its jobs recover whole (docs/keep-going.md). So do jobs
+    with half weights (`--half-weights`): a returning replica's copy of the live state
+    (`rejoin`) does not carry fp32 masters."""
     return (os.environ.get("MOTLEY_KEEP_GOING") == "1" and bool(os.environ.get(ENV))
-            and len(view.plan.replicas) > 1 and not zero1)
+            and len(view.plan.replicas) > 1 and not zero1 and not half_weights)
 
 
 def superseded(m: Membership, n: Membership) -> bool:

@@ -88,9 +88,12 @@ class HookedBuckets:
         for p in params:
             self.bucket_of[p] = b
 
-    def _register_hooks(self):
+    def _register_hooks(self, hook_on: Optional[Dict[torch.nn.Parameter, torch.nn.Parameter]] = None):
+        """A hook on each parameter autograd accumulates into: the bucketed tensor itself, or
+        the one `hook_on` names for it (a half weight, whose fp32 master the bucket holds)."""
         for p in self.bucket_of:
-            self.handles.append(p.register_post_accumulate_grad_hook(self._hook))
+            target = hook_on.get(p, p) if hook_on else p
+            self.handles.append(target.register_post_accumulate_grad_hook(lambda _, held=p: self._hook(held)))
 
     def close(self):
         """Remove the hooks: the buckets are done with (a new membership's replace them)."""
@@ -138,7 +141,8 @@ class _Failed:
 
 
 class OverlappedReducer(HookedBuckets):
-    def __init__(self, view, named_params, segment_of: Callable[[str], int], bucket_mb: float):
+    def __init__(self, view, named_params, segment_of: Callable[[str], int], bucket_mb: float,
+                 hook_on: Optional[Dict[torch.nn.Parameter, torch.nn.Parameter]] = None):
         if bucket_mb <= 0:
             raise ValueError("bucket_mb must be positive")
         super().__init__()
@@ -162,7 +166,7 @@ class OverlappedReducer(HookedBuckets):
         for b in self.buckets:
             if all(p.dtype == torch.float32 and p.device == b.params[0].device for p in b.params):
                 b.as_views()
-        self._register_hooks()
+        self._register_hooks(hook_on)
 
     def start_step(self, micro_batches: int):
         super().start_step(micro_batches)
