@@ -8,27 +8,31 @@ or without half weights restores; `--save-params` exports the masters."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from launcher import check_ok, launch
-from test_zero1 import LAYERS, SPEC, asymmetric, memory, steps, two_replicas
+from launcher import PYTHON, check_ok, hand_plan, launch, python_env
+from test_zero1 import LAYERS, MODEL, SPEC, asymmetric, memory, steps, two_replicas
 from tolerance import EPS_BF16, EPS_FP16, assert_half_steps_close, assert_steps_close
 
 BASE = ["--steps", "4", "--seed", "4"]
 
 
-@pytest.mark.parametrize("plan_name,dtype,extra", [
-    ("two_replicas", "bf16", []),  # two stages each: the tied matrix summed across them (TiedSync)
-    ("asymmetric", "bf16", ["--no-overlap"]),
-    ("two_replicas", "fp16", []),  # one loss scale for the job, its overflow skips
+@pytest.mark.parametrize("plan_name,dtype,sync", [
+    # Two stages each: the tied matrix summed across them (TiedSync); overlapped, and after the
+    # backward, which must sum the same elements.
+    ("two_replicas", "bf16", "both"),
+    # Rings of three and two members; fp16 with one loss scale for the job (and its skips, if any).
+    ("asymmetric", "fp16", "late"),
 ])
-def test_half_weights_give_the_autocast_losses_and_keep_fp32_masters(tmp_path, plan_name, dtype, extra):
+def test_half_weights_give_the_autocast_losses_and_keep_fp32_masters(tmp_path, plan_name, dtype, sync):
+    assert SPEC["tie_embeddings"], "the model holds a tied embedding/head"
     plan = {"two_replicas": two_replicas, "asymmetric": asymmetric}[plan_name]()
-    base = BASE + ["--dtype", dtype] + extra
+    base = BASE + ["--dtype", dtype] + (["--no-overlap"] if sync == "late" else [])
     plain = launch(plan, base, tmp_path / "plain")
     half = launch(plan, base + ["--half-weights"], tmp_path / "half")
     check_ok(plain)
@@ -36,7 +40,7 @@ def test_half_weights_give_the_autocast_losses_and_keep_fp32_masters(tmp_path, p
     assert all(f"motley-half-weights on: {dtype} weights" in r.log for r in half)
     a, b = steps(plain[0].stdout), steps(half[0].stdout)
     assert [d["step"] for d in b] == [d["step"] for d in a] == list(range(4))
-    assert [d.get("skipped", False) for d in b] == [d.get("skipped", False) for d in a], "the same steps skipped"
+    assert [d["skipped"] for d in b] == [d["skipped"] for d in a], "the same steps skipped"
     # The half run keeps bf16/fp16 weights where autocast rounds fp32 ones per product: they
     # differ by one rounding of what autocast leaves in fp32 (the embedding, the norm gains,
     # the residual stream), as ZeRO-1's half weights do (test_zero1).
@@ -49,6 +53,15 @@ def test_half_weights_give_the_autocast_losses_and_keep_fp32_masters(tmp_path, p
         assert after[r]["params_mb"] == pytest.approx(1.5 * before[r]["params_mb"], abs=0.002), (before[r], after[r])
         assert after[r]["grads_mb"] == pytest.approx(before[r]["grads_mb"], abs=0.002), (before[r], after[r])
         assert after[r]["optimizer_mb"] == pytest.approx(before[r]["optimizer_mb"], abs=0.002), (before[r], after[r])
+    if sync == "both":
+        # Each micro-batch's half gradient is added into its master's fp32 gradient before the
+        # overlapped sync's hook counts it: a bucket launched from the backward holds every
+        # micro-batch (two per replica here), and the losses are those of the sync run after
+        # the backward within fp32 rounding (the same weights, the same sums).
+        late = launch(plan, base + ["--half-weights", "--no-overlap"], tmp_path / "late")
+        check_ok(late)
+        assert_steps_close([d["loss"] for d in b], [d["loss"] for d in steps(late[0].stdout)], LAYERS,
+                           "half weights overlapped against after the backward")
 
 
 def test_half_weights_checkpoint_the_masters_and_export_them(tmp_path):
@@ -94,34 +107,15 @@ def test_half_weights_refuse_what_they_cannot_keep(tmp_path):
     """fp32 has no half weights to keep; --save-grads would see none of the gradients (they go to
     the masters as they come); --single-process is the fp32 reference. Each exits 2, naming the
     flag and the fix."""
-    plan = two_replicas()
+    plan = hand_plan(SPEC, 8, 2, [dict(micro_batches=4, stages=[dict(layers=[0, LAYERS], tp=1, dp=1, gpus=[("a", 0)])])])
     fp32 = launch(plan, BASE + ["--dtype", "fp32", "--half-weights"], tmp_path / "fp32")
     assert all(r.returncode == 2 for r in fp32)
     assert "--half-weights: the compute type is fp32" in fp32[0].log and "give --dtype bf16 or fp16" in fp32[0].log
     grads = launch(plan, BASE + ["--dtype", "bf16", "--half-weights", "--save-grads", str(tmp_path / "g")],
                    tmp_path / "grads")
     assert all(r.returncode == 2 for r in grads) and "--save-grads: not with --half-weights" in grads[0].log
-    import subprocess
-
-    from launcher import PYTHON, python_env
-    from test_zero1 import MODEL
-
     r = subprocess.run([PYTHON, "-m", "motley_torch.train", "--single-process", "--model", str(MODEL), "--global-batch",
                         "8", "--seq-len", "16", "--dtype", "bf16", "--half-weights"], capture_output=True, text=True,
                        env=python_env(OMP_NUM_THREADS="1"), timeout=120)
     assert r.returncode == 2 and "--half-weights: the ranks' runtime keeps half weights" in r.stderr, r.stderr
-    assert SPEC["tie_embeddings"], "the plans above hold a tied embedding/head"
 
-
-def test_half_weights_sum_the_same_gradients_overlapped_or_not(tmp_path):
-    """Each micro-batch's half gradient is added into its master's fp32 gradient before the
-    overlapped sync's hook counts it: a bucket launched from the backward then holds every
-    micro-batch (two per replica here), and the losses are those of the sync run after the
-    backward, within fp32 rounding (the same weights, the same sums)."""
-    base = BASE + ["--dtype", "bf16", "--half-weights"]
-    overlapped = launch(two_replicas(), base, tmp_path / "overlapped")
-    late = launch(two_replicas(), base + ["--no-overlap"], tmp_path / "late")
-    check_ok(overlapped)
-    check_ok(late)
-    assert_steps_close([d["loss"] for d in steps(overlapped[0].stdout)], [d["loss"] for d in steps(late[0].stdout)],
-                       LAYERS, "half weights overlapped against after the backward")
