@@ -14,7 +14,7 @@ branch in the step:
 - `ZeroOneSync`: each bucket reduced onto the rank that owns its blocks, which steps their fp32
   masters and broadcasts them back (`zero.ZeroOne`; `--zero1` or the plan's `zero1`).
 
-With half weights (`half_weights.HalfWeights`, `--half-weights on`) the first two reduce and step
+With half weights (`half_weights.HalfWeights`, `--half-weights`) the first two reduce and step
 the fp32 masters' gradients instead of the model's parameters', and cast the masters into the
 half weights after the optimizer step.
 
@@ -203,7 +203,7 @@ SAVE_GRADS_ZERO1 = ("--save-grads: not with ZeRO-1 (--zero1 or the plan's zero1)
                     "owner; drop one of them")
 
 
-SAVE_GRADS_HALF = ("--save-grads: not with --half-weights on (the gradients are summed into the fp32 masters as "
+SAVE_GRADS_HALF = ("--save-grads: not with --half-weights (the gradients are summed into the fp32 masters as "
                    "they come); drop one of them")
 
 

@@ -1,4 +1,4 @@
-"""One weight cast per step on the plain path (`--half-weights on`): the model's own parameters
+"""One weight cast per step on the plain path (`--half-weights`): the model's own parameters
 in the compute type (bf16/fp16), fp32 masters beside them for the optimizer.
 
 Under autocast over fp32 weights every micro-batch's forward casts every weight to the half
@@ -24,6 +24,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..spec import PlanError
+
 
 class HalfWeights:
     """The fp32 masters of a model whose parameters it has cast to `half`."""
@@ -36,7 +38,8 @@ class HalfWeights:
             if p in self.master:
                 continue
             if p.dtype != torch.float32:
-                raise ValueError(f"--half-weights: a {p.dtype} parameter; the model must be built in fp32")
+                raise PlanError(f"--half-weights: a {p.dtype} parameter; the model must be built in fp32 (its weights are "
+                                f"cast to the compute type here)")
             self.master[p] = torch.nn.Parameter(p.detach().clone())
         with torch.no_grad():
             for p in self.master:
