@@ -31,8 +31,7 @@ SYSTEMS = {"autocast": [], "half-weights": ["--half-weights"]}
 def run(system: str, micro_batches: int, steps: int, cuda: bool) -> list:
     from launcher import check_ok, hand_plan, launch
 
-    batch = micro_batches
-    plan = hand_plan(MODEL, batch, 1, [dict(micro_batches=micro_batches,
+    plan = hand_plan(MODEL, micro_batches, 1, [dict(micro_batches=micro_batches,
                                             stages=[dict(layers=[0, MODEL["layers"]], tp=1, dp=1, gpus=[("n", 0)])])])
     plan["precision"] = "bf16"
     args = ["--steps", str(steps), "--seed", "1", "--dtype", "bf16", *SYSTEMS[system]]

@@ -41,7 +41,7 @@ def check_flags_against_plan(args):
     ranks meet: a contradiction is refused naming both values, never silently replaced. So is
     --save-grads under the plan's ZeRO-1: a rank that left once the groups were made would
     leave a peer still making them to fail on a reset connection, not on the flags."""
-    if args.save_grads and getattr(args, "half_weights", False):
+    if args.save_grads and args.half_weights:
         raise PlanError(SAVE_GRADS_HALF)
     if args.seq_len is None and args.global_batch is None and not args.save_grads:
         return

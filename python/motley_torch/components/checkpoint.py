@@ -178,16 +178,14 @@ def _units(model, optimizer, zero=None, masters=None) -> Dict[Tuple[object, str]
         # too, so that every checkpoint has the head's unit whatever stages restore it.
         specs["head.weight"] = specs["embed.weight"]
         named.append(("head.weight", model.embed.weight))
+    held = zero.master if zero is not None else masters
     for name, p in named:
         b = block_of(name)
         spec = specs[name]
-        if zero is not None:
-            if not zero.owns(b):
-                continue
-            p = zero.master[p]
-            spec = dict(spec, dtype=_DTYPES[p.dtype])
-        elif masters is not None:
-            p = masters[p]
+        if zero is not None and not zero.owns(b):
+            continue
+        if held is not None:
+            p = held[p]
             spec = dict(spec, dtype=_DTYPES[p.dtype])
         units.setdefault((b, "model"), {})[name] = (spec, p)
         st = optimizer.state.get(p, {})
@@ -630,6 +628,7 @@ def restore(view, model, optimizer, paths: List[str], position: Optional[dict] =
             raise CheckpointError(f"MOTLEY_CKPT_RESTORE: no unit of {label} {part} for tp rank "
                                   f"{view.tp_rank}/{view.tp_size} among the {len(paths)} files listed; {fix}")
         chosen[(block, part)] = mine
+    held = zero.master if zero is not None else masters
     loaded = {}
     for key, p in chosen.items():
         loaded[key] = load_file(p)
@@ -644,13 +643,10 @@ def restore(view, model, optimizer, paths: List[str], position: Optional[dict] =
                 raise CheckpointError(f"{chosen[(b, 'model')]}: {name} is {list(t.shape)}, this rank holds "
                                       f"{list(p.shape)}; re-slice for tp {view.tp_size} (motley-ckpt reslice)")
             p.copy_(t.to(dtype=p.dtype, device=p.device))
-            if zero is not None:
-                if p not in zero.master:
-                    continue
-                p = zero.master[p]
-                p.copy_(t.to(dtype=p.dtype, device=p.device))
-            elif masters is not None:
-                p = masters[p]
+            if held is not None:
+                if p not in held:
+                    continue  # ZeRO-1: another rank steps it
+                p = held[p]
                 p.copy_(t.to(dtype=p.dtype, device=p.device))
             opt = loaded[(b, "optimizer")]
             st = {}

@@ -6,7 +6,7 @@ type (and, inside a compiled block, the graph does it on every call), and its ba
 each weight's gradient back to fp32: a read of 4 bytes and a write of 2 per parameter per
 micro-batch, and the same again backwards. Here the forward reads the half weights as they are;
 the masters are cast into them once, after the optimizer step (`refresh`), as Megatron-LM's
-and torchtitan's mixed precision do.
+fp16/bf16 optimizer does with its fp32 main parameters.
 
 Gradients still sum in fp32 across micro-batches: each parameter's half gradient is added into
 its master's fp32 gradient as soon as autograd has accumulated it (`register_post_accumulate_
@@ -71,6 +71,3 @@ class HalfWeights:
         if not writes:
             return None
         return {n: self.master[p].detach().cpu() for n, p in self.model.named_parameters()}
-
-    def memory(self) -> dict:
-        return {"masters": sum(m.numel() * m.element_size() for m in self.master.values())}
