@@ -420,8 +420,7 @@ class Trainer:
                 continue
             if self.profiler is not None:
                 self.profiler.after(step)
-            step += 1
-            self._between_steps(step)
+            step = self._between_steps(step + 1)
         view = self.view
         self.source.close()
         if args.ckpt_dir:
@@ -441,19 +440,21 @@ class Trainer:
             dist.destroy_process_group()
         return 0
 
-    def _between_steps(self, step: int):
+    def _between_steps(self, step: int) -> int:
         """What the ranks do before `step` (the last one committed): a preemption notice's
         look, the save, the evaluation. A member lost meanwhile (the step committed everywhere:
         no roll forward) gives up the rest on this rank, as a member that rolled that step
         forward after the loss does all of it: the saves they then hold are settled where they
         meet (`_settle_saves`), and the next ones are whole (docs/keep-going.md). The save comes
-        before the evaluation, so a loss during the evaluation finds it made."""
+        before the evaluation, so a loss during the evaluation finds it made. Returns the step to
+        run next: `step`, or the one the meeting names."""
         args = self.args
 
-        def given_up(what: str, e: BaseException):
-            self._next_epoch(step, e)  # or raises: not a lost replica's doing
+        def given_up(what: str, e: BaseException) -> int:
+            to_run = self._next_epoch(step, e)  # or raises: not a lost replica's doing
             print(f"motley-{what} before step {step} given up: a member was lost meanwhile; the job goes on under "
                   f"epoch {self.view.epoch}", file=sys.stderr, flush=True)
+            return to_run
 
         try:
             noticed = self.notice is not None and self.notice.due(self.view)
@@ -476,6 +477,7 @@ class Trainer:
                 self.evaluate(step)
             except Exception as e:
                 return given_up("eval", e)
+        return step
 
     def _next_epoch(self, step: int, cause: BaseException) -> int:
         """Step `step` did not commit here because a replica was lost: move to the membership

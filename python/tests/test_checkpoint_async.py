@@ -259,3 +259,27 @@ def test_a_notice_file_that_is_not_one_ends_the_run_with_exit_2(tmp_path):
     assert [r.returncode for r in res] == [2, 2, 2, 2], [r.log[-1500:] for r in res]
     assert f"MOTLEY_CKPT_NOTICE ({notice}): not a preemption notice" in res[2].log
     assert "another rank could not read its preemption notice" in res[0].log
+
+
+def test_ranks_that_left_a_notices_agreement_differently_all_save_at_the_next(tmp_path, monkeypatch):
+    """A member lost during the notice's all-reduce may leave it finished on some ranks only (they
+    marked the notice handled, the others gave that boundary up): at the next boundary every rank
+    must still decide the same, or the ones saving wait in the save's agreement for the others.
+    The all-reduce is replaced by the maximum with the other rank's values."""
+    from motley_torch.components import save_notice
+
+    (tmp_path / "notice.json").write_text(json.dumps({"notice": 3, "deadline_unix_ms": 0}))
+    finished, given_up = (save_notice.SaveNotice(str(tmp_path / "notice.json")) for _ in range(2))
+    finished.handled = 3  # its agreement on notice 3 finished; the other's failed
+
+    def with_other(notice):  # what `notice`'s rank puts in the same all-reduce
+        other = [notice.seen(), 0, -notice.handled]
+        return lambda view, values: [max(a, b) for a, b in zip(values, other)]
+
+    monkeypatch.setattr(save_notice, "_agree_max", with_other(given_up))
+    assert finished.due(None) is True
+    monkeypatch.setattr(save_notice, "_agree_max", with_other(SimpleNamespace(seen=lambda: 3, handled=3)))
+    assert given_up.due(None) is True
+    assert finished.handled == given_up.handled == 3
+    monkeypatch.setattr(save_notice, "_agree_max", with_other(given_up))
+    assert finished.due(None) is False and given_up.due(None) is False  # and once only

@@ -68,12 +68,14 @@ class SaveNotice:
             local = e
         # A rank that cannot read its notice still takes part (others would wait in the
         # all-reduce until the timeout), then every rank raises.
-        n, failed = _agree_max(view, [seen, 1 if local is not None else 0])
+        # The newest notice acted on is agreed too (its minimum, as the maximum of its negation):
+        # a member lost during the last agreement may have left it finished on some ranks only,
+        # and ranks that disagreed on whether to save would wait for each other in the save's.
+        n, failed, least_handled = _agree_max(view, [seen, 1 if local is not None else 0, -self.handled])
+        least_handled = -least_handled
         if local is not None:
             raise local
         if failed:
             raise CheckpointError("another rank could not read its preemption notice (see its log)")
-        if n > self.handled:
-            self.handled = n
-            return True
-        return False
+        self.handled = max(n, least_handled)
+        return n > least_handled
