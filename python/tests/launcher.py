@@ -4,6 +4,7 @@ rank (agent/src/ranks/supervisor/launch.rs), MOTLEY_NCCL_GROUPS written as contr
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -11,10 +12,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
+
+import rank_fork
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"
@@ -179,10 +183,27 @@ def start_ranks(plan: dict, args: List[str], workdir: Path, extended: bool = Tru
         env.update((rank_env or {}).get(r["rank"], {}))
         out = open(workdir / f"rank{r['rank']}.out", "w")
         err = open(workdir / f"rank{r['rank']}.log", "w")
-        p = subprocess.Popen([PYTHON, "-m", module, *args], env=env, stdout=out, stderr=err, cwd=workdir,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
+        server = rank_fork_server() if module in rank_fork.RUN and not cuda else None
+        if server is not None and server.starts_like(env):
+            p = server.spawn(module, args, env, workdir, out, err)
+        else:
+            p = subprocess.Popen([PYTHON, "-m", module, *args], env=env, stdout=out, stderr=err, cwd=workdir,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
         procs.append((r, p, out, err, env))
     return procs
+
+
+@functools.lru_cache(maxsize=None)
+def rank_fork_server() -> Optional[rank_fork.RankForkServer]:
+    """The session's rank server (rank_fork.py: ranks forked from a process that imported torch
+    once), or None where MOTLEY_TEST_FORK=0 asks for `python -m` for every rank."""
+    if os.environ.get("MOTLEY_TEST_FORK", "1") == "0":
+        return None
+    env = {k: v for k, v in python_env().items() if not k.startswith(("MOTLEY_", "NCCL_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES="")
+    server = rank_fork.RankForkServer(PYTHON, env)
+    atexit.register(server.close)
+    return server
 
 
 def wait_ranks(procs, workdir: Path, timeout: float) -> List[RankResult]:
@@ -234,10 +255,22 @@ def single_process(model: str, global_batch: int, seq_len: int, steps: int, seed
            str(global_batch), "--seq-len", str(seq_len), "--steps", str(steps), "--seed", str(seed), *(extra or [])]
     if save is not None:
         cmd += ["--save-params", str(save)]
-    env = python_env(OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr
-    return losses(out.stdout)
+    env = python_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    server = rank_fork_server()
+    if server is None or not server.starts_like(env):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr
+        return losses(out.stdout)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = server.spawn("motley_torch.train", cmd[3:], env, os.getcwd(), out, err)
+        try:
+            code = p.wait(timeout=300)
+        finally:
+            kill_group(p)
+        out.seek(0)
+        err.seek(0)
+        assert code == 0, err.read()
+        return losses(out.read())
 
 
 @functools.lru_cache(maxsize=None)
