@@ -52,6 +52,10 @@ class ForkedRank:
     def _read(self, timeout: Optional[float]):
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
+            if b"\n" in self._buf:  # the end came with the pid
+                self.returncode = int(json.loads(self._buf.split(b"\n", 1)[0])["returncode"])
+                self.conn.close()
+                return
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _, _ = select.select([self.conn], [], [], left)
             if not ready:
